@@ -1,0 +1,57 @@
+"""Shared output of every `pdserve bench ...`: the machine, raw figures and a `ratios` object.
+
+A ratio is ours / reference measured in the same run, oriented so that higher is better.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import psutil
+
+
+def machine_info() -> dict:
+    try:
+        import torch
+
+        torch_version = torch.__version__
+        threads = torch.get_num_threads()
+    except ImportError:  # the router bench does not need torch
+        torch_version, threads = None, None
+    cpu_model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu_model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu_model,
+        "logical_cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "torch_threads": threads,
+        "platform": platform.platform(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_report(path: str | None, bench: str, figures: dict, ratios: dict[str, float]) -> dict:
+    """Print the ratios and, when `path` is given, write the whole report as JSON."""
+    report = {"bench": bench, "machine": machine_info(), "figures": figures,
+              "ratios": {k: round(float(v), 4) for k, v in ratios.items()}}
+    width = max((len(k) for k in ratios), default=0)
+    print(f"\n{bench}: ratios (ours / reference, higher is better)")
+    for name, value in report["ratios"].items():
+        print(f"  {name:<{width}}  {value:.3f}")
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {path}")
+    return report

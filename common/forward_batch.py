@@ -1,0 +1,46 @@
+"""ForwardBatch: what one model forward needs, independent of how the scheduler built it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from common.memory.kv_pool import KVPool
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1  # prefill of new tokens, possibly on top of a cached prefix (chunked prefill too)
+    DECODE = 2  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64, the new tokens of all requests, concatenated
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64, KV slot of each new token
+    req_pool_indices: torch.Tensor  # [B] int64, rows of ReqToTokenPool
+    seq_lens: list[int]  # [B] tokens per request after this forward (prefix + new)
+    extend_prefix_lens: list[int]  # [B] tokens already in the KV cache before this forward
+    extend_seq_lens: list[int]  # [B] new tokens per request (all 1 in DECODE)
+    kv_pool: KVPool
+    req_to_token: torch.Tensor  # ReqToTokenPool.req_to_token
+    # rows of the hidden states whose logits are needed, in output order: by default the last
+    # new token of each request; every new token when prompt logprobs are asked for
+    logits_indices: torch.Tensor | None = None
+    # per request state slot (hybrid models), else None
+    state_indices: torch.Tensor | None = None
+    # filled by the attention backend's init_forward_metadata
+    attn_metadata: Any = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    def last_token_indices(self) -> torch.Tensor:
+        ends = torch.tensor(self.extend_seq_lens, dtype=torch.int64).cumsum(0)
+        return ends - 1

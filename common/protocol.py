@@ -1,0 +1,261 @@
+"""Everything that crosses a wire, as msgspec structs.
+
+* HTTP bodies a node or the router accepts: SGLang's native `/generate` and OpenAI's
+  `/v1/completions` and `/v1/chat/completions` (with SGLang's extension fields, including the
+  bootstrap rendezvous a PD router injects).
+* ZMQ messages between a node's HTTP front end and its scheduler (msgpack, tagged unions).
+
+Validation errors name the field: `decode_json` turns msgspec's error into `BadRequest` whose
+message starts with the JSON path (e.g. "`$.sampling_params.temperature` ...").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+# --------------------------------------------------------------------------------------------
+# validation helpers
+
+
+class BadRequest(ValueError):
+    """Client input is invalid; the message names the field. Served as HTTP 400."""
+
+
+def decode_json(body: bytes, type_: type) -> Any:
+    if not body:
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as e:
+        raise BadRequest(str(e)) from None
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"malformed JSON: {e}") from None
+
+
+def convert(obj: Any, type_: type, where: str) -> Any:
+    try:
+        return msgspec.convert(obj, type=type_)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"{e} (in `{where}`)") from None
+
+
+# --------------------------------------------------------------------------------------------
+# sampling parameters (SGLang's names)
+
+UNSUPPORTED_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias")
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+    # accepted and refused with a clear message (structured output is not built)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def verify(self, where: str = "sampling_params") -> None:
+        """Raise BadRequest naming the field when a value is out of range."""
+
+        def bad(field: str, why: str) -> BadRequest:
+            return BadRequest(f"`{where}.{field}` {why}")
+
+        if self.max_new_tokens < 0:
+            raise bad("max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
+            raise bad("min_new_tokens", "must be between 0 and max_new_tokens")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise bad("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not -2 <= v <= 2:
+                raise bad(name, f"must be in [-2, 2], got {v}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.n != 1:
+            raise bad("n", "only n=1 is supported")
+        if any(not s for s in self.stop_strings()):
+            raise bad("stop", "must not contain empty strings")
+        if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative token ids")
+        for name in ("json_schema", "regex", "ebnf"):
+            if getattr(self, name) is not None:
+                raise bad(name, "structured output is not supported by this server")
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP: SGLang native /generate
+
+
+class GenerateRequest(msgspec.Struct, omit_defaults=True):
+    """SGLang's GenerateReqInput. Unknown top-level fields are ignored (routers add their own);
+    `sampling_params` is strict."""
+
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP: OpenAI compatible
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class _OpenAICommon(msgspec.Struct, omit_defaults=True, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # SGLang extensions
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    rid: str | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+
+
+class CompletionRequest(_OpenAICommon, kw_only=True):
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_OpenAICommon, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class AbortHTTPRequest(msgspec.Struct):
+    rid: str = ""
+    abort_all: bool = False
+
+
+# --------------------------------------------------------------------------------------------
+# ZMQ: front end <-> scheduler (msgpack)
+
+
+class TokenizedRequest(msgspec.Struct, tag=True, omit_defaults=True):
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    arrival_time: float = 0.0
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    rid: str
+    message: str = "aborted by client"
+
+
+class StatsQuery(msgspec.Struct, tag=True):
+    qid: int
+
+
+class FlushCacheRequest(msgspec.Struct, tag=True):
+    qid: int
+
+
+ToScheduler = TokenizedRequest | AbortRequest | StatsQuery | FlushCacheRequest
+
+
+class ReqUpdate(msgspec.Struct, omit_defaults=True):
+    """What a request produced since its previous update."""
+
+    rid: str
+    new_token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    # None while running; else SGLang's shape: {"type": "stop"|"length"|"abort", ...}
+    finish_reason: dict[str, Any] | None = None
+    # each entry [logprob, token_id]; top entries a list of [logprob, token_id] per position
+    output_logprobs: list[tuple[float, int]] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    input_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    error_status: int = 0  # HTTP status to answer with when the request failed (0 = ok)
+
+
+class BatchOut(msgspec.Struct, tag=True):
+    updates: list[ReqUpdate]
+
+
+class StatsReport(msgspec.Struct, tag=True):
+    qid: int
+    stats: dict[str, Any]
+
+
+FromScheduler = BatchOut | StatsReport

@@ -1,0 +1,84 @@
+"""`pdserve`: one console script, one subcommand per deployable part.
+
+Each subcommand imports its part lazily, so `pdserve router` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _serve(argv: list[str], mode: str = "null") -> int:
+    from common.config import ConfigError, ServerArgs
+
+    parser = argparse.ArgumentParser(prog=f"pdserve {'serve' if mode == 'null' else mode}")
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    if mode != "null":
+        ns.disaggregation_mode = mode
+    try:
+        args = ServerArgs.from_cli_args(ns)
+    except ConfigError as e:
+        parser.error(str(e))
+    from common.server.launch import launch_server
+
+    return launch_server(args) or 0
+
+
+def _router(argv: list[str]) -> int:
+    from router.cli import main
+
+    return main(argv) or 0
+
+
+def _convert(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve convert",
+                                     description="convert the default model (or a GGUF file) into a "
+                                     "safetensors directory in the cache")
+    parser.add_argument("gguf", nargs="?", default="default", help="a .gguf file, or 'default'")
+    parser.add_argument("--out", default=None, help="output directory (default: the cache)")
+    ns = parser.parse_args(argv)
+    from common.models.default_model import convert_gguf, resolve_model_path
+
+    out = convert_gguf(ns.gguf, ns.out) if ns.out else resolve_model_path(ns.gguf)
+    print(out)
+    return 0
+
+
+BENCHES = {
+    "engine": "bench.engine",
+    "transfer": "bench.transfer",
+    "router": "bench.router",
+}
+
+
+def _bench(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
+        print(f"usage: pdserve bench {{{'|'.join(BENCHES)}}} [options] [--json FILE]")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    import importlib
+
+    return importlib.import_module(BENCHES[argv[0]]).main(argv[1:]) or 0
+
+
+COMMANDS = {
+    "serve": ("one colocated node (prefill + decode in one engine)", _serve),
+    "router": ("the PD router (sglang-router's flags)", _router),
+    "bench": ("benchmarks: " + ", ".join(BENCHES), _bench),
+    "convert": ("the default model (or a GGUF) into a safetensors directory", _convert),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: pdserve <command> [options]\n\ncommands:")
+        for name, (help_, _) in COMMANDS.items():
+            print(f"  {name:<10} {help_}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]][1](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+import subprocess
+import sys
+
+from deploy.cli import COMMANDS, main
+
+
+def test_only_built_subcommands_exist(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert name in out
+    assert main(["no-such-command"]) == 2
+
+
+def test_console_script_help_runs_without_loading_torch():
+    code = ("import sys; from deploy.cli import main; main(['--help']); "
+            "assert 'torch' not in sys.modules, 'the CLI imported torch eagerly'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "serve" in r.stdout
+
+
+def test_serve_rejects_bad_settings_with_the_flag_name():
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", "--page-size", "3"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--page-size" in r.stderr and "power of two" in r.stderr

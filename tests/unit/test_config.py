@@ -1,0 +1,47 @@
+import argparse
+
+import pytest
+
+from common.config import ConfigError, ServerArgs
+
+
+def parse(*argv: str) -> ServerArgs:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(list(argv)))
+
+
+def test_defaults_and_sglang_flag_names():
+    args = parse("--tp-size", "2", "--page-size", "32", "--disaggregation-transfer-backend", "nixl",
+                 "--disable-radix-cache", "--chunked-prefill-size", "64")
+    assert args.model == "default"
+    assert (args.tp, args.page_size, args.transfer_backend) == (2, 32, "nixl")
+    assert args.disable_radix_cache is True and args.chunked_prefill_size == 64
+    assert parse("--tp", "4").tp == 4
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (("--page-size", "12"), "--page-size"),
+    (("--page-size", "0"), "--page-size"),
+    (("--model", "/no/such/dir"), "--model"),
+    (("--tp", "0"), "--tp"),
+    (("--max-total-tokens", "8"), "--max-total-tokens"),
+    (("--chunked-prefill-size", "3"), "--chunked-prefill-size"),
+    (("--port", "70000"), "--port"),
+    (("--init-new-token-ratio", "0.05"), "--init-new-token-ratio"),
+])
+def test_invalid_settings_name_the_flag(argv, flag):
+    with pytest.raises(ConfigError) as e:
+        parse(*argv)
+    assert str(e.value).startswith(flag)
+
+
+def test_radix_cache_is_off_on_decode_nodes():
+    assert parse().radix_cache_enabled
+    assert not parse("--disaggregation-mode", "decode").radix_cache_enabled
+    assert not parse("--disable-radix-cache").radix_cache_enabled
+
+
+def test_unknown_choice_is_refused():
+    with pytest.raises(SystemExit):
+        parse("--transfer-backend", "carrier-pigeon")
