@@ -181,6 +181,10 @@ class CompletionRequest(_OpenAICommon, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    # a PD router sends one bootstrap entry per prompt when `prompt` is a list of prompts (as sglang-router does)
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
 
 
 class ChatCompletionRequest(_OpenAICommon, kw_only=True):

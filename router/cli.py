@@ -1,0 +1,156 @@
+"""`pdserve router` / `python -m router`: sglang-router's PD-mode command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from router.config import DEFAULT_REQUEST_ID_HEADERS, PrefillSpec, RouterConfig
+
+POLICIES = ["random", "round_robin", "cache_aware", "power_of_two"]
+
+# sglang-router flags that are accepted (scripts written for it keep working) but change nothing here
+_NO_EFFECT = ("dp_aware", "enable_igw", "mini_lb", "cors_allowed_origins", "queue_size", "queue_timeout_secs",
+              "rate_limit_tokens_per_second", "shutdown_grace_period_secs", "prometheus_duration_buckets",
+              "model_path", "tokenizer_path", "chat_template", "bucket_adjust_interval_secs", "max_idle_secs",
+              "assignment_mode", "enable_trace", "otlp_traces_endpoint")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RouterConfig()
+    p = argparse.ArgumentParser(prog="pdserve router", description="PD (prefill/decode) HTTP router, "
+                                "a drop-in replacement for sglang-router --pd-disaggregation")
+    a = p.add_argument
+    a("--host", default=d.host)
+    a("--port", type=int, default=d.port)
+    a("--worker-urls", nargs="*", default=[], help="regular (non-PD) mode is not supported; use --prefill/--decode")
+    a("--pd-disaggregation", action="store_true", help="PD mode (the only mode; accepted for compatibility)")
+    a("--mini-lb", action="store_true")
+    a("--prefill", nargs="+", action="append", default=[], metavar="URL [BOOTSTRAP_PORT|none]",
+      help="prefill server URL and optional bootstrap port; repeatable")
+    a("--decode", action="append", default=[], metavar="URL", help="decode server URL; repeatable")
+    a("--policy", choices=POLICIES, default=d.policy)
+    a("--prefill-policy", choices=POLICIES, default=None)
+    a("--decode-policy", choices=POLICIES, default=None)
+    a("--cache-threshold", type=float, default=d.cache_threshold)
+    a("--balance-abs-threshold", type=int, default=d.balance_abs_threshold)
+    a("--balance-rel-threshold", type=float, default=d.balance_rel_threshold)
+    a("--eviction-interval-secs", type=float, default=d.eviction_interval_secs)
+    a("--max-tree-size", type=int, default=d.max_tree_size)
+    a("--load-check-interval-secs", type=float, default=d.load_check_interval_secs,
+      help="how often power_of_two polls the workers' /get_load")
+    a("--max-payload-size", type=int, default=d.max_payload_size)
+    a("--worker-startup-timeout-secs", type=float, default=d.worker_startup_timeout_secs)
+    a("--worker-startup-check-interval", type=float, default=d.worker_startup_check_interval)
+    a("--health-failure-threshold", type=int, default=d.health_failure_threshold)
+    a("--health-success-threshold", type=int, default=d.health_success_threshold)
+    a("--health-check-timeout-secs", type=float, default=d.health_check_timeout_secs)
+    a("--health-check-interval-secs", type=float, default=d.health_check_interval_secs)
+    a("--health-check-endpoint", default=d.health_check_endpoint)
+    a("--disable-health-check", action="store_true")
+    a("--retry-max-retries", type=int, default=d.retry_max_retries)
+    a("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_ms)
+    a("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_ms)
+    a("--retry-backoff-multiplier", type=float, default=d.retry_backoff_multiplier)
+    a("--retry-jitter-factor", type=float, default=d.retry_jitter_factor)
+    a("--disable-retries", action="store_true")
+    a("--cb-failure-threshold", type=int, default=d.cb_failure_threshold)
+    a("--cb-success-threshold", type=int, default=d.cb_success_threshold)
+    a("--cb-timeout-duration-secs", type=float, default=d.cb_timeout_duration_secs)
+    a("--cb-window-duration-secs", type=float, default=d.cb_window_duration_secs)
+    a("--disable-circuit-breaker", action="store_true")
+    a("--request-timeout-secs", type=float, default=d.request_timeout_secs)
+    a("--request-id-headers", nargs="*", default=None)
+    a("--api-key", default=None, help="clients must send `Authorization: Bearer KEY`; forwarded to workers")
+    a("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
+    a("--prometheus-host", default=d.prometheus_host)
+    a("--prometheus-port", type=int, default=d.prometheus_port, help="0 disables the separate metrics server")
+    a("--log-level", choices=["debug", "info", "warn", "error"], default=d.log_level)
+    a("--log-dir", default=None)
+    # accepted for compatibility, without effect
+    a("--dp-aware", action="store_true")
+    a("--enable-igw", action="store_true")
+    a("--cors-allowed-origins", nargs="*", default=[])
+    a("--queue-size", type=int, default=None)
+    a("--queue-timeout-secs", type=float, default=None)
+    a("--rate-limit-tokens-per-second", type=float, default=None)
+    a("--shutdown-grace-period-secs", type=float, default=None)
+    a("--prometheus-duration-buckets", nargs="+", type=float, default=None)
+    a("--model-path", default=None)
+    a("--tokenizer-path", default=None)
+    a("--chat-template", default=None)
+    a("--bucket-adjust-interval-secs", type=float, default=None)
+    a("--max-idle-secs", type=float, default=None)
+    a("--assignment-mode", default=None)
+    a("--enable-trace", action="store_true")
+    a("--otlp-traces-endpoint", default=None)
+    return p
+
+
+def parse_prefill(values: list[str]) -> PrefillSpec:
+    """`--prefill URL [PORT|none]` as sglang-router reads it."""
+    if not values or len(values) > 2:
+        raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT|none], got {values}")
+    url = values[0].rstrip("/")
+    if len(values) == 1:
+        return PrefillSpec(url)
+    port = values[1]
+    if port.lower() == "none":
+        return PrefillSpec(url, None, explicit_none=True)
+    try:
+        n = int(port)
+    except ValueError:
+        raise ValueError(f"--prefill {url}: bootstrap port must be a number or 'none', got {port!r}") from None
+    if not 0 < n < 65536:
+        raise ValueError(f"--prefill {url}: bootstrap port {n} out of range")
+    return PrefillSpec(url, n)
+
+
+def config_from_args(ns: argparse.Namespace) -> RouterConfig:
+    if ns.worker_urls:
+        raise ValueError("--worker-urls (regular mode) is not supported: this router is PD-only; "
+                         "use --pd-disaggregation --prefill URL --decode URL")
+    fields = set(RouterConfig.__dataclass_fields__)
+    kwargs = {k: v for k, v in vars(ns).items() if k in fields and k not in ("prefill", "decode")}
+    cfg = RouterConfig(**kwargs)
+    cfg.prefill = [parse_prefill(v) for v in ns.prefill]
+    cfg.decode = [u.rstrip("/") for u in ns.decode]
+    cfg.request_id_headers = tuple(h.lower() for h in ns.request_id_headers) if ns.request_id_headers \
+        else DEFAULT_REQUEST_ID_HEADERS
+    cfg.pd_disaggregation = True
+    for name, policy in (("prefill", cfg.effective_prefill_policy), ("decode", cfg.effective_decode_policy)):
+        n = len(cfg.prefill if name == "prefill" else cfg.decode)
+        if policy == "power_of_two" and 0 < n < 2:
+            logging.getLogger("router").warning("power_of_two with one %s worker picks that worker", name)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> None:
+    from common.log import setup_logging
+
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    level = {"warn": "warning"}.get(ns.log_level, ns.log_level)
+    log = setup_logging("router", level)
+    if ns.log_dir:
+        import os
+
+        os.makedirs(ns.log_dir, exist_ok=True)
+        fh = logging.FileHandler(os.path.join(ns.log_dir, "router.log"))
+        fh.setFormatter(logging.getLogger().handlers[0].formatter)
+        logging.getLogger().addHandler(fh)
+    try:
+        cfg = config_from_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
+    for name in _NO_EFFECT:
+        if getattr(ns, name, None) not in (None, False, []):
+            log.warning("--%s is accepted for sglang-router compatibility and has no effect", name.replace("_", "-"))
+    from router.app import run
+
+    try:
+        run(cfg)
+    except KeyboardInterrupt:
+        pass
+    sys.exit(0)

@@ -1,0 +1,83 @@
+"""Everything the router is configured with, in one dataclass (filled by `router.cli`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_REQUEST_ID_HEADERS = ("x-request-id", "x-correlation-id", "x-trace-id", "request-id")
+
+
+@dataclass
+class PrefillSpec:
+    url: str
+    # None: no port given on the command line (taken from the worker's server_info when it has one);
+    # "none" on the command line sets explicit_none and forwards a JSON null like sglang-router.
+    bootstrap_port: int | None = None
+    explicit_none: bool = False
+
+
+@dataclass
+class RouterConfig:
+    host: str = "0.0.0.0"
+    port: int = 30000
+    pd_disaggregation: bool = True
+    prefill: list[PrefillSpec] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    policy: str = "cache_aware"
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+    # cache_aware
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    eviction_interval_secs: float = 60.0
+    max_tree_size: int = 2**26
+    # power_of_two: how often /get_load is polled
+    load_check_interval_secs: float = 5.0
+    max_payload_size: int = 512 * 2**20
+    # worker start-up
+    worker_startup_timeout_secs: float = 1800.0
+    worker_startup_check_interval: float = 30.0
+    # health checks
+    health_failure_threshold: int = 3
+    health_success_threshold: int = 2
+    health_check_timeout_secs: float = 5.0
+    health_check_interval_secs: float = 60.0
+    health_check_endpoint: str = "/health"
+    disable_health_check: bool = False
+    # retries
+    retry_max_retries: int = 5
+    retry_initial_backoff_ms: float = 50.0
+    retry_max_backoff_ms: float = 30000.0
+    retry_backoff_multiplier: float = 1.5
+    retry_jitter_factor: float = 0.2
+    disable_retries: bool = False
+    # circuit breaker
+    cb_failure_threshold: int = 10
+    cb_success_threshold: int = 3
+    cb_timeout_duration_secs: float = 60.0
+    cb_window_duration_secs: float = 120.0
+    disable_circuit_breaker: bool = False
+    # requests
+    request_timeout_secs: float = 1800.0
+    request_id_headers: tuple[str, ...] = DEFAULT_REQUEST_ID_HEADERS
+    api_key: str | None = None
+    max_concurrent_requests: int = -1
+    # observability
+    prometheus_host: str = "0.0.0.0"
+    prometheus_port: int = 29000
+    log_level: str = "info"
+    log_dir: str | None = None
+
+    @property
+    def max_attempts(self) -> int:
+        """Total tries of one request (sglang-router: max_retries counts attempts, 1 = no retry)."""
+        return 1 if self.disable_retries else max(1, self.retry_max_retries)
+
+    @property
+    def effective_prefill_policy(self) -> str:
+        return self.prefill_policy or self.policy
+
+    @property
+    def effective_decode_policy(self) -> str:
+        return self.decode_policy or self.policy

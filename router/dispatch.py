@@ -1,0 +1,468 @@
+"""One client request: pick a prefill and a decode worker, send both legs concurrently, relay the decode
+leg (streamed as it arrives), merge prompt logprobs from the prefill leg, retry before the client has
+received a byte (new room, both legs re-sent, the abandoned leg aborted on its node)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from router.config import RouterConfig
+from router.metrics import Metrics
+from router.policies import Policy
+from router.registry import Registry, Worker
+from router.request import ParsedRequest, inject, new_rids, rid_list
+from router.upstream import Pool
+
+log = logging.getLogger("router.dispatch")
+
+RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+_DONE = b"data: [DONE]\n\n"
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+def _header_value(value: str) -> bytes:
+    return value.replace("\r", " ").replace("\n", " ").encode("latin-1", "replace")
+
+
+def error_body(status: int, message: str, type_: str | None = None) -> bytes:
+    if type_ is None:
+        type_ = "invalid_request_error" if 400 <= status < 500 else "upstream_error"
+    return _encode({"error": {"message": message, "type": type_, "code": status}})
+
+
+def error_response(status: int, message: str, type_: str | None = None, headers=None) -> web.Response:
+    return web.Response(body=error_body(status, message, type_), status=status,
+                        content_type="application/json", headers=headers)
+
+
+@dataclass(slots=True)
+class Failure:
+    """Why an attempt ended before the client got a byte."""
+
+    status: int
+    message: str
+    worker: Worker | None = None
+    body: bytes | None = None
+    content_type: str | None = None
+
+    @property
+    def retryable(self) -> bool:
+        return self.status in RETRYABLE
+
+    def response(self, request_id: str) -> web.Response:
+        headers = {"X-Request-ID": request_id}
+        if self.body is not None:  # the worker's own answer, status and body preserved
+            return web.Response(body=self.body, status=self.status, headers=headers,
+                                content_type=(self.content_type or "application/json").split(";")[0])
+        return error_response(self.status, self.message, headers=headers)
+
+
+@dataclass(slots=True)
+class Trace:
+    prefill: str = "-"
+    decode: str = "-"
+    attempts: int = 0
+    status: int = 0
+    first_byte: float = 0.0
+
+
+class NoWorkers(Exception):
+    pass
+
+
+def _merge_meta(pre, dec) -> None:
+    """Prefix the decode leg's prompt logprobs with the prefill leg's (sglang-router's merge)."""
+    if isinstance(pre, list) and isinstance(dec, list):
+        for p, d in zip(pre, dec, strict=False):
+            _merge_meta(p, d)
+        return
+    if not (isinstance(pre, dict) and isinstance(dec, dict)):
+        return
+    pm, dm = pre.get("meta_info"), dec.get("meta_info")
+    if not (isinstance(pm, dict) and isinstance(dm, dict)):
+        return
+    for key in ("input_token_logprobs", "input_top_logprobs"):
+        a, b = pm.get(key), dm.get(key)
+        if isinstance(a, list) and isinstance(b, list):
+            dm[key] = a + b
+
+
+def prefill_payload(body: bytes):
+    """The prefill leg's JSON (first SSE event when it streamed)."""
+    body = body.lstrip()
+    if body.startswith(b"data:"):
+        first = body.split(b"\n", 1)[0][5:].strip()
+        return _decode(first) if first and first != b"[DONE]" else None
+    return _decode(body) if body else None
+
+
+class StreamMerger:
+    """Rewrites complete SSE events of the decode stream with the prefill leg's logprobs merged in."""
+
+    def __init__(self, prefill):
+        self.prefill = prefill
+        self.buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        self.buf += chunk
+        *events, self.buf = self.buf.split(b"\n\n")
+        out = []
+        for ev in events:
+            if ev.startswith(b"data:") and b"[DONE]" not in ev:
+                try:
+                    obj = _decode(ev[5:].strip())
+                    _merge_meta(self.prefill, obj)
+                    ev = b"data: " + _encode(obj)
+                except msgspec.DecodeError:
+                    pass
+            out.append(ev + b"\n\n")
+        return b"".join(out)
+
+
+class Dispatcher:
+    def __init__(self, cfg: RouterConfig, registry: Registry, session: aiohttp.ClientSession, metrics: Metrics,
+                 prefill_policy: Policy, decode_policy: Policy):
+        self.cfg = cfg
+        self.registry = registry
+        self.session = session
+        self.metrics = metrics
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.need_text = prefill_policy.needs_text or decode_policy.needs_text
+        self.base_headers = {"Content-Type": "application/json"}
+        if cfg.api_key:
+            self.base_headers["Authorization"] = f"Bearer {cfg.api_key}"
+        self.background: set[asyncio.Task] = set()
+        self.pools: dict[str, Pool] = {}
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self.background.add(t)
+        t.add_done_callback(self.background.discard)
+
+    def _keep(self, task: asyncio.Task) -> None:
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def pick(self, text: str | None, exclude: tuple[Worker, ...]) -> tuple[Worker, Worker]:
+        pairs = []
+        for workers, kind in ((self.registry.prefill, "prefill"), (self.registry.decode, "decode")):
+            ok = [w for w in workers if w.available]
+            if not ok:
+                raise NoWorkers(f"no available {kind} workers (unhealthy, circuit open or not registered)")
+            if exclude and len(ok) > 1:
+                ok = [w for w in ok if w not in exclude] or ok
+            pairs.append(ok)
+        return self.prefill_policy.select(pairs[0], text), self.decode_policy.select(pairs[1], text)
+
+    async def _abort_on(self, w: Worker, rids: list[str]) -> None:
+        for rid in rids:
+            try:
+                async with self.session.post(w.url + "/abort_request", data=_encode({"rid": rid}),
+                                             headers=self.base_headers,
+                                             timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    await r.read()
+            except _UPSTREAM_ERRORS as e:
+                log.warning("abort of %s on %s failed: %s", rid, w.url, e)
+
+    def _abandon(self, task: asyncio.Task | None, w: Worker, rids: list[str], force: bool = False) -> None:
+        """Stop waiting for a leg and abort it on its node so no orphan waits for its timeout."""
+        if task is not None and task.done() and not force:
+            return
+        if task is not None:
+            task.cancel()
+        self.metrics.orphan_aborts += 1
+        self._spawn(self._abort_on(w, rids))
+
+    @staticmethod
+    def _leg_done(w: Worker, task: asyncio.Task) -> None:
+        w.active -= 1
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            w.errors += 1
+            w.breaker.record(False)
+        else:
+            status = task.result()[0]
+            w.breaker.record(status < 500)
+            if status >= 500:
+                w.errors += 1
+
+    def _start_leg(self, w: Worker, coro) -> asyncio.Task:
+        w.active += 1
+        w.requests += 1
+        t = asyncio.get_running_loop().create_task(coro)
+        t.add_done_callback(functools.partial(self._leg_done, w))
+        return t
+
+    def _pool(self, w: Worker) -> Pool:
+        pool = self.pools.get(w.url)
+        if pool is None:
+            auth = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+            pool = self.pools[w.url] = Pool(w.url, self.cfg.request_timeout_secs, auth)
+        return pool
+
+    def forget(self, urls: set[str]) -> None:
+        """Close the connection pools of workers that are no longer registered."""
+        for url in list(self.pools):
+            if url not in urls:
+                self.pools.pop(url).close()
+
+    async def _fetch(self, w: Worker, path: str, payload: bytes, headers: bytes) -> tuple[int, bytes, str | None]:
+        resp = await self._pool(w).request(path, payload, headers)
+        try:
+            body = await resp.read()
+        except BaseException:
+            resp.close()
+            raise
+        return resp.status, body, resp.headers.get("content-type")
+
+    async def _open_stream(self, w: Worker, path: str, payload: bytes, headers: bytes):
+        resp = await self._pool(w).request(path, payload, headers)
+        try:
+            if resp.status >= 300:
+                return resp.status, resp, None, await resp.read()
+            return resp.status, resp, await resp.readany(), None
+        except BaseException:
+            resp.close()
+            raise
+
+    @staticmethod
+    def _failure(task: asyncio.Task, w: Worker, leg: str) -> Failure | None:
+        exc = task.exception()
+        if exc is not None:
+            status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
+            return Failure(status, f"{leg} worker {w.url} failed: {exc!r}", w)
+        status, body, ctype = task.result()
+        if status >= 300:
+            return Failure(status, f"{leg} worker {w.url} answered {status}", w, body, ctype)
+        return None
+
+    def _backoff(self, attempt: int) -> float:
+        c = self.cfg
+        ms = min(c.retry_initial_backoff_ms * c.retry_backoff_multiplier ** (attempt - 1), c.retry_max_backoff_ms)
+        return max(0.0, ms * (1 + random.uniform(-c.retry_jitter_factor, c.retry_jitter_factor)) / 1000)
+
+    # ------------------------------------------------------------------------------ entry point
+
+    async def handle(self, request: web.Request, req: ParsedRequest, request_id: str,
+                     trace: Trace) -> web.StreamResponse:
+        headers = b"X-Request-ID: " + _header_value(request_id) + b"\r\n"
+        if not self.cfg.api_key:
+            auth = request.headers.get("Authorization")
+            if auth:
+                headers += b"Authorization: " + _header_value(auth) + b"\r\n"
+        failure: Failure | None = None
+        exclude: tuple[Worker, ...] = ()
+        for attempt in range(self.cfg.max_attempts):
+            if attempt:
+                self.metrics.retries += 1
+                await asyncio.sleep(self._backoff(attempt))
+            trace.attempts = attempt + 1
+            try:
+                p, d = self.pick(req.text, exclude)
+            except NoWorkers as e:
+                failure = Failure(503, str(e))
+                continue
+            trace.prefill, trace.decode = p.url, d.url
+            rids = new_rids(req)
+            payload, _ = inject(req, p, rids)
+            if req.stream:
+                result = await self._attempt_stream(request, req, p, d, payload, headers, rids, request_id, trace)
+            else:
+                result = await self._attempt_full(req, p, d, payload, headers, rids, request_id)
+            if not isinstance(result, Failure):
+                trace.status = result.status
+                return result
+            failure = result
+            log.warning("request %s attempt %d failed: %s", request_id, attempt + 1, failure.message)
+            if not failure.retryable:
+                break
+            exclude = (failure.worker,) if failure.worker is not None else ()
+        trace.status = failure.status
+        return failure.response(request_id)
+
+    # ------------------------------------------------------------------------------ non-streaming
+
+    async def _attempt_full(self, req, p, d, payload, headers, rids, request_id):
+        path = req.path
+        p_task = self._start_leg(p, self._fetch(p, path, payload, headers))
+        d_task = self._start_leg(d, self._fetch(d, path, payload, headers))
+        ids = rid_list(rids)
+        try:
+            done, _ = await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
+            if p_task in done:
+                fail = self._failure(p_task, p, "prefill")
+                if fail is not None:
+                    self._abandon(d_task, d, ids)
+                    return fail
+            await asyncio.wait((d_task,))
+            fail = self._failure(d_task, d, "decode")
+            if fail is not None:
+                self._abandon(p_task, p, ids)
+                return fail
+            status, body, ctype = d_task.result()
+            if req.return_logprob:
+                await asyncio.wait((p_task,))
+                if p_task.exception() is None and p_task.result()[0] < 300:
+                    try:
+                        pre, dec = prefill_payload(p_task.result()[1]), _decode(body)
+                        _merge_meta(pre, dec)
+                        body = _encode(dec)
+                    except msgspec.DecodeError:
+                        log.warning("request %s: logprobs not merged (a leg's body is not JSON)", request_id)
+            elif not p_task.done():
+                self._keep(p_task)
+            return web.Response(body=body, status=status, headers={"X-Request-ID": request_id},
+                                content_type=(ctype or "application/json").split(";")[0])
+        except asyncio.CancelledError:  # the client went away
+            self.metrics.client_disconnects += 1
+            self._abandon(p_task, p, ids)
+            self._abandon(d_task, d, ids)
+            raise
+
+    # ------------------------------------------------------------------------------ streaming
+
+    async def _attempt_stream(self, request, req, p, d, payload, headers, rids, request_id, trace):
+        path = req.path
+        ids = rid_list(rids)
+        p_task = self._start_leg(p, self._fetch(p, path, payload, headers))
+        d.active += 1
+        d.requests += 1
+        d_task = asyncio.get_running_loop().create_task(self._open_stream(d, path, payload, headers))
+        resp = None
+        clean = False
+        upstream_broken = False
+        try:
+            # phase 1: nothing sent to the client yet, any failure may be retried
+            pending = {p_task, d_task}
+            while d_task in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if p_task in done:
+                    fail = self._failure(p_task, p, "prefill")
+                    if fail is not None:
+                        if d_task.done() and d_task.exception() is None and d_task.result()[1] is not None:
+                            d_task.result()[1].close()
+                        self._abandon(d_task, d, ids, force=True)
+                        return fail
+            if d_task.exception() is not None:
+                d.breaker.record(False)
+                d.errors += 1
+                self._abandon(p_task, p, ids)
+                self._spawn(self._abort_on(d, ids))
+                return self._failure(d_task, d, "decode")
+            status, resp, first, err_body = d_task.result()
+            if err_body is not None:
+                d.breaker.record(status < 500)
+                self._abandon(p_task, p, ids)
+                return Failure(status, f"decode worker {d.url} answered {status}", d, err_body,
+                               resp.headers.get("content-type"))
+            merger = None
+            if req.return_logprob:  # the prompt logprobs come from the prefill leg: wait for its answer
+                await asyncio.wait((p_task,))
+                fail = self._failure(p_task, p, "prefill")
+                if fail is not None:
+                    resp.close()
+                    self._spawn(self._abort_on(d, ids))
+                    return fail
+                try:
+                    merger = StreamMerger(prefill_payload(p_task.result()[1]))
+                except msgspec.DecodeError:
+                    merger = None
+            # phase 2: stream to the client; from here errors are SSE events
+            out = web.StreamResponse(status=status, headers={
+                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache", "X-Request-ID": request_id})
+            await out.prepare(request)
+            trace.first_byte = time.perf_counter()
+            reason = await self._relay(out, resp, first, merger, p_task, p)
+            if reason is None:
+                clean = True
+            elif reason != "client":
+                upstream_broken = True
+                self.metrics.stream_errors += 1
+                self._abandon(p_task, p, ids)
+                self._spawn(self._abort_on(d, ids))
+                try:
+                    await out.write(b"data: " + error_body(502, reason) + b"\n\n" + _DONE)
+                except ConnectionError:
+                    pass
+            else:
+                self.metrics.client_disconnects += 1
+                self._abandon(p_task, p, ids)
+                self._spawn(self._abort_on(d, ids))
+            if not p_task.done():
+                self._keep(p_task)
+            return out
+        except asyncio.CancelledError:
+            self.metrics.client_disconnects += 1
+            self._abandon(p_task, p, ids)
+            if not clean:
+                self._abandon(d_task, d, ids, force=True)
+            raise
+        finally:
+            d.active -= 1
+            if resp is not None:
+                if not clean:
+                    resp.close()
+                if resp.status < 300:
+                    d.breaker.record(not upstream_broken)
+
+    async def _relay(self, out, resp, data, merger, p_task, p) -> str | None:
+        """Copy decode bytes to the client. None when the stream ended cleanly, "client" when the client
+        went away, else why the stream broke (the decode leg failed, or the prefill leg did)."""
+        me = asyncio.current_task()
+        broken: list[str] = []
+
+        def prefill_done(t: asyncio.Task) -> None:
+            if t.cancelled():
+                return
+            fail = self._failure(t, p, "prefill")
+            if fail is not None and not me.done():
+                broken.append(f"prefill leg failed mid-stream: {fail.message}")
+                me.cancel()
+
+        if not p_task.done():
+            p_task.add_done_callback(prefill_done)
+        elif self._failure(p_task, p, "prefill") is not None:
+            return "prefill leg failed"
+        try:
+            while data:
+                if merger is not None:
+                    data = merger.feed(data)
+                if data:
+                    try:
+                        await out.write(data)
+                    except ConnectionError:
+                        return "client"
+                try:
+                    data = await resp.readany()
+                except _UPSTREAM_ERRORS as e:
+                    return f"decode leg failed mid-stream: {e!r}"
+            if merger is not None and merger.buf:
+                try:
+                    await out.write(merger.buf)
+                except ConnectionError:
+                    return "client"
+            return None
+        except asyncio.CancelledError:
+            if broken:
+                me.uncancel()
+                return broken[0]
+            raise
+        finally:
+            p_task.remove_done_callback(prefill_done)

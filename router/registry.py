@@ -1,0 +1,321 @@
+"""Workers: registration (wait for /health, read /server_info and /model_info), periodic health
+checks with failure/success thresholds, a circuit breaker per worker, and load polling."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import ipaddress
+import logging
+import time
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+
+from router.config import RouterConfig
+
+log = logging.getLogger("router.registry")
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+class CircuitBreaker:
+    """closed -> open after `failure_threshold` failures inside the window; open -> half_open after
+    `timeout`; half_open -> closed after `success_threshold` successes, back to open on a failure."""
+
+    __slots__ = ("failure_threshold", "success_threshold", "timeout", "window", "state", "failures",
+                 "half_open_successes", "opened_at", "enabled")
+
+    def __init__(self, cfg: RouterConfig):
+        self.enabled = not cfg.disable_circuit_breaker
+        self.failure_threshold = max(1, cfg.cb_failure_threshold)
+        self.success_threshold = max(1, cfg.cb_success_threshold)
+        self.timeout = cfg.cb_timeout_duration_secs
+        self.window = cfg.cb_window_duration_secs
+        self.state = "closed"
+        self.failures: collections.deque[float] = collections.deque()
+        self.half_open_successes = 0
+        self.opened_at = 0.0
+
+    def allow(self) -> bool:
+        if self.state == "closed" or not self.enabled:
+            return True
+        if self.state == "open":
+            if time.monotonic() - self.opened_at < self.timeout:
+                return False
+            self.state, self.half_open_successes = "half_open", 0
+        return True
+
+    def record(self, ok: bool) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if ok:
+            if self.state == "half_open":
+                self.half_open_successes += 1
+                if self.half_open_successes >= self.success_threshold:
+                    self.state = "closed"
+                    self.failures.clear()
+            elif self.failures and self.state == "closed":
+                self.failures.clear()  # failures must be consecutive, like sglang-router's
+            return
+        if self.state == "half_open":
+            self._open(now)
+            return
+        self.failures.append(now)
+        while self.failures and now - self.failures[0] > self.window:
+            self.failures.popleft()
+        if len(self.failures) >= self.failure_threshold:
+            self._open(now)
+
+    def _open(self, now: float) -> None:
+        self.state, self.opened_at = "open", now
+        self.failures.clear()
+        log.warning("circuit breaker opened")
+
+
+def bootstrap_host_of(url: str) -> str:
+    host = urlsplit(url).hostname or "localhost"
+    try:
+        if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
+            return f"[{host}]"
+    except ValueError:
+        pass
+    return host
+
+
+def worker_id(url: str) -> str:
+    return hashlib.sha1(url.encode()).hexdigest()[:12]
+
+
+class Worker:
+    __slots__ = ("id", "url", "kind", "bootstrap_host", "bootstrap_port", "healthy", "breaker", "active",
+                 "load", "server_info", "model_info", "fail_streak", "ok_streak", "requests", "errors")
+
+    def __init__(self, url: str, kind: str, bootstrap_port: int | None, cfg: RouterConfig):
+        self.id = worker_id(url)
+        self.url = url
+        self.kind = kind
+        self.bootstrap_host = bootstrap_host_of(url)
+        self.bootstrap_port = bootstrap_port
+        self.healthy = True
+        self.breaker = CircuitBreaker(cfg)
+        self.active = 0  # requests in flight through this router
+        self.load: int | None = None  # tokens from the worker's /get_load (power_of_two)
+        self.server_info: dict = {}
+        self.model_info: dict = {}
+        self.fail_streak = 0
+        self.ok_streak = 0
+        self.requests = 0
+        self.errors = 0
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and self.breaker.allow()
+
+    def describe(self) -> dict:
+        return {"id": self.id, "url": self.url, "worker_type": self.kind, "bootstrap_port": self.bootstrap_port,
+                "bootstrap_host": self.bootstrap_host, "is_healthy": self.healthy,
+                "circuit_breaker": self.breaker.state, "active_requests": self.active, "load": self.load,
+                "requests": self.requests, "errors": self.errors,
+                "model_path": self.model_info.get("model_path") or self.server_info.get("model_path"),
+                "disaggregation_mode": self.server_info.get("disaggregation_mode")}
+
+
+class RegistryError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def parse_load(data) -> int | None:
+    """sglang-router's reading of `GET /get_load`: a JSON list, one object per dp rank; the load is the
+    sum of `num_tokens`. Also accepted: one such object, or `{"load": N}`."""
+    if isinstance(data, list):
+        return sum(int(e.get("num_tokens", 0)) for e in data if isinstance(e, dict))
+    if isinstance(data, dict):
+        for key in ("num_tokens", "load"):
+            if isinstance(data.get(key), int | float):
+                return int(data[key])
+    return None
+
+
+class Registry:
+    def __init__(self, cfg: RouterConfig, session: aiohttp.ClientSession, on_change=None):
+        self.cfg = cfg
+        self.session = session
+        self.prefill: list[Worker] = []
+        self.decode: list[Worker] = []
+        self.pending: set[str] = set()
+        self.on_change = on_change or (lambda: None)
+        self.auth = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self._tasks: list[asyncio.Task] = []
+
+    # ---------------------------------------------------------------------------- lookup
+
+    def all(self) -> list[Worker]:
+        return self.prefill + self.decode
+
+    def find(self, key: str) -> Worker | None:
+        key = key.rstrip("/")
+        for w in self.all():
+            if w.id == key or w.url == key:
+                return w
+        return None
+
+    def ready(self) -> bool:
+        return any(w.available for w in self.prefill) and any(w.available for w in self.decode)
+
+    # ---------------------------------------------------------------------------- registration
+
+    async def _get_json(self, url: str, timeout: float):
+        async with self.session.get(url, headers=self.auth, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            if r.status != 200:
+                raise RegistryError(r.status, f"GET {url} -> {r.status}")
+            return msgspec.json.decode(await r.read())
+
+    async def _probe(self, url: str) -> bool:
+        try:
+            async with self.session.get(url + self.cfg.health_check_endpoint, headers=self.auth,
+                                        timeout=aiohttp.ClientTimeout(total=self.cfg.health_check_timeout_secs)) as r:
+                await r.read()
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+    async def wait_healthy(self, url: str) -> None:
+        deadline = time.monotonic() + self.cfg.worker_startup_timeout_secs
+        interval = max(0.05, min(self.cfg.worker_startup_check_interval, 1.0))
+        while not await self._probe(url):
+            if time.monotonic() > deadline:
+                raise RegistryError(503, f"worker {url} did not become healthy within "
+                                         f"{self.cfg.worker_startup_timeout_secs:g}s")
+            await asyncio.sleep(interval)
+            interval = min(interval * 2, max(self.cfg.worker_startup_check_interval, 0.05))
+
+    async def _info(self, url: str, name: str) -> dict:
+        for path in (f"/{name}", f"/get_{name}"):
+            try:
+                data = await self._get_json(url + path, self.cfg.health_check_timeout_secs)
+                return data if isinstance(data, dict) else {}
+            except (TimeoutError, RegistryError, aiohttp.ClientError, OSError, msgspec.DecodeError):
+                continue
+        return {}
+
+    async def add(self, url: str, kind: str, bootstrap_port: int | None = None,
+                  explicit_none: bool = False) -> Worker:
+        url = url.rstrip("/")
+        if kind not in (PREFILL, DECODE):
+            raise RegistryError(400, f"`worker_type` must be 'prefill' or 'decode', got {kind!r}")
+        if not url.startswith(("http://", "https://")):
+            raise RegistryError(400, f"`url` must start with http:// or https://, got {url!r}")
+        if self.find(url) or url in self.pending:
+            raise RegistryError(409, f"worker {url} is already registered")
+        self.pending.add(url)
+        try:
+            await self.wait_healthy(url)
+            server_info, model_info = await asyncio.gather(self._info(url, "server_info"),
+                                                           self._info(url, "model_info"))
+            if self.find(url):
+                raise RegistryError(409, f"worker {url} is already registered")
+        finally:
+            self.pending.discard(url)
+        mode = server_info.get("disaggregation_mode")
+        if mode not in (None, "null", kind):
+            log.warning("worker %s registered as %s but reports disaggregation_mode=%s", url, kind, mode)
+        if kind == PREFILL and bootstrap_port is None and not explicit_none:
+            port = server_info.get("disaggregation_bootstrap_port")
+            bootstrap_port = int(port) if isinstance(port, int) else None
+        w = Worker(url, kind, bootstrap_port if kind == PREFILL else None, self.cfg)
+        w.server_info, w.model_info = server_info, model_info
+        if kind == PREFILL:
+            self.prefill = self.prefill + [w]
+        else:
+            self.decode = self.decode + [w]
+        log.info("registered %s worker %s (id %s, bootstrap_port %s, model %s)", kind, url, w.id,
+                 w.bootstrap_port, model_info.get("model_path") or server_info.get("model_path"))
+        self.on_change()
+        return w
+
+    def remove(self, key: str) -> Worker:
+        w = self.find(key)
+        if w is None:
+            raise RegistryError(404, f"no worker with id or url {key!r}")
+        if w.kind == PREFILL:
+            self.prefill = [x for x in self.prefill if x is not w]
+        else:
+            self.decode = [x for x in self.decode if x is not w]
+        log.info("removed %s worker %s", w.kind, w.url)
+        self.on_change()
+        return w
+
+    async def _register_startup(self, url, kind, port, explicit_none) -> None:
+        try:
+            await self.add(url, kind, port, explicit_none)
+        except RegistryError as e:
+            log.error("could not register %s worker %s: %s", kind, url, e)
+
+    # ---------------------------------------------------------------------------- background loops
+
+    def start(self, need_loads: bool) -> None:
+        for spec in self.cfg.prefill:
+            self._spawn(self._register_startup(spec.url, PREFILL, spec.bootstrap_port, spec.explicit_none))
+        for url in self.cfg.decode:
+            self._spawn(self._register_startup(url, DECODE, None, False))
+        if not self.cfg.disable_health_check and self.cfg.health_check_interval_secs > 0:
+            self._spawn(self._health_loop())
+        if need_loads:
+            self._spawn(self._load_loop())
+
+    def _spawn(self, coro) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def check_once(self) -> None:
+        workers = self.all()
+        results = await asyncio.gather(*(self._probe(w.url) for w in workers))
+        for w, ok in zip(workers, results, strict=True):
+            if ok:
+                w.ok_streak, w.fail_streak = w.ok_streak + 1, 0
+                if not w.healthy and w.ok_streak >= self.cfg.health_success_threshold:
+                    w.healthy = True
+                    log.info("worker %s is healthy again", w.url)
+            else:
+                w.fail_streak, w.ok_streak = w.fail_streak + 1, 0
+                if w.healthy and w.fail_streak >= self.cfg.health_failure_threshold:
+                    w.healthy = False
+                    log.warning("worker %s marked unhealthy after %d failed health checks", w.url, w.fail_streak)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_check_interval_secs)
+            try:
+                await self.check_once()
+            except Exception:  # keep checking whatever one round raised
+                log.exception("health check round failed")
+
+    async def fetch_load(self, w: Worker) -> int | None:
+        try:
+            return parse_load(await self._get_json(w.url + "/get_load", self.cfg.health_check_timeout_secs))
+        except (TimeoutError, RegistryError, aiohttp.ClientError, OSError, msgspec.DecodeError, ValueError, TypeError):
+            return None
+
+    async def refresh_loads(self) -> None:
+        workers = self.all()
+        loads = await asyncio.gather(*(self.fetch_load(w) for w in workers))
+        for w, load in zip(workers, loads, strict=True):
+            w.load = load
+
+    async def _load_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh_loads()
+            except Exception:
+                log.exception("load refresh failed")
+            await asyncio.sleep(self.cfg.load_check_interval_secs)

@@ -1,0 +1,182 @@
+"""Client request validation (400 naming the field) and bootstrap/rid injection into the original JSON."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+
+from common.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SamplingParams,
+)
+from router.registry import Worker
+
+_TYPES = {"/generate": GenerateRequest, "/v1/completions": CompletionRequest,
+          "/v1/chat/completions": ChatCompletionRequest}
+_INJECTED = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+_RENAMES = (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens"))
+_encode = msgspec.json.encode
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    path: str
+    body: bytes  # the client's bytes, forwarded with fields spliced in
+    obj: dict
+    stream: bool
+    return_logprob: bool
+    batch: int | None  # number of inputs when the request is a batch
+    client_rid: str | list[str] | None
+    text: str | None  # for cache_aware
+
+
+def _ids_text(ids) -> str:
+    try:
+        return "".join(map(chr, ids))
+    except (TypeError, ValueError, OverflowError):
+        return str(ids)
+
+
+def _verify_openai(req, max_tokens: int | None) -> None:
+    try:
+        sp = SamplingParams(
+            max_new_tokens=2**31 - 1 if max_tokens is None else max_tokens, min_new_tokens=req.min_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
+            frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+            repetition_penalty=req.repetition_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            n=req.n, seed=req.seed)
+        sp.verify("request")
+    except BadRequest as e:
+        msg = str(e).replace("`request.", "`")
+        for ours, theirs in _RENAMES:
+            msg = msg.replace(ours, theirs)
+        raise BadRequest(msg) from None
+
+
+def _verify_sampling(sp, where: str) -> None:
+    try:
+        params = msgspec.convert(sp, SamplingParams)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"{e} (in `{where}`)") from None
+    params.verify(where)
+
+
+def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
+    if not body:
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        obj = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"malformed JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        req = msgspec.convert(obj, _TYPES[path])
+    except msgspec.ValidationError as e:
+        raise BadRequest(str(e)) from None
+    text = None
+    batch = None
+    if path == "/generate":
+        if (req.text is None) == (req.input_ids is None):
+            raise BadRequest("exactly one of `text` and `input_ids` is required")
+        if isinstance(req.text, list):
+            if not req.text:
+                raise BadRequest("`text` must not be an empty list")
+            batch = len(req.text)
+        elif req.input_ids is not None:
+            if not req.input_ids:
+                raise BadRequest("`input_ids` must not be empty")
+            if isinstance(req.input_ids[0], list):
+                batch = len(req.input_ids)
+        sp = req.sampling_params
+        if isinstance(sp, list):
+            if batch is None or len(sp) != batch:
+                raise BadRequest(f"`sampling_params` list has {len(sp)} entries for a batch of {batch or 1}")
+            for i, one in enumerate(sp):
+                _verify_sampling(one, f"sampling_params[{i}]")
+        elif sp is not None:
+            _verify_sampling(sp, "sampling_params")
+        if isinstance(req.rid, list) and len(req.rid) != (batch or 1):
+            raise BadRequest(f"`rid` list has {len(req.rid)} entries for a batch of {batch or 1}")
+        return_logprob = any(req.return_logprob) if isinstance(req.return_logprob, list) else req.return_logprob
+        if need_text:
+            if req.text is not None:
+                text = req.text if isinstance(req.text, str) else req.text[0]
+            else:
+                text = _ids_text(req.input_ids[0] if batch else req.input_ids)
+    elif path == "/v1/completions":
+        p = req.prompt
+        if isinstance(p, list):
+            if not p:
+                raise BadRequest("`prompt` must not be empty")
+            if isinstance(p[0], str | list):
+                batch = len(p)
+        elif not p:
+            raise BadRequest("`prompt` must not be empty")
+        _verify_openai(req, req.max_tokens)
+        return_logprob = req.logprobs is not None
+        if need_text:
+            first = p[0] if batch else p
+            text = first if isinstance(first, str) else _ids_text(first)
+    else:
+        if not req.messages:
+            raise BadRequest("`messages` must not be empty")
+        _verify_openai(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
+        return_logprob = req.logprobs
+        if need_text:
+            text = "\n".join(m.content for m in req.messages if isinstance(m.content, str))
+    return ParsedRequest(path, body, obj, req.stream, bool(return_logprob), batch, req.rid, text)
+
+
+def new_rids(req: ParsedRequest) -> str | list[str]:
+    """Request ids for both legs of one attempt (the client's own when it gave them)."""
+    if req.client_rid is not None:
+        return req.client_rid
+    base = uuid.uuid4().hex
+    if req.batch is not None and req.path == "/generate":
+        return [f"{base}-{i}" for i in range(req.batch)]
+    return base
+
+
+def rid_list(rids: str | list[str]) -> list[str]:
+    return rids if isinstance(rids, list) else [rids]
+
+
+def _rooms(n: int) -> list[int]:
+    rooms = {random.getrandbits(63) for _ in range(n)}
+    while len(rooms) < n:
+        rooms.add(random.getrandbits(63))
+    return list(rooms)
+
+
+def inject(req: ParsedRequest, prefill: Worker, rids: str | list[str]) -> tuple[bytes, int | list[int]]:
+    """The client's JSON with bootstrap_host/port/room and rid set; returns (bytes, room(s))."""
+    n = req.batch
+    if n is None:
+        room = random.getrandbits(63)
+        extra = {"bootstrap_host": prefill.bootstrap_host, "bootstrap_port": prefill.bootstrap_port,
+                 "bootstrap_room": room}
+    else:
+        room = _rooms(n)
+        extra = {"bootstrap_host": [prefill.bootstrap_host] * n, "bootstrap_port": [prefill.bootstrap_port] * n,
+                 "bootstrap_room": room}
+    obj = req.obj
+    if req.client_rid is None:
+        extra["rid"] = rids
+    if any(k in obj for k in _INJECTED) or ("rid" in extra and "rid" in obj):
+        merged = dict(obj)
+        merged.update(extra)
+        return _encode(merged), room
+    # splice the fields in before the closing brace: no re-encoding of a possibly large prompt
+    body = req.body.rstrip()
+    tail = _encode(extra)
+    if obj:
+        return b"".join((body[:-1], b",", tail[1:])), room
+    return tail, room

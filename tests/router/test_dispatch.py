@@ -1,0 +1,241 @@
+"""Per-request behaviour through a real router process and recording workers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import http.client as httpclient
+import json
+import threading
+
+from conftest import http, wait_until
+
+
+def _stream(router_url: str, path: str, body: dict):
+    host = router_url.split("//")[1]
+    conn = httpclient.HTTPConnection(host, timeout=30)
+    conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+def test_injection_fields_and_types(workers, make_router):
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin")
+    status, headers, body = r.post("/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4},
+                                                 "custom_field": {"kept": True}})
+    assert status == 200, body
+    pb, db = p.requests()[0]["body"], d.requests()[0]["body"]
+    assert pb == db  # both legs get the same request
+    assert db["bootstrap_host"] == "127.0.0.1"
+    assert db["bootstrap_port"] == 8998 and isinstance(db["bootstrap_port"], int)
+    assert isinstance(db["bootstrap_room"], int) and 0 <= db["bootstrap_room"] < 2**63
+    assert isinstance(db["rid"], str) and db["rid"]
+    assert db["custom_field"] == {"kept": True} and db["text"] == "hello"
+    assert json.loads(body)["meta_info"]["worker"].startswith("decode")  # the client gets the decode leg
+    # OpenAI shapes get the same fields
+    for path, req in (("/v1/completions", {"prompt": "hi", "max_tokens": 3}),
+                      ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        status, _, body = r.post(path, req)
+        assert status == 200, body
+        sent = [x for x in d.requests() if x["path"] == path][0]["body"]
+        assert sent["bootstrap_port"] == 8998 and isinstance(sent["bootstrap_room"], int)
+        assert isinstance(sent["rid"], str)
+
+
+def test_client_rid_kept_and_rooms_fresh(workers, make_router):
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "random")
+    for _ in range(2):
+        assert r.post("/generate", {"text": "x", "rid": "client-rid-1"})[0] == 200
+    sent = [x["body"] for x in d.requests()]
+    assert [s["rid"] for s in sent] == ["client-rid-1", "client-rid-1"]
+    assert sent[0]["bootstrap_room"] != sent[1]["bootstrap_room"]
+
+
+def test_batch_rooms_distinct(workers, make_router):
+    p, d = workers["p"][1], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin")
+    assert r.post("/generate", {"text": ["a", "b", "c", "d"]})[0] == 200
+    assert r.post("/generate", {"input_ids": [[1, 2], [3, 4], [5]]})[0] == 200
+    assert r.post("/v1/completions", {"prompt": ["x", "y"]})[0] == 200
+    sent = [x["body"] for x in d.requests()]
+    for body, n in zip(sent, (4, 3, 2), strict=True):
+        rooms = body["bootstrap_room"]
+        assert isinstance(rooms, list) and len(rooms) == n and len(set(rooms)) == n
+        assert all(isinstance(x, int) and 0 <= x < 2**63 for x in rooms)
+        assert body["bootstrap_host"] == ["127.0.0.1"] * n and body["bootstrap_port"] == [8999] * n
+    assert len(sent[0]["rid"]) == 4 and len(set(sent[0]["rid"])) == 4  # one rid per input for /generate
+    assert p.requests()[0]["body"]["bootstrap_room"] == sent[0]["bootstrap_room"]
+
+
+def test_both_legs_concurrent(workers, make_router):
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin")
+    p.config(hold=1)  # the prefill leg does not answer until released
+    d.config(hold=1)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(out=r.post("/generate", {"text": "hi"})))
+    t.start()
+    # both workers have the request while neither has answered: the legs were sent together
+    wait_until(lambda: p.requests() and d.requests(), what="both legs at their workers")
+    assert not p.requests()[0]["done"] and not d.requests()[0]["done"]
+    p.release()
+    d.release()
+    t.join(30)
+    assert result["out"][0] == 200
+
+
+def test_stream_starts_before_prefill_completes(workers, make_router):
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin")
+    p.config(hold=1)
+    d.config(chunks=3)
+    conn, resp = _stream(r.url, "/generate", {"text": "hi", "stream": True})
+    assert resp.status == 200
+    first = resp.readline()
+    assert first.startswith(b"data: ") and b"out0" in first
+    # the client has stream bytes while the prefill leg is still held
+    assert p.requests() and not p.requests()[0]["done"]
+    p.release()
+    rest = resp.read()
+    assert rest.rstrip().endswith(b"data: [DONE]")
+    conn.close()
+
+
+def test_logprobs_merged(workers, make_router):
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin")
+    status, _, body = r.post("/generate", {"text": "hi", "return_logprob": True})
+    assert status == 200
+    assert json.loads(body)["meta_info"]["input_token_logprobs"] == [[-1.0, 11, None], [-1.5, 12, None],
+                                                                     [-2.0, 13, None]]
+    status, _, body = r.post("/generate", {"text": "hi", "return_logprob": True, "stream": True})
+    events = [json.loads(x[6:]) for x in body.decode().split("\n\n") if x.startswith("data: {")]
+    assert events and all(e["meta_info"]["input_token_logprobs"][:2] == [[-1.0, 11, None], [-1.5, 12, None]]
+                          for e in events)
+
+
+def test_status_preserved_429(workers, make_router):
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin", "--retry-max-retries", "2")
+    d.config(status=429)
+    status, _, body = r.post("/generate", {"text": "hi"})
+    assert status == 429 and b"says 429" in body
+    status, _, body = r.post("/generate", {"text": "hi", "stream": True})
+    assert status == 429 and json.loads(body)["error"]["code"] == 429
+    assert len(d.requests()) == 4  # 2 attempts each
+    d.config(status=400)  # not retryable: passed through at once
+    status, _, _ = r.post("/generate", {"text": "hi"})
+    assert status == 400 and len(d.requests()) == 5
+
+
+def _run_two(r, body):
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(r.post("/generate", body))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def test_retry_aborts_orphan_decode_leg(workers, make_router):
+    (p0, p1), d = workers["p"], workers["d"][0]
+    r = make_router([p0, p1], [d], "--prefill-policy", "round_robin", "--decode-policy", "random")
+    p0.config(status=503)
+    d.config(hold=-1)  # decode legs wait (as for their KV) until released or aborted
+    threads, results = _run_two(r, {"text": "hi"})  # round robin: one of them tries p0 first
+    wait_until(lambda: len(d.aborts()) == 1 and len(d.requests()) == 3, what="abort and retry")
+    failed_rid = p0.requests()[0]["body"]["rid"]
+    assert d.aborts() == [failed_rid]  # the abandoned decode leg was aborted on its node
+    d.release()
+    for t in threads:
+        t.join(30)
+    assert [x[0] for x in results] == [200, 200]
+    sent = [x["body"] for x in d.requests()]
+    assert len({s["bootstrap_room"] for s in sent}) == 3 and len({s["rid"] for s in sent}) == 3
+    assert len(p1.requests()) == 2  # the retry re-sent both legs, avoiding the failed worker
+    retry = [s for s in sent if s["rid"] not in {x["body"]["rid"] for x in p0.requests()}]
+    assert sorted(x["body"]["bootstrap_room"] for x in p1.requests()) == sorted(s["bootstrap_room"] for s in retry)
+
+
+def test_decode_failure_aborts_prefill_leg(workers, make_router):
+    p, (d0, d1) = workers["p"][0], workers["d"]
+    r = make_router([p], [d0, d1], "--prefill-policy", "random", "--decode-policy", "round_robin")
+    p.config(hold=-1)
+    d0.config(status=503)
+    threads, results = _run_two(r, {"text": "hi", "stream": True})
+    wait_until(lambda: len(p.aborts()) == 1 and len(p.requests()) == 3, what="abort and retry")
+    assert p.aborts() == [d0.requests()[0]["body"]["rid"]]
+    p.release()
+    for t in threads:
+        t.join(30)
+    assert [x[0] for x in results] == [200, 200]
+    assert all(x[2].rstrip().endswith(b"data: [DONE]") for x in results)
+    assert len(d1.requests()) == 2
+
+
+def test_mid_stream_failure_is_sse_error_then_done(workers, make_router):
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin")
+    d.config(chunks=5, break_after=2)
+    status, _, body = r.post("/generate", {"text": "hi", "stream": True})
+    assert status == 200
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert b"out1" in body and b"out2" not in body
+    err = json.loads(events[-2][len("data: "):])
+    assert err["error"]["code"] == 502 and "decode" in err["error"]["message"]
+    assert events[-1] == "data: [DONE]"
+
+
+def test_client_disconnect_aborts_both_legs(workers, make_router):
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin")
+    p.config(hold=1)
+    d.config(chunks=1000, chunk_delay=0.05)
+    conn, resp = _stream(r.url, "/generate", {"text": "hi", "stream": True})
+    assert resp.readline().startswith(b"data: ")
+    rid = d.requests()[0]["body"]["rid"]
+    conn.sock.close()
+    conn.close()
+    wait_until(lambda: rid in d.aborts() and rid in p.aborts(), what="aborts of both legs")
+
+
+def test_request_id_and_api_key(workers, make_router):
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin", "--api-key", "sekret")
+    status, _, body = r.post("/generate", {"text": "hi"})
+    assert status == 401 and json.loads(body)["error"]["code"] == 401
+    assert http("GET", r.url + "/health")[0] == 200  # probes stay open
+    status, headers, _ = r.post("/generate", {"text": "hi"}, {"Authorization": "Bearer sekret",
+                                                              "X-Request-ID": "trace-42"})
+    assert status == 200 and headers["x-request-id"] == "trace-42"
+    for w in (p, d):
+        h = {k.lower(): v for k, v in w.requests()[-1]["headers"].items()}
+        assert h["x-request-id"] == "trace-42" and h["authorization"] == "Bearer sekret"
+    status, headers, _ = r.post("/generate", {"text": "hi"}, {"Authorization": "Bearer sekret"})
+    assert status == 200 and len(headers["x-request-id"]) == 32
+    log = r.log_path.read_text()
+    assert "rid=trace-42 /generate status=200" in log and f"decode={d.url}" in log
+
+
+def test_malformed_input_400_names_field(workers, make_router):
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin")
+    cases = [
+        ("/generate", b"{not json", "malformed JSON"),
+        ("/generate", b"[1, 2]", "JSON object"),
+        ("/generate", {"sampling_params": {}}, "`text`"),
+        ("/generate", {"text": "x", "sampling_params": {"temperature": "hot"}}, "temperature"),
+        ("/generate", {"text": "x", "sampling_params": {"top_p": 2}}, "top_p"),
+        ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, "bogus"),
+        ("/generate", {"text": "x", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ("/v1/chat/completions", {"model": "m"}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+         "temperature"),
+    ]
+    for path, body, field in cases:
+        status, _, out = r.post(path, body if isinstance(body, bytes) else json.dumps(body).encode())
+        err = json.loads(out)["error"]
+        assert status == 400 and err["code"] == 400 and err["type"] == "invalid_request_error", (path, body, out)
+        assert field in err["message"], (field, err["message"])
+    assert d.requests() == [] and p.requests() == []  # nothing invalid reached a worker
