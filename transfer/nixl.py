@@ -1,0 +1,170 @@
+"""NIXL backend: one-sided WRITEs through a NIXL agent with its UCX plugin.
+
+* `register` registers host regions with the agent (`mem_type` "DRAM"; "VRAM" on GPUs, where the
+  region's device id would come from the caller's tensor; here it is always 0).
+* `describe()` is the agent's full metadata (connection info + registered regions), msgpack-framed
+  with the agent name so a repeated `add_peer` is a cheap no-op.
+* `add_peer` loads the remote metadata and returns the remote agent name.
+* `write` builds Nx3 (addr, len, dev 0) descriptor lists for both sides, creates a WRITE request,
+  posts it and polls it to DONE (NIXL's own progress thread drives UCX); "ERR" or the timeout
+  raises `TransferError`. Lists are not prepped once (`prep_xfer_dlist`): the region set differs
+  on every call and prepping pays off only for a fixed descriptor grid, which this interface does
+  not carry. Building both lists is one numpy fill per batch.
+
+Settings: `device_name` becomes the UCX plugin's `ucx_devices` (e.g. "mlx5_0:1"); the usual UCX
+environment (UCX_TLS, UCX_NET_DEVICES, UCX_KEEPALIVE_INTERVAL) is honoured by NIXL's bundled UCX.
+NIXL_LOG_LEVEL controls NIXL's logging. Packages: `nixl` and `nixl-cu12`, both with --no-deps.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from transfer.engine import BackendUnavailable, TransferEngine, TransferError
+
+_INSTALL_HINT = "install nixl-cu12 and nixl with pip --no-deps"
+_POLL_SLEEP_S = 20e-6
+
+
+class _Description(msgspec.Struct, array_like=True):
+    agent_name: str
+    metadata: bytes
+
+
+class NixlEngine(TransferEngine):
+    name = "nixl"
+
+    def __init__(
+        self,
+        hostname: str = "127.0.0.1",
+        device_name: str | None = None,
+        mem_type: str = "DRAM",
+        timeout: float = 30.0,
+        num_threads: int = 0,
+    ) -> None:
+        super().__init__(hostname, device_name)
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        except ImportError as exc:
+            raise BackendUnavailable(f"nixl backend needs nixl: {_INSTALL_HINT} ({exc})") from exc
+        self.mem_type = mem_type
+        self.timeout = timeout
+        self._agent_name = f"pdserve-{hostname}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # STRICT: NIXL serialises its own API calls, so writer threads need no lock around it.
+        config = nixl_agent_config(
+            enable_prog_thread=True,
+            backends=[],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        self._agent = nixl_agent(self._agent_name, config)
+        if "UCX" not in self._agent.get_plugin_list():
+            raise BackendUnavailable(f"nixl has no UCX plugin: {_INSTALL_HINT}")
+        params: dict[str, str] = {}
+        if device_name:
+            params["ucx_devices"] = device_name
+        if num_threads > 0:
+            params["num_threads"] = str(num_threads)
+        self._agent.create_backend("UCX", params)
+        self._lock = threading.Lock()
+        self._reg_descs: list[object] = []
+        self._peers: set[str] = set()
+
+    def register(self, ptr: int, length: int) -> None:
+        descs = self._agent.register_memory([(ptr, length, 0, "")], self.mem_type)
+        with self._lock:
+            self._reg_descs.append(descs)
+
+    def describe(self) -> bytes:
+        md = self._agent.get_agent_metadata()
+        return msgspec.msgpack.encode(_Description(self._agent_name, bytes(md)))
+
+    def add_peer(self, description: bytes) -> str:
+        desc = msgspec.msgpack.decode(description, type=_Description)
+        with self._lock:
+            if desc.agent_name not in self._peers:
+                name = self._agent.add_remote_agent(desc.metadata)
+                name = name.decode() if isinstance(name, bytes) else name
+                if name != desc.agent_name:
+                    raise TransferError(f"nixl metadata names agent {name!r}, expected {desc.agent_name!r}")
+                self._peers.add(name)
+        return desc.agent_name
+
+    def _dlist(self, addrs: Sequence[int], lengths: Sequence[int]):
+        arr = np.zeros((len(addrs), 3), dtype=np.uint64)
+        arr[:, 0] = addrs
+        arr[:, 1] = lengths
+        return self._agent.get_xfer_descs(arr, self.mem_type)
+
+    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int]) -> None:
+        if not (len(src) == len(dst) == len(lengths)):
+            raise ValueError("src, dst and lengths must have the same length")
+        keep = [i for i, n in enumerate(lengths) if n > 0]
+        if not keep:
+            return
+        with self._lock:
+            known = peer in self._peers
+        if not known:
+            raise TransferError(f"unknown nixl peer {peer!r}")
+        local = self._dlist([src[i] for i in keep], [lengths[i] for i in keep])
+        remote = self._dlist([dst[i] for i in keep], [lengths[i] for i in keep])
+        try:
+            handle = self._agent.initialize_xfer("WRITE", local, remote, peer)
+        except Exception as exc:  # nixlBind raises its own exception types (e.g. nixlNotFoundError)
+            raise TransferError(f"nixl could not create a WRITE to {peer}: {exc}") from exc
+        try:
+            self._run(handle, peer)
+        finally:
+            self._release(handle)
+
+    def _run(self, handle, peer: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        try:
+            state = self._agent.transfer(handle)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferError(f"nixl write to {peer} timed out after {self.timeout:.1f}s")
+                time.sleep(_POLL_SLEEP_S)
+                state = self._agent.check_xfer_state(handle)
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise TransferError(f"nixl write to {peer} failed: {exc}") from exc
+        if state != "DONE":
+            raise TransferError(f"nixl write to {peer} failed (state {state})")
+
+    def _release(self, handle) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:
+            # A request NIXL cannot abort yet: the handle's finaliser parks it on the agent's leak
+            # list, which NIXL frees when the agent is destroyed. The write already failed loudly.
+            return
+
+    def remove_peer(self, peer: str) -> None:
+        with self._lock:
+            if peer not in self._peers:
+                return
+            self._peers.discard(peer)
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception as exc:
+            raise TransferError(f"nixl could not forget {peer}: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers), set()
+            descs, self._reg_descs = self._reg_descs, []
+        for peer in peers:
+            try:
+                self._agent.remove_remote_agent(peer)
+            except Exception:
+                pass  # the peer may already be gone; close must release everything else regardless
+        for d in descs:
+            self._agent.deregister_memory(d)
