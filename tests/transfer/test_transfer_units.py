@@ -1,0 +1,164 @@
+"""In-process tests of the transfer layer's pieces: region planning, metadata rows, settings,
+the backend registry, and the bootstrap server's routes and registration checks."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from kv_harness import free_port
+
+from common.memory.kv_pool import KVPool
+from transfer.backends import create_engine, get_engine_class
+from transfer.base import KVArgs, KVPoll, TransferSettings
+from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
+from transfer.engine import BackendUnavailable
+from transfer.manager import KVManager, _ranks_overlapping, _regions
+from transfer.metadata import MetadataAllocator, MetadataBuffers
+
+
+def test_contiguous_runs_coalesce_into_one_region():
+    base = np.array([1000, 5000], dtype=np.int64)
+    item = np.array([10, 10], dtype=np.int64)
+    s = np.array([3, 4, 5, 9, 10], dtype=np.int64)
+    t = np.array([7, 8, 9, 2, 4], dtype=np.int64)
+    src, dst, lens = _regions(base, base + 100000, item, item, s, t, 0, 0, 10)
+    # per buffer: run 3..5 -> 7..9 is one region; 9 -> 2 and 10 -> 4 break (destination not contiguous)
+    assert lens == [30, 10, 10, 30, 10, 10]
+    assert src[:3] == [1030, 1090, 1100] and dst[:3] == [101070, 101020, 101040]
+
+
+def test_head_slices_never_coalesce():
+    base = np.array([0], dtype=np.int64)
+    item = np.array([40], dtype=np.int64)
+    s = np.array([1, 2], dtype=np.int64)
+    src, dst, lens = _regions(base, base, item, np.array([20], dtype=np.int64), s, s, 20, 0, 20)
+    assert src == [60, 100] and dst == [20, 40] and lens == [20, 20]
+
+
+def test_rank_overlap():
+    assert _ranks_overlapping(0, 4, 4, 2) == [0, 1]  # a decode tp 1 rank gathers both prefill ranks
+    assert _ranks_overlapping(2, 4, 4, 1) == [0]  # a decode tp 2 rank reads half of the prefill rank
+
+
+def test_metadata_rows_round_trip_and_are_64_bytes():
+    meta = MetadataBuffers(4, max_top_logprobs=3, hidden_size=5, spec_topk=2)
+    assert all(row >= 64 and row % 64 == 0 for _, _, row in meta.buffers())
+    meta.set_buf(2, first_token_id=11, cached_tokens=3, logprob_val=-0.25, logprob_idx=11, top_vals=[-0.25, -1.0],
+                 top_idxs=[11, 12], room=987654321987, topk_p=[0.5, 0.5], topk_index=[11, 5],
+                 hidden_state=[1, 2, 3, 4, 5])
+    row = meta.get_buf(2)
+    assert (row["first_token_id"], row["cached_tokens"], row["room"]) == (11, 3, 987654321987)
+    assert row["top_idxs"].tolist() == [11, 12, 0] and row["hidden_state"].tolist() == [1, 2, 3, 4, 5]
+    assert meta.get_room(1) == 0
+    with pytest.raises(ValueError):
+        meta.set_buf(0, 1, top_vals=[0.0] * 4)
+
+
+def test_metadata_allocator():
+    alloc = MetadataAllocator(2)
+    a, b = alloc.alloc(), alloc.alloc()
+    assert {a, b} == {0, 1} and alloc.alloc() is None
+    alloc.free(a)
+    assert alloc.alloc() == a
+    with pytest.raises(ValueError):
+        alloc.free(7)
+
+
+def test_kvargs_from_pool_describes_pages_and_heads():
+    pool = KVPool(8, 4, 2, 2, 16)
+    meta = MetadataBuffers(4)
+    state = torch.zeros((3, 6, 5))
+    args = KVArgs.from_pool(pool, meta, [state], state_type="mamba", engine_rank=1, tp_size=2, model="m")
+    assert args.num_layers == 2 and args.kv_item_lens[0] == pool.page_bytes
+    assert args.head_bytes == pool.head_bytes and args.total_kv_heads == 4
+    assert args.state_item_lens == [6 * 5 * 4] and args.state_dim_per_tensor == [6]
+    assert args.aux_room_index == meta.room_index
+
+
+def test_settings_env_and_overrides(monkeypatch):
+    monkeypatch.setenv("PDSERVE_HEARTBEAT_INTERVAL", "0.5")
+    monkeypatch.setenv("DISAGGREGATION_TEST_FAILURE_PROB", "0.25")
+    s = TransferSettings.from_env(waiting_timeout=7.0, bootstrap_timeout=None)
+    assert (s.heartbeat_interval, s.failure_prob, s.waiting_timeout, s.bootstrap_timeout) == (0.5, 0.25, 7.0, 300.0)
+    with pytest.raises(ValueError):
+        TransferSettings.from_env(failure_prob=2.0)
+
+
+def test_backend_registry(monkeypatch):
+    with pytest.raises(ValueError, match="unknown transfer backend"):
+        get_engine_class("carrier-pigeon")
+    assert get_engine_class("fake").__name__ == "FakeEngine"
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    with pytest.raises(BackendUnavailable, match="pip install mooncake-transfer-engine"):
+        create_engine("mooncake")
+
+
+def _info(**kw) -> dict:
+    info = {"role": "prefill", "tp_rank": 0, "tp_size": 2, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+            "rank_ip": "127.0.0.1", "rank_port": 5555, "page_size": 16, "model": "smollm", "kv_layout": "L",
+            "kv_heads_total": 4, "start_layer": 0, "num_layers": 30}
+    info.update(kw)
+    return info
+
+
+@pytest.fixture
+def server():
+    srv = BootstrapServer("127.0.0.1", free_port())
+    srv.start()
+    yield f"127.0.0.1:{srv.port}"
+    srv.stop()
+
+
+def test_bootstrap_routes(server):
+    client = BootstrapClient()
+    assert client.health(server)
+    assert client.layout(server) is None  # 404 before any registration: the decode side keeps polling
+    client.register(server, _info())
+    assert client.rank(server, 1, 0, 0) is None
+    client.register(server, _info(tp_rank=1, rank_port=5556))
+    layout = client.layout(server)
+    assert (layout["tp_size"], layout["page_size"], layout["model"], layout["ranks"]) == (2, 16, "smollm", 2)
+    assert client.rank(server, 1, 0, 0)["rank_port"] == 5556
+    with urllib.request.urlopen(f"http://{server}/route?engine_rank=0&target_dp_group=0&target_pp_rank=0") as r:
+        assert json.loads(r.read())["rank_ip"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("field,value", [("page_size", 32), ("model", "other-model")])
+def test_bootstrap_rejects_different_page_size_or_model(server, field, value):
+    client = BootstrapClient()
+    client.register(server, _info())
+    with pytest.raises(BootstrapError) as err:
+        client.register(server, _info(tp_rank=1, **{field: value}))
+    msg = str(err.value)
+    assert "409" in msg and field in msg and str(value) in msg and str(_info()[field]) in msg
+
+
+def test_prefill_manager_with_different_page_size_fails_to_start(server):
+    BootstrapClient().register(server, _info(page_size=8, model="test-model", kv_heads_total=2, tp_size=1))
+    pool = KVPool(8, 4, 2, 2, 16)
+    args = KVArgs.from_pool(pool, MetadataBuffers(2), model="test-model")
+    with pytest.raises(BootstrapError, match="page_size mismatch.*8.*4"):
+        KVManager(args, "prefill", "fake", bootstrap_addr=server)
+
+
+def test_decode_receiver_fails_on_layout_mismatch(server):
+    BootstrapClient().register(server, _info(page_size=8, model="test-model", kv_heads_total=2, tp_size=1))
+    pool = KVPool(8, 4, 2, 2, 16)
+    mgr = KVManager(KVArgs.from_pool(pool, MetadataBuffers(2), model="test-model"), "decode", "fake")
+    try:
+        recv = mgr.create_receiver(server, room=77)
+        recv.init([1, 2], 0)
+        for _ in range(200):
+            if recv.poll() == KVPoll.Failed:
+                break
+            time.sleep(0.02)
+        assert recv.poll() == KVPoll.Failed and "page size mismatch" in recv.failure_exception().reason
+    finally:
+        mgr.close()

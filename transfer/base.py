@@ -1,0 +1,265 @@
+"""Shared types of the KV transfer layer: poll states, settings, per-rank buffer description, and the
+abstract manager / sender / receiver / bootstrap-server interfaces every backend presents.
+
+A prefill rank owns one `KVManager` (role "prefill") and creates a `KVSender` per request (room);
+a decode rank owns one `KVManager` (role "decode") and creates a `KVReceiver` per request. The
+concrete classes live in `transfer/manager.py`; a backend only supplies the byte mover
+(`transfer/engine.py: TransferEngine`).
+
+Settings (`TransferSettings.from_env()`, each overridable by constructor keyword):
+
+=============================  =====================================  =======
+env var                        meaning                                default
+=============================  =====================================  =======
+PDSERVE_BOOTSTRAP_TIMEOUT      prefill: seconds a room waits for the  300
+                               decode's TransferInfo; decode: seconds
+                               to resolve the prefill ranks
+PDSERVE_WAITING_TIMEOUT        decode: seconds to wait for Success    300
+                               after sending TransferInfo
+PDSERVE_HEARTBEAT_INTERVAL     seconds between pings to live peers    1.0
+PDSERVE_HEARTBEAT_MAX_FAILURES missed intervals before a peer is dead 3
+DISAGGREGATION_TEST_FAILURE_PROB  share of rooms the sender fails     0.0
+                               on purpose ("injected failure")
+PDSERVE_TRANSFER_WORKERS       worker threads per manager             4
+PDSERVE_TRANSFER_PROTOCOL      mooncake protocol: tcp | rdma          tcp
+PDSERVE_TRANSFER_DEVICES       engine device names (e.g. mlx5_0,...)  ""
+=============================  =====================================  =======
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import os
+from dataclasses import dataclass, field
+
+# How KV buffers are laid out; both sides of a transfer must agree (checked at bootstrap).
+KV_LAYOUT = "page,head,token,dim"
+
+STATE_TYPES = ("none", "mamba", "swa")
+
+
+class KVPoll(enum.IntEnum):
+    """Transfer state of one room. Ordered so that MIN over ranks is the most pessimistic state."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class KVTransferError(RuntimeError):
+    """Why a room failed; `failure_exception()` returns one of these."""
+
+    def __init__(self, room: int, reason: str) -> None:
+        super().__init__(f"room {room}: {reason}")
+        self.room = room
+        self.reason = reason
+
+
+def _env(name: str, cast, default):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return cast(raw)
+    except ValueError as e:
+        raise ValueError(f"bad value for {name}: {raw!r}") from e
+
+
+@dataclass
+class TransferSettings:
+    bootstrap_timeout: float = 300.0
+    waiting_timeout: float = 300.0
+    heartbeat_interval: float = 1.0
+    heartbeat_max_failures: int = 3
+    failure_prob: float = 0.0
+    num_workers: int = 4
+    protocol: str = "tcp"
+    device_name: str = ""
+
+    @classmethod
+    def from_env(cls, **overrides) -> TransferSettings:
+        """Settings from the environment; keyword arguments that are not None win."""
+        s = cls(
+            bootstrap_timeout=_env("PDSERVE_BOOTSTRAP_TIMEOUT", float, cls.bootstrap_timeout),
+            waiting_timeout=_env("PDSERVE_WAITING_TIMEOUT", float, cls.waiting_timeout),
+            heartbeat_interval=_env("PDSERVE_HEARTBEAT_INTERVAL", float, cls.heartbeat_interval),
+            heartbeat_max_failures=_env("PDSERVE_HEARTBEAT_MAX_FAILURES", int, cls.heartbeat_max_failures),
+            failure_prob=_env("DISAGGREGATION_TEST_FAILURE_PROB", float, cls.failure_prob),
+            num_workers=_env("PDSERVE_TRANSFER_WORKERS", int, cls.num_workers),
+            protocol=_env("PDSERVE_TRANSFER_PROTOCOL", str, cls.protocol),
+            device_name=_env("PDSERVE_TRANSFER_DEVICES", str, cls.device_name),
+        )
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key, value in overrides.items():
+            if key not in names:
+                raise TypeError(f"unknown transfer setting {key!r}")
+            if value is not None:
+                setattr(s, key, value)
+        if not 0.0 <= s.failure_prob <= 1.0:
+            raise ValueError(f"DISAGGREGATION_TEST_FAILURE_PROB must be in [0, 1], got {s.failure_prob}")
+        if s.heartbeat_interval <= 0 or s.heartbeat_max_failures < 1:
+            raise ValueError("heartbeat interval must be > 0 and max failures >= 1")
+        return s
+
+    @property
+    def heartbeat_window(self) -> float:
+        """Seconds of silence after which a peer with live transfers is declared dead."""
+        return self.heartbeat_interval * self.heartbeat_max_failures
+
+
+@dataclass
+class KVArgs:
+    """Everything the transfer layer needs to know about one rank's buffers and place.
+
+    KV buffers: `kv_data_ptrs` lists K of each local layer, then V of each local layer; each buffer
+    is `[num_pages, kv_head_num, page_size, head_dim]` contiguous, so `kv_item_lens[i]` is the bytes
+    of one page and `kv_item_lens[i] // kv_head_num` of one head within a page.
+    Aux buffers hold the per-request metadata rows (`aux_item_lens[i]` bytes a row); the row of
+    `aux_room_index` starts with the int64 bootstrap room, which the receiver checks.
+    State buffers (hybrid models) hold one item per state slot (`state_item_lens[i]` bytes); the
+    item's leading dimension (`state_dim_per_tensor[i]` on this rank) is split across TP ranks.
+    """
+
+    kv_data_ptrs: list[int]
+    kv_data_lens: list[int]
+    kv_item_lens: list[int]
+    kv_head_num: int
+    page_size: int
+    aux_data_ptrs: list[int] = field(default_factory=list)
+    aux_data_lens: list[int] = field(default_factory=list)
+    aux_item_lens: list[int] = field(default_factory=list)
+    aux_room_index: int = -1
+    state_data_ptrs: list[int] = field(default_factory=list)
+    state_data_lens: list[int] = field(default_factory=list)
+    state_item_lens: list[int] = field(default_factory=list)
+    state_type: str = "none"
+    state_dim_per_tensor: list[int] = field(default_factory=list)
+    engine_rank: int = 0  # TP rank
+    tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    start_layer: int = 0
+    total_kv_heads: int = 0  # 0: kv_head_num * tp_size
+    model: str = ""
+    kv_layout: str = KV_LAYOUT
+
+    def __post_init__(self) -> None:
+        if self.total_kv_heads == 0:
+            self.total_kv_heads = self.kv_head_num * self.tp_size
+        if len(self.kv_data_ptrs) % 2 or not self.kv_data_ptrs:
+            raise ValueError("kv_data_ptrs must list K then V buffers of each layer")
+        if not (len(self.kv_data_ptrs) == len(self.kv_data_lens) == len(self.kv_item_lens)):
+            raise ValueError("kv_data_ptrs, kv_data_lens and kv_item_lens must have equal length")
+        if not (len(self.aux_data_ptrs) == len(self.aux_data_lens) == len(self.aux_item_lens)):
+            raise ValueError("aux_data_ptrs, aux_data_lens and aux_item_lens must have equal length")
+        n_state = len(self.state_data_ptrs)
+        if not (n_state == len(self.state_data_lens) == len(self.state_item_lens)):
+            raise ValueError("state_data_ptrs, state_data_lens and state_item_lens must have equal length")
+        if n_state and len(self.state_dim_per_tensor) != n_state:
+            raise ValueError("state_dim_per_tensor needs one leading dimension per state buffer")
+        if self.state_type not in STATE_TYPES:
+            raise ValueError(f"state_type must be one of {STATE_TYPES}, got {self.state_type!r}")
+        if self.total_kv_heads % self.tp_size or self.total_kv_heads // self.tp_size != self.kv_head_num:
+            raise ValueError(f"{self.total_kv_heads} kv heads cannot be split evenly over tp {self.tp_size} "
+                             f"into {self.kv_head_num} heads per rank")
+        if any(n % self.kv_head_num for n in self.kv_item_lens):
+            raise ValueError("kv_item_lens must be a multiple of kv_head_num (head-major pages)")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv_data_ptrs) // 2
+
+    @property
+    def head_bytes(self) -> int:
+        return self.kv_item_lens[0] // self.kv_head_num
+
+    @classmethod
+    def from_pool(cls, kv_pool, metadata=None, state_buffers=None, state_type: str = "none",
+                  state_dim_per_tensor: list[int] | None = None, **rank) -> KVArgs:
+        """Describe a `common.memory.kv_pool.KVPool`, an optional `transfer.metadata.MetadataBuffers`
+        and optional state tensors (`[num_slots, leading_dim, ...]` contiguous, one item per slot).
+
+        `rank` takes the remaining fields: engine_rank, tp_size, dp_rank, dp_size, pp_rank, pp_size,
+        start_layer, model (and total_kv_heads if the pool's heads are not total / tp_size)."""
+        bufs = kv_pool.buffers()
+        aux = metadata.buffers() if metadata is not None else []
+        states = list(state_buffers or [])
+        for t in states:
+            if not t.is_contiguous():
+                raise ValueError("state buffers must be contiguous")
+        dims = state_dim_per_tensor or [int(t.shape[1]) if t.dim() > 1 else 1 for t in states]
+        if states and state_type == "none":
+            raise ValueError("state buffers given with state_type 'none'")
+        return cls(
+            kv_data_ptrs=[b.data_ptr() for b in bufs],
+            kv_data_lens=[b.numel() * b.element_size() for b in bufs],
+            kv_item_lens=[kv_pool.page_bytes] * len(bufs),
+            kv_head_num=kv_pool.kv_heads,
+            page_size=kv_pool.page_size,
+            aux_data_ptrs=[a[0] for a in aux],
+            aux_data_lens=[a[1] for a in aux],
+            aux_item_lens=[a[2] for a in aux],
+            aux_room_index=metadata.room_index if metadata is not None else -1,
+            state_data_ptrs=[t.data_ptr() for t in states],
+            state_data_lens=[t.numel() * t.element_size() for t in states],
+            state_item_lens=[t[0].numel() * t.element_size() for t in states],
+            state_type=state_type,
+            state_dim_per_tensor=dims,
+            **rank,
+        )
+
+
+class BaseKVManager(abc.ABC):
+    """One per rank: owns the engine, the control-plane sockets and the worker threads."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class BaseKVSender(abc.ABC):
+    @abc.abstractmethod
+    def init(self, num_kv_pages: int, metadata_index: int) -> None:
+        """Declare how many pages this request will send and its source metadata slot."""
+
+    @abc.abstractmethod
+    def send(self, page_indices, state_indices=None, last: bool = False) -> None:
+        """Queue one chunk of pages (full pages unless `last`); the last chunk also moves state slots
+        and the metadata row. Returns at once."""
+
+    @abc.abstractmethod
+    def poll(self) -> KVPoll: ...
+
+    @abc.abstractmethod
+    def failure_exception(self) -> Exception: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+
+class BaseKVReceiver(abc.ABC):
+    @abc.abstractmethod
+    def init(self, dst_page_indices, metadata_index: int, state_indices=None) -> None:
+        """Declare where the pages, metadata row and state slots must land; tells the prefill ranks."""
+
+    @abc.abstractmethod
+    def poll(self) -> KVPoll: ...
+
+    @abc.abstractmethod
+    def failure_exception(self) -> Exception: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+
+class BaseKVBootstrapServer(abc.ABC):
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def stop(self) -> None: ...

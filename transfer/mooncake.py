@@ -1,0 +1,82 @@
+"""The `mooncake` backend: Mooncake TransferEngine (pip `mooncake-transfer-engine`, or
+`mooncake-transfer-engine-non-cuda` on CPU-only hosts).
+
+The engine runs in P2P-handshake mode (no metadata server): `initialize(host, "P2PHANDSHAKE",
+protocol, devices)` starts its RPC listener, and a peer is addressed by the session id
+`host:rpc_port`, which is all `describe()` returns. Writes are `batch_transfer_sync_write` of the
+whole region list; a non-zero return raises `TransferError`.
+
+Settings: protocol "tcp" (default; the only one on hosts without RDMA NICs) or "rdma" on clusters
+(`TransferSettings.protocol` / PDSERVE_TRANSFER_PROTOCOL); RDMA device names such as "mlx5_0,mlx5_1"
+(`device_name` / PDSERVE_TRANSFER_DEVICES; empty = auto-discovery). Large batches need Mooncake's
+TCP per-peer queue raised: MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER and
+MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER default to 65535 here unless already set.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+
+from transfer.engine import BackendUnavailable, TransferEngine, TransferError
+
+_INSTALL_HINT = ("pip install mooncake-transfer-engine (CUDA hosts) or mooncake-transfer-engine-non-cuda "
+                 "(CPU-only; needs Debian libibverbs1 libnl-3-200 libnl-route-3-200)")
+
+_ENV_DEFAULTS = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+    "GLOG_minloglevel": "1",  # Mooncake logs every connection at INFO; keep warnings and errors
+}
+
+
+class MooncakeEngine(TransferEngine):
+    name = "mooncake"
+
+    def __init__(self, hostname: str = "127.0.0.1", device_name: str | None = None, protocol: str = "tcp") -> None:
+        super().__init__(hostname, device_name)
+        for key, value in _ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        try:
+            from mooncake.engine import TransferEngine as _MooncakeTE
+        except ImportError as exc:
+            raise BackendUnavailable(f"mooncake backend needs Mooncake: {_INSTALL_HINT} ({exc})") from exc
+        self.protocol = protocol
+        self._engine = _MooncakeTE()
+        ret = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name or "")
+        if ret != 0:
+            raise TransferError(f"Mooncake initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}, "
+                                f"{device_name or ''!r}) failed with {ret}")
+        self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
+        self._registered: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+
+    def register(self, ptr: int, length: int) -> None:
+        ret = self._engine.register_memory(ptr, length)
+        if ret != 0:
+            raise TransferError(f"Mooncake register_memory({ptr:#x}, {length}) failed with {ret}")
+        with self._lock:
+            self._registered.append((ptr, length))
+
+    def describe(self) -> bytes:
+        return self.session_id.encode()
+
+    def add_peer(self, description: bytes) -> str:
+        return description.decode()
+
+    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int]) -> None:
+        if not (len(src) == len(dst) == len(lengths)):
+            raise TransferError("src, dst and lengths differ in length")
+        if not src:
+            return
+        ret = self._engine.batch_transfer_sync_write(peer, list(src), list(dst), list(lengths))
+        if ret != 0:
+            raise TransferError(f"Mooncake batch write of {len(src)} regions ({sum(lengths)} bytes) to {peer} "
+                                f"failed with {ret}")
+
+    def close(self) -> None:
+        with self._lock:
+            regions, self._registered = self._registered, []
+        for ptr, _ in regions:
+            self._engine.unregister_memory(ptr)
