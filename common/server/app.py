@@ -1,0 +1,451 @@
+"""The aiohttp application of a node: SGLang-native and OpenAI-compatible endpoints.
+
+Every error is JSON `{"error": {"message", "type", "code"}}`; bad input is a 400 whose message names
+the field. `create_app(...)` builds the app around a `TokenizerManager`; `launch.py` runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from common.protocol import AbortHTTPRequest, BadRequest, GenerateRequest, TokenizedRequest, decode_json
+from common.server.tokenizer_manager import ReqState, ServiceUnavailable, TokenizerManager
+
+logger = logging.getLogger("server")
+
+VERSION = "0.1.0"
+TM_KEY = web.AppKey("tm", TokenizerManager)
+INFO_KEY = web.AppKey("info", dict)
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+# ---------------------------------------------------------------------------------------------- errors
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "method_not_allowed", 413: "invalid_request_error",
+                499: "request_aborted", 500: "internal_error", 503: "service_unavailable"}
+
+
+def error_body(message: str, status: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "code": status}}
+
+
+def error_response(message: str, status: int) -> web.Response:
+    return web.json_response(error_body(message, status), status=status, dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def endpoint_label(path: str) -> str:
+    """Metrics label of a route: "/v1/chat/completions" -> "chat_completions"."""
+    p = path.strip("/")
+    if p.startswith("v1/"):
+        p = p[3:]
+    return p.replace("/", "_") or "root"
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    def count(status: int) -> None:
+        tm = request.app.get(TM_KEY)
+        if tm is not None and request.match_info.route.resource is not None:  # known routes only
+            tm.metrics.requests.inc(endpoint=endpoint_label(request.path), status=str(status))
+
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        logger.info("%s %s status=400 error=%s", request.method, request.path, e)
+        count(400)
+        return error_response(str(e), 400)
+    except ServiceUnavailable as e:
+        logger.warning("%s %s status=503 error=%s", request.method, request.path, e)
+        count(503)
+        return error_response(f"service unavailable: {e}", 503)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        if e.status == 405:
+            msg = f"method {request.method} is not allowed on {request.path}"
+        elif e.status == 404:
+            msg = f"no route {request.path}"
+        else:
+            msg = e.reason or e.text or "error"
+        logger.info("%s %s status=%d", request.method, request.path, e.status)
+        count(e.status)
+        return web.json_response(error_body(msg, e.status), status=e.status, headers=_keep_headers(e))
+
+
+def _keep_headers(e: web.HTTPException) -> dict[str, str]:
+    return {k: v for k, v in e.headers.items() if k in ("Allow", "WWW-Authenticate")}
+
+
+def auth_middleware(api_key: str | None):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if api_key and request.path not in OPEN_PATHS:
+            got = request.headers.get("Authorization", "")
+            if got != f"Bearer {api_key}":
+                logger.info("%s %s status=401 (missing or wrong api key)", request.method, request.path)
+                return web.json_response(
+                    error_body("missing or invalid API key: send `Authorization: Bearer <key>`", 401),
+                    status=401, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+async def read_json(request: web.Request, type_: type) -> Any:
+    body = await request.read()
+    return decode_json(body, type_)
+
+
+def check_role(args, host: Any, port: Any, room: Any) -> None:
+    """Prefill/decode nodes only take requests carrying the PD rendezvous (a router injects it)."""
+    mode = args.disaggregation_mode
+    if mode == "null":
+        return
+    if host is None or port is None or room is None:
+        raise BadRequest(f"this is a {mode} node; requests need bootstrap_host/bootstrap_port/bootstrap_room "
+                         "(send them through a PD router)")
+
+
+def _pick(value: Any, i: int, n: int, name: str, batch: bool) -> Any:
+    """The i-th item of a per-item field that may be a scalar (shared) or a list (one per item)."""
+    if isinstance(value, list):
+        if not batch:
+            raise BadRequest(f"`{name}` is a list but the request is not a batch")
+        if len(value) != n:
+            raise BadRequest(f"`{name}` has {len(value)} entries for a batch of {n}")
+        return value[i]
+    return value
+
+
+def logprob_entries(tm: TokenizerManager, pairs: list[tuple[Any, int]], with_text: bool) -> list[list[Any]]:
+    texts = tm.token_texts([p[1] for p in pairs]) if with_text else [None] * len(pairs)
+    return [[p[0], p[1], t] for p, t in zip(pairs, texts, strict=True)]
+
+
+def top_entries(tm: TokenizerManager, rows: list[Any], with_text: bool) -> list[Any]:
+    return [None if r is None else logprob_entries(tm, list(r), with_text) for r in rows]
+
+
+def generate_output(tm: TokenizerManager, st: ReqState, index: int | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": st.rid,
+        "finish_reason": st.finish_reason,
+        "prompt_tokens": st.prompt_tokens,
+        "completion_tokens": st.completion_tokens,
+        "cached_tokens": st.cached_tokens,
+        "e2e_latency": round(st.e2e_latency, 6),
+    }
+    if st.return_logprob:
+        wt = st.return_text_in_logprobs
+        meta["input_token_logprobs"] = logprob_entries(tm, st.input_logprobs, wt)
+        meta["output_token_logprobs"] = logprob_entries(tm, st.output_logprobs, wt)
+        if st.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = top_entries(tm, st.input_top_logprobs, wt)
+            meta["output_top_logprobs"] = top_entries(tm, st.output_top_logprobs, wt)
+    out: dict[str, Any] = {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+def failed(st: ReqState) -> tuple[int, str] | None:
+    """(status, message) when the request ended in an error the client should see as one."""
+    if st.error_status:
+        msg = (st.finish_reason or {}).get("message") or "request failed"
+        return st.error_status, msg
+    return None
+
+
+async def sse_start(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(status=200, headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    return resp
+
+
+async def sse_send(resp: web.StreamResponse, obj: Any) -> None:
+    await resp.write(b"data: " + _dumps(obj).encode() + b"\n\n")
+
+
+async def sse_done(resp: web.StreamResponse) -> None:
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+
+
+# ---------------------------------------------------------------------------------------------- /generate
+def build_generate_requests(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[TokenizedRequest], bool]:
+    if req.text is not None and req.input_ids is not None:
+        raise BadRequest("give either `text` or `input_ids`, not both")
+    if req.text is None and req.input_ids is None:
+        raise BadRequest("`text` or `input_ids` is required")
+    if req.text is not None:
+        batch = isinstance(req.text, list)
+        prompts = req.text if batch else [req.text]
+        field_name = "text"
+        if batch and not prompts:
+            raise BadRequest("`text` is an empty batch")
+        ids_list = [tm.encode_text(t, f"text[{i}]" if batch else "text") for i, t in enumerate(prompts)]
+    else:
+        ids = req.input_ids
+        batch = bool(ids) and isinstance(ids[0], list)
+        field_name = "input_ids"
+        if batch:
+            ids_list = [tm.check_ids(x, f"input_ids[{i}]") for i, x in enumerate(ids)]
+        else:
+            ids_list = [tm.check_ids(ids, "input_ids")]
+    n = len(ids_list)
+    if isinstance(req.sampling_params, list) and not batch:
+        raise BadRequest("`sampling_params` is a list but the request is not a batch")
+    if req.rid is not None and batch and not isinstance(req.rid, list):
+        raise BadRequest("`rid` must be a list with one id per item for a batch")
+    out = []
+    for i, ids in enumerate(ids_list):
+        sp_raw = _pick(req.sampling_params, i, n, "sampling_params", batch)
+        where = f"sampling_params[{i}]" if isinstance(req.sampling_params, list) else "sampling_params"
+        sp = tm.make_sampling(sp_raw, len(ids), where=where, prompt_field=field_name)
+        host = _pick(req.bootstrap_host, i, n, "bootstrap_host", batch)
+        port = _pick(req.bootstrap_port, i, n, "bootstrap_port", batch)
+        room = _pick(req.bootstrap_room, i, n, "bootstrap_room", batch)
+        check_role(tm.args, host, port, room)
+        top_n = _pick(req.top_logprobs_num, i, n, "top_logprobs_num", batch)
+        if top_n < 0:
+            raise BadRequest(f"`top_logprobs_num` must be >= 0, got {top_n}")
+        start = _pick(req.logprob_start_len, i, n, "logprob_start_len", batch)
+        if start < -1 or start >= len(ids):
+            raise BadRequest(f"`logprob_start_len` must be -1 or in [0, {len(ids)}), got {start}")
+        out.append(TokenizedRequest(
+            rid=tm.new_rid(_pick(req.rid, i, n, "rid", batch)), input_ids=ids, sampling=sp, stream=req.stream,
+            return_logprob=bool(_pick(req.return_logprob, i, n, "return_logprob", batch)),
+            logprob_start_len=start, top_logprobs_num=top_n,
+            bootstrap_host=host, bootstrap_port=port, bootstrap_room=room))
+    return out, batch
+
+
+async def _stream_generate(tm: TokenizerManager, states: list[ReqState], notify, resp: web.StreamResponse,
+                           batch: bool) -> None:
+    sent = [-1] * len(states)  # number of output ids at the last chunk of each item (-2: done)
+    while True:
+        await tm.wait(states, notify)
+        for i, st in enumerate(states):
+            if sent[i] == -2:
+                continue
+            if st.finished and failed(st):
+                code, msg = failed(st)
+                await sse_send(resp, error_body(msg, code))
+                sent[i] = -2
+                continue
+            if len(st.output_ids) != sent[i] or st.finished:
+                await sse_send(resp, generate_output(tm, st, i if batch else None))
+                sent[i] = -2 if st.finished else len(st.output_ids)
+        if all(s.finished for s in states):
+            break
+    await sse_done(resp)
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    tm = request.app[TM_KEY]
+    req = await read_json(request, GenerateRequest)
+    treqs, batch = build_generate_requests(tm, req)
+    states, notify = tm.submit(treqs, endpoint="generate", return_text_in_logprobs=req.return_text_in_logprobs)
+    status = 200
+    try:
+        if req.stream:
+            resp = await sse_start(request)
+            try:
+                await _stream_generate(tm, states, notify, resp, batch)
+            except ConnectionResetError:  # the client went away: release() aborts what is unfinished
+                pass
+            return resp
+        while not all(s.finished for s in states):
+            await tm.wait(states, notify)
+        for st in states:
+            err = failed(st)
+            if err:
+                status = err[0]
+                return error_response(err[1], err[0])
+        outs = [generate_output(tm, st) for st in states]
+        return web.json_response(outs if batch else outs[0], dumps=_dumps)
+    except BaseException:
+        status = 499
+        raise
+    finally:
+        for st in states:
+            tm.release(st, status if not failed(st) else st.error_status)
+
+
+# ---------------------------------------------------------------------------------------------- info
+async def handle_health(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    if not tm.healthy:
+        return error_response(f"unhealthy: {tm.dead_reason}", 503)
+    return web.Response(status=200, text="")
+
+
+async def handle_health_generate(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    if not tm.healthy:
+        return error_response(f"unhealthy: {tm.dead_reason}", 503)
+    if tm.args.disaggregation_mode != "null":
+        # a PD node cannot run a request on its own; check that its scheduler answers instead
+        await tm.stats(timeout=20)
+        return web.Response(status=200, text="")
+    sp = tm.make_sampling({"max_new_tokens": 1, "temperature": 0.0}, 1)
+    treq = TokenizedRequest(rid="health-" + tm.new_rid(None), input_ids=[0], sampling=sp)
+    states, notify = tm.submit([treq], endpoint="health_generate")
+    st = states[0]
+    try:
+        deadline = time.time() + 60
+        while not st.finished and time.time() < deadline:
+            try:
+                await _wait_for(tm.wait(states, notify), deadline - time.time())
+            except TimeoutError:
+                break
+        if not st.finished:
+            tm.abort(st.rid, "health check timed out")
+            return error_response("health generation did not finish within 60s", 503)
+        if failed(st) or (st.finish_reason or {}).get("type") == "abort":
+            return error_response(f"health generation failed: {st.finish_reason}", 503)
+        return web.Response(status=200, text="")
+    finally:
+        tm.release(st, 200)
+
+
+async def _wait_for(aw, timeout: float):
+    import asyncio
+
+    return await asyncio.wait_for(aw, max(timeout, 0.001))
+
+
+def model_name(request: web.Request) -> str:
+    return request.app[INFO_KEY]["served_model_name"]
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    info = request.app[INFO_KEY]
+    tm = request.app[TM_KEY]
+    return web.json_response({"object": "list", "data": [{
+        "id": info["served_model_name"], "object": "model", "created": int(info["started"]),
+        "owned_by": "pdserve", "root": info["model_path"], "max_model_len": tm.context_length}]})
+
+
+async def handle_model_info(request: web.Request) -> web.Response:
+    info = request.app[INFO_KEY]
+    tm = request.app[TM_KEY]
+    return web.json_response({
+        "model_path": info["model_path"], "tokenizer_path": tm.tokenizer_path, "is_generation": True,
+        "served_model_name": info["served_model_name"],
+        "model_config": tm.node_info.get("model_config", {}), "context_length": tm.context_length,
+        "vocab_size": tm.vocab_size})
+
+
+def _public_args(args) -> dict[str, Any]:
+    d = dataclasses.asdict(args)
+    if d.get("api_key"):
+        d["api_key"] = "***"
+    return d
+
+
+async def handle_server_info(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    info = request.app[INFO_KEY]
+    args = tm.args
+    out = _public_args(args)
+    out.update({
+        "model_path": info["model_path"], "served_model_name": info["served_model_name"],
+        "disaggregation_mode": args.disaggregation_mode,
+        "disaggregation_bootstrap_port": args.disaggregation_bootstrap_port,
+        "version": VERSION, "healthy": tm.healthy,
+        "context_length": tm.context_length,
+        "max_total_num_tokens": tm.node_info.get("max_total_tokens"),
+        "page_size": tm.node_info.get("page_size", args.page_size),
+        "max_running_requests": tm.node_info.get("max_running_requests", args.max_running_requests),
+    })
+    stats = await tm.stats() if tm.healthy else {}
+    out["stats"] = stats
+    out["internal_states"] = [stats]
+    return web.json_response(out, dumps=_dumps)
+
+
+async def handle_get_load(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    s = await tm.stats()
+    running = int(s.get("num_running_reqs", 0))
+    waiting = int(s.get("num_waiting_reqs", 0))
+    queues = s.get("num_queue_reqs") or {}
+    waiting_total = waiting + sum(int(v) for v in queues.values()) if isinstance(queues, dict) else waiting
+    return web.json_response([{"dp_rank": 0, "num_reqs": running + waiting_total,
+                               "num_waiting_reqs": waiting_total,
+                               "num_tokens": int(s.get("num_tokens_used", 0))}])
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    if tm.healthy:
+        try:
+            await tm.stats(timeout=5)
+        except ServiceUnavailable as e:
+            logger.warning("metrics: no scheduler stats: %s", e)
+    return web.Response(text=tm.metrics.render(), content_type="text/plain", charset="utf-8",
+                        headers={"X-Prometheus-Version": "0.0.4"})
+
+
+async def handle_abort(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    req = await read_json(request, AbortHTTPRequest)
+    if req.abort_all:
+        n = tm.abort_all()
+        logger.info("abort_all: %d requests aborted", n)
+        return web.json_response({"success": True, "aborted": n})
+    if not req.rid:
+        raise BadRequest("`rid` (or `abort_all: true`) is required")
+    ok = tm.abort(req.rid)
+    logger.info("rid=%s abort_request found=%s", req.rid, ok)
+    return web.json_response({"success": ok, "aborted": int(ok)})
+
+
+async def handle_flush_cache(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    result = await tm.flush_cache()
+    ok = bool(result.get("flushed", result.get("success", True)))
+    return web.json_response({"success": ok, **result}, status=200 if ok else 400)
+
+
+# ---------------------------------------------------------------------------------------------- app
+def create_app(tm: TokenizerManager, *, model_path: str, served_model_name: str | None = None) -> web.Application:
+    from common.server import openai_api
+
+    app = web.Application(middlewares=[error_middleware, auth_middleware(tm.args.api_key)],
+                          client_max_size=64 * 1024 * 1024)
+    app[TM_KEY] = tm
+    app[INFO_KEY] = {"model_path": model_path, "started": time.time(),
+                     "served_model_name": served_model_name or tm.args.served_model_name
+                     or tm.node_info.get("model_config", {}).get("name") or model_path}
+    r = app.router
+    r.add_post("/generate", handle_generate)
+    r.add_post("/v1/completions", openai_api.handle_completions)
+    r.add_post("/v1/chat/completions", openai_api.handle_chat_completions)
+    r.add_get("/v1/models", handle_models)
+    r.add_get("/health", handle_health)
+    r.add_get("/health_generate", handle_health_generate)
+    for p in ("/server_info", "/get_server_info"):
+        r.add_get(p, handle_server_info)
+    for p in ("/model_info", "/get_model_info"):
+        r.add_get(p, handle_model_info)
+    r.add_get("/get_load", handle_get_load)
+    r.add_get("/metrics", handle_metrics)
+    r.add_post("/abort_request", handle_abort)
+    r.add_post("/flush_cache", handle_flush_cache)
+    return app

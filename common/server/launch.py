@@ -1,0 +1,185 @@
+"""`launch_server(args)`: one node = this HTTP front-end process + one scheduler process per TP rank.
+
+1. resolve the model directory (the default model is converted once into the cache);
+2. bind the ZMQ sockets (ipc paths in a private temp dir), spawn `args.tp` scheduler processes
+   (multiprocessing "spawn"), wait until every rank reports ready (or exit with its error);
+3. serve HTTP until SIGINT/SIGTERM: then abort running requests, stop the schedulers, exit 0.
+A scheduler process that dies while serving turns `/health` into 503 and fails live requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+
+from aiohttp import web
+
+from common.log import setup_logging
+
+logger = logging.getLogger("server")
+
+READY_TIMEOUT = float(os.environ.get("PDSERVE_READY_TIMEOUT", "900"))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def _wait_ready(procs: list, conns: list, timeout: float) -> list[dict]:
+    """Wait for a ready message from every rank; raise LaunchError naming the rank that failed."""
+    ready: dict[int, dict] = {}
+    deadline = time.time() + timeout
+    while len(ready) < len(procs):
+        left = deadline - time.time()
+        if left <= 0:
+            missing = [r for r in range(len(procs)) if r not in ready]
+            raise LaunchError(f"scheduler rank(s) {missing} not ready after {timeout:.0f}s")
+        waitables = []
+        for r, (p, c) in enumerate(zip(procs, conns, strict=True)):
+            if r not in ready:
+                waitables += [c, p.sentinel]
+        mp.connection.wait(waitables, timeout=min(left, 5.0))
+        for r, (p, c) in enumerate(zip(procs, conns, strict=True)):
+            if r in ready:
+                continue
+            if c.poll():
+                try:
+                    msg = c.recv()
+                except EOFError:
+                    msg = None
+                if not isinstance(msg, dict):
+                    raise LaunchError(f"scheduler rank {r} closed its ready pipe without a status")
+                if msg.get("status") != "ready":
+                    raise LaunchError(f"scheduler rank {r} failed to start: {msg.get('message', msg)}")
+                ready[r] = msg
+                logger.info("scheduler rank %d ready (pid %d)", r, p.pid)
+            elif not p.is_alive():
+                raise LaunchError(f"scheduler rank {r} (pid {p.pid}) exited with code {p.exitcode} "
+                                  "before it was ready; see its log above")
+    return [ready[r] for r in range(len(procs))]
+
+
+def _stop_procs(procs: list, grace: float = 10.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.time() + grace
+    for p in procs:
+        p.join(max(deadline - time.time(), 0.1))
+    for p in procs:
+        if p.is_alive():
+            logger.warning("scheduler pid %d did not stop; killing it", p.pid)
+            p.kill()
+            p.join(5)
+
+
+async def _serve(args, tm, procs, model_dir: str) -> None:
+    from common.server.app import create_app
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await tm.start()
+    app = create_app(tm, model_path=model_dir)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    logger.info("serving on http://%s:%d (model %s, tp %d, mode %s)", args.host, args.port, model_dir,
+                args.tp, args.disaggregation_mode)
+
+    async def watch() -> None:
+        while True:
+            for r, p in enumerate(procs):
+                if not p.is_alive():
+                    reason = f"scheduler rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+                    if tm.healthy:
+                        logger.error("%s; /health now answers 503", reason)
+                        tm.mark_dead(reason)
+                    return
+            await asyncio.sleep(0.5)
+
+    watcher = asyncio.create_task(watch())
+    await stop.wait()
+    logger.info("shutting down: aborting %d running requests", len(tm.states))
+    watcher.cancel()
+    if tm.healthy:
+        tm.abort_all("server shutting down")
+        # let handlers send their final (aborted) answers
+        for _ in range(20):
+            if not tm.states:
+                break
+            await asyncio.sleep(0.05)
+    await runner.cleanup()
+    await tm.close()
+
+
+def launch_server(args) -> None:
+    """Run a node until SIGINT/SIGTERM (returns normally then); exits 1 with a clear error when the
+    scheduler processes cannot start."""
+    setup_logging("server", args.log_level)
+    from common.models.default_model import resolve_model_path
+    from common.scheduler.process import IpcConfig, run_scheduler_process
+    from common.server.tokenizer_manager import TokenizerManager
+
+    model_dir = resolve_model_path(args.model)
+    tmp = tempfile.mkdtemp(prefix="pdserve-ipc-")
+    ipc = IpcConfig(to_scheduler=f"ipc://{tmp}/to_scheduler", from_scheduler=f"ipc://{tmp}/from_scheduler",
+                    dist_init_method=f"tcp://127.0.0.1:{args.dist_port or free_port()}")
+    procs: list = []
+    tm = None
+    # a signal before we serve: stop cleanly too
+    stop_early = {"sig": None}
+
+    def early(signum, _frame):
+        stop_early["sig"] = signum
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, early) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        tm = TokenizerManager(args, model_dir, ipc.to_scheduler, ipc.from_scheduler)
+        ctx = mp.get_context("spawn")
+        conns = []
+        for rank in range(args.tp):
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=run_scheduler_process, args=(args, model_dir, rank, ipc, child),
+                            name=f"pdserve-scheduler-{rank}", daemon=False)
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+            logger.info("started scheduler rank %d (pid %d)", rank, p.pid)
+        infos = _wait_ready(procs, conns, READY_TIMEOUT)
+        tm.configure(infos[0])
+        # the early handler stays until the event loop installs its own (no unguarded window)
+        asyncio.run(_serve(args, tm, procs, model_dir))
+        logger.info("stopped")
+    except LaunchError as e:
+        logger.error("%s", e)
+        _stop_procs(procs)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        logger.info("interrupted before serving (signal %s); stopping", stop_early["sig"])
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        _stop_procs(procs)
+        if tm is not None:
+            tm.close_sockets()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,359 @@
+"""OpenAI-compatible `/v1/completions` and `/v1/chat/completions` (non-streaming and SSE streaming).
+
+Parameters map onto SGLang's `SamplingParams` (max_tokens → max_new_tokens, min_tokens →
+min_new_tokens, ...); responses and stream chunks have the OpenAI API's shapes, so the official
+`openai` client parses them. A request that ends aborted is an error (JSON error, or an `error`
+event in a stream).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from common.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingParams,
+    TokenizedRequest,
+)
+from common.server.app import (
+    TM_KEY,
+    _dumps,
+    check_role,
+    error_body,
+    error_response,
+    failed,
+    model_name,
+    read_json,
+    sse_done,
+    sse_send,
+    sse_start,
+)
+from common.server.tokenizer_manager import ReqState, TokenizerManager
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_TOP_LOGPROBS = 20
+
+# names in SamplingParams.verify messages → the OpenAI request's names
+_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def _sampling(tm: TokenizerManager, req, prompt_len: int, *, max_tokens: int | None, max_field: str,
+              default_max: int | None, prompt_field: str) -> SamplingParams:
+    if req.n != 1:
+        raise BadRequest(f"`n` must be 1 (got {req.n}); this server returns one choice per prompt")
+    if req.logit_bias:
+        raise BadRequest("`logit_bias` is not supported by this server")
+    if max_tokens is not None and max_tokens < 0:
+        raise BadRequest(f"`{max_field}` must be >= 0, got {max_tokens}")
+    raw: dict[str, Any] = {
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": req.top_k, "min_p": req.min_p,
+        "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
+        "repetition_penalty": req.repetition_penalty, "min_new_tokens": req.min_tokens,
+        "stop": req.stop, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim, "seed": req.seed,
+    }
+    if max_tokens is not None:
+        raw["max_new_tokens"] = max_tokens
+    try:
+        return tm.make_sampling({k: v for k, v in raw.items() if v is not None}, prompt_len, where="$",
+                                max_field=max_field, default_max=default_max, prompt_field=prompt_field)
+    except BadRequest as e:
+        msg = str(e)
+        for a, b in _RENAMES.items():
+            msg = msg.replace(f"`$.{a}`", f"`{max_field if a == 'max_new_tokens' else b}`")
+        raise BadRequest(msg.replace("`$.", "`")) from None
+
+
+def _treq(tm: TokenizerManager, req, rid: str, ids: list[int], sp: SamplingParams, *, logprobs: bool,
+          top_n: int) -> TokenizedRequest:
+    check_role(tm.args, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+    return TokenizedRequest(rid=rid, input_ids=ids, sampling=sp, stream=req.stream, return_logprob=logprobs,
+                            top_logprobs_num=top_n, bootstrap_host=req.bootstrap_host,
+                            bootstrap_port=req.bootstrap_port, bootstrap_room=req.bootstrap_room)
+
+
+def _finish_reason(st: ReqState) -> str | None:
+    if not st.finished or st.finish_reason is None:
+        return None
+    t = st.finish_reason.get("type")
+    return {"stop": "stop", "length": "length"}.get(t, t)
+
+
+def _abort_error(st: ReqState) -> tuple[int, str] | None:
+    err = failed(st)
+    if err:
+        return err
+    if st.finished and (st.finish_reason or {}).get("type") == "abort":
+        return 503, (st.finish_reason or {}).get("message") or "request aborted"
+    return None
+
+
+def _usage(states: list[ReqState]) -> dict[str, int]:
+    p = sum(s.prompt_tokens for s in states)
+    c = sum(s.completion_tokens for s in states)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in states)}}
+
+
+def _release_all(tm: TokenizerManager, states: list[ReqState], status: int) -> None:
+    for st in states:
+        err = _abort_error(st)
+        tm.release(st, err[0] if err else status)
+
+
+# ---------------------------------------------------------------------------------------------- logprobs
+def _completion_logprobs(tm: TokenizerManager, st: ReqState, start: int, end: int, text_offset0: int) -> dict:
+    pairs = st.output_logprobs[start:end]
+    tokens = tm.token_texts([p[1] for p in pairs])
+    tops = []
+    for row in st.output_top_logprobs[start:end] if st.top_logprobs_num else []:
+        names = tm.token_texts([p[1] for p in row])
+        tops.append({n: float(p[0]) for n, p in zip(names, row, strict=True)})
+    offsets, off = [], text_offset0
+    for t in tokens:
+        offsets.append(off)
+        off += len(t)
+    return {"tokens": tokens, "token_logprobs": [float(p[0]) for p in pairs],
+            "top_logprobs": tops if st.top_logprobs_num else None, "text_offset": offsets}
+
+
+def _chat_logprobs(tm: TokenizerManager, st: ReqState, start: int, end: int) -> dict:
+    pairs = st.output_logprobs[start:end]
+    tokens = tm.token_texts([p[1] for p in pairs])
+    tops = st.output_top_logprobs[start:end]
+    content = []
+    for k, (p, t) in enumerate(zip(pairs, tokens, strict=True)):
+        row = tops[k] if k < len(tops) and st.top_logprobs_num else []
+        names = tm.token_texts([q[1] for q in row])
+        content.append({"token": t, "logprob": float(p[0]), "bytes": list(t.encode("utf-8")),
+                        "top_logprobs": [{"token": n, "logprob": float(q[0]), "bytes": list(n.encode("utf-8"))}
+                                         for n, q in zip(names, row, strict=True)]})
+    return {"content": content}
+
+
+# ---------------------------------------------------------------------------------------------- /v1/completions
+def _completion_prompts(tm: TokenizerManager, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tm.encode_text(prompt, "prompt")]
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRequest("`prompt` must be a non-empty string, list of strings, or list of token ids")
+    if all(isinstance(p, str) for p in prompt):
+        return [tm.encode_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    if all(isinstance(p, list) for p in prompt):
+        return [tm.check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [tm.check_ids(prompt, "prompt")]
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    tm = request.app[TM_KEY]
+    req: CompletionRequest = await read_json(request, CompletionRequest)
+    if req.suffix:
+        raise BadRequest("`suffix` is not supported by this server")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"`logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}")
+    prompts = _completion_prompts(tm, req.prompt)
+    if req.rid is not None and len(prompts) > 1:
+        raise BadRequest("`rid` cannot be used with several prompts")
+    want_lp = req.logprobs is not None
+    top_n = req.logprobs or 0
+    treqs = []
+    for ids in prompts:
+        sp = _sampling(tm, req, len(ids), max_tokens=req.max_tokens, max_field="max_tokens",
+                       default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, prompt_field="prompt")
+        treqs.append(_treq(tm, req, tm.new_rid(req.rid), ids, sp, logprobs=want_lp, top_n=top_n))
+    states, notify = tm.submit(treqs, endpoint="completions")
+    cid = "cmpl-" + uuid.uuid4().hex
+    created = int(time.time())
+    model = req.model or model_name(request)
+    echo = [tm.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+    status = 200
+    try:
+        if req.stream:
+            resp = await sse_start(request)
+            try:
+                await _stream_completions(resp, tm, req, states, notify, cid, created, model, echo)
+            except ConnectionResetError:  # the client went away: release() aborts what is unfinished
+                pass
+            return resp
+        while not all(s.finished for s in states):
+            await tm.wait(states, notify)
+        for st in states:
+            err = _abort_error(st)
+            if err:
+                status = err[0]
+                return error_response(err[1], err[0])
+        choices = []
+        for i, st in enumerate(states):
+            lp = _completion_logprobs(tm, st, 0, len(st.output_logprobs), len(echo[i])) if want_lp else None
+            choices.append({"index": i, "text": echo[i] + st.text, "logprobs": lp,
+                            "finish_reason": _finish_reason(st)})
+        return web.json_response({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                  "choices": choices, "usage": _usage(states)}, dumps=_dumps)
+    except BaseException:
+        status = 499
+        raise
+    finally:
+        _release_all(tm, states, status)
+
+
+async def _stream_completions(resp, tm, req, states, notify, cid, created, model, echo) -> None:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    want_lp = req.logprobs is not None
+    sent_text = [0] * len(states)
+    sent_lp = [0] * len(states)
+    done = [False] * len(states)
+
+    def chunk(choices):
+        c = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    while not all(done):
+        await tm.wait(states, notify)
+        for i, st in enumerate(states):
+            if done[i]:
+                continue
+            err = _abort_error(st)
+            if err:
+                await sse_send(resp, error_body(err[1], err[0]))
+                done[i] = True
+                continue
+            delta = st.text[sent_text[i]:]
+            if sent_text[i] == 0 and echo[i]:
+                delta = echo[i] + delta
+            n_lp = len(st.output_logprobs)
+            if not delta and not st.finished and (not want_lp or n_lp == sent_lp[i]):
+                continue
+            lp = _completion_logprobs(tm, st, sent_lp[i], n_lp, 0) if want_lp else None
+            await sse_send(resp, chunk([{"index": i, "text": delta, "logprobs": lp,
+                                         "finish_reason": _finish_reason(st)}]))
+            sent_text[i] = len(st.text)
+            sent_lp[i] = n_lp
+            done[i] = st.finished
+    if include_usage:
+        await sse_send(resp, {"id": cid, "object": "text_completion", "created": created, "model": model,
+                              "choices": [], "usage": _usage(states)})
+    await sse_done(resp)
+
+
+# ---------------------------------------------------------------------------------------------- /v1/chat/completions
+def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    if not req.messages:
+        raise BadRequest("`messages` is empty; send at least one message")
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.role not in ("system", "user", "assistant", "tool", "developer"):
+            raise BadRequest(f"`messages[{i}].role` must be one of system/user/assistant/tool/developer, "
+                             f"got {m.role!r}")
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadRequest(f"`messages[{i}].content[{j}]` must be a text part "
+                                     "(only text is supported)")
+                texts.append(part["text"])
+            content = "".join(texts)
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": content or ""})
+    if all(not m["content"] for m in out):
+        raise BadRequest("`messages` has no content")
+    return out
+
+
+async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
+    tm = request.app[TM_KEY]
+    req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)
+    if req.tools:
+        raise BadRequest("`tools` is not supported by this server")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise BadRequest("`response_format` other than text is not supported by this server")
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+        if req.top_logprobs and not req.logprobs:
+            raise BadRequest("`top_logprobs` needs `logprobs: true`")
+    ids = tm.apply_chat_template(_chat_messages(req))
+    max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    room = max(tm.context_length - len(ids), 0)
+    sp = _sampling(tm, req, len(ids), max_tokens=max_tokens, max_field=max_field, default_max=room,
+                   prompt_field="messages")
+    top_n = req.top_logprobs or 0
+    treq = _treq(tm, req, tm.new_rid(req.rid), ids, sp, logprobs=req.logprobs, top_n=top_n)
+    states, notify = tm.submit([treq], endpoint="chat_completions")
+    st = states[0]
+    cid = "chatcmpl-" + uuid.uuid4().hex
+    created = int(time.time())
+    model = req.model or model_name(request)
+    status = 200
+    try:
+        if req.stream:
+            resp = await sse_start(request)
+            try:
+                await _stream_chat(resp, tm, req, st, notify, cid, created, model)
+            except ConnectionResetError:  # the client went away: release() aborts what is unfinished
+                pass
+            return resp
+        while not st.finished:
+            await tm.wait(states, notify)
+        err = _abort_error(st)
+        if err:
+            status = err[0]
+            return error_response(err[1], err[0])
+        lp = _chat_logprobs(tm, st, 0, len(st.output_logprobs)) if req.logprobs else None
+        return web.json_response({
+            "id": cid, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": st.text},
+                         "logprobs": lp, "finish_reason": _finish_reason(st)}],
+            "usage": _usage(states)}, dumps=_dumps)
+    except BaseException:
+        status = 499
+        raise
+    finally:
+        _release_all(tm, states, status)
+
+
+async def _stream_chat(resp, tm, req, st, notify, cid, created, model) -> None:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(delta, finish=None, logprobs=None):
+        c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "system_fingerprint": None,
+             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    await sse_send(resp, chunk({"role": "assistant", "content": ""}))
+    sent_text = sent_lp = 0
+    while True:
+        await tm.wait([st], notify)
+        err = _abort_error(st)
+        if err:
+            await sse_send(resp, error_body(err[1], err[0]))
+            break
+        delta = st.text[sent_text:]
+        n_lp = len(st.output_logprobs)
+        if delta or (req.logprobs and n_lp > sent_lp):
+            lp = _chat_logprobs(tm, st, sent_lp, n_lp) if req.logprobs else None
+            await sse_send(resp, chunk({"content": delta}, None, lp))
+            sent_text, sent_lp = len(st.text), n_lp
+        if st.finished:
+            await sse_send(resp, chunk({}, _finish_reason(st)))
+            if include_usage:
+                await sse_send(resp, {"id": cid, "object": "chat.completion.chunk", "created": created,
+                                      "model": model, "system_fingerprint": None, "choices": [],
+                                      "usage": _usage([st])})
+            break
+    await sse_done(resp)

@@ -1,0 +1,443 @@
+"""The front end's side of a node: tokenizer, validation, ZMQ to/from the scheduler, per-request state.
+
+* `prepare_*` turn client input into `TokenizedRequest`s (raising `BadRequest` naming the field);
+* `submit` registers the request states and sends them to scheduler rank 0 (ZMQ PUSH);
+* a background task reads `BatchOut`/`StatsReport` (ZMQ PULL) and updates the states: output ids,
+  incremental text, logprobs, finish reason; every state of one HTTP request shares one
+  `asyncio.Event`, so a handler can wait for "something changed" across a batch;
+* `release` ends a request's life in the front end: a request that has not finished (its HTTP
+  client went away, the handler failed) is aborted in the scheduler so its memory is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from common.protocol import (
+    AbortRequest,
+    BadRequest,
+    BatchOut,
+    FlushCacheRequest,
+    FromScheduler,
+    SamplingParams,
+    StatsQuery,
+    StatsReport,
+    TokenizedRequest,
+    ToScheduler,
+    convert,
+)
+from common.server.detokenizer import IncrementalDetokenizer, special_token_ids, token_texts
+from common.server.metrics import Metrics
+
+logger = logging.getLogger("server")
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params has no max_new_tokens
+
+
+class ServiceUnavailable(RuntimeError):
+    """The scheduler is gone or does not answer: HTTP 503."""
+
+
+@dataclass
+class ReqState:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    detok: IncrementalDetokenizer
+    notify: asyncio.Event
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    endpoint: str = "generate"
+    created: float = field(default_factory=time.time)
+    output_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: dict[str, Any] | None = None
+    error_status: int = 0
+    finished: bool = False
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    output_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    released: bool = False
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    @property
+    def e2e_latency(self) -> float:
+        return (self.finished_time or time.time()) - self.created
+
+
+class TokenizerManager:
+    def __init__(self, args, model_dir: str, to_scheduler: str, from_scheduler: str,
+                 metrics: Metrics | None = None, tokenizer=None):
+        self.args = args
+        self.model_dir = model_dir
+        self.tokenizer_path = args.tokenizer or model_dir
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        self.tokenizer = tokenizer
+        self.special_ids = special_token_ids(tokenizer)
+        self.metrics = metrics or Metrics()
+        # filled from the scheduler's ready message by configure()
+        self.node_info: dict[str, Any] = {}
+        self.context_length = args.context_length or 0
+        self.vocab_size = len(tokenizer)
+        # ZMQ: a plain PUSH (sends never wait: NOBLOCK, unbounded queue) and an asyncio PULL
+        self._ctx = zmq.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(to_scheduler)
+        self._actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(from_scheduler)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromScheduler)
+        self.states: dict[str, ReqState] = {}
+        self._queries: dict[int, asyncio.Future] = {}
+        self._qids = itertools.count(1)
+        self._recv_task: asyncio.Task | None = None
+        self.dead_reason: str | None = None
+        self.last_stats: dict[str, Any] = {}
+        self._token_text_cache: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def configure(self, ready: dict[str, Any]) -> None:
+        self.node_info = dict(ready)
+        self.context_length = int(ready.get("context_length") or self.context_length)
+        mc = ready.get("model_config") or {}
+        if mc.get("vocab_size"):
+            self.vocab_size = int(mc["vocab_size"])
+
+    async def start(self) -> None:
+        self._recv_task = asyncio.create_task(self._recv_loop(), name="tokenizer-manager-recv")
+
+    async def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+            try:
+                await self._recv_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.close_sockets()
+
+    def close_sockets(self) -> None:
+        if self._ctx.closed:
+            return
+        self._pull.close(0)
+        self._push.close(0)
+        self._ctx.term()
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead_reason is None
+
+    def mark_dead(self, reason: str) -> None:
+        """A scheduler process died: fail every live request with 503, refuse new ones."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        self.metrics.healthy.set(0)
+        for st in list(self.states.values()):
+            if not st.finished:
+                self._finish(st, {"type": "abort", "message": reason}, 503)
+        for fut in self._queries.values():
+            if not fut.done():
+                fut.set_exception(ServiceUnavailable(reason))
+
+    # ------------------------------------------------------------------ ZMQ
+    def _send(self, msg: ToScheduler) -> None:
+        if self.dead_reason is not None:
+            raise ServiceUnavailable(self.dead_reason)
+        try:
+            self._push.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise ServiceUnavailable("the scheduler is not connected") from None
+
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                data = await self._pull.recv()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                logger.error("ZMQ receive failed: %s", e)
+                return
+            try:
+                msg = self._decoder.decode(data)
+            except msgspec.DecodeError as e:
+                logger.error("undecodable message from the scheduler: %s", e)
+                continue
+            if isinstance(msg, BatchOut):
+                for u in msg.updates:
+                    st = self.states.get(u.rid)
+                    if st is not None and not st.finished:
+                        try:
+                            self._apply_update(st, u)
+                        except Exception:
+                            logger.exception("rid=%s failed to apply an update", u.rid)
+                            self._finish(st, {"type": "abort", "message": "internal error in the front end"}, 500)
+            elif isinstance(msg, StatsReport):
+                self.last_stats = msg.stats
+                fut = self._queries.pop(msg.qid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.stats)
+
+    def _apply_update(self, st: ReqState, u) -> None:
+        now = time.time()
+        new = list(u.new_token_ids)
+        if new:
+            if st.first_token_time is None:
+                st.first_token_time = now
+                self.metrics.ttft.observe(now - st.created)
+                if len(new) > 1:
+                    for _ in range(len(new) - 1):
+                        self.metrics.itl.observe(0.0)
+            else:
+                gap = (now - (st.last_token_time or now)) / len(new)
+                for _ in new:
+                    self.metrics.itl.observe(gap)
+            st.last_token_time = now
+            st.output_ids.extend(new)
+        st.prompt_tokens = u.prompt_tokens or st.prompt_tokens
+        st.completion_tokens = u.completion_tokens
+        st.cached_tokens = u.cached_tokens
+        if u.output_logprobs:
+            st.output_logprobs.extend(tuple(x) for x in u.output_logprobs)
+        if u.output_top_logprobs:
+            st.output_top_logprobs.extend([tuple(y) for y in x] for x in u.output_top_logprobs)
+        if u.input_logprobs:
+            st.input_logprobs.extend(tuple(x) for x in u.input_logprobs)
+        if u.input_top_logprobs:
+            st.input_top_logprobs.extend(None if x is None else [tuple(y) for y in x]
+                                         for x in u.input_top_logprobs)
+        if u.finish_reason is not None:
+            self._finish(st, u.finish_reason, u.error_status, new)
+        else:
+            st.detok.step(new)
+            st.notify.set()
+
+    def _finish(self, st: ReqState, reason: dict[str, Any], error_status: int = 0,
+                new_ids: list[int] | None = None) -> None:
+        st.detok.step(new_ids or [], reason)
+        st.finish_reason = reason
+        st.error_status = error_status
+        st.finished = True
+        st.finished_time = time.time()
+        if not st.completion_tokens:
+            st.completion_tokens = len(st.output_ids)
+        if not st.prompt_tokens:
+            st.prompt_tokens = len(st.input_ids)
+        st.notify.set()
+
+    # ------------------------------------------------------------------ input → TokenizedRequest
+    def encode_text(self, text: str, field_name: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise BadRequest(f"`{field_name}` must be a string")
+        if not text:
+            raise BadRequest(f"`{field_name}` is empty; a prompt needs at least one token")
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not ids:
+            raise BadRequest(f"`{field_name}` tokenizes to no tokens")
+        return list(ids)
+
+    def check_ids(self, ids: Any, field_name: str) -> list[int]:
+        if not isinstance(ids, list):
+            raise BadRequest(f"`{field_name}` must be a list of token ids")
+        if not ids:
+            raise BadRequest(f"`{field_name}` is empty; a prompt needs at least one token")
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise BadRequest(f"`{field_name}[{i}]` must be an integer token id, got {t!r}")
+            if not 0 <= t < self.vocab_size:
+                raise BadRequest(f"`{field_name}[{i}]` = {t} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Chat messages → prompt ids (the model's chat template with the generation prompt)."""
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            try:
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # jinja raises for messages a template refuses
+                raise BadRequest(f"`messages` cannot be rendered by the model's chat template: {e}") from None
+        else:
+            # no template shipped with the model: a plain transcript
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        ids = tok.encode(text, add_special_tokens=False)
+        if not ids:
+            raise BadRequest("`messages` renders to an empty prompt")
+        return list(ids)
+
+    def make_sampling(self, raw: dict[str, Any] | SamplingParams | None, prompt_len: int, *,
+                      where: str = "sampling_params", max_field: str | None = None,
+                      default_max: int | None = None, prompt_field: str = "text") -> SamplingParams:
+        """Build + verify SamplingParams and check prompt + max_new_tokens against the context."""
+        if raw is None:
+            raw = {}
+        if isinstance(raw, SamplingParams):
+            sp = raw
+            explicit_max = True
+        else:
+            if not isinstance(raw, dict):
+                raise BadRequest(f"`{where}` must be a JSON object")
+            sp = convert(raw, SamplingParams, where)
+            explicit_max = "max_new_tokens" in raw
+        room = self.context_length - prompt_len
+        if not explicit_max:
+            sp.max_new_tokens = max(0, min(default_max if default_max is not None else DEFAULT_MAX_NEW_TOKENS,
+                                           room))
+        sp.verify(where)
+        if room <= 0:
+            raise BadRequest(f"`{prompt_field}` has {prompt_len} tokens; the context length is "
+                             f"{self.context_length} (the prompt plus at least one output token must fit)")
+        if sp.max_new_tokens > room:
+            name = max_field or f"{where}.max_new_tokens"
+            raise BadRequest(f"`{name}` = {sp.max_new_tokens} plus the prompt's {prompt_len} tokens is "
+                             f"{sp.max_new_tokens + prompt_len}, more than the context length "
+                             f"{self.context_length}")
+        return sp
+
+    def new_rid(self, rid: str | None) -> str:
+        if rid is None:
+            return uuid.uuid4().hex
+        if not isinstance(rid, str) or not rid:
+            raise BadRequest("`rid` must be a non-empty string")
+        return rid
+
+    # ------------------------------------------------------------------ submit / wait / release
+    def submit(self, reqs: list[TokenizedRequest], *, endpoint: str = "generate",
+               return_text_in_logprobs: bool = False) -> tuple[list[ReqState], asyncio.Event]:
+        """Register and send the requests of one HTTP call; they share one notify event."""
+        if self.dead_reason is not None:
+            raise ServiceUnavailable(self.dead_reason)
+        rids = [r.rid for r in reqs]
+        if len(set(rids)) != len(rids):
+            raise BadRequest("`rid` values in one batch must be distinct")
+        for rid in rids:
+            if rid in self.states:
+                raise BadRequest(f"`rid` {rid!r} is already in use by a running request")
+        notify = asyncio.Event()
+        states = []
+        now = time.time()
+        for r in reqs:
+            sp = r.sampling
+            detok = IncrementalDetokenizer(
+                self.tokenizer, r.input_ids, skip_special_tokens=sp.skip_special_tokens,
+                spaces_between_special_tokens=sp.spaces_between_special_tokens,
+                stop_strings=sp.stop_strings(), no_stop_trim=sp.no_stop_trim, special_ids=self.special_ids)
+            r.arrival_time = r.arrival_time or now
+            st = ReqState(rid=r.rid, input_ids=r.input_ids, sampling=sp, detok=detok, notify=notify,
+                          stream=r.stream, return_logprob=r.return_logprob, top_logprobs_num=r.top_logprobs_num,
+                          return_text_in_logprobs=return_text_in_logprobs, endpoint=endpoint, created=now,
+                          prompt_tokens=len(r.input_ids))
+            states.append(st)
+        for st, r in zip(states, reqs, strict=True):
+            self.states[st.rid] = st
+            try:
+                self._send(r)
+            except ServiceUnavailable:
+                for s in states:
+                    self.states.pop(s.rid, None)
+                raise
+        return states, notify
+
+    async def wait(self, states: list[ReqState], notify: asyncio.Event) -> None:
+        """Return when something changed in one of the states (or at once when all are finished)."""
+        if all(s.finished for s in states):
+            return
+        await notify.wait()
+        notify.clear()
+
+    def abort(self, rid: str, message: str = "aborted by client") -> bool:
+        st = self.states.get(rid)
+        if st is None or st.finished:
+            return False
+        try:
+            self._send(AbortRequest(rid=rid, message=message))
+        except ServiceUnavailable:
+            self._finish(st, {"type": "abort", "message": message})
+        return True
+
+    def abort_all(self, message: str = "aborted by abort_all") -> int:
+        return sum(self.abort(rid, message) for rid in list(self.states))
+
+    def release(self, st: ReqState, status: int) -> None:
+        """The HTTP side is done with this request: abort it if unfinished, count it, log one line."""
+        if st.released:
+            return
+        st.released = True
+        if not st.finished:
+            try:
+                self._send(AbortRequest(rid=st.rid, message="client disconnected"))
+            except ServiceUnavailable:
+                pass
+            self._finish(st, {"type": "abort", "message": "client disconnected"})
+            status = 499
+        self.states.pop(st.rid, None)
+        m = self.metrics
+        m.requests.inc(endpoint=st.endpoint, status=str(status))
+        m.prompt_tokens.inc(st.prompt_tokens)
+        m.generation_tokens.inc(st.completion_tokens)
+        m.cached_tokens.inc(st.cached_tokens)
+        if st.finish_reason and st.finish_reason.get("type") == "abort":
+            m.aborted.inc()
+        elif status < 400:
+            m.e2e.observe(st.e2e_latency)
+        fr = st.finish_reason or {}
+        logger.info("rid=%s endpoint=%s status=%d prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
+                    "latency=%.3fs finish=%s", st.rid, st.endpoint, status, st.prompt_tokens,
+                    st.completion_tokens, st.cached_tokens, st.e2e_latency, fr.get("type"))
+
+    # ------------------------------------------------------------------ queries
+    async def _query(self, msg_type, timeout: float) -> dict[str, Any]:
+        qid = next(self._qids)
+        fut = asyncio.get_running_loop().create_future()
+        self._queries[qid] = fut
+        try:
+            self._send(msg_type(qid=qid))
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise ServiceUnavailable(f"the scheduler did not answer within {timeout:.0f}s") from None
+        finally:
+            self._queries.pop(qid, None)
+
+    async def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        stats = await self._query(StatsQuery, timeout)
+        self.metrics.set_stats(stats)
+        return stats
+
+    async def flush_cache(self, timeout: float = 30.0) -> dict[str, Any]:
+        return await self._query(FlushCacheRequest, timeout)
+
+    # ------------------------------------------------------------------ output helpers
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Text of each token on its own (cached: logprob answers repeat them chunk after chunk)."""
+        cache = self._token_text_cache
+        missing = [t for t in dict.fromkeys(ids) if t not in cache]
+        if missing:
+            cache.update(zip(missing, token_texts(self.tokenizer, missing), strict=True))
+        return [cache[t] for t in ids]

@@ -1,0 +1,222 @@
+"""Bad input gets a 4xx whose message names the field, and the node keeps serving (a real node with an
+API key, serving the tiny random model on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the node_process helper
+from node_process import NodeProcess, http_get, http_post  # noqa: E402
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model_dir):
+    n = NodeProcess(tiny_model_dir, max_total_tokens=2048, max_running_requests=4, api_key=KEY,
+                    context_length=CONTEXT)
+    n.start()
+    yield n
+    n.stop()
+
+
+def post(node, path, body, status, *fields, headers=AUTH):
+    """POST and check the status and that the error message names every given field."""
+    code, raw = http_post(node.url + path, body, headers=headers)
+    assert code == status, raw
+    err = json.loads(raw)["error"]
+    assert set(err) >= {"message", "type", "code"} and err["code"] == status
+    for f in fields:
+        assert f in err["message"], (f, err["message"])
+    return err["message"]
+
+
+def ok(node):
+    code, raw = http_post(node.url + "/generate", {"text": "still alive?", "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}, headers=AUTH)
+    assert code == 200, raw
+    assert json.loads(raw)["meta_info"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("body,fields", [
+    (b"{not json", ["malformed JSON"]),
+    (b"", ["body is empty"]),
+    (b"[1, 2]", ["Expected `object`"]),
+    ({"text": 5}, ["$.text"]),
+    ({"text": "hi", "stream": "yes"}, ["$.stream"]),
+    ({"text": "hi", "sampling_params": "greedy"}, ["$.sampling_params"]),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": "ten"}}, ["max_new_tokens"]),
+    ({"text": ""}, ["`text`", "empty"]),
+    ({"input_ids": []}, ["`input_ids`", "empty"]),
+    ({"text": ["ok", ""]}, ["`text[1]`", "empty"]),
+    ({}, ["`text` or `input_ids`"]),
+    ({"text": "a", "input_ids": [1]}, ["`text`", "`input_ids`"]),
+    ({"input_ids": [1, 2, 10_000_000]}, ["`input_ids[2]`", "10000000", "vocabulary"]),
+    ({"input_ids": [1, -1]}, ["`input_ids[1]`"]),
+    ({"input_ids": [1, "x"]}, ["`input_ids[1]`"]),
+    ({"input_ids": list(range(1, CONTEXT + 11))}, ["`input_ids`", str(CONTEXT + 10), str(CONTEXT)]),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": CONTEXT}}, ["max_new_tokens", str(CONTEXT)]),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": -1}}, ["max_new_tokens", "-1"]),
+    ({"text": "hi", "sampling_params": {"foo": 1}}, ["foo"]),
+    ({"text": "hi", "sampling_params": {"temperature": -0.5}}, ["temperature"]),
+    ({"text": "hi", "sampling_params": {"top_p": 0}}, ["top_p"]),
+    ({"text": "hi", "sampling_params": {"top_p": 1.5}}, ["top_p"]),
+    ({"text": "hi", "sampling_params": {"top_k": 0}}, ["top_k"]),
+    ({"text": "hi", "sampling_params": {"min_p": 2}}, ["min_p"]),
+    ({"text": "hi", "sampling_params": {"stop": [""]}}, ["stop"]),
+    ({"text": "hi", "sampling_params": {"regex": "a+"}}, ["regex"]),
+    ({"text": ["a", "b"], "sampling_params": [{}]}, ["sampling_params", "1 entries", "batch of 2"]),
+    ({"text": "a", "sampling_params": [{}]}, ["sampling_params"]),
+    ({"text": "a", "top_logprobs_num": -1}, ["top_logprobs_num"]),
+    ({"text": ["a", "b"], "rid": "one"}, ["rid"]),
+])
+def test_generate_bad_input(node, body, fields):
+    post(node, "/generate", body, 400, *fields)
+
+
+@pytest.mark.parametrize("body,fields", [
+    ({"prompt": ""}, ["`prompt`", "empty"]),
+    ({"prompt": []}, ["`prompt`"]),
+    ({"model": "x"}, ["prompt"]),
+    ({"prompt": "hi", "max_tokens": -1}, ["`max_tokens`", "-1"]),
+    ({"prompt": "hi", "max_tokens": "many"}, ["$.max_tokens"]),
+    ({"prompt": "hi", "max_tokens": CONTEXT}, ["`max_tokens`", str(CONTEXT)]),
+    ({"prompt": [list(range(1, CONTEXT + 5))]}, ["`prompt`", str(CONTEXT + 4)]),
+    ({"prompt": "hi", "temperature": -1}, ["`temperature`"]),
+    ({"prompt": "hi", "top_p": 2}, ["`top_p`"]),
+    ({"prompt": "hi", "n": 2}, ["`n`"]),
+    ({"prompt": "hi", "logprobs": 99}, ["`logprobs`"]),
+    ({"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, ["min_tokens"]),
+    ({"prompt": "hi", "logit_bias": {"1": 5}}, ["logit_bias"]),
+    ({"prompt": "hi", "suffix": "x"}, ["suffix"]),
+    ({"prompt": "hi", "stream_options": {"include_usage": "x"}}, ["stream_options.include_usage"]),
+])
+def test_completions_bad_input(node, body, fields):
+    post(node, "/v1/completions", body, 400, *fields)
+
+
+@pytest.mark.parametrize("body,fields", [
+    ({"messages": []}, ["`messages`", "empty"]),
+    ({"messages": "hi"}, ["$.messages"]),
+    ({"messages": [{"content": "hi"}]}, ["role"]),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, ["messages[0].role"]),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     ["messages[0].content[0]"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, ["max_completion_tokens"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, ["`max_tokens`"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 * CONTEXT}, ["`max_tokens`"]),
+    ({"messages": [{"role": "user", "content": "word " * CONTEXT}]}, ["`messages`", str(CONTEXT)]),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, ["top_logprobs", "logprobs"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, ["$.temperature"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 3}, ["frequency_penalty"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, ["tools"]),
+])
+def test_chat_bad_input(node, body, fields):
+    post(node, "/v1/chat/completions", body, 400, *fields)
+
+
+def test_abort_request_bad_input(node):
+    post(node, "/abort_request", {}, 400, "rid")
+    post(node, "/abort_request", {"rid": 5}, 400, "$.rid")
+
+
+def test_api_key(node):
+    post(node, "/generate", {"text": "hi"}, 401, "API key", headers={})
+    post(node, "/generate", {"text": "hi"}, 401, "API key", headers={"Authorization": "Bearer wrong"})
+    code, _ = http_get(node.url + "/v1/models")
+    assert code == 401
+    code, _ = http_get(node.url + "/v1/models", headers=AUTH)
+    assert code == 200
+    assert http_get(node.url + "/health")[0] == 200  # health stays open
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=node.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    models = openai.OpenAI(base_url=node.url + "/v1", api_key=KEY, max_retries=0).models.list()
+    assert len(models.data) == 1
+
+
+def test_unknown_route_and_wrong_method(node):
+    code, raw = http_get(node.url + "/no/such/route", headers=AUTH)
+    assert code == 404 and "/no/such/route" in json.loads(raw)["error"]["message"]
+    code, raw = http_get(node.url + "/generate", headers=AUTH)
+    assert code == 405 and "GET" in json.loads(raw)["error"]["message"]
+    code, raw = http_post(node.url + "/v1/models", {}, headers=AUTH)
+    assert code == 405
+
+
+def test_duplicate_rid(node):
+    box = {}
+    body = {"text": "long one", "rid": "dup-rid", "sampling_params": {"max_new_tokens": CONTEXT - 8,
+                                                                       "ignore_eos": True}}
+    t = threading.Thread(target=lambda: box.setdefault("r", http_post(node.url + "/generate", body, headers=AUTH)),
+                         daemon=True)
+    t.start()
+    deadline = time.time() + 60
+    while True:  # until the first request is in the scheduler
+        load = json.loads(http_get(node.url + "/get_load", headers=AUTH)[1])
+        if load[0]["num_reqs"] >= 1 or "r" in box:
+            break
+        assert time.time() < deadline
+        time.sleep(0.05)
+    if "r" in box:
+        pytest.skip("the first request finished before the duplicate was sent")
+    post(node, "/generate", {"text": "x", "rid": "dup-rid"}, 400, "`rid`", "dup-rid")
+    post(node, "/generate", {"text": ["x", "y"], "rid": ["a", "a"]}, 400, "`rid`")
+    http_post(node.url + "/abort_request", {"rid": "dup-rid"}, headers=AUTH)
+    t.join(60)
+    code, raw = box["r"]
+    assert code == 200 and json.loads(raw)["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_prefill_role_check():
+    from common.config import ServerArgs
+    from common.protocol import BadRequest
+    from common.server.app import check_role
+
+    check_role(ServerArgs(), None, None, None)  # a colocated node takes plain requests
+    args = ServerArgs(disaggregation_mode="prefill")
+    with pytest.raises(BadRequest, match="prefill node.*bootstrap_host/bootstrap_port/bootstrap_room"):
+        check_role(args, None, None, None)
+    with pytest.raises(BadRequest, match="bootstrap"):
+        check_role(args, "127.0.0.1", 8998, None)
+    check_role(args, "127.0.0.1", 8998, 42)
+
+
+def test_node_still_serves_after_bad_input(node):
+    ok(node)
+    code, raw = http_post(node.url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, headers=AUTH)
+    assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] <= 2
+    metrics = http_get(node.url + "/metrics", headers=AUTH)[1].decode()
+    assert 'pdserve_healthy 1' in metrics
+    # the refused requests are counted by endpoint and status
+    assert 'pdserve_requests_total{endpoint="generate",status="400"}' in metrics
+    assert 'pdserve_requests_total{endpoint="chat_completions",status="400"}' in metrics
+    assert 'pdserve_requests_total{endpoint="generate",status="200"}' in metrics
+
+
+def test_scheduler_death_turns_health_503(node):
+    # last test of the module: kill the scheduler process, the front end must notice
+    import psutil
+
+    children = psutil.Process(node.proc.pid).children(recursive=True)
+    scheds = [c for c in children if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in
+              " ".join(c.cmdline())]
+    assert len(scheds) == 1, [c.cmdline() for c in children]
+    scheds[0].send_signal(signal.SIGKILL)
+    deadline = time.time() + 30
+    while http_get(node.url + "/health")[0] != 503:
+        assert time.time() < deadline, node.log_tail()
+        time.sleep(0.1)
+    post(node, "/generate", {"text": "hi"}, 503, "scheduler rank 0")
+    assert "/health now answers 503" in node.log_text()
+    assert node.stop() == 0
