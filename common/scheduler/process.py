@@ -1,0 +1,193 @@
+"""The scheduler process of one TP rank.
+
+Rank 0 talks to the front end over ZMQ (it connects a PULL to `to_scheduler` and a PUSH to
+`from_scheduler`; the front end binds both) and broadcasts every batch of received messages to the
+other ranks over the consensus group, so all ranks schedule identically; only rank 0 sends
+`BatchOut` / `StatsReport`. SIGTERM (or SIGINT) ends the loop cleanly: rank 0 broadcasts the stop
+so the other ranks leave too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import zmq
+
+from common.config import ServerArgs
+from common.log import setup_logging
+from common.protocol import BatchOut, ReqUpdate, ToScheduler
+
+logger = logging.getLogger("scheduler")
+
+
+@dataclass
+class IpcConfig:
+    to_scheduler: str  # ZMQ ipc:// address: front end binds a PUSH, rank 0 connects a PULL
+    from_scheduler: str  # front end binds a PULL, rank 0 connects a PUSH
+    dist_init_method: str  # tcp://127.0.0.1:port for torch.distributed (gloo)
+
+
+class SchedulerComm:
+    """Receive (rank 0: ZMQ, then broadcast; other ranks: the broadcast) and send (rank 0 only)."""
+
+    def __init__(self, ipc: IpcConfig, tp_rank: int, tp_size: int, group=None) -> None:
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.group = group
+        self.stop_requested = False
+        self.decoder = msgspec.msgpack.Decoder(ToScheduler)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.ctx = self.pull = self.push = None
+        if tp_rank == 0:
+            self.ctx = zmq.Context()
+            self.pull = self.ctx.socket(zmq.PULL)
+            self.pull.connect(ipc.to_scheduler)
+            self.push = self.ctx.socket(zmq.PUSH)
+            self.push.setsockopt(zmq.LINGER, 2000)
+            self.push.connect(ipc.from_scheduler)
+
+    def _drain(self, timeout_ms: int) -> list[bytes]:
+        frames: list[bytes] = []
+        if timeout_ms > 0 and not self.pull.poll(timeout_ms):
+            return frames
+        while True:
+            try:
+                frames.append(self.pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return frames
+
+    def recv(self, timeout_ms: int) -> list | None:
+        """Messages received since the last call (blocking up to timeout_ms when none are
+        waiting); None when the scheduler should stop."""
+        frames: list[bytes] = []
+        stop = self.stop_requested
+        if self.tp_rank == 0 and not stop:
+            try:
+                frames = self._drain(timeout_ms)
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EINTR:  # a signal interrupted the poll: just loop
+                    raise
+            stop = self.stop_requested
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            box = [(frames, stop)]
+            try:
+                dist.broadcast_object_list(box, src=0, group=self.group)
+            except RuntimeError as e:  # rank 0 is gone
+                logger.warning("broadcast from rank 0 failed (%s); stopping", e)
+                return None
+            frames, stop = box[0]
+        if stop:
+            return None
+        msgs = []
+        for f in frames:
+            try:
+                msgs.append(self.decoder.decode(f))
+            except msgspec.DecodeError as e:
+                logger.error("dropping an undecodable message (%d bytes): %s", len(f), e)
+        return msgs
+
+    def send(self, msg) -> None:
+        if self.push is not None:
+            self.push.send(self.encoder.encode(msg))
+
+    def close(self) -> None:
+        for s in (self.pull, self.push):
+            if s is not None:
+                s.close()
+        if self.ctx is not None:
+            self.ctx.term()
+
+
+def _ready_info(scheduler) -> dict:
+    runner = scheduler.runner
+    return {
+        "status": "ready",
+        "model_config": runner.model_config_dict(),
+        "max_total_tokens": scheduler.allocator.capacity,
+        "context_length": scheduler.context_length,
+        "page_size": scheduler.page_size,
+        "max_running_requests": scheduler.max_running_requests,
+    }
+
+
+def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: IpcConfig, ready_conn,
+                          scheduler_cls=None) -> None:
+    """Entry point of a scheduler process (multiprocessing "spawn" target).
+
+    `scheduler_cls` (an importable Scheduler subclass) lets the PD roles reuse this entry point."""
+    setup_logging(f"scheduler-tp{tp_rank}", args.log_level)
+    if scheduler_cls is None:
+        from common.scheduler.scheduler import Scheduler
+
+        scheduler_cls = Scheduler
+    torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 1) // args.tp))
+    comm = None
+    scheduler = None
+
+    def on_signal(signum, frame):
+        logger.info("signal %d: stopping", signum)
+        if comm is not None:
+            comm.stop_requested = True
+        if scheduler is not None:
+            scheduler.stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    try:
+        from common.distributed import init_distributed
+
+        _, consensus_group = init_distributed(tp_rank, args.tp, ipc.dist_init_method)
+        from common.distributed import get_tp_group
+
+        comm = SchedulerComm(ipc, tp_rank, args.tp, consensus_group)
+        scheduler = scheduler_cls(args, model_dir, tp_rank, args.tp, get_tp_group(),
+                                  send_fn=comm.send if tp_rank == 0 else None, comm=comm)
+    except Exception as e:
+        logger.error("start-up failed: %s\n%s", e, traceback.format_exc())
+        try:
+            ready_conn.send({"status": "error", "message": f"scheduler rank {tp_rank}: {type(e).__name__}: {e}"})
+        finally:
+            if comm is not None:
+                comm.close()
+        raise SystemExit(1) from None
+    ready_conn.send(_ready_info(scheduler))
+    logger.info("ready: %d KV tokens, page size %d, context %d", scheduler.allocator.capacity,
+                scheduler.page_size, scheduler.context_length)
+    code = 0
+    try:
+        scheduler.event_loop()
+    except Exception as e:
+        code = 1
+        logger.error("scheduler loop crashed: %s\n%s", e, traceback.format_exc())
+        # tell the front end so no client waits forever
+        updates = [ReqUpdate(rid=r.rid, new_token_ids=[], prompt_tokens=len(r.origin_input_ids),
+                             completion_tokens=len(r.output_ids),
+                             finish_reason={"type": "abort", "message": f"scheduler error: {e}"},
+                             error_status=500)
+                   for r in scheduler.live_reqs.values()]
+        if updates:
+            try:
+                comm.send(BatchOut(updates=updates))
+            except Exception:
+                pass
+    finally:
+        comm.close()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+        logger.info("stopped")
+    if code:
+        raise SystemExit(code)

@@ -1,0 +1,74 @@
+"""The memory pools: paged allocator, req-to-token rows, KV pool layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.memory.allocator import OutOfPages, TokenToKVPoolAllocator
+from common.memory.kv_pool import KVPool
+from common.memory.req_to_token import ReqToTokenPool
+
+
+def test_allocator_pages_and_padding_page():
+    a = TokenToKVPoolAllocator(num_pages=5, page_size=4)
+    assert a.available_pages() == 4 and a.available_size() == 16 and a.capacity == 16
+    pages = a.alloc_pages(3)
+    assert 0 not in pages and len(set(pages)) == 3
+    assert a.available_pages() == 1
+    with pytest.raises(OutOfPages):
+        a.alloc_pages(2)
+    a.free_pages(pages)
+    assert a.available_pages() == 4
+    with pytest.raises(ValueError):
+        a.free_pages([0])
+
+
+def test_alloc_extend_fills_last_page_first():
+    a = TokenToKVPoolAllocator(num_pages=9, page_size=4)
+    s1 = a.alloc_extend(0, 0, 6)  # 2 pages, second half full
+    assert s1.numel() == 6
+    assert (s1[:4] // 4).unique().numel() == 1 and (s1[4:] // 4).unique().numel() == 1
+    assert s1[4] % 4 == 0 and s1[5] == s1[4] + 1
+    free_before = a.available_pages()
+    s2 = a.alloc_extend(6, int(s1[-1]), 2)  # fits in the open page: no new page
+    assert a.available_pages() == free_before
+    assert s2.tolist() == [int(s1[-1]) + 1, int(s1[-1]) + 2]
+    s3 = a.alloc_extend(8, int(s2[-1]), 5)  # page aligned: two new pages
+    assert a.available_pages() == free_before - 2
+    assert a.pages_needed(8, 5) == 2 and a.pages_needed(6, 2) == 0 and a.pages_needed(7, 2) == 1
+    all_slots = torch.cat([s1, s2, s3])
+    assert all_slots.unique().numel() == 13
+    a.free_slots(all_slots)
+    assert a.available_pages() == 8
+
+
+def test_req_to_token_pool_rows():
+    p = ReqToTokenPool(size=3, max_context_len=16)
+    rows = [p.alloc() for _ in range(3)]
+    assert sorted(rows) == [0, 1, 2] and p.alloc() is None and p.available_size() == 0
+    p.write(rows[0], 2, torch.tensor([9, 10, 11]))
+    assert p.slots(rows[0], 2, 5).tolist() == [9, 10, 11]
+    p.free(rows[0])
+    assert p.available_size() == 1
+    with pytest.raises(ValueError):
+        p.free(7)
+
+
+def test_kv_pool_set_kv_round_trip_and_layout():
+    ps, heads, dim = 4, 2, 3
+    pool = KVPool(num_pages=4, page_size=ps, num_layers=2, kv_heads=heads, head_dim=dim)
+    slots = torch.tensor([4, 5, 6, 9])  # page 1 offsets 0-2, page 2 offset 1
+    k = torch.randn(4, heads, dim)
+    v = torch.randn(4, heads, dim)
+    pool.set_kv(1, slots, k, v)
+    kb, vb = pool.k(1), pool.v(1)
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(kb[s // ps, :, s % ps, :], k[i])
+        assert torch.equal(vb[s // ps, :, s % ps, :], v[i])
+    assert pool.k(0).abs().sum() == 0  # other layers untouched
+    # a page of a layer is one contiguous region, a head slice of it too
+    page = kb[1]
+    assert page.is_contiguous() and kb[1, 0].is_contiguous()
+    assert pool.page_bytes == heads * ps * dim * 4 and pool.head_bytes == ps * dim * 4
+    assert pool.nbytes() == 2 * 2 * 4 * pool.page_bytes
