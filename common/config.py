@@ -61,6 +61,16 @@ class ServerArgs:
                                choices=("mooncake", "nixl", "ucx", "fake"))
     disaggregation_decode_tp: int | None = _f(None, "decode TP size, set on the prefill side when it differs")
     disaggregation_ib_device: str | None = _f(None, "RDMA device names for the transfer engine")
+    disaggregation_prealloc_size: int | None = _f(
+        None, "decode: requests that may hold preallocated KV (prealloc + transfer + waiting) at once, in "
+        "request slots beyond --max-running-requests (default: --max-running-requests)")
+    num_reserved_decode_tokens: int = _f(512, "decode: KV tokens kept free per running, transferring or "
+                                         "waiting request for its future decode steps")
+    disaggregation_bootstrap_timeout: float | None = _f(
+        None, "seconds a room may wait for its peer at bootstrap (default: $PDSERVE_BOOTSTRAP_TIMEOUT or 300)")
+    disaggregation_waiting_timeout: float | None = _f(
+        None, "decode: seconds to wait for the KV after sending TransferInfo (default: "
+        "$PDSERVE_WAITING_TIMEOUT or 300)")
 
     # ------------------------------------------------------------------------------------------
     @classmethod
@@ -114,6 +124,14 @@ class ServerArgs:
                 raise bad(name.replace("_", "-"), "must be a TCP port (1-65535)")
         if self.disaggregation_decode_tp is not None and self.disaggregation_decode_tp < 1:
             raise bad("disaggregation-decode-tp", "must be >= 1")
+        if self.disaggregation_prealloc_size is not None and self.disaggregation_prealloc_size < 1:
+            raise bad("disaggregation-prealloc-size", "must be >= 1")
+        if self.num_reserved_decode_tokens < 0:
+            raise bad("num-reserved-decode-tokens", "must be >= 0")
+        for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise bad(name.replace("_", "-"), f"must be > 0 seconds, got {v}")
 
     @property
     def radix_cache_enabled(self) -> bool:

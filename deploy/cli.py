@@ -9,25 +9,32 @@ import argparse
 import sys
 
 
-def _serve(argv: list[str], mode: str = "null") -> int:
-    from common.config import ConfigError, ServerArgs
+def _serve(argv: list[str]) -> int:
+    from common.server.launch import serve_main
 
-    parser = argparse.ArgumentParser(prog=f"pdserve {'serve' if mode == 'null' else mode}")
-    ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(argv)
-    if mode != "null":
-        ns.disaggregation_mode = mode
-    try:
-        args = ServerArgs.from_cli_args(ns)
-    except ConfigError as e:
-        parser.error(str(e))
-    from common.server.launch import launch_server
+    return serve_main(argv)
 
-    return launch_server(args) or 0
+
+def _prefill(argv: list[str]) -> int:
+    from prefill_node.launch import main
+
+    return main(argv)
+
+
+def _decode(argv: list[str]) -> int:
+    from decode_node.launch import main
+
+    return main(argv)
 
 
 def _router(argv: list[str]) -> int:
     from router.cli import main
+
+    return main(argv) or 0
+
+
+def _cluster(argv: list[str]) -> int:
+    from deploy.cluster import main
 
     return main(argv) or 0
 
@@ -50,6 +57,8 @@ BENCHES = {
     "engine": "bench.engine",
     "transfer": "bench.transfer",
     "router": "bench.router",
+    "serve": "bench.serve",
+    "compare": "bench.compare",
 }
 
 
@@ -64,7 +73,10 @@ def _bench(argv: list[str]) -> int:
 
 COMMANDS = {
     "serve": ("one colocated node (prefill + decode in one engine)", _serve),
+    "prefill": ("a prefill node with its bootstrap server (PD disaggregation)", _prefill),
+    "decode": ("a decode node (PD disaggregation)", _decode),
     "router": ("the PD router (sglang-router's flags)", _router),
+    "cluster": ("N prefill + M decode nodes and the router on this machine", _cluster),
     "bench": ("benchmarks: " + ", ".join(BENCHES), _bench),
     "convert": ("the default model (or a GGUF) into a safetensors directory", _convert),
 }

@@ -122,12 +122,18 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: I
                           scheduler_cls=None) -> None:
     """Entry point of a scheduler process (multiprocessing "spawn" target).
 
-    `scheduler_cls` (an importable Scheduler subclass) lets the PD roles reuse this entry point."""
+    `scheduler_cls` (a Scheduler subclass, or its import path "package.module:Class") lets the PD
+    roles reuse this entry point."""
     setup_logging(f"scheduler-tp{tp_rank}", args.log_level)
     if scheduler_cls is None:
         from common.scheduler.scheduler import Scheduler
 
         scheduler_cls = Scheduler
+    elif isinstance(scheduler_cls, str):
+        import importlib
+
+        module, _, name = scheduler_cls.partition(":")
+        scheduler_cls = getattr(importlib.import_module(module), name)
     torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 1) // args.tp))
     comm = None
     scheduler = None

@@ -130,9 +130,12 @@ async def _serve(args, tm, procs, model_dir: str) -> None:
     await tm.close()
 
 
-def launch_server(args) -> None:
+def launch_server(args, scheduler_cls: str | None = None) -> None:
     """Run a node until SIGINT/SIGTERM (returns normally then); exits 1 with a clear error when the
-    scheduler processes cannot start."""
+    scheduler processes cannot start.
+
+    `scheduler_cls` is the import path ("package.module:Class") of the Scheduler subclass every rank
+    runs; the PD roles pass theirs, so `common/` never imports them."""
     setup_logging("server", args.log_level)
     from common.models.default_model import resolve_model_path
     from common.scheduler.process import IpcConfig, run_scheduler_process
@@ -158,7 +161,7 @@ def launch_server(args) -> None:
         conns = []
         for rank in range(args.tp):
             parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=run_scheduler_process, args=(args, model_dir, rank, ipc, child),
+            p = ctx.Process(target=run_scheduler_process, args=(args, model_dir, rank, ipc, child, scheduler_cls),
                             name=f"pdserve-scheduler-{rank}", daemon=False)
             p.start()
             child.close()
@@ -183,3 +186,22 @@ def launch_server(args) -> None:
         if tm is not None:
             tm.close_sockets()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def serve_main(argv: list[str], mode: str = "null", scheduler_cls: str | None = None) -> int:
+    """Parse node flags (`ServerArgs`) from `argv` and run a node in `mode` ("null" = colocated)."""
+    import argparse
+
+    from common.config import ConfigError, ServerArgs
+
+    parser = argparse.ArgumentParser(prog=f"pdserve {'serve' if mode == 'null' else mode}")
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    if mode != "null":
+        ns.disaggregation_mode = mode
+    try:
+        args = ServerArgs.from_cli_args(ns)
+    except ConfigError as e:
+        parser.error(str(e))
+    launch_server(args, scheduler_cls)
+    return 0

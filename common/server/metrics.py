@@ -129,6 +129,13 @@ STAT_GAUGES = {
     "cache_hit_rate": "share of prompt tokens served from the prefix cache",
     "num_tokens_used": "KV tokens in use",
     "gen_throughput": "decode throughput (tokens/s)",
+    # PD roles (absent on a colocated node)
+    "num_prealloc_tokens": "decode: KV tokens preallocated for requests still being transferred",
+    "metadata_slots_free": "free MetadataBuffers slots",
+    "transfer_failures": "KV transfers that failed (counter)",
+    "transfer_bytes": "KV bytes sent or received (counter)",
+    "transfer_latency_avg_s": "mean KV transfer latency (seconds)",
+    "transfer_latency_last_s": "latest KV transfer latency (seconds)",
 }
 
 

@@ -1,0 +1,9 @@
+"""Run a prefill node: the common front end with `PrefillScheduler` in every scheduler process."""
+
+from __future__ import annotations
+
+from common.server.launch import serve_main
+
+
+def main(argv: list[str]) -> int:
+    return serve_main(argv, "prefill", "prefill_node.scheduler:PrefillScheduler")
