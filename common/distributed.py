@@ -1,0 +1,85 @@
+"""Tensor-parallel process groups over torch.distributed (gloo on CPU).
+
+`init_distributed` joins the default process group (one per node: every TP rank of the node) and
+creates two groups spanning the same ranks: `tp_group` for the model's collectives (all-reduce
+after row-parallel layers) and `consensus_group` for control-plane agreement (scheduler input
+broadcast, transfer poll MIN-reduce), so the two kinds of traffic never interleave on one group.
+A world of 1 works too: the groups exist, and the collective helpers skip the call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_TP_GROUP: dist.ProcessGroup | None = None
+_CONSENSUS_GROUP: dist.ProcessGroup | None = None
+
+
+def init_distributed(rank: int, world_size: int, init_method: str,
+                     timeout_s: float = 600.0) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Join the node's gloo world and return `(tp_group, consensus_group)`."""
+    global _TP_GROUP, _CONSENSUS_GROUP
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise RuntimeError(f"torch.distributed is already initialized as rank {dist.get_rank()} of "
+                           f"{dist.get_world_size()}, asked for rank {rank} of {world_size}")
+    ranks = list(range(world_size))
+    _TP_GROUP = dist.new_group(ranks, backend="gloo")
+    _CONSENSUS_GROUP = dist.new_group(ranks, backend="gloo")
+    logger.info("distributed ready: rank %d of %d (%s)", rank, world_size, init_method)
+    return _TP_GROUP, _CONSENSUS_GROUP
+
+
+def get_tp_group() -> dist.ProcessGroup | None:
+    return _TP_GROUP
+
+
+def get_consensus_group() -> dist.ProcessGroup | None:
+    return _CONSENSUS_GROUP
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum `x` over the TP group in place and return it (a no-op for one rank)."""
+    group = group if group is not None else _TP_GROUP
+    if group_size(group) == 1:
+        return x
+    if not x.is_contiguous():
+        x = x.contiguous()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, group: dist.ProcessGroup | None = None,
+                                     dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, in rank order (identity for one rank)."""
+    group = group if group is not None else _TP_GROUP
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def destroy_distributed() -> None:
+    global _TP_GROUP, _CONSENSUS_GROUP
+    _TP_GROUP = _CONSENSUS_GROUP = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

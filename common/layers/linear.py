@@ -1,0 +1,163 @@
+"""Tensor-parallel linear layers with weight loaders that slice full Hugging Face weights.
+
+Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies this
+rank's part of a full (unsharded) checkpoint tensor into it:
+
+* `ColumnParallelLinear`: output features split over ranks (weight `[out / tp, in]`).
+* `MergedColumnParallelLinear`: several column-parallel outputs fused in one matmul
+  (gate_proj + up_proj); `shard_id` is the index of the part.
+* `QKVParallelLinear`: q, k and v projections fused; `shard_id` is "q", "k" or "v". When there are
+  fewer KV heads than ranks, each rank holds one KV head, replicated over `tp / kv_heads` ranks.
+* `RowParallelLinear`: input features split over ranks (weight `[out, in / tp]`); the partial
+  outputs are summed with an all-reduce, and the bias is added once, after the reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.distributed import tensor_model_parallel_all_reduce
+
+
+def _divide(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what} ({a}) is not divisible by the tensor parallel size ({b})")
+    return a // b
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _copy_checked(param: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(src.shape):
+        raise ValueError(f"weight {name}: checkpoint slice has shape {tuple(src.shape)}, "
+                         f"the model expects {tuple(param.shape)}")
+    param.data.copy_(src.to(param.dtype))
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, tp_rank: int = 0,
+                 tp_size: int = 1, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size = input_size
+        self.output_size_per_partition = _divide(output_size, tp_size, "output size")
+        self.weight = _param(self.output_size_per_partition, input_size, dtype=dtype)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = _param(self.output_size_per_partition, dtype=dtype)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = self.output_size_per_partition
+        _copy_checked(param, loaded.narrow(0, self.tp_rank * n, n), type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Column-parallel outputs of several projections in one weight: `[part0 | part1 | ...]` per rank."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *, tp_rank: int = 0,
+                 tp_size: int = 1, dtype: torch.dtype = torch.float32) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+        self.local_sizes = [_divide(s, tp_size, "output size") for s in output_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            raise ValueError("MergedColumnParallelLinear needs the index of the part being loaded")
+        n = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        _copy_checked(param.data.narrow(0, offset, n), loaded.narrow(0, self.tp_rank * n, n),
+                      f"merged part {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k, v projections fused: this rank's output is `[q heads | k heads | v heads]`."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False, *, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.head_dim = head_dim
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = _divide(total_num_heads, tp_size, "number of attention heads")
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp_size, "number of KV heads")
+            self.kv_head_start = tp_rank * self.num_kv_heads
+        else:
+            _divide(tp_size, total_num_kv_heads, "TP size over KV heads")
+            self.num_kv_heads = 1
+            self.kv_head_start = tp_rank // (tp_size // total_num_kv_heads)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id == "q":
+            dst = param.data.narrow(0, 0, self.q_size)
+            src = loaded.narrow(0, self.tp_rank * self.q_size, self.q_size)
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            dst = param.data.narrow(0, offset, self.kv_size)
+            src = loaded.narrow(0, self.kv_head_start * self.head_dim, self.kv_size)
+        else:
+            raise ValueError(f"QKVParallelLinear shard id must be q, k or v, got {shard_id!r}")
+        _copy_checked(dst, src, f"{shard_id}_proj")
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, tp_rank: int = 0,
+                 tp_size: int = 1, tp_group=None, reduce_results: bool = True,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.reduce_results = reduce_results
+        self.input_size_per_partition = _divide(input_size, tp_size, "input size")
+        self.weight = _param(output_size, self.input_size_per_partition, dtype=dtype)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = _param(output_size, dtype=dtype)
+            self.bias.weight_loader = self._bias_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = self.input_size_per_partition
+        _copy_checked(param, loaded.narrow(1, self.tp_rank * n, n), type(self).__name__)
+
+    def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _copy_checked(param, loaded, "row parallel bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results and self.tp_size > 1:
+            y = tensor_model_parallel_all_reduce(y, self.tp_group)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class ReplicatedLinear(nn.Module):
+    """Same full weight on every rank (the lm_head)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = _param(output_size, input_size, dtype=dtype)
+        self.weight.weight_loader = self.weight_loader
+        self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _copy_checked(param, loaded, type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)

@@ -1,0 +1,227 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with per-head q/k RMSNorm).
+
+Tensor parallelism: attention heads and the MLP's intermediate features are split over ranks
+(q/k/v and gate/up are column parallel and fused into one matmul each; o_proj and down_proj are
+row parallel, all-reduced). The embedding and the lm_head are replicated, so every rank computes
+identical full-vocab logits.
+
+`forward(fb)` runs the attention backend's `init_forward_metadata(fb)` itself when
+`fb.attn_metadata` is None (callers that build metadata ahead of time may do so; it is reused).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.forward_batch import ForwardBatch, ForwardMode
+from common.layers.attention import TorchAttentionBackend
+from common.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from common.layers.norm import RMSNorm, default_weight_loader
+from common.layers.rotary import RotaryEmbedding
+from common.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """The checkpoint does not fit the model (missing or misshapen weights)."""
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype) -> None:
+        super().__init__()
+        if cfg.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (supported: silu)")
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
+                                                       tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp_rank=tp_rank,
+                                           tp_size=tp_size, tp_group=tp_group, dtype=dtype)
+        self.local_inter = inter // tp_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.local_inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, backend: TorchAttentionBackend, tp_rank: int,
+                 tp_size: int, tp_group, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.backend = backend
+        d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias,
+                                          tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = d
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias,
+                                        tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        qs, ks = self.q_size, self.kv_size
+        if self.qk_norm:
+            q = self.q_norm(qkv[:, :qs].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, qs:qs + ks].view(t, self.num_kv_heads, self.head_dim))
+            q = RotaryEmbedding.apply(q, cos, sin).view(t, qs)
+            k = RotaryEmbedding.apply(k, cos, sin).view(t, ks)
+        else:
+            # q and k heads rotated together in one pass
+            qk = RotaryEmbedding.apply(qkv[:, :qs + ks].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
+                                       cos, sin).view(t, qs + ks)
+            q, k = qk[:, :qs], qk[:, qs:]
+        o = self.backend.forward(q, k, qkv[:, qs + ks:], self.layer_id, fb)
+        return self.o_proj(o)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, backend: TorchAttentionBackend, tp_rank: int,
+                 tp_size: int, tp_group, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, backend, tp_rank, tp_size, tp_group, dtype)
+        self.mlp = LlamaMLP(cfg, tp_rank, tp_size, tp_group, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, cos, sin, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, tp_rank: int, tp_size: int,
+                 tp_group, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens.weight.weight_loader = default_weight_loader
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, backend, tp_rank, tp_size, tp_group, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our fused parameter fragment, shard id)
+    stacked_params = (
+        (".q_proj.", ".qkv_proj.", "q"),
+        (".k_proj.", ".qkv_proj.", "k"),
+        (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", 0),
+        (".up_proj.", ".gate_up_proj.", 1),
+    )
+
+    def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        local_heads = config.num_heads // tp_size
+        self.attn_backend = TorchAttentionBackend(local_heads, config.local_kv_heads(tp_size), config.head_dim)
+        self.rotary = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta,
+                                      config.rope_type, config.rope_scaling, dtype)
+        self.model = LlamaModel(config, self.attn_backend, tp_rank, tp_size, tp_group, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, dtype=dtype)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        if fb.attn_metadata is None:
+            self.attn_backend.init_forward_metadata(fb)
+        h = F.embedding(fb.input_ids, self.model.embed_tokens.weight)
+        cos, sin = self.rotary.cos_sin(fb.positions)
+        residual = None
+        for layer in self.model.layers:
+            h, residual = layer(h, residual, cos, sin, fb)
+        idx = fb.logits_indices
+        if idx is None and fb.mode != ForwardMode.DECODE:
+            idx = fb.last_token_indices()
+        if idx is not None:
+            h = h[idx]
+            residual = residual[idx]
+        h, _ = self.model.norm(h, residual)
+        return F.linear(h, self.lm_head_weight)
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (full, HF names) into this rank's parameters; returns the names
+        of the parameters that were filled (a fused one once all its parts came)."""
+        params = dict(self.named_parameters())
+        parts_seen: dict[str, set] = {}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied to the embedding
+            target, shard = name, None
+            for ckpt_frag, our_frag, shard_id in self.stacked_params:
+                if ckpt_frag in name:
+                    target, shard = name.replace(ckpt_frag, our_frag), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                logger.debug("checkpoint tensor %s has no place in the model; skipped", name)
+                continue
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                if shard is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard)
+            except (ValueError, RuntimeError) as e:  # shape mismatch, slice out of range
+                raise ModelLoadError(f"cannot load {name} (shape {tuple(tensor.shape)}): {e}") from e
+            if shard is None:
+                loaded.add(target)
+            else:
+                parts_seen.setdefault(target, set()).add(shard)
+        for target, seen in parts_seen.items():
+            need = {"q", "k", "v"} if target.endswith("qkv_proj.weight") or target.endswith("qkv_proj.bias") \
+                else {0, 1}
+            if seen >= need:
+                loaded.add(target)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass

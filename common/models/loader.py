@@ -1,0 +1,100 @@
+"""Load a Hugging Face-format model directory: config.json + safetensors (one file or shards with
+`model.safetensors.index.json`), mapped onto the fused parameters and sliced for a TP rank.
+
+Architectures are looked up in `ARCHITECTURES` by `config.json["architectures"][0]`; a hybrid model
+(e.g. Qwen3.5 with linear attention, per-request state slots via `fb.state_indices`) or a
+sliding-window variant plugs in as another entry whose class takes the same constructor arguments
+and exposes `forward(fb)`, `attn_backend` and `load_weights(...)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from common.models.config import ModelConfig, ModelConfigError
+from common.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    ModelLoadError,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+__all__ = ["ARCHITECTURES", "ModelConfig", "ModelConfigError", "ModelLoadError", "UnsupportedArchitecture",
+           "get_model_class", "load_model", "iter_safetensors"]
+
+
+class UnsupportedArchitecture(ModelConfigError):
+    pass
+
+
+def get_model_class(architecture: str) -> type[torch.nn.Module]:
+    cls = ARCHITECTURES.get(architecture)
+    if cls is None:
+        raise UnsupportedArchitecture(
+            f"unsupported model architecture {architecture!r} (config.json 'architectures'); "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    return cls
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: shard(s) named in model.safetensors.index.json are missing: "
+                                 f"{', '.join(missing)}")
+        return [os.path.join(model_dir, f) for f in files]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weights (only safetensors checkpoints are "
+                             f"supported; convert a .gguf with `pdserve convert`)")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
+               dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, ModelConfig]:
+    """Build the model for `config.json["architectures"][0]` and fill it from the safetensors."""
+    config = ModelConfig.from_pretrained(model_dir)
+    cls = get_model_class(config.architecture)
+    if config.sliding_window and config.sliding_window < config.context_length:
+        logger.warning("%s uses a %d-token sliding window; serving contexts up to %d tokens (full attention "
+                       "there is exact)", config.name, config.sliding_window, config.sliding_window)
+        config.context_length = config.sliding_window
+    config.local_kv_heads(tp_size)  # validates the head split
+    files = safetensors_files(model_dir)
+    model = cls(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype)
+    loaded = model.load_weights(iter_safetensors(files))
+    missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+        raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {shown}")
+    model.eval()
+    logger.info("loaded %s (%s, %d layers) tp %d/%d", config.name, config.architecture, config.num_layers,
+                tp_rank, tp_size)
+    return model, config

@@ -1,0 +1,126 @@
+"""Teacher-forced logits of our model == Hugging Face transformers' (eager, fp32) on the same weights:
+one extend, chunked extends on top of a cached prefix, and decode steps (one request and a batch of
+requests of different lengths), over scrambled (non-contiguous) KV pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_harness import (
+    Harness,
+    one_torch_thread,  # noqa: F401  (autouse)
+)
+
+from common.models.loader import load_model
+
+TOL = 1e-4
+
+ARCH_CASES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", {}),
+    "llama-rope-llama3-tied": ("llama", {
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    }),
+    "llama-mha-bias": ("llama", {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True}),
+}
+
+
+def hf_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def prompt(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def check_model(model_dir: str, page_size: int, n: int = 45) -> None:
+    model, cfg = load_model(model_dir)
+    ids = prompt(n, vocab=cfg.vocab_size)
+    ref = hf_logits(model_dir, ids)
+
+    # 1) the whole prompt in one extend
+    h = Harness.for_model(cfg, page_size=page_size)
+    row = h.new_req()
+    out = model(h.extend_batch([(row, ids)], all_logits=True))
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() < TOL
+
+    # default logits rows: the last token of each request
+    h2 = Harness.for_model(cfg, page_size=page_size, scramble_seed=1)
+    r = h2.new_req()
+    last = model(h2.extend_batch([(r, ids[:20])]))
+    assert last.shape == (1, cfg.vocab_size)
+    assert (last[0] - ref[19]).abs().max().item() < TOL
+
+    # 2) chunked: extends on top of the cached prefix (chunk boundaries inside and at pages)
+    h = Harness.for_model(cfg, page_size=page_size, scramble_seed=2)
+    row = h.new_req()
+    start = 0
+    for size in (13, 3, page_size, 9):
+        chunk = ids[start:start + size]
+        out = model(h.extend_batch([(row, chunk)], all_logits=True))
+        assert (out - ref[start:start + size]).abs().max().item() < TOL, f"chunk at {start}"
+        start += size
+
+    # 3) decode steps for one request after a prefill of 30 tokens
+    h = Harness.for_model(cfg, page_size=page_size, scramble_seed=3)
+    row = h.new_req()
+    model(h.extend_batch([(row, ids[:30])]))
+    for p in range(30, n):
+        out = model(h.decode_batch([(row, ids[p])]))
+        assert (out[0] - ref[p]).abs().max().item() < TOL, f"decode at {p}"
+
+    # 4) a batch: two requests extended together (different prefixes), then decoded together
+    h = Harness.for_model(cfg, page_size=page_size, scramble_seed=4)
+    a, b = h.new_req(), h.new_req()
+    model(h.extend_batch([(a, ids[:10])]))
+    out = model(h.extend_batch([(a, ids[10:25]), (b, ids[:7])], all_logits=True))
+    assert (out[:15] - ref[10:25]).abs().max().item() < TOL
+    assert (out[15:] - ref[:7]).abs().max().item() < TOL
+    pa, pb = 25, 7
+    for _ in range(6):
+        out = model(h.decode_batch([(a, ids[pa]), (b, ids[pb])]))
+        assert (out[0] - ref[pa]).abs().max().item() < TOL
+        assert (out[1] - ref[pb]).abs().max().item() < TOL
+        pa, pb = pa + 1, pb + 1
+
+
+@pytest.mark.parametrize("case", list(ARCH_CASES))
+def test_tiny_matches_hf(make_tiny_model, case):
+    arch, overrides = ARCH_CASES[case]
+    check_model(make_tiny_model(arch, **overrides), page_size=4)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tiny_llama_page_sizes(tiny_model_dir, page_size):
+    check_model(tiny_model_dir, page_size=page_size, n=40)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_hf(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    model, cfg = load_model(smollm2_dir)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    ids = ids + prompt(8, seed=5)
+    ref = hf_logits(smollm2_dir, ids)
+    n = len(ids)
+    h = Harness.for_model(cfg, page_size=16)
+    row = h.new_req()
+    out = model(h.extend_batch([(row, ids[:n - 6])], all_logits=True))
+    assert (out - ref[:n - 6]).abs().max().item() < TOL
+    for p in range(n - 6, n):
+        out = model(h.decode_batch([(row, ids[p])]))
+        assert (out[0] - ref[p]).abs().max().item() < TOL, f"decode at {p}"
