@@ -1,0 +1,379 @@
+"""`pdserve bench engine`: our engine vs HF transformers on the same model, in the same process.
+
+Measured (fp32, CPU, greedy):
+
+* decode tokens/s at batch 1 and 16: ours drives the real `ModelRunner` (prefill the prompts with
+  one EXTEND forward, then `--decode-steps` DECODE steps; each step includes building the batch,
+  allocating KV slots, the forward and the sampler). HF runs `generate(do_sample=False,
+  max_new_tokens=N, min_new_tokens=N)` on a left-padded batch; the time of the same call with N=1
+  (prefill + first token) is subtracted, so both sides count per-token decode only.
+* prefill tokens/s for one `--prompt-len`-token prompt: ours one EXTEND forward; HF one forward
+  with `logits_to_keep=1` (what HF's own `generate` does on prefill; ours also projects only the
+  last position).
+* the memory-bandwidth bound of decode: best-of measured memcpy (reported as bytes copied per
+  second, and as traffic = 2x that) and a read-only pass (sum over a large buffer); a decode step must
+  read every weight once (lm_head included; with tied embeddings the matrix counts once), so
+  `bound step = weight bytes / best bandwidth`. Ratio `bandwidth_bound` = bound step / our b1 step.
+
+Every measurement is warmed up, repeated `--repeats` times interleaving ours and HF, and the best
+(min time) is used for the ratios; medians are reported too. Ratios are ours / HF tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.report import write_report
+
+BATCHES = (1, 16)
+
+
+def log(msg: str) -> None:
+    print(f"[bench engine {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="default", help="model directory, .gguf, or 'default' (SmolLM2-135M)")
+    p.add_argument("--json", default=None, help="write the report to this file")
+    p.add_argument("--decode-steps", type=int, default=64, help="decode steps timed per run")
+    p.add_argument("--decode-prompt-len", type=int, default=128, help="prompt tokens before decoding")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the prefill measurement")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats of each measurement")
+    p.add_argument("--skip-hf", action="store_true", help="measure only our engine (no ratios vs HF)")
+    args = p.parse_args(argv)
+    if args.decode_steps < 2:
+        p.error("--decode-steps must be >= 2")
+    if args.prompt_len < 1 or args.decode_prompt_len < 1:
+        p.error("prompt lengths must be >= 1")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------- ours
+class OurEngine:
+    """Drives `common.runner.ModelRunner` the way the scheduler does, minus the scheduling policy."""
+
+    def __init__(self, model_dir: str, max_tokens_per_req: int, max_batch: int) -> None:
+        from common.config import ServerArgs
+        from common.runner import ModelRunner
+
+        page = 16
+        per_req = -(-max_tokens_per_req // page) * page + page
+        args = ServerArgs(model=model_dir, max_total_tokens=per_req * max_batch + 4 * page,
+                          max_running_requests=max_batch, page_size=page,
+                          context_length=max_tokens_per_req + page)
+        self.runner = ModelRunner(args, model_dir)
+        self.cfg = self.runner.model_config
+        self.vocab = self.runner.vocab_size
+
+    def _greedy(self, logits: torch.Tensor, outputs: list[list[int]]) -> torch.Tensor:
+        from common.layers.sampling import SamplingBatchInfo
+        from common.protocol import SamplingParams
+
+        b = logits.shape[0]
+        info = SamplingBatchInfo.build([SamplingParams(temperature=0.0)] * b, outputs, self.vocab, [None] * b,
+                                       list(self.cfg.eos_token_ids))
+        return self.runner.sample(logits, info).next_token_ids
+
+    def _extend_batch(self, prompts: list[list[int]]):
+        from common.forward_batch import ForwardBatch, ForwardMode
+
+        r = self.runner
+        rows, slots, lens = [], [], []
+        for p in prompts:
+            row = r.req_to_token_pool.alloc()
+            s = r.allocator.alloc_extend(0, 0, len(p))
+            r.req_to_token_pool.write(row, 0, s)
+            rows.append(row)
+            slots.append(s)
+            lens.append(len(p))
+        fb = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
+            positions=torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]),
+            out_cache_loc=torch.cat(slots), req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+            seq_lens=list(lens), extend_prefix_lens=[0] * len(lens), extend_seq_lens=list(lens),
+            kv_pool=r.kv_pool, req_to_token=r.req_to_token_pool.req_to_token)
+        return fb, rows, lens
+
+    def _release(self, rows: list[int], lens: list[int]) -> None:
+        r = self.runner
+        for row, n in zip(rows, lens, strict=True):
+            r.allocator.free_slots(r.req_to_token_pool.slots(row, 0, n))
+            r.req_to_token_pool.free(row)
+
+    def prefill(self, prompt: list[int]) -> float:
+        """Seconds for one EXTEND forward (+ sampling) of one prompt."""
+        fb, rows, lens = self._extend_batch([prompt])
+        t0 = time.perf_counter()
+        logits = self.runner.forward(fb)
+        self._greedy(logits, [[]])
+        dt = time.perf_counter() - t0
+        self._release(rows, lens)
+        return dt
+
+    def generate(self, prompts: list[list[int]], steps: int) -> tuple[float, float, list[list[int]]]:
+        """Prefill, then time `steps` decode steps. Returns (decode seconds, decode CPU seconds of this
+        process, generated tokens)."""
+        from common.forward_batch import ForwardBatch, ForwardMode
+
+        r = self.runner
+        fb, rows, lens = self._extend_batch(prompts)
+        nxt = self._greedy(r.forward(fb), [[] for _ in prompts])
+        outputs = [[t] for t in nxt.tolist()]
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        last_slot = [int(r.req_to_token_pool.req_to_token[row, n - 1]) for row, n in zip(rows, lens, strict=True)]
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(steps):
+            slots = []
+            for i, (row, n) in enumerate(zip(rows, lens, strict=True)):
+                s = r.allocator.alloc_extend(n, last_slot[i], 1)
+                r.req_to_token_pool.write(row, n, s)
+                last_slot[i] = int(s[0])
+                slots.append(s)
+            fb = ForwardBatch(
+                mode=ForwardMode.DECODE, input_ids=nxt, positions=torch.tensor(lens, dtype=torch.int64),
+                out_cache_loc=torch.cat(slots), req_pool_indices=row_t, seq_lens=[n + 1 for n in lens],
+                extend_prefix_lens=list(lens), extend_seq_lens=[1] * len(lens), kv_pool=r.kv_pool,
+                req_to_token=r.req_to_token_pool.req_to_token)
+            nxt = self._greedy(r.forward(fb), outputs)
+            lens = [n + 1 for n in lens]
+            for out, t in zip(outputs, nxt.tolist(), strict=True):
+                out.append(t)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        self._release(rows, lens)
+        return dt, dc, outputs
+
+    def weight_bytes(self) -> int:
+        """Bytes of every distinct parameter a decode step reads (a tied lm_head counts once; the
+        embedding is read only at the batch's rows, so it is not counted unless it is the lm_head)."""
+        model = self.runner.model
+        seen: set[int] = set()
+        total = 0
+        emb = model.model.embed_tokens.weight
+        lm = model.lm_head_weight
+        for p in model.parameters():
+            if p.data_ptr() in seen:
+                continue
+            seen.add(p.data_ptr())
+            if p is emb and lm is not emb:
+                continue
+            total += p.numel() * p.element_size()
+        return total
+
+
+# ---------------------------------------------------------------------------------------------- HF
+class HFEngine:
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()
+        gc = self.model.generation_config
+        eos = gc.eos_token_id
+        self.pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+
+    def _inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.int64)
+        mask = torch.zeros((len(prompts), width), dtype=torch.int64)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        return ids, mask
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, torch.Tensor]:
+        """(seconds, CPU seconds of this process, generated tokens) of one `generate` call."""
+        ids, mask = self._inputs(prompts)
+        c0, t0 = time.process_time(), time.perf_counter()
+        out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, pad_token_id=self.pad, temperature=None, top_p=None,
+                                  top_k=None)
+        return time.perf_counter() - t0, time.process_time() - c0, out[:, ids.shape[1]:]
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int]) -> float:
+        ids = torch.tensor([prompt], dtype=torch.int64)
+        t0 = time.perf_counter()
+        self.model(input_ids=ids, logits_to_keep=1)
+        return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------- bandwidth
+def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
+    n = nbytes // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_times, read_times = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copy_times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        float(src.sum())
+        read_times.append(time.perf_counter() - t0)
+    copy_gbps = nbytes / min(copy_times) / 1e9
+    return {"buffer_mib": nbytes / 2**20, "memcpy_gbps": copy_gbps, "memcpy_traffic_gbps": 2 * copy_gbps,
+            "read_gbps": nbytes / min(read_times) / 1e9}
+
+
+# ---------------------------------------------------------------------------------------------- main
+def _summary(times: list[float], work: float) -> dict:
+    best, med = min(times), statistics.median(times)
+    return {"best_s": best, "median_s": med, "tok_s_best": work / best, "tok_s_median": work / med,
+            "runs_s": [round(t, 5) for t in times]}
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # token ids away from the special ones at the start of the vocabulary
+    return torch.randint(100, vocab, (n, length), generator=g).tolist()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    from common.models.default_model import resolve_model_path
+
+    model_dir = resolve_model_path(args.model)
+    n = args.decode_steps
+    log(f"model {model_dir}, torch threads {torch.get_num_threads()}, decode steps {n}, "
+        f"decode prompt {args.decode_prompt_len}, prefill prompt {args.prompt_len}")
+    ours = OurEngine(model_dir, max(args.prompt_len, args.decode_prompt_len + n) + 1, max(BATCHES))
+    log(f"ours loaded: {ours.cfg.name} ({ours.cfg.architecture}), {ours.weight_bytes() / 2**20:.1f} MiB of weights "
+        f"read per decode step")
+    hf = None if args.skip_hf else HFEngine(model_dir)
+    if hf is not None:
+        log("HF transformers loaded")
+    vocab = ours.vocab
+
+    figures: dict = {"model": ours.cfg.name, "model_dir": model_dir, "decode_steps": n,
+                     "decode_prompt_len": args.decode_prompt_len, "prompt_len": args.prompt_len,
+                     "threads": torch.get_num_threads(), "repeats": args.repeats}
+
+    # ---- warmup (both engines, every shape)
+    log("warmup")
+    for b in BATCHES:
+        ps = _prompts(b, args.decode_prompt_len, vocab, seed=b)
+        ours.generate(ps, 4)
+        if hf is not None:
+            hf.generate(ps, 4)
+            hf.generate(ps, 1)
+    pp = _prompts(1, args.prompt_len, vocab, seed=99)[0]
+    ours.prefill(pp)
+    if hf is not None:
+        hf.prefill(pp)
+
+    # ---- decode
+    agreement = {}
+    for b in BATCHES:
+        ps = _prompts(b, args.decode_prompt_len, vocab, seed=b)
+        ours_t, hf_t, ours_c, hf_c = [], [], [], []
+        for rep in range(args.repeats):
+            dt, dc, toks = ours.generate(ps, n - 1)  # + the token of the prefill = n tokens, n-1 decode steps
+            ours_t.append(dt)
+            ours_c.append(dc)
+            msg = f"decode b{b} run {rep + 1}/{args.repeats}: ours {b * (n - 1) / dt:8.1f} tok/s"
+            if hf is not None:
+                t_n, c_n, out = hf.generate(ps, n)
+                t_1, c_1, _ = hf.generate(ps, 1)
+                hf_t.append(max(t_n - t_1, 1e-9))
+                hf_c.append(max(c_n - c_1, 1e-9))
+                msg += f", HF {b * (n - 1) / hf_t[-1]:8.1f} tok/s"
+                if rep == 0:
+                    same = sum(int(a == bb) for o, r in zip(toks, out.tolist(), strict=True)
+                               for a, bb in zip(o, r, strict=False))
+                    agreement[f"b{b}"] = same / (b * n)
+            log(msg)
+        figures[f"ours_decode_b{b}"] = _summary(ours_t, b * (n - 1))
+        figures[f"ours_decode_b{b}"]["step_ms_best"] = 1e3 * min(ours_t) / (n - 1)
+        # CPU time of this process per step: less sensitive to other load on a shared machine
+        figures[f"ours_decode_b{b}"]["cpu_step_ms_best"] = 1e3 * min(ours_c) / (n - 1)
+        if hf is not None:
+            figures[f"hf_decode_b{b}"] = _summary(hf_t, b * (n - 1))
+            figures[f"hf_decode_b{b}"]["step_ms_best"] = 1e3 * min(hf_t) / (n - 1)
+            figures[f"hf_decode_b{b}"]["cpu_step_ms_best"] = 1e3 * min(hf_c) / (n - 1)
+    if agreement:
+        figures["greedy_token_agreement_with_hf"] = agreement
+
+    # ---- prefill
+    ours_t, hf_t = [], []
+    for rep in range(args.repeats):
+        ours_t.append(ours.prefill(pp))
+        msg = f"prefill {args.prompt_len} run {rep + 1}/{args.repeats}: ours {args.prompt_len / ours_t[-1]:8.1f} tok/s"
+        if hf is not None:
+            hf_t.append(hf.prefill(pp))
+            msg += f", HF {args.prompt_len / hf_t[-1]:8.1f} tok/s"
+        log(msg)
+    figures["ours_prefill"] = _summary(ours_t, args.prompt_len)
+    if hf is not None:
+        figures["hf_prefill"] = _summary(hf_t, args.prompt_len)
+
+    # ---- bandwidth bound
+    log("memory bandwidth")
+    bw = memory_bandwidth()
+    wbytes = ours.weight_bytes()
+    best_bw = max(bw["memcpy_traffic_gbps"], bw["read_gbps"])
+    bound_ms = wbytes / (best_bw * 1e9) * 1e3
+    our_step_ms = figures["ours_decode_b1"]["step_ms_best"]
+    figures["bandwidth"] = {**bw, "bandwidth_used_gbps": best_bw, "weight_bytes_per_step": wbytes,
+                            "bound_step_ms": bound_ms, "ours_b1_step_ms": our_step_ms,
+                            "ours_b1_effective_gbps": wbytes / (our_step_ms / 1e3) / 1e9}
+
+    ratios = {"bandwidth_bound": bound_ms / our_step_ms}
+    if hf is not None:
+        ratios = {"decode_b1": figures["ours_decode_b1"]["tok_s_best"] / figures["hf_decode_b1"]["tok_s_best"],
+                  "decode_b16": figures["ours_decode_b16"]["tok_s_best"] / figures["hf_decode_b16"]["tok_s_best"],
+                  "prefill_512": figures["ours_prefill"]["tok_s_best"] / figures["hf_prefill"]["tok_s_best"],
+                  **ratios}
+    print_table(figures, ratios, hf is not None)
+    write_report(args.json, "engine", figures, ratios)
+    return 0
+
+
+def print_table(figures: dict, ratios: dict, with_hf: bool) -> None:
+    rows = [("decode b1 (tok/s)", "decode_b1"), ("decode b16 (tok/s)", "decode_b16"),
+            (f"prefill {figures['prompt_len']} (tok/s)", "prefill")]
+    print(f"\nengine bench: {figures['model']}, {figures['threads']} threads, best of {figures['repeats']} "
+          f"(median in brackets)")
+    print(f"  {'':24s} {'pdserve':>22s} {'HF transformers':>22s} {'ratio':>7s}")
+    for label, key in rows:
+        o = figures[f"ours_{key}"]
+        ours_s = f"{o['tok_s_best']:9.1f} ({o['tok_s_median']:9.1f})"
+        if with_hf:
+            h = figures[f"hf_{key}"]
+            hf_s = f"{h['tok_s_best']:9.1f} ({h['tok_s_median']:9.1f})"
+            r = ratios["prefill_512" if key == "prefill" else key]
+            print(f"  {label:24s} {ours_s:>22s} {hf_s:>22s} {r:7.2f}")
+        else:
+            print(f"  {label:24s} {ours_s:>22s}")
+    for bsz in BATCHES:
+        o = figures[f"ours_decode_b{bsz}"]
+        line = f"  decode b{bsz} ms/step (best): ours {o['step_ms_best']:.2f} wall, {o['cpu_step_ms_best']:.2f} CPU"
+        if with_hf:
+            h = figures[f"hf_decode_b{bsz}"]
+            line += f"; HF {h['step_ms_best']:.2f} wall, {h['cpu_step_ms_best']:.2f} CPU"
+        print(line)
+    b = figures["bandwidth"]
+    print(f"  memory: memcpy {b['memcpy_gbps']:.1f} GB/s copied ({b['memcpy_traffic_gbps']:.1f} GB/s traffic), "
+          f"read {b['read_gbps']:.1f} GB/s; weights {b['weight_bytes_per_step'] / 2**20:.1f} MiB/step "
+          f"-> bound {b['bound_step_ms']:.2f} ms/step; ours b1 {b['ours_b1_step_ms']:.2f} ms/step "
+          f"({b['ours_b1_effective_gbps']:.1f} GB/s effective)")
+    if "greedy_token_agreement_with_hf" in figures:
+        agree = ", ".join(f"{k} {v:.0%}" for k, v in figures["greedy_token_agreement_with_hf"].items())
+        print(f"  greedy tokens equal to HF's: {agree}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
