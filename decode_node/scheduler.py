@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from common.layers.sampling import skip_draws
 from common.scheduler.req import Req
 from common.scheduler.scheduler import Scheduler
 from decode_node.kv import MAX_TOP_LOGPROBS, build_kv_manager
@@ -228,6 +229,7 @@ class DecodeScheduler(Scheduler):
         req.cached_tokens = meta["cached_tokens"]
         if req.max_new_tokens > 0:
             req.output_ids = [first]
+            skip_draws(req.generator, req.sampling, 1)  # the prefill node drew the first token
             if req.return_logprob:
                 req.output_logprobs = [(meta["logprob_val"], first)]
                 if req.top_logprobs_num > 0:

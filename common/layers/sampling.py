@@ -59,6 +59,19 @@ def make_generator(seed: int) -> torch.Generator:
     return g
 
 
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < _GREEDY_EPS or params.top_k == 1
+
+
+def skip_draws(generator: torch.Generator | None, params: SamplingParams, n: int) -> None:
+    """Advance a seeded request's generator past `n` tokens sampled elsewhere (a decode node
+    continuing from the prefill node's first token), so its later draws are the ones it would
+    have made in one engine: the sampler takes exactly one uniform per sampled, non-greedy token."""
+    if generator is not None and not is_greedy(params):
+        for _ in range(n):
+            torch.rand(1, 1, generator=generator)
+
+
 @dataclass
 class SamplingBatchInfo:
     """Per-batch sampling state, rebuilt by the scheduler before each sampling step."""
@@ -106,7 +119,7 @@ class SamplingBatchInfo:
             raise ValueError("params, output_ids, generators (and prompt_ids) must have one entry per request")
         temps, top_ks, top_ps, min_ps, greedy = [], [], [], [], []
         for p in params:
-            g = p.temperature < _GREEDY_EPS or p.top_k == 1
+            g = is_greedy(p)
             greedy.append(g)
             temps.append(1.0 if g else float(p.temperature))
             top_ks.append(vocab_size if p.top_k < 1 or p.top_k > vocab_size else int(p.top_k))

@@ -50,6 +50,19 @@ def test_greedy_matches_colocated(pair, colocated, pd_tok, restored):
         assert db["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
 
 
+def test_seeded_sampling_matches_colocated(pair, colocated, pd_tok, restored):
+    # the decode node continues the seeded generator past the draw the prefill node made
+    prompt = make_prompts(pd_tok, 1, seed=3, lo=40, hi=41)[0]
+    body = {"input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 1.5, "seed": 1234, "ignore_eos": True}}
+    status, raw = http_post(colocated.url + "/generate", body)
+    assert status == 200, raw
+    want = json.loads(raw)["output_ids"]
+    (ps, pb), (ds, db) = pair.generate(body)
+    assert ps == 200 and ds == 200, (pb, db)
+    assert db["output_ids"] == want
+
+
 def test_logprobs_travel_with_the_first_token(pair, colocated, pd_tok, restored):
     prompt = make_prompts(pd_tok, 1, seed=7, lo=70, hi=71)[0]
     body = {"input_ids": prompt, "sampling_params": greedy(4), "return_logprob": True, "logprob_start_len": 0,
