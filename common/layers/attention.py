@@ -9,8 +9,11 @@ KV buffers are `[num_pages, kv_heads, page_size, head_dim]`; viewed flat as
 `((s // page_size) * kv_heads + h) * page_size + s % page_size`. A gather with `[B, kv_heads, L]`
 such rows yields K directly in the `[B, kv_heads, L, head_dim]` layout attention wants.
 
-GQA: queries are reshaped to `[kv_heads, group, ...]` so each KV head serves its group of query
-heads without repeating K/V.
+GQA: query head `h` uses KV head `h // group`. Decode reshapes queries to `[kv_heads, group, ...]`;
+extend uses SDPA with `enable_gqa=True` (same grouping), so K/V are never repeated.
+
+New tokens' K/V are written with one `index_copy_` per buffer on flat rows computed once per batch
+(`write_rows`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from common.forward_batch import ForwardBatch, ForwardMode
 
@@ -28,12 +32,14 @@ class _ExtendItem:
     n: int  # new tokens
     prefix: int  # cached tokens before them
     kv_index: torch.Tensor | None  # [kv_heads * (prefix + n)] flat rows, None when prefix == 0
-    mask: torch.Tensor | None  # [group * n, prefix + n] additive (0 / -inf), None for a single token
+    mask: torch.Tensor | None  # [n, prefix + n] bool (True = attend), only with a prefix and n > 1
+    causal: bool  # no prefix and n > 1: plain causal attention over the new tokens
 
 
 @dataclass
 class TorchAttentionMetadata:
     mode: ForwardMode
+    write_rows: torch.Tensor | None = None  # [T * kv_heads] flat rows of the new tokens' K/V
     # decode
     kv_index: torch.Tensor | None = None  # [B * kv_heads * Lmax] flat rows
     max_len: int = 0
@@ -63,6 +69,7 @@ class TorchAttentionBackend:
 
     def init_forward_metadata(self, fb: ForwardBatch) -> TorchAttentionMetadata:
         ps = fb.kv_pool.page_size
+        write_rows = fb.kv_pool.flat_rows(fb.out_cache_loc) if hasattr(fb.kv_pool, "flat_rows") else None
         if fb.mode == ForwardMode.DECODE:
             lens = torch.tensor(fb.seq_lens, dtype=torch.int64)
             lmax = int(max(fb.seq_lens))
@@ -77,19 +84,18 @@ class TorchAttentionBackend:
         else:
             md = TorchAttentionMetadata(mode=fb.mode)
             start = 0
-            g = self.group
             rows = fb.req_pool_indices.tolist()
             for row, n, p in zip(rows, fb.extend_seq_lens, fb.extend_prefix_lens, strict=True):
                 s = p + n
                 kv_index = mask = None
                 if p > 0:
                     kv_index = self._flat_rows(fb.req_to_token[row, :s], ps).reshape(-1)
-                if n > 1:
-                    q_pos = torch.arange(p, s, dtype=torch.int64).repeat(g)
-                    future = torch.arange(s, dtype=torch.int64).unsqueeze(0) > q_pos.unsqueeze(1)
-                    mask = torch.zeros(future.shape, dtype=fb.kv_pool.dtype).masked_fill_(future, float("-inf"))
-                md.items.append(_ExtendItem(start, n, p, kv_index, mask))
+                    if n > 1:
+                        q_pos = torch.arange(p, s, dtype=torch.int64).unsqueeze(1)
+                        mask = torch.arange(s, dtype=torch.int64).unsqueeze(0) <= q_pos
+                md.items.append(_ExtendItem(start, n, p, kv_index, mask, causal=p == 0 and n > 1))
                 start += n
+        md.write_rows = write_rows
         fb.attn_metadata = md
         return md
 
@@ -102,8 +108,11 @@ class TorchAttentionBackend:
         k = k.view(t, hkv, d)
         v = v.view(t, hkv, d)
         pool = fb.kv_pool
-        pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         md: TorchAttentionMetadata = fb.attn_metadata
+        if md.write_rows is None:
+            pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        else:
+            pool.set_kv_rows(layer_id, md.write_rows, k, v)
         if md.mode == ForwardMode.DECODE:
             k_flat = pool.k(layer_id).view(-1, d)
             v_flat = pool.v(layer_id).view(-1, d)
@@ -119,26 +128,25 @@ class TorchAttentionBackend:
             out = torch.matmul(scores.softmax(-1), values)
             return out.view(b, hkv * g * d)
 
-        out = torch.empty(t, hkv * g * d, dtype=q.dtype)
+        h = hkv * g
+        out = torch.empty(t, h * d, dtype=q.dtype)
         k_flat = v_flat = None
         for it in md.items:
             n = it.n
-            qi = q[it.start:it.start + n].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+            # [1, heads, n, D] / [1, kv_heads, s, D] views; SDPA's CPU flash kernel takes strides
+            qi = q[it.start:it.start + n].view(n, h, d).transpose(0, 1).unsqueeze(0)
             if it.kv_index is None:
-                ki = k[it.start:it.start + n].transpose(0, 1)
-                vi = v[it.start:it.start + n].transpose(0, 1)
+                ki = k[it.start:it.start + n].transpose(0, 1).unsqueeze(0)
+                vi = v[it.start:it.start + n].transpose(0, 1).unsqueeze(0)
             else:
                 if k_flat is None:
                     k_flat = pool.k(layer_id).view(-1, d)
                     v_flat = pool.v(layer_id).view(-1, d)
                 s = it.prefix + n
-                ki = k_flat.index_select(0, it.kv_index).view(hkv, s, d)
-                vi = v_flat.index_select(0, it.kv_index).view(hkv, s, d)
-            if it.mask is None:
-                scores = torch.bmm(qi, ki.transpose(1, 2)).mul_(self.scaling)
-            else:
-                scores = torch.baddbmm(it.mask.expand(hkv, -1, -1), qi, ki.transpose(1, 2), alpha=self.scaling)
-            oi = torch.bmm(scores.softmax(-1), vi)
-            # [kv_heads, group * n, D] -> [n, kv_heads, group, D]
-            out[it.start:it.start + n] = oi.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hkv * g * d)
+                ki = k_flat.index_select(0, it.kv_index).view(1, hkv, s, d)
+                vi = v_flat.index_select(0, it.kv_index).view(1, hkv, s, d)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=it.mask, is_causal=it.causal,
+                                                scale=self.scaling, enable_gqa=g > 1)
+            # [1, heads, n, D] -> [n, heads * D]
+            out[it.start:it.start + n] = oi[0].transpose(0, 1).reshape(n, h * d)
         return out

@@ -54,6 +54,22 @@ class KVPool:
         self.k_buffers[i][pages, :, offs, :] = k.to(self.dtype)
         self.v_buffers[i][pages, :, offs, :] = v.to(self.dtype)
 
+    def set_kv_rows(self, layer_id: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Fast path of `set_kv`: `rows` `[n * kv_heads]` are the flat buffer rows (see `flat_rows`)
+        of the new tokens' heads, in `[n, kv_heads]` order; k/v are `[n, kv_heads, head_dim]`."""
+        i = self._index[layer_id]
+        d = self.head_dim
+        self.k_buffers[i].view(-1, d).index_copy_(0, rows, k.reshape(-1, d).to(self.dtype))
+        self.v_buffers[i].view(-1, d).index_copy_(0, rows, v.reshape(-1, d).to(self.dtype))
+
+    def flat_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows `[n * kv_heads]` (`[n, kv_heads]` order) of `slots` `[n]` in a buffer viewed as
+        `[num_pages * kv_heads * page_size, head_dim]`."""
+        ps = self.page_size
+        heads = torch.arange(self.kv_heads, dtype=torch.int64)
+        rows = ((slots // ps).unsqueeze(1) * self.kv_heads + heads) * ps + (slots % ps).unsqueeze(1)
+        return rows.reshape(-1)
+
     def buffers(self) -> list[torch.Tensor]:
         """All buffers in a fixed order (K of each layer, then V of each layer), for registration."""
         return self.k_buffers + self.v_buffers

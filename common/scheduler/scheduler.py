@@ -383,8 +383,11 @@ class Scheduler:
                                            prompt_ids=[r.origin_input_ids for r in sreqs])
             want_lp = any(r.return_logprob for r in sreqs)
             nums = [r.top_logprobs_num if r.return_logprob else 0 for r in sreqs] if want_lp else None
-            out = self.runner.sample(logits[torch.tensor(rows, dtype=torch.int64)], info, nums,
-                                     return_logprob=want_lp)
+            if fb.mode == ForwardMode.DECODE and rows == list(range(logits.shape[0])):
+                picked = logits  # every row, in order: no copy (logits are not used after sampling)
+            else:
+                picked = logits[torch.tensor(rows, dtype=torch.int64)]
+            out = self.runner.sample(picked, info, nums, return_logprob=want_lp)
             ids = out.next_token_ids.tolist()
             lp = out.logprobs.tolist() if out.logprobs is not None else None
             for j, i in enumerate(sample_idx):
