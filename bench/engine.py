@@ -288,9 +288,12 @@ def main(argv: list[str] | None = None) -> int:
             if hf is not None:
                 t_n, c_n, out = hf.generate(ps, n)
                 t_1, c_1, _ = hf.generate(ps, 1)
-                hf_t.append(max(t_n - t_1, 1e-9))
-                hf_c.append(max(c_n - c_1, 1e-9))
-                msg += f", HF {b * (n - 1) / hf_t[-1]:8.1f} tok/s"
+                if t_n > t_1 and c_n > c_1:
+                    hf_t.append(t_n - t_1)
+                    hf_c.append(c_n - c_1)
+                    msg += f", HF {b * (n - 1) / hf_t[-1]:8.1f} tok/s"
+                else:  # a busy machine can make the 1-token run the slower one: not a measurement
+                    msg += ", HF run discarded (1-token generate took longer than the full one)"
                 if rep == 0:
                     same = sum(int(a == bb) for o, r in zip(toks, out.tolist(), strict=True)
                                for a, bb in zip(o, r, strict=False))
@@ -301,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         # CPU time of this process per step: less sensitive to other load on a shared machine
         figures[f"ours_decode_b{b}"]["cpu_step_ms_best"] = 1e3 * min(ours_c) / (n - 1)
         if hf is not None:
+            if not hf_t:
+                raise SystemExit(f"every HF decode b{b} run was discarded; rerun on a quieter machine "
+                                 "or with more --repeats")
             figures[f"hf_decode_b{b}"] = _summary(hf_t, b * (n - 1))
             figures[f"hf_decode_b{b}"]["step_ms_best"] = 1e3 * min(hf_t) / (n - 1)
             figures[f"hf_decode_b{b}"]["cpu_step_ms_best"] = 1e3 * min(hf_c) / (n - 1)
