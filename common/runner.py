@@ -15,6 +15,7 @@ import torch
 
 from common.config import ServerArgs
 from common.forward_batch import ForwardBatch
+from common.hybrid import HybridSupport
 from common.layers.sampling import SampleOutput, Sampler, SamplingBatchInfo
 from common.memory.allocator import TokenToKVPoolAllocator
 from common.memory.kv_pool import KVPool
@@ -45,8 +46,11 @@ class ModelRunner:
         self.max_total_tokens = (num_pages - 1) * self.page_size
         self.max_running_requests = args.max_running_requests
         self.allocator = TokenToKVPoolAllocator(num_pages, self.page_size)
+        # hybrid models keep KV only for their attention layers (cfg.kv_layer_ids), and a state slot
+        # per request row for the others (common/hybrid.py)
+        self.hybrid = HybridSupport(self.model, self.dtype)
         self.kv_pool = KVPool(num_pages, self.page_size, cfg.num_layers, cfg.local_kv_heads(tp_size),
-                              cfg.head_dim, dtype=self.dtype)
+                              cfg.head_dim, dtype=self.dtype, layer_ids=cfg.kv_layer_ids or None)
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + REQ_POOL_HEADROOM,
                                                 self.context_length + self.page_size)
         self.sampler = Sampler(seed=args.seed)
@@ -56,9 +60,26 @@ class ModelRunner:
                     cfg.local_kv_heads(tp_size), self.max_total_tokens, num_pages - 1, self.page_size,
                     self.kv_pool.nbytes() / 2**20, self.context_length)
 
+    @property
+    def req_to_token_pool(self):
+        return self._req_to_token_pool
+
+    @req_to_token_pool.setter
+    def req_to_token_pool(self, pool) -> None:
+        # a hybrid model's state slots go with the rows: a new pool (a decode node's) gets its own
+        self.hybrid.attach(pool)
+        self._req_to_token_pool = pool
+
+    @property
+    def supports_radix_cache(self) -> bool:
+        """False for models with recurrent state (a cached KV prefix does not restore the state)."""
+        return self.hybrid.supports_radix_cache
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [len(fb.logits_indices), vocab] float32."""
+        if fb.state_indices is None and self.hybrid.has_state:
+            fb.state_indices = self.hybrid.state_indices(self.req_to_token_pool, fb)
         return self.model.forward(fb)
 
     @torch.inference_mode()

@@ -162,7 +162,11 @@ class DecodeScheduler(Scheduler):
         t.pages = self.allocator.alloc_pages(n_pages)
         t.num_pages = n_pages
         t.metadata_index = self.metadata_alloc.alloc()
-        t.receiver.init(t.pages, t.metadata_index)
+        # sliding window: only the window's pages arrive; hybrid: the row's state slot receives the state
+        hybrid = self.runner.hybrid
+        first = hybrid.first_sent_page(len(req.origin_input_ids), self.page_size)
+        states = [int(pool.row_state[t.row])] if hybrid.has_state else None
+        t.receiver.init(t.pages[first:], t.metadata_index, state_indices=states)
         t.stage = "transfer"
         t.sent_at = time.monotonic()
         logger.info("rid=%s room=%d transfer: %d pages preallocated, metadata slot %d, TransferInfo sent", req.rid,

@@ -51,6 +51,6 @@ def build_kv_manager(args, runner, metadata: MetadataBuffers, tp_rank: int, tp_s
     """One KVManager for this rank's share of the KV heads."""
     cfg = runner.model_config
     kv_args = KVArgs.from_pool(runner.kv_pool, metadata, engine_rank=tp_rank, tp_size=tp_size,
-                               model=cfg.name)
+                               model=cfg.name, **runner.hybrid.transfer_kwargs())
     return KVManager(kv_args, role, args.transfer_backend, settings=transfer_settings(args),
                      host=advertised_host(args.host), bootstrap_addr=bootstrap_addr)

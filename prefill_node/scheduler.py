@@ -54,6 +54,7 @@ class PrefillTransfer:
     sent_pages: int = 0
     created: float = field(default_factory=time.monotonic)
     first_send: float | None = None
+    first_page: int = 0  # sliding window ("swa"): pages before the window are not sent
 
 
 def failure_reason(poller) -> str:
@@ -112,8 +113,9 @@ class PrefillScheduler(Scheduler):
                                                min_new_tokens=min(req.sampling.min_new_tokens, 1))
         room = int(req.bootstrap_room)
         n_pages = -(-len(req.origin_input_ids) // self.page_size)
+        first = self.runner.hybrid.first_sent_page(len(req.origin_input_ids), self.page_size)
         sender = self.kv_manager.create_sender(room)
-        t = PrefillTransfer(req, sender, room, n_pages)
+        t = PrefillTransfer(req, sender, room, n_pages - first, sent_pages=first, first_page=first)
         self.transfers[req.rid] = t
         self.rooms[room] = req.rid
         self.bootstrap_queue.append(req)
@@ -232,13 +234,17 @@ class PrefillScheduler(Scheduler):
                               top_vals=torch.tensor([v for v, _ in tops], dtype=torch.float32) if tops else None,
                               top_idxs=torch.tensor([i for _, i in tops], dtype=torch.int32) if tops else None,
                               room=t.room)
-        pages = self._page_ids(req, t.sent_pages, t.num_pages)
+        end = t.first_page + t.num_pages
+        pages = self._page_ids(req, t.sent_pages, end)
         if t.first_send is None:
             t.first_send = time.monotonic()
-        t.sender.send(pages, last=True)
-        logger.info("rid=%s room=%d last chunk sent: pages %d..%d with metadata (first token %d)", req.rid, t.room,
-                    t.sent_pages, t.num_pages - 1, tok)
-        t.sent_pages = t.num_pages
+        # hybrid models: the request's state slot goes with the last chunk
+        states = [int(self.req_to_token_pool.row_state[req.req_pool_idx])] if self.runner.hybrid.has_state \
+            else None
+        t.sender.send(pages, state_indices=states, last=True)
+        logger.info("rid=%s room=%d last chunk sent: pages %d..%d with metadata (first token %d)%s", req.rid,
+                    t.room, t.sent_pages, end - 1, tok, f", state slot {states[0]}" if states else "")
+        t.sent_pages = end
         t.stage = "inflight"
 
     # ================================================================== finishing

@@ -10,6 +10,10 @@ class ReqToTokenPool:
 
     Rows are handed out per request and returned when it ends; slot 0 of the KV pool is a
     padding slot, so zeros in unused columns are harmless to gather.
+
+    Hybrid models (linear-attention layers with per-request state) attach a `StatePool`
+    (`attach_state_pool`): then every row carries one state slot, taken with the row in `alloc()` and
+    returned with it in `free()`, and `state_indices(rows)` maps rows to their slots.
     """
 
     def __init__(self, size: int, max_context_len: int) -> None:
@@ -17,16 +21,37 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int64)
         self._free: list[int] = list(range(size))
+        self.state_pool = None
+        self.row_state = torch.zeros(size, dtype=torch.int64)  # state slot of each row (0: none)
+
+    def attach_state_pool(self, state_pool) -> None:
+        """Give every row a state slot from now on (the state pool must have a slot per row)."""
+        if len(self._free) != self.size:
+            raise RuntimeError("attach the state pool before any row is handed out")
+        if state_pool.available_size() < self.size:
+            raise ValueError(f"the state pool has {state_pool.available_size()} slots for {self.size} rows")
+        self.state_pool = state_pool
+
+    def state_indices(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.row_state[rows]
 
     def available_size(self) -> int:
         return len(self._free)
 
     def alloc(self) -> int | None:
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        row = self._free.pop()
+        if self.state_pool is not None:
+            self.row_state[row] = self.state_pool.alloc()
+        return row
 
     def free(self, row: int) -> None:
         if not 0 <= row < self.size:
             raise ValueError(f"row {row} is not in this pool")
+        if self.state_pool is not None:
+            self.state_pool.free(int(self.row_state[row]))
+            self.row_state[row] = 0
         self._free.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:

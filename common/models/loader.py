@@ -25,6 +25,8 @@ from common.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from common.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from common.models.sliding_window import SLIDING_WINDOW_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
 }
 
 __all__ = ["ARCHITECTURES", "ModelConfig", "ModelConfigError", "ModelLoadError", "UnsupportedArchitecture",
@@ -82,10 +86,9 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
     """Build the model for `config.json["architectures"][0]` and fill it from the safetensors."""
     config = ModelConfig.from_pretrained(model_dir)
     cls = get_model_class(config.architecture)
-    if config.sliding_window and config.sliding_window < config.context_length:
-        logger.warning("%s uses a %d-token sliding window; serving contexts up to %d tokens (full attention "
-                       "there is exact)", config.name, config.sliding_window, config.sliding_window)
-        config.context_length = config.sliding_window
+    if config.sliding_window and config.architecture in SLIDING_WINDOW_ARCHITECTURES:
+        # windowed attention layers (common/models/sliding_window.py): any context length is exact
+        cls = SLIDING_WINDOW_ARCHITECTURES[config.architecture]
     config.local_kv_heads(tp_size)  # validates the head split
     files = safetensors_files(model_dir)
     model = cls(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype)

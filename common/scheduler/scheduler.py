@@ -108,8 +108,9 @@ class Scheduler:
         self.allocator = runner.allocator
         self.kv_pool = runner.kv_pool
         self.max_running_requests = args.max_running_requests
-        self.tree_cache = make_tree_cache(args.radix_cache_enabled, self.req_to_token_pool, self.allocator,
-                                          self.page_size)
+        # models with recurrent state (hybrid) cannot reuse a cached prefix: see common/hybrid.py
+        self.tree_cache = make_tree_cache(args.radix_cache_enabled and getattr(runner, "supports_radix_cache", True),
+                                          self.req_to_token_pool, self.allocator, self.page_size)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache)
         self.new_token_ratio = NewTokenRatio(args.init_new_token_ratio, args.min_new_token_ratio,
@@ -666,4 +667,5 @@ class Scheduler:
             "page_size": self.page_size,
             "context_length": self.context_length,
             "max_running_requests": self.max_running_requests,
+            **(self.runner.hybrid.stats() if hasattr(self.runner, "hybrid") else {}),
         }

@@ -1,0 +1,99 @@
+"""What the runner, the scheduler and the PD roles need to know about hybrid and sliding-window models.
+
+* Hybrid models (Qwen3.5: linear-attention layers) keep per-request state besides the KV pages. A
+  `StatePool` with one slot per request row is attached to the `ReqToTokenPool` (the row's slot is
+  taken and returned with the row, so a decode node's preallocated row reserves the slot the
+  transfer writes into) and bound to the model; `state_indices(fb)` gives the forward its slots.
+  Transfer: `state_type` "mamba", the pool's buffers as state buffers, their leading dimension (key
+  heads / value heads of this rank) as `state_dim_per_tensor`, so M:N TP slices them; the last chunk
+  moves the request's slot into the slot of the decode node's preallocated row. The prebuilt request
+  keeps that row, so its first decode step reads the received state in place (no copy). A retracted
+  request gives its row and slot back like its KV, and its re-prefill of prompt + output starts
+  from zero state (position 0), so it continues with exactly the state it had.
+  Prefix caching is off for them: a cached KV prefix does not give back the recurrent state at the
+  end of that prefix (the state is a running summary of every earlier token, kept only for the
+  position the request reached), so a radix hit would have to recompute the prefix anyway.
+* Sliding-window models where every layer is windowed (`model.kv_window()`) only ever read the KV of
+  a request's last `window` tokens: `state_type` "swa", and a prefill node sends (a decode node
+  receives) only the pages from `first_window_page` on. Their pages stay allocated for the whole
+  sequence (the radix cache keeps working for them); pages before the window are just never read.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.forward_batch import ForwardBatch
+from common.layers.sliding_window import window_start
+from common.memory.req_to_token import ReqToTokenPool
+from common.memory.state_pool import StatePool
+
+logger = logging.getLogger(__name__)
+
+
+def first_window_page(seq_len: int, window: int | None, page_size: int) -> int:
+    """Index (within the request) of the first page a query after `seq_len` tokens can still read."""
+    if not window:
+        return 0
+    return window_start(seq_len, window) // page_size
+
+
+class HybridSupport:
+    def __init__(self, model, dtype: torch.dtype = torch.float32) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.spec = model.state_spec() if hasattr(model, "state_spec") else None
+        self.window = model.kv_window() if hasattr(model, "kv_window") else None
+        self.state_pool: StatePool | None = None
+
+    @property
+    def has_state(self) -> bool:
+        return self.spec is not None
+
+    @property
+    def supports_radix_cache(self) -> bool:
+        return self.spec is None
+
+    @property
+    def state_type(self) -> str:
+        if self.spec is not None:
+            return "mamba"
+        return "swa" if self.window else "none"
+
+    def attach(self, req_pool: ReqToTokenPool) -> None:
+        """Give `req_pool` (a fresh one: no row handed out) a state slot per row."""
+        if self.spec is None:
+            return
+        pool = StatePool(req_pool.size, *self.spec.pool_args(), dtype=self.dtype)
+        req_pool.attach_state_pool(pool)
+        self.model.bind_state_pool(pool)
+        self.state_pool = pool
+        logger.info("state pool: %d slots x %d linear layers, conv %s + recurrent %s per layer (%.1f MiB)",
+                    req_pool.size, len(self.spec.layer_ids), self.spec.conv_shape, self.spec.recurrent_shape,
+                    pool.nbytes() / 2**20)
+
+    def state_indices(self, req_pool: ReqToTokenPool, fb: ForwardBatch) -> torch.Tensor | None:
+        if self.spec is None:
+            return None
+        return req_pool.state_indices(fb.req_pool_indices)
+
+    def transfer_kwargs(self) -> dict:
+        """Keyword arguments of `KVArgs.from_pool` for this model's state."""
+        if self.state_pool is not None:
+            return {"state_buffers": self.state_pool.buffers(), "state_type": "mamba",
+                    "state_dim_per_tensor": self.state_pool.leading_dims()}
+        if self.window:
+            return {"state_type": "swa"}
+        return {}
+
+    def stats(self) -> dict:
+        """State slot counts for the scheduler's stats (empty for models without state)."""
+        if self.state_pool is None:
+            return {}
+        return {"state_slots_free": self.state_pool.available_size(), "state_slots_total": self.state_pool.size}
+
+    def first_sent_page(self, seq_len: int, page_size: int) -> int:
+        """First page of a request (of `seq_len` tokens) that a prefill node sends (swa: the window's)."""
+        return first_window_page(seq_len, self.window, page_size)

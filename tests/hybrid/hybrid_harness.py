@@ -1,0 +1,231 @@
+"""Tiny random-weight hybrid (Qwen3.5-style) and sliding-window models saved as Hugging Face
+directories, and a hand-driven harness (pools + ForwardBatch) for extend and decode steps with one
+state slot per request, as the scheduler does it."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+from common.forward_batch import ForwardBatch, ForwardMode
+from common.hybrid import HybridSupport
+from common.memory.allocator import TokenToKVPoolAllocator
+from common.memory.kv_pool import KVPool
+from common.memory.req_to_token import ReqToTokenPool
+from common.models.config import ModelConfig
+
+VOCAB = 256
+QWEN35_LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+
+
+def _perturb_norms(model, seed: int) -> None:
+    """Random-init norms are all ones/zeros; perturb them so a wrong norm formula shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def make_qwen3_5(path: str, seed: int = 0, **overrides):
+    """A tiny Qwen3.5 text model (3 linear-attention layers, 1 full-attention layer); returns the HF model."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+              linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+              layer_types=list(QWEN35_LAYER_TYPES), max_position_embeddings=1024, tie_word_embeddings=False,
+              eos_token_id=VOCAB - 1, bos_token_id=1)
+    kw.update(overrides)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**kw)).eval()
+    _perturb_norms(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+def make_mistral_swa(path: str, window: int = 24, seed: int = 0, **overrides):
+    """A tiny Mistral with a sliding window on every layer."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+              max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=VOCAB - 1, bos_token_id=1)
+    kw.update(overrides)
+    model = MistralForCausalLM(MistralConfig(**kw)).eval()
+    _perturb_norms(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+def make_qwen3_swa(path: str, window: int = 24, seed: int = 0, **overrides):
+    """A tiny Qwen3 with `use_sliding_window`: layers from `max_window_layers` on are windowed."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
+              sliding_window=window, max_window_layers=1, max_position_embeddings=1024,
+              tie_word_embeddings=False, eos_token_id=VOCAB - 1, bos_token_id=1)
+    kw.update(overrides)
+    model = Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
+    _perturb_norms(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+def load_ours(path: str, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+    """Our model for the directory, through the loader (architecture registry, weight checks)."""
+    from common.models.loader import load_model
+
+    return load_model(path, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, VOCAB - 1) for _ in range(n)]
+
+
+class HybridHarness:
+    """KV pages for the attention layers, one state slot per request for the linear layers."""
+
+    def __init__(self, model, cfg: ModelConfig, *, tp_size: int = 1, page_size: int = 4, num_pages: int = 256,
+                 max_reqs: int = 8, max_context: int = 1024, scramble_seed: int = 0) -> None:
+        self.page_size = page_size
+        self.kv = KVPool(num_pages, page_size, cfg.num_layers, cfg.local_kv_heads(tp_size), cfg.head_dim,
+                         layer_ids=cfg.kv_layer_ids)
+        self.alloc = TokenToKVPoolAllocator(num_pages, page_size)
+        pages = self.alloc.alloc_pages(self.alloc.available_pages())
+        random.Random(scramble_seed).shuffle(pages)  # requests get scattered pages
+        self.alloc.free_pages(pages)
+        self.r2t = ReqToTokenPool(max_reqs, max_context)
+        self.hybrid = HybridSupport(model)
+        self.hybrid.attach(self.r2t)  # hybrid models: each row carries a state slot
+        self.states = self.hybrid.state_pool
+        self.lens: dict[int, int] = {}
+        self.start = self.free_counts()
+
+    def free_counts(self) -> tuple[int, int, int]:
+        return (self.alloc.available_pages(), self.r2t.available_size(),
+                self.states.available_size() if self.states else 0)
+
+    def new_req(self) -> int:
+        row = self.r2t.alloc()
+        assert row is not None
+        self.lens[row] = 0
+        return row
+
+    def slot(self, row: int) -> int:
+        return int(self.r2t.row_state[row])
+
+    def free_req(self, row: int) -> None:
+        n = self.lens.pop(row)
+        self.alloc.free_slots(self.r2t.slots(row, 0, n))
+        self.r2t.free(row)  # returns the row's state slot too
+
+    def _grow(self, row: int, n: int) -> torch.Tensor:
+        cur = self.lens[row]
+        last = int(self.r2t.req_to_token[row, cur - 1]) if cur else 0
+        slots = self.alloc.alloc_extend(cur, last, n)
+        self.r2t.write(row, cur, slots)
+        self.lens[row] = cur + n
+        return slots
+
+    def _state_indices(self, rows: list[int]) -> torch.Tensor | None:
+        if self.states is None:
+            return None
+        return self.r2t.state_indices(torch.tensor(rows, dtype=torch.int64))
+
+    def extend_batch(self, reqs: list[tuple[int, list[int]]], all_logits: bool = False) -> ForwardBatch:
+        ids, pos, locs, prefix, new = [], [], [], [], []
+        for row, toks in reqs:
+            p = self.lens[row]
+            locs.append(self._grow(row, len(toks)))
+            ids.extend(toks)
+            pos.extend(range(p, p + len(toks)))
+            prefix.append(p)
+            new.append(len(toks))
+        fb = ForwardBatch(
+            mode=ForwardMode.EXTEND, input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64), out_cache_loc=torch.cat(locs),
+            req_pool_indices=torch.tensor([r for r, _ in reqs], dtype=torch.int64),
+            seq_lens=[p + n for p, n in zip(prefix, new, strict=True)], extend_prefix_lens=prefix,
+            extend_seq_lens=new, kv_pool=self.kv, req_to_token=self.r2t.req_to_token,
+            state_indices=self._state_indices([r for r, _ in reqs]))
+        if all_logits:
+            fb.logits_indices = torch.arange(len(ids), dtype=torch.int64)
+        return fb
+
+    def decode_batch(self, reqs: list[tuple[int, int]]) -> ForwardBatch:
+        pos = [self.lens[row] for row, _ in reqs]
+        locs = torch.cat([self._grow(row, 1) for row, _ in reqs])
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=torch.tensor([t for _, t in reqs], dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64), out_cache_loc=locs,
+            req_pool_indices=torch.tensor([r for r, _ in reqs], dtype=torch.int64),
+            seq_lens=[p + 1 for p in pos], extend_prefix_lens=pos, extend_seq_lens=[1] * len(reqs),
+            kv_pool=self.kv, req_to_token=self.r2t.req_to_token,
+            state_indices=self._state_indices([r for r, _ in reqs]))
+
+
+def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def model_dir(tmp_path_factory, name: str) -> str:
+    return os.fspath(tmp_path_factory.mktemp(name))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tp_worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[int], list[int]]], out_queue) -> None:
+    """One TP rank; per job (model dir, prompt, decode ids): extend the prompt in two chunks, then
+    decode; rank 0 reports the logits of every job and whether the pools came back to their start."""
+    from common.distributed import init_distributed
+
+    torch.set_num_threads(1)
+    try:
+        tp_group, _ = init_distributed(rank, world, f"tcp://127.0.0.1:{port}")
+        results = []
+        for path, prompt, decode_ids in jobs:
+            model, cfg = load_ours(path, tp_rank=rank, tp_size=world, tp_group=tp_group)
+            h = HybridHarness(model, cfg, tp_size=world)
+            row = h.new_req()
+            half = len(prompt) // 2
+            outs = [model.forward(h.extend_batch([(row, prompt[:half])], all_logits=True)),
+                    model.forward(h.extend_batch([(row, prompt[half:])], all_logits=True))]
+            outs += [model.forward(h.decode_batch([(row, t)])) for t in decode_ids]
+            h.free_req(row)
+            # plain lists: a tensor would be shared through this process, which may be gone by then
+            results.append((torch.cat(outs).tolist(), h.free_counts() == h.start))
+        if rank == 0:
+            out_queue.put(("ok", results))
+    except Exception as e:  # report instead of leaving the parent waiting
+        out_queue.put(("error", repr(e)))
+        raise
+
+
+def make_qwen3_5_multimodal(path: str, seed: int = 0):
+    """The Qwen3.5 checkpoint layout with a (tiny) vision tower: text weights under model.language_model."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                layer_types=list(QWEN35_LAYER_TYPES), max_position_embeddings=1024, initializer_range=0.08)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    _perturb_norms(model, seed)
+    model.save_pretrained(path)
+    return model

@@ -1,0 +1,172 @@
+"""Hybrid (Qwen3.5-style) and sliding-window models through the real scheduler + runner, in process:
+greedy tokens equal transformers' `generate`, through chunked prefill (prompts spanning several
+chunks, longer than the window), batching, retraction and aborts. After every test the KV pages,
+request rows and state slots are back at their start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybrid_harness import make_mistral_swa, make_qwen3_5, random_prompt
+
+from common.config import ServerArgs
+from common.protocol import SamplingParams, TokenizedRequest
+from common.scheduler.scheduler import Scheduler
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def qwen35_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen35_engine"))
+    return path, make_qwen3_5(path, seed=3, initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def swa_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("swa_engine"))
+    return path, make_mistral_swa(path, window=20, seed=4, initializer_range=0.1)
+
+
+_refs: dict[tuple, list[int]] = {}
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    key = (id(model), tuple(ids), n)
+    if key not in _refs:
+        model.generation_config.eos_token_id = None  # exactly n tokens, like ignore_eos
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        _refs[key] = out[0, len(ids):].tolist()
+    return _refs[key]
+
+
+class Engine:
+    def __init__(self, model_dir: str, **overrides) -> None:
+        kw = dict(model=model_dir, page_size=4, max_total_tokens=2048, chunked_prefill_size=16,
+                  max_running_requests=8, context_length=512)
+        kw.update(overrides)
+        self.args = ServerArgs(**kw)
+        self.args.validate()
+        self.sent: list = []
+        self.sched = Scheduler(self.args, model_dir, send_fn=self.sent.append)
+        self.start = self.free_counts()
+
+    @property
+    def state_pool(self):
+        return self.sched.runner.hybrid.state_pool
+
+    def free_counts(self) -> tuple[int, int, int]:
+        s = self.sched
+        states = self.state_pool.available_size() if self.state_pool is not None else -1
+        return (s.allocator.available_size() + s.tree_cache.evictable_size(), s.req_to_token_pool.available_size(),
+                states)
+
+    def assert_restored(self) -> None:
+        s = self.sched
+        assert not s.has_work() and not s.live_reqs
+        assert self.free_counts() == self.start
+        s.tree_cache.evict(10**9)
+        assert s.allocator.available_size() == s.allocator.capacity
+        if self.state_pool is not None:
+            assert self.state_pool.available_size() == self.state_pool.size
+
+    def submit(self, rid: str, ids: list[int], max_new: int) -> None:
+        sp = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
+        self.sched.process_input_requests([TokenizedRequest(rid=rid, input_ids=ids, sampling=sp)])
+
+    def tokens(self) -> dict[str, list[int]]:
+        self.sched.stream_output()
+        out: dict[str, list[int]] = {}
+        for msg in self.sent:
+            for u in getattr(msg, "updates", []):
+                out.setdefault(u.rid, []).extend(u.new_token_ids)
+        return out
+
+    def finish_reason(self, rid: str):
+        self.sched.stream_output()
+        reasons = [u.finish_reason for m in self.sent for u in getattr(m, "updates", []) if u.rid == rid]
+        return reasons[-1]
+
+    def run(self) -> dict[str, list[int]]:
+        self.sched.run_until_idle()
+        return self.tokens()
+
+
+MODELS = ["qwen35_dir", "swa_dir"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_matches_hf_batched_and_chunked(name, request):
+    path, hf = request.getfixturevalue(name)
+    lengths = [5, 16, 17, 45, 70]  # up to five 16-token chunks, longer than the 20-token window
+    prompts = [random_prompt(n, 100 + n) for n in lengths]
+    eng = Engine(path)
+    if name == "qwen35_dir":
+        assert not eng.sched.tree_cache.enabled  # no prefix reuse for a model with recurrent state
+        assert eng.sched.kv_pool.layer_ids == [2]  # KV only for the full-attention layer
+    for i, p in enumerate(prompts):
+        eng.submit(f"r{i}", p, max_new=10)
+    got = eng.run()
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(hf, p, 10), f"prompt of {len(p)} tokens"
+    eng.assert_restored()
+
+
+def test_sliding_window_keeps_prefix_cache(swa_dir):
+    path, hf = swa_dir
+    eng = Engine(path)
+    assert eng.sched.tree_cache.enabled
+    base = random_prompt(50, 9)
+    a, b = base, base[:41] + random_prompt(8, 10)
+    eng.submit("a", a, 8)
+    eng.run()
+    eng.submit("b", b, 8)
+    got = eng.run()
+    assert got["a"] == hf_greedy(hf, a, 8) and got["b"] == hf_greedy(hf, b, 8)
+    eng.assert_restored()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_retraction_gives_same_tokens(name, request):
+    path, hf = request.getfixturevalue(name)
+    prompts = [random_prompt(n, 200 + n) for n in (20, 22, 18, 25, 21, 19)]
+    eng = Engine(path, max_total_tokens=160, init_new_token_ratio=0.05, min_new_token_ratio=0.01)
+    for i, p in enumerate(prompts):
+        eng.submit(f"r{i}", p, max_new=30)
+    got = eng.run()
+    assert eng.sched.num_retractions > 0, "the pool was meant to run out"
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(hf, p, 30), f"request {i}"
+    eng.assert_restored()
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_state(qwen35_dir):
+    path, hf = qwen35_dir
+    eng = Engine(path)
+    long = random_prompt(60, 1)
+    eng.submit("chunked", long, max_new=20)
+    eng.sched.step()  # first chunk: row, pages and state slot taken
+    assert eng.state_pool.available_size() < eng.state_pool.size
+    eng.submit("decoding", random_prompt(10, 2), max_new=50)
+    for _ in range(4):
+        eng.sched.step()
+    eng.sched.abort_request("chunked", "test abort")
+    for _ in range(3):
+        eng.sched.step()
+    eng.sched.abort_request("decoding", "test abort")
+    assert eng.finish_reason("chunked")["type"] == "abort"
+    assert eng.finish_reason("decoding")["type"] == "abort"
+    # a request after the aborts reuses their (dirty) slots and still matches the reference
+    p = random_prompt(33, 3)
+    eng.submit("after", p, max_new=8)
+    assert eng.run()["after"] == hf_greedy(hf, p, 8)
+    eng.assert_restored()
+

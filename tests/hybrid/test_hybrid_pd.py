@@ -1,0 +1,156 @@
+"""Hybrid (Qwen3.5-style) and sliding-window models disaggregated: a prefill node and a decode node on
+127.0.0.1 (real processes, real transfer engines). Greedy tokens equal transformers' `generate` for
+prompts spanning several chunks (and longer than the window); the hybrid model's conv and recurrent
+state travel with the last chunk (mooncake, nixl, ucx; prefill tp 2 -> decode tp 1 slices the state by
+heads), the sliding-window model's transfer carries only the window's pages. After every test both
+nodes are back at their starting free KV pages, request rows, metadata slots and state slots."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hybrid_harness import make_mistral_swa, make_qwen3_5, random_prompt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
+from pd_harness import PDPair, assert_restored, greedy, start_pair  # noqa: E402
+
+CHUNK = 16  # prefill chunk size of both nodes
+WINDOW = 24
+
+
+def _with_tokenizer(make, path: Path, **kw):
+    from transformers import AutoTokenizer
+
+    from common.models.default_model import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("default"))
+    hf = make(str(path), vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+              initializer_range=0.1, **kw)
+    tok.save_pretrained(path)
+    hf.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like ignore_eos
+    return str(path), hf
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    return _with_tokenizer(make_qwen3_5, tmp_path_factory.mktemp("pd_qwen35"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def swa(tmp_path_factory):
+    return _with_tokenizer(make_mistral_swa, tmp_path_factory.mktemp("pd_swa"), window=WINDOW, seed=6)
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    # 5 .. 75 tokens: up to five chunks, partial last pages, longer than the window
+    return [random_prompt(5 + (17 * i + seed) % 71, seed * 100 + i) for i in range(n)]
+
+
+def _pair(model: str, backend: str, prefill_tp: int = 1) -> PDPair:
+    settings = {"chunked_prefill_size": CHUNK}
+    return start_pair(model, backend, prefill_tp=prefill_tp, decode_tp=1, prefill_settings=settings,
+                      decode_settings=settings)
+
+
+def _state_free(pair: PDPair) -> tuple[int, int]:
+    return pair.prefill.stats()["state_slots_free"], pair.decode.stats()["state_slots_free"]
+
+
+def _check_greedy(pair: PDPair, hf, ps: list[list[int]], n: int = 8) -> None:
+    for p in ps:
+        (s1, pb), (s2, db) = pair.generate({"input_ids": p, "sampling_params": greedy(n)})
+        assert s1 == 200 and s2 == 200, (pb, db)
+        want = hf_greedy(hf, p, n)
+        assert pb["output_ids"] == want[:1]
+        assert db["output_ids"] == want, f"prompt of {len(p)} tokens"
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl", "ucx"])
+def qwen35_pair(request, qwen35):
+    pair = _pair(qwen35[0], request.param)
+    yield pair
+    pair.prefill.stop()
+    pair.decode.stop()
+
+
+def test_qwen35_greedy_and_state_slots(qwen35_pair, qwen35):
+    pair = qwen35_pair
+    start = pair.start_counts()
+    states = _state_free(pair)
+    info = pair.decode.stats()
+    assert info["radix_cache"] is False and states[0] == pair.prefill.stats()["state_slots_total"]
+    _check_greedy(pair, qwen35[1], prompts(3, seed=1))
+    assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
+    assert _state_free(pair) == states
+
+
+@pytest.mark.parametrize("qwen35_pair", ["mooncake"], indirect=True)
+def test_qwen35_abort_frees_state(qwen35_pair, qwen35):
+    """A request aborted on the decode side while decoding, then a normal one: slots all come back."""
+    import concurrent.futures
+    import json
+    import time
+
+    from node_process import http_post
+
+    pair = qwen35_pair
+    start = pair.start_counts()
+    states = _state_free(pair)
+    body = pair.body({"input_ids": random_prompt(40, 77), "sampling_params": greedy(200), "rid": "hyb-abort"})
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        fp = ex.submit(http_post, pair.prefill.url + "/generate", body)
+        fd = ex.submit(http_post, pair.decode.url + "/generate", body)
+        deadline = time.time() + 60
+        while pair.decode.stats()["num_queue_reqs"].get("running", 0) == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        status, _ = http_post(pair.decode.url + "/abort_request", {"rid": "hyb-abort"})
+        assert status == 200
+        assert fp.result(timeout=60)[0] == 200
+        status, raw = fd.result(timeout=60)
+    meta = json.loads(raw)["meta_info"]
+    assert status == 200 and meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 200
+    _check_greedy(pair, qwen35[1], prompts(1, seed=2))
+    assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
+    assert _state_free(pair) == states
+
+
+def test_qwen35_prefill_tp2_to_decode_tp1(qwen35):
+    pair = _pair(qwen35[0], "mooncake", prefill_tp=2)
+    try:
+        start = pair.start_counts()
+        states = _state_free(pair)
+        _check_greedy(pair, qwen35[1], prompts(3, seed=3))
+        assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
+        assert _state_free(pair) == states
+    finally:
+        pair.prefill.stop()
+        pair.decode.stop()
+
+
+@pytest.mark.parametrize("backend,prefill_tp", [("mooncake", 1), ("nixl", 2), ("ucx", 1)])
+def test_sliding_window_sends_only_the_window(swa, backend, prefill_tp):
+    pair = _pair(swa[0], backend, prefill_tp=prefill_tp)
+    try:
+        start = pair.start_counts()
+        long = random_prompt(100, 4)  # 25 pages of 4; the window (24 tokens) spans pages 19..24
+        before = pair.prefill.stats()["transfer_bytes"]
+        _check_greedy(pair, swa[1], [long])
+        sent = pair.prefill.stats()["transfer_bytes"] - before
+        # rank 0's sends: K+V x 2 layers x its KV heads x 4 tokens x 16 dims x fp32 per page
+        page_bytes = 2 * 2 * (2 // prefill_tp) * 4 * 16 * 4
+        assert 6 * page_bytes <= sent < 10 * page_bytes, sent
+        _check_greedy(pair, swa[1], prompts(3, seed=5))
+        assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
+    finally:
+        pair.prefill.stop()
+        pair.decode.stop()
