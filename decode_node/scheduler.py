@@ -33,11 +33,11 @@ import torch
 from common.layers.sampling import skip_draws
 from common.scheduler.req import Req
 from common.scheduler.scheduler import Scheduler
-from decode_node.kv import MAX_TOP_LOGPROBS, build_kv_manager
 from decode_node.req_pool import DecodeReqToTokenPool
 from transfer.base import KVPoll
 from transfer.consensus import poll_and_all_reduce
 from transfer.metadata import MetadataAllocator, MetadataBuffers
+from transfer.node import MAX_TOP_LOGPROBS, TransferStats, build_kv_manager
 
 logger = logging.getLogger("decode")
 
@@ -95,11 +95,7 @@ class DecodeScheduler(Scheduler):
         kv = self.kv_pool
         self.bytes_per_page = 2 * len(kv.layer_ids) * kv.page_bytes
         # statistics
-        self.transfer_failures = 0
-        self.transfer_successes = 0
-        self.transfer_bytes = 0
-        self.transfer_latency_sum = 0.0
-        self.transfer_latency_last = 0.0
+        self.transfer_stats = TransferStats()
         logger.info("decode rank %d/%d ready: backend %s, prealloc budget %d requests, %d reserved decode "
                     "tokens per request", tp_rank, tp_size, args.transfer_backend, self.prealloc_size,
                     self.num_reserved_decode_tokens)
@@ -216,10 +212,7 @@ class DecodeScheduler(Scheduler):
         self.metadata_alloc.free(slot)
         t.metadata_index = None
         latency = time.monotonic() - (t.sent_at or t.created)
-        self.transfer_successes += 1
-        self.transfer_bytes += t.num_pages * self.bytes_per_page
-        self.transfer_latency_sum += latency
-        self.transfer_latency_last = latency
+        self.transfer_stats.success(t.num_pages * self.bytes_per_page, latency)
         # the request takes over the row and the pages
         n = len(req.origin_input_ids)
         ps = self.page_size
@@ -264,7 +257,7 @@ class DecodeScheduler(Scheduler):
             self.add_prebuilt_reqs([req])
 
     def _fail(self, req: Req, t: DecodeTransfer, reason: str) -> None:
-        self.transfer_failures += 1
+        self.transfer_stats.failures += 1
         logger.warning("rid=%s room=%d transfer failed at stage %s: %s", req.rid, t.room, t.stage, reason)
         req.finish({"type": "abort", "message": f"KV transfer failed: {reason}"}, error_status=500)
         self.abort_request(req.rid, f"KV transfer failed: {reason}")
@@ -302,7 +295,6 @@ class DecodeScheduler(Scheduler):
 
     def get_stats(self) -> dict[str, Any]:
         s = super().get_stats()
-        n = self.transfer_successes
         pool: DecodeReqToTokenPool = self.req_to_token_pool
         s.update({
             "disaggregation_mode": "decode",
@@ -311,11 +303,7 @@ class DecodeScheduler(Scheduler):
             "prealloc_slots_total": pool.prealloc_size,
             "metadata_slots_free": self.metadata_alloc.available(),
             "metadata_slots_total": self.num_metadata_slots,
-            "transfer_failures": self.transfer_failures,
-            "transfer_successes": n,
-            "transfer_bytes": self.transfer_bytes,
-            "transfer_latency_avg_s": self.transfer_latency_sum / n if n else 0.0,
-            "transfer_latency_last_s": self.transfer_latency_last,
+            **self.transfer_stats.as_stats(),
         })
         return s
 

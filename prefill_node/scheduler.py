@@ -33,10 +33,11 @@ import torch
 
 from common.scheduler.req import Req
 from common.scheduler.scheduler import Scheduler
-from prefill_node.kv import MAX_TOP_LOGPROBS, advertised_host, build_kv_manager, start_bootstrap_server
+from prefill_node.kv import start_bootstrap_server
 from transfer.base import KVPoll
 from transfer.consensus import poll_and_all_reduce
 from transfer.metadata import MetadataAllocator, MetadataBuffers
+from transfer.node import MAX_TOP_LOGPROBS, TransferStats, advertised_host, build_kv_manager
 
 logger = logging.getLogger("prefill")
 
@@ -88,11 +89,7 @@ class PrefillScheduler(Scheduler):
         self.inflight_queue: list[Req] = []
         self.rooms: dict[int, str] = {}
         # statistics
-        self.transfer_failures = 0
-        self.transfer_successes = 0
-        self.transfer_bytes = 0
-        self.transfer_latency_sum = 0.0
-        self.transfer_latency_last = 0.0
+        self.transfer_stats = TransferStats()
         logger.info("prefill rank %d/%d ready: bootstrap %s, backend %s, decode tp %s", tp_rank, tp_size,
                     self.bootstrap_addr, args.transfer_backend, args.disaggregation_decode_tp or "any")
 
@@ -171,7 +168,7 @@ class PrefillScheduler(Scheduler):
 
     def _fail(self, req: Req, t: PrefillTransfer) -> None:
         reason = failure_reason(t.sender)
-        self.transfer_failures += 1
+        self.transfer_stats.failures += 1
         logger.warning("rid=%s room=%d transfer failed at stage %s: %s", req.rid, t.room, t.stage, reason)
         if req.finished():  # inflight: it finished its prefill; report the failure instead
             req.finished_reason = None
@@ -181,10 +178,7 @@ class PrefillScheduler(Scheduler):
     def _complete(self, req: Req, t: PrefillTransfer) -> None:
         now = time.monotonic()
         latency = now - (t.first_send or t.created)
-        self.transfer_successes += 1
-        self.transfer_bytes += t.sender.bytes_sent
-        self.transfer_latency_sum += latency
-        self.transfer_latency_last = latency
+        self.transfer_stats.success(t.sender.bytes_sent, latency)
         self.inflight_queue.remove(req)
         self._drop_transfer(req, t)
         logger.info("rid=%s room=%d transfer done: %d pages, %d bytes in %.3fs", req.rid, t.room, t.num_pages,
@@ -288,17 +282,12 @@ class PrefillScheduler(Scheduler):
 
     def get_stats(self) -> dict[str, Any]:
         s = super().get_stats()
-        n = self.transfer_successes
         s.update({
             "disaggregation_mode": "prefill",
             "bootstrap_addr": self.bootstrap_addr,
             "metadata_slots_free": self.metadata_alloc.available(),
             "metadata_slots_total": self.num_metadata_slots,
-            "transfer_failures": self.transfer_failures,
-            "transfer_successes": n,
-            "transfer_bytes": self.transfer_bytes,
-            "transfer_latency_avg_s": self.transfer_latency_sum / n if n else 0.0,
-            "transfer_latency_last_s": self.transfer_latency_last,
+            **self.transfer_stats.as_stats(),
         })
         return s
 

@@ -1,0 +1,57 @@
+"""What a prefill or decode node needs from the transfer layer, shared by both roles: the rank's
+KVManager over the runner's pools, the advertised address, and the transfer counters it reports."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from transfer.base import KVArgs, TransferSettings
+from transfer.manager import KVManager
+from transfer.metadata import MetadataBuffers
+
+# first-token top logprobs carried from prefill to decode (requests asking for more are refused)
+MAX_TOP_LOGPROBS = 20
+
+
+def advertised_host(host: str) -> str:
+    """An address peers can reach for a listening host setting ("0.0.0.0" is not one)."""
+    if host in ("", "0.0.0.0", "::"):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+    return host
+
+
+def build_kv_manager(args, runner, metadata: MetadataBuffers, tp_rank: int, tp_size: int, role: str,
+                     bootstrap_addr: str | None = None) -> KVManager:
+    """One KVManager for this rank's share of the KV heads (and hybrid state), with the node's
+    timeouts (flags win over the environment)."""
+    kv_args = KVArgs.from_pool(runner.kv_pool, metadata, engine_rank=tp_rank, tp_size=tp_size,
+                               model=runner.model_config.name, **runner.hybrid.transfer_kwargs())
+    settings = TransferSettings.from_env(bootstrap_timeout=args.disaggregation_bootstrap_timeout,
+                                         waiting_timeout=args.disaggregation_waiting_timeout)
+    return KVManager(kv_args, role, args.transfer_backend, settings=settings, host=advertised_host(args.host),
+                     bootstrap_addr=bootstrap_addr)
+
+
+@dataclass
+class TransferStats:
+    failures: int = 0
+    successes: int = 0
+    bytes: int = 0
+    latency_sum: float = 0.0
+    latency_last: float = 0.0
+
+    def success(self, nbytes: int, latency: float) -> None:
+        self.successes += 1
+        self.bytes += nbytes
+        self.latency_sum += latency
+        self.latency_last = latency
+
+    def as_stats(self) -> dict[str, float]:
+        n = self.successes
+        return {"transfer_failures": self.failures, "transfer_successes": n, "transfer_bytes": self.bytes,
+                "transfer_latency_avg_s": self.latency_sum / n if n else 0.0,
+                "transfer_latency_last_s": self.latency_last}
