@@ -176,43 +176,52 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (full, HF names) into this rank's parameters; returns the names
-        of the parameters that were filled (a fused one once all its parts came)."""
-        params = dict(self.named_parameters())
-        parts_seen: dict[str, set] = {}
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied to the embedding
-            target, shard = name, None
-            for ckpt_frag, our_frag, shard_id in self.stacked_params:
-                if ckpt_frag in name:
-                    target, shard = name.replace(ckpt_frag, our_frag), shard_id
-                    break
-            param = params.get(target)
-            if param is None:
-                logger.debug("checkpoint tensor %s has no place in the model; skipped", name)
-                continue
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                if shard is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard)
-            except (ValueError, RuntimeError) as e:  # shape mismatch, slice out of range
-                raise ModelLoadError(f"cannot load {name} (shape {tuple(tensor.shape)}): {e}") from e
+        """Copy checkpoint tensors (HF names) into the parameters; returns the names of the parameters
+        that were filled (a fused one once all its parts came)."""
+        return load_checkpoint(self, weights, {"qkv_proj": 3, "gate_up_proj": 2})
+
+
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], parts_needed: dict[str, int],
+                    rename=None, skipped_prefixes: tuple[str, ...] = ()) -> set[str]:
+    """Load HF-named tensors into `model`, routing the pieces of fused projections
+    (`model.stacked_params`: checkpoint fragment, our fragment, shard id) to their parameter's
+    weight loader. `parts_needed` maps a fused parameter to its number of pieces; `rename` maps
+    checkpoint names first (e.g. a multimodal checkpoint's language-model prefix)."""
+    params = dict(model.named_parameters())
+    parts_seen: dict[str, set] = {}
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if rename is not None:
+            name = rename(name)
+        if (skipped_prefixes and name.startswith(skipped_prefixes)) or "rotary_emb.inv_freq" in name:
+            continue
+        if name == "lm_head.weight" and model.lm_head is None:
+            continue  # tied to the embedding
+        target, shard = name, None
+        for ckpt_frag, our_frag, shard_id in model.stacked_params:
+            if ckpt_frag in name:
+                target, shard = name.replace(ckpt_frag, our_frag), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            logger.debug("checkpoint tensor %s has no place in the model; skipped", name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
             if shard is None:
-                loaded.add(target)
+                loader(param, tensor)
             else:
-                parts_seen.setdefault(target, set()).add(shard)
-        for target, seen in parts_seen.items():
-            need = {"q", "k", "v"} if target.endswith("qkv_proj.weight") or target.endswith("qkv_proj.bias") \
-                else {0, 1}
-            if seen >= need:
-                loaded.add(target)
-        return loaded
+                loader(param, tensor, shard)
+        except (ValueError, RuntimeError) as e:  # shape mismatch, slice out of range
+            raise ModelLoadError(f"cannot load {name} (shape {tuple(tensor.shape)}): {e}") from e
+        if shard is None:
+            loaded.add(target)
+        else:
+            parts_seen.setdefault(target, set()).add(shard)
+    for target, seen in parts_seen.items():
+        if len(seen) >= parts_needed[target.split(".")[-2]]:
+            loaded.add(target)
+    return loaded
 
 
 class MistralForCausalLM(LlamaForCausalLM):

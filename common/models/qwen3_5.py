@@ -51,7 +51,7 @@ from common.layers.norm import default_weight_loader
 from common.layers.rotary import RotaryEmbedding
 from common.memory.state_pool import StatePool
 from common.models.config import ModelConfig, ModelConfigError
-from common.models.llama import LlamaMLP, ModelLoadError
+from common.models.llama import LlamaMLP, load_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -479,45 +479,17 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        parts_needed = {"qkv_proj": 3, "gate_up_proj": 2, "in_proj_zba": 3}
-        parts_seen: dict[str, set] = {}
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.startswith("model.language_model."):
-                name = "model." + name[len("model.language_model."):]
-            elif name.startswith("language_model."):
-                name = name[len("language_model."):]
-            if name.startswith(self.skipped_prefixes) or "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue
-            target, shard = name, None
-            for ckpt_frag, our_frag, shard_id in self.stacked_params:
-                if ckpt_frag in name:
-                    target, shard = name.replace(ckpt_frag, our_frag), shard_id
-                    break
-            param = params.get(target)
-            if param is None:
-                logger.debug("checkpoint tensor %s has no place in the model; skipped", name)
-                continue
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                if shard is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard)
-            except ValueError as e:
-                raise ModelLoadError(f"cannot load {name}: {e}") from e
-            if shard is None:
-                loaded.add(target)
-            else:
-                parts_seen.setdefault(target, set()).add(shard)
-        for target, seen in parts_seen.items():
-            fused = target.split(".")[-2]
-            if len(seen) >= parts_needed[fused]:
-                loaded.add(target)
-        return loaded
+        return load_checkpoint(self, weights, {"qkv_proj": 3, "gate_up_proj": 2, "in_proj_zba": 3},
+                               rename=_language_model_name, skipped_prefixes=self.skipped_prefixes)
+
+
+def _language_model_name(name: str) -> str:
+    """A multimodal checkpoint's text weights under their text-only names."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    if name.startswith("language_model."):
+        return name[len("language_model."):]
+    return name
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
