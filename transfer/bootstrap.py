@@ -24,7 +24,9 @@ import asyncio
 import json
 import logging
 import threading
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from aiohttp import web
@@ -169,6 +171,7 @@ class BootstrapClient:
         self.timeout = timeout
         self._layouts: dict[str, dict] = {}
         self._ranks: dict[tuple[str, int, int, int], dict] = {}
+        self._unreachable_since: dict[str, float] = {}
         self._lock = threading.Lock()
         # bootstrap traffic stays inside the cluster: never route it through an HTTP proxy
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -177,11 +180,25 @@ class BootstrapClient:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(url, data=data, method=method,
                                      headers={"Content-Type": "application/json"} if data else {})
+        addr = urllib.parse.urlsplit(url).netloc
         try:
             with self._opener.open(req, timeout=self.timeout) as resp:
-                return resp.status, resp.read().decode()
+                result = resp.status, resp.read().decode()
         except urllib.error.HTTPError as e:
-            return e.code, e.read().decode(errors="replace")
+            result = e.code, e.read().decode(errors="replace")
+        except OSError:
+            with self._lock:
+                self._unreachable_since.setdefault(addr, time.monotonic())
+            raise
+        with self._lock:
+            self._unreachable_since.pop(addr, None)
+        return result
+
+    def unreachable_for(self, bootstrap_addr: str) -> float:
+        """Seconds since requests to this server started failing to connect (0 when it answers)."""
+        with self._lock:
+            since = self._unreachable_since.get(bootstrap_addr)
+        return 0.0 if since is None else time.monotonic() - since
 
     def register(self, bootstrap_addr: str, info: dict) -> None:
         """PUT /route; raises BootstrapError on a rejected registration, OSError if unreachable."""

@@ -634,6 +634,11 @@ class KVManager(BaseKVManager):
         a = self.args
         layout = self.bootstrap.layout(addr)
         if layout is None:
+            down = self.bootstrap.unreachable_for(addr)
+            if down > self.settings.heartbeat_window:
+                # a prefill node the router sent us to was serving moments ago: refused connections
+                # for a whole heartbeat window mean it is gone, not starting
+                return None, f"bootstrap server {addr} unreachable for {down:.1f}s: prefill node down", True
             return None, f"bootstrap server {addr} has no registered prefill rank or is unreachable", False
         if layout["page_size"] != a.page_size:
             return None, f"page size mismatch: prefill {layout['page_size']}, decode {a.page_size}", True

@@ -162,3 +162,22 @@ def test_decode_receiver_fails_on_layout_mismatch(server):
         assert recv.poll() == KVPoll.Failed and "page size mismatch" in recv.failure_exception().reason
     finally:
         mgr.close()
+
+
+def test_decode_receiver_fails_fast_when_the_bootstrap_server_is_gone():
+    # nothing listens there: a prefill node that died after the router picked it
+    dead = f"127.0.0.1:{free_port()}"
+    pool = KVPool(8, 4, 2, 2, 16)
+    mgr = KVManager(KVArgs.from_pool(pool, MetadataBuffers(2), model="test-model"), "decode", "fake",
+                    heartbeat_interval=0.2, heartbeat_max_failures=2, bootstrap_timeout=300)
+    try:
+        recv = mgr.create_receiver(dead, room=78)
+        recv.init([1, 2], 0)
+        for _ in range(500):  # bounded: well under the 300 s bootstrap timeout
+            if recv.poll() == KVPoll.Failed:
+                break
+            time.sleep(0.02)
+        assert recv.poll() == KVPoll.Failed
+        assert "unreachable" in recv.failure_exception().reason and dead in recv.failure_exception().reason
+    finally:
+        mgr.close()
