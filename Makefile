@@ -30,8 +30,9 @@ setup:
 $(STAMP):
 	$(MAKE) setup
 
+# router + 1 prefill + 1 decode node (mooncake) serving the default model; Ctrl-C stops them all
 run: $(STAMP)
-	$(VENV)/bin/pdserve serve --model default --host 127.0.0.1 --port $(PORT)
+	$(VENV)/bin/pdserve cluster --prefill 1 --decode 1 --transfer-backend mooncake --model default --port $(PORT)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -42,6 +43,9 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	mkdir -p bench/results
 	$(VENV)/bin/pdserve bench engine --json bench/results/engine.json
+	$(VENV)/bin/pdserve bench transfer --backend all --json bench/results/transfer.json
+	$(VENV)/bin/pdserve bench router --json bench/results/router.json
+	$(VENV)/bin/pdserve bench compare --json bench/results/compare.json --markdown bench/results/compare.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

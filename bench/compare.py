@@ -1,0 +1,312 @@
+"""`pdserve bench compare`: the same workload on (a) a disaggregated cluster — one prefill node pinned to
+one set of cores, one decode node pinned to another, the router — and (b) one colocated `pdserve serve`
+node on all of those cores, one after the other in one run.
+
+Workload (the case disaggregation is for): a steady stream of ordinary requests (short prompt, long
+answer: "decodes") that keep the decode batch busy, and long prompts arriving among them every
+`--long-interval` seconds. In a colocated engine each long prefill stalls every running decode (TPOT
+spikes); with PD the prefill runs on its own cores and the decodes keep their pace.
+
+Reports, for each setup and for each class of request, TTFT/TPOT/ITL/E2E (mean, p50, p90, p99),
+throughput and goodput (requests meeting `--slo-ttft-ms` and `--slo-tpot-ms`), a markdown table of the
+ratios (`--markdown`), latency CDFs (`--plot`), and `--json` with `"ratios"`:
+  tpot_p99  colocated / disaggregated TPOT p99 of the decode requests (higher = PD better)
+  ttft_p99  colocated / disaggregated TTFT p99 over all requests
+  goodput   disaggregated / colocated goodput over all requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+from bench.report import write_report
+from bench.serve import (
+    BenchRequest,
+    PromptMaker,
+    RequestResult,
+    format_summary,
+    plot_cdfs,
+    result_rows,
+    run_benchmark,
+    summarize,
+)
+from deploy.cluster import ROOT, Cluster, ClusterError, die_with_parent, free_port, http_status, parse_cores
+
+
+def child_env(ns: argparse.Namespace) -> dict[str, str]:
+    """Environment of every node of both setups. OpenMP threads that spin while waiting (the default)
+    collapse when the machine is shared (a 2-thread node measured 8x slower per token at load 10 than
+    with OMP_WAIT_POLICY=PASSIVE); both setups get the same policy."""
+    return {"OMP_WAIT_POLICY": ns.omp_wait_policy} if ns.omp_wait_policy else {}
+
+
+def build_workload(maker: PromptMaker, ns: argparse.Namespace) -> list[BenchRequest]:
+    """Decodes at a fixed rate over the whole window, long prompts every long_interval seconds from
+    `long_start` on; sorted by send time."""
+    reqs: list[BenchRequest] = []
+    for i in range(ns.num_decodes):
+        r = BenchRequest(maker.text(ns.decode_input_len), ns.decode_input_len, ns.decode_output_len,
+                         "completions", "decode", send_at=i / ns.decode_rate)
+        reqs.append(r)
+    for j in range(ns.num_long):
+        r = BenchRequest(maker.text(ns.long_input_len), ns.long_input_len, ns.long_output_len,
+                         "completions", "long", send_at=ns.long_start + j * ns.long_interval)
+        reqs.append(r)
+    reqs.sort(key=lambda r: r.send_at)
+    return reqs
+
+
+def start_colocated(ns: argparse.Namespace, cores: list[int], log_dir: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    threads = ns.colocated_threads or len(cores)
+    cmd = [sys.executable, "-m", "deploy.cli", "serve", "--model", ns.model, "--host", "127.0.0.1",
+           "--port", str(port), "--num-threads", str(threads), *shlex.split(ns.node_args)]
+    log_path = os.path.join(log_dir, "colocated.log")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **child_env(ns)}
+
+    def pin() -> None:
+        die_with_parent()
+        os.sched_setaffinity(0, cores)
+
+    with open(log_path, "ab") as log:
+        log.write(f"$ {shlex.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=pin)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + ns.startup_timeout
+    while http_status(url + "/health") != 200:
+        if proc.poll() is not None or time.time() > deadline:
+            stop_proc(proc)
+            with open(log_path, encoding="utf-8", errors="replace") as f:
+                tail = "\n".join(f.read().splitlines()[-30:])
+            raise ClusterError(f"colocated node did not start (log {log_path}):\n{tail}")
+        time.sleep(0.25)
+    return proc, url
+
+
+def stop_proc(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
+def run_setup(name: str, url: str, requests: list[BenchRequest], ns: argparse.Namespace,
+              model: str) -> tuple[list[RequestResult], float]:
+    print(f"\n[{name}] {len(requests)} requests against {url}", file=sys.stderr, flush=True)
+    return asyncio.run(run_benchmark(url, requests, model=model, warmup=ns.warmup_requests, seed=ns.seed,
+                                     progress=not ns.disable_tqdm))
+
+
+def by_tag(results: list[RequestResult], duration: float, ns: argparse.Namespace) -> dict:
+    out = {"all": summarize(results, duration, ns.slo_ttft_ms, ns.slo_tpot_ms)}
+    for tag in sorted({r.tag for r in results}):
+        out[tag] = summarize([r for r in results if r.tag == tag], duration, ns.slo_ttft_ms, ns.slo_tpot_ms)
+    return out
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den <= 0:
+        return None
+    return num / den
+
+
+def compute_ratios(dis: dict, col: dict) -> dict[str, float]:
+    """The headline ratios, oriented so that higher means the disaggregated setup did better; a ratio
+    whose denominator is zero or missing is left out."""
+    pairs = {"tpot_p99": ratio(col["decode"]["tpot_ms"]["p99"], dis["decode"]["tpot_ms"]["p99"]),
+             "ttft_p99": ratio(col["all"]["ttft_ms"]["p99"], dis["all"]["ttft_ms"]["p99"]),
+             "goodput": ratio(dis["all"]["goodput"], col["all"]["goodput"])}
+    return {k: v for k, v in pairs.items() if v is not None and math.isfinite(v)}
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}" if v < 10 else f"{v:.1f}"
+
+
+def markdown_table(dis: dict, col: dict, ns: argparse.Namespace, commands: list[str]) -> str:
+    rows = [
+        ("TPOT p99, decode requests (ms)", ("decode", "tpot_ms", "p99"), "col/dis"),
+        ("TPOT p50, decode requests (ms)", ("decode", "tpot_ms", "p50"), "col/dis"),
+        ("ITL p99, decode requests (ms)", ("decode", "itl_ms", "p99"), "col/dis"),
+        ("TTFT p99, all (ms)", ("all", "ttft_ms", "p99"), "col/dis"),
+        ("TTFT p50, all (ms)", ("all", "ttft_ms", "p50"), "col/dis"),
+        ("TTFT p99, long prompts (ms)", ("long", "ttft_ms", "p99"), "col/dis"),
+        ("E2E p99, all (ms)", ("all", "e2e_ms", "p99"), "col/dis"),
+        ("goodput (req/s)", ("all", "goodput", None), "dis/col"),
+        ("output throughput (tok/s)", ("all", "output_throughput", None), "dis/col"),
+        ("completed / failed", None, None),
+    ]
+
+    def get(s: dict, path):
+        tag, key, sub = path
+        v = s.get(tag, {}).get(key)
+        return v.get(sub) if sub and isinstance(v, dict) else v
+
+    lines = ["| metric | disaggregated (a) | colocated (b) | ratio (higher = PD better) |", "|---|---|---|---|"]
+    for label, path, kind in rows:
+        if path is None:
+            lines.append(f"| {label} | {dis['all']['completed']} / {dis['all']['failed']} | "
+                         f"{col['all']['completed']} / {col['all']['failed']} | |")
+            continue
+        a, b = get(dis, path), get(col, path)
+        r = ratio(b, a) if kind == "col/dis" else ratio(a, b)
+        lines.append(f"| {label} | {_fmt(a)} | {_fmt(b)} | {_fmt(r) + 'x' if r is not None else 'n/a'} |")
+    slo = f"SLO: TTFT <= {ns.slo_ttft_ms:.0f} ms, TPOT <= {ns.slo_tpot_ms:.0f} ms"
+    work = (f"{ns.num_decodes} decode requests ({ns.decode_input_len} prompt / {ns.decode_output_len} output "
+            f"tokens, {ns.decode_rate}/s) + {ns.num_long} long prompts ({ns.long_input_len} tokens, "
+            f"{ns.long_output_len} output) every {ns.long_interval}s")
+    head = [f"# pdserve bench compare: disaggregated vs colocated ({ns.model_label})", "",
+            f"- workload: {work}", f"- {slo}",
+            f"- (a) 1 prefill node on cores {ns.prefill_cores_list} + 1 decode node on cores "
+            f"{ns.decode_cores_list} ({ns.transfer_backend} backend) + router",
+            f"- (b) one `pdserve serve` on cores {ns.prefill_cores_list + ns.decode_cores_list} with "
+            f"{ns.colocated_threads or len(ns.prefill_cores_list + ns.decode_cores_list)} torch threads",
+            f"- every node: OMP_WAIT_POLICY={ns.omp_wait_policy or '(default)'}; node flags `{ns.node_args}`",
+            f"- machine load average (1 min) at start / end: {ns.load_note}", "",
+            "Ratios: latency = colocated / disaggregated, throughput = disaggregated / colocated.", ""]
+    tail = ["", "Commands:", "", "```", *commands, "```", ""]
+    return "\n".join(head + lines + tail)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench compare", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--model", default="default")
+    a("--transfer-backend", default="mooncake", choices=("mooncake", "nixl", "ucx", "fake"))
+    a("--prefill-cores", default="0", help="cores of the prefill node in (a)")
+    a("--decode-cores", default="1", help="cores of the decode node in (a); (b) gets both sets")
+    a("--node-args", default="--chunked-prefill-size 256 --max-total-tokens 32768",
+      help="flags for every node of both setups, one string")
+    a("--colocated-threads", type=int, default=None, help="torch threads of (b) (default: its core count)")
+    a("--omp-wait-policy", default="PASSIVE", help="OMP_WAIT_POLICY of every node ('' keeps the default)")
+    a("--num-decodes", type=int, default=16)
+    a("--decode-rate", type=float, default=0.5, help="decode requests per second")
+    a("--decode-input-len", type=int, default=32)
+    a("--decode-output-len", type=int, default=64)
+    a("--num-long", type=int, default=4)
+    a("--long-input-len", type=int, default=768)
+    a("--long-output-len", type=int, default=4)
+    a("--long-start", type=float, default=4.0, help="seconds before the first long prompt")
+    a("--long-interval", type=float, default=8.0)
+    a("--slo-ttft-ms", type=float, default=30000.0)
+    a("--slo-tpot-ms", type=float, default=1500.0)
+    a("--warmup-requests", type=int, default=2)
+    a("--seed", type=int, default=1)
+    a("--startup-timeout", type=float, default=900.0)
+    a("--log-dir", default=None, help="children's logs (default ./logs/compare-<timestamp>)")
+    a("--only", choices=("both", "disaggregated", "colocated"), default="both", help=argparse.SUPPRESS)
+    a("--disable-tqdm", action="store_true")
+    a("--json", default=None)
+    a("--markdown", default=None, help="write the markdown table here")
+    a("--plot", default=None, help="latency CDF PNG (default: the --json path with .png)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ns = build_parser().parse_args(argv)
+    ns.prefill_cores_list, ns.decode_cores_list = parse_cores(ns.prefill_cores), parse_cores(ns.decode_cores)
+    if set(ns.prefill_cores_list) & set(ns.decode_cores_list):
+        print("--prefill-cores and --decode-cores must not overlap", file=sys.stderr)
+        return 2
+    have = os.sched_getaffinity(0)
+    all_cores = sorted(set(ns.prefill_cores_list) | set(ns.decode_cores_list))
+    if not set(all_cores) <= have:
+        print(f"cores {all_cores} not all available (have {sorted(have)})", file=sys.stderr)
+        return 2
+    from common.models.default_model import resolve_model_path
+
+    model_dir = resolve_model_path(ns.model)
+    ns.model_label = os.path.basename(model_dir.rstrip("/"))
+    log_dir = ns.log_dir or os.path.join(os.getcwd(), "logs", time.strftime("compare-%Y%m%d-%H%M%S"))
+    os.makedirs(log_dir, exist_ok=True)
+    maker = PromptMaker(model_dir, ns.seed)
+    requests = build_workload(maker, ns)
+    node_args = shlex.split(ns.node_args)
+
+    load_start = round(os.getloadavg()[0], 2)
+    signal.signal(signal.SIGTERM, _terminate)  # clean up the children on SIGTERM too
+    results: dict[str, tuple[list[RequestResult], float]] = {}
+    served_name = None
+    if ns.only in ("both", "disaggregated"):
+        cluster = Cluster(num_prefill=1, num_decode=1, model=ns.model, transfer_backend=ns.transfer_backend,
+                          log_dir=os.path.join(log_dir, "disaggregated"),
+                          cpu_affinity={"prefill": ns.prefill_cores_list, "decode": ns.decode_cores_list},
+                          node_args=node_args, router_args=["--policy", "round_robin"],
+                          env=child_env(ns), startup_timeout=ns.startup_timeout)
+        with cluster:
+            served_name = served_name or _served_name(cluster.url)
+            results["disaggregated"] = run_setup("disaggregated", cluster.url, requests, ns, served_name)
+    if ns.only in ("both", "colocated"):
+        proc, url = start_colocated(ns, all_cores, log_dir)
+        try:
+            served_name = served_name or _served_name(url)
+            results["colocated"] = run_setup("colocated", url, requests, ns, served_name)
+        finally:
+            stop_proc(proc)
+
+    summaries = {name: by_tag(res, dur, ns) for name, (res, dur) in results.items()}
+    for name, s in summaries.items():
+        for tag, summ in s.items():
+            print(format_summary(f"{name}: {tag}", summ))
+    ratios: dict[str, float] = {}
+    if len(summaries) == 2:
+        dis, col = summaries["disaggregated"], summaries["colocated"]
+        ratios = compute_ratios(dis, col)
+        missing = sorted({"tpot_p99", "ttft_p99", "goodput"} - set(ratios))
+        if missing:
+            print(f"note: no ratio for {missing} (a zero or missing figure in one setup)", file=sys.stderr)
+        ns.load_note = f"{load_start} / {round(os.getloadavg()[0], 2)}"
+        commands = ["pdserve bench compare " + shlex.join(argv)]
+        table = markdown_table(dis, col, ns, commands)
+        print("\n" + table)
+        if ns.markdown:
+            with open(ns.markdown, "w") as f:
+                f.write(table)
+            print(f"wrote {ns.markdown}")
+    plot = ns.plot or (ns.json.rsplit(".", 1)[0] + ".png" if ns.json else None)
+    if plot:
+        plot_cdfs({name: res for name, (res, _) in results.items()}, plot,
+                  "disaggregated vs colocated (all requests)")
+        print(f"wrote {plot}")
+    config = {k: v for k, v in vars(ns).items()}
+    config["argv"] = argv
+    figures = {"config": config, "summaries": summaries, "log_dir": log_dir,
+               "requests": {name: result_rows(res) for name, (res, _) in results.items()},
+               "load_average_1m": {"start": load_start, "end": round(os.getloadavg()[0], 2)}}
+    write_report(ns.json, "compare", figures, ratios)
+    failed = any(s["all"]["completed"] == 0 for s in summaries.values())
+    return 1 if failed else 0
+
+
+def _terminate(signum, _frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _served_name(url: str) -> str:
+    from bench.serve import fetch_model_info
+
+    return asyncio.run(fetch_model_info(url))[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,539 @@
+"""`pdserve cluster`: a whole PD cluster on this machine with one command.
+
+    pdserve cluster --prefill 2 --decode 2 --transfer-backend fake --model DIR --port 30000
+
+starts N prefill nodes and M decode nodes (`python -m prefill_node` / `python -m decode_node`, each on
+127.0.0.1 with a free HTTP port, every prefill node with its own free bootstrap port), waits until
+every node answers `/health`, then starts the router (`python -m router --pd-disaggregation ...`) on
+`--port` and waits until `/readiness` says all workers are up. It prints the router URL and a curl
+example, then watches its children until Ctrl-C / SIGTERM, which it forwards as a clean shutdown
+(SIGTERM to each child, SIGKILL of the child's process group after `--grace-period`).
+
+Each child runs in its own session (process group) with its stdout+stderr in `<log-dir>/<name>.log`
+(`--log-dir`, default `./logs/cluster-<timestamp>`); `<log-dir>/cluster.json` lists every child's
+command, ports and pid. A child that dies during start-up stops the launch with an error naming it
+and the tail of its log.
+
+`--cpu-affinity "prefill=0;decode=1"` pins every process of a role (its scheduler processes inherit
+the mask) to those cores (`0-3,6` lists work; `router=` is accepted too), and sets `--num-threads` to
+the number of cores given unless the node flags already set it. Flags that are not the launcher's own
+are passed to every node unchanged (checked against the node parser first); `--router-args "..."`
+adds router flags.
+
+`Cluster` is the same launcher as a library (the integration tests and `pdserve bench compare` use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROLES = ("prefill", "decode", "router")
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not start; the message names the child and shows its log tail."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
+    """A port that is free now, chosen below the kernel's ephemeral range when possible: transfer
+    engines and ZMQ bind ephemeral ports at start-up and could take a port we picked from there."""
+    rng = random.Random()
+    low = _ephemeral_low()
+    for attempt in range(200):
+        port = rng.randrange(20000, low) if low > 21000 and attempt < 150 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if avoid is None or port not in avoid:
+            if avoid is not None:
+                avoid.add(port)
+            return port
+    raise ClusterError("no free TCP port found")
+
+
+def parse_cores(spec: str) -> list[int]:
+    """"0-3,6" -> [0, 1, 2, 3, 6]"""
+    cores: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = (int(x) for x in part.split("-", 1))
+            if hi < lo:
+                raise ValueError(f"bad core range {part!r}")
+            cores.extend(range(lo, hi + 1))
+        else:
+            cores.append(int(part))
+    if not cores:
+        raise ValueError(f"no cores in {spec!r}")
+    return sorted(set(cores))
+
+
+def parse_affinity(spec: str | None) -> dict[str, list[int]]:
+    """"prefill=0;decode=1-3" -> {"prefill": [0], "decode": [1, 2, 3]}; cores must exist here."""
+    if not spec:
+        return {}
+    out: dict[str, list[int]] = {}
+    available = sorted(os.sched_getaffinity(0))
+    for item in spec.replace(" ", "").split(";"):
+        if not item:
+            continue
+        role, sep, cores = item.partition("=")
+        if not sep or role not in ROLES:
+            raise ValueError(f"--cpu-affinity: expected ROLE=CORES with ROLE in {ROLES}, got {item!r}")
+        try:
+            out[role] = parse_cores(cores)
+        except ValueError as e:
+            raise ValueError(f"--cpu-affinity {role}: {e}") from None
+        missing = [c for c in out[role] if c not in available]
+        if missing:
+            raise ValueError(f"--cpu-affinity {role}: cores {missing} are not available (have {available})")
+    return out
+
+
+def die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent dies, so a launcher killed hard leaves no orphans."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def http_status(url: str, timeout: float = 2.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (OSError, ValueError):
+        return 0
+
+
+def http_json(url: str, timeout: float = 10.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+@dataclass
+class Child:
+    name: str  # "prefill-0", "decode-1", "router"
+    role: str
+    cmd: list[str]
+    port: int
+    log_path: str
+    bootstrap_port: int | None = None
+    cores: list[int] | None = None
+    proc: subprocess.Popen | None = None
+    exit_reported: bool = False
+    port_retries: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def describe(self) -> dict:
+        return {"name": self.name, "role": self.role, "url": self.url, "port": self.port,
+                "bootstrap_port": self.bootstrap_port, "cores": self.cores, "log": self.log_path,
+                "pid": self.proc.pid if self.proc else None, "cmd": self.cmd}
+
+
+@dataclass
+class Cluster:
+    num_prefill: int = 1
+    num_decode: int = 1
+    model: str = "default"
+    transfer_backend: str = "mooncake"
+    port: int | None = None  # router port; None: a free one
+    host: str = "127.0.0.1"  # address everything binds to
+    log_dir: str | None = None
+    cpu_affinity: dict[str, list[int]] = field(default_factory=dict)
+    node_args: list[str] = field(default_factory=list)  # extra ServerArgs flags for every node
+    prefill_args: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of every child
+    role_env: dict[str, dict[str, str]] = field(default_factory=dict)  # per role: {"prefill": {...}}
+    startup_timeout: float = 600.0
+    grace_period: float = 20.0
+    quiet: bool = False
+    children: list[Child] = field(default_factory=list, init=False)
+
+    # ------------------------------------------------------------------------------------ layout
+    @property
+    def prefills(self) -> list[Child]:
+        return [c for c in self.children if c.role == "prefill"]
+
+    @property
+    def decodes(self) -> list[Child]:
+        return [c for c in self.children if c.role == "decode"]
+
+    @property
+    def router(self) -> Child:
+        for c in self.children:
+            if c.role == "router":
+                return c
+        raise ClusterError("the cluster has no router (not started)")
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    def child(self, name: str) -> Child:
+        for c in self.children:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def _say(self, msg: str) -> None:
+        if not self.quiet:
+            print(msg, flush=True)
+
+    def _node_cmd(self, role: str, port: int, bootstrap_port: int, cores: list[int] | None) -> list[str]:
+        module = "prefill_node" if role == "prefill" else "decode_node"
+        cmd = [sys.executable, "-m", module, "--model", self.model, "--host", self.host, "--port", str(port),
+               "--transfer-backend", self.transfer_backend]
+        if role == "prefill":
+            cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        extra = self.node_args + (self.prefill_args if role == "prefill" else self.decode_args)
+        if cores and not any(a == "--num-threads" or a.startswith("--num-threads=") for a in extra):
+            cmd += ["--num-threads", str(len(cores))]
+        return cmd + extra
+
+    def _router_cmd(self, port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "router", "--pd-disaggregation", "--host", self.host, "--port", str(port)]
+        for p in self.prefills:
+            cmd += ["--prefill", p.url, str(p.bootstrap_port)]
+        for d in self.decodes:
+            cmd += ["--decode", d.url]
+        if not any(a.startswith("--prometheus-port") for a in self.router_args):
+            cmd += ["--prometheus-port", "0"]  # /metrics is on the router's own port too
+        return cmd + self.router_args
+
+    # ------------------------------------------------------------------------------------ processes
+    def _spawn(self, child: Child) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **self.role_env.get(child.role, {})}
+        env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        cores = child.cores
+
+        def pin() -> None:  # runs in the child between fork and exec
+            die_with_parent()
+            if cores:
+                os.sched_setaffinity(0, cores)
+
+        with open(child.log_path, "ab") as log:
+            log.write(f"$ {shlex.join(child.cmd)}\n".encode())
+            log.flush()
+            child.proc = subprocess.Popen(child.cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=pin)
+        child.exit_reported = False
+
+    def _respawn_on_new_ports(self, c: Child) -> bool:
+        """A node that lost a port race (another process bound the port we picked for it before it
+        did) gets new ports and is started again, at most 3 times."""
+        if c.port_retries >= 3 or "address already in use" not in c.log_tail(60).lower():
+            return False
+        if c.role == "router" and self.port:
+            return False  # the port the user asked for: report it
+        c.port_retries += 1
+        used = {x.port for x in self.children} | {x.bootstrap_port for x in self.children if x.bootstrap_port}
+        c.port = free_port(self.host, used)
+        if c.role == "prefill":
+            c.bootstrap_port = free_port(self.host, used)
+        c.cmd = self._router_cmd(c.port) if c.role == "router" else \
+            self._node_cmd(c.role, c.port, c.bootstrap_port or 0, c.cores)
+        self._say(f"  {c.name}: a port was taken while it started; retrying on port {c.port}")
+        self._spawn(c)
+        self.write_manifest()
+        return True
+
+    def _wait_healthy(self, children: list[Child], path: str, deadline: float) -> None:
+        pending = list(children)
+        while pending:
+            for c in list(pending):
+                if not c.alive() and self._respawn_on_new_ports(c):
+                    continue
+                if not c.alive():
+                    raise ClusterError(f"{c.name} exited with code {c.proc.returncode} during start-up "
+                                       f"(log {c.log_path}):\n{c.log_tail()}")
+                if http_status(c.url + path) == 200:
+                    pending.remove(c)
+                    self._say(f"  {c.name} ready at {c.url}")
+            if not pending:
+                return
+            if time.time() > deadline:
+                names = ", ".join(c.name for c in pending)
+                tails = "\n".join(f"--- {c.name} ({c.log_path}):\n{c.log_tail(15)}" for c in pending)
+                raise ClusterError(f"not healthy after {self.startup_timeout:.0f}s: {names}\n{tails}")
+            time.sleep(0.25)
+
+    def start(self) -> Cluster:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ClusterError("a PD cluster needs at least one prefill and one decode node")
+        if self.log_dir is None:
+            self.log_dir = os.path.join(os.getcwd(), "logs", time.strftime("cluster-%Y%m%d-%H%M%S"))
+        os.makedirs(self.log_dir, exist_ok=True)
+        used: set[int] = set()
+        router_port = self.port or free_port(self.host, used)
+        used.add(router_port)
+        self.children = []
+        for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+            for i in range(n):
+                port = free_port(self.host, used)
+                bport = free_port(self.host, used) if role == "prefill" else None
+                cores = self.cpu_affinity.get(role)
+                name = f"{role}-{i}"
+                self.children.append(Child(name, role, self._node_cmd(role, port, bport or 0, cores), port,
+                                           os.path.join(self.log_dir, f"{name}.log"), bport, cores))
+        self._say(f"starting {self.num_prefill} prefill + {self.num_decode} decode nodes "
+                  f"({self.transfer_backend} backend, model {self.model}); logs in {self.log_dir}")
+        deadline = time.time() + self.startup_timeout
+        try:
+            for c in self.children:
+                self._spawn(c)
+            self.write_manifest()
+            self._wait_healthy(list(self.children), "/health", deadline)
+            rcores = self.cpu_affinity.get("router")
+            router = Child("router", "router", [], router_port, os.path.join(self.log_dir, "router.log"),
+                           cores=rcores)
+            self.children.append(router)
+            router.cmd = self._router_cmd(router_port)
+            self._spawn(router)
+            self._wait_healthy([router], "/readiness", deadline)
+        except BaseException:
+            self.stop()
+            raise
+        self.write_manifest()
+        return self
+
+    def write_manifest(self) -> None:
+        routers = [c for c in self.children if c.role == "router"]
+        with open(os.path.join(self.log_dir, "cluster.json"), "w") as f:
+            json.dump({"router": routers[0].url if routers else None, "transfer_backend": self.transfer_backend, "model": self.model,
+                       "children": [c.describe() for c in self.children]}, f, indent=2)
+
+    def _signal_child(self, c: Child, sig: int) -> None:
+        if c.proc is None:
+            return
+        try:
+            if sig == signal.SIGKILL:
+                os.killpg(c.proc.pid, sig)  # the whole group: scheduler processes too
+            elif c.proc.poll() is None:
+                c.proc.send_signal(sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop_children(self, children: list[Child], grace: float | None = None) -> None:
+        """SIGTERM each, wait up to `grace` seconds for all, then SIGKILL each process group."""
+        grace = self.grace_period if grace is None else grace
+        for c in children:
+            self._signal_child(c, signal.SIGTERM)
+        deadline = time.time() + grace
+        for c in children:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                self._say(f"  {c.name} did not stop within {grace:.0f}s: killing it")
+            self._signal_child(c, signal.SIGKILL)  # leftovers of the group (a crashed node's schedulers)
+            try:
+                c.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def stop(self) -> None:
+        """Router first (no new traffic), then every node."""
+        routers = [c for c in self.children if c.role == "router"]
+        self.stop_children(routers)
+        self.stop_children([c for c in self.children if c.role != "router"])
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a child and its whole process group (a crash, for failure tests)."""
+        c = self.child(name)
+        self._signal_child(c, signal.SIGKILL)
+        if c.proc is not None:
+            c.proc.wait(10)
+        c.exit_reported = True
+
+    def dead_children(self) -> list[Child]:
+        return [c for c in self.children if c.proc is not None and c.proc.poll() is not None]
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve cluster", description="start prefill and decode nodes and a PD router on this machine",
+        epilog="Other flags are node flags (see `pdserve serve --help`) passed to every node.")
+    a = p.add_argument
+    a("--prefill", type=int, default=1, help="number of prefill nodes")
+    a("--decode", type=int, default=1, help="number of decode nodes")
+    a("--transfer-backend", "--disaggregation-transfer-backend", dest="transfer_backend", default="mooncake",
+      choices=("mooncake", "nixl", "ucx", "fake"))
+    a("--model", "--model-path", dest="model", default="default")
+    a("--port", type=int, default=30000, help="router port (0: a free one)")
+    a("--host", default="127.0.0.1", help="address every process binds to")
+    a("--tp", type=int, default=None, help="tensor parallel size of every node")
+    a("--page-size", type=int, default=None)
+    a("--chunked-prefill-size", type=int, default=None)
+    a("--cpu-affinity", default=None, metavar="SPEC",
+      help='pin roles to cores, e.g. "prefill=0;decode=1" or "prefill=0-1;decode=2-3;router=0"')
+    a("--policy", default=None, help="router policy (random, round_robin, cache_aware, power_of_two)")
+    a("--router-args", default="", help='more router flags, one string: --router-args="--policy random"')
+    a("--prefill-args", default="", help='more flags for prefill nodes only: --prefill-args="--tp 2"')
+    a("--decode-args", default="", help='more flags for decode nodes only: --decode-args="--max-running-requests 8"')
+    a("--log-dir", default=None, help="folder for the children's logs (default ./logs/cluster-<timestamp>)")
+    a("--startup-timeout", type=float, default=900.0, help="seconds for every child to become healthy")
+    a("--grace-period", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL at shutdown")
+    return p
+
+
+def check_node_flags(flags: list[str]) -> None:
+    """Raise ValueError if a flag is not a node flag (the node would exit at start-up otherwise)."""
+    from common.config import ServerArgs
+
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    try:
+        _, unknown = parser.parse_known_args(flags)
+    except SystemExit:
+        raise ValueError(f"invalid node flags: {shlex.join(flags)}") from None
+    if unknown:
+        raise ValueError(f"not node flags: {' '.join(unknown)} (see `pdserve serve --help`)")
+
+
+def check_router_flags(flags: list[str]) -> None:
+    from router.cli import build_parser as router_parser
+
+    try:
+        _, unknown = router_parser().parse_known_args(flags)
+    except SystemExit:
+        raise ValueError(f"invalid router flags: {shlex.join(flags)}") from None
+    if unknown:
+        raise ValueError(f"not router flags: {' '.join(unknown)} (see `pdserve router --help`)")
+
+
+def cluster_from_args(argv: list[str]) -> Cluster:
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    node_args = list(extra)
+    for flag, value in (("--tp", ns.tp), ("--page-size", ns.page_size),
+                        ("--chunked-prefill-size", ns.chunked_prefill_size)):
+        if value is not None:
+            node_args += [flag, str(value)]
+    prefill_args, decode_args = shlex.split(ns.prefill_args), shlex.split(ns.decode_args)
+    router_args = shlex.split(ns.router_args)
+    if ns.policy:
+        router_args += ["--policy", ns.policy]
+    try:
+        for flags in (node_args, prefill_args, decode_args):
+            check_node_flags(flags)
+        check_router_flags(router_args)
+        affinity = parse_affinity(ns.cpu_affinity)
+    except ValueError as e:
+        parser.error(str(e))
+    if ns.model != "default" and not os.path.exists(ns.model):
+        parser.error(f"--model: no such model directory or file: {ns.model!r}")
+    return Cluster(num_prefill=ns.prefill, num_decode=ns.decode, model=ns.model,
+                   transfer_backend=ns.transfer_backend, port=ns.port or None, host=ns.host, log_dir=ns.log_dir,
+                   cpu_affinity=affinity, node_args=node_args, prefill_args=prefill_args,
+                   decode_args=decode_args, router_args=router_args, startup_timeout=ns.startup_timeout,
+                   grace_period=ns.grace_period)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cluster = cluster_from_args(sys.argv[1:] if argv is None else argv)
+    stop = threading.Event()
+    signals_seen = []
+
+    def on_signal(signum, _frame) -> None:
+        signals_seen.append(signum)
+        if len(signals_seen) > 1:  # a second Ctrl-C: no more waiting
+            cluster.grace_period = 0.0
+        stop.set()
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            cluster.start()
+        except ClusterError as e:
+            print(f"pdserve cluster: {e}", file=sys.stderr)
+            return 1
+        url = cluster.url
+        print(f"\nrouter: {url}   (logs: {cluster.log_dir})")
+        for c in cluster.children:
+            extra = f", bootstrap port {c.bootstrap_port}" if c.bootstrap_port else ""
+            pin = f", cores {c.cores}" if c.cores else ""
+            print(f"  {c.name:<10} {c.url}  pid {c.proc.pid}{extra}{pin}")
+        print("\ntry:\n  curl -s " + url + "/v1/chat/completions -H 'content-type: application/json' \\\n"
+              "    -d '{\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}],"
+              "\"max_tokens\":32}'\n\nCtrl-C stops every process.", flush=True)
+        while not stop.is_set():
+            for c in cluster.dead_children():
+                if not c.exit_reported:
+                    c.exit_reported = True
+                    print(f"warning: {c.name} exited with code {c.proc.returncode}; last lines of "
+                          f"{c.log_path}:\n{c.log_tail(20)}", file=sys.stderr, flush=True)
+            stop.wait(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)  # shutting down: no re-entry
+        print("\nstopping the cluster ...", flush=True)
+        cluster.stop()
+        print("stopped", flush=True)
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

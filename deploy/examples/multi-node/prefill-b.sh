@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Machine 10.0.0.12: prefill node B (HTTP on NODE_PORT, bootstrap server on BOOTSTRAP_PORT).
+set -euo pipefail
+set -a; source "$(dirname "$0")/cluster.env"; set +a
+exec pdserve prefill --model "$MODEL" --host 0.0.0.0 --port "$NODE_PORT" \
+  --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" --transfer-backend "$TRANSFER_BACKEND" \
+  --disaggregation-ib-device "$IB_DEVICE" --tp "$TP" --page-size "$PAGE_SIZE"

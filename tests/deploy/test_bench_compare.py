@@ -1,0 +1,54 @@
+"""`pdserve bench compare`'s workload, ratio orientation and table, on hand-made results (the full
+comparison starts two setups of the default model: that run is `pdserve bench compare` itself)."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench import compare, serve
+
+
+def ns(**kw) -> argparse.Namespace:
+    d = vars(compare.build_parser().parse_args([]))
+    d.update(kw)
+    n = argparse.Namespace(**d)
+    n.prefill_cores_list, n.decode_cores_list = [0], [1]
+    n.model_label, n.load_note = "tiny", "1.0 / 1.0"
+    return n
+
+
+def test_workload_decodes_then_long_prompts_among_them():
+    n = ns(num_decodes=6, decode_rate=2.0, num_long=3, long_start=0.7, long_interval=1.0,
+           decode_input_len=5, long_input_len=40, decode_output_len=9, long_output_len=2)
+    reqs = compare.build_workload(serve.PromptMaker(None, 0), n)
+    assert [r.send_at for r in reqs] == sorted(r.send_at for r in reqs)
+    decodes = [r for r in reqs if r.tag == "decode"]
+    longs = [r for r in reqs if r.tag == "long"]
+    assert [r.send_at for r in decodes] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
+    assert [r.send_at for r in longs] == [0.7, 1.7, 2.7]
+    assert all(r.output_len == 9 and r.prompt_len == 5 for r in decodes)
+    assert all(r.output_len == 2 and len(r.prompt.split()) == 40 for r in longs)
+
+
+def fake_results(tpot: float, ttft: float, n: int = 10) -> list[serve.RequestResult]:
+    out = []
+    for i in range(n):
+        tag = "long" if i % 5 == 0 else "decode"
+        out.append(serve.RequestResult(ok=True, tag=tag, prompt_len=10, output_len=11, ttft=ttft,
+                                       latency=ttft + 10 * tpot, itl=[tpot] * 10))
+    return out
+
+
+def test_ratios_are_oriented_so_higher_means_pd_better():
+    n = ns(slo_ttft_ms=1000.0, slo_tpot_ms=60.0)
+    dis = compare.by_tag(fake_results(tpot=0.05, ttft=0.5), 10.0, n)
+    col = compare.by_tag(fake_results(tpot=0.1, ttft=0.25), 10.0, n)
+    r = compare.compute_ratios(dis, col)
+    assert abs(r["tpot_p99"] - 2.0) < 1e-6  # colocated decodes twice as slow per token
+    assert abs(r["ttft_p99"] - 0.5) < 1e-6  # colocated answers first tokens faster
+    assert "goodput" not in r  # no colocated request met the TPOT SLO: no finite ratio
+    col_ok = compare.by_tag(fake_results(tpot=0.055, ttft=0.25, n=5), 10.0, n)
+    assert abs(compare.compute_ratios(dis, col_ok)["goodput"] - 2.0) < 1e-6  # 10 vs 5 good requests
+    table = compare.markdown_table(dis, col, n, ["pdserve bench compare --x"])
+    assert "| TPOT p99, decode requests (ms) | 50.0 | 100.0 | 2.000x |" in table
+    assert "pdserve bench compare --x" in table and "OMP_WAIT_POLICY=PASSIVE" in table

@@ -1,0 +1,107 @@
+"""`pdserve bench serve` against a real colocated node serving the tiny random model on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the node_process helper
+from node_process import NodeProcess  # noqa: E402
+
+from bench import serve  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model_dir):
+    n = NodeProcess(tiny_model_dir, max_total_tokens=4096, max_running_requests=8, served_model_name="tiny")
+    n.start()
+    yield n
+    n.stop()
+
+
+def test_bench_serve_random_dataset_report(node, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    rc = serve.main(["--base-url", node.url, "--num-prompts", "8", "--random-input-len", "40",
+                     "--random-output-len", "6", "--random-range-ratio", "1.0", "--request-rate", "50",
+                     "--arrival", "fixed", "--max-concurrency", "4", "--warmup-requests", "1",
+                     "--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000", "--disable-tqdm", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["bench"] == "serve"
+    assert report["ratios"] == {}  # one run compares nothing
+    s = report["figures"]["summary"]
+    assert s["completed"] == 8 and s["failed"] == 0
+    assert s["total_output_tokens"] == 8 * 6  # ignore_eos: every request runs to max_tokens
+    rows = report["figures"]["requests"]
+    assert len(rows) == 8
+    for row in rows:
+        assert row["ok"] and row["output_len"] == 6
+        assert 40 <= row["prompt_len"] <= 41  # the server's count of our 40-token prompt (+ BOS at most)
+        assert 0 < row["ttft"] <= row["latency"]
+        assert row["tpot"] is not None and row["tpot"] >= 0
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        p = s[key]
+        assert p["n"] > 0 and p["p50"] <= p["p90"] <= p["p99"]
+    assert s["itl_ms"]["n"] == 8 * 5  # one gap between each pair of the 6 streamed tokens
+    # generous SLOs: every request is good
+    assert s["good_requests"] == 8 and s["goodput"] == pytest.approx(s["request_throughput"], rel=1e-3)
+    assert s["output_throughput"] > 0 and s["input_throughput"] > 0
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["figures"]["config"]["request_rate"] == 50.0
+    printed = capsys.readouterr().out
+    assert "TTFT (ms)" in printed and "goodput" in printed
+
+
+def test_bench_serve_chat_dataset_without_tokenizer(node, tmp_path):
+    out = tmp_path / "chat.json"
+    rc = serve.main(["--base-url", node.url, "--dataset", "chat", "--tokenizer", "none", "--num-prompts", "4",
+                     "--random-input-len", "30", "--random-output-len", "4", "--random-range-ratio", "1.0",
+                     "--warmup-requests", "0", "--disable-tqdm", "--json", str(out),
+                     "--plot", str(tmp_path / "cdf.png")])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    s = report["figures"]["summary"]
+    assert s["completed"] == 4 and s["total_output_tokens"] == 16
+    assert s["goodput"] is None  # no SLO given
+    # the chat template wraps the messages: the server counts more tokens than the 30 words of content
+    assert all(r["prompt_len"] > 30 for r in report["figures"]["requests"])
+    assert (tmp_path / "cdf.png").stat().st_size > 1000
+
+
+def test_failed_requests_are_counted_not_fatal(node, tmp_path):
+    out = tmp_path / "bad.json"
+    # max_tokens far beyond the context length: the node refuses each request with a 400
+    rc = serve.main(["--base-url", node.url, "--num-prompts", "3", "--random-input-len", "8",
+                     "--random-output-len", "1000000", "--random-range-ratio", "1.0", "--warmup-requests", "0",
+                     "--disable-tqdm", "--json", str(out)])
+    assert rc == 1
+    s = json.loads(out.read_text())["figures"]["summary"]
+    assert s["completed"] == 0 and s["failed"] == 3
+    assert all("HTTP 400" in e for e in s["first_errors"])
+
+
+def test_prompt_maker_exact_lengths_and_chat_split(tiny_model_dir):
+    maker = serve.PromptMaker(tiny_model_dir, seed=3)
+    for n in (1, 7, 64, 300):
+        assert maker.count(maker.text(n)) == n
+    chats = serve.chat_dataset(maker, 6, 50, 5, 1.0, max_turns=3)
+    for c in chats:
+        roles = [m["role"] for m in c.prompt]
+        assert roles[0] == "system" and roles[-1] == "user" and len(roles) % 2 == 0
+        assert c.prompt_len == 50 and c.api == "chat" and c.output_len == 5
+
+
+def test_arrivals_and_percentiles():
+    rng = random.Random(0)
+    assert serve.arrival_offsets(4, 2.0, "fixed", rng) == [0.0, 0.5, 1.0, 1.5]
+    assert serve.arrival_offsets(3, float("inf"), "poisson", rng) == [0.0, 0.0, 0.0]
+    gaps = serve.arrival_offsets(2000, 10.0, "poisson", rng)
+    assert gaps == sorted(gaps) and 150 < gaps[-1] < 250  # mean gap 0.1 s
+    p = serve.percentiles([0.001 * i for i in range(1, 101)])
+    assert p["p50"] == pytest.approx(50.5) and p["p99"] == pytest.approx(99.01) and p["n"] == 100
+    assert serve.percentiles([])["p50"] is None

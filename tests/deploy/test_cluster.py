@@ -1,0 +1,147 @@
+"""`pdserve cluster` as a user runs it: a real launcher process with real children (tiny model, fake
+backend), a chat request through the printed router URL, CPU pinning, Ctrl-C, and start-up failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from deploy import cluster as cl
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
+from cluster_utils import http_json  # noqa: E402
+
+
+def launch(args: list[str], log_dir: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "deploy.cli", "cluster", "--log-dir", str(log_dir), "--port", "0", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def read_until(proc: subprocess.Popen, marker: str, timeout: float = 600) -> list[str]:
+    lines = []
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError("launcher exited before '" + marker + "':\n" + "".join(lines))
+        lines.append(line)
+        if marker in line:
+            return lines
+    raise AssertionError(f"no '{marker}' within {timeout}s:\n" + "".join(lines))
+
+
+def test_cluster_command_serves_pins_and_stops_on_ctrl_c(tiny_model_dir, tmp_path):
+    pin = len(os.sched_getaffinity(0)) >= 2
+    cores = sorted(os.sched_getaffinity(0))
+    args = ["--prefill", "1", "--decode", "1", "--transfer-backend", "fake", "--model", tiny_model_dir,
+            "--max-total-tokens", "2048", "--num-threads", "1"]
+    if pin:
+        args += ["--cpu-affinity", f"prefill={cores[0]};decode={cores[1]}"]
+    proc = launch(args, tmp_path)
+    try:
+        out = read_until(proc, "Ctrl-C stops every process")
+        text = "".join(out)
+        url = next(line.split()[1] for line in out if line.startswith("router:"))
+        assert url.startswith("http://127.0.0.1:") and "curl -s " + url + "/v1/chat/completions" in text
+        manifest = json.loads((tmp_path / "cluster.json").read_text())
+        assert manifest["router"] == url
+        children = {c["name"]: c for c in manifest["children"]}
+        assert set(children) == {"prefill-0", "decode-0", "router"}
+        assert children["prefill-0"]["bootstrap_port"] and "--disaggregation-bootstrap-port" in \
+            children["prefill-0"]["cmd"]
+
+        status, body = http_json("POST", url + "/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                                  "max_tokens": 5, "ignore_eos": True})
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 5
+
+        if pin:  # every process of a role, its scheduler processes too, runs on that role's core
+            for name, core in (("prefill-0", cores[0]), ("decode-0", cores[1])):
+                node = psutil.Process(children[name]["pid"])
+                procs = [node, *node.children(recursive=True)]
+                assert len(procs) >= 2
+                for p in procs:
+                    assert p.cpu_affinity() == [core], (name, p.pid, p.cmdline()[:3])
+        pids = [c["pid"] for c in manifest["children"]]
+        descendants = [q.pid for pid in pids for q in psutil.Process(pid).children(recursive=True)]
+
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal does
+        rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, rest
+        assert "stopping the cluster" in rest and "stopped" in rest
+        for pid in pids + descendants:
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+        for name in children:
+            assert (tmp_path / f"{name}.log").stat().st_size > 0
+        assert "serving on" in (tmp_path / "decode-0.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_child_dying_at_start_is_named_with_its_log(tiny_model_dir, tmp_path):
+    # a node setting the node itself rejects: the prefill node exits during start-up
+    proc = launch(["--prefill", "1", "--decode", "1", "--transfer-backend", "fake", "--model", tiny_model_dir,
+                   "--prefill-args=--max-total-tokens 8", "--startup-timeout", "300"], tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert "prefill-0 exited with code" in out and "during start-up" in out
+    assert "max-total-tokens" in out  # the tail of the child's log explains why
+    assert str(tmp_path / "prefill-0.log") in out
+    # the launcher stopped what it had started
+    manifest = json.loads((tmp_path / "cluster.json").read_text())
+    for child in manifest["children"]:
+        pid = child["pid"]
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, child["name"]
+
+
+def test_launcher_rejects_bad_flags_before_starting_anything(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "cluster", "--log-dir", str(tmp_path),
+                        "--transfer-backend", "fake", "--no-such-node-flag", "3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--no-such-node-flag" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "cluster", "--router-args=--bogus-router-flag"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--bogus-router-flag" in r.stderr
+    assert not any(tmp_path.iterdir())  # nothing was started
+
+
+def test_affinity_and_core_parsing():
+    assert cl.parse_cores("0-2,5,5") == [0, 1, 2, 5]
+    with pytest.raises(ValueError):
+        cl.parse_cores("3-1")
+    first = min(os.sched_getaffinity(0))
+    assert cl.parse_affinity(f"prefill={first}; decode={first}") == {"prefill": [first], "decode": [first]}
+    assert cl.parse_affinity(None) == {}
+    with pytest.raises(ValueError, match="ROLE=CORES"):
+        cl.parse_affinity("gpu=0")
+    with pytest.raises(ValueError, match="not available"):
+        cl.parse_affinity("decode=4096")
+
+
+def test_cluster_args_reach_every_node(tiny_model_dir):
+    c = cl.cluster_from_args(["--prefill", "2", "--decode", "3", "--transfer-backend", "nixl", "--model",
+                              tiny_model_dir, "--tp", "1", "--page-size", "32", "--chunked-prefill-size", "64",
+                              "--max-running-requests", "7", "--policy", "power_of_two",
+                              "--decode-args", "--max-total-tokens 4096"])
+    assert (c.num_prefill, c.num_decode, c.transfer_backend) == (2, 3, "nixl")
+    assert c.node_args == ["--max-running-requests", "7", "--tp", "1", "--page-size", "32",
+                           "--chunked-prefill-size", "64"]
+    assert c.decode_args == ["--max-total-tokens", "4096"] and c.router_args == ["--policy", "power_of_two"]
+    cmd = c._node_cmd("prefill", 1234, 5678, None)
+    assert cmd[1:3] == ["-m", "prefill_node"]
+    assert cmd[cmd.index("--disaggregation-bootstrap-port") + 1] == "5678"
+    assert "--max-total-tokens" not in cmd and "--max-running-requests" in cmd
+    assert "--num-threads" in c._node_cmd("decode", 1, 0, [0, 1])
