@@ -63,9 +63,12 @@ def test_killed_decode_node_frees_the_prefill_request(pair):
     body = pair.body({"input_ids": list(range(500, 560)), "sampling_params": greedy()})
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         fd = ex.submit(http_post, pair.decode.url + "/generate", body, None, 60)
-        deadline = time.time() + 30
+        deadline = time.time() + 120  # generous: a loaded machine resolves the prefill ranks slowly
         while time.time() < deadline and not free_counts(pair.decode)["queues"].get("transfer"):
+            assert not fd.done(), fd.result()
             time.sleep(0.05)
+        # only from the transfer stage on has the prefill node got this room's TransferInfo
+        assert free_counts(pair.decode)["queues"].get("transfer"), "the decode node never reached transfer"
         # the decode node waits for this room's KV, its TransferInfo is at the prefill node: kill it
         pair.decode.kill()
         assert fd.exception() is not None or fd.result()[0] != 200

@@ -45,9 +45,12 @@ def test_killed_prefill_node_frees_the_decode_request(pair: PDPair):
     body = pair.body({"input_ids": list(range(600, 650)), "sampling_params": greedy()})
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         fd = ex.submit(http_post, pair.decode.url + "/generate", body, None, 60)
-        deadline = time.time() + 30
+        deadline = time.time() + 120  # generous: a loaded machine resolves the prefill ranks slowly
         while time.time() < deadline and not free_counts(pair.decode)["queues"].get("transfer"):
+            assert not fd.done(), fd.result()
             time.sleep(0.05)
+        # only from the transfer stage on has the prefill node got this room's TransferInfo
+        assert free_counts(pair.decode)["queues"].get("transfer"), "the decode node never reached transfer"
         pair.prefill.kill()
         status, raw = fd.result()
     assert status == 500, raw
