@@ -37,7 +37,7 @@ from decode_node.req_pool import DecodeReqToTokenPool
 from transfer.base import KVPoll
 from transfer.consensus import poll_and_all_reduce
 from transfer.metadata import MetadataAllocator, MetadataBuffers
-from transfer.node import MAX_TOP_LOGPROBS, TransferStats, build_kv_manager
+from transfer.node import MAX_TOP_LOGPROBS, PDRole, TransferStats, build_kv_manager
 
 logger = logging.getLogger("decode")
 
@@ -66,7 +66,9 @@ def failure_reason(poller) -> str:
     return f"room {poller.room}: the transfer failed on another TP rank of this node (see its log)"
 
 
-class DecodeScheduler(Scheduler):
+class DecodeScheduler(PDRole, Scheduler):
+    role = "decode"
+
     def __init__(self, args, model_dir: str, tp_rank: int = 0, tp_size: int = 1, tp_group=None, *,
                  runner=None, **kw) -> None:
         if runner is None:
@@ -101,16 +103,6 @@ class DecodeScheduler(Scheduler):
                     self.num_reserved_decode_tokens)
 
     # ================================================================== admission
-    def validate_request(self, req: Req) -> tuple[int, str] | None:
-        if req.bootstrap_host is None or req.bootstrap_port is None or req.bootstrap_room is None:
-            return 400, ("this is a decode node; requests need bootstrap_host/bootstrap_port/bootstrap_room "
-                         "(send them through a PD router)")
-        if req.bootstrap_room in self.rooms:
-            return 400, f"bootstrap_room {req.bootstrap_room} is already in use by request {self.rooms[req.bootstrap_room]}"
-        if req.top_logprobs_num > MAX_TOP_LOGPROBS:
-            return 400, f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS} on a PD cluster, got {req.top_logprobs_num}"
-        return super().validate_request(req)
-
     def add_new_request(self, req: Req) -> None:
         room = int(req.bootstrap_room)
         addr = f"{req.bootstrap_host}:{req.bootstrap_port}"
@@ -309,9 +301,3 @@ class DecodeScheduler(Scheduler):
 
     def close(self) -> None:
         self.kv_manager.close()
-
-    def event_loop(self) -> None:
-        try:
-            super().event_loop()
-        finally:
-            self.close()

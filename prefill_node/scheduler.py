@@ -37,7 +37,7 @@ from prefill_node.kv import start_bootstrap_server
 from transfer.base import KVPoll
 from transfer.consensus import poll_and_all_reduce
 from transfer.metadata import MetadataAllocator, MetadataBuffers
-from transfer.node import MAX_TOP_LOGPROBS, TransferStats, advertised_host, build_kv_manager
+from transfer.node import MAX_TOP_LOGPROBS, PDRole, TransferStats, advertised_host, build_kv_manager
 
 logger = logging.getLogger("prefill")
 
@@ -65,7 +65,9 @@ def failure_reason(poller) -> str:
     return f"room {poller.room}: the transfer failed on another TP rank of this node (see its log)"
 
 
-class PrefillScheduler(Scheduler):
+class PrefillScheduler(PDRole, Scheduler):
+    role = "prefill"
+
     def __init__(self, args, model_dir: str, tp_rank: int = 0, tp_size: int = 1, tp_group=None, **kw) -> None:
         super().__init__(args, model_dir, tp_rank, tp_size, tp_group, **kw)
         from common.distributed import get_consensus_group
@@ -94,17 +96,6 @@ class PrefillScheduler(Scheduler):
                     self.bootstrap_addr, args.transfer_backend, args.disaggregation_decode_tp or "any")
 
     # ================================================================== admission
-    def validate_request(self, req: Req) -> tuple[int, str] | None:
-        if req.bootstrap_host is None or req.bootstrap_port is None or req.bootstrap_room is None:
-            return 400, ("this is a prefill node; requests need bootstrap_host/bootstrap_port/bootstrap_room "
-                         "(send them through a PD router)")
-        if req.bootstrap_room in self.rooms:
-            return 400, f"bootstrap_room {req.bootstrap_room} is already in use by request {self.rooms[req.bootstrap_room]}"
-        if req.top_logprobs_num > MAX_TOP_LOGPROBS:
-            return 400, f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS} on a PD cluster, got {req.top_logprobs_num}"
-        # the same checks as the decode node, with the client's max_new_tokens, so both legs agree
-        return super().validate_request(req)
-
     def add_new_request(self, req: Req) -> None:
         req.sampling = msgspec.structs.replace(req.sampling, max_new_tokens=1,
                                                min_new_tokens=min(req.sampling.min_new_tokens, 1))
@@ -295,9 +286,3 @@ class PrefillScheduler(Scheduler):
         self.kv_manager.close()
         if self.bootstrap_server is not None:
             self.bootstrap_server.stop()
-
-    def event_loop(self) -> None:
-        try:
-            super().event_loop()
-        finally:
-            self.close()

@@ -55,3 +55,27 @@ class TransferStats:
         return {"transfer_failures": self.failures, "transfer_successes": n, "transfer_bytes": self.bytes,
                 "transfer_latency_avg_s": self.latency_sum / n if n else 0.0,
                 "transfer_latency_last_s": self.latency_last}
+
+
+class PDRole:
+    """Mixin for a Scheduler subclass that serves one side of a PD pair (`role` "prefill" or
+    "decode"; the subclass keeps `self.rooms`, room -> rid, and implements `close()`)."""
+
+    role = "pd"
+
+    def validate_request(self, req):
+        if req.bootstrap_host is None or req.bootstrap_port is None or req.bootstrap_room is None:
+            return 400, (f"this is a {self.role} node; requests need bootstrap_host/bootstrap_port/"
+                         "bootstrap_room (send them through a PD router)")
+        if req.bootstrap_room in self.rooms:
+            return 400, f"bootstrap_room {req.bootstrap_room} is already in use by request {self.rooms[req.bootstrap_room]}"
+        if req.top_logprobs_num > MAX_TOP_LOGPROBS:
+            return 400, f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS} on a PD cluster, got {req.top_logprobs_num}"
+        # then the scheduler's own checks, with the client's max_new_tokens, so both legs agree
+        return super().validate_request(req)
+
+    def event_loop(self) -> None:
+        try:
+            super().event_loop()
+        finally:
+            self.close()
