@@ -165,20 +165,26 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, cos, sin, fb)
-        idx = fb.logits_indices
-        if idx is None and fb.mode != ForwardMode.DECODE:
-            idx = fb.last_token_indices()
-        if idx is not None:
-            h = h[idx]
-            residual = residual[idx]
-        h, _ = self.model.norm(h, residual)
-        return F.linear(h, self.lm_head_weight)
+        return final_logits(self, h, residual, fb)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters; returns the names of the parameters
         that were filled (a fused one once all its parts came)."""
         return load_checkpoint(self, weights, {"qkv_proj": 3, "gate_up_proj": 2})
+
+
+def final_logits(model: nn.Module, h: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """Final norm + lm_head on the rows whose logits are wanted (`fb.logits_indices`; by default the
+    last new token of each request, every row in decode)."""
+    idx = fb.logits_indices
+    if idx is None and fb.mode != ForwardMode.DECODE:
+        idx = fb.last_token_indices()
+    if idx is not None:
+        h = h[idx]
+        residual = residual[idx]
+    h, _ = model.model.norm(h, residual)
+    return F.linear(h, model.lm_head_weight)
 
 
 def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], parts_needed: dict[str, int],

@@ -51,7 +51,7 @@ from common.layers.norm import default_weight_loader
 from common.layers.rotary import RotaryEmbedding
 from common.memory.state_pool import StatePool
 from common.models.config import ModelConfig, ModelConfigError
-from common.models.llama import LlamaMLP, load_checkpoint
+from common.models.llama import LlamaMLP, final_logits, load_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -468,14 +468,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, cos, sin, fb, self.state_pool)
-        idx = fb.logits_indices
-        if idx is None and fb.mode != ForwardMode.DECODE:
-            idx = fb.last_token_indices()
-        if idx is not None:
-            h = h[idx]
-            residual = residual[idx]
-        h, _ = self.model.norm(h, residual)
-        return F.linear(h, self.lm_head_weight)
+        return final_logits(self, h, residual, fb)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
