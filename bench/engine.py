@@ -162,9 +162,9 @@ class OurEngine:
         emb = model.model.embed_tokens.weight
         lm = model.lm_head_weight
         for p in model.parameters():
-            if p.data_ptr() in seen:
+            if id(p) in seen:  # packed layers keep a meta parameter: no data_ptr
                 continue
-            seen.add(p.data_ptr())
+            seen.add(id(p))
             if p is emb and lm is not emb:
                 continue
             total += p.numel() * p.element_size()

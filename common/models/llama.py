@@ -25,6 +25,7 @@ from common.layers.linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    linear,
 )
 from common.layers.norm import RMSNorm, default_weight_loader
 from common.layers.rotary import RotaryEmbedding
@@ -184,7 +185,9 @@ def final_logits(model: nn.Module, h: torch.Tensor, residual: torch.Tensor, fb: 
         h = h[idx]
         residual = residual[idx]
     h, _ = model.model.norm(h, residual)
-    return F.linear(h, model.lm_head_weight)
+    if model.lm_head is not None:
+        return model.lm_head(h)
+    return linear(h, model.lm_head_weight, getattr(model, "lm_head_packed", None))
 
 
 def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], parts_needed: dict[str, int],

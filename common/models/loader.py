@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
+from common.layers.linear import pack_linears
 from common.models.config import ModelConfig, ModelConfigError
 from common.models.llama import (
     LlamaForCausalLM,
@@ -98,6 +99,7 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {shown}")
     model.eval()
+    pack_linears(model)
     logger.info("loaded %s (%s, %d layers) tp %d/%d", config.name, config.architecture, config.num_layers,
                 tp_rank, tp_size)
     return model, config
