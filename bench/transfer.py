@@ -1,18 +1,27 @@
 """`pdserve bench transfer`: KV transfer throughput per backend on loopback.
 
-For each backend two processes (a prefill rank and a decode rank) hold KV pools in the default
-model's layout (SmolLM2-135M: 30 layers, 3 kv heads, head_dim 64, fp32, page size 16). For a
-512-token and a 4096-token request it measures, in the same run and with the same engine:
+For each backend two processes (a prefill rank and a decode rank) hold the nodes' page-first
+`KVPool` in the default model's shape (SmolLM2-135M: 30 layers, 3 kv heads, head_dim 64, fp32, page
+size 16), described by `KVArgs.from_pool` as the nodes do. For a 512-token and a 4096-token request
+it measures, in the same run and with the same engine:
 
 * `pagelist` — the full protocol path: KVSender/KVReceiver, bootstrap, TransferInfo, chunked
   page-list writes of a fragmented (non-contiguous) page list, Success status. Timed on the prefill
   side from the first `send()` to Success.
-* `engine_pagelist` — the same regions written by one bare engine `write()` (no protocol).
-* `raw` — the engine writing one contiguous buffer of the same size.
+* `engine_pagelist` — the same regions written by one bare engine `write()` (no protocol); `regions`
+  is their count (a page-first page run with all layers' K and V is one region).
+* `raw` — the engine writing one contiguous buffer of the same size: the same number of pages as
+  one run of the pool, starting at a random page in each repeat. It lives in the pool's own
+  allocation on purpose: a separate numpy buffer gets transparent huge pages (numpy madvises them,
+  torch does not), which nixl/ucx copy about twice as fast on loopback; and it moves with the
+  repeats because the same 24 MB written every time stay cached (~20% faster at 512 tokens).
+  Both are memory effects, not page-list costs.
 * `memcpy` — torch copy of the same number of bytes in one process.
 
 Ratios `<backend>_<tokens>` = pagelist GB/s / raw GB/s (target >= 0.8), taken as the median over
-repeats of raw time / pagelist time of the same repeat (both timed back to back).
+repeats of raw time / pagelist time of the same repeat (both timed back to back). On a 2-core host
+single transfers vary by up to 2x with thread placement, which tends to hold for a whole process
+pair's life, so the repeats are spread over several rounds of fresh processes (3 x 7 by default).
 """
 
 from __future__ import annotations
@@ -48,46 +57,48 @@ def fragmented_pages(n: int, pool_pages: int, rng: random.Random) -> list[int]:
     return [p for run in runs for p in run][:n]
 
 
-def _build(role: str, backend: str, pool_pages: int, bootstrap_addr: str | None, contiguous_bytes: int):
+def _build(role: str, backend: str, pool_pages: int, bootstrap_addr: str | None):
+    import torch
+
+    from common.memory.kv_pool import KVPool
     from transfer.base import KVArgs
     from transfer.manager import KVManager
+    from transfer.metadata import MetadataBuffers
 
-    shape = (pool_pages, KV_HEADS, PAGE_SIZE, HEAD_DIM)
-    # np.full writes every page: untouched (lazily mapped) destination pages would charge page faults
-    # to whichever transfer touches them first
-    bufs = [np.full(shape, 0.5, dtype=np.float32) for _ in range(2 * LAYERS)]
-    if role == "prefill":
-        rng = np.random.default_rng(1)
-        for b in bufs:
-            b[...] = rng.standard_normal(shape, dtype=np.float32)
-    rooms = np.zeros((8, 8), dtype=np.int64)
-    args = KVArgs(kv_data_ptrs=[b.ctypes.data for b in bufs], kv_data_lens=[b.nbytes for b in bufs],
-                  kv_item_lens=[page_bytes()] * len(bufs), kv_head_num=KV_HEADS, page_size=PAGE_SIZE,
-                  aux_data_ptrs=[rooms.ctypes.data], aux_data_lens=[rooms.nbytes], aux_item_lens=[64],
-                  aux_room_index=0, model=MODEL)
-    mgr = KVManager(args, role, backend, host="127.0.0.1", bootstrap_addr=bootstrap_addr)
-    flat = np.ones(contiguous_bytes, dtype=np.uint8)
-    mgr.engine.register(flat.ctypes.data, flat.nbytes)
-    return mgr, bufs, rooms, flat
+    torch.set_num_threads(1)
+    pool = KVPool(pool_pages, PAGE_SIZE, LAYERS, KV_HEADS, HEAD_DIM, dtype=torch.float32)
+    # write every page: untouched (lazily mapped) destination pages would charge page faults to
+    # whichever transfer touches them first
+    gen = torch.Generator().manual_seed(1)
+    for b in pool.buffers():
+        if role == "prefill":
+            b.normal_(generator=gen)
+        else:
+            b.fill_(0.5)
+    meta = MetadataBuffers(8)
+    mgr = KVManager(KVArgs.from_pool(pool, meta, model=MODEL), role, backend, host="127.0.0.1",
+                    bootstrap_addr=bootstrap_addr)
+    return mgr, pool, meta
 
 
-def _plan(tokens_list: list[int], repeats: int, pool_pages: int) -> list[dict]:
-    rng = random.Random(1234)
+def _plan(tokens_list: list[int], repeats: int, pool_pages: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
     jobs = []
     for tokens in tokens_list:
         n = -(-tokens // PAGE_SIZE)
         for rep in range(repeats + 1):  # the first run of each size warms connections and is not timed
             jobs.append({"tokens": tokens, "timed": rep > 0, "room": 10_000 + len(jobs),
-                         "src": fragmented_pages(n, pool_pages, rng), "dst": fragmented_pages(n, pool_pages, rng)})
+                         "src": fragmented_pages(n, pool_pages, rng), "dst": fragmented_pages(n, pool_pages, rng),
+                         "raw_start": rng.randint(1, pool_pages - n)})
     return jobs
 
 
-def _decode_main(backend, addr, jobs, pool_pages, contiguous_bytes, to_prefill, out) -> None:
+def _decode_main(backend, addr, jobs, pool_pages, to_prefill, out) -> None:
     from transfer.base import KVPoll
-    from transfer.manager import KVReceiver
+    from transfer.manager import KVReceiver, peer_registration
 
-    mgr, bufs, rooms, flat = _build("decode", backend, pool_pages, None, contiguous_bytes)
-    to_prefill.put((mgr.engine.describe(), flat.ctypes.data, [b.ctypes.data for b in bufs]))
+    mgr, pool, meta = _build("decode", backend, pool_pages, None)
+    to_prefill.put((peer_registration(mgr.args, "bench", mgr.engine.describe()), pool.data.data_ptr()))
     ok = True
     for job in jobs:
         recv = KVReceiver(mgr, addr, job["room"])
@@ -103,25 +114,19 @@ def _decode_main(backend, addr, jobs, pool_pages, contiguous_bytes, to_prefill, 
     mgr.close()
 
 
-def _prefill_main(backend, addr, jobs, pool_pages, contiguous_bytes, from_decode, out) -> None:
+def _prefill_main(backend, addr, jobs, pool_pages, from_decode, out) -> None:
     from transfer.base import KVPoll
-    from transfer.control import RegisterPeer
     from transfer.manager import KVSender, _PairPlan
 
-    mgr, bufs, rooms, flat = _build("prefill", backend, pool_pages, addr, contiguous_bytes)
-    desc, dst_flat, dst_bufs = from_decode.get(timeout=600)
-    peer = mgr.engine.add_peer(desc)
-    a = mgr.args
-    reg = RegisterPeer(src="bench", engine_desc=desc, tp_rank=0, tp_size=1, kv_head_num=KV_HEADS,
-                       total_kv_heads=KV_HEADS, start_layer=0, kv_ptrs=dst_bufs, kv_item_lens=a.kv_item_lens,
-                       aux_ptrs=[0], aux_item_lens=a.aux_item_lens, state_ptrs=[], state_item_lens=[],
-                       state_dims=[], page_size=PAGE_SIZE, model=MODEL)
-    plan = _PairPlan(a, reg)  # the same region planning the sender uses, for the bare-engine figure
+    mgr, pool, meta = _build("prefill", backend, pool_pages, addr)
+    reg, dst_pool = from_decode.get(timeout=600)
+    peer = mgr.engine.add_peer(reg.engine_desc)
+    plan = _PairPlan(mgr.args, reg)  # the same region planning the sender uses, for the bare-engine figure
     results = []
     for job in jobs:
         n_pages = len(job["src"])
         nbytes = n_pages * page_bytes() * 2 * LAYERS
-        rooms[0, 0] = job["room"]
+        meta.set_buf(0, first_token_id=1, room=job["room"])
         sender = KVSender(mgr, job["room"])
         sender.init(n_pages, 0)
         while sender.poll() == KVPoll.Bootstrapping:
@@ -141,7 +146,8 @@ def _prefill_main(backend, addr, jobs, pool_pages, contiguous_bytes, from_decode
         mgr.engine.write(peer, src, dst, lens)
         t_engine = time.perf_counter() - t0
         t0 = time.perf_counter()
-        mgr.engine.write(peer, [flat.ctypes.data], [dst_flat], [nbytes])
+        k = job["raw_start"]
+        mgr.engine.write(peer, [pool.data[k].data_ptr()], [dst_pool + k * pool.page_stride], [nbytes])
         t_raw = time.perf_counter() - t0
         if job["timed"]:
             results.append({"tokens": job["tokens"], "bytes": nbytes, "regions": len(lens), "pagelist_s": t_pagelist,
@@ -150,19 +156,19 @@ def _prefill_main(backend, addr, jobs, pool_pages, contiguous_bytes, from_decode
     mgr.close()
 
 
-def run_backend(backend: str, tokens_list: list[int], repeats: int) -> dict:
+def _run_round(backend: str, tokens_list: list[int], repeats: int, seed: int) -> list[dict]:
+    """One prefill and one decode process; the timed rows of every repeat."""
     from transfer.bootstrap import BootstrapServer
 
     pool_pages = max(-(-t // PAGE_SIZE) for t in tokens_list) + 64
-    contiguous_bytes = max(-(-t // PAGE_SIZE) for t in tokens_list) * page_bytes() * 2 * LAYERS
-    jobs = _plan(tokens_list, repeats, pool_pages)
+    jobs = _plan(tokens_list, repeats, pool_pages, seed)
     server = BootstrapServer("127.0.0.1", 0)
     server.start()
     addr = f"127.0.0.1:{server.port}"
     ctx = mp.get_context("spawn")
     link, out = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_prefill_main, args=(backend, addr, jobs, pool_pages, contiguous_bytes, link, out)),
-             ctx.Process(target=_decode_main, args=(backend, addr, jobs, pool_pages, contiguous_bytes, link, out))]
+    procs = [ctx.Process(target=_prefill_main, args=(backend, addr, jobs, pool_pages, link, out)),
+             ctx.Process(target=_decode_main, args=(backend, addr, jobs, pool_pages, link, out))]
     try:
         for p in procs:
             p.start()
@@ -191,12 +197,17 @@ def run_backend(backend: str, tokens_list: list[int], repeats: int) -> dict:
             if p.is_alive():
                 p.kill()
         server.stop()
+    return prefill["results"]
+
+
+def run_backend(backend: str, tokens_list: list[int], repeats: int, rounds: int) -> dict:
+    results = [row for i in range(rounds) for row in _run_round(backend, tokens_list, repeats, 1234 + i)]
     figures = {}
     for tokens in tokens_list:
-        rows = [r for r in prefill["results"] if r["tokens"] == tokens]
+        rows = [r for r in results if r["tokens"] == tokens]
         nbytes = rows[0]["bytes"]
         figures[str(tokens)] = {
-            "bytes": nbytes, "regions": rows[0]["regions"],
+            "bytes": nbytes, "regions": statistics.median_low(r["regions"] for r in rows),
             "pagelist_gbps": nbytes / statistics.median(r["pagelist_s"] for r in rows) / 1e9,
             "engine_pagelist_gbps": nbytes / statistics.median(r["engine_pagelist_s"] for r in rows) / 1e9,
             "raw_gbps": nbytes / statistics.median(r["raw_s"] for r in rows) / 1e9,
@@ -228,7 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="mooncake, nixl, ucx (repeatable) or 'all' (default: all)")
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=7, help="timed transfers per size and round")
+    ap.add_argument("--rounds", type=int, default=3, help="fresh process pairs per backend")
     args = ap.parse_args(argv)
     names = args.backend or ["all"]
     backends = list(REAL_BACKENDS) if "all" in names else names
@@ -243,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
         figures["memcpy_gbps"][str(tokens)] = memcpy_gbps(nbytes, args.repeats)
     for backend in backends:
         try:
-            figs = run_backend(backend, args.tokens, args.repeats)
+            figs = run_backend(backend, args.tokens, args.repeats, args.rounds)
         except Exception as e:
             print(f"{backend}: {e}", file=sys.stderr)
             figures["backends"][backend] = {"error": str(e)}

@@ -116,8 +116,12 @@ class KVArgs:
     """Everything the transfer layer needs to know about one rank's buffers and place.
 
     KV buffers: `kv_data_ptrs` lists K of each local layer, then V of each local layer; each buffer
-    is `[num_pages, kv_head_num, page_size, head_dim]` contiguous, so `kv_item_lens[i]` is the bytes
-    of one page and `kv_item_lens[i] // kv_head_num` of one head within a page.
+    is `[num_pages, kv_head_num, page_size, head_dim]` with every page contiguous, so
+    `kv_item_lens[i]` is the bytes of one page and `kv_item_lens[i] // kv_head_num` of one head within
+    a page. Page p of buffer i starts at `kv_data_ptrs[i] + p * kv_item_strides[i]`; the strides
+    default to the item lengths (separate contiguous buffers). In the page-first pool the stride is
+    a page of all layers' K and V, so the buffers interleave and `kv_data_lens[i]` (the span of
+    buffer i) overlap; registration takes the union of the spans.
     Aux buffers hold the per-request metadata rows (`aux_item_lens[i]` bytes a row); the row of
     `aux_room_index` starts with the int64 bootstrap room, which the receiver checks.
     State buffers (hybrid models) hold one item per state slot (`state_item_lens[i]` bytes); the
@@ -129,6 +133,7 @@ class KVArgs:
     kv_item_lens: list[int]
     kv_head_num: int
     page_size: int
+    kv_item_strides: list[int] = field(default_factory=list)  # empty: equal to kv_item_lens
     aux_data_ptrs: list[int] = field(default_factory=list)
     aux_data_lens: list[int] = field(default_factory=list)
     aux_item_lens: list[int] = field(default_factory=list)
@@ -156,6 +161,12 @@ class KVArgs:
             raise ValueError("kv_data_ptrs must list K then V buffers of each layer")
         if not (len(self.kv_data_ptrs) == len(self.kv_data_lens) == len(self.kv_item_lens)):
             raise ValueError("kv_data_ptrs, kv_data_lens and kv_item_lens must have equal length")
+        if not self.kv_item_strides:
+            self.kv_item_strides = list(self.kv_item_lens)
+        if len(self.kv_item_strides) != len(self.kv_item_lens):
+            raise ValueError("kv_item_strides must give one stride per kv buffer")
+        if any(st < n for st, n in zip(self.kv_item_strides, self.kv_item_lens, strict=True)):
+            raise ValueError("kv_item_strides must not be smaller than kv_item_lens (pages would overlap)")
         if not (len(self.aux_data_ptrs) == len(self.aux_data_lens) == len(self.aux_item_lens)):
             raise ValueError("aux_data_ptrs, aux_data_lens and aux_item_lens must have equal length")
         n_state = len(self.state_data_ptrs)
@@ -188,6 +199,9 @@ class KVArgs:
         `rank` takes the remaining fields: engine_rank, tp_size, dp_rank, dp_size, pp_rank, pp_size,
         start_layer, model (and total_kv_heads if the pool's heads are not total / tp_size)."""
         bufs = kv_pool.buffers()
+        if any(not b[0].is_contiguous() for b in bufs):
+            raise ValueError("each page of a kv buffer must be contiguous")
+        strides = [b.stride(0) * b.element_size() for b in bufs]  # the pool's page_stride
         aux = metadata.buffers() if metadata is not None else []
         states = list(state_buffers or [])
         for t in states:
@@ -198,10 +212,11 @@ class KVArgs:
             raise ValueError("state buffers given with state_type 'none'")
         return cls(
             kv_data_ptrs=[b.data_ptr() for b in bufs],
-            kv_data_lens=[b.numel() * b.element_size() for b in bufs],
+            kv_data_lens=[(b.shape[0] - 1) * st + kv_pool.page_bytes for b, st in zip(bufs, strides, strict=True)],
             kv_item_lens=[kv_pool.page_bytes] * len(bufs),
             kv_head_num=kv_pool.kv_heads,
             page_size=kv_pool.page_size,
+            kv_item_strides=strides,
             aux_data_ptrs=[a[0] for a in aux],
             aux_data_lens=[a[1] for a in aux],
             aux_item_lens=[a[2] for a in aux],

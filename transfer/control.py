@@ -6,8 +6,9 @@ PULL socket, which every message carries in `src`. Messages are msgspec structs 
 with a type tag:
 
 * decode -> prefill: `RegisterPeer` (once per prefill rank: the decode rank's engine description,
-  buffer addresses, item sizes, TP place), then `TransferInfo` per room (destination pages,
-  metadata slot, state slots, expected page count), `Abort` when the decode side gives a room up.
+  buffer addresses, item sizes and strides, TP place), then `TransferInfo` per room (destination
+  pages, metadata slot, state slots, expected page count), `Abort` when the decode side gives a room
+  up.
 * prefill -> decode: `Status` per room (`ok` = Success, or Failed with a reason).
 * both ways: `Ping` / `Pong` heartbeats.
 
@@ -41,6 +42,7 @@ class RegisterPeer(msgspec.Struct, tag="register"):
     start_layer: int
     kv_ptrs: list[int]
     kv_item_lens: list[int]
+    kv_item_strides: list[int]  # bytes from a page of a kv buffer to the next page of that buffer
     aux_ptrs: list[int]
     aux_item_lens: list[int]
     state_ptrs: list[int]

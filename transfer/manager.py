@@ -15,10 +15,13 @@ layers at their `start_layer`; the decode side runs pp 1.
 
 Chunks. `send()` takes the next pages of the request (full pages before the last chunk; the last
 adds the partial page, the state slots and the metadata row) and enqueues a job on the manager's
-worker threads; a job turns the pages into regions — contiguous source pages that land on contiguous
-destination pages are one region when whole pages move — and issues one engine `write()` per decode
-rank covering all layers, K and V. When the last chunk and all earlier ones are done, the sender
-reports Success to the decode ranks; the receiver then checks the metadata row's room.
+worker threads; a job turns the pages into regions and issues one engine `write()` per decode rank
+covering all layers, K and V. Regions are (page or head slice of a page) x (buffer), placed by each
+side's page stride, then every region that continues the previous one on both sides is merged into
+it: runs of pages merge in a per-layer layout, and in the page-first pool all layers' K and V of a
+run of pages become one region (head slices of M:N TP stay apart, being not adjacent). When the last
+chunk and all earlier ones are done, the sender reports Success to the decode ranks; the receiver
+then checks the metadata row's room.
 
 States. Sender: Bootstrapping (waiting for TransferInfo of every overlapping decode rank) ->
 WaitingForInput (ready, more chunks expected) -> Transferring (last chunk queued) -> Success.
@@ -75,28 +78,63 @@ def _ranks_overlapping(lo: int, hi: int, total: int, tp: int) -> list[int]:
     return [r for r in range(tp) if r * per < hi and (r + 1) * per > lo]
 
 
-def _regions(src_base: np.ndarray, dst_base: np.ndarray, src_item: np.ndarray, dst_item: np.ndarray,
-             s: np.ndarray, t: np.ndarray, src_off: int, dst_off: int, length: int):
-    """Regions moving item s[i] -> t[i] of every buffer (bases are per-buffer arrays).
+def _union(ptrs: list[int], lens: list[int]) -> list[tuple[int, int]]:
+    """(ptr, len) of the union of the [ptr, ptr+len) ranges: overlapping or touching ones merged."""
+    out: list[tuple[int, int]] = []
+    for p, n in sorted((p, n) for p, n in zip(ptrs, lens, strict=True) if n):
+        if out and p <= out[-1][0] + out[-1][1]:
+            q, m = out[-1]
+            out[-1] = (q, max(m, p + n - q))
+        else:
+            out.append((p, n))
+    return out
 
-    When whole items move (offsets 0, length == item size on both sides), runs of consecutive
-    source items landing on consecutive destination items become one region."""
-    if s.size == 0 or src_base.size == 0:
+
+def _merge(src: np.ndarray, dst: np.ndarray, lens: np.ndarray):
+    """Sort regions by source address and merge each into the previous one when it starts where
+    the previous one ends on the source side and on the destination side; returns lists."""
+    order = np.argsort(src, kind="stable")
+    src, dst, lens = src[order], dst[order], lens[order]
+    joined = (src[:-1] + lens[:-1] == src[1:]) & (dst[:-1] + lens[:-1] == dst[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+    return src[starts].tolist(), dst[starts].tolist(), np.add.reduceat(lens, starts).tolist()
+
+
+def _regions(src_base: np.ndarray, dst_base: np.ndarray, src_stride: np.ndarray, dst_stride: np.ndarray,
+             s: np.ndarray, t: np.ndarray, src_off: int, dst_off: int, length):
+    """Merged regions moving bytes [off, off + length) of item s[i] -> t[i] of every buffer b, where
+    item k of buffer b starts at base[b] + k * stride[b] (bases, strides and optionally length are
+    per-buffer arrays)."""
+    length = np.broadcast_to(np.asarray(length, dtype=np.int64), src_base.shape)
+    if s.size == 0 or src_base.size == 0 or (length <= 0).any():
         return [], [], []
-    whole = src_off == 0 and dst_off == 0 and bool(np.all(src_item == length)) and bool(np.all(dst_item == length))
-    if whole:
-        brk = np.flatnonzero((np.diff(s) != 1) | (np.diff(t) != 1)) + 1
-        starts = np.concatenate(([0], brk))
-        runs = np.diff(np.concatenate((starts, [s.size])))
-        s0, t0 = s[starts], t[starts]
-        src = src_base[:, None] + s0[None, :] * src_item[:, None]
-        dst = dst_base[:, None] + t0[None, :] * dst_item[:, None]
-        lens = runs[None, :] * src_item[:, None]
-    else:
-        src = src_base[:, None] + s[None, :] * src_item[:, None] + src_off
-        dst = dst_base[:, None] + t[None, :] * dst_item[:, None] + dst_off
-        lens = np.full(src.shape, length, dtype=np.int64)
-    return src.ravel().tolist(), dst.ravel().tolist(), lens.ravel().tolist()
+    src = (src_base[:, None] + s[None, :] * src_stride[:, None] + src_off).ravel()
+    dst = (dst_base[:, None] + t[None, :] * dst_stride[:, None] + dst_off).ravel()
+    return _merge(src, dst, np.repeat(length, s.size))
+
+
+def _fuse_buffers(src_base: np.ndarray, dst_base: np.ndarray, src_stride: np.ndarray, dst_stride: np.ndarray,
+                  length: int):
+    """Buffers whose items sit back to back on both sides for every item index (the next buffer starts
+    `length` after this one on both sides, with the same strides) fused into one wider buffer: the
+    merge `_regions` would do for every page, done once per peer (page-first pool: 60 buffers -> 1).
+    Returns the fused bases, strides and per-buffer lengths, in source order."""
+    o = np.argsort(src_base, kind="stable")
+    sb, db, ss, ds = src_base[o], dst_base[o], src_stride[o], dst_stride[o]
+    follows = ((sb[:-1] + length == sb[1:]) & (db[:-1] + length == db[1:])
+               & (ss[:-1] == ss[1:]) & (ds[:-1] == ds[1:]))
+    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+    return sb[starts], db[starts], ss[starts], ds[starts], np.diff(np.append(starts, sb.size)) * length
+
+
+def peer_registration(a: KVArgs, src: str, engine_desc: bytes) -> RegisterPeer:
+    """The `RegisterPeer` a decode rank with buffers `a` sends to a prefill rank."""
+    return RegisterPeer(
+        src=src, engine_desc=engine_desc, tp_rank=a.engine_rank, tp_size=a.tp_size, kv_head_num=a.kv_head_num,
+        total_kv_heads=a.total_kv_heads, start_layer=a.start_layer, kv_ptrs=a.kv_data_ptrs,
+        kv_item_lens=a.kv_item_lens, kv_item_strides=a.kv_item_strides, aux_ptrs=a.aux_data_ptrs,
+        aux_item_lens=a.aux_item_lens, state_ptrs=a.state_data_ptrs, state_item_lens=a.state_item_lens,
+        state_dims=a.state_dim_per_tensor, page_size=a.page_size, model=a.model)
 
 
 class _PairPlan:
@@ -114,11 +152,11 @@ class _PairPlan:
         n_dst = len(reg.kv_ptrs) // 2
         layers = [args.start_layer + i for i in range(n_src)]
         dst_idx = layers + [n_dst + j for j in layers]
-        self.kv_src_base = np.array(args.kv_data_ptrs, dtype=np.int64)
-        self.kv_dst_base = np.array([reg.kv_ptrs[j] for j in dst_idx], dtype=np.int64)
-        self.kv_src_item = np.array(args.kv_item_lens, dtype=np.int64)
-        self.kv_dst_item = np.array([reg.kv_item_lens[j] for j in dst_idx], dtype=np.int64)
-        # state buffers: slice of the leading dimension, per buffer
+        self.kv = _fuse_buffers(np.array(args.kv_data_ptrs, dtype=np.int64),
+                                np.array([reg.kv_ptrs[j] for j in dst_idx], dtype=np.int64),
+                                np.array(args.kv_item_strides, dtype=np.int64),
+                                np.array([reg.kv_item_strides[j] for j in dst_idx], dtype=np.int64), self.kv_len)
+        # state buffers: slice of the leading dimension, per buffer (contiguous: stride = item)
         self.state = []
         for j, ptr in enumerate(args.state_data_ptrs):
             ds, dd = args.state_dim_per_tensor[j], reg.state_dims[j]
@@ -132,14 +170,12 @@ class _PairPlan:
         self.aux = list(zip(args.aux_data_ptrs, args.aux_item_lens, reg.aux_ptrs, reg.aux_item_lens, strict=True))
 
     def kv_regions(self, src_pages: np.ndarray, dst_pages: np.ndarray):
-        return _regions(self.kv_src_base, self.kv_dst_base, self.kv_src_item, self.kv_dst_item,
-                        src_pages, dst_pages, self.kv_src_off, self.kv_dst_off, self.kv_len)
+        sb, db, ss, ds, lens = self.kv
+        return _regions(sb, db, ss, ds, src_pages, dst_pages, self.kv_src_off, self.kv_dst_off, lens)
 
     def state_regions(self, src_idx: np.ndarray, dst_idx: np.ndarray):
         src, dst, lens = [], [], []
         for sb, db, si, di, so, do, ln in self.state:
-            if ln <= 0:
-                continue
             a, b, c = _regions(sb, db, si, di, src_idx, dst_idx, so, do, ln)
             src += a
             dst += b
@@ -231,10 +267,10 @@ class KVManager(BaseKVManager):
         self.host = host
         self.engine = backend if isinstance(backend, TransferEngine) else create_engine(backend, host, self.settings)
         self.moves_bytes = getattr(self.engine, "moves_bytes", True)
-        for ptr, n in zip(args.kv_data_ptrs + args.aux_data_ptrs + args.state_data_ptrs,
-                          args.kv_data_lens + args.aux_data_lens + args.state_data_lens, strict=True):
-            if n:
-                self.engine.register(ptr, n)
+        # page-first kv buffers interleave: one registration covers the whole pool
+        for ptr, n in _union(args.kv_data_ptrs + args.aux_data_ptrs + args.state_data_ptrs,
+                             args.kv_data_lens + args.aux_data_lens + args.state_data_lens):
+            self.engine.register(ptr, n)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=self.settings.num_workers, thread_name_prefix=f"kv-{role}")
@@ -340,6 +376,8 @@ class KVManager(BaseKVManager):
             return f"kv head count mismatch: prefill {a.total_kv_heads}, decode {reg.total_kv_heads}"
         if reg.total_kv_heads % reg.tp_size:
             return f"{reg.total_kv_heads} kv heads cannot be split over decode tp {reg.tp_size}"
+        if len(reg.kv_item_strides) != len(reg.kv_ptrs) or len(reg.kv_item_lens) != len(reg.kv_ptrs):
+            return "decode kv buffer description is inconsistent (pointers, item lengths, strides)"
         if reg.kv_item_lens[0] // reg.kv_head_num != a.head_bytes:
             return f"head bytes mismatch: prefill {a.head_bytes}, decode {reg.kv_item_lens[0] // reg.kv_head_num}"
         if len(reg.kv_ptrs) // 2 < a.start_layer + a.num_layers:
@@ -684,12 +722,7 @@ class KVManager(BaseKVManager):
         pages, meta, states = rr.params
         for t in rr.targets:
             if t.addr not in self._registered_with:
-                reg = RegisterPeer(
-                    src=self.address, engine_desc=self.engine.describe(), tp_rank=a.engine_rank, tp_size=a.tp_size,
-                    kv_head_num=a.kv_head_num, total_kv_heads=a.total_kv_heads, start_layer=a.start_layer,
-                    kv_ptrs=a.kv_data_ptrs, kv_item_lens=a.kv_item_lens, aux_ptrs=a.aux_data_ptrs,
-                    aux_item_lens=a.aux_item_lens, state_ptrs=a.state_data_ptrs, state_item_lens=a.state_item_lens,
-                    state_dims=a.state_dim_per_tensor, page_size=a.page_size, model=a.model)
+                reg = peer_registration(a, self.address, self.engine.describe())
                 if not self.control.send(t.addr, reg):
                     self._fail_recv(rr, f"cannot reach prefill rank tp {t.tp_rank} at {t.addr}")
                     return

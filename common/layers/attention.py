@@ -4,10 +4,14 @@ Call `init_forward_metadata(fb)` once per batch (the Llama model's forward does 
 `fb.attn_metadata` is None); it builds every gather index and mask the layers need, so each layer
 only writes its new K/V and runs one gather + one SDPA (decode), or one per request (extend).
 
-KV buffers are `[num_pages, kv_heads, page_size, head_dim]`; viewed flat as
-`[num_pages * kv_heads * page_size, head_dim]`, token slot `s` of head `h` is row
-`((s // page_size) * kv_heads + h) * page_size + s % page_size`. A gather with `[B, kv_heads, L]`
-such rows yields K directly in the `[B, kv_heads, L, head_dim]` layout attention wants.
+The KV pool (`common/memory/kv_pool.py`) is read and written through its flat `[rows, head_dim]`
+view: metadata holds the rows of the first layer's K for every token and KV head, `[B, kv_heads, L]`
+for decode, so one gather per layer (rows + the layer's offset, K and V together) yields K and V
+directly in the `[B, kv_heads, L, head_dim]` layout attention wants.
+
+Decode runs the native kernel (`paged_attention.c` via `common/layers/native.py`) when it could be
+built: it reads each request's K and V rows in place, without the gather copy, one (request, KV
+head) per OpenMP task. Otherwise, and for every extend, the torch path below runs.
 
 GQA: query head `h` uses KV head `h // group`. Decode reshapes queries to `[kv_heads, group, ...]`;
 extend uses SDPA with `enable_gqa=True` (same grouping), so K/V are never repeated.
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from common.forward_batch import ForwardBatch, ForwardMode
+from common.layers.native import paged_decode_attention
 
 
 @dataclass
@@ -31,7 +36,7 @@ class _ExtendItem:
     start: int  # first row of this request's new tokens in the batch
     n: int  # new tokens
     prefix: int  # cached tokens before them
-    kv_index: torch.Tensor | None  # [kv_heads * (prefix + n)] flat rows, None when prefix == 0
+    kv_index: torch.Tensor | None  # [2 * kv_heads * (prefix + n)] flat K then V rows, None when prefix == 0
     mask: torch.Tensor | None  # [n, prefix + n] bool (True = attend), only with a prefix and n > 1
     causal: bool  # no prefix and n > 1: plain causal attention over the new tokens
 
@@ -39,9 +44,11 @@ class _ExtendItem:
 @dataclass
 class TorchAttentionMetadata:
     mode: ForwardMode
-    write_rows: torch.Tensor | None = None  # [T * kv_heads] flat rows of the new tokens' K/V
+    write_rows: torch.Tensor | None = None  # [T * kv_heads] flat rows of the new tokens (first layer's K)
     # decode
-    kv_index: torch.Tensor | None = None  # [B * kv_heads * Lmax] flat rows
+    kv_index: torch.Tensor | None = None  # [2 * B * kv_heads * Lmax] flat rows: K, then V (first layer)
+    rows: torch.Tensor | None = None  # [B, kv_heads, Lmax] first layer's K rows, for the native kernel
+    lens: torch.Tensor | None = None  # [B] tokens each request attends to (native kernel)
     max_len: int = 0
     mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] additive (0 / -inf), None when all have Lmax tokens
     # extend
@@ -57,30 +64,27 @@ class TorchAttentionBackend:
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scaling = head_dim ** -0.5 if scaling is None else scaling
-        self._head_offsets = torch.arange(num_kv_heads, dtype=torch.int64)
+        self.native = paged_decode_attention()
 
     # ------------------------------------------------------------------ metadata
-    def _flat_rows(self, slots: torch.Tensor, page_size: int) -> torch.Tensor:
-        """Flat buffer rows of `slots` `[..., L]` for every KV head: `[..., kv_heads, L]`."""
-        pages = (slots // page_size).unsqueeze(-2)
-        offs = (slots % page_size).unsqueeze(-2)
-        heads = self._head_offsets.view(-1, 1)
-        return (pages * self.num_kv_heads + heads) * page_size + offs
-
     def init_forward_metadata(self, fb: ForwardBatch) -> TorchAttentionMetadata:
-        ps = fb.kv_pool.page_size
-        write_rows = fb.kv_pool.flat_rows(fb.out_cache_loc) if hasattr(fb.kv_pool, "flat_rows") else None
+        pool = fb.kv_pool
+        write_rows = pool.flat_rows(fb.out_cache_loc)
         if fb.mode == ForwardMode.DECODE:
             lens = torch.tensor(fb.seq_lens, dtype=torch.int64)
             lmax = int(max(fb.seq_lens))
             slots = fb.req_to_token[fb.req_pool_indices, :lmax]
             md = TorchAttentionMetadata(mode=fb.mode, max_len=lmax)
-            if int(lens.min()) < lmax:
-                valid = torch.arange(lmax, dtype=torch.int64).unsqueeze(0) < lens.unsqueeze(1)
-                slots = slots.masked_fill(~valid, 0)  # padding slot
-                bias = torch.zeros(valid.shape, dtype=fb.kv_pool.dtype).masked_fill_(~valid, float("-inf"))
-                md.mask = bias.view(len(fb.seq_lens), 1, 1, lmax)
-            md.kv_index = self._flat_rows(slots, ps).reshape(-1)
+            if self.native is not None and pool.dtype == torch.float32:
+                md.rows = pool.token_rows(slots).contiguous()  # rows past a request's length are not read
+                md.lens = lens
+            else:
+                if int(lens.min()) < lmax:
+                    valid = torch.arange(lmax, dtype=torch.int64).unsqueeze(0) < lens.unsqueeze(1)
+                    slots = slots.masked_fill(~valid, 0)  # padding slot
+                    bias = torch.zeros(valid.shape, dtype=pool.dtype).masked_fill_(~valid, float("-inf"))
+                    md.mask = bias.view(len(fb.seq_lens), 1, 1, lmax)
+                md.kv_index = pool.kv_rows(pool.token_rows(slots).reshape(-1))
         else:
             md = TorchAttentionMetadata(mode=fb.mode)
             start = 0
@@ -89,7 +93,7 @@ class TorchAttentionBackend:
                 s = p + n
                 kv_index = mask = None
                 if p > 0:
-                    kv_index = self._flat_rows(fb.req_to_token[row, :s], ps).reshape(-1)
+                    kv_index = pool.kv_rows(pool.token_rows(fb.req_to_token[row, :s]).reshape(-1))
                     if n > 1:
                         q_pos = torch.arange(p, s, dtype=torch.int64).unsqueeze(1)
                         mask = torch.arange(s, dtype=torch.int64).unsqueeze(0) <= q_pos
@@ -109,16 +113,14 @@ class TorchAttentionBackend:
         v = v.view(t, hkv, d)
         pool = fb.kv_pool
         md: TorchAttentionMetadata = fb.attn_metadata
-        if md.write_rows is None:
-            pool.set_kv(layer_id, fb.out_cache_loc, k, v)
-        else:
-            pool.set_kv_rows(layer_id, md.write_rows, k, v)
+        pool.set_kv_rows(layer_id, md.write_rows, k, v)
+        if md.rows is not None:
+            return self._native_decode(q, layer_id, pool, md)
         if md.mode == ForwardMode.DECODE:
-            k_flat = pool.k(layer_id).view(-1, d)
-            v_flat = pool.v(layer_id).view(-1, d)
             b = t
-            keys = k_flat.index_select(0, md.kv_index).view(b, hkv, md.max_len, d)
-            values = v_flat.index_select(0, md.kv_index).view(b, hkv, md.max_len, d)
+            keys, values = pool.gather_kv(layer_id, md.kv_index)
+            keys = keys.view(b, hkv, md.max_len, d)
+            values = values.view(b, hkv, md.max_len, d)
             # plain matmuls: torch's CPU flash kernel is slow for a handful of query rows
             scores = torch.matmul(q.view(b, hkv, g, d), keys.transpose(-1, -2))
             if md.mask is None:
@@ -130,7 +132,6 @@ class TorchAttentionBackend:
 
         h = hkv * g
         out = torch.empty(t, h * d, dtype=q.dtype)
-        k_flat = v_flat = None
         for it in md.items:
             n = it.n
             # [1, heads, n, D] / [1, kv_heads, s, D] views; SDPA's CPU flash kernel takes strides
@@ -139,14 +140,25 @@ class TorchAttentionBackend:
                 ki = k[it.start:it.start + n].transpose(0, 1).unsqueeze(0)
                 vi = v[it.start:it.start + n].transpose(0, 1).unsqueeze(0)
             else:
-                if k_flat is None:
-                    k_flat = pool.k(layer_id).view(-1, d)
-                    v_flat = pool.v(layer_id).view(-1, d)
                 s = it.prefix + n
-                ki = k_flat.index_select(0, it.kv_index).view(1, hkv, s, d)
-                vi = v_flat.index_select(0, it.kv_index).view(1, hkv, s, d)
+                ki, vi = pool.gather_kv(layer_id, it.kv_index)
+                ki = ki.view(1, hkv, s, d)
+                vi = vi.view(1, hkv, s, d)
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=it.mask, is_causal=it.causal,
                                                 scale=self.scaling, enable_gqa=g > 1)
             # [1, heads, n, D] -> [n, heads * D]
             out[it.start:it.start + n] = oi[0].transpose(0, 1).reshape(n, h * d)
+        return out
+
+    def _native_decode(self, q: torch.Tensor, layer_id: int, pool, md: TorchAttentionMetadata) -> torch.Tensor:
+        b = q.shape[0]
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        if q.stride(1) != 1:
+            q = q.contiguous()
+        out = torch.empty(b, hkv * g * d, dtype=q.dtype)
+        rc = self.native(q.data_ptr(), q.stride(0), pool.flat.data_ptr(), md.rows.data_ptr(), md.lens.data_ptr(),
+                         b, hkv, g, d, md.max_len, pool.layer_offset(layer_id), pool.v_offset, self.scaling,
+                         out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"native paged attention failed (group {g}, head_dim {d})")
         return out

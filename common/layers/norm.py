@@ -1,10 +1,15 @@
-"""RMSNorm, computed in float32 like the Hugging Face reference, with an optional fused residual add."""
+"""RMSNorm, computed in float32 like the Hugging Face reference, with an optional fused residual add.
+
+Float32 rows with a contiguous last dimension go through the native kernel (`rms_norm.c`: add,
+norm and scale in one pass); anything else through `F.rms_norm`."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from common.layers.native import add_rms_norm
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -21,9 +26,24 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader
         self.variance_epsilon = eps
         self.normalized_shape = (hidden_size,)
+        self.native = add_rms_norm()
+
+    def _native_ok(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return (self.native is not None and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1
+                and (residual is None or (residual.dtype == torch.float32 and residual.stride(1) == 1))
+                and self.weight.dtype == torch.float32)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """`norm(x)`; with `residual`: `(norm(x + residual), x + residual)`."""
+        if self._native_ok(x, residual):
+            rows, n = x.shape
+            out = torch.empty(rows, n, dtype=x.dtype)
+            res_out = None if residual is None else torch.empty(rows, n, dtype=x.dtype)
+            self.native(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                        0 if residual is None else residual.stride(0),
+                        None if res_out is None else res_out.data_ptr(), self.weight.data_ptr(), out.data_ptr(),
+                        rows, n, self.variance_epsilon)
+            return out if residual is None else (out, res_out)
         if residual is not None:
             x = x + residual
             residual = x

@@ -10,6 +10,10 @@ import math
 
 import torch
 
+from common.layers.native import rotary_apply
+
+_native_rotary = rotary_apply()
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -62,8 +66,16 @@ class RotaryEmbedding:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate `x` `[T, heads, head_dim]` (any strides) into a new contiguous tensor."""
+        """Rotate `x` `[T, heads, head_dim]` (any strides) into a new contiguous tensor. The native
+        kernel (`rotary.c`) takes float32 with heads packed within a token."""
         half = x.shape[-1] // 2
+        if (_native_rotary is not None and x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1
+                and x.stride(1) == x.shape[2] and cos.dtype == torch.float32 and cos.is_contiguous()
+                and sin.is_contiguous() and cos.shape[-1] == half and cos.shape[0] == x.shape[0]):
+            t, heads, d = x.shape
+            out = torch.empty(t, heads, d, dtype=x.dtype)
+            _native_rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, heads, d)
+            return out
         x1 = x[..., :half]
         x2 = x[..., half:]
         out = torch.empty(x.shape, dtype=x.dtype)

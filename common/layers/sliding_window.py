@@ -68,7 +68,7 @@ class SlidingWindowAttentionBackend(TorchAttentionBackend):
         return md
 
     def _window_metadata(self, fb: ForwardBatch) -> WindowMetadata:
-        ps = fb.kv_pool.page_size
+        pool = fb.kv_pool
         w = self.window
         dtype = fb.kv_pool.dtype
         if fb.mode == ForwardMode.DECODE:
@@ -82,7 +82,7 @@ class SlidingWindowAttentionBackend(TorchAttentionBackend):
             md = WindowMetadata(mode=fb.mode, width=width)
             if not bool(valid.all()):
                 md.bias = _additive(valid, dtype).view(len(fb.seq_lens), 1, 1, width)
-            md.kv_index = self._flat_rows(slots, ps).reshape(-1)
+            md.kv_index = pool.kv_rows(pool.token_rows(slots).reshape(-1))
             return md
         md = WindowMetadata(mode=fb.mode)
         start = 0
@@ -93,7 +93,7 @@ class SlidingWindowAttentionBackend(TorchAttentionBackend):
             lo = max(0, p - w + 1)  # oldest key that the first new query sees
             kv_index = bias = None
             if p > 0:
-                kv_index = self._flat_rows(fb.req_to_token[row, lo:s], ps).reshape(-1)
+                kv_index = pool.kv_rows(pool.token_rows(fb.req_to_token[row, lo:s]).reshape(-1))
             q_pos = torch.arange(p, s, dtype=torch.int64).repeat(g).unsqueeze(1)
             k_pos = torch.arange(lo, s, dtype=torch.int64).unsqueeze(0)
             allowed = (k_pos <= q_pos) & (k_pos > q_pos - w)
@@ -123,11 +123,10 @@ class SlidingWindowAttentionBackend(TorchAttentionBackend):
         v = v.view(t, hkv, d)
         pool = fb.kv_pool
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
-        k_flat = pool.k(layer_id).view(-1, d)
-        v_flat = pool.v(layer_id).view(-1, d)
         if md.mode == ForwardMode.DECODE:
-            keys = k_flat.index_select(0, md.kv_index).view(t, hkv, md.width, d)
-            values = v_flat.index_select(0, md.kv_index).view(t, hkv, md.width, d)
+            keys, values = pool.gather_kv(layer_id, md.kv_index)
+            keys = keys.view(t, hkv, md.width, d)
+            values = values.view(t, hkv, md.width, d)
             scores = torch.matmul(q.view(t, hkv, g, d), keys.transpose(-1, -2)) * self.scaling
             if md.bias is not None:
                 scores = scores + md.bias
@@ -140,8 +139,9 @@ class SlidingWindowAttentionBackend(TorchAttentionBackend):
                 ki = k[it.start:it.start + n].transpose(0, 1)
                 vi = v[it.start:it.start + n].transpose(0, 1)
             else:
-                ki = k_flat.index_select(0, it.kv_index).view(hkv, it.keys, d)
-                vi = v_flat.index_select(0, it.kv_index).view(hkv, it.keys, d)
+                ki, vi = pool.gather_kv(layer_id, it.kv_index)
+                ki = ki.view(hkv, it.keys, d)
+                vi = vi.view(hkv, it.keys, d)
             scores = torch.bmm(qi, ki.transpose(1, 2)) * self.scaling
             if it.bias is not None:
                 scores = scores + it.bias

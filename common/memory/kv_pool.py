@@ -1,10 +1,16 @@
-"""The KV cache: per layer one K and one V buffer, laid out page-major then head-major.
+"""The KV cache: one allocation, laid out page-first, then K/V, then layer, then head.
 
-Each buffer has shape `[num_pages, kv_heads, page_size, head_dim]`, contiguous. So:
-* one page of one layer is one contiguous region (`page_bytes`), which transfer engines move as
-  a single descriptor, and runs of consecutive pages coalesce into one region;
-* within a page, the heads are contiguous too (`head_bytes` each), so a head slice of a page
-  (needed when prefill and decode use different TP sizes) is also one contiguous region.
+`data` has shape `[num_pages, 2, num_layers, kv_heads, page_size, head_dim]`, contiguous. So:
+* one page of every layer's K and V is one contiguous region (`page_stride` bytes), and a run of
+  consecutive pages is one region too: a transfer engine moves a request's KV as one descriptor per
+  page run instead of one per page run, layer and K/V;
+* one page of one layer's K (or V) is one contiguous region (`page_bytes`), and so is a head slice
+  of it (`head_bytes` each), which is what moves when prefill and decode use different TP sizes.
+
+The layer views `k(layer_id)` / `v(layer_id)` (`[num_pages, kv_heads, page_size, head_dim]`) are
+strided. Attention reads and writes through the flat view `[rows, head_dim]` of the whole pool:
+`token_rows(slots)` gives the rows of K of the first layer, and a layer's K / V rows are those plus
+`layer_offset(layer_id)` / plus `v_offset` more.
 """
 
 from __future__ import annotations
@@ -20,56 +26,77 @@ class KVPool:
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        # model layer id -> buffer index (hybrid models keep KV only for their attention layers)
+        # model layer id -> layer index in the pool (hybrid models keep KV only for their attention layers)
         self.layer_ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
         self._index = {lid: i for i, lid in enumerate(self.layer_ids)}
-        shape = (num_pages, kv_heads, page_size, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype) for _ in self.layer_ids]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype) for _ in self.layer_ids]
+        n = len(self.layer_ids)
+        self.data = torch.zeros((num_pages, 2, n, kv_heads, page_size, head_dim), dtype=dtype)
+        self.flat = self.data.view(-1, head_dim)
+        self.buffer_rows = kv_heads * page_size  # flat rows of one page of one layer's K
+        self.page_rows = 2 * n * self.buffer_rows  # flat rows of one page of the pool
+        self.v_offset = n * self.buffer_rows  # V rows of a layer are its K rows + this
 
     @property
     def head_bytes(self) -> int:
-        """Bytes of one head's slice of one page."""
-        return self.page_size * self.head_dim * self.k_buffers[0].element_size()
+        """Bytes of one head's slice of one page of one layer's K (or V)."""
+        return self.page_size * self.head_dim * self.data.element_size()
 
     @property
     def page_bytes(self) -> int:
+        """Bytes of one page of one layer's K (or V)."""
         return self.kv_heads * self.head_bytes
 
+    @property
+    def page_stride(self) -> int:
+        """Bytes from a page of a layer's K to the next page of it: one page of the whole pool."""
+        return 2 * len(self.layer_ids) * self.page_bytes
+
     def nbytes(self) -> int:
-        return 2 * len(self.layer_ids) * self.num_pages * self.page_bytes
+        return self.data.numel() * self.data.element_size()
 
     def k(self, layer_id: int) -> torch.Tensor:
-        return self.k_buffers[self._index[layer_id]]
+        return self.data[:, 0, self._index[layer_id]]
 
     def v(self, layer_id: int) -> torch.Tensor:
-        return self.v_buffers[self._index[layer_id]]
+        return self.data[:, 1, self._index[layer_id]]
+
+    def layer_offset(self, layer_id: int) -> int:
+        """Add to `token_rows` to get a layer's K rows."""
+        return self._index[layer_id] * self.buffer_rows
+
+    def token_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Flat rows of the first layer's K for `slots` `[..., L]`, every KV head: `[..., kv_heads, L]`."""
+        ps = self.page_size
+        pages = (slots // ps).unsqueeze(-2)
+        offs = (slots % ps).unsqueeze(-2)
+        heads = torch.arange(self.kv_heads, dtype=torch.int64).view(-1, 1) * ps
+        return pages * self.page_rows + heads + offs
+
+    def flat_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows `[n * kv_heads]` (`[n, kv_heads]` order) of `slots` `[n]`, first layer's K."""
+        return self.token_rows(slots.view(-1, 1)).reshape(-1)
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V ([n, kv_heads, head_dim]) into their slots."""
-        pages = slots // self.page_size
-        offs = slots % self.page_size
-        i = self._index[layer_id]
-        # advanced indices around a slice: the result is indexed [n, heads, dim]
-        self.k_buffers[i][pages, :, offs, :] = k.to(self.dtype)
-        self.v_buffers[i][pages, :, offs, :] = v.to(self.dtype)
+        self.set_kv_rows(layer_id, self.flat_rows(slots), k, v)
 
     def set_kv_rows(self, layer_id: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Fast path of `set_kv`: `rows` `[n * kv_heads]` are the flat buffer rows (see `flat_rows`)
-        of the new tokens' heads, in `[n, kv_heads]` order; k/v are `[n, kv_heads, head_dim]`."""
-        i = self._index[layer_id]
+        """`set_kv` with the slots' `flat_rows` computed once per batch; k/v are `[n, kv_heads, head_dim]`."""
         d = self.head_dim
-        self.k_buffers[i].view(-1, d).index_copy_(0, rows, k.reshape(-1, d).to(self.dtype))
-        self.v_buffers[i].view(-1, d).index_copy_(0, rows, v.reshape(-1, d).to(self.dtype))
+        rows = rows + self.layer_offset(layer_id)
+        self.flat.index_copy_(0, rows, k.reshape(-1, d).to(self.dtype))
+        self.flat.index_copy_(0, rows + self.v_offset, v.reshape(-1, d).to(self.dtype))
 
-    def flat_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """Rows `[n * kv_heads]` (`[n, kv_heads]` order) of `slots` `[n]` in a buffer viewed as
-        `[num_pages * kv_heads * page_size, head_dim]`."""
-        ps = self.page_size
-        heads = torch.arange(self.kv_heads, dtype=torch.int64)
-        rows = ((slots // ps).unsqueeze(1) * self.kv_heads + heads) * ps + (slots % ps).unsqueeze(1)
-        return rows.reshape(-1)
+    def kv_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """K rows then V rows of the first layer, for one `gather_kv` per layer."""
+        return torch.cat([rows, rows + self.v_offset])
+
+    def gather_kv(self, layer_id: int, kv_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One gather of a layer's K and V at `kv_rows` (`kv_rows(rows)`): two `[len(rows), head_dim]`."""
+        out = self.flat.index_select(0, kv_rows + self.layer_offset(layer_id))
+        return out.chunk(2)
 
     def buffers(self) -> list[torch.Tensor]:
-        """All buffers in a fixed order (K of each layer, then V of each layer), for registration."""
-        return self.k_buffers + self.v_buffers
+        """Every layer's K, then every layer's V (strided views; `page_stride` apart per page)."""
+        n = len(self.layer_ids)
+        return [self.data[:, 0, i] for i in range(n)] + [self.data[:, 1, i] for i in range(n)]

@@ -49,6 +49,28 @@ def global_state(seed: int):
     return torch.randn((s["state_slots"], s["state_dim"], s["state_inner"]), generator=g)
 
 
+class SplitPool:
+    """The layout before the page-first pool: a separate contiguous K and V tensor per layer, so a
+    page's stride is one page (`KVArgs.from_pool` gives the default strides). `spec["split"]` names
+    the side that uses it, to check that the two layouts exchange pages byte-exactly."""
+
+    def __init__(self, num_pages: int, page_size: int, num_layers: int, kv_heads: int, head_dim: int) -> None:
+        import torch
+
+        self.page_size, self.kv_heads, self.num_layers = page_size, kv_heads, num_layers
+        self._bufs = [torch.zeros((num_pages, kv_heads, page_size, head_dim)) for _ in range(2 * num_layers)]
+        self.page_bytes = self._bufs[0][0].numel() * self._bufs[0].element_size()
+
+    def k(self, layer: int):
+        return self._bufs[layer]
+
+    def v(self, layer: int):
+        return self._bufs[self.num_layers + layer]
+
+    def buffers(self) -> list:
+        return list(self._bufs)
+
+
 def _build(role: str, tp_rank: int, tp_size: int, spec: dict, bootstrap_addr: str | None, settings: dict):
     """(manager, pool, metadata, state) of one rank; `spec["light"]` builds numpy buffers instead of
     torch ones (no torch import: the kill tests spawn fresh processes) with no metadata object."""
@@ -81,7 +103,8 @@ def _build(role: str, tp_rank: int, tp_size: int, spec: dict, bootstrap_addr: st
     from transfer.metadata import MetadataBuffers
 
     torch.set_num_threads(1)
-    pool = KVPool(s["pages"], s["page_size"], s["layers"], heads, s["dim"])
+    kind = SplitPool if spec.get("split") == role else KVPool
+    pool = kind(s["pages"], s["page_size"], s["layers"], heads, s["dim"])
     meta = MetadataBuffers(s["meta_slots"], max_top_logprobs=5, hidden_size=8, spec_topk=2)
     sd = s["state_dim"] // tp_size
     state = torch.zeros((s["state_slots"], sd, s["state_inner"]))
@@ -89,8 +112,8 @@ def _build(role: str, tp_rank: int, tp_size: int, spec: dict, bootstrap_addr: st
         src = global_kv(spec["seed"])
         h0 = tp_rank * heads
         for layer in range(s["layers"]):
-            pool.k_buffers[layer].copy_(src[0, layer, :, h0:h0 + heads])
-            pool.v_buffers[layer].copy_(src[1, layer, :, h0:h0 + heads])
+            pool.k(layer).copy_(src[0, layer, :, h0:h0 + heads])
+            pool.v(layer).copy_(src[1, layer, :, h0:h0 + heads])
         state.copy_(global_state(spec["seed"])[:, tp_rank * sd:(tp_rank + 1) * sd])
     args = KVArgs.from_pool(pool, meta, [state], state_type="mamba", engine_rank=tp_rank, tp_size=tp_size,
                             model=spec.get("model", MODEL))
@@ -181,8 +204,7 @@ def _verify(spec: dict, tp_rank: int, tp_size: int, pool, meta, state) -> tuple[
     h0 = tp_rank * heads
     dst_set = set(spec["dst_pages"])
     for layer in range(s["layers"]):
-        for kv, bufs in ((0, pool.k_buffers), (1, pool.v_buffers)):
-            buf = bufs[layer]
+        for kv, buf in ((0, pool.k(layer)), (1, pool.v(layer))):
             for sp, dp in zip(spec["src_pages"], spec["dst_pages"], strict=True):
                 want = src[kv, layer, sp, h0:h0 + heads]
                 if not torch.equal(buf[dp], want):

@@ -2,8 +2,9 @@
 
 Real bootstrap server, real ZMQ control plane, real engines: after a multi-chunk transfer of
 non-contiguous pages (with a partial last page), a state slot list and the metadata row, the
-decode side's buffers must be byte-identical to the source (for TP 1->1, 2->1 and 1->2), and every
-failure path must end both sides in Failed with a reason.
+decode side's buffers must be byte-identical to the source (for TP 1->1, 2->1 and 1->2, and between
+the page-first pool and a per-layer layout), and every failure path must end both sides in Failed
+with a reason.
 """
 
 from __future__ import annotations
@@ -53,6 +54,20 @@ def test_loopback_bytes_identical(rank_pool, warm_backend, backend, tp):
         assert r["poll"] == OK, r
     for r in by_side(results, "decode"):
         assert r["poll"] == OK, r
+        assert r["bytes_ok"] is True, r.get("detail")
+
+
+@pytest.mark.parametrize("backend", REAL)
+@pytest.mark.parametrize("split,tp", [("prefill", (1, 1)), ("decode", (2, 1))], ids=["split_prefill", "split_decode"])
+def test_per_layer_and_page_first_pools_exchange_pages(rank_pool, warm_backend, backend, split, tp):
+    """One side keeps a separate tensor per layer (stride = one page), the other the page-first pool."""
+    warm_backend(backend)
+    p, d = tp
+    results = rank_pool.run(make_spec(backend, seed=13 * p + d, split=split), p, d)
+    assert len(results) == p + d, results
+    for r in results:
+        assert r["poll"] == OK, r
+    for r in by_side(results, "decode"):
         assert r["bytes_ok"] is True, r.get("detail")
 
 

@@ -1,5 +1,6 @@
 """TorchAttentionBackend over the paged KV pool vs a dense float64 reference: extend on top of a
-cached prefix, decode of a batch of different lengths, several page sizes, scrambled pages, GQA."""
+cached prefix, decode of a batch of different lengths, several page sizes, scrambled pages, GQA.
+Decode runs both the native kernel (paged_attention.c) and the torch path."""
 
 from __future__ import annotations
 
@@ -10,9 +11,20 @@ from model_harness import (
     one_torch_thread,  # noqa: F401  (autouse)
 )
 
+from common.forward_batch import ForwardBatch, ForwardMode
 from common.layers.attention import TorchAttentionBackend
+from common.memory.kv_pool import KVPool
 
 HEADS, KV_HEADS, D, LAYERS = 6, 2, 8, 2
+
+
+def make_backend(path: str, heads: int = HEADS, kv_heads: int = KV_HEADS, d: int = D) -> TorchAttentionBackend:
+    backend = TorchAttentionBackend(heads, kv_heads, d)
+    if path == "torch":
+        backend.native = None
+    else:
+        assert backend.native is not None, "the native kernel did not build (see common/layers/native.py)"
+    return backend
 
 
 def dense_reference(q, k, v, prefix: int, scale: float) -> torch.Tensor:
@@ -60,10 +72,11 @@ def run_step(backend, h, fb, seqs, new_lens, gen) -> None:
         start += n
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_paged_extend_and_decode(page_size):
+def test_paged_extend_and_decode(page_size, path):
     gen = torch.Generator().manual_seed(page_size)
-    backend = TorchAttentionBackend(HEADS, KV_HEADS, D)
+    backend = make_backend(path)
     h = Harness(LAYERS, KV_HEADS, D, page_size=page_size, num_pages=512 // page_size + 8, scramble_seed=page_size)
     seqs = [Seq(h.new_req()) for _ in range(4)]
     # first extend: no prefix; lengths around page boundaries
@@ -80,9 +93,10 @@ def test_paged_extend_and_decode(page_size):
     assert (pages.diff() != 1).any()
 
 
-def test_decode_single_request_equal_lengths():
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_decode_single_request_equal_lengths(path):
     gen = torch.Generator().manual_seed(7)
-    backend = TorchAttentionBackend(HEADS, KV_HEADS, D)
+    backend = make_backend(path)
     h = Harness(LAYERS, KV_HEADS, D, page_size=4, num_pages=64)
     seqs = [Seq(h.new_req()), Seq(h.new_req())]
     run_step(backend, h, h.extend_batch([(s.row, [1] * 6) for s in seqs]), seqs, [6, 6], gen)
@@ -90,6 +104,7 @@ def test_decode_single_request_equal_lengths():
         fb = h.decode_batch([(s.row, 1) for s in seqs])
         run_step(backend, h, fb, seqs, [1, 1], gen)
         assert fb.attn_metadata.mask is None
+        assert (fb.attn_metadata.rows is not None) == (path == "native")
 
 
 def test_kv_written_to_slots():
@@ -105,3 +120,33 @@ def test_kv_written_to_slots():
         page, off = divmod(slot, 4)
         assert torch.equal(h.kv.k(0)[page, :, off], k[i].view(KV_HEADS, D))
         assert torch.equal(h.kv.v(0)[page, :, off], v[i].view(KV_HEADS, D))
+
+
+@pytest.mark.parametrize("group,d", [(1, 64), (3, 64), (4, 128), (2, 24)])  # 2x24: the generic loop
+def test_native_decode_matches_torch_path(group, d):
+    """Head shapes the kernel specialises and one it does not; lengths 1..70 over scattered pages,
+    a query tensor with a row stride (a slice of q|k), layers at different offsets."""
+    kv_heads, ps, layers, b = 2, 16, 3, 5
+    gen = torch.Generator().manual_seed(group * d)
+    pool = KVPool(40, ps, layers, kv_heads, d)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
+    lens = [1, 16, 17, 70, 33]
+    pages = torch.randperm(39, generator=gen)[:b * 5].view(b, 5) + 1
+    r2t = (pages.unsqueeze(-1) * ps + torch.arange(ps)).view(b, -1)
+    fb_args = dict(mode=ForwardMode.DECODE, input_ids=torch.zeros(b, dtype=torch.int64),
+                   positions=torch.tensor(lens) - 1, out_cache_loc=torch.stack([r2t[i, n - 1] for i, n in enumerate(lens)]),
+                   req_pool_indices=torch.arange(b), seq_lens=lens, extend_prefix_lens=[n - 1 for n in lens],
+                   extend_seq_lens=[1] * b, kv_pool=pool, req_to_token=r2t)
+    qk = torch.randn(b, (group + 1) * kv_heads * d, generator=gen)
+    q = qk[:, :group * kv_heads * d]
+    k = torch.randn(b, kv_heads * d, generator=gen)
+    v = torch.randn(b, kv_heads * d, generator=gen)
+    outs = {}
+    for path in ("native", "torch"):
+        backend = make_backend(path, group * kv_heads, kv_heads, d)
+        fb = ForwardBatch(**fb_args)
+        backend.init_forward_metadata(fb)
+        outs[path] = [backend.forward(q, k, v, layer, fb) for layer in range(layers)]
+    for a, t in zip(outs["native"], outs["torch"], strict=True):
+        assert (a - t).abs().max().item() < 1e-5
+    assert not torch.equal(outs["torch"][0], outs["torch"][1])  # layers really differ

@@ -72,3 +72,27 @@ def test_kv_pool_set_kv_round_trip_and_layout():
     assert page.is_contiguous() and kb[1, 0].is_contiguous()
     assert pool.page_bytes == heads * ps * dim * 4 and pool.head_bytes == ps * dim * 4
     assert pool.nbytes() == 2 * 2 * 4 * pool.page_bytes
+    # page-first: every layer's K and V of one page sit together, `page_stride` bytes per page
+    assert pool.page_stride == 2 * 2 * pool.page_bytes
+    bufs = pool.buffers()
+    assert [b.data_ptr() - pool.data.data_ptr() for b in bufs] == [i * pool.page_bytes for i in range(4)]
+    assert bufs[0][1].data_ptr() - bufs[0][0].data_ptr() == pool.page_stride
+    assert torch.equal(bufs[3], pool.v(1))
+
+
+def test_kv_pool_flat_rows_address_every_layer():
+    ps, heads, dim = 4, 2, 3
+    pool = KVPool(num_pages=5, page_size=ps, num_layers=3, kv_heads=heads, head_dim=dim, layer_ids=[0, 2, 5])
+    slots = torch.tensor([17, 5, 6])
+    k = torch.randn(3, heads, dim)
+    v = torch.randn(3, heads, dim)
+    rows = pool.flat_rows(slots)
+    pool.set_kv_rows(5, rows, k, v)
+    keys, values = pool.gather_kv(5, pool.kv_rows(rows))
+    assert torch.equal(keys.view(3, heads, dim), k) and torch.equal(values.view(3, heads, dim), v)
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(pool.k(5)[s // ps, :, s % ps], k[i]) and torch.equal(pool.v(5)[s // ps, :, s % ps], v[i])
+    assert pool.k(0).abs().sum() == 0 and pool.v(2).abs().sum() == 0
+    # [B, L] slots -> [B, kv_heads, L] rows
+    grid = pool.token_rows(torch.tensor([[17, 5], [6, 0]]))
+    assert grid.shape == (2, heads, 2) and torch.equal(grid[0, :, 0], rows[:heads])

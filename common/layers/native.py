@@ -1,0 +1,131 @@
+"""Native CPU kernels, compiled once with the system C compiler and loaded with ctypes.
+
+`paged_decode_attention()` (`paged_attention.c`), `add_rms_norm()` (`rms_norm.c`) and
+`rotary_apply()` (`rotary.c`) return the loaded C function, or None when it cannot be used (no C
+compiler, a failed build, or `PDSERVE_NATIVE_KERNELS=0`); callers then take the torch path, which
+computes the same thing. They replace chains of small torch ops whose per-op dispatch dominates at
+decode batch sizes (F.rms_norm alone costs ~50 us per call here). The shared object is cached under
+`$PDSERVE_CACHE_DIR/native` (default `~/.cache/pdserve/native`), named by a hash of the source and
+the compiler flags, and written atomically, so concurrent processes may build it at the same time.
+OpenMP comes from the runtime torch has already loaded, so the kernel honours `torch.set_num_threads`.
+`make setup` builds it ahead of time (`python -m common.layers.native`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c")]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compile_flags() -> list[str]:
+    # fast-math lets expf vectorise (glibc's libmvec); infinities stay (the running max starts at -inf)
+    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+    cpu = _cpu_flags()
+    if {"avx2", "fma"} <= cpu:
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+    return Path(root) / "native"
+
+
+def build() -> Path:
+    """Compile the kernel into the cache (if not there yet); returns the shared object's path."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (cc / gcc) on PATH")
+    flags = _compile_flags()
+    src = b"".join(p.read_bytes() for p in SOURCES)
+    digest = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"kernels-{digest}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("built %s", out)
+    return out
+
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {
+    "paged_decode_attention": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR],
+                               ctypes.c_int),
+    "add_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
+    "rotary_apply": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64], None),
+}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
+        return None
+    import torch  # noqa: F401  (its OpenMP runtime must be loaded first)
+
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError) as e:
+        logger.warning("native CPU kernels unavailable, using the torch paths: %s", e)
+        return None
+    for name, (args, res) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = res
+    return lib
+
+
+def _kernel(name: str):
+    lib = _library()
+    return None if lib is None else getattr(lib, name)
+
+
+def paged_decode_attention():
+    return _kernel("paged_decode_attention")
+
+
+def add_rms_norm():
+    return _kernel("add_rms_norm")
+
+
+def rotary_apply():
+    return _kernel("rotary_apply")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(build())
+    sys.exit(0 if _library() is not None else 1)
