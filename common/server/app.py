@@ -255,35 +255,50 @@ async def _stream_generate(tm: TokenizerManager, states: list[ReqState], notify,
     await sse_done(resp)
 
 
-async def handle_generate(request: web.Request) -> web.StreamResponse:
-    tm = request.app[TM_KEY]
-    req = await read_json(request, GenerateRequest)
-    treqs, batch = build_generate_requests(tm, req)
-    states, notify = tm.submit(treqs, endpoint="generate", return_text_in_logprobs=req.return_text_in_logprobs)
+async def respond(request: web.Request, tm, states: list[ReqState], notify, stream, body,
+                  error_of=failed) -> web.StreamResponse:
+    """The life of submitted requests after `tm.submit`: with `stream` (`await stream(resp)` writes the
+    SSE events) answer as a stream; else wait for all of them and answer `body()` as JSON, or the
+    first `error_of(state)` (status, message). Every state is released at the end with the status
+    its client saw (499 when the handler was cancelled, e.g. the client went away)."""
     status = 200
     try:
-        if req.stream:
+        if stream is not None:
             resp = await sse_start(request)
             try:
-                await _stream_generate(tm, states, notify, resp, batch)
+                await stream(resp)
             except ConnectionResetError:  # the client went away: release() aborts what is unfinished
                 pass
             return resp
         while not all(s.finished for s in states):
             await tm.wait(states, notify)
         for st in states:
-            err = failed(st)
+            err = error_of(st)
             if err:
                 status = err[0]
                 return error_response(err[1], err[0])
-        outs = [generate_output(tm, st) for st in states]
-        return web.json_response(outs if batch else outs[0], dumps=_dumps)
+        return web.json_response(body(), dumps=_dumps)
     except BaseException:
         status = 499
         raise
     finally:
         for st in states:
-            tm.release(st, status if not failed(st) else st.error_status)
+            err = error_of(st)
+            tm.release(st, err[0] if err else status)
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    tm = request.app[TM_KEY]
+    req = await read_json(request, GenerateRequest)
+    treqs, batch = build_generate_requests(tm, req)
+    states, notify = tm.submit(treqs, endpoint="generate", return_text_in_logprobs=req.return_text_in_logprobs)
+
+    def body():
+        outs = [generate_output(tm, st) for st in states]
+        return outs if batch else outs[0]
+
+    stream = (lambda resp: _stream_generate(tm, states, notify, resp, batch)) if req.stream else None
+    return await respond(request, tm, states, notify, stream, body)
 
 
 # ---------------------------------------------------------------------------------------------- info

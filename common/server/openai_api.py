@@ -23,16 +23,14 @@ from common.protocol import (
 )
 from common.server.app import (
     TM_KEY,
-    _dumps,
     check_role,
     error_body,
-    error_response,
     failed,
     model_name,
     read_json,
+    respond,
     sse_done,
     sse_send,
-    sse_start,
 )
 from common.server.tokenizer_manager import ReqState, TokenizerManager
 
@@ -103,12 +101,6 @@ def _usage(states: list[ReqState]) -> dict[str, int]:
             "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in states)}}
 
 
-def _release_all(tm: TokenizerManager, states: list[ReqState], status: int) -> None:
-    for st in states:
-        err = _abort_error(st)
-        tm.release(st, err[0] if err else status)
-
-
 # ---------------------------------------------------------------------------------------------- logprobs
 def _completion_logprobs(tm: TokenizerManager, st: ReqState, start: int, end: int, text_offset0: int) -> dict:
     pairs = st.output_logprobs[start:end]
@@ -174,34 +166,19 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     created = int(time.time())
     model = req.model or model_name(request)
     echo = [tm.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
-    status = 200
-    try:
-        if req.stream:
-            resp = await sse_start(request)
-            try:
-                await _stream_completions(resp, tm, req, states, notify, cid, created, model, echo)
-            except ConnectionResetError:  # the client went away: release() aborts what is unfinished
-                pass
-            return resp
-        while not all(s.finished for s in states):
-            await tm.wait(states, notify)
-        for st in states:
-            err = _abort_error(st)
-            if err:
-                status = err[0]
-                return error_response(err[1], err[0])
+
+    def body():
         choices = []
         for i, st in enumerate(states):
             lp = _completion_logprobs(tm, st, 0, len(st.output_logprobs), len(echo[i])) if want_lp else None
             choices.append({"index": i, "text": echo[i] + st.text, "logprobs": lp,
                             "finish_reason": _finish_reason(st)})
-        return web.json_response({"id": cid, "object": "text_completion", "created": created, "model": model,
-                                  "choices": choices, "usage": _usage(states)}, dumps=_dumps)
-    except BaseException:
-        status = 499
-        raise
-    finally:
-        _release_all(tm, states, status)
+        return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+                "usage": _usage(states)}
+
+    stream = ((lambda resp: _stream_completions(resp, tm, req, states, notify, cid, created, model, echo))
+              if req.stream else None)
+    return await respond(request, tm, states, notify, stream, body, error_of=_abort_error)
 
 
 async def _stream_completions(resp, tm, req, states, notify, cid, created, model, echo) -> None:
@@ -295,33 +272,17 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     cid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
     model = req.model or model_name(request)
-    status = 200
-    try:
-        if req.stream:
-            resp = await sse_start(request)
-            try:
-                await _stream_chat(resp, tm, req, st, notify, cid, created, model)
-            except ConnectionResetError:  # the client went away: release() aborts what is unfinished
-                pass
-            return resp
-        while not st.finished:
-            await tm.wait(states, notify)
-        err = _abort_error(st)
-        if err:
-            status = err[0]
-            return error_response(err[1], err[0])
+
+    def body():
         lp = _chat_logprobs(tm, st, 0, len(st.output_logprobs)) if req.logprobs else None
-        return web.json_response({
-            "id": cid, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": st.text},
-                         "logprobs": lp, "finish_reason": _finish_reason(st)}],
-            "usage": _usage(states)}, dumps=_dumps)
-    except BaseException:
-        status = 499
-        raise
-    finally:
-        _release_all(tm, states, status)
+        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+                "system_fingerprint": None,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": st.text},
+                             "logprobs": lp, "finish_reason": _finish_reason(st)}],
+                "usage": _usage(states)}
+
+    stream = (lambda resp: _stream_chat(resp, tm, req, st, notify, cid, created, model)) if req.stream else None
+    return await respond(request, tm, states, notify, stream, body, error_of=_abort_error)
 
 
 async def _stream_chat(resp, tm, req, st, notify, cid, created, model) -> None:
