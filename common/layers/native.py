@@ -4,7 +4,7 @@
 `rotary_apply()` (`rotary.c`) return the loaded C function, or None when it cannot be used (no C
 compiler, a failed build, or `PDSERVE_NATIVE_KERNELS=0`); callers then take the torch path, which
 computes the same thing. They replace chains of small torch ops whose per-op dispatch dominates at
-decode batch sizes (F.rms_norm alone costs ~50 us per call here). The shared object is cached under
+decode batch sizes (a residual add + F.rms_norm on one 576-wide row: ~24 us here; the kernel ~14 us). The shared object is cached under
 `$PDSERVE_CACHE_DIR/native` (default `~/.cache/pdserve/native`), named by a hash of the source and
 the compiler flags, and written atomically, so concurrent processes may build it at the same time.
 OpenMP comes from the runtime torch has already loaded, so the kernel honours `torch.set_num_threads`.

@@ -26,12 +26,11 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader
         self.variance_epsilon = eps
         self.normalized_shape = (hidden_size,)
-        self.native = add_rms_norm()
+        self.native = add_rms_norm() if dtype == torch.float32 else None
 
     def _native_ok(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         return (self.native is not None and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1
-                and (residual is None or (residual.dtype == torch.float32 and residual.stride(1) == 1))
-                and self.weight.dtype == torch.float32)
+                and (residual is None or (residual.dtype == torch.float32 and residual.stride(1) == 1)))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """`norm(x)`; with `residual`: `(norm(x + residual), x + residual)`."""

@@ -51,7 +51,7 @@ from common.layers.norm import default_weight_loader
 from common.layers.rotary import RotaryEmbedding
 from common.memory.state_pool import StatePool
 from common.models.config import ModelConfig, ModelConfigError
-from common.models.llama import LlamaMLP, final_logits, load_checkpoint
+from common.models.llama import LlamaForCausalLM, LlamaMLP, final_logits, load_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -405,12 +405,7 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     is_hybrid = True
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
-    stacked_params = (
-        (".q_proj.", ".qkv_proj.", "q"),
-        (".k_proj.", ".qkv_proj.", "k"),
-        (".v_proj.", ".qkv_proj.", "v"),
-        (".gate_proj.", ".gate_up_proj.", 0),
-        (".up_proj.", ".gate_up_proj.", 1),
+    stacked_params = LlamaForCausalLM.stacked_params + (
         (".in_proj_z.", ".in_proj_zba.", 0),
         (".in_proj_b.", ".in_proj_zba.", 1),
         (".in_proj_a.", ".in_proj_zba.", 2),

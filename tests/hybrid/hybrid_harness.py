@@ -8,12 +8,9 @@ import os
 import random
 
 import torch
+from model_harness import Harness
 
-from common.forward_batch import ForwardBatch, ForwardMode
 from common.hybrid import HybridSupport
-from common.memory.allocator import TokenToKVPoolAllocator
-from common.memory.kv_pool import KVPool
-from common.memory.req_to_token import ReqToTokenPool
 from common.models.config import ModelConfig
 
 VOCAB = 256
@@ -89,34 +86,22 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(2, VOCAB - 1) for _ in range(n)]
 
 
-class HybridHarness:
+class HybridHarness(Harness):
     """KV pages for the attention layers, one state slot per request for the linear layers."""
 
     def __init__(self, model, cfg: ModelConfig, *, tp_size: int = 1, page_size: int = 4, num_pages: int = 256,
                  max_reqs: int = 8, max_context: int = 1024, scramble_seed: int = 0) -> None:
-        self.page_size = page_size
-        self.kv = KVPool(num_pages, page_size, cfg.num_layers, cfg.local_kv_heads(tp_size), cfg.head_dim,
-                         layer_ids=cfg.kv_layer_ids)
-        self.alloc = TokenToKVPoolAllocator(num_pages, page_size)
-        pages = self.alloc.alloc_pages(self.alloc.available_pages())
-        random.Random(scramble_seed).shuffle(pages)  # requests get scattered pages
-        self.alloc.free_pages(pages)
-        self.r2t = ReqToTokenPool(max_reqs, max_context)
+        super().__init__(cfg.num_layers, cfg.local_kv_heads(tp_size), cfg.head_dim, page_size=page_size,
+                         num_pages=num_pages, max_reqs=max_reqs, max_context=max_context,
+                         scramble_seed=scramble_seed, layer_ids=cfg.kv_layer_ids)
         self.hybrid = HybridSupport(model)
         self.hybrid.attach(self.r2t)  # hybrid models: each row carries a state slot
         self.states = self.hybrid.state_pool
-        self.lens: dict[int, int] = {}
         self.start = self.free_counts()
 
     def free_counts(self) -> tuple[int, int, int]:
         return (self.alloc.available_pages(), self.r2t.available_size(),
                 self.states.available_size() if self.states else 0)
-
-    def new_req(self) -> int:
-        row = self.r2t.alloc()
-        assert row is not None
-        self.lens[row] = 0
-        return row
 
     def slot(self, row: int) -> int:
         return int(self.r2t.row_state[row])
@@ -126,49 +111,10 @@ class HybridHarness:
         self.alloc.free_slots(self.r2t.slots(row, 0, n))
         self.r2t.free(row)  # returns the row's state slot too
 
-    def _grow(self, row: int, n: int) -> torch.Tensor:
-        cur = self.lens[row]
-        last = int(self.r2t.req_to_token[row, cur - 1]) if cur else 0
-        slots = self.alloc.alloc_extend(cur, last, n)
-        self.r2t.write(row, cur, slots)
-        self.lens[row] = cur + n
-        return slots
-
     def _state_indices(self, rows: list[int]) -> torch.Tensor | None:
         if self.states is None:
             return None
         return self.r2t.state_indices(torch.tensor(rows, dtype=torch.int64))
-
-    def extend_batch(self, reqs: list[tuple[int, list[int]]], all_logits: bool = False) -> ForwardBatch:
-        ids, pos, locs, prefix, new = [], [], [], [], []
-        for row, toks in reqs:
-            p = self.lens[row]
-            locs.append(self._grow(row, len(toks)))
-            ids.extend(toks)
-            pos.extend(range(p, p + len(toks)))
-            prefix.append(p)
-            new.append(len(toks))
-        fb = ForwardBatch(
-            mode=ForwardMode.EXTEND, input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(pos, dtype=torch.int64), out_cache_loc=torch.cat(locs),
-            req_pool_indices=torch.tensor([r for r, _ in reqs], dtype=torch.int64),
-            seq_lens=[p + n for p, n in zip(prefix, new, strict=True)], extend_prefix_lens=prefix,
-            extend_seq_lens=new, kv_pool=self.kv, req_to_token=self.r2t.req_to_token,
-            state_indices=self._state_indices([r for r, _ in reqs]))
-        if all_logits:
-            fb.logits_indices = torch.arange(len(ids), dtype=torch.int64)
-        return fb
-
-    def decode_batch(self, reqs: list[tuple[int, int]]) -> ForwardBatch:
-        pos = [self.lens[row] for row, _ in reqs]
-        locs = torch.cat([self._grow(row, 1) for row, _ in reqs])
-        return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=torch.tensor([t for _, t in reqs], dtype=torch.int64),
-            positions=torch.tensor(pos, dtype=torch.int64), out_cache_loc=locs,
-            req_pool_indices=torch.tensor([r for r, _ in reqs], dtype=torch.int64),
-            seq_lens=[p + 1 for p in pos], extend_prefix_lens=pos, extend_seq_lens=[1] * len(reqs),
-            kv_pool=self.kv, req_to_token=self.r2t.req_to_token,
-            state_indices=self._state_indices([r for r, _ in reqs]))
 
 
 def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:

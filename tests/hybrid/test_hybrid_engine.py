@@ -8,18 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from hybrid_harness import make_mistral_swa, make_qwen3_5, random_prompt
+from model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 from common.config import ServerArgs
 from common.protocol import SamplingParams, TokenizedRequest
 from common.scheduler.scheduler import Scheduler
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

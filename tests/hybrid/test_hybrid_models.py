@@ -17,19 +17,12 @@ from hybrid_harness import (
     make_qwen3_swa,
     random_prompt,
 )
+from model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 from common.memory.state_pool import OutOfStateSlots, StatePool
 from common.models.qwen3_5 import chunk_gated_delta_rule, recurrent_gated_delta_step
 
 TOL = 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 from common.config import ServerArgs
 from common.protocol import AbortRequest, SamplingParams, StatsQuery, StatsReport, TokenizedRequest
@@ -14,16 +15,6 @@ from common.scheduler.scheduler import Scheduler
 
 # ------------------------------------------------------------------------------------------------
 # harness
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # a tiny model gains nothing from threads, and spinning threads on a busy 2-core machine make
-    # each matmul ~50x slower
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class Engine:

@@ -1,5 +1,6 @@
 """Drive a model by hand: KV pools + ForwardBatch construction for extend and decode steps
-(what the scheduler does, minus scheduling). Shared by the model, loader and attention tests."""
+(what the scheduler does, minus scheduling). Shared by the model, loader, attention and hybrid tests;
+`one_torch_thread`, imported into a test module, runs that module single-threaded."""
 
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ def one_torch_thread():
 class Harness:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *, page_size: int = 16,
                  num_pages: int = 128, max_reqs: int = 16, max_context: int = 2048,
-                 scramble_seed: int | None = 0) -> None:
+                 scramble_seed: int | None = 0, layer_ids: list[int] | None = None) -> None:
         self.page_size = page_size
-        self.kv = KVPool(num_pages, page_size, num_layers, kv_heads, head_dim)
+        self.kv = KVPool(num_pages, page_size, num_layers, kv_heads, head_dim, layer_ids=layer_ids)
         self.alloc = TokenToKVPoolAllocator(num_pages, page_size)
         if scramble_seed is not None:  # hand pages out in a random order: non-contiguous requests
             pages = self.alloc.alloc_pages(self.alloc.available_pages())
@@ -56,6 +57,10 @@ class Harness:
         self.lens[row] = cur + n
         return slots
 
+    def _state_indices(self, rows: list[int]) -> torch.Tensor | None:
+        """Per-request state slots of a hybrid model (HybridHarness); none here."""
+        return None
+
     def extend_batch(self, reqs: list[tuple[int, list[int]]], all_logits: bool = False) -> ForwardBatch:
         ids, pos, locs, prefix, new = [], [], [], [], []
         for row, toks in reqs:
@@ -76,6 +81,7 @@ class Harness:
             extend_seq_lens=new,
             kv_pool=self.kv,
             req_to_token=self.r2t.req_to_token,
+            state_indices=self._state_indices([r for r, _ in reqs]),
         )
         if all_logits:
             fb.logits_indices = torch.arange(len(ids), dtype=torch.int64)
@@ -95,6 +101,7 @@ class Harness:
             extend_seq_lens=[1] * len(reqs),
             kv_pool=self.kv,
             req_to_token=self.r2t.req_to_token,
+            state_indices=self._state_indices([r for r, _ in reqs]),
         )
 
 
