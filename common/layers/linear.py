@@ -11,11 +11,15 @@ rank's part of a full (unsharded) checkpoint tensor into it:
 * `RowParallelLinear`: input features split over ranks (weight `[out, in / tp]`); the partial
   outputs are summed with an all-reduce, and the bias is added once, after the reduce.
 
-Packed weights: once the checkpoint is loaded, `pack_linears(model)` hands every fp32 CPU weight to
-oneDNN in its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`), and the plain copy is
-dropped (the parameter stays, on the meta device, for its shape). oneDNN's matmul on packed weights
-streams a decode step's weights about 1.5-2x faster than `F.linear` at batch 1 and 2-3x at batch 16
-on AVX2 (`bench/engine.py` measures it). `PDSERVE_PACKED_LINEAR=0` keeps the plain `F.linear` path.
+Packed weights: once the checkpoint is loaded, `pack_linears(model)` repacks every fp32 CPU weight
+(and a tied lm_head) and drops the plain copy (the parameter stays, on the meta device, for its
+shape). With the native kernels (`common/layers/native.py`, AVX2 + FMA) the weight is cut into
+16-column panels, `[ceil(out / 16), in, 16]`, for `gemm.c`, which reads each weight once per matmul
+whatever the batch; without them it goes to oneDNN's blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`). On the SmolLM2 decode shapes here, with the weights
+streaming from DRAM, the panel GEMM does a batch-16 step's matmuls at ~100 GFLOPS against oneDNN's
+~75 and F.linear's ~40 (`bench/engine.py` measures the whole step). `PDSERVE_PACKED_LINEAR=onednn`
+picks oneDNN, `PDSERVE_PACKED_LINEAR=0` keeps the plain `F.linear` path.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.distributed import tensor_model_parallel_all_reduce
+from common.layers import native
+
+PANEL = 16  # output columns per panel of the native GEMM's weight layout
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -36,19 +43,44 @@ def _divide(a: int, b: int, what: str) -> int:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed copy of an `[out, in]` weight, or None where the plain path is used (not fp32 on
-    CPU, no oneDNN, or `PDSERVE_PACKED_LINEAR=0`)."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
-            or os.environ.get("PDSERVE_PACKED_LINEAR", "1") == "0"):
+    """The packed copy of an `[out, in]` weight: `[panels, in, 16]` for the native GEMM, else oneDNN's
+    blocked layout; None where the plain path is used (not fp32 on CPU, or `PDSERVE_PACKED_LINEAR=0`)."""
+    mode = os.environ.get("PDSERVE_PACKED_LINEAR", "1")
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or mode == "0":
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    weight = weight.detach()
+    if mode != "onednn" and native.packed_gemm() is not None:
+        out, inp = weight.shape
+        panels = -(-out // PANEL)
+        padded = weight.new_zeros(panels * PANEL, inp)
+        padded[:out] = weight
+        return padded.view(panels, PANEL, inp).transpose(1, 2).contiguous()
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    """`x @ weight.T + bias` on whichever copy `pack_weight` made (`weight` gives the output size)."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if packed.dim() == 3:
+        return _panel_linear(x, packed, weight.shape[0], bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _panel_linear(x: torch.Tensor, packed: torch.Tensor, out: int, bias: torch.Tensor | None) -> torch.Tensor:
+    inp = packed.shape[1]
+    rows = x.reshape(-1, inp)
+    if rows.stride(-1) != 1 or rows.dtype != torch.float32:
+        rows = rows.to(torch.float32).contiguous()
+    y = torch.empty(rows.shape[0], out, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    native.packed_gemm()(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                         None if bias is None else bias.data_ptr(), y.data_ptr(), out, rows.shape[0], out, inp)
+    return y.view(*x.shape[:-1], out)
 
 
 def _packed_weight_loader(param, loaded, shard_id=None) -> None:

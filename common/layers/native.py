@@ -1,10 +1,11 @@
 """Native CPU kernels, compiled once with the system C compiler and loaded with ctypes.
 
-`paged_decode_attention()` (`paged_attention.c`), `add_rms_norm()` (`rms_norm.c`) and
-`rotary_apply()` (`rotary.c`) return the loaded C function, or None when it cannot be used (no C
-compiler, a failed build, or `PDSERVE_NATIVE_KERNELS=0`); callers then take the torch path, which
-computes the same thing. They replace chains of small torch ops whose per-op dispatch dominates at
-decode batch sizes (a residual add + F.rms_norm on one 576-wide row: ~24 us here; the kernel ~14 us). The shared object is cached under
+`paged_decode_attention()` (`paged_attention.c`), `add_rms_norm()` (`rms_norm.c`),
+`rotary_apply()` (`rotary.c`) and `packed_gemm()` (`gemm.c`) return the loaded C function, or None
+when it cannot be used (no C compiler, a failed build, no AVX2 for the GEMM, or
+`PDSERVE_NATIVE_KERNELS=0`); callers then take the torch path, which computes the same thing. The
+GEMM streams each weight once per step at decode batch sizes, where oneDNN re-reads it from DRAM;
+the others replace chains of small torch ops whose per-op dispatch dominates at decode batch sizes (a residual add + F.rms_norm on one 576-wide row: ~24 us here; the kernel ~14 us). The shared object is cached under
 `$PDSERVE_CACHE_DIR/native` (default `~/.cache/pdserve/native`), named by a hash of the source and
 the compiler flags, and written atomically, so concurrent processes may build it at the same time.
 OpenMP comes from the runtime torch has already loaded, so the kernel honours `torch.set_num_threads`.
@@ -26,7 +27,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c")]
+SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c")]
 
 
 def _cpu_flags() -> set[str]:
@@ -87,6 +88,8 @@ _SIGNATURES = {
                                ctypes.c_int),
     "add_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "rotary_apply": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64], None),
+    "packed_gemm": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], None),
+    "packed_gemm_supported": ([], ctypes.c_int),
 }
 
 
@@ -123,6 +126,11 @@ def add_rms_norm():
 
 def rotary_apply():
     return _kernel("rotary_apply")
+
+
+def packed_gemm():
+    lib = _library()
+    return lib.packed_gemm if lib is not None and lib.packed_gemm_supported() else None
 
 
 if __name__ == "__main__":

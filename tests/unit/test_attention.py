@@ -122,7 +122,7 @@ def test_kv_written_to_slots():
         assert torch.equal(h.kv.v(0)[page, :, off], v[i].view(KV_HEADS, D))
 
 
-@pytest.mark.parametrize("group,d", [(1, 64), (3, 64), (4, 128), (2, 24)])  # 2x24: the generic loop
+@pytest.mark.parametrize("group,d", [(1, 64), (3, 64), (4, 128), (6, 40), (2, 24)])  # 2x24: the generic loop
 def test_native_decode_matches_torch_path(group, d):
     """Head shapes the kernel specialises and one it does not; lengths 1..70 over scattered pages,
     a query tensor with a row stride (a slice of q|k), layers at different offsets."""

@@ -17,6 +17,7 @@ def test_kernels_build_and_load():
     assert native.paged_decode_attention() is not None
     assert native.add_rms_norm() is not None
     assert native.rotary_apply() is not None
+    assert native.packed_gemm() is not None  # this machine has AVX2 + FMA
 
 
 def torch_rms_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
@@ -72,3 +73,52 @@ def test_rotary_native_matches_torch_path(tokens, heads, d, monkeypatch):
     assert out.is_contiguous() and out.shape == ref.shape
     assert (out - ref).abs().max().item() < 1e-5
     assert not torch.equal(out, x.contiguous())  # it really rotated
+
+
+@pytest.mark.parametrize("out_features,in_features", [(1, 8), (17, 37), (100, 576), (48, 16)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 16, 33])
+def test_panel_gemm_matches_float64(rows, out_features, in_features):
+    """Every row-tile height (1..6 and their mix), output widths that end inside a 16-column panel,
+    with and without bias, on a strided slice of a wider activation."""
+    from common.layers.linear import PANEL, linear, pack_weight
+
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    packed = pack_weight(weight)
+    assert packed is not None and packed.shape == (-(-out_features // PANEL), in_features, PANEL)
+    wide = torch.randn(rows, in_features + 9, generator=g)
+    x = wide[:, 3:3 + in_features]
+    for b in (None, bias):
+        out = linear(x, weight, packed, b)
+        ref = x.double() @ weight.double().T + (0 if b is None else b.double())
+        assert out.shape == (rows, out_features) and out.dtype == torch.float32
+        if rows:
+            assert (out.double() - ref).abs().max().item() < 1e-5 * in_features ** 0.5 * 4
+
+
+def test_panel_gemm_keeps_leading_dims_and_uses_threads():
+    from common.layers.linear import linear, pack_weight
+
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(3072, 576, generator=g)  # large enough for the OpenMP split over panels
+    x = torch.randn(2, 8, 576, generator=g)
+    out = linear(x, weight, pack_weight(weight))
+    assert out.shape == (2, 8, 3072)
+    assert torch.allclose(out, x @ weight.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["onednn", "0"])
+def test_linear_fallbacks(mode, monkeypatch):
+    """`PDSERVE_PACKED_LINEAR=onednn` (what runs without the native GEMM) and `=0` (plain F.linear)."""
+    from common.layers.linear import linear, pack_weight
+
+    monkeypatch.setenv("PDSERVE_PACKED_LINEAR", mode)
+    g = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    packed = pack_weight(weight)
+    assert (packed is None) == (mode == "0")
+    if packed is not None:
+        assert packed.dim() == 2  # oneDNN's layout, not panels
+    x = torch.randn(6, 24, generator=g)
+    assert torch.allclose(linear(x, weight, packed, bias), F.linear(x, weight, bias), atol=1e-5)
