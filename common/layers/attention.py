@@ -17,7 +17,7 @@ GQA: query head `h` uses KV head `h // group`. Decode reshapes queries to `[kv_h
 extend uses SDPA with `enable_gqa=True` (same grouping), so K/V are never repeated.
 
 New tokens' K/V are written with one `index_copy_` per buffer on flat rows computed once per batch
-(`write_rows`).
+(`write_rows`); the native decode kernel stores them itself, just before it reads them.
 """
 
 from __future__ import annotations
@@ -113,9 +113,9 @@ class TorchAttentionBackend:
         v = v.view(t, hkv, d)
         pool = fb.kv_pool
         md: TorchAttentionMetadata = fb.attn_metadata
-        pool.set_kv_rows(layer_id, md.write_rows, k, v)
         if md.rows is not None:
-            return self._native_decode(q, layer_id, pool, md)
+            return self._native_decode(q, k, v, layer_id, pool, md)
+        pool.set_kv_rows(layer_id, md.write_rows, k, v)
         if md.mode == ForwardMode.DECODE:
             b = t
             keys, values = pool.gather_kv(layer_id, md.kv_index)
@@ -150,15 +150,20 @@ class TorchAttentionBackend:
             out[it.start:it.start + n] = oi[0].transpose(0, 1).reshape(n, h * d)
         return out
 
-    def _native_decode(self, q: torch.Tensor, layer_id: int, pool, md: TorchAttentionMetadata) -> torch.Tensor:
+    def _native_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool,
+                       md: TorchAttentionMetadata) -> torch.Tensor:
+        """The kernel also writes this step's K/V (`[B, kv_heads, D]` views) into the pool."""
         b = q.shape[0]
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         if q.stride(1) != 1:
             q = q.contiguous()
+        if k.stride() != v.stride() or k.stride()[1:] != (d, 1) or k.dtype != torch.float32:
+            k = k.to(torch.float32).contiguous()
+            v = v.to(torch.float32).contiguous()
         out = torch.empty(b, hkv * g * d, dtype=q.dtype)
         rc = self.native(q.data_ptr(), q.stride(0), pool.flat.data_ptr(), md.rows.data_ptr(), md.lens.data_ptr(),
                          b, hkv, g, d, md.max_len, pool.layer_offset(layer_id), pool.v_offset, self.scaling,
-                         out.data_ptr())
+                         out.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), md.write_rows.data_ptr())
         if rc != 0:
             raise RuntimeError(f"native paged attention failed (group {g}, head_dim {d})")
         return out

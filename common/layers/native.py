@@ -1,11 +1,13 @@
 """Native CPU kernels, compiled once with the system C compiler and loaded with ctypes.
 
 `paged_decode_attention()` (`paged_attention.c`), `add_rms_norm()` (`rms_norm.c`),
-`rotary_apply()` (`rotary.c`) and `packed_gemm()` (`gemm.c`) return the loaded C function, or None
-when it cannot be used (no C compiler, a failed build, no AVX2 for the GEMM, or
-`PDSERVE_NATIVE_KERNELS=0`); callers then take the torch path, which computes the same thing. The
-GEMM streams each weight once per step at decode batch sizes, where oneDNN re-reads it from DRAM;
-the others replace chains of small torch ops whose per-op dispatch dominates at decode batch sizes (a residual add + F.rms_norm on one 576-wide row: ~24 us here; the kernel ~14 us). The shared object is cached under
+`rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`) and `packed_gemm()` (`gemm.c`)
+return the loaded C function, or None when it cannot be used (no C compiler, a failed build, no
+AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers then take the torch paths, which compute
+the same thing. The GEMM reads each weight once per matmul from a panel layout and beats oneDNN's
+packed matmul at decode batch sizes (`common/layers/linear.py`); the others replace chains of small
+torch ops whose per-op dispatch dominates at decode batch sizes (a residual add + F.rms_norm on one
+576-wide row: ~24 us here; the kernel ~14 us). The shared object is cached under
 `$PDSERVE_CACHE_DIR/native` (default `~/.cache/pdserve/native`), named by a hash of the source and
 the compiler flags, and written atomically, so concurrent processes may build it at the same time.
 OpenMP comes from the runtime torch has already loaded, so the kernel honours `torch.set_num_threads`.
@@ -27,7 +29,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c")]
+HEADERS = [Path(__file__).with_name("vec_math.h")]
+SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c", "activation.c")]
 
 
 def _cpu_flags() -> set[str]:
@@ -61,7 +64,7 @@ def build() -> Path:
     if not compiler:
         raise RuntimeError("no C compiler (cc / gcc) on PATH")
     flags = _compile_flags()
-    src = b"".join(p.read_bytes() for p in SOURCES)
+    src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     digest = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
     out = _cache_dir() / f"kernels-{digest}.so"
     if out.exists():
@@ -84,12 +87,13 @@ def build() -> Path:
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_attention": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR],
-                               ctypes.c_int),
+    "paged_decode_attention": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR,
+                                _PTR, _PTR, _I64, _PTR], ctypes.c_int),
     "add_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "rotary_apply": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64], None),
     "packed_gemm": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], None),
     "packed_gemm_supported": ([], ctypes.c_int),
+    "silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64], None),
 }
 
 
@@ -126,6 +130,10 @@ def add_rms_norm():
 
 def rotary_apply():
     return _kernel("rotary_apply")
+
+
+def silu_and_mul():
+    return _kernel("silu_and_mul")
 
 
 def packed_gemm():

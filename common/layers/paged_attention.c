@@ -11,13 +11,16 @@
 // for request b and KV head h in the first layer; a layer's K row is rows + k_off, its V row
 // rows + k_off + v_off. q is [B, H, G, D] (G query heads per KV head) with q_stride floats from
 // one request to the next; out is [B, H, G, D] contiguous.
+// When write_rows is given, each request's new K and V (k_new / v_new: [B, H, D] with kv_stride floats
+// from one request to the next) are first stored at flat row write_rows[b * H + h] (+ the layer's
+// offsets), so the step needs no separate scatter.
 // Request b attends to its first lens[b] tokens. One (b, h) pair per task: each K and V row is
 // read once for the G query heads that share it.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "vec_math.h"
 #endif
 
 #define MAX_G 64
@@ -85,27 +88,10 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-// e^x for x <= 0 (softmax terms), 8 at a time: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6
-// Taylor polynomial (relative error < 2e-7 there), 2^n put into the exponent bits. Below -87 the
-// result is flushed to 0.
+// e^x for the softmax's x <= 0; below -87 (where exp8 clamps) the term is 0
 static inline __m256 exp_nonpositive(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    // r = x - n ln2, with ln2 split in a part exact in float and the rest
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 poly = _mm256_set1_ps(1.0f / 720);
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 120));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 24));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 6));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(0.5f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(tiny, _mm256_mul_ps(poly, _mm256_castsi256_ps(bits)));
+    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    return _mm256_andnot_ps(tiny, exp8(x));
 }
 
 // scores[0..len) -> softmax, in place
@@ -221,9 +207,10 @@ static void prefetch_task(const float *pool, const int64_t *rows, int64_t len, i
 }
 
 // Returns 0, or -1 when a dimension is out of range (G > MAX_G, D > MAX_D) or memory ran out.
-int paged_decode_attention(const float *q, int64_t q_stride, const float *pool, const int64_t *rows,
+int paged_decode_attention(const float *q, int64_t q_stride, float *pool, const int64_t *rows,
                            const int64_t *lens, int64_t B, int64_t H, int64_t G, int64_t D, int64_t Lmax,
-                           int64_t k_off, int64_t v_off, float scale, float *out) {
+                           int64_t k_off, int64_t v_off, float scale, float *out, const float *k_new,
+                           const float *v_new, int64_t kv_stride, const int64_t *write_rows) {
     if (G > MAX_G || D > MAX_D) return -1;
     int failed = 0;
 #pragma omp parallel
@@ -244,6 +231,14 @@ int paged_decode_attention(const float *q, int64_t q_stride, const float *pool, 
                 const int64_t ln = lens[n / H] < Lmax ? lens[n / H] : Lmax;
                 prefetch_task(pool, rows + n * Lmax, ln, D, k_off, v_off);
                 fetched = n;
+            }
+            if (write_rows) {  // this step's token of (b, h) goes into the pool before it is read
+                float *kd = pool + (write_rows[bh] + k_off) * D, *vd = kd + v_off * D;
+                const float *ks = k_new + b * kv_stride + h * D, *vs = v_new + b * kv_stride + h * D;
+                for (int64_t i = 0; i < D; i++) {
+                    kd[i] = ks[i];
+                    vd[i] = vs[i];
+                }
             }
             const float *qb = q + b * q_stride + h * G * D;
             float *ob = out + bh * G * D;

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.forward_batch import ForwardBatch, ForwardMode
+from common.layers.activation import silu_and_mul
 from common.layers.attention import TorchAttentionBackend
 from common.layers.linear import (
     MergedColumnParallelLinear,
@@ -48,12 +49,9 @@ class LlamaMLP(nn.Module):
                                                        tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp_rank=tp_rank,
                                            tp_size=tp_size, tp_group=tp_group, dtype=dtype)
-        self.local_inter = inter // tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up.split(self.local_inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):

@@ -122,3 +122,25 @@ def test_linear_fallbacks(mode, monkeypatch):
         assert packed.dim() == 2  # oneDNN's layout, not panels
     x = torch.randn(6, 24, generator=g)
     assert torch.allclose(linear(x, weight, packed, bias), F.linear(x, weight, bias), atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1536), (16, 13), (40, 1024)])  # 40 x 1024: the OpenMP path
+def test_silu_and_mul_matches_torch(rows, n, monkeypatch):
+    """Vector body and scalar tail, gates far out on both sides (e^-g clamps), a strided row."""
+    import common.layers.activation as activation
+
+    assert activation._kernel is not None
+    g = torch.Generator().manual_seed(n)
+    wide = torch.randn(rows, 2 * n + 5, generator=g) * 4
+    wide[0, :4] = torch.tensor([-120.0, -90.0, 95.0, 0.0])
+    gate_up = wide[:, :2 * n]
+    ref = (F.silu(gate_up[:, :n].double()) * gate_up[:, n:].double())
+    out = activation.silu_and_mul(gate_up)
+    assert out.shape == (rows, n)
+
+    def rel_err(x):  # relative, and absolute below 1 (a few float32 ulps)
+        return ((x.double() - ref).abs() / ref.abs().clamp_min(1)).max().item()
+
+    assert rel_err(out) < 1e-6
+    monkeypatch.setattr(activation, "_kernel", None)
+    assert rel_err(activation.silu_and_mul(gate_up)) < 1e-6
