@@ -10,18 +10,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.layers.native import silu_and_mul as _native_silu_and_mul
-
-_kernel = _native_silu_and_mul()
+from common.layers import native
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`[..., 2n]` -> `[..., n]`: silu of the first half times the second half."""
     n = gate_up.shape[-1] // 2
     rows = gate_up.reshape(-1, 2 * n) if gate_up.dim() != 2 else gate_up
-    if _kernel is None or rows.dtype != torch.float32 or rows.stride(-1) != 1:
+    kernel = native.silu_and_mul()
+    if kernel is None or rows.dtype != torch.float32 or rows.stride(-1) != 1:
         gate, up = gate_up.split(n, dim=-1)
         return F.silu(gate) * up
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    _kernel(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], n)
+    kernel(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], n)
     return out.view(*gate_up.shape[:-1], n)

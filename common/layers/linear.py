@@ -71,16 +71,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
 
 
 def _panel_linear(x: torch.Tensor, packed: torch.Tensor, out: int, bias: torch.Tensor | None) -> torch.Tensor:
+    # called ~120 times per decode step: keep the Python side to the minimum
     inp = packed.shape[1]
-    rows = x.reshape(-1, inp)
-    if rows.stride(-1) != 1 or rows.dtype != torch.float32:
+    rows = x if x.dim() == 2 else x.reshape(-1, inp)
+    if rows.stride(1) != 1 or rows.dtype != torch.float32:
         rows = rows.to(torch.float32).contiguous()
-    y = torch.empty(rows.shape[0], out, dtype=torch.float32)
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-    native.packed_gemm()(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-                         None if bias is None else bias.data_ptr(), y.data_ptr(), out, rows.shape[0], out, inp)
-    return y.view(*x.shape[:-1], out)
+    y = torch.empty(rows.shape[0], out)
+    native.packed_gemm()(rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                         y.data_ptr(), out, rows.shape[0], out, inp)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
 
 
 def _packed_weight_loader(param, loaded, shard_id=None) -> None:

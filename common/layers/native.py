@@ -136,6 +136,7 @@ def silu_and_mul():
     return _kernel("silu_and_mul")
 
 
+@functools.cache
 def packed_gemm():
     lib = _library()
     return lib.packed_gemm if lib is not None and lib.packed_gemm_supported() else None
