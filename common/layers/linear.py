@@ -32,6 +32,7 @@ from torch import nn
 
 from common.distributed import tensor_model_parallel_all_reduce
 from common.layers import native
+from common.memory.huge_pages import huge_zeros
 
 PANEL = 16  # output columns per panel of the native GEMM's weight layout
 
@@ -42,22 +43,39 @@ def _divide(a: int, b: int, what: str) -> int:
     return a // b
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The packed copy of an `[out, in]` weight: `[panels, in, 16]` for the native GEMM, else oneDNN's
-    blocked layout; None where the plain path is used (not fp32 on CPU, or `PDSERVE_PACKED_LINEAR=0`)."""
+def _packing(weight: torch.Tensor) -> str | None:
+    """How `pack_weight` packs this weight: "panels", "onednn", or None (plain F.linear)."""
     mode = os.environ.get("PDSERVE_PACKED_LINEAR", "1")
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or mode == "0":
         return None
-    weight = weight.detach()
     if mode != "onednn" and native.packed_gemm() is not None:
+        return "panels"
+    return "onednn" if torch.backends.mkldnn.is_available() else None
+
+
+def panel_numel(weight: torch.Tensor) -> int:
+    out, inp = weight.shape
+    return -(-out // PANEL) * PANEL * inp
+
+
+def pack_weight(weight: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The packed copy of an `[out, in]` weight: `[panels, in, 16]` for the native GEMM (written into
+    `into`, `panel_numel(weight)` floats, when given), else oneDNN's blocked layout; None where the
+    plain path is used (not fp32 on CPU, or `PDSERVE_PACKED_LINEAR=0`)."""
+    how = _packing(weight)
+    weight = weight.detach()
+    if how == "panels":
         out, inp = weight.shape
         panels = -(-out // PANEL)
         padded = weight.new_zeros(panels * PANEL, inp)
         padded[:out] = weight
-        return padded.view(panels, PANEL, inp).transpose(1, 2).contiguous()
-    if not torch.backends.mkldnn.is_available():
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight)
+        dst = torch.empty(panel_numel(weight)) if into is None else into
+        dst = dst.view(panels, inp, PANEL)
+        dst.copy_(padded.view(panels, PANEL, inp).transpose(1, 2))
+        return dst
+    if how == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight)
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
@@ -91,8 +109,8 @@ class PackableLinear(nn.Module):
 
     packed: torch.Tensor | None = None
 
-    def pack(self) -> None:
-        packed = pack_weight(self.weight)
+    def pack(self, into: torch.Tensor | None = None) -> None:
+        packed = pack_weight(self.weight, into)
         if packed is None:
             return
         self.packed = packed
@@ -108,12 +126,21 @@ class PackableLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> None:
     """Pack every linear layer of a loaded model, and a tied lm_head (kept plain for the embedding,
-    packed as `model.lm_head_packed`)."""
-    for m in model.modules():
-        if isinstance(m, PackableLinear):
-            m.pack()
-    if getattr(model, "lm_head", False) is None:
-        model.lm_head_packed = pack_weight(model.lm_head_weight)
+    packed as `model.lm_head_packed`). Panel-packed weights share one huge-page allocation, in forward
+    order, so a decode step streams them as one sequential run."""
+    layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    tied = getattr(model, "lm_head", False) is None
+    weights = [m.weight for m in layers] + ([model.lm_head_weight] if tied else [])
+    sizes = [panel_numel(w) if _packing(w) == "panels" else 0 for w in weights]
+    arena = huge_zeros(sum(sizes)) if sum(sizes) else None
+    views, offset = [], 0
+    for n in sizes:
+        views.append(arena[offset:offset + n] if n else None)
+        offset += n
+    for m, into in zip(layers, views, strict=False):
+        m.pack(into)
+    if tied:
+        model.lm_head_packed = pack_weight(model.lm_head_weight, views[-1])
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

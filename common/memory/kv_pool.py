@@ -15,7 +15,11 @@ strided. Attention reads and writes through the flat view `[rows, head_dim]` of 
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from common.memory.huge_pages import huge_zeros
 
 
 class KVPool:
@@ -30,7 +34,8 @@ class KVPool:
         self.layer_ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
         self._index = {lid: i for i, lid in enumerate(self.layer_ids)}
         n = len(self.layer_ids)
-        self.data = torch.zeros((num_pages, 2, n, kv_heads, page_size, head_dim), dtype=dtype)
+        shape = (num_pages, 2, n, kv_heads, page_size, head_dim)
+        self.data = huge_zeros(math.prod(shape), dtype).view(shape)
         self.flat = self.data.view(-1, head_dim)
         self.buffer_rows = kv_heads * page_size  # flat rows of one page of one layer's K
         self.page_rows = 2 * n * self.buffer_rows  # flat rows of one page of the pool
