@@ -1,8 +1,8 @@
 """Native CPU kernels, compiled once with the system C compiler and loaded with ctypes.
 
 `paged_decode_attention()` (`paged_attention.c`), `add_rms_norm()` (`rms_norm.c`),
-`rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`) and `packed_gemm()` (`gemm.c`)
-return the loaded C function, or None when it cannot be used (no C compiler, a failed build, no
+`rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`), `argmax_rows()` (`argmax.c`) and
+`packed_gemm()` (`gemm.c`) return the loaded C function, or None when it cannot be used (no C compiler, a failed build, no
 AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers then take the torch paths, which compute
 the same thing. The GEMM reads each weight once per matmul from a panel layout and beats oneDNN's
 packed matmul at decode batch sizes (`common/layers/linear.py`); the others replace chains of small
@@ -30,7 +30,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 HEADERS = [Path(__file__).with_name("vec_math.h")]
-SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c", "activation.c")]
+SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c", "activation.c", "argmax.c")]
 
 
 def _cpu_flags() -> set[str]:
@@ -94,6 +94,7 @@ _SIGNATURES = {
     "packed_gemm": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], None),
     "packed_gemm_supported": ([], ctypes.c_int),
     "silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64], None),
+    "argmax_rows": ([_PTR, _I64, _I64, _I64, _PTR], None),
 }
 
 
@@ -130,6 +131,10 @@ def add_rms_norm():
 
 def rotary_apply():
     return _kernel("rotary_apply")
+
+
+def argmax_rows():
+    return _kernel("argmax_rows")
 
 
 def silu_and_mul():

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.layers import native
 from common.protocol import SamplingParams
 
 # temperatures below this are treated as greedy (dividing by them would overflow)
@@ -281,6 +282,17 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise `torch.argmax(logits, dim=-1)` (first maximum; a NaN wins), through the native kernel
+    for float32 rows: torch's runs one thread, ~0.5 ms on a batch of 16 x 49152 here."""
+    kernel = native.argmax_rows()
+    if kernel is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        return torch.argmax(logits, dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    kernel(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr())
+    return out
+
+
 class Sampler:
     """`Sampler()(logits, info, top_logprobs_nums) -> SampleOutput`; see the module docstring."""
 
@@ -301,11 +313,11 @@ class Sampler:
         raw = logits.float()
 
         if info.all_greedy and not info.has_penalties and not return_logprob and not want_top:
-            return SampleOutput(torch.argmax(raw, dim=-1), None, None)
+            return SampleOutput(argmax(raw), None, None)
 
         x = apply_penalties(raw.clone(), info) if info.has_penalties else raw
         if info.all_greedy:
-            next_ids = torch.argmax(x, dim=-1)
+            next_ids = argmax(x)
         else:
             next_ids = self._sample(x, info)
 
@@ -324,7 +336,7 @@ class Sampler:
         free = [i for i in range(info.batch_size) if not greedy[i] and i not in seeded_set]
         filtering = info.need_top_k or info.need_top_p or info.need_min_p
         if any(greedy):
-            next_ids = torch.argmax(x, dim=-1)  # final for the greedy rows
+            next_ids = argmax(x)  # final for the greedy rows
         else:
             next_ids = torch.empty(info.batch_size, dtype=torch.int64)
         if free:

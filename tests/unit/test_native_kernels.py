@@ -144,3 +144,28 @@ def test_silu_and_mul_matches_torch(rows, n, monkeypatch):
     assert rel_err(out) < 1e-6
     monkeypatch.setattr(native, "silu_and_mul", lambda: None)
     assert rel_err(activation.silu_and_mul(gate_up)) < 1e-6
+
+
+def test_argmax_matches_torch():
+    """Ties (first index wins), the maximum in the vector body or the scalar tail, -inf rows, NaNs
+    (the first NaN wins, in the body or in the tail), a row stride."""
+    from common.layers.sampling import argmax
+
+    assert native.argmax_rows() is not None
+    g = torch.Generator().manual_seed(11)
+    wide = torch.randn(12, 1003 + 4, generator=g)
+    x = wide[:, :1003]
+    x[1, 7] = x[1, 900] = 50.0  # tie: 7
+    x[2, 1001] = 60.0  # in the tail
+    x[3] = float("-inf")
+    x[4, 500] = float("nan")
+    x[4, 600] = float("nan")
+    x[5, 1002] = float("nan")  # NaN only in the tail
+    x[5, 3] = 99.0
+    x[6, :] = 1.0  # all equal
+    out = argmax(x)
+    assert out.dtype == torch.int64
+    assert torch.equal(out, torch.argmax(x, dim=-1))
+    assert out[:7].tolist()[1:] == [7, 1001, 0, 500, 1002, 0]
+    big = torch.randn(40, 49152, generator=g)  # the OpenMP path
+    assert torch.equal(argmax(big), torch.argmax(big, dim=-1))
