@@ -157,13 +157,15 @@ class TorchAttentionBackend:
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         if q.stride(1) != 1:
             q = q.contiguous()
-        if k.stride() != v.stride() or k.stride()[1:] != (d, 1) or k.dtype != torch.float32:
+        if k.stride()[1:] != (d, 1) or k.dtype != torch.float32:
             k = k.to(torch.float32).contiguous()
+        if v.stride()[1:] != (d, 1) or v.dtype != torch.float32:
             v = v.to(torch.float32).contiguous()
         out = torch.empty(b, hkv * g * d, dtype=q.dtype)
         rc = self.native(q.data_ptr(), q.stride(0), pool.flat.data_ptr(), md.rows.data_ptr(), md.lens.data_ptr(),
                          b, hkv, g, d, md.max_len, pool.layer_offset(layer_id), pool.v_offset, self.scaling,
-                         out.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), md.write_rows.data_ptr())
+                         out.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                         md.write_rows.data_ptr())
         if rc != 0:
             raise RuntimeError(f"native paged attention failed (group {g}, head_dim {d})")
         return out

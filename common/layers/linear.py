@@ -254,8 +254,10 @@ class RowParallelLinear(PackableLinear):
         _copy_checked(param, loaded, "row parallel bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:  # nothing to reduce: the bias goes in with the matmul
+            return self.matmul(x, self.bias)
         y = self.matmul(x)
-        if self.reduce_results and self.tp_size > 1:
+        if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y, self.tp_group)
         if self.bias is not None:
             y = y + self.bias

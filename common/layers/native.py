@@ -1,8 +1,9 @@
 """Native CPU kernels, compiled once with the system C compiler and loaded with ctypes.
 
 `paged_decode_attention()` (`paged_attention.c`), `add_rms_norm()` (`rms_norm.c`),
-`rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`), `argmax_rows()` (`argmax.c`) and
-`packed_gemm()` (`gemm.c`) return the loaded C function, or None when it cannot be used (no C compiler, a failed build, no
+`rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`), `argmax_rows()` (`argmax.c`),
+`packed_gemm()` (`gemm.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
+a decode step of a whole Llama-family stack) return the loaded C function, or None when it cannot be used (no C compiler, a failed build, no
 AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers then take the torch paths, which compute
 the same thing. The GEMM reads each weight once per matmul from a panel layout and beats oneDNN's
 packed matmul at decode batch sizes (`common/layers/linear.py`); the others replace chains of small
@@ -30,7 +31,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 HEADERS = [Path(__file__).with_name("vec_math.h")]
-SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c", "activation.c", "argmax.c")]
+SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c", "activation.c", "argmax.c", "decoder_stack.c")]
 
 
 def _cpu_flags() -> set[str]:
@@ -88,13 +89,14 @@ def build() -> Path:
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_attention": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR,
-                                _PTR, _PTR, _I64, _PTR], ctypes.c_int),
+                                _PTR, _I64, _PTR, _I64, _PTR], ctypes.c_int),
     "add_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "rotary_apply": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64], None),
     "packed_gemm": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], None),
     "packed_gemm_supported": ([], ctypes.c_int),
     "silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64], None),
     "argmax_rows": ([_PTR, _I64, _I64, _I64, _PTR], None),
+    "decoder_stack": ([_PTR, _I64, _PTR, _PTR, _PTR], ctypes.c_int),
 }
 
 
@@ -131,6 +133,11 @@ def add_rms_norm():
 
 def rotary_apply():
     return _kernel("rotary_apply")
+
+
+def decoder_stack():
+    """Whole-stack decode (`decoder_stack.c`); it runs the panel GEMM, so it needs AVX2 + FMA too."""
+    return _kernel("decoder_stack") if packed_gemm() is not None else None
 
 
 def argmax_rows():

@@ -11,8 +11,8 @@
 // for request b and KV head h in the first layer; a layer's K row is rows + k_off, its V row
 // rows + k_off + v_off. q is [B, H, G, D] (G query heads per KV head) with q_stride floats from
 // one request to the next; out is [B, H, G, D] contiguous.
-// When write_rows is given, each request's new K and V (k_new / v_new: [B, H, D] with kv_stride floats
-// from one request to the next) are first stored at flat row write_rows[b * H + h] (+ the layer's
+// When write_rows is given, each request's new K and V (k_new / v_new: [B, H, D] with k_stride /
+// v_stride floats from one request to the next) are first stored at flat row write_rows[b * H + h] (+ the layer's
 // offsets), so the step needs no separate scatter.
 // Request b attends to its first lens[b] tokens. One (b, h) pair per task: each K and V row is
 // read once for the G query heads that share it.
@@ -206,7 +206,7 @@ static void heads_avx2(const float *q, const float *pool, const int64_t *rows, i
 int paged_decode_attention(const float *q, int64_t q_stride, float *pool, const int64_t *rows,
                            const int64_t *lens, int64_t B, int64_t H, int64_t G, int64_t D, int64_t Lmax,
                            int64_t k_off, int64_t v_off, float scale, float *out, const float *k_new,
-                           const float *v_new, int64_t kv_stride, const int64_t *write_rows) {
+                           int64_t k_stride, const float *v_new, int64_t v_stride, const int64_t *write_rows) {
     if (G > MAX_G || D > MAX_D) return -1;
     int failed = 0;
 #pragma omp parallel
@@ -224,7 +224,7 @@ int paged_decode_attention(const float *q, int64_t q_stride, float *pool, const 
             if (len > Lmax) len = Lmax;
             if (write_rows) {  // this step's token of (b, h) goes into the pool before it is read
                 float *kd = pool + (write_rows[bh] + k_off) * D, *vd = kd + v_off * D;
-                const float *ks = k_new + b * kv_stride + h * D, *vs = v_new + b * kv_stride + h * D;
+                const float *ks = k_new + b * k_stride + h * D, *vs = v_new + b * v_stride + h * D;
                 for (int64_t i = 0; i < D; i++) {
                     kd[i] = ks[i];
                     vd[i] = vs[i];

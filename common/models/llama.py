@@ -31,6 +31,7 @@ from common.layers.linear import (
 from common.layers.norm import RMSNorm, default_weight_loader
 from common.layers.rotary import RotaryEmbedding
 from common.models.config import ModelConfig
+from common.models.decoder_stack import DecoderStack
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
+_UNSET = object()
+
+
 class LlamaForCausalLM(nn.Module):
+    decoder_stack = _UNSET  # common/models/decoder_stack.py: decode steps in one native call
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
     stacked_params = (
         (".q_proj.", ".qkv_proj.", "q"),
@@ -161,6 +166,11 @@ class LlamaForCausalLM(nn.Module):
             self.attn_backend.init_forward_metadata(fb)
         h = F.embedding(fb.input_ids, self.model.embed_tokens.weight)
         cos, sin = self.rotary.cos_sin(fb.positions)
+        if self.decoder_stack is _UNSET:  # decided once, after the weights were packed
+            self.decoder_stack = DecoderStack.for_model(self)
+        if self.decoder_stack is not None and self.decoder_stack.accepts(fb):
+            residual = self.decoder_stack.run(h, cos, sin, fb)
+            return final_logits(self, h, residual, fb)
         residual = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, cos, sin, fb)

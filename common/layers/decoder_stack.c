@@ -1,0 +1,70 @@
+// A decode step through every layer of a Llama-family decoder in one call (CPU, float32). Built and
+// loaded by common/layers/native.py; common/models/llama.py calls it for decode batches that qualify
+// (one TP rank, no q/k norm, panel-packed weights, the native attention path) and runs its layer
+// modules otherwise. It chains the same kernels those modules call, in the same order, so the two
+// paths give identical results; what it saves is the Python between the kernels (~10 small calls and
+// ~40 tensor operations per layer: several milliseconds per step at decode batch sizes).
+#include <stdint.h>
+#include <string.h>
+
+void packed_gemm(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy, int64_t M,
+                 int64_t N, int64_t K);
+void add_rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t res_stride, float *res_out,
+                  const float *w, float *out, int64_t rows, int64_t n, float eps);
+void rotary_apply(const float *x, int64_t x_stride, const float *cos, const float *sin, float *out, int64_t T,
+                  int64_t heads, int64_t D);
+int paged_decode_attention(const float *q, int64_t q_stride, float *pool, const int64_t *rows, const int64_t *lens,
+                           int64_t B, int64_t H, int64_t G, int64_t D, int64_t Lmax, int64_t k_off, int64_t v_off,
+                           float scale, float *out, const float *k_new, int64_t k_stride, const float *v_new,
+                           int64_t v_stride, const int64_t *write_rows);
+void silu_and_mul(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t n);
+
+// One layer's weights (panel-packed projections; biases and the KV offset may be 0 / NULL).
+typedef struct {
+    const float *input_norm, *post_norm;
+    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    int64_t kv_offset;  // the layer's K rows = token rows + kv_offset
+} DecoderLayer;
+
+// The shapes every layer shares, and this step's batch.
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale;
+    int64_t tokens;  // T: one new token per request
+    const float *cos, *sin;  // [T, head_dim / 2]
+    float *pool;  // the KV pool's flat [rows, head_dim] view
+    const int64_t *rows, *lens, *write_rows;  // attention metadata (common/layers/attention.py)
+    int64_t max_len, v_offset;
+    // scratch, each at least: qkv T*(H+2K)*D, qk T*(H+K)*D, attn T*H*D, x T*hidden, gate_up T*2*inter,
+    // act T*inter
+    float *qkv, *qk, *attn, *x, *gate_up, *act;
+} DecodeStep;
+
+// h [T, hidden]: the embeddings in, the last layer's MLP output out. residual [T, hidden]: out only (the
+// running sum before the last layer's MLP), as the modules leave them for the final norm.
+// Returns 0, or the attention kernel's error.
+int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep *s, float *h, float *residual) {
+    const int64_t T = s->tokens, E = s->hidden, D = s->head_dim, H = s->heads, K = s->kv_heads;
+    const int64_t q_size = H * D, kv_size = K * D, qkv_w = q_size + 2 * kv_size, qk_w = q_size + kv_size;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const DecoderLayer *L = layers + l;
+        if (l == 0) {  // the first layer's residual is its input
+            memcpy(residual, h, sizeof(float) * (size_t)(T * E));
+            add_rms_norm(h, E, 0, 0, 0, L->input_norm, s->x, T, E, s->eps);
+        } else {
+            add_rms_norm(h, E, residual, E, residual, L->input_norm, s->x, T, E, s->eps);
+        }
+        packed_gemm(s->x, E, L->qkv, L->qkv_bias, s->qkv, qkv_w, T, qkv_w, E);
+        rotary_apply(s->qkv, qkv_w, s->cos, s->sin, s->qk, T, H + K, D);
+        const int rc = paged_decode_attention(s->qk, qk_w, s->pool, s->rows, s->lens, T, K, H / K, D, s->max_len,
+                                              L->kv_offset, s->v_offset, s->scale, s->attn, s->qk + q_size, qk_w,
+                                              s->qkv + qk_w, qkv_w, s->write_rows);
+        if (rc != 0) return rc;
+        packed_gemm(s->attn, q_size, L->o, L->o_bias, h, E, T, E, q_size);
+        add_rms_norm(h, E, residual, E, residual, L->post_norm, s->x, T, E, s->eps);
+        packed_gemm(s->x, E, L->gate_up, L->gate_up_bias, s->gate_up, 2 * s->inter, T, 2 * s->inter, E);
+        silu_and_mul(s->gate_up, 2 * s->inter, s->act, T, s->inter);
+        packed_gemm(s->act, s->inter, L->down, L->down_bias, h, E, T, E, s->inter);
+    }
+    return 0;
+}

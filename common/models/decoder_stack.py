@@ -1,0 +1,111 @@
+"""Decode steps of a Llama-family model through `decoder_stack.c`: every layer in one native call.
+
+The layer modules of `common/models/llama.py` run ~10 native kernels per layer with ~40 small tensor
+operations around them; at decode batch sizes that Python costs several milliseconds per step. When a
+model qualifies, `DecoderStack.run` hands the whole stack to the C driver, which chains the same
+kernels in the same order (so the logits are the same), and leaves `h` and `residual` where the layer
+loop would, for `final_logits`.
+
+A model qualifies when: the native kernels are built, one TP rank (no all-reduce between layers), no
+per-head q/k norm, every projection panel-packed (`common/layers/linear.py`), float32 norms, and the
+plain attention backend (not a sliding-window one). A batch qualifies when it is a decode batch on the native attention
+path (`TorchAttentionMetadata.rows`). Everything else runs the modules. `PDSERVE_DECODER_STACK=0`
+turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from common.forward_batch import ForwardBatch, ForwardMode
+from common.layers import native
+from common.layers.attention import TorchAttentionBackend
+
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
+                                       "gate_up_bias", "down", "down_bias")] + [("kv_offset", _I64)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = ([(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")]
+                + [("eps", _F32), ("scale", _F32), ("tokens", _I64), ("cos", _P), ("sin", _P), ("pool", _P),
+                   ("rows", _P), ("lens", _P), ("write_rows", _P), ("max_len", _I64), ("v_offset", _I64)]
+                + [(name, _P) for name in ("qkv", "qk", "attn", "x", "gate_up", "act")])
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecoderStack:
+    """Built once per model (`for_model`); None when the model does not qualify."""
+
+    def __init__(self, model, kernel) -> None:
+        cfg = model.config
+        self.kernel = kernel
+        first = model.model.layers[0]
+        attn = first.self_attn
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.hidden = cfg.hidden_size
+        self.inter = first.mlp.down_proj.input_size_per_partition
+        self.eps = first.input_layernorm.variance_epsilon
+        self.scale = model.attn_backend.scaling
+        self.model = model
+        self.layers = (_Layer * len(model.model.layers))()
+        self._offsets_for = None  # the KV pool the layer offsets were filled for
+        for i, layer in enumerate(model.model.layers):
+            a, m = layer.self_attn, layer.mlp
+            self.layers[i] = _Layer(
+                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
+                _ptr(a.qkv_proj.packed), _ptr(a.qkv_proj.bias), _ptr(a.o_proj.packed), _ptr(a.o_proj.bias),
+                _ptr(m.gate_up_proj.packed), _ptr(m.gate_up_proj.bias), _ptr(m.down_proj.packed),
+                _ptr(m.down_proj.bias), 0)
+
+    @classmethod
+    def for_model(cls, model) -> DecoderStack | None:
+        kernel = native.decoder_stack()
+        if kernel is None or os.environ.get("PDSERVE_DECODER_STACK", "1") == "0":
+            return None
+        cfg = model.config
+        layers = list(model.model.layers)
+        if (model.tp_size != 1 or cfg.qk_norm or not layers
+                or type(model.attn_backend) is not TorchAttentionBackend):  # e.g. sliding-window backends
+            return None
+        for layer in layers:
+            projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj)
+            if any(p.packed is None or p.packed.dim() != 3 for p in projections):
+                return None
+            if any(n.weight.dtype != torch.float32 for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+                return None
+        return cls(model, kernel)
+
+    def accepts(self, fb: ForwardBatch) -> bool:
+        md = fb.attn_metadata
+        return fb.mode == ForwardMode.DECODE and md is not None and md.rows is not None and fb.input_ids.numel() > 0
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Every layer over `h` (`[T, hidden]`, updated in place); returns the residual."""
+        pool, md = fb.kv_pool, fb.attn_metadata
+        if self._offsets_for is not pool:
+            for i, layer in enumerate(self.model.model.layers):
+                self.layers[i].kv_offset = pool.layer_offset(layer.self_attn.layer_id)
+            self._offsets_for = pool
+        t, d, hq, hk = h.shape[0], self.head_dim, self.heads, self.kv_heads
+        scratch = [torch.empty(t, n) for n in ((hq + 2 * hk) * d, (hq + hk) * d, hq * d, self.hidden,
+                                               2 * self.inter, self.inter)]
+        residual = torch.empty_like(h)
+        step = _Step(self.hidden, hq, hk, d, self.inter, self.eps, self.scale, t, cos.data_ptr(), sin.data_ptr(),
+                     pool.flat.data_ptr(), md.rows.data_ptr(), md.lens.data_ptr(), md.write_rows.data_ptr(),
+                     md.max_len, pool.v_offset, *(s.data_ptr() for s in scratch))
+        rc = self.kernel(ctypes.addressof(self.layers), len(self.layers), ctypes.addressof(step), h.data_ptr(),
+                         residual.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"native decoder stack failed ({rc})")
+        return residual
