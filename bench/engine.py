@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-prompt-len", type=int, default=128, help="prompt tokens before decoding")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the prefill measurement")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats of each measurement")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed repeats of each measurement (this VM's speed drifts by up to 1.5x over seconds)")
     p.add_argument("--skip-hf", action="store_true", help="measure only our engine (no ratios vs HF)")
     args = p.parse_args(argv)
     if args.decode_steps < 2:
