@@ -216,9 +216,12 @@ class HFEngine:
 
 # ---------------------------------------------------------------------------------------------- bandwidth
 def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
+    """Best memcpy and read (sum) rates over buffers on huge pages, as the packed weights are."""
+    from common.memory.huge_pages import huge_zeros
+
     n = nbytes // 4
-    src = torch.ones(n, dtype=torch.float32)
-    dst = torch.empty_like(src)
+    src = huge_zeros(n).fill_(1.0)
+    dst = huge_zeros(n)
     dst.copy_(src)
     copy_times, read_times = [], []
     for _ in range(repeats):
