@@ -26,6 +26,7 @@ Every measurement is warmed up, repeated `--repeats` times interleaving ours and
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -77,6 +78,8 @@ class OurEngine:
                           max_running_requests=max_batch, page_size=page,
                           context_length=max_tokens_per_req + page)
         self.runner = ModelRunner(args, model_dir)
+        gc.collect()
+        gc.freeze()  # as the scheduler process does before its loop
         self.cfg = self.runner.model_config
         self.vocab = self.runner.vocab_size
 

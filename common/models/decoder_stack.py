@@ -56,7 +56,7 @@ class DecoderStack:
         self.inter = first.mlp.down_proj.input_size_per_partition
         self.eps = first.input_layernorm.variance_epsilon
         self.scale = model.attn_backend.scaling
-        self.model = model
+        self.layer_ids = [layer.self_attn.layer_id for layer in model.model.layers]  # no reference to the model
         self.layers = (_Layer * len(model.model.layers))()
         self._offsets_for = None  # the KV pool the layer offsets were filled for
         for i, layer in enumerate(model.model.layers):
@@ -94,8 +94,8 @@ class DecoderStack:
         """Every layer over `h` (`[T, hidden]`, updated in place); returns the residual."""
         pool, md = fb.kv_pool, fb.attn_metadata
         if self._offsets_for is not pool:
-            for i, layer in enumerate(self.model.model.layers):
-                self.layers[i].kv_offset = pool.layer_offset(layer.self_attn.layer_id)
+            for i, layer_id in enumerate(self.layer_ids):
+                self.layers[i].kv_offset = pool.layer_offset(layer_id)
             self._offsets_for = pool
         t, d, hq, hk = h.shape[0], self.head_dim, self.heads, self.kv_heads
         scratch = [torch.empty(t, n) for n in ((hq + 2 * hk) * d, (hq + hk) * d, hq * d, self.hidden,

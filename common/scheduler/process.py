@@ -9,6 +9,7 @@ so the other ranks leave too.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -172,6 +173,11 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: I
     ready_conn.send(_ready_info(scheduler))
     logger.info("ready: %d KV tokens, page size %d, context %d", scheduler.allocator.capacity,
                 scheduler.page_size, scheduler.context_length)
+    # The model and pools live as long as the process: moving them out of the collector's reach keeps
+    # the full collections that the loop's allocations trigger from walking them (~3% of a decode
+    # step's CPU time before).
+    gc.collect()
+    gc.freeze()
     code = 0
     try:
         scheduler.event_loop()
