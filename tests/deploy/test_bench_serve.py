@@ -46,7 +46,10 @@ def test_bench_serve_random_dataset_report(node, tmp_path, capsys):
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         p = s[key]
         assert p["n"] > 0 and p["p50"] <= p["p90"] <= p["p99"]
-    assert s["itl_ms"]["n"] == 8 * 5  # one gap between each pair of the 6 streamed tokens
+    # at most one gap between each pair of the 6 streamed tokens: fewer when a token's text is held back
+    # (a random model's byte-level token that ends inside a UTF-8 character streams no text; its text
+    # comes with the next token's chunk)
+    assert s["itl_ms"]["n"] <= 8 * 5
     # generous SLOs: every request is good
     assert s["good_requests"] == 8 and s["goodput"] == pytest.approx(s["request_throughput"], rel=1e-3)
     assert s["output_throughput"] > 0 and s["input_throughput"] > 0
