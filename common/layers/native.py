@@ -3,14 +3,16 @@
 `paged_decode_attention()` (`paged_attention.c`), `add_rms_norm()` (`rms_norm.c`),
 `rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`), `argmax_rows()` (`argmax.c`),
 `packed_gemm()` (`gemm.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
-a decode step of a whole Llama-family stack) return the loaded C function, or None when it cannot be used (no C compiler, a failed build, no
-AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers then take the torch paths, which compute
-the same thing. The GEMM reads each weight once per matmul from a panel layout and beats oneDNN's
-packed matmul at decode batch sizes (`common/layers/linear.py`); the others replace chains of small
-torch ops whose per-op dispatch dominates at decode batch sizes (a residual add + F.rms_norm on one
-576-wide row: ~24 us here; the kernel ~14 us). The shared object is cached under
-`$PDSERVE_CACHE_DIR/native` (default `~/.cache/pdserve/native`), named by a hash of the source and
-the compiler flags, and written atomically, so concurrent processes may build it at the same time.
+a decode step of a whole Llama-family stack) return the loaded C function, or None when it cannot be
+used (no C compiler, a failed build, no AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers
+then take the torch paths, which compute the same thing. The GEMM reads each weight once per matmul
+from a panel layout and beats oneDNN's packed matmul at decode batch sizes (`common/layers/linear.py`);
+the others replace chains of small torch ops whose per-op dispatch dominates at decode batch sizes (a
+residual add + F.rms_norm on one 576-wide row: ~24 us here; the kernel ~14 us).
+
+The shared object is cached under `$PDSERVE_CACHE_DIR/native` (default `~/.cache/pdserve/native`),
+named by a hash of the sources and the compiler flags, and written atomically, so concurrent
+processes may build it at the same time.
 OpenMP comes from the runtime torch has already loaded, so the kernel honours `torch.set_num_threads`.
 `make setup` builds it ahead of time (`python -m common.layers.native`).
 """
