@@ -1,8 +1,9 @@
 """The MLP's activation: `silu(gate) * up` on a fused `[.., gate | up]` projection output.
 
 Float32 rows with a contiguous last dimension go through the native kernel (`activation.c`, one pass
-over the row); everything else, and builds without the kernels, through `F.silu(gate) * up`. At decode
-batch sizes the two torch ops cost ~50 us per layer here, the kernel a few.
+over the row); everything else, and builds without the kernels, through `F.silu(gate) * up`. On a
+16 x (2 x 1536) batch here the two torch ops take ~65 us, this function ~35 us (~14 of them in the
+kernel).
 """
 
 from __future__ import annotations

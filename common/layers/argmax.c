@@ -8,7 +8,7 @@
 #include <math.h>
 #include <stdint.h>
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "vec_math.h"
 #endif
 
 static int64_t argmax_row(const float *x, int64_t n) {
@@ -21,9 +21,7 @@ static int64_t argmax_row(const float *x, int64_t n) {
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         vm = _mm256_max_ps(vm, v);
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, vm);
-    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    m = hmax8(vm);
     if (_mm256_movemask_ps(nan)) {
         for (int64_t j = 0; j < n; j++)
             if (isnan(x[j])) return j;

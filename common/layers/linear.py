@@ -137,7 +137,7 @@ def pack_linears(model: nn.Module) -> None:
     for n in sizes:
         views.append(arena[offset:offset + n] if n else None)
         offset += n
-    for m, into in zip(layers, views, strict=False):
+    for m, into in zip(layers, views[:len(layers)], strict=True):
         m.pack(into)
     if tied:
         model.lm_head_packed = pack_weight(model.lm_head_weight, views[-1])

@@ -12,8 +12,7 @@ residual add + F.rms_norm on one 576-wide row: ~24 us here; the kernel ~14 us).
 
 The shared object is cached under `$PDSERVE_CACHE_DIR/native` (default `~/.cache/pdserve/native`),
 named by a hash of the sources and the compiler flags, and written atomically, so concurrent
-processes may build it at the same time.
-OpenMP comes from the runtime torch has already loaded, so the kernel honours `torch.set_num_threads`.
+processes may build it at the same time. OpenMP comes from the runtime torch has already loaded, so the kernel honours `torch.set_num_threads`.
 `make setup` builds it ahead of time (`python -m common.layers.native`).
 """
 
@@ -33,7 +32,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 HEADERS = [Path(__file__).with_name("vec_math.h")]
-SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c", "activation.c", "argmax.c", "decoder_stack.c")]
+SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c",
+                                                 "activation.c", "argmax.c", "decoder_stack.c")]
 
 
 def _cpu_flags() -> set[str]:

@@ -12,8 +12,8 @@
 // rows + k_off + v_off. q is [B, H, G, D] (G query heads per KV head) with q_stride floats from
 // one request to the next; out is [B, H, G, D] contiguous.
 // When write_rows is given, each request's new K and V (k_new / v_new: [B, H, D] with k_stride /
-// v_stride floats from one request to the next) are first stored at flat row write_rows[b * H + h] (+ the layer's
-// offsets), so the step needs no separate scatter.
+// v_stride floats from one request to the next) are first stored at flat row write_rows[b * H + h]
+// (+ the layer's offsets), so the step needs no separate scatter.
 // Request b attends to its first lens[b] tokens. One (b, h) pair per task: each K and V row is
 // read once for the G query heads that share it.
 #include <math.h>
@@ -83,9 +83,7 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
 static inline float dot(const float *a, const float *b, int64_t D) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+    return hsum8(acc);
 }
 
 // e^x for the softmax's x <= 0; below -87 (where exp8 clamps) the term is 0
@@ -94,14 +92,12 @@ static inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_andnot_ps(tiny, exp8(x));
 }
 
-// scores[0..len) -> softmax, in place
+// scores[0..len) -> softmax, in place (the tail past the last 8 through expf)
 static inline void softmax_row(float *sc, int64_t len) {
     __m256 vm = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
     for (; i + 8 <= len; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sc + i));
-    float lanes[8], m = -INFINITY;
-    _mm256_storeu_ps(lanes, vm);
-    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    float m = hmax8(vm);
     for (; i < len; i++) m = sc[i] > m ? sc[i] : m;
     const __m256 mv = _mm256_set1_ps(m);
     __m256 vs = _mm256_setzero_ps();
@@ -110,18 +106,15 @@ static inline void softmax_row(float *sc, int64_t len) {
         _mm256_storeu_ps(sc + i, e);
         vs = _mm256_add_ps(vs, e);
     }
-    float tail[8] = {0}, sum = 0.f;
-    const int64_t rest = len - i;
-    for (int64_t j = 0; j < rest; j++) tail[j] = sc[i + j] - m;
-    for (int64_t j = rest; j < 8; j++) tail[j] = -INFINITY;
-    const __m256 et = exp_nonpositive(_mm256_loadu_ps(tail));
-    _mm256_storeu_ps(lanes, _mm256_add_ps(vs, et));
-    for (int j = 0; j < 8; j++) sum += lanes[j];
-    _mm256_storeu_ps(tail, et);
-    for (int64_t j = 0; j < rest; j++) sc[i + j] = tail[j];
-    const __m256 inv = _mm256_set1_ps(1.f / sum);
-    for (i = 0; i + 8 <= len; i += 8) _mm256_storeu_ps(sc + i, _mm256_mul_ps(_mm256_loadu_ps(sc + i), inv));
-    for (; i < len; i++) sc[i] *= 1.f / sum;
+    float sum = hsum8(vs);
+    for (int64_t j = i; j < len; j++) {
+        sc[j] = expf(sc[j] - m);
+        sum += sc[j];
+    }
+    const float inv = 1.f / sum;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (i = 0; i + 8 <= len; i += 8) _mm256_storeu_ps(sc + i, _mm256_mul_ps(_mm256_loadu_ps(sc + i), vinv));
+    for (; i < len; i++) sc[i] *= inv;
 }
 
 // out[0 .. 8 NV) = sum over tokens i of s[i] * V_i[0 .. 8 NV) (V_i at vc + rows[i] * D): NV independent
@@ -148,8 +141,10 @@ static inline __attribute__((always_inline)) void pv(const int NV, const float *
 // Same contract as one_head; D % 8 == 0.
 static void heads_avx2(const float *q, const float *pool, const int64_t *rows, int64_t len, int64_t G, int64_t D,
                        int64_t k_off, int64_t v_off, float scale, float *out, float *scores) {
-    for (int64_t g = 0; g < G * D; g++) out[g] = 0.f;
-    if (len <= 0) return;
+    if (len <= 0) {  // otherwise P.V stores every output
+        for (int64_t g = 0; g < G * D; g++) out[g] = 0.f;
+        return;
+    }
     const __m256 vscale = _mm256_set1_ps(scale);
     int64_t t = 0;
     for (; t + 8 <= len; t += 8) {

@@ -4,8 +4,9 @@
 kernel may back it with 2 MiB pages even where THP is in `madvise` mode (the default of many
 distributions, and of this machine). The KV pool and the packed weights use it: decode reads the pool
 in 4 KB runs spread over the whole allocation and streams every weight once per step, and with 4 KB
-pages each run costs a TLB miss. Measured on the decode attention kernel with the KV coming from
-DRAM: ~10-15% faster. Where the advice is refused (no THP, or `PDSERVE_HUGE_PAGES=0`) the memory
+pages each run costs a TLB miss. Measured here (a noisy VM, alternating runs): the decode attention
+kernel over 30 layers with the KV coming from DRAM ~10% faster on average, a batch-16 SmolLM2 step's
+median 77 -> 63 ms. Where the advice is refused (no THP, or `PDSERVE_HUGE_PAGES=0`) the memory
 is ordinary anonymous memory, so correctness never depends on it.
 """
 

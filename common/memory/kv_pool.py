@@ -103,5 +103,4 @@ class KVPool:
 
     def buffers(self) -> list[torch.Tensor]:
         """Every layer's K, then every layer's V (strided views; `page_stride` apart per page)."""
-        n = len(self.layer_ids)
-        return [self.data[:, 0, i] for i in range(n)] + [self.data[:, 1, i] for i in range(n)]
+        return [self.k(lid) for lid in self.layer_ids] + [self.v(lid) for lid in self.layer_ids]

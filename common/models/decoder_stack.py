@@ -8,9 +8,9 @@ loop would, for `final_logits`.
 
 A model qualifies when: the native kernels are built, one TP rank (no all-reduce between layers), no
 per-head q/k norm, every projection panel-packed (`common/layers/linear.py`), float32 norms, and the
-plain attention backend (not a sliding-window one). A batch qualifies when it is a decode batch on the native attention
-path (`TorchAttentionMetadata.rows`). Everything else runs the modules. `PDSERVE_DECODER_STACK=0`
-turns it off.
+plain attention backend (not a sliding-window one). A batch qualifies when it is a decode batch on
+the native attention path (`TorchAttentionMetadata.rows`). Everything else runs the modules.
+`PDSERVE_DECODER_STACK=0` turns it off.
 """
 
 from __future__ import annotations

@@ -124,8 +124,10 @@ def test_kv_written_to_slots():
 
 @pytest.mark.parametrize("group,d", [(1, 64), (3, 64), (4, 128), (6, 40), (2, 24)])  # 2x24: the generic loop
 def test_native_decode_matches_torch_path(group, d):
-    """Head shapes the kernel specialises and one it does not; lengths 1..70 over scattered pages,
-    a query tensor with a row stride (a slice of q|k), layers at different offsets."""
+    """Head sizes of the AVX2 path (multiples of 8; 40 ends P.V in a partial chunk) and of the generic
+    loop (24); lengths 1..70 over scattered pages (vector blocks and scalar tails), a query tensor
+    with a row stride (a slice of q|k), layers at different offsets, this step's K/V written by the
+    kernel itself."""
     kv_heads, ps, layers, b = 2, 16, 3, 5
     gen = torch.Generator().manual_seed(group * d)
     pool = KVPool(40, ps, layers, kv_heads, d)

@@ -32,7 +32,7 @@ def decode_logits(model, cfg, prompts: list[list[int]], steps: int) -> list[torc
     ("qwen2", {}),  # q/k/v bias
     ("llama", {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
 ])
-def test_stack_matches_the_layer_modules(make_tiny_model, arch, overrides, monkeypatch):
+def test_stack_matches_the_layer_modules(make_tiny_model, arch, overrides):
     model, cfg = load_model(make_tiny_model(arch, **overrides))
     prompts = [list(range(5, 5 + n)) for n in (3, 9, 17)]
     calls = []
