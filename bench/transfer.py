@@ -95,7 +95,8 @@ def _plan(tokens_list: list[int], repeats: int, pool_pages: int, seed: int) -> l
 
 def _decode_main(backend, addr, jobs, pool_pages, to_prefill, out) -> None:
     from transfer.base import KVPoll
-    from transfer.manager import KVReceiver, peer_registration
+    from transfer.control import peer_registration
+    from transfer.manager import KVReceiver
 
     mgr, pool, meta = _build("decode", backend, pool_pages, None)
     to_prefill.put((peer_registration(mgr.args, "bench", mgr.engine.describe()), pool.data.data_ptr()))
@@ -116,12 +117,13 @@ def _decode_main(backend, addr, jobs, pool_pages, to_prefill, out) -> None:
 
 def _prefill_main(backend, addr, jobs, pool_pages, from_decode, out) -> None:
     from transfer.base import KVPoll
-    from transfer.manager import KVSender, _PairPlan
+    from transfer.manager import KVSender
+    from transfer.plan import PairPlan
 
     mgr, pool, meta = _build("prefill", backend, pool_pages, addr)
     reg, dst_pool = from_decode.get(timeout=600)
     peer = mgr.engine.add_peer(reg.engine_desc)
-    plan = _PairPlan(mgr.args, reg)  # the same region planning the sender uses, for the bare-engine figure
+    plan = PairPlan(mgr.args, reg)  # the same region planning the sender uses, for the bare-engine figure
     results = []
     for job in jobs:
         n_pages = len(job["src"])

@@ -24,10 +24,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import msgspec
 import zmq
+
+if TYPE_CHECKING:
+    from transfer.base import KVArgs
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +90,16 @@ class Ping(msgspec.Struct, tag="ping"):
 class Pong(msgspec.Struct, tag="pong"):
     src: str
     seq: int
+
+
+def peer_registration(a: KVArgs, src: str, engine_desc: bytes) -> RegisterPeer:
+    """The `RegisterPeer` a decode rank with buffers `a` sends to a prefill rank."""
+    return RegisterPeer(
+        src=src, engine_desc=engine_desc, tp_rank=a.engine_rank, tp_size=a.tp_size, kv_head_num=a.kv_head_num,
+        total_kv_heads=a.total_kv_heads, start_layer=a.start_layer, kv_ptrs=a.kv_data_ptrs,
+        kv_item_lens=a.kv_item_lens, kv_item_strides=a.kv_item_strides, aux_ptrs=a.aux_data_ptrs,
+        aux_item_lens=a.aux_item_lens, state_ptrs=a.state_data_ptrs, state_item_lens=a.state_item_lens,
+        state_dims=a.state_dim_per_tensor, page_size=a.page_size, model=a.model)
 
 
 Message = Union[RegisterPeer, TransferInfo, Status, Abort, Ping, Pong]  # noqa: UP007 - msgspec wants Union

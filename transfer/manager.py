@@ -58,8 +58,18 @@ from transfer.base import (
     TransferSettings,
 )
 from transfer.bootstrap import BootstrapClient, BootstrapError
-from transfer.control import Abort, ControlPlane, Ping, Pong, RegisterPeer, Status, TransferInfo
+from transfer.control import (
+    Abort,
+    ControlPlane,
+    Ping,
+    Pong,
+    RegisterPeer,
+    Status,
+    TransferInfo,
+    peer_registration,
+)
 from transfer.engine import TransferEngine, TransferError
+from transfer.plan import PairPlan, ranks_overlapping, union
 
 logger = logging.getLogger(__name__)
 
@@ -68,131 +78,12 @@ _FINISHED_CAP = 20000
 _TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 
-def _overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int]:
-    return max(a0, b0), min(a1, b1)
-
-
-def _ranks_overlapping(lo: int, hi: int, total: int, tp: int) -> list[int]:
-    """Ranks of a tp-`tp` split of `total` units whose range overlaps [lo, hi)."""
-    per = total // tp
-    return [r for r in range(tp) if r * per < hi and (r + 1) * per > lo]
-
-
-def _union(ptrs: list[int], lens: list[int]) -> list[tuple[int, int]]:
-    """(ptr, len) of the union of the [ptr, ptr+len) ranges: overlapping or touching ones merged."""
-    out: list[tuple[int, int]] = []
-    for p, n in sorted((p, n) for p, n in zip(ptrs, lens, strict=True) if n):
-        if out and p <= out[-1][0] + out[-1][1]:
-            q, m = out[-1]
-            out[-1] = (q, max(m, p + n - q))
-        else:
-            out.append((p, n))
-    return out
-
-
-def _merge(src: np.ndarray, dst: np.ndarray, lens: np.ndarray):
-    """Sort regions by source address and merge each into the previous one when it starts where
-    the previous one ends on the source side and on the destination side; returns lists."""
-    order = np.argsort(src, kind="stable")
-    src, dst, lens = src[order], dst[order], lens[order]
-    joined = (src[:-1] + lens[:-1] == src[1:]) & (dst[:-1] + lens[:-1] == dst[1:])
-    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
-    return src[starts].tolist(), dst[starts].tolist(), np.add.reduceat(lens, starts).tolist()
-
-
-def _regions(src_base: np.ndarray, dst_base: np.ndarray, src_stride: np.ndarray, dst_stride: np.ndarray,
-             s: np.ndarray, t: np.ndarray, src_off: int, dst_off: int, length):
-    """Merged regions moving bytes [off, off + length) of item s[i] -> t[i] of every buffer b, where
-    item k of buffer b starts at base[b] + k * stride[b] (bases, strides and optionally length are
-    per-buffer arrays)."""
-    length = np.broadcast_to(np.asarray(length, dtype=np.int64), src_base.shape)
-    if s.size == 0 or src_base.size == 0 or (length <= 0).any():
-        return [], [], []
-    src = (src_base[:, None] + s[None, :] * src_stride[:, None] + src_off).ravel()
-    dst = (dst_base[:, None] + t[None, :] * dst_stride[:, None] + dst_off).ravel()
-    return _merge(src, dst, np.repeat(length, s.size))
-
-
-def _fuse_buffers(src_base: np.ndarray, dst_base: np.ndarray, src_stride: np.ndarray, dst_stride: np.ndarray,
-                  length: int):
-    """Buffers whose items sit back to back on both sides for every item index (the next buffer starts
-    `length` after this one on both sides, with the same strides) fused into one wider buffer: the
-    merge `_regions` would do for every page, done once per peer (page-first pool: 60 buffers -> 1).
-    Returns the fused bases, strides and per-buffer lengths, in source order."""
-    o = np.argsort(src_base, kind="stable")
-    sb, db, ss, ds = src_base[o], dst_base[o], src_stride[o], dst_stride[o]
-    follows = ((sb[:-1] + length == sb[1:]) & (db[:-1] + length == db[1:])
-               & (ss[:-1] == ss[1:]) & (ds[:-1] == ds[1:]))
-    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
-    return sb[starts], db[starts], ss[starts], ds[starts], np.diff(np.append(starts, sb.size)) * length
-
-
-def peer_registration(a: KVArgs, src: str, engine_desc: bytes) -> RegisterPeer:
-    """The `RegisterPeer` a decode rank with buffers `a` sends to a prefill rank."""
-    return RegisterPeer(
-        src=src, engine_desc=engine_desc, tp_rank=a.engine_rank, tp_size=a.tp_size, kv_head_num=a.kv_head_num,
-        total_kv_heads=a.total_kv_heads, start_layer=a.start_layer, kv_ptrs=a.kv_data_ptrs,
-        kv_item_lens=a.kv_item_lens, kv_item_strides=a.kv_item_strides, aux_ptrs=a.aux_data_ptrs,
-        aux_item_lens=a.aux_item_lens, state_ptrs=a.state_data_ptrs, state_item_lens=a.state_item_lens,
-        state_dims=a.state_dim_per_tensor, page_size=a.page_size, model=a.model)
-
-
-class _PairPlan:
-    """Address arithmetic for one (this prefill rank, one decode rank) pair."""
-
-    def __init__(self, args: KVArgs, reg: RegisterPeer) -> None:
-        hb = args.head_bytes
-        p_lo = args.engine_rank * args.kv_head_num
-        d_lo = reg.tp_rank * reg.kv_head_num
-        g0, g1 = _overlap(p_lo, p_lo + args.kv_head_num, d_lo, d_lo + reg.kv_head_num)
-        self.kv_src_off = (g0 - p_lo) * hb
-        self.kv_dst_off = (g0 - d_lo) * hb
-        self.kv_len = (g1 - g0) * hb
-        n_src = args.num_layers
-        n_dst = len(reg.kv_ptrs) // 2
-        layers = [args.start_layer + i for i in range(n_src)]
-        dst_idx = layers + [n_dst + j for j in layers]
-        self.kv = _fuse_buffers(np.array(args.kv_data_ptrs, dtype=np.int64),
-                                np.array([reg.kv_ptrs[j] for j in dst_idx], dtype=np.int64),
-                                np.array(args.kv_item_strides, dtype=np.int64),
-                                np.array([reg.kv_item_strides[j] for j in dst_idx], dtype=np.int64), self.kv_len)
-        # state buffers: slice of the leading dimension, per buffer (contiguous: stride = item)
-        self.state = []
-        for j, ptr in enumerate(args.state_data_ptrs):
-            ds, dd = args.state_dim_per_tensor[j], reg.state_dims[j]
-            unit = args.state_item_lens[j] // ds
-            s_lo, d_lo_ = args.engine_rank * ds, reg.tp_rank * dd
-            u0, u1 = _overlap(s_lo, s_lo + ds, d_lo_, d_lo_ + dd)
-            self.state.append((np.array([ptr], dtype=np.int64), np.array([reg.state_ptrs[j]], dtype=np.int64),
-                               np.array([args.state_item_lens[j]], dtype=np.int64),
-                               np.array([reg.state_item_lens[j]], dtype=np.int64),
-                               (u0 - s_lo) * unit, (u0 - d_lo_) * unit, (u1 - u0) * unit))
-        self.aux = list(zip(args.aux_data_ptrs, args.aux_item_lens, reg.aux_ptrs, reg.aux_item_lens, strict=True))
-
-    def kv_regions(self, src_pages: np.ndarray, dst_pages: np.ndarray):
-        sb, db, ss, ds, lens = self.kv
-        return _regions(sb, db, ss, ds, src_pages, dst_pages, self.kv_src_off, self.kv_dst_off, lens)
-
-    def state_regions(self, src_idx: np.ndarray, dst_idx: np.ndarray):
-        src, dst, lens = [], [], []
-        for sb, db, si, di, so, do, ln in self.state:
-            a, b, c = _regions(sb, db, si, di, src_idx, dst_idx, so, do, ln)
-            src += a
-            dst += b
-            lens += c
-        return src, dst, lens
-
-    def aux_regions(self, src_slot: int, dst_slot: int):
-        return ([p + src_slot * n for p, n, _, _ in self.aux], [q + dst_slot * m for _, _, q, m in self.aux],
-                [n for _, n, _, _ in self.aux])
-
-
 @dataclass
 class _DecodePeer:
     reg: RegisterPeer
     handle: str
     error: str | None
-    plan: _PairPlan | None
+    plan: PairPlan | None
     ready: bool = True
 
 
@@ -268,7 +159,7 @@ class KVManager(BaseKVManager):
         self.engine = backend if isinstance(backend, TransferEngine) else create_engine(backend, host, self.settings)
         self.moves_bytes = getattr(self.engine, "moves_bytes", True)
         # page-first kv buffers interleave: one registration covers the whole pool
-        for ptr, n in _union(args.kv_data_ptrs + args.aux_data_ptrs + args.state_data_ptrs,
+        for ptr, n in union(args.kv_data_ptrs + args.aux_data_ptrs + args.state_data_ptrs,
                              args.kv_data_lens + args.aux_data_lens + args.state_data_lens):
             self.engine.register(ptr, n)
         self._lock = threading.RLock()
@@ -406,7 +297,7 @@ class KVManager(BaseKVManager):
         if error is None:
             try:
                 handle = self.engine.add_peer(reg.engine_desc)
-                plan = _PairPlan(self.args, reg)
+                plan = PairPlan(self.args, reg)
             except Exception as e:  # engine could not reach or parse the peer
                 error = f"engine could not add decode peer: {e}"
         if error:
@@ -474,7 +365,7 @@ class KVManager(BaseKVManager):
     def _expected_decode_ranks(self, decode_tp: int) -> list[int]:
         a = self.args
         lo = a.engine_rank * a.kv_head_num
-        return _ranks_overlapping(lo, lo + a.kv_head_num, a.total_kv_heads, decode_tp)
+        return ranks_overlapping(lo, lo + a.kv_head_num, a.total_kv_heads, decode_tp)
 
     def _check_ready(self, room: int) -> None:
         """Under the lock: if the sender has init() and every overlapping decode rank's info, start."""
@@ -692,7 +583,7 @@ class KVManager(BaseKVManager):
         if a.state_data_ptrs and layout["pp_size"] > 1:
             return None, "hybrid state transfer with prefill pipeline parallelism is not supported", True
         lo = a.engine_rank * a.kv_head_num
-        ranks = _ranks_overlapping(lo, lo + a.kv_head_num, total, ptp)
+        ranks = ranks_overlapping(lo, lo + a.kv_head_num, total, ptp)
         last_pp = layout["pp_size"] - 1
         targets = []
         for pp in range(layout["pp_size"]):

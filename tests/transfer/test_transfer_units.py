@@ -1,88 +1,26 @@
-"""In-process tests of the transfer layer's pieces: region planning, metadata rows, settings,
-the backend registry, and the bootstrap server's routes and registration checks."""
+"""In-process tests of the transfer layer's pieces: KVArgs, metadata rows, settings, the backend
+registry, and the bootstrap server's routes and registration checks (the region planner has its
+own file, test_plan.py)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import sys
 import time
 import urllib.request
 
-import numpy as np
 import pytest
 import torch
-from kv_harness import SplitPool, free_port
+from kv_harness import free_port
 
 from common.memory.kv_pool import KVPool
 from transfer.backends import create_engine, get_engine_class
 from transfer.base import KVArgs, KVPoll, TransferSettings
 from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from transfer.engine import BackendUnavailable
-from transfer.manager import KVManager, _PairPlan, _ranks_overlapping, _regions, _union, peer_registration
+from transfer.manager import KVManager
 from transfer.metadata import MetadataAllocator, MetadataBuffers
-
-
-def _i64(*values) -> np.ndarray:
-    return np.array(values, dtype=np.int64)
-
-
-def test_runs_merge_only_when_contiguous_on_both_sides():
-    base, item = _i64(1000, 5000), _i64(10, 10)
-    # 3..5 -> 7..9 merge; 9 -> 2 and 10 -> 4 are adjacent in the source only; 12 -> 5 and 11 -> 6 in the
-    # destination only (sources 11 and 12 are adjacent but land in reverse order)
-    s, t = _i64(3, 4, 5, 9, 10, 12, 11), _i64(7, 8, 9, 2, 4, 5, 6)
-    src, dst, lens = _regions(base, base + 100000, item, item, s, t, 0, 0, 10)
-    one = [(1030, 101070, 30), (1090, 101020, 10), (1100, 101040, 10), (1110, 101060, 10), (1120, 101050, 10)]
-    assert list(zip(src, dst, lens, strict=True)) == one + [(a + 4000, b + 4000, n) for a, b, n in one]
-
-
-def test_page_first_strides_merge_all_layers_of_a_page_run():
-    layers, pb = 3, 8
-    stride = 2 * layers * pb
-    base = 1000 + pb * np.arange(2 * layers, dtype=np.int64)  # K of each layer, then V, inside one page
-    strides = np.full(2 * layers, stride, dtype=np.int64)
-    s, t = _i64(3, 4, 5, 9), _i64(7, 8, 9, 2)
-    src, dst, lens = _regions(base, base + 9000, strides, strides, s, t, 0, 0, pb)
-    assert list(zip(src, dst, lens, strict=True)) == [(1000 + 3 * stride, 10000 + 7 * stride, 3 * stride),
-                                                      (1000 + 9 * stride, 10000 + 2 * stride, stride)]
-
-
-def test_destination_layers_in_another_order_do_not_merge():
-    pb, stride = 8, 32
-    base, strides = _i64(0, 8, 16, 24), _i64(stride, stride, stride, stride)
-    src, dst, lens = _regions(base, _i64(1008, 1000, 1016, 1024), strides, strides, _i64(1), _i64(1), 0, 0, pb)
-    # buffers 0 and 1 swap places in the destination: 0->1 breaks, 1->2 breaks, 2->3 merges
-    assert list(zip(src, dst, lens, strict=True)) == [(32, 1040, 8), (40, 1032, 8), (48, 1048, 16)]
-
-
-def test_head_slices_of_page_first_pages_stay_apart():
-    layers, heads, hb = 2, 4, 4
-    pb = heads * hb
-    stride = 2 * layers * pb
-    base = pb * np.arange(2 * layers, dtype=np.int64)
-    strides = np.full(2 * layers, stride, dtype=np.int64)
-    # decode rank 1 of tp 2 reads heads 2..3 of consecutive pages 1, 2 of a prefill tp 1 rank
-    src, dst, lens = _regions(base, base // 2 + 5000, strides, strides // 2, _i64(1, 2), _i64(1, 2), 2 * hb, 0, 2 * hb)
-    assert len(lens) == 2 * 2 * layers and set(lens) == {2 * hb}
-    assert src[:2] == [stride + 2 * hb, stride + pb + 2 * hb] and dst[:2] == [5000 + stride // 2, 5000 + stride // 2 + pb // 2]
-
-
-@pytest.mark.parametrize("prefill_tp,decode_tp,fused", [(1, 1, [2 * 3 * 512]), (2, 1, [256] * 6),
-                                                        (1, 2, [256] * 6)])
-def test_buffers_adjacent_on_both_sides_fuse_once_per_peer(prefill_tp, decode_tp, fused):
-    """Page-first pools with equal TP fuse all layers' K and V (6 buffers of 512-byte pages) into one
-    buffer; head slices (2 of 4 heads, 256 bytes) do not fuse."""
-    def args(tp: int, rank: int) -> KVArgs:
-        return KVArgs.from_pool(KVPool(4, 2, 3, 4 // tp, 16), engine_rank=rank, tp_size=tp)
-
-    plan = _PairPlan(args(prefill_tp, 0), peer_registration(args(decode_tp, 0), "decode", b""))
-    assert plan.kv[4].tolist() == fused
-
-
-def test_union_of_ranges():
-    # 0..50 touches 50..110, which overlaps 100..160; 200..210 stands apart; empty ranges are dropped
-    assert _union([100, 0, 50, 200, 300], [60, 50, 60, 10, 0]) == [(0, 160), (200, 10)]
+from transfer.plan import union
 
 
 def test_kvargs_strides_default_and_validation():
@@ -94,58 +32,6 @@ def test_kvargs_strides_default_and_validation():
     with pytest.raises(ValueError, match="must not be smaller"):
         KVArgs(kv_data_ptrs=[0, 100], kv_data_lens=[100, 100], kv_item_lens=[20, 20], kv_head_num=2, page_size=4,
                kv_item_strides=[10, 10])
-
-
-def _fill(pool, kv: torch.Tensor, h0: int) -> None:
-    heads = pool.kv_heads
-    for layer in range(kv.shape[1]):
-        pool.k(layer).copy_(kv[0, layer, :, h0:h0 + heads])
-        pool.v(layer).copy_(kv[1, layer, :, h0:h0 + heads])
-
-
-def _inside(ptr: int, n: int, args: KVArgs) -> bool:
-    return any(p <= ptr and ptr + n <= p + m for p, m in _union(args.kv_data_ptrs, args.kv_data_lens))
-
-
-@pytest.mark.parametrize("prefill_tp,decode_tp,split", [(1, 1, None), (2, 1, None), (1, 2, None),
-                                                        (1, 1, "prefill"), (2, 1, "decode")])
-def test_planned_regions_move_exactly_the_pages(prefill_tp, decode_tp, split):
-    """Apply every pair's planned regions with memmove and compare the decode pools with the source."""
-    layers, pages, heads, page_size, dim = 3, 12, 4, 2, 4
-    kv = torch.randn((2, layers, pages, heads, page_size, dim), generator=torch.Generator().manual_seed(7))
-
-    def pool(side: str, tp: int):
-        return (SplitPool if split == side else KVPool)(pages, page_size, layers, heads // tp, dim)
-
-    prefill = [pool("prefill", prefill_tp) for _ in range(prefill_tp)]
-    decode = [pool("decode", decode_tp) for _ in range(decode_tp)]
-    for r, p in enumerate(prefill):
-        _fill(p, kv, r * p.kv_heads)
-    s, t = _i64(3, 4, 5, 9, 1, 2), _i64(7, 8, 9, 2, 10, 11)
-    regions = 0
-    for r, p in enumerate(prefill):
-        pa = KVArgs.from_pool(p, engine_rank=r, tp_size=prefill_tp)
-        for q, d in enumerate(decode):
-            da = KVArgs.from_pool(d, engine_rank=q, tp_size=decode_tp)
-            src, dst, lens = _PairPlan(pa, peer_registration(da, "decode", b"")).kv_regions(s, t)
-            regions += len(lens)
-            for a, b, n in zip(src, dst, lens, strict=True):
-                assert _inside(a, n, pa) and _inside(b, n, da), "a region leaves the pools"
-                ctypes.memmove(b, a, n)
-    if split is None and prefill_tp == decode_tp:
-        assert regions == 3  # 3..5 -> 7..9, 9 -> 2, 1..2 -> 10..11, each with all layers' K and V
-    for q, d in enumerate(decode):
-        h0 = q * d.kv_heads
-        for layer in range(layers):
-            for i, buf in enumerate((d.k(layer), d.v(layer))):
-                want = torch.zeros(buf.shape)
-                want[t] = kv[i, layer, s, h0:h0 + d.kv_heads]
-                assert torch.equal(buf, want), (layer, i)
-
-
-def test_rank_overlap():
-    assert _ranks_overlapping(0, 4, 4, 2) == [0, 1]  # a decode tp 1 rank gathers both prefill ranks
-    assert _ranks_overlapping(2, 4, 4, 1) == [0]  # a decode tp 2 rank reads half of the prefill rank
 
 
 def test_metadata_rows_round_trip_and_are_64_bytes():
@@ -179,7 +65,7 @@ def test_kvargs_from_pool_describes_pages_and_heads():
     args = KVArgs.from_pool(pool, meta, [state], state_type="mamba", engine_rank=1, tp_size=2, model="m")
     assert args.num_layers == 2 and args.kv_item_lens[0] == pool.page_bytes
     assert args.kv_item_strides == [pool.page_stride] * 4
-    assert _union(args.kv_data_ptrs, args.kv_data_lens) == [(pool.data.data_ptr(), pool.nbytes())]
+    assert union(args.kv_data_ptrs, args.kv_data_lens) == [(pool.data.data_ptr(), pool.nbytes())]
     assert args.head_bytes == pool.head_bytes and args.total_kv_heads == 4
     assert args.state_item_lens == [6 * 5 * 4] and args.state_dim_per_tensor == [6]
     assert args.aux_room_index == meta.room_index

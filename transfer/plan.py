@@ -1,0 +1,147 @@
+"""Region planning: which (source address, destination address, length) regions move a chunk.
+
+Pure address arithmetic, no I/O: the prefill sender asks a `PairPlan` for the regions of every
+chunk it writes to one decode rank, and `union` gives a manager the spans it registers.
+
+Buffers and items. A KV buffer holds one item per page (the page of one layer's K or V), item k
+of buffer b at `base[b] + k * stride[b]`; state buffers hold one item per state slot; aux
+(metadata) buffers one row per metadata slot. Each side has its own bases and strides.
+
+Head slices. Rank r of tp T holds kv heads [r*H/T, (r+1)*H/T). A (prefill, decode) pair of ranks
+whose head ranges overlap moves the overlapping heads of every page: a byte offset and length
+inside the item, the same for every page (pages are head-major, so a head slice is contiguous).
+State buffers are split along their leading dimension the same way. Prefill pp stages write their
+own layers at their `start_layer` into the decode rank's full set of layers.
+
+Merging. The regions of a chunk are (page or head slice of a page) x (buffer), placed by each
+side's stride; sorted by source address, every region that starts where the previous one ends on
+both sides is merged into it. Runs of pages merge in a per-layer layout; in the page-first pool
+all layers' K and V of a run of pages become one region. Head slices of M:N TP are not adjacent
+and stay apart. Buffers whose items follow each other on both sides for every page (same strides)
+are fused once per peer (`fuse_buffers`), so a chunk does the per-page merge over 1 buffer instead
+of 60.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from transfer.base import KVArgs
+    from transfer.control import RegisterPeer
+
+
+def overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int]:
+    """The intersection [lo, hi) of [a0, a1) and [b0, b1) (empty when lo >= hi)."""
+    return max(a0, b0), min(a1, b1)
+
+
+def ranks_overlapping(lo: int, hi: int, total: int, tp: int) -> list[int]:
+    """Ranks of a tp-`tp` split of `total` units whose range overlaps [lo, hi)."""
+    per = total // tp
+    return [r for r in range(tp) if r * per < hi and (r + 1) * per > lo]
+
+
+def union(ptrs: list[int], lens: list[int]) -> list[tuple[int, int]]:
+    """(ptr, len) of the union of the [ptr, ptr+len) ranges: overlapping or touching ones merged."""
+    out: list[tuple[int, int]] = []
+    for p, n in sorted((p, n) for p, n in zip(ptrs, lens, strict=True) if n):
+        if out and p <= out[-1][0] + out[-1][1]:
+            q, m = out[-1]
+            out[-1] = (q, max(m, p + n - q))
+        else:
+            out.append((p, n))
+    return out
+
+
+def merge(src: np.ndarray, dst: np.ndarray, lens: np.ndarray):
+    """Sort regions by source address and merge each into the previous one when it starts where
+    the previous one ends on the source side and on the destination side; returns lists."""
+    order = np.argsort(src, kind="stable")
+    src, dst, lens = src[order], dst[order], lens[order]
+    joined = (src[:-1] + lens[:-1] == src[1:]) & (dst[:-1] + lens[:-1] == dst[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+    return src[starts].tolist(), dst[starts].tolist(), np.add.reduceat(lens, starts).tolist()
+
+
+def regions(src_base: np.ndarray, dst_base: np.ndarray, src_stride: np.ndarray, dst_stride: np.ndarray,
+            s: np.ndarray, t: np.ndarray, src_off: int, dst_off: int, length):
+    """Merged regions moving bytes [off, off + length) of item s[i] -> t[i] of every buffer b, where
+    item k of buffer b starts at base[b] + k * stride[b] (bases, strides and optionally length are
+    per-buffer arrays)."""
+    length = np.broadcast_to(np.asarray(length, dtype=np.int64), src_base.shape)
+    if s.size == 0 or src_base.size == 0 or (length <= 0).any():
+        return [], [], []
+    src = (src_base[:, None] + s[None, :] * src_stride[:, None] + src_off).ravel()
+    dst = (dst_base[:, None] + t[None, :] * dst_stride[:, None] + dst_off).ravel()
+    return merge(src, dst, np.repeat(length, s.size))
+
+
+def fuse_buffers(src_base: np.ndarray, dst_base: np.ndarray, src_stride: np.ndarray, dst_stride: np.ndarray,
+                 length: int):
+    """Buffers whose items sit back to back on both sides for every item index (the next buffer starts
+    `length` after this one on both sides, with the same strides) fused into one wider buffer: the
+    merge `regions` would do for every page, done once per peer (page-first pool: 60 buffers -> 1).
+    Returns the fused bases, strides and per-buffer lengths, in source order."""
+    o = np.argsort(src_base, kind="stable")
+    sb, db, ss, ds = src_base[o], dst_base[o], src_stride[o], dst_stride[o]
+    follows = ((sb[:-1] + length == sb[1:]) & (db[:-1] + length == db[1:])
+               & (ss[:-1] == ss[1:]) & (ds[:-1] == ds[1:]))
+    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+    return sb[starts], db[starts], ss[starts], ds[starts], np.diff(np.append(starts, sb.size)) * length
+
+
+class PairPlan:
+    """Address arithmetic for one (this prefill rank, one decode rank) pair: `args` describes the
+    prefill rank's buffers, `reg` the decode rank's."""
+
+    def __init__(self, args: KVArgs, reg: RegisterPeer) -> None:
+        hb = args.head_bytes
+        p_lo = args.engine_rank * args.kv_head_num
+        d_lo = reg.tp_rank * reg.kv_head_num
+        g0, g1 = overlap(p_lo, p_lo + args.kv_head_num, d_lo, d_lo + reg.kv_head_num)
+        self.kv_src_off = (g0 - p_lo) * hb
+        self.kv_dst_off = (g0 - d_lo) * hb
+        self.kv_len = (g1 - g0) * hb
+        n_src = args.num_layers
+        n_dst = len(reg.kv_ptrs) // 2
+        layers = [args.start_layer + i for i in range(n_src)]
+        dst_idx = layers + [n_dst + j for j in layers]
+        self.kv = fuse_buffers(np.array(args.kv_data_ptrs, dtype=np.int64),
+                               np.array([reg.kv_ptrs[j] for j in dst_idx], dtype=np.int64),
+                               np.array(args.kv_item_strides, dtype=np.int64),
+                               np.array([reg.kv_item_strides[j] for j in dst_idx], dtype=np.int64), self.kv_len)
+        # state buffers: slice of the leading dimension, per buffer (contiguous: stride = item)
+        self.state = []
+        for j, ptr in enumerate(args.state_data_ptrs):
+            ds, dd = args.state_dim_per_tensor[j], reg.state_dims[j]
+            unit = args.state_item_lens[j] // ds
+            s_lo, d_lo_ = args.engine_rank * ds, reg.tp_rank * dd
+            u0, u1 = overlap(s_lo, s_lo + ds, d_lo_, d_lo_ + dd)
+            self.state.append((np.array([ptr], dtype=np.int64), np.array([reg.state_ptrs[j]], dtype=np.int64),
+                               np.array([args.state_item_lens[j]], dtype=np.int64),
+                               np.array([reg.state_item_lens[j]], dtype=np.int64),
+                               (u0 - s_lo) * unit, (u0 - d_lo_) * unit, (u1 - u0) * unit))
+        self.aux = list(zip(args.aux_data_ptrs, args.aux_item_lens, reg.aux_ptrs, reg.aux_item_lens, strict=True))
+
+    def kv_regions(self, src_pages: np.ndarray, dst_pages: np.ndarray):
+        """Regions moving this pair's head slice of pages src_pages[i] -> dst_pages[i], all layers."""
+        sb, db, ss, ds, lens = self.kv
+        return regions(sb, db, ss, ds, src_pages, dst_pages, self.kv_src_off, self.kv_dst_off, lens)
+
+    def state_regions(self, src_idx: np.ndarray, dst_idx: np.ndarray):
+        """Regions moving this pair's slice of state slots src_idx[i] -> dst_idx[i], every buffer."""
+        src, dst, lens = [], [], []
+        for sb, db, si, di, so, do, ln in self.state:
+            a, b, c = regions(sb, db, si, di, src_idx, dst_idx, so, do, ln)
+            src += a
+            dst += b
+            lens += c
+        return src, dst, lens
+
+    def aux_regions(self, src_slot: int, dst_slot: int):
+        """Regions moving metadata row `src_slot` to row `dst_slot` of every aux buffer."""
+        return ([p + src_slot * n for p, n, _, _ in self.aux], [q + dst_slot * m for _, _, q, m in self.aux],
+                [n for _, n, _, _ in self.aux])
