@@ -4,12 +4,13 @@
   `StatePool` with one slot per request row is attached to the `ReqToTokenPool` (the row's slot is
   taken and returned with the row, so a decode node's preallocated row reserves the slot the
   transfer writes into) and bound to the model; `state_indices(fb)` gives the forward its slots.
-  Transfer: `state_type` "mamba", the pool's buffers as state buffers, their leading dimension (key
-  heads / value heads of this rank) as `state_dim_per_tensor`, so M:N TP slices them; the last chunk
-  moves the request's slot into the slot of the decode node's preallocated row. The prebuilt request
-  keeps that row, so its first decode step reads the received state in place (no copy). A retracted
-  request gives its row and slot back like its KV, and its re-prefill of prompt + output starts
-  from zero state (position 0), so it continues with exactly the state it had.
+  For transfer it reports `state_type` "mamba", the pool's buffers (`state_buffers()`) and their
+  leading dimensions (key heads / value heads of this rank, `state_leading_dims()`), which the
+  transfer layer slices for M:N TP; the last chunk moves the request's slot into the slot of the
+  decode node's preallocated row. The prebuilt request keeps that row, so its first decode step
+  reads the received state in place (no copy). A retracted request gives its row and slot back like
+  its KV, and its re-prefill of prompt + output starts from zero state (position 0), so it
+  continues with exactly the state it had.
   Prefix caching is off for them: a cached KV prefix does not give back the recurrent state at the
   end of that prefix (the state is a running summary of every earlier token, kept only for the
   position the request reached), so a radix hit would have to recompute the prefix anyway.
@@ -79,14 +80,13 @@ class HybridSupport:
             return None
         return req_pool.state_indices(fb.req_pool_indices)
 
-    def transfer_kwargs(self) -> dict:
-        """Keyword arguments of `KVArgs.from_pool` for this model's state."""
-        if self.state_pool is not None:
-            return {"state_buffers": self.state_pool.buffers(), "state_type": "mamba",
-                    "state_dim_per_tensor": self.state_pool.leading_dims()}
-        if self.window:
-            return {"state_type": "swa"}
-        return {}
+    def state_buffers(self) -> list[torch.Tensor]:
+        """The state pool's tensors (`[slots, leading_dim, ...]`, one item per slot), empty without one."""
+        return self.state_pool.buffers() if self.state_pool is not None else []
+
+    def state_leading_dims(self) -> list[int]:
+        """Leading dimension of each state buffer's item on this rank (the one split over TP ranks)."""
+        return self.state_pool.leading_dims() if self.state_pool is not None else []
 
     def stats(self) -> dict:
         """State slot counts for the scheduler's stats (empty for models without state)."""

@@ -191,6 +191,16 @@ class KVArgs:
         return self.kv_item_lens[0] // self.kv_head_num
 
     @classmethod
+    def from_runner(cls, runner, metadata=None, **rank) -> KVArgs:
+        """Describe a `common.runner.ModelRunner`'s KV pool and, for hybrid / sliding-window models,
+        the state its `hybrid` reports (state buffers, state type, their leading dimensions), with
+        the model's name; `rank` as in `from_pool`."""
+        hybrid = runner.hybrid
+        rank.setdefault("model", runner.model_config.name)
+        return cls.from_pool(runner.kv_pool, metadata, hybrid.state_buffers(), hybrid.state_type,
+                             hybrid.state_leading_dims() or None, **rank)
+
+    @classmethod
     def from_pool(cls, kv_pool, metadata=None, state_buffers=None, state_type: str = "none",
                   state_dim_per_tensor: list[int] | None = None, **rank) -> KVArgs:
         """Describe a `common.memory.kv_pool.KVPool`, an optional `transfer.metadata.MetadataBuffers`

@@ -28,8 +28,7 @@ def build_kv_manager(args, runner, metadata: MetadataBuffers, tp_rank: int, tp_s
                      bootstrap_addr: str | None = None) -> KVManager:
     """One KVManager for this rank's share of the KV heads (and hybrid state), with the node's
     timeouts (flags win over the environment)."""
-    kv_args = KVArgs.from_pool(runner.kv_pool, metadata, engine_rank=tp_rank, tp_size=tp_size,
-                               model=runner.model_config.name, **runner.hybrid.transfer_kwargs())
+    kv_args = KVArgs.from_runner(runner, metadata, engine_rank=tp_rank, tp_size=tp_size)
     settings = TransferSettings.from_env(bootstrap_timeout=args.disaggregation_bootstrap_timeout,
                                          waiting_timeout=args.disaggregation_waiting_timeout)
     return KVManager(kv_args, role, args.transfer_backend, settings=settings, host=advertised_host(args.host),

@@ -8,11 +8,13 @@ import json
 import sys
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 import torch
 from kv_harness import free_port
 
+from common.hybrid import HybridSupport
 from common.memory.kv_pool import KVPool
 from transfer.backends import create_engine, get_engine_class
 from transfer.base import KVArgs, KVPoll, TransferSettings
@@ -69,6 +71,26 @@ def test_kvargs_from_pool_describes_pages_and_heads():
     assert args.head_bytes == pool.head_bytes and args.total_kv_heads == 4
     assert args.state_item_lens == [6 * 5 * 4] and args.state_dim_per_tensor == [6]
     assert args.aux_room_index == meta.room_index
+
+
+class _Window:
+    def kv_window(self) -> int:
+        return 8
+
+
+def test_kvargs_from_runner_takes_the_state_the_model_reports():
+    """The transfer layer builds its args from neutral facts of `common.hybrid.HybridSupport`."""
+    pool, meta = KVPool(8, 4, 2, 2, 16), MetadataBuffers(4)
+    state = torch.zeros((3, 6, 5))
+    mamba = SimpleNamespace(state_buffers=lambda: [state], state_type="mamba", state_leading_dims=lambda: [6])
+    for hybrid, want in [
+        (mamba, KVArgs.from_pool(pool, meta, [state], state_type="mamba", state_dim_per_tensor=[6], engine_rank=1,
+                                 tp_size=2, model="m")),
+        (HybridSupport(object()), KVArgs.from_pool(pool, meta, engine_rank=1, tp_size=2, model="m")),
+        (HybridSupport(_Window()), KVArgs.from_pool(pool, meta, state_type="swa", engine_rank=1, tp_size=2, model="m")),
+    ]:
+        runner = SimpleNamespace(kv_pool=pool, hybrid=hybrid, model_config=SimpleNamespace(name="m"))
+        assert KVArgs.from_runner(runner, meta, engine_rank=1, tp_size=2) == want
 
 
 def test_settings_env_and_overrides(monkeypatch):
