@@ -4,6 +4,8 @@
   `/v1/completions` and `/v1/chat/completions` (with SGLang's extension fields, including the
   bootstrap rendezvous a PD router injects).
 * ZMQ messages between a node's HTTP front end and its scheduler (msgpack, tagged unions).
+* The conventions a node and the router share: the error body (`error_body`, OpenAI's shape) and the
+  request ids of a batch given one id (`item_rids`).
 
 Validation errors name the field: `decode_json` turns msgspec's error into `BadRequest` whose
 message starts with the JSON path (e.g. "`$.sampling_params.temperature` ...").
@@ -40,6 +42,18 @@ def convert(obj: Any, type_: type, where: str) -> Any:
         return msgspec.convert(obj, type=type_)
     except msgspec.ValidationError as e:
         raise BadRequest(f"{e} (in `{where}`)") from None
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "method_not_allowed", 413: "invalid_request_error",
+                499: "request_aborted", 500: "internal_error", 502: "upstream_error",
+                503: "service_unavailable", 504: "upstream_error"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """Every HTTP error of a node or the router, in OpenAI's shape: {"error": {message, type, code}}."""
+    type_ = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": type_, "code": status}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,6 +147,12 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True):
     bootstrap_room: int | list[int] | None = None
 
 
+def item_rids(rid: str, n: int) -> list[str]:
+    """The request ids of the n items of a batch that was given one id. The router and the node derive
+    the same ids, so an abort by item id reaches every item."""
+    return [f"{rid}-{i}" for i in range(n)]
+
+
 # --------------------------------------------------------------------------------------------
 # HTTP: OpenAI compatible
 
@@ -181,7 +201,8 @@ class CompletionRequest(_OpenAICommon, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    # a PD router sends one bootstrap entry per prompt when `prompt` is a list of prompts (as sglang-router does)
+    # a PD router sends one entry per prompt when `prompt` is a list of prompts (as sglang-router does)
+    rid: str | list[str] | None = None
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
