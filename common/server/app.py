@@ -1,50 +1,46 @@
-"""The aiohttp application of a node: SGLang-native and OpenAI-compatible endpoints.
+"""The aiohttp application of a node: middlewares, SGLang's `/generate`, the info and control endpoints,
+and the routes of the OpenAI-compatible ones (`openai_api.py`).
 
-Every error is JSON `{"error": {"message", "type", "code"}}`; bad input is a 400 whose message names
-the field. `create_app(...)` builds the app around a `TokenizerManager`; `launch.py` runs it.
+Every error is JSON in OpenAI's shape (`http.py`); bad input is a 400 whose message names the field.
+`create_app(...)` builds the app around a `TokenizerManager`; `launch.py` runs it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import json
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
-from common.protocol import AbortHTTPRequest, BadRequest, GenerateRequest, TokenizedRequest, decode_json
+from common.protocol import AbortHTTPRequest, BadRequest, GenerateRequest, TokenizedRequest, error_body
+from common.server import openai_api
+from common.server.http import (
+    INFO_KEY,
+    TM_KEY,
+    dumps,
+    error_response,
+    failed,
+    item_fields,
+    per_item,
+    read_json,
+    respond,
+    sse_done,
+    sse_send,
+)
 from common.server.tokenizer_manager import ReqState, ServiceUnavailable, TokenizerManager
 
 logger = logging.getLogger("server")
 
 VERSION = "0.1.0"
-TM_KEY = web.AppKey("tm", TokenizerManager)
-INFO_KEY = web.AppKey("info", dict)
-
 OPEN_PATHS = frozenset({"/health"})
 
 
-# ---------------------------------------------------------------------------------------------- errors
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 405: "method_not_allowed", 413: "invalid_request_error",
-                499: "request_aborted", 500: "internal_error", 503: "service_unavailable"}
-
-
-def error_body(message: str, status: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "code": status}}
-
-
-def error_response(message: str, status: int) -> web.Response:
-    return web.json_response(error_body(message, status), status=status, dumps=_dumps)
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False)
-
-
+# ---------------------------------------------------------------------------------------------- middlewares
 def endpoint_label(path: str) -> str:
     """Metrics label of a route: "/v1/chat/completions" -> "chat_completions"."""
     p = path.strip("/")
@@ -65,11 +61,11 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
     except BadRequest as e:
         logger.info("%s %s status=400 error=%s", request.method, request.path, e)
         count(400)
-        return error_response(str(e), 400)
+        return error_response(400, str(e))
     except ServiceUnavailable as e:
         logger.warning("%s %s status=503 error=%s", request.method, request.path, e)
         count(503)
-        return error_response(f"service unavailable: {e}", 503)
+        return error_response(503, f"service unavailable: {e}")
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -81,7 +77,7 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
             msg = e.reason or e.text or "error"
         logger.info("%s %s status=%d", request.method, request.path, e.status)
         count(e.status)
-        return web.json_response(error_body(msg, e.status), status=e.status, headers=_keep_headers(e))
+        return error_response(e.status, msg, headers=_keep_headers(e))
 
 
 def _keep_headers(e: web.HTTPException) -> dict[str, str]:
@@ -95,41 +91,14 @@ def auth_middleware(api_key: str | None):
             got = request.headers.get("Authorization", "")
             if got != f"Bearer {api_key}":
                 logger.info("%s %s status=401 (missing or wrong api key)", request.method, request.path)
-                return web.json_response(
-                    error_body("missing or invalid API key: send `Authorization: Bearer <key>`", 401),
-                    status=401, headers={"WWW-Authenticate": "Bearer"})
+                return error_response(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
+                                      headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
     return check
 
 
-# ---------------------------------------------------------------------------------------------- helpers
-async def read_json(request: web.Request, type_: type) -> Any:
-    body = await request.read()
-    return decode_json(body, type_)
-
-
-def check_role(args, host: Any, port: Any, room: Any) -> None:
-    """Prefill/decode nodes only take requests carrying the PD rendezvous (a router injects it)."""
-    mode = args.disaggregation_mode
-    if mode == "null":
-        return
-    if host is None or port is None or room is None:
-        raise BadRequest(f"this is a {mode} node; requests need bootstrap_host/bootstrap_port/bootstrap_room "
-                         "(send them through a PD router)")
-
-
-def _pick(value: Any, i: int, n: int, name: str, batch: bool) -> Any:
-    """The i-th item of a per-item field that may be a scalar (shared) or a list (one per item)."""
-    if isinstance(value, list):
-        if not batch:
-            raise BadRequest(f"`{name}` is a list but the request is not a batch")
-        if len(value) != n:
-            raise BadRequest(f"`{name}` has {len(value)} entries for a batch of {n}")
-        return value[i]
-    return value
-
-
+# ---------------------------------------------------------------------------------------------- /generate
 def logprob_entries(tm: TokenizerManager, pairs: list[tuple[Any, int]], with_text: bool) -> list[list[Any]]:
     texts = tm.token_texts([p[1] for p in pairs]) if with_text else [None] * len(pairs)
     return [[p[0], p[1], t] for p, t in zip(pairs, texts, strict=True)]
@@ -161,31 +130,6 @@ def generate_output(tm: TokenizerManager, st: ReqState, index: int | None = None
     return out
 
 
-def failed(st: ReqState) -> tuple[int, str] | None:
-    """(status, message) when the request ended in an error the client should see as one."""
-    if st.error_status:
-        msg = (st.finish_reason or {}).get("message") or "request failed"
-        return st.error_status, msg
-    return None
-
-
-async def sse_start(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(status=200, headers={
-        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
-    return resp
-
-
-async def sse_send(resp: web.StreamResponse, obj: Any) -> None:
-    await resp.write(b"data: " + _dumps(obj).encode() + b"\n\n")
-
-
-async def sse_done(resp: web.StreamResponse) -> None:
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-
-
-# ---------------------------------------------------------------------------------------------- /generate
 def build_generate_requests(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[TokenizedRequest], bool]:
     if req.text is not None and req.input_ids is not None:
         raise BadRequest("give either `text` or `input_ids`, not both")
@@ -207,30 +151,21 @@ def build_generate_requests(tm: TokenizerManager, req: GenerateRequest) -> tuple
         else:
             ids_list = [tm.check_ids(ids, "input_ids")]
     n = len(ids_list)
-    if isinstance(req.sampling_params, list) and not batch:
-        raise BadRequest("`sampling_params` is a list but the request is not a batch")
-    if req.rid is not None and batch and not isinstance(req.rid, list):
-        raise BadRequest("`rid` must be a list with one id per item for a batch")
+    sps = per_item(req.sampling_params, n, "sampling_params", batch)
+    want_lps = per_item(req.return_logprob, n, "return_logprob", batch)
+    starts = per_item(req.logprob_start_len, n, "logprob_start_len", batch)
+    top_ns = per_item(req.top_logprobs_num, n, "top_logprobs_num", batch)
+    fields = item_fields(tm.args, req, n, batch)
     out = []
     for i, ids in enumerate(ids_list):
-        sp_raw = _pick(req.sampling_params, i, n, "sampling_params", batch)
         where = f"sampling_params[{i}]" if isinstance(req.sampling_params, list) else "sampling_params"
-        sp = tm.make_sampling(sp_raw, len(ids), where=where, prompt_field=field_name)
-        host = _pick(req.bootstrap_host, i, n, "bootstrap_host", batch)
-        port = _pick(req.bootstrap_port, i, n, "bootstrap_port", batch)
-        room = _pick(req.bootstrap_room, i, n, "bootstrap_room", batch)
-        check_role(tm.args, host, port, room)
-        top_n = _pick(req.top_logprobs_num, i, n, "top_logprobs_num", batch)
-        if top_n < 0:
-            raise BadRequest(f"`top_logprobs_num` must be >= 0, got {top_n}")
-        start = _pick(req.logprob_start_len, i, n, "logprob_start_len", batch)
-        if start < -1 or start >= len(ids):
-            raise BadRequest(f"`logprob_start_len` must be -1 or in [0, {len(ids)}), got {start}")
-        out.append(TokenizedRequest(
-            rid=tm.new_rid(_pick(req.rid, i, n, "rid", batch)), input_ids=ids, sampling=sp, stream=req.stream,
-            return_logprob=bool(_pick(req.return_logprob, i, n, "return_logprob", batch)),
-            logprob_start_len=start, top_logprobs_num=top_n,
-            bootstrap_host=host, bootstrap_port=port, bootstrap_room=room))
+        sp = tm.make_sampling(sps[i], len(ids), where=where, prompt_field=field_name)
+        if top_ns[i] < 0:
+            raise BadRequest(f"`top_logprobs_num` must be >= 0, got {top_ns[i]}")
+        if starts[i] < -1 or starts[i] >= len(ids):
+            raise BadRequest(f"`logprob_start_len` must be -1 or in [0, {len(ids)}), got {starts[i]}")
+        out.append(TokenizedRequest(input_ids=ids, sampling=sp, stream=req.stream, return_logprob=bool(want_lps[i]),
+                                    logprob_start_len=starts[i], top_logprobs_num=top_ns[i], **fields[i]))
     return out, batch
 
 
@@ -244,7 +179,7 @@ async def _stream_generate(tm: TokenizerManager, states: list[ReqState], notify,
                 continue
             if st.finished and failed(st):
                 code, msg = failed(st)
-                await sse_send(resp, error_body(msg, code))
+                await sse_send(resp, error_body(code, msg))
                 sent[i] = -2
                 continue
             if len(st.output_ids) != sent[i] or st.finished:
@@ -253,38 +188,6 @@ async def _stream_generate(tm: TokenizerManager, states: list[ReqState], notify,
         if all(s.finished for s in states):
             break
     await sse_done(resp)
-
-
-async def respond(request: web.Request, tm, states: list[ReqState], notify, stream, body,
-                  error_of=failed) -> web.StreamResponse:
-    """The life of submitted requests after `tm.submit`: with `stream` (`await stream(resp)` writes the
-    SSE events) answer as a stream; else wait for all of them and answer `body()` as JSON, or the
-    first `error_of(state)` (status, message). Every state is released at the end with the status
-    its client saw (499 when the handler was cancelled, e.g. the client went away)."""
-    status = 200
-    try:
-        if stream is not None:
-            resp = await sse_start(request)
-            try:
-                await stream(resp)
-            except ConnectionResetError:  # the client went away: release() aborts what is unfinished
-                pass
-            return resp
-        while not all(s.finished for s in states):
-            await tm.wait(states, notify)
-        for st in states:
-            err = error_of(st)
-            if err:
-                status = err[0]
-                return error_response(err[1], err[0])
-        return web.json_response(body(), dumps=_dumps)
-    except BaseException:
-        status = 499
-        raise
-    finally:
-        for st in states:
-            err = error_of(st)
-            tm.release(st, err[0] if err else status)
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
@@ -305,47 +208,37 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
 async def handle_health(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     if not tm.healthy:
-        return error_response(f"unhealthy: {tm.dead_reason}", 503)
+        return error_response(503, f"unhealthy: {tm.dead_reason}")
     return web.Response(status=200, text="")
 
 
 async def handle_health_generate(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     if not tm.healthy:
-        return error_response(f"unhealthy: {tm.dead_reason}", 503)
+        return error_response(503, f"unhealthy: {tm.dead_reason}")
     if tm.args.disaggregation_mode != "null":
         # a PD node cannot run a request on its own; check that its scheduler answers instead
         await tm.stats(timeout=20)
         return web.Response(status=200, text="")
     sp = tm.make_sampling({"max_new_tokens": 1, "temperature": 0.0}, 1)
-    treq = TokenizedRequest(rid="health-" + tm.new_rid(None), input_ids=[0], sampling=sp)
+    treq = TokenizedRequest(rid="health-" + uuid.uuid4().hex, input_ids=[0], sampling=sp)
     states, notify = tm.submit([treq], endpoint="health_generate")
     st = states[0]
     try:
         deadline = time.time() + 60
         while not st.finished and time.time() < deadline:
             try:
-                await _wait_for(tm.wait(states, notify), deadline - time.time())
+                await asyncio.wait_for(tm.wait(states, notify), max(deadline - time.time(), 0.001))
             except TimeoutError:
                 break
         if not st.finished:
             tm.abort(st.rid, "health check timed out")
-            return error_response("health generation did not finish within 60s", 503)
+            return error_response(503, "health generation did not finish within 60s")
         if failed(st) or (st.finish_reason or {}).get("type") == "abort":
-            return error_response(f"health generation failed: {st.finish_reason}", 503)
+            return error_response(503, f"health generation failed: {st.finish_reason}")
         return web.Response(status=200, text="")
     finally:
         tm.release(st, 200)
-
-
-async def _wait_for(aw, timeout: float):
-    import asyncio
-
-    return await asyncio.wait_for(aw, max(timeout, 0.001))
-
-
-def model_name(request: web.Request) -> str:
-    return request.app[INFO_KEY]["served_model_name"]
 
 
 async def handle_models(request: web.Request) -> web.Response:
@@ -391,7 +284,7 @@ async def handle_server_info(request: web.Request) -> web.Response:
     stats = await tm.stats() if tm.healthy else {}
     out["stats"] = stats
     out["internal_states"] = [stats]
-    return web.json_response(out, dumps=_dumps)
+    return web.json_response(out, dumps=dumps)
 
 
 async def handle_get_load(request: web.Request) -> web.Response:
@@ -440,8 +333,6 @@ async def handle_flush_cache(request: web.Request) -> web.Response:
 
 # ---------------------------------------------------------------------------------------------- app
 def create_app(tm: TokenizerManager, *, model_path: str, served_model_name: str | None = None) -> web.Application:
-    from common.server import openai_api
-
     app = web.Application(middlewares=[error_middleware, auth_middleware(tm.args.api_key)],
                           client_max_size=64 * 1024 * 1024)
     app[TM_KEY] = tm

@@ -1,9 +1,9 @@
 """OpenAI-compatible `/v1/completions` and `/v1/chat/completions` (non-streaming and SSE streaming).
 
-Parameters map onto SGLang's `SamplingParams` (max_tokens → max_new_tokens, min_tokens →
-min_new_tokens, ...); responses and stream chunks have the OpenAI API's shapes, so the official
-`openai` client parses them. A request that ends aborted is an error (JSON error, or an `error`
-event in a stream).
+Parameters map onto SGLang's `SamplingParams` through `common/openai_params.py` (the router checks
+requests with the same mapping); responses and stream chunks have the OpenAI API's shapes, so the
+official `openai` client parses them. A list of prompts is a batch: one choice per prompt, each with
+its `index`. A request that ends aborted is an error (JSON error, or an `error` event in a stream).
 """
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ from typing import Any
 
 from aiohttp import web
 
+from common.openai_params import max_tokens_field, sampling_params
 from common.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
-    SamplingParams,
     TokenizedRequest,
-)
-from common.server.app import (
-    TM_KEY,
-    check_role,
     error_body,
+)
+from common.server.http import (
+    INFO_KEY,
+    TM_KEY,
     failed,
-    model_name,
+    item_fields,
     read_json,
     respond,
     sse_done,
@@ -37,45 +37,18 @@ from common.server.tokenizer_manager import ReqState, TokenizerManager
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_TOP_LOGPROBS = 20
 
-# names in SamplingParams.verify messages → the OpenAI request's names
-_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+def _treq(tm: TokenizerManager, req, fields: dict[str, Any], ids: list[int], *, default_max: int | None,
+          prompt_field: str, logprobs: bool, top_n: int) -> TokenizedRequest:
+    """One prompt of an OpenAI request; `fields` are its rid and rendezvous (`item_fields`)."""
+    sp = sampling_params(req, tm.room(len(ids), default_max))
+    tm.check_fits(sp, len(ids), max_field=max_tokens_field(req), prompt_field=prompt_field)
+    return TokenizedRequest(input_ids=ids, sampling=sp, stream=req.stream, return_logprob=logprobs,
+                            top_logprobs_num=top_n, **fields)
 
 
-def _sampling(tm: TokenizerManager, req, prompt_len: int, *, max_tokens: int | None, max_field: str,
-              default_max: int | None, prompt_field: str) -> SamplingParams:
-    if req.n != 1:
-        raise BadRequest(f"`n` must be 1 (got {req.n}); this server returns one choice per prompt")
-    if req.logit_bias:
-        raise BadRequest("`logit_bias` is not supported by this server")
-    if max_tokens is not None and max_tokens < 0:
-        raise BadRequest(f"`{max_field}` must be >= 0, got {max_tokens}")
-    raw: dict[str, Any] = {
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": req.top_k, "min_p": req.min_p,
-        "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
-        "repetition_penalty": req.repetition_penalty, "min_new_tokens": req.min_tokens,
-        "stop": req.stop, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
-        "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim, "seed": req.seed,
-    }
-    if max_tokens is not None:
-        raw["max_new_tokens"] = max_tokens
-    try:
-        return tm.make_sampling({k: v for k, v in raw.items() if v is not None}, prompt_len, where="$",
-                                max_field=max_field, default_max=default_max, prompt_field=prompt_field)
-    except BadRequest as e:
-        msg = str(e)
-        for a, b in _RENAMES.items():
-            msg = msg.replace(f"`$.{a}`", f"`{max_field if a == 'max_new_tokens' else b}`")
-        raise BadRequest(msg.replace("`$.", "`")) from None
-
-
-def _treq(tm: TokenizerManager, req, rid: str, ids: list[int], sp: SamplingParams, *, logprobs: bool,
-          top_n: int) -> TokenizedRequest:
-    check_role(tm.args, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
-    return TokenizedRequest(rid=rid, input_ids=ids, sampling=sp, stream=req.stream, return_logprob=logprobs,
-                            top_logprobs_num=top_n, bootstrap_host=req.bootstrap_host,
-                            bootstrap_port=req.bootstrap_port, bootstrap_room=req.bootstrap_room)
+def model_name(request: web.Request, req) -> str:
+    return req.model or request.app[INFO_KEY]["served_model_name"]
 
 
 def _finish_reason(st: ReqState) -> str | None:
@@ -132,16 +105,17 @@ def _chat_logprobs(tm: TokenizerManager, st: ReqState, start: int, end: int) -> 
 
 
 # ---------------------------------------------------------------------------------------------- /v1/completions
-def _completion_prompts(tm: TokenizerManager, prompt: Any) -> list[list[int]]:
+def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[list[int]], bool]:
+    """The prompts' ids, and whether `prompt` is a batch (a list of strings or of id lists)."""
     if isinstance(prompt, str):
-        return [tm.encode_text(prompt, "prompt")]
+        return [tm.encode_text(prompt, "prompt")], False
     if not isinstance(prompt, list) or not prompt:
         raise BadRequest("`prompt` must be a non-empty string, list of strings, or list of token ids")
     if all(isinstance(p, str) for p in prompt):
-        return [tm.encode_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [tm.encode_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)], True
     if all(isinstance(p, list) for p in prompt):
-        return [tm.check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return [tm.check_ids(prompt, "prompt")]
+        return [tm.check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)], True
+    return [tm.check_ids(prompt, "prompt")], False
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
@@ -151,20 +125,15 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         raise BadRequest("`suffix` is not supported by this server")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise BadRequest(f"`logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}")
-    prompts = _completion_prompts(tm, req.prompt)
-    if req.rid is not None and len(prompts) > 1:
-        raise BadRequest("`rid` cannot be used with several prompts")
+    prompts, batch = _completion_prompts(tm, req.prompt)
+    fields = item_fields(tm.args, req, len(prompts), batch)
     want_lp = req.logprobs is not None
-    top_n = req.logprobs or 0
-    treqs = []
-    for ids in prompts:
-        sp = _sampling(tm, req, len(ids), max_tokens=req.max_tokens, max_field="max_tokens",
-                       default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, prompt_field="prompt")
-        treqs.append(_treq(tm, req, tm.new_rid(req.rid), ids, sp, logprobs=want_lp, top_n=top_n))
+    treqs = [_treq(tm, req, f, ids, default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, prompt_field="prompt",
+                   logprobs=want_lp, top_n=req.logprobs or 0) for f, ids in zip(fields, prompts, strict=True)]
     states, notify = tm.submit(treqs, endpoint="completions")
     cid = "cmpl-" + uuid.uuid4().hex
     created = int(time.time())
-    model = req.model or model_name(request)
+    model = model_name(request, req)
     echo = [tm.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
 
     def body():
@@ -201,7 +170,7 @@ async def _stream_completions(resp, tm, req, states, notify, cid, created, model
                 continue
             err = _abort_error(st)
             if err:
-                await sse_send(resp, error_body(err[1], err[0]))
+                await sse_send(resp, error_body(*err))
                 done[i] = True
                 continue
             delta = st.text[sent_text[i]:]
@@ -260,18 +229,14 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
         if req.top_logprobs and not req.logprobs:
             raise BadRequest("`top_logprobs` needs `logprobs: true`")
     ids = tm.apply_chat_template(_chat_messages(req))
-    max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    room = max(tm.context_length - len(ids), 0)
-    sp = _sampling(tm, req, len(ids), max_tokens=max_tokens, max_field=max_field, default_max=room,
-                   prompt_field="messages")
-    top_n = req.top_logprobs or 0
-    treq = _treq(tm, req, tm.new_rid(req.rid), ids, sp, logprobs=req.logprobs, top_n=top_n)
+    [fields] = item_fields(tm.args, req, 1, False)
+    treq = _treq(tm, req, fields, ids, default_max=None, prompt_field="messages", logprobs=req.logprobs,
+                 top_n=req.top_logprobs or 0)
     states, notify = tm.submit([treq], endpoint="chat_completions")
     st = states[0]
     cid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
-    model = req.model or model_name(request)
+    model = model_name(request, req)
 
     def body():
         lp = _chat_logprobs(tm, st, 0, len(st.output_logprobs)) if req.logprobs else None
@@ -302,7 +267,7 @@ async def _stream_chat(resp, tm, req, st, notify, cid, created, model) -> None:
         await tm.wait([st], notify)
         err = _abort_error(st)
         if err:
-            await sse_send(resp, error_body(err[1], err[0]))
+            await sse_send(resp, error_body(*err))
             break
         delta = st.text[sent_text:]
         n_lp = len(st.output_logprobs)

@@ -1,6 +1,7 @@
 """The front end's side of a node: tokenizer, validation, ZMQ to/from the scheduler, per-request state.
 
-* `prepare_*` turn client input into `TokenizedRequest`s (raising `BadRequest` naming the field);
+* `encode_text`, `check_ids`, `apply_chat_template`, `make_sampling`, `check_fits` turn client input
+  into prompt ids and sampling parameters (raising `BadRequest` naming the field);
 * `submit` registers the request states and sends them to scheduler rank 0 (ZMQ PUSH);
 * a background task reads `BatchOut`/`StatsReport` (ZMQ PULL) and updates the states: output ids,
   incremental text, logprobs, finish reason; every state of one HTTP request shares one
@@ -15,7 +16,6 @@ import asyncio
 import itertools
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,41 +292,35 @@ class TokenizerManager:
             raise BadRequest("`messages` renders to an empty prompt")
         return list(ids)
 
-    def make_sampling(self, raw: dict[str, Any] | SamplingParams | None, prompt_len: int, *,
-                      where: str = "sampling_params", max_field: str | None = None,
-                      default_max: int | None = None, prompt_field: str = "text") -> SamplingParams:
-        """Build + verify SamplingParams and check prompt + max_new_tokens against the context."""
+    def make_sampling(self, raw: dict[str, Any] | None, prompt_len: int, *, where: str = "sampling_params",
+                      prompt_field: str = "text") -> SamplingParams:
+        """SGLang's `sampling_params` → verified SamplingParams that fit the context with the prompt."""
         if raw is None:
             raw = {}
-        if isinstance(raw, SamplingParams):
-            sp = raw
-            explicit_max = True
-        else:
-            if not isinstance(raw, dict):
-                raise BadRequest(f"`{where}` must be a JSON object")
-            sp = convert(raw, SamplingParams, where)
-            explicit_max = "max_new_tokens" in raw
-        room = self.context_length - prompt_len
-        if not explicit_max:
-            sp.max_new_tokens = max(0, min(default_max if default_max is not None else DEFAULT_MAX_NEW_TOKENS,
-                                           room))
+        if not isinstance(raw, dict):
+            raise BadRequest(f"`{where}` must be a JSON object")
+        sp = convert(raw, SamplingParams, where)
+        if "max_new_tokens" not in raw:
+            sp.max_new_tokens = self.room(prompt_len, DEFAULT_MAX_NEW_TOKENS)
         sp.verify(where)
+        self.check_fits(sp, prompt_len, max_field=f"{where}.max_new_tokens", prompt_field=prompt_field)
+        return sp
+
+    def room(self, prompt_len: int, limit: int | None = None) -> int:
+        """How many tokens may follow the prompt in the context (at most `limit`)."""
+        room = max(self.context_length - prompt_len, 0)
+        return room if limit is None else min(room, limit)
+
+    def check_fits(self, sp: SamplingParams, prompt_len: int, *, max_field: str, prompt_field: str) -> None:
+        """The prompt plus max_new_tokens must fit the context; the error names the client's fields."""
+        room = self.context_length - prompt_len
         if room <= 0:
             raise BadRequest(f"`{prompt_field}` has {prompt_len} tokens; the context length is "
                              f"{self.context_length} (the prompt plus at least one output token must fit)")
         if sp.max_new_tokens > room:
-            name = max_field or f"{where}.max_new_tokens"
-            raise BadRequest(f"`{name}` = {sp.max_new_tokens} plus the prompt's {prompt_len} tokens is "
+            raise BadRequest(f"`{max_field}` = {sp.max_new_tokens} plus the prompt's {prompt_len} tokens is "
                              f"{sp.max_new_tokens + prompt_len}, more than the context length "
                              f"{self.context_length}")
-        return sp
-
-    def new_rid(self, rid: str | None) -> str:
-        if rid is None:
-            return uuid.uuid4().hex
-        if not isinstance(rid, str) or not rid:
-            raise BadRequest("`rid` must be a non-empty string")
-        return rid
 
     # ------------------------------------------------------------------ submit / wait / release
     def submit(self, reqs: list[TokenizedRequest], *, endpoint: str = "generate",

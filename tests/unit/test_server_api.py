@@ -133,6 +133,9 @@ def test_generate_batch_matches_single(node, tok):
     assert [len(o["output_ids"]) for o in out] == [3, 4]
     assert out[0]["output_ids"] == singles[0]["output_ids"][:3]
     assert len({o["meta_info"]["id"] for o in out}) == 2
+    # one rid for a batch: one per item, derived from it
+    out = generate(node, {"input_ids": ids, "sampling_params": greedy(1), "rid": "batch-rid"})
+    assert [o["meta_info"]["id"] for o in out] == ["batch-rid-0", "batch-rid-1"]
 
 
 def test_generate_stream(node):

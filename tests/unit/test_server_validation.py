@@ -77,7 +77,12 @@ def ok(node):
     ({"text": ["a", "b"], "sampling_params": [{}]}, ["sampling_params", "1 entries", "batch of 2"]),
     ({"text": "a", "sampling_params": [{}]}, ["sampling_params"]),
     ({"text": "a", "top_logprobs_num": -1}, ["top_logprobs_num"]),
-    ({"text": ["a", "b"], "rid": "one"}, ["rid"]),
+    ({"text": ["a", "b"], "rid": ["one"]}, ["`rid`", "1 entries", "batch of 2"]),
+    ({"text": "a", "rid": ["one"]}, ["`rid`", "not a batch"]),
+    ({"text": ["a", "b"], "rid": ["one", ""]}, ["`rid`", "non-empty"]),
+    ({"text": "a", "bootstrap_host": ["127.0.0.1"]}, ["`bootstrap_host`", "not a batch"]),
+    ({"text": ["a", "b"], "bootstrap_room": [1, 2, 3]}, ["`bootstrap_room`", "3 entries", "batch of 2"]),
+    ({"text": ["a", "b"], "bootstrap_port": ["x", "y"]}, ["$.bootstrap_port"]),
 ])
 def test_generate_bad_input(node, body, fields):
     post(node, "/generate", body, 400, *fields)
@@ -99,6 +104,9 @@ def test_generate_bad_input(node, body, fields):
     ({"prompt": "hi", "logit_bias": {"1": 5}}, ["logit_bias"]),
     ({"prompt": "hi", "suffix": "x"}, ["suffix"]),
     ({"prompt": "hi", "stream_options": {"include_usage": "x"}}, ["stream_options.include_usage"]),
+    ({"prompt": ["a", "b"], "rid": ["x"]}, ["`rid`", "1 entries", "batch of 2"]),
+    ({"prompt": "a", "bootstrap_room": [1, 2]}, ["`bootstrap_room`", "not a batch"]),
+    ({"prompt": ["a", "b"], "bootstrap_port": [1, 2, 3]}, ["`bootstrap_port`", "3 entries", "batch of 2"]),
 ])
 def test_completions_bad_input(node, body, fields):
     post(node, "/v1/completions", body, 400, *fields)
@@ -180,7 +188,7 @@ def test_duplicate_rid(node):
 def test_prefill_role_check():
     from common.config import ServerArgs
     from common.protocol import BadRequest
-    from common.server.app import check_role
+    from common.server.http import check_role
 
     check_role(ServerArgs(), None, None, None)  # a colocated node takes plain requests
     args = ServerArgs(disaggregation_mode="prefill")
@@ -189,6 +197,31 @@ def test_prefill_role_check():
     with pytest.raises(BadRequest, match="bootstrap"):
         check_role(args, "127.0.0.1", 8998, None)
     check_role(args, "127.0.0.1", 8998, 42)
+
+
+def test_item_fields_of_a_batch():
+    from common.config import ServerArgs
+    from common.protocol import BadRequest, CompletionRequest
+    from common.server.http import item_fields
+
+    decode = ServerArgs(disaggregation_mode="decode")
+    # what a PD router sends: a list of rooms, shared host and port, one rid for the batch
+    req = CompletionRequest(prompt=["a", "b"], rid="r", bootstrap_host="h", bootstrap_port=1, bootstrap_room=[5, 6])
+    assert item_fields(decode, req, 2, True) == [
+        {"rid": "r-0", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 5},
+        {"rid": "r-1", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 6}]
+    req.rid, req.bootstrap_host, req.bootstrap_port = ["x", "y"], ["h0", "h1"], [1, 2]
+    assert [(f["rid"], f["bootstrap_host"], f["bootstrap_port"]) for f in item_fields(decode, req, 2, True)] == [
+        ("x", "h0", 1), ("y", "h1", 2)]
+    req.bootstrap_room = 5  # one room cannot serve two transfers
+    with pytest.raises(BadRequest, match="`bootstrap_room` must be a list"):
+        item_fields(decode, req, 2, True)
+    req.bootstrap_room = [5, None]
+    with pytest.raises(BadRequest, match="decode node"):
+        item_fields(decode, req, 2, True)
+    # a colocated node ignores the rendezvous; without a rid each item gets its own
+    plain = item_fields(ServerArgs(), CompletionRequest(prompt=["a", "b"]), 2, True)
+    assert len({f["rid"] for f in plain}) == 2 and all(f["bootstrap_room"] is None for f in plain)
 
 
 def test_node_still_serves_after_bad_input(node):

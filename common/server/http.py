@@ -1,0 +1,131 @@
+"""The HTTP rules every endpoint of a node shares: JSON errors in OpenAI's shape, JSON body reading,
+SSE framing, the per-item fields of a request (rid and the PD rendezvous) and the life of submitted
+requests (`respond`). `app.py` (SGLang-native endpoints) and `openai_api.py` both build on it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from common.protocol import BadRequest, decode_json, error_body, item_rids
+from common.server.tokenizer_manager import ReqState, TokenizerManager
+
+TM_KEY = web.AppKey("tm", TokenizerManager)
+INFO_KEY = web.AppKey("info", dict)
+
+
+# ---------------------------------------------------------------------------------------------- bodies
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(status, message), status=status, headers=headers, dumps=dumps)
+
+
+async def read_json(request: web.Request, type_: type) -> Any:
+    return decode_json(await request.read(), type_)
+
+
+async def sse_start(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(status=200, headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    return resp
+
+
+async def sse_send(resp: web.StreamResponse, obj: Any) -> None:
+    await resp.write(b"data: " + dumps(obj).encode() + b"\n\n")
+
+
+async def sse_done(resp: web.StreamResponse) -> None:
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+
+
+# ---------------------------------------------------------------------------------------------- per-item fields
+def per_item(value: Any, n: int, name: str, batch: bool) -> list[Any]:
+    """One value per item of a field that is a scalar (shared by every item) or a list (one per item)."""
+    if isinstance(value, list):
+        if not batch:
+            raise BadRequest(f"`{name}` is a list but the request is not a batch")
+        if len(value) != n:
+            raise BadRequest(f"`{name}` has {len(value)} entries for a batch of {n}")
+        return value
+    return [value] * n
+
+
+def check_role(args, host: Any, port: Any, room: Any) -> None:
+    """Prefill/decode nodes only take requests carrying the PD rendezvous (a router injects it)."""
+    mode = args.disaggregation_mode
+    if mode == "null":
+        return
+    if host is None or port is None or room is None:
+        raise BadRequest(f"this is a {mode} node; requests need bootstrap_host/bootstrap_port/bootstrap_room "
+                         "(send them through a PD router)")
+
+
+def item_fields(args, req, n: int, batch: bool) -> list[dict[str, Any]]:
+    """The rid and the PD rendezvous (bootstrap_host/port/room) of each of the n items of a request, as
+    `TokenizedRequest` keywords. Each field is a scalar or a list with one entry per item; one rid for a
+    batch becomes `item_rids(rid, n)`, and no rid a fresh one per item. A batch on a PD node needs one
+    room per item."""
+    rid = req.rid
+    if rid == "" or (isinstance(rid, list) and not all(rid)):
+        raise BadRequest("`rid` must be a non-empty string (or a list of them, one per item)")
+    rids = item_rids(rid, n) if batch and isinstance(rid, str) else per_item(rid, n, "rid", batch)
+    rids = [r or uuid.uuid4().hex for r in rids]
+    hosts = per_item(req.bootstrap_host, n, "bootstrap_host", batch)
+    ports = per_item(req.bootstrap_port, n, "bootstrap_port", batch)
+    rooms = per_item(req.bootstrap_room, n, "bootstrap_room", batch)
+    for host, port, room in zip(hosts, ports, rooms, strict=True):
+        check_role(args, host, port, room)
+    if n > 1 and args.disaggregation_mode != "null" and not isinstance(req.bootstrap_room, list):
+        raise BadRequest(f"`bootstrap_room` must be a list with one room per item for a batch of {n}")
+    return [{"rid": r, "bootstrap_host": h, "bootstrap_port": p, "bootstrap_room": room}
+            for r, h, p, room in zip(rids, hosts, ports, rooms, strict=True)]
+
+
+# ---------------------------------------------------------------------------------------------- answering
+def failed(st: ReqState) -> tuple[int, str] | None:
+    """(status, message) when the request ended in an error the client should see as one."""
+    if st.error_status:
+        msg = (st.finish_reason or {}).get("message") or "request failed"
+        return st.error_status, msg
+    return None
+
+
+async def respond(request: web.Request, tm: TokenizerManager, states: list[ReqState], notify, stream, body,
+                  error_of=failed) -> web.StreamResponse:
+    """The life of submitted requests after `tm.submit`: with `stream` (`await stream(resp)` writes the
+    SSE events) answer as a stream; else wait for all of them and answer `body()` as JSON, or the
+    first `error_of(state)` (status, message). Every state is released at the end with the status
+    its client saw (499 when the handler was cancelled, e.g. the client went away)."""
+    status = 200
+    try:
+        if stream is not None:
+            resp = await sse_start(request)
+            try:
+                await stream(resp)
+            except ConnectionResetError:  # the client went away: release() aborts what is unfinished
+                pass
+            return resp
+        while not all(s.finished for s in states):
+            await tm.wait(states, notify)
+        for st in states:
+            err = error_of(st)
+            if err:
+                status = err[0]
+                return error_response(*err)
+        return web.json_response(body(), dumps=dumps)
+    except BaseException:
+        status = 499
+        raise
+    finally:
+        for st in states:
+            err = error_of(st)
+            tm.release(st, err[0] if err else status)
