@@ -68,7 +68,7 @@ class RouterApp:
         if self.expected_auth is not None and request.path not in OPEN_PATHS \
                 and headers.get("Authorization") != self.expected_auth:
             return error_response(401, "missing or invalid API key (expected `Authorization: Bearer <key>`)",
-                                  "authentication_error", headers={"X-Request-ID": rid})
+                                  headers={"X-Request-ID": rid})
         try:
             resp = await handler(request)
         except web.HTTPException as e:

@@ -15,6 +15,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from common.protocol import error_body
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.policies import Policy
@@ -35,14 +36,8 @@ def _header_value(value: str) -> bytes:
     return value.replace("\r", " ").replace("\n", " ").encode("latin-1", "replace")
 
 
-def error_body(status: int, message: str, type_: str | None = None) -> bytes:
-    if type_ is None:
-        type_ = "invalid_request_error" if 400 <= status < 500 else "upstream_error"
-    return _encode({"error": {"message": message, "type": type_, "code": status}})
-
-
-def error_response(status: int, message: str, type_: str | None = None, headers=None) -> web.Response:
-    return web.Response(body=error_body(status, message, type_), status=status,
+def error_response(status: int, message: str, headers=None) -> web.Response:
+    return web.Response(body=_encode(error_body(status, message)), status=status,
                         content_type="application/json", headers=headers)
 
 
@@ -302,7 +297,7 @@ class Dispatcher:
         path = req.path
         p_task = self._start_leg(p, self._fetch(p, path, payload, headers))
         d_task = self._start_leg(d, self._fetch(d, path, payload, headers))
-        ids = rid_list(rids)
+        ids = rid_list(req, rids)
         try:
             done, _ = await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
             if p_task in done:
@@ -339,7 +334,7 @@ class Dispatcher:
 
     async def _attempt_stream(self, request, req, p, d, payload, headers, rids, request_id, trace):
         path = req.path
-        ids = rid_list(rids)
+        ids = rid_list(req, rids)
         p_task = self._start_leg(p, self._fetch(p, path, payload, headers))
         d.active += 1
         d.requests += 1
@@ -398,7 +393,7 @@ class Dispatcher:
                 self._abandon(p_task, p, ids)
                 self._spawn(self._abort_on(d, ids))
                 try:
-                    await out.write(b"data: " + error_body(502, reason) + b"\n\n" + _DONE)
+                    await out.write(b"data: " + _encode(error_body(502, reason)) + b"\n\n" + _DONE)
                 except ConnectionError:
                     pass
             else:

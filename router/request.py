@@ -1,26 +1,32 @@
-"""Client request validation (400 naming the field) and bootstrap/rid injection into the original JSON."""
+"""Client request validation (400 naming the field, with the node's own rules: the protocol structs and
+`common/openai_params.py`) and bootstrap/rid injection into the original JSON."""
 
 from __future__ import annotations
 
 import random
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
+from common.openai_params import sampling_params
 from common.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     SamplingParams,
+    convert,
+    decode_json,
+    item_rids,
 )
 from router.registry import Worker
 
 _TYPES = {"/generate": GenerateRequest, "/v1/completions": CompletionRequest,
           "/v1/chat/completions": ChatCompletionRequest}
 _INJECTED = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
-_RENAMES = (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens"))
+_NO_LIMIT = 2**31 - 1  # max_new_tokens checked here when the client set none (the node knows the context)
 _encode = msgspec.json.encode
 
 
@@ -43,38 +49,12 @@ def _ids_text(ids) -> str:
         return str(ids)
 
 
-def _verify_openai(req, max_tokens: int | None) -> None:
-    try:
-        sp = SamplingParams(
-            max_new_tokens=2**31 - 1 if max_tokens is None else max_tokens, min_new_tokens=req.min_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
-            frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
-            repetition_penalty=req.repetition_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
-            n=req.n, seed=req.seed)
-        sp.verify("request")
-    except BadRequest as e:
-        msg = str(e).replace("`request.", "`")
-        for ours, theirs in _RENAMES:
-            msg = msg.replace(ours, theirs)
-        raise BadRequest(msg) from None
-
-
 def _verify_sampling(sp, where: str) -> None:
-    try:
-        params = msgspec.convert(sp, SamplingParams)
-    except msgspec.ValidationError as e:
-        raise BadRequest(f"{e} (in `{where}`)") from None
-    params.verify(where)
+    convert(sp, SamplingParams, where).verify(where)
 
 
 def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
-    if not body:
-        raise BadRequest("request body is empty; expected a JSON object")
-    try:
-        obj = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
-        raise BadRequest(f"malformed JSON: {e}") from None
+    obj = decode_json(body, Any)
     if not isinstance(obj, dict):
         raise BadRequest("request body must be a JSON object")
     try:
@@ -103,8 +83,6 @@ def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
                 _verify_sampling(one, f"sampling_params[{i}]")
         elif sp is not None:
             _verify_sampling(sp, "sampling_params")
-        if isinstance(req.rid, list) and len(req.rid) != (batch or 1):
-            raise BadRequest(f"`rid` list has {len(req.rid)} entries for a batch of {batch or 1}")
         return_logprob = any(req.return_logprob) if isinstance(req.return_logprob, list) else req.return_logprob
         if need_text:
             if req.text is not None:
@@ -120,7 +98,7 @@ def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
                 batch = len(p)
         elif not p:
             raise BadRequest("`prompt` must not be empty")
-        _verify_openai(req, req.max_tokens)
+        sampling_params(req, _NO_LIMIT)
         return_logprob = req.logprobs is not None
         if need_text:
             first = p[0] if batch else p
@@ -128,10 +106,12 @@ def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
     else:
         if not req.messages:
             raise BadRequest("`messages` must not be empty")
-        _verify_openai(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
+        sampling_params(req, _NO_LIMIT)
         return_logprob = req.logprobs
         if need_text:
             text = "\n".join(m.content for m in req.messages if isinstance(m.content, str))
+    if isinstance(req.rid, list) and len(req.rid) != (batch or 1):
+        raise BadRequest(f"`rid` list has {len(req.rid)} entries for a batch of {batch or 1}")
     return ParsedRequest(path, body, obj, req.stream, bool(return_logprob), batch, req.rid, text)
 
 
@@ -140,13 +120,14 @@ def new_rids(req: ParsedRequest) -> str | list[str]:
     if req.client_rid is not None:
         return req.client_rid
     base = uuid.uuid4().hex
-    if req.batch is not None and req.path == "/generate":
-        return [f"{base}-{i}" for i in range(req.batch)]
-    return base
+    return base if req.batch is None else item_rids(base, req.batch)
 
 
-def rid_list(rids: str | list[str]) -> list[str]:
-    return rids if isinstance(rids, list) else [rids]
+def rid_list(req: ParsedRequest, rids: str | list[str]) -> list[str]:
+    """The ids the nodes run the items under: one id for a batch is one per item there."""
+    if isinstance(rids, list):
+        return rids
+    return [rids] if req.batch is None else item_rids(rids, req.batch)
 
 
 def _rooms(n: int) -> list[int]:

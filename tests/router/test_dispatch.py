@@ -62,7 +62,8 @@ def test_batch_rooms_distinct(workers, make_router):
         assert isinstance(rooms, list) and len(rooms) == n and len(set(rooms)) == n
         assert all(isinstance(x, int) and 0 <= x < 2**63 for x in rooms)
         assert body["bootstrap_host"] == ["127.0.0.1"] * n and body["bootstrap_port"] == [8999] * n
-    assert len(sent[0]["rid"]) == 4 and len(set(sent[0]["rid"])) == 4  # one rid per input for /generate
+    assert len(sent[0]["rid"]) == 4 and len(set(sent[0]["rid"])) == 4  # one rid per input
+    assert len(sent[2]["rid"]) == 2 and len(set(sent[2]["rid"])) == 2
     assert p.requests()[0]["body"]["bootstrap_room"] == sent[0]["bootstrap_room"]
 
 
@@ -197,6 +198,21 @@ def test_client_disconnect_aborts_both_legs(workers, make_router):
     wait_until(lambda: rid in d.aborts() and rid in p.aborts(), what="aborts of both legs")
 
 
+def test_client_disconnect_aborts_every_item_of_a_batch(workers, make_router):
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin")
+    p.config(hold=1)
+    d.config(chunks=1000, chunk_delay=0.05)
+    # one client rid for two prompts: the nodes run them as mine-0 and mine-1, and that is what gets aborted
+    conn, resp = _stream(r.url, "/v1/completions", {"prompt": ["a", "b"], "rid": "mine", "stream": True})
+    assert resp.readline().startswith(b"data: ")
+    assert d.requests()[0]["body"]["rid"] == "mine"
+    conn.sock.close()
+    conn.close()
+    items = {"mine-0", "mine-1"}
+    wait_until(lambda: items <= set(d.aborts()) and items <= set(p.aborts()), what="aborts of every item")
+
+
 def test_request_id_and_api_key(workers, make_router):
     p, d = workers["p"][0], workers["d"][0]
     r = make_router([p], [d], "--policy", "round_robin", "--api-key", "sekret")
@@ -228,6 +244,10 @@ def test_malformed_input_400_names_field(workers, make_router):
         ("/generate", {"text": "x", "stream": "yes"}, "stream"),
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+        ("/v1/completions", {"prompt": ["x", "y"], "rid": ["a"]}, "`rid`"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
+         "`max_completion_tokens`"),
         ("/v1/chat/completions", {"model": "m"}, "messages"),
         ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
