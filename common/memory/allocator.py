@@ -1,29 +1,29 @@
 """Paged KV slot allocator.
 
-Memory is handed out in pages of `page_size` token slots. Token slot `s` lives in page
-`s // page_size` at offset `s % page_size`. Page 0 is reserved as the padding page (gathers of
-unused positions read it, writes of padded tokens land in it), so real pages are 1..num_pages-1.
-A request's tokens fill its last page before a new page is taken, so its pages are exactly the
-distinct `slot // page_size` of its slots.
+Memory is handed out in pages of `page_size` token slots (the arithmetic is `PageLayout`'s). Page 0
+is reserved as the padding page (gathers of unused positions read it, writes of padded tokens land
+in it), so real pages are 1..num_pages-1. A request's tokens fill its last page before a new page is
+taken, so its pages are exactly the distinct pages of its slots.
 """
 
 from __future__ import annotations
 
 import torch
 
+from common.memory.paging import PageLayout
+
 
 class OutOfPages(RuntimeError):
     """Not enough free pages for an allocation (the caller retracts or waits)."""
 
 
-class TokenToKVPoolAllocator:
+class TokenToKVPoolAllocator(PageLayout):
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 2:
             raise ValueError("the KV pool needs at least 2 pages (page 0 is padding)")
+        super().__init__(page_size)
         self.num_pages = num_pages
-        self.page_size = page_size
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
-        self._offsets = torch.arange(page_size, dtype=torch.int64)
 
     # ---- pages
     def available_pages(self) -> int:
@@ -55,10 +55,6 @@ class TokenToKVPoolAllocator:
         self._free.extend(pages)
 
     # ---- token slots
-    def pages_needed(self, cur_len: int, n: int) -> int:
-        """Pages a request holding `cur_len` tokens needs to grow by `n` tokens."""
-        return -(-(cur_len + n) // self.page_size) - (-(-cur_len // self.page_size))
-
     def alloc_extend(self, cur_len: int, last_slot: int, n: int) -> torch.Tensor:
         """Slots for tokens cur_len .. cur_len+n-1 of one request.
 
@@ -70,17 +66,11 @@ class TokenToKVPoolAllocator:
         rest = n - use
         if rest == 0:
             return head
-        pages = torch.tensor(self.alloc_pages(-(-rest // ps)), dtype=torch.int64)
-        tail = (pages[:, None] * ps + self._offsets).flatten()[:rest]
+        tail = self.slots_of_pages(self.alloc_pages(self.pages_for(rest)), rest)
         return torch.cat([head, tail]) if use else tail
 
     def free_slots(self, slots: torch.Tensor) -> None:
         """Free every page that the given slots touch (the request owns them all)."""
         if slots.numel() == 0:
             return
-        self.free_pages(torch.unique(slots // self.page_size))
-
-    @staticmethod
-    def page_starts(slots: torch.Tensor, page_size: int) -> torch.Tensor:
-        """Page ids of a request's slots (one per page, in order)."""
-        return slots[::page_size] // page_size
+        self.free_pages(torch.unique(self.page_of(slots)))

@@ -20,13 +20,14 @@ import math
 import torch
 
 from common.memory.huge_pages import huge_zeros
+from common.memory.paging import PageLayout
 
 
-class KVPool:
+class KVPool(PageLayout):
     def __init__(self, num_pages: int, page_size: int, num_layers: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, layer_ids: list[int] | None = None) -> None:
+        super().__init__(page_size)
         self.num_pages = num_pages
-        self.page_size = page_size
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
@@ -71,10 +72,9 @@ class KVPool:
 
     def token_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Flat rows of the first layer's K for `slots` `[..., L]`, every KV head: `[..., kv_heads, L]`."""
-        ps = self.page_size
-        pages = (slots // ps).unsqueeze(-2)
-        offs = (slots % ps).unsqueeze(-2)
-        heads = torch.arange(self.kv_heads, dtype=torch.int64).view(-1, 1) * ps
+        pages = self.page_of(slots).unsqueeze(-2)
+        offs = self.offset_of(slots).unsqueeze(-2)
+        heads = torch.arange(self.kv_heads, dtype=torch.int64).view(-1, 1) * self.page_size
         return pages * self.page_rows + heads + offs
 
     def flat_rows(self, slots: torch.Tensor) -> torch.Tensor:

@@ -172,9 +172,8 @@ class RadixCache:
         return matched
 
     def _free_duplicates(self, tree_slots: torch.Tensor, own: torch.Tensor) -> None:
-        ps = self.page_size
-        tree_pages = tree_slots[::ps] // ps
-        own_pages = own[::ps] // ps
+        tree_pages = self.allocator.pages_of_slots(tree_slots)
+        own_pages = self.allocator.pages_of_slots(own)
         dup = own_pages[own_pages != tree_pages]
         if dup.numel():
             self.allocator.free_pages(dup)

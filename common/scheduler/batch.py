@@ -131,7 +131,7 @@ class ScheduleBatch:
         pages = self.decode_pages_needed(steps)
         if pages <= self.allocator.available_pages():
             return True
-        evictable_pages = self.tree_cache.evictable_size() // self.allocator.page_size
+        evictable_pages = self.allocator.full_pages(self.tree_cache.evictable_size())
         return pages <= self.allocator.available_pages() + evictable_pages
 
     def prepare_for_decode(self) -> ForwardBatch:
@@ -149,7 +149,8 @@ class ScheduleBatch:
         # a request's next slot follows its last one within the page, or opens a fresh page
         slots = r2t[rows_t, (pos_t - 1).clamp(min=0)] + 1
         if fresh:
-            slots[torch.tensor(fresh, dtype=torch.int64)] = torch.tensor(pages, dtype=torch.int64) * ps
+            first = self.allocator.first_slots(torch.tensor(pages, dtype=torch.int64))
+            slots[torch.tensor(fresh, dtype=torch.int64)] = first
         r2t[rows_t, pos_t] = slots
         for r in reqs:
             r.kv_len += 1

@@ -7,6 +7,7 @@ import torch
 
 from common.memory.allocator import OutOfPages, TokenToKVPoolAllocator
 from common.memory.kv_pool import KVPool
+from common.memory.paging import PageLayout
 from common.memory.req_to_token import ReqToTokenPool
 
 
@@ -22,6 +23,24 @@ def test_allocator_pages_and_padding_page():
     assert a.available_pages() == 4
     with pytest.raises(ValueError):
         a.free_pages([0])
+
+
+def test_page_layout_round_trips():
+    p = PageLayout(4)
+    assert (p.pages_for(0), p.pages_for(1), p.pages_for(4), p.pages_for(5)) == (0, 1, 1, 2)
+    assert (p.full_pages(3), p.full_pages(8), p.full_pages(9)) == (0, 2, 2)
+    assert p.pages_needed(3, 1) == 0 and p.pages_needed(4, 1) == 1 and p.pages_needed(0, 9) == 3
+    pages = torch.tensor([7, 2, 5])
+    slots = p.slots_of_pages(pages, 10)
+    assert slots.tolist() == [28, 29, 30, 31, 8, 9, 10, 11, 20, 21]
+    assert p.slots_of_pages([3]).tolist() == [12, 13, 14, 15]
+    assert p.first_slots(pages).tolist() == [28, 8, 20]
+    assert p.page_of(slots).tolist() == [7] * 4 + [2] * 4 + [5] * 2
+    assert p.offset_of(slots).tolist() == [0, 1, 2, 3] * 2 + [0, 1]
+    assert p.pages_of_slots(slots).tolist() == [7, 2, 5]
+    assert p.pages_of_slots(slots, 1, 3).tolist() == [2, 5] and p.pages_of_slots(slots, 1, 2).tolist() == [2]
+    with pytest.raises(ValueError):
+        PageLayout(0)
 
 
 def test_alloc_extend_fills_last_page_first():
