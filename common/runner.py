@@ -1,6 +1,8 @@
 """ModelRunner: the model, its memory pools and the sampler of one TP rank.
 
-`forward(fb) -> logits` and `sample(logits, info, ...)`; the scheduler builds the batches.
+`run(batch) -> RunnerOutput`: one forward of a batch the scheduler built, then sampling (the
+requests whose prefill completes, every request of a decode step) and the logprobs asked for, prompt
+logprobs included. `forward(fb) -> logits` and `sample(logits, info, ...)` are its two halves.
 Pools: the KV pool holds `max_total_tokens` tokens in pages of `page_size` (plus the padding
 page 0) with this rank's share of the KV heads; the req pool has `max_running_requests +
 REQ_POOL_HEADROOM` rows (room for requests being prefilled, or preallocated by a decode node,
@@ -10,11 +12,12 @@ while the running batch is full) of `context_length` columns.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from common.config import ServerArgs
-from common.forward_batch import ForwardBatch
+from common.forward_batch import ForwardBatch, ForwardMode
 from common.hybrid import HybridSupport
 from common.layers.sampling import SampleOutput, Sampler, SamplingBatchInfo
 from common.memory.allocator import TokenToKVPoolAllocator
@@ -24,6 +27,18 @@ from common.memory.req_to_token import ReqToTokenPool
 logger = logging.getLogger(__name__)
 
 REQ_POOL_HEADROOM = 8
+
+
+@dataclass
+class RunnerOutput:
+    """What one forward produced, per request of the batch (None where nothing was sampled)."""
+
+    next_token_ids: list[int | None]
+    token_logprobs: list[float | None]
+    top_logprobs: list[list[tuple[float, int]] | None]
+    # extend only: per request, (logprobs of prompt tokens, their top logprobs) computed this chunk
+    input_logprobs: list[list[tuple[float, int]] | None] | None = None
+    input_top_logprobs: list[list[list[tuple[float, int]]] | None] | None = None
 
 
 class ModelRunner:
@@ -55,6 +70,7 @@ class ModelRunner:
                                                 self.context_length + self.page_size)
         self.sampler = Sampler(seed=args.seed)
         self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = list(cfg.eos_token_ids or [])  # min_new_tokens masks them
         logger.info("model %s (%s): %d layers, kv heads %d/rank, KV pool %d tokens in %d pages of %d "
                     "(%.1f MiB), context %d", cfg.name, cfg.architecture, cfg.num_layers,
                     cfg.local_kv_heads(tp_size), self.max_total_tokens, num_pages - 1, self.page_size,
@@ -86,6 +102,81 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo, top_logprobs_nums: list[int] | None = None,
                return_logprob: bool | None = None) -> SampleOutput:
         return self.sampler(logits, info, top_logprobs_nums, return_logprob=return_logprob)
+
+    def run(self, batch) -> RunnerOutput:
+        """Forward a prepared `ScheduleBatch`, sample its next tokens and gather the logprobs."""
+        fb = batch.forward_batch
+        if fb.logits_indices.numel():
+            logits = self.forward(fb)
+        else:
+            # only middle chunks: no logits are needed, the forward just fills the KV
+            fb.logits_indices = fb.last_token_indices()[:1]
+            self.forward(fb)
+            logits = None
+        reqs = batch.reqs
+        b = len(reqs)
+        out = RunnerOutput([None] * b, [None] * b, [None] * b)
+        if fb.mode == ForwardMode.DECODE:
+            sample_idx = rows = list(range(b))
+        else:
+            sample_idx, rows = [], []
+            for i, (r, (_first, count, off), done) in enumerate(
+                    zip(reqs, batch.extend_info.rows, batch.extend_info.completes, strict=True)):
+                if done and count and len(r.output_ids) < r.max_new_tokens:
+                    sample_idx.append(i)
+                    rows.append(off + count - 1)
+        if sample_idx:
+            self._sample_rows(reqs, sample_idx, rows, logits, fb.mode == ForwardMode.DECODE, out)
+        if fb.mode == ForwardMode.EXTEND:
+            self._input_logprobs(batch, logits, out)
+        return out
+
+    def _sample_rows(self, reqs, sample_idx: list[int], rows: list[int], logits: torch.Tensor, decode: bool,
+                     out: RunnerOutput) -> None:
+        sreqs = [reqs[i] for i in sample_idx]
+        info = SamplingBatchInfo.build([r.sampling for r in sreqs], [r.output_ids for r in sreqs],
+                                       logits.shape[-1], [r.generator for r in sreqs], self.eos_token_ids,
+                                       prompt_ids=[r.origin_input_ids for r in sreqs])
+        want_lp = any(r.return_logprob for r in sreqs)
+        nums = [r.top_logprobs_num if r.return_logprob else 0 for r in sreqs] if want_lp else None
+        if decode and rows == list(range(logits.shape[0])):
+            picked = logits  # every row, in order: no copy (logits are not used after sampling)
+        else:
+            picked = logits[torch.tensor(rows, dtype=torch.int64)]
+        s = self.sample(picked, info, nums, return_logprob=want_lp)
+        ids = s.next_token_ids.tolist()
+        lp = s.logprobs.tolist() if s.logprobs is not None else None
+        for j, i in enumerate(sample_idx):
+            out.next_token_ids[i] = ids[j]
+            if lp is not None and reqs[i].return_logprob:
+                out.token_logprobs[i] = lp[j]
+                if s.top_logprobs is not None:
+                    out.top_logprobs[i] = s.top_logprobs[j]
+
+    @staticmethod
+    def _input_logprobs(batch, logits: torch.Tensor | None, out: RunnerOutput) -> None:
+        """Logprobs of prompt tokens from this chunk's logits (position p -> token p+1)."""
+        b = len(batch.reqs)
+        out.input_logprobs = [None] * b
+        out.input_top_logprobs = [None] * b
+        for i, (r, (first, count, off)) in enumerate(zip(batch.reqs, batch.extend_info.rows, strict=True)):
+            if not (r.want_input_logprobs and not r.input_logprobs_done) or logits is None:
+                continue
+            prompt = r.origin_input_ids
+            # positions first..first+count-1; those < len(prompt)-1 predict prompt tokens
+            n = max(min(first + count, len(prompt) - 1) - first, 0)
+            if n == 0:
+                out.input_logprobs[i] = []
+                continue
+            logp = torch.log_softmax(logits[off : off + n].float(), dim=-1)
+            targets = torch.tensor(prompt[first + 1 : first + 1 + n], dtype=torch.int64)
+            vals = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+            out.input_logprobs[i] = list(zip(vals, targets.tolist(), strict=True))
+            if r.top_logprobs_num > 0:
+                k = min(r.top_logprobs_num, logp.shape[-1])
+                tv, ti = torch.topk(logp, k, dim=-1)
+                out.input_top_logprobs[i] = [list(zip(a, c, strict=True))
+                                             for a, c in zip(tv.tolist(), ti.tolist(), strict=True)]
 
     def model_config_dict(self) -> dict:
         cfg = self.model_config

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,10 +24,24 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class Stage(enum.Enum):
+    NEW = "new"  # arrived; a node role holds it until it adds it to the scheduler
     WAITING = "waiting"
     CHUNKED = "chunked"  # part of its prompt is prefilled
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class FinishStatus:
+    """How `Scheduler.finish_requests` ends a request: the finish reason reported, and the HTTP status
+    (0: none)."""
+
+    reason: dict[str, Any]
+    error_status: int = 0
+
+    @classmethod
+    def abort(cls, message: str, error_status: int = 0) -> FinishStatus:
+        return cls({"type": "abort", "message": message}, error_status)
 
 
 class Req:
@@ -56,7 +71,7 @@ class Req:
         self.locked_len = 0
         self.fill_ids: list[int] = list(self.origin_input_ids)
         self.extend_input_len = 0
-        self.stage = Stage.WAITING
+        self.stage = Stage.NEW
         self.is_retracted = False
         self.retract_count = 0
         self.scheduled_once = False
