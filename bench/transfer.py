@@ -62,8 +62,9 @@ def _build(role: str, backend: str, pool_pages: int, bootstrap_addr: str | None)
 
     from common.memory.kv_pool import KVPool
     from transfer.base import KVArgs
-    from transfer.manager import KVManager
     from transfer.metadata import MetadataBuffers
+    from transfer.receiver import DecodeKVManager
+    from transfer.sender import PrefillKVManager
 
     torch.set_num_threads(1)
     pool = KVPool(pool_pages, PAGE_SIZE, LAYERS, KV_HEADS, HEAD_DIM, dtype=torch.float32)
@@ -76,8 +77,11 @@ def _build(role: str, backend: str, pool_pages: int, bootstrap_addr: str | None)
         else:
             b.fill_(0.5)
     meta = MetadataBuffers(8)
-    mgr = KVManager(KVArgs.from_pool(pool, meta, model=MODEL), role, backend, host="127.0.0.1",
-                    bootstrap_addr=bootstrap_addr)
+    args = KVArgs.from_pool(pool, meta, model=MODEL)
+    if role == "prefill":
+        mgr = PrefillKVManager(args, backend, host="127.0.0.1", bootstrap_addr=bootstrap_addr)
+    else:
+        mgr = DecodeKVManager(args, backend, host="127.0.0.1")
     return mgr, pool, meta
 
 
@@ -96,7 +100,7 @@ def _plan(tokens_list: list[int], repeats: int, pool_pages: int, seed: int) -> l
 def _decode_main(backend, addr, jobs, pool_pages, to_prefill, out) -> None:
     from transfer.base import KVPoll
     from transfer.control import peer_registration
-    from transfer.manager import KVReceiver
+    from transfer.receiver import KVReceiver
 
     mgr, pool, meta = _build("decode", backend, pool_pages, None)
     to_prefill.put((peer_registration(mgr.args, "bench", mgr.engine.describe()), pool.data.data_ptr()))
@@ -117,8 +121,8 @@ def _decode_main(backend, addr, jobs, pool_pages, to_prefill, out) -> None:
 
 def _prefill_main(backend, addr, jobs, pool_pages, from_decode, out) -> None:
     from transfer.base import KVPoll
-    from transfer.manager import KVSender
     from transfer.plan import PairPlan
+    from transfer.sender import KVSender
 
     mgr, pool, meta = _build("prefill", backend, pool_pages, addr)
     reg, dst_pool = from_decode.get(timeout=600)

@@ -1,5 +1,6 @@
 """What a prefill or decode node needs from the transfer layer, shared by both roles: the rank's
-KVManager over the runner's pools, the advertised address, and the transfer counters it reports."""
+KV manager (prefill or decode) over the runner's pools, the advertised address, and the transfer
+counters it reports."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ from dataclasses import dataclass
 from transfer.base import KVArgs, TransferSettings
 from transfer.manager import KVManager
 from transfer.metadata import MetadataBuffers
+from transfer.receiver import DecodeKVManager
+from transfer.sender import PrefillKVManager
 
 # first-token top logprobs carried from prefill to decode (requests asking for more are refused)
 MAX_TOP_LOGPROBS = 20
+
+MANAGERS: dict[str, type[KVManager]] = {"prefill": PrefillKVManager, "decode": DecodeKVManager}
 
 
 def advertised_host(host: str) -> str:
@@ -26,13 +31,13 @@ def advertised_host(host: str) -> str:
 
 def build_kv_manager(args, runner, metadata: MetadataBuffers, tp_rank: int, tp_size: int, role: str,
                      bootstrap_addr: str | None = None) -> KVManager:
-    """One KVManager for this rank's share of the KV heads (and hybrid state), with the node's
-    timeouts (flags win over the environment)."""
+    """The `role`'s KV manager for this rank's share of the KV heads (and hybrid state), with the
+    node's timeouts (flags win over the environment); a prefill rank passes its `bootstrap_addr`."""
     kv_args = KVArgs.from_runner(runner, metadata, engine_rank=tp_rank, tp_size=tp_size)
     settings = TransferSettings.from_env(bootstrap_timeout=args.disaggregation_bootstrap_timeout,
                                          waiting_timeout=args.disaggregation_waiting_timeout)
-    return KVManager(kv_args, role, args.transfer_backend, settings=settings, host=advertised_host(args.host),
-                     bootstrap_addr=bootstrap_addr)
+    where = {"bootstrap_addr": bootstrap_addr} if bootstrap_addr else {}
+    return MANAGERS[role](kv_args, args.transfer_backend, settings=settings, host=advertised_host(args.host), **where)
 
 
 @dataclass

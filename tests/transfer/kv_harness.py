@@ -1,6 +1,6 @@
 """Multi-process harness for the transfer tests: prefill and decode ranks as real processes.
 
-Each rank runs in its own spawned process with a real KVManager, engine and ZMQ sockets; the test
+Each rank runs in its own spawned process with a real KV manager, engine and ZMQ sockets; the test
 process runs the bootstrap server. Prefill ranks fill their KV pool, state buffer and metadata row
 from a seeded "global" tensor (all heads); decode ranks regenerate the same tensor and check that
 every destination page / state slot holds exactly the source bytes of their head slice, and that no
@@ -79,7 +79,13 @@ def _build(role: str, tp_rank: int, tp_size: int, spec: dict, bootstrap_addr: st
 
         setup_logging(f"{role}{tp_rank}", "info")
     from transfer.base import KVArgs
-    from transfer.manager import KVManager
+    from transfer.receiver import DecodeKVManager
+    from transfer.sender import PrefillKVManager
+
+    def manager(args):
+        if bootstrap_addr is None:
+            return DecodeKVManager(args, spec["backend"], host="127.0.0.1", **settings)
+        return PrefillKVManager(args, spec["backend"], host="127.0.0.1", bootstrap_addr=bootstrap_addr, **settings)
 
     s = SHAPE
     heads = s["heads"] // tp_size
@@ -94,8 +100,7 @@ def _build(role: str, tp_rank: int, tp_size: int, spec: dict, bootstrap_addr: st
                       kv_item_lens=[page_bytes] * len(bufs), kv_head_num=heads, page_size=s["page_size"],
                       aux_data_ptrs=[rooms.ctypes.data], aux_data_lens=[rooms.nbytes], aux_item_lens=[64],
                       aux_room_index=0, engine_rank=tp_rank, tp_size=tp_size, model=spec.get("model", MODEL))
-        mgr = KVManager(args, role, spec["backend"], host="127.0.0.1", bootstrap_addr=bootstrap_addr, **settings)
-        return mgr, bufs, rooms, None
+        return manager(args), bufs, rooms, None
 
     import torch
 
@@ -117,8 +122,7 @@ def _build(role: str, tp_rank: int, tp_size: int, spec: dict, bootstrap_addr: st
         state.copy_(global_state(spec["seed"])[:, tp_rank * sd:(tp_rank + 1) * sd])
     args = KVArgs.from_pool(pool, meta, [state], state_type="mamba", engine_rank=tp_rank, tp_size=tp_size,
                             model=spec.get("model", MODEL))
-    mgr = KVManager(args, role, spec["backend"], host="127.0.0.1", bootstrap_addr=bootstrap_addr, **settings)
-    return mgr, pool, meta, state
+    return manager(args), pool, meta, state
 
 
 def _wait(cond, timeout: float = DEADLINE) -> bool:
@@ -132,7 +136,7 @@ def _wait(cond, timeout: float = DEADLINE) -> bool:
 
 def prefill_main(spec: dict, tp_rank: int, tp_size: int, bootstrap_addr: str, out, events) -> None:
     from transfer.base import KVPoll
-    from transfer.manager import KVSender
+    from transfer.sender import KVSender
 
     mgr, pool, meta, state = _build("prefill", tp_rank, tp_size, spec, bootstrap_addr,
                                     {**FAST, **spec.get("prefill_settings", {})})
@@ -174,7 +178,7 @@ def prefill_main(spec: dict, tp_rank: int, tp_size: int, bootstrap_addr: str, ou
 
 def decode_main(spec: dict, tp_rank: int, tp_size: int, bootstrap_addr: str, out, events) -> None:
     from transfer.base import KVPoll
-    from transfer.manager import KVReceiver
+    from transfer.receiver import KVReceiver
 
     mgr, pool, meta, state = _build("decode", tp_rank, tp_size, spec, None, {**FAST, **spec.get("decode_settings", {})})
     room = spec["room"]

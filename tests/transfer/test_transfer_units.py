@@ -20,9 +20,10 @@ from transfer.backends import create_engine, get_engine_class
 from transfer.base import KVArgs, KVPoll, TransferSettings
 from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from transfer.engine import BackendUnavailable
-from transfer.manager import KVManager
 from transfer.metadata import MetadataAllocator, MetadataBuffers
 from transfer.plan import union
+from transfer.receiver import DecodeKVManager
+from transfer.sender import PrefillKVManager
 
 
 def test_kvargs_strides_default_and_validation():
@@ -157,13 +158,13 @@ def test_prefill_manager_with_different_page_size_fails_to_start(server):
     pool = KVPool(8, 4, 2, 2, 16)
     args = KVArgs.from_pool(pool, MetadataBuffers(2), model="test-model")
     with pytest.raises(BootstrapError, match="page_size mismatch.*8.*4"):
-        KVManager(args, "prefill", "fake", bootstrap_addr=server)
+        PrefillKVManager(args, "fake", bootstrap_addr=server)
 
 
 def test_decode_receiver_fails_on_layout_mismatch(server):
     BootstrapClient().register(server, _info(page_size=8, model="test-model", kv_heads_total=2, tp_size=1))
     pool = KVPool(8, 4, 2, 2, 16)
-    mgr = KVManager(KVArgs.from_pool(pool, MetadataBuffers(2), model="test-model"), "decode", "fake")
+    mgr = DecodeKVManager(KVArgs.from_pool(pool, MetadataBuffers(2), model="test-model"), "fake")
     try:
         recv = mgr.create_receiver(server, room=77)
         recv.init([1, 2], 0)
@@ -180,8 +181,8 @@ def test_decode_receiver_fails_fast_when_the_bootstrap_server_is_gone():
     # nothing listens there: a prefill node that died after the router picked it
     dead = f"127.0.0.1:{free_port()}"
     pool = KVPool(8, 4, 2, 2, 16)
-    mgr = KVManager(KVArgs.from_pool(pool, MetadataBuffers(2), model="test-model"), "decode", "fake",
-                    heartbeat_interval=0.2, heartbeat_max_failures=2, bootstrap_timeout=300)
+    mgr = DecodeKVManager(KVArgs.from_pool(pool, MetadataBuffers(2), model="test-model"), "fake",
+                          heartbeat_interval=0.2, heartbeat_max_failures=2, bootstrap_timeout=300)
     try:
         recv = mgr.create_receiver(dead, room=78)
         recv.init([1, 2], 0)

@@ -1,0 +1,306 @@
+"""Decode side of the transfer protocol: `DecodeKVManager` and a `KVReceiver` per request (room).
+
+Resolving. A receiver names the prefill node's bootstrap server ("host:port", from the router).
+The manager's resolver thread asks it for the node's layout, checks it against this rank's (page
+size, model, KV layout, kv head count; hybrid state and prefill pp > 1 do not mix) and looks up
+the prefill ranks this rank reads from: every tp rank whose kv heads overlap this rank's, in every
+pp stage. The one that writes the metadata row is the lowest of them in the last pp stage. Lookups
+are grouped per (bootstrap server, dp rank) and cached by the bootstrap client. A server that
+refuses connections for a whole heartbeat window fails its rooms at once (the prefill node is
+gone); one that answers without the ranks yet (404) is retried until `bootstrap_timeout`.
+
+Sending the info. Once resolved and `init()`-ed, the receiver registers this rank with each
+target prefill rank (once per manager: `RegisterPeer`, built by `peer_registration`) and sends it
+the room's `TransferInfo` (destination pages, metadata slot, state slots, whether it writes the
+metadata row). It then waits for a `Status` from every target; on the last Success it checks that
+the received metadata row holds its own room.
+
+States. Bootstrapping (resolving prefill ranks) -> WaitingForInput (resolved, `init()` not called)
+-> Transferring (TransferInfo sent) -> Success. Failed with a reason on: a prefill rank's failure
+Status, prefill peer silent past the heartbeat window, bootstrap or waiting timeout, abort, room
+mismatch, layout mismatch. A failing receiver tells its prefill ranks (`Abort`) to stop writing
+into pages about to be freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from transfer.base import KVArgs, KVPoll, KVTransferError, TransferSettings
+from transfer.control import Abort, Message, Status, TransferInfo, peer_registration
+from transfer.engine import TransferEngine
+from transfer.manager import TERMINAL, KVManager
+from transfer.plan import ranks_overlapping
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Target:
+    tp_rank: int
+    pp_rank: int
+    addr: str
+    writes_metadata: bool
+
+
+class DecodeKVManager(KVManager):
+    """One per decode rank (pipeline parallel size 1). `create_receiver(bootstrap_addr, room)`
+    makes a room's `KVReceiver`."""
+
+    side = "decode"
+    peer_side = "prefill"
+
+    def __init__(self, args: KVArgs, backend: str | TransferEngine = "mooncake",
+                 settings: TransferSettings | None = None, host: str = "127.0.0.1", **overrides) -> None:
+        if args.pp_size != 1:
+            raise ValueError("decode ranks must run pipeline parallel size 1")
+        super().__init__(args, backend, settings, host, **overrides)
+
+    def create_receiver(self, bootstrap_addr: str, room: int, prefill_dp_rank: int = 0) -> KVReceiver:
+        return KVReceiver(self, bootstrap_addr, room, prefill_dp_rank)
+
+    # ------------------------------------------------------------------ side hooks
+    def _init_side(self) -> None:
+        self._receivers: dict[int, KVReceiver] = {}
+        self._registered_with: set[str] = set()  # prefill ranks that have our RegisterPeer
+        self._resolve_wake = threading.Event()
+
+    def _start_side(self) -> None:
+        self._resolver = threading.Thread(target=self._resolve_loop, name="kv-decode-resolver", daemon=True)
+        self._resolver.start()
+
+    def _close_side(self) -> None:
+        self._resolve_wake.set()
+        self._resolver.join(timeout=5)
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, Status):
+            with self._lock:
+                receiver = self._receivers.get(msg.room)
+                if receiver is not None:
+                    receiver._on_status(msg)
+
+    def _live_peers(self) -> dict[str, list[KVReceiver]]:
+        live: dict[str, list[KVReceiver]] = {}
+        for receiver in self._receivers.values():
+            if receiver._targets and receiver._status == KVPoll.Transferring:
+                for t in receiver._targets:
+                    live.setdefault(t.addr, []).append(receiver)
+        return live
+
+    def _tick_timeouts(self, now: float) -> None:
+        s = self.settings
+        for receiver in list(self._receivers.values()):
+            receiver._check_deadlines(now, s.bootstrap_timeout, s.waiting_timeout)
+
+    def _on_peer_dead(self, addr: str, rooms: list[KVReceiver], reason: str) -> None:
+        for receiver in rooms:
+            receiver._fail(reason)
+        self._registered_with.discard(addr)
+        for receiver in self._receivers.values():
+            if receiver._targets and any(t.addr == addr for t in receiver._targets):
+                self.bootstrap.invalidate(receiver.bootstrap_addr)
+
+    # ------------------------------------------------------------------ rooms
+    def _add_receiver(self, receiver: KVReceiver) -> None:
+        with self._lock:
+            self._receivers[receiver.room] = receiver
+        self._resolve_wake.set()
+
+    def _ensure_registered(self, addr: str) -> bool:
+        """Under the lock: send our `RegisterPeer` to a prefill rank once; False if it cannot be reached."""
+        if addr in self._registered_with:
+            return True
+        if not self.control.send(addr, peer_registration(self.args, self.address, self.engine.describe())):
+            return False
+        self._registered_with.add(addr)
+        return True
+
+    # ------------------------------------------------------------------ resolver thread
+    def _resolve_loop(self) -> None:
+        while not self._stop.is_set():
+            self._resolve_wake.wait(timeout=0.1)
+            self._resolve_wake.clear()
+            with self._lock:
+                todo = [r for r in self._receivers.values()
+                        if r._status == KVPoll.Bootstrapping and r._targets is None]
+            groups: dict[tuple[str, int], list[KVReceiver]] = {}
+            for receiver in todo:
+                groups.setdefault((receiver.bootstrap_addr, receiver._dp_rank), []).append(receiver)
+            for (addr, dp), rooms in groups.items():
+                targets, problem, fatal = self._resolve(addr, dp)
+                with self._lock:
+                    for receiver in rooms:
+                        if receiver._status in TERMINAL:
+                            continue
+                        if fatal:
+                            receiver._fail(problem)
+                        elif targets is None:
+                            receiver._problem = problem
+                        else:
+                            receiver._resolved(targets)
+            if todo:
+                time.sleep(0.05)
+
+    def _resolve(self, addr: str, dp: int) -> tuple[list[_Target] | None, str, bool]:
+        """(targets, problem, fatal) for this decode rank against the prefill node at `addr`."""
+        a = self.args
+        layout = self.bootstrap.layout(addr)
+        if layout is None:
+            down = self.bootstrap.unreachable_for(addr)
+            if down > self.settings.heartbeat_window:
+                # a prefill node the router sent us to was serving moments ago: refused connections
+                # for a whole heartbeat window mean it is gone, not starting
+                return None, f"bootstrap server {addr} unreachable for {down:.1f}s: prefill node down", True
+            return None, f"bootstrap server {addr} has no registered prefill rank or is unreachable", False
+        if layout["page_size"] != a.page_size:
+            return None, f"page size mismatch: prefill {layout['page_size']}, decode {a.page_size}", True
+        if a.model and layout["model"] and layout["model"] != a.model:
+            return None, f"model mismatch: prefill {layout['model']!r}, decode {a.model!r}", True
+        if layout.get("kv_layout", a.kv_layout) != a.kv_layout:
+            return None, f"kv layout mismatch: prefill {layout['kv_layout']!r}, decode {a.kv_layout!r}", True
+        total, ptp = layout["kv_heads_total"], layout["tp_size"]
+        if total != a.total_kv_heads:
+            return None, f"kv head count mismatch: prefill {total}, decode {a.total_kv_heads}", True
+        if total % ptp:
+            return None, f"{total} kv heads cannot be split over prefill tp {ptp}", True
+        if a.state_data_ptrs and layout["pp_size"] > 1:
+            return None, "hybrid state transfer with prefill pipeline parallelism is not supported", True
+        lo = a.engine_rank * a.kv_head_num
+        ranks = ranks_overlapping(lo, lo + a.kv_head_num, total, ptp)
+        last_pp = layout["pp_size"] - 1
+        targets = []
+        for pp in range(layout["pp_size"]):
+            for tp in ranks:
+                info = self.bootstrap.rank(addr, tp, dp, pp)
+                if info is None:
+                    return None, f"prefill rank tp {tp} dp {dp} pp {pp} not registered at {addr} yet", False
+                targets.append(_Target(tp, pp, f"tcp://{info['rank_ip']}:{info['rank_port']}",
+                                       writes_metadata=(pp == last_pp and tp == ranks[0])))
+        return targets, "", False
+
+
+class KVReceiver:
+    """Decode side of one request (room); `bootstrap_addr` is the prefill node's "host:port"."""
+
+    def __init__(self, mgr: DecodeKVManager, bootstrap_addr: str, room: int, prefill_dp_rank: int = 0) -> None:
+        if not isinstance(mgr, DecodeKVManager):
+            raise ValueError("KVReceiver needs a DecodeKVManager")
+        self.mgr = mgr
+        self.room = room
+        self.bootstrap_addr = bootstrap_addr
+        self._dp_rank = prefill_dp_rank
+        self._created = time.monotonic()
+        self._status = KVPoll.Bootstrapping
+        self._reason = ""
+        self._problem = "bootstrap server not answering yet"  # why it is not resolved yet
+        self._targets: list[_Target] | None = None
+        self._params: tuple[list[int], int, list[int]] | None = None  # pages, metadata slot, state slots
+        self._sent_at: float | None = None
+        self._pending: set[tuple[int, int]] = set()  # (tp, pp) of the prefill ranks yet to report Success
+        mgr._add_receiver(self)
+
+    def init(self, dst_page_indices, metadata_index: int, state_indices=None) -> None:
+        """Declare where the pages, metadata row and state slots must land; tells the prefill ranks."""
+        pages = [int(p) for p in np.asarray(dst_page_indices, dtype=np.int64).reshape(-1)]
+        states = [] if state_indices is None else [int(s) for s in np.asarray(state_indices).reshape(-1)]
+        with self.mgr._lock:
+            if self._status in TERMINAL:
+                return
+            if self._params is not None:
+                raise RuntimeError(f"room {self.room}: init() called twice")
+            self._params = (pages, int(metadata_index), states)
+            if self._targets is not None:
+                self._send_infos()
+
+    def poll(self) -> KVPoll:
+        return self._status
+
+    def failure_exception(self) -> Exception:
+        return KVTransferError(self.room, self._reason or "room has not failed")
+
+    def abort(self) -> None:
+        with self.mgr._lock:
+            self._fail("aborted by the decode side")
+
+    # ------------------------------------------------------------------ under the manager's lock
+    def _resolved(self, targets: list[_Target]) -> None:
+        self._targets = targets
+        self._pending = {(t.tp_rank, t.pp_rank) for t in targets}
+        self._status = KVPoll.WaitingForInput
+        logger.info("room %d: resolved prefill ranks %s", self.room, [(t.tp_rank, t.pp_rank) for t in targets])
+        if self._params is not None:
+            self._send_infos()
+
+    def _send_infos(self) -> None:
+        """Register with each target prefill rank (once per manager) and send it the room's info."""
+        mgr, a = self.mgr, self.mgr.args
+        pages, meta, states = self._params
+        for t in self._targets:
+            if not mgr._ensure_registered(t.addr):
+                self._fail(f"cannot reach prefill rank tp {t.tp_rank} at {t.addr}")
+                return
+            info = TransferInfo(src=mgr.address, room=self.room, tp_rank=a.engine_rank, tp_size=a.tp_size,
+                                dst_page_indices=pages, metadata_index=meta, state_indices=states,
+                                expected_pages=len(pages), expects_metadata=t.writes_metadata)
+            if not mgr.control.send(t.addr, info):
+                self._fail(f"cannot reach prefill rank tp {t.tp_rank} at {t.addr}")
+                return
+        self._sent_at = time.monotonic()
+        self._status = KVPoll.Transferring
+        logger.info("room %d: TransferInfo sent to %d prefill rank(s), %d pages", self.room, len(self._targets),
+                    len(pages))
+
+    def _on_status(self, msg: Status) -> None:
+        if self._status in TERMINAL:
+            return
+        if not msg.ok:
+            # tell the other prefill ranks of this room to stop writing into pages about to be freed
+            self._fail(f"prefill rank tp {msg.tp_rank} pp {msg.pp_rank}: {msg.reason}")
+            return
+        self._pending.discard((msg.tp_rank, msg.pp_rank))
+        if self._pending or self._params is None:
+            return
+        problem = self._check_room()
+        if problem:
+            self._fail(problem)
+            return
+        self._status = KVPoll.Success
+        self.mgr._receivers.pop(self.room, None)
+        logger.info("room %d: receiver Success", self.room)
+
+    def _check_room(self) -> str | None:
+        """The received metadata row must hold this room (a row meant for another room means crossed wires)."""
+        mgr, a = self.mgr, self.mgr.args
+        if not mgr.moves_bytes or a.aux_room_index < 0:
+            return None
+        meta = self._params[1]
+        got = ctypes.c_int64.from_address(a.aux_data_ptrs[a.aux_room_index]
+                                          + meta * a.aux_item_lens[a.aux_room_index]).value
+        if got != self.room:
+            return f"metadata room mismatch: slot {meta} holds room {got}, expected {self.room}"
+        return None
+
+    def _check_deadlines(self, now: float, bootstrap_timeout: float, waiting_timeout: float) -> None:
+        if self._status in (KVPoll.Bootstrapping, KVPoll.WaitingForInput) and self._targets is None \
+                and now - self._created > bootstrap_timeout:
+            self._fail(f"bootstrap timed out after {bootstrap_timeout:g}s (PDSERVE_BOOTSTRAP_TIMEOUT): {self._problem}")
+        elif self._status == KVPoll.Transferring and now - self._sent_at > waiting_timeout:
+            self._fail(f"no Success within {waiting_timeout:g}s (PDSERVE_WAITING_TIMEOUT)")
+
+    def _fail(self, reason: str) -> None:
+        """Fail the room and tell its prefill ranks (those already done ignore it)."""
+        if self._status in TERMINAL:
+            return
+        self._status, self._reason = KVPoll.Failed, reason
+        self.mgr._receivers.pop(self.room, None)
+        if self._targets:
+            for t in self._targets:
+                self.mgr.control.send(t.addr, Abort(src=self.mgr.address, room=self.room, reason=reason))
+        logger.warning("room %d: receiver Failed: %s", self.room, reason)

@@ -1,0 +1,479 @@
+"""Prefill side of the transfer protocol: `PrefillKVManager` and a `KVSender` per request (room).
+
+Peers. A decode rank registers once (`RegisterPeer`: its engine description, buffer addresses, item
+sizes and strides, TP place); the manager checks the layout against its own, adds the peer to the
+engine off the control plane's thread (which must keep answering heartbeats) and builds the
+pair's region plan (`transfer/plan.py`). Then the decode rank sends a `TransferInfo` per room.
+
+Parallel layouts. A sender waits for the `TransferInfo` of every decode rank whose kv heads overlap
+this rank's; each info says whether that decode rank expects this rank to write its metadata row
+(the lowest overlapping tp rank of the last pp stage does).
+
+Chunks. `send()` takes the next pages of the request (full pages before the last chunk; the last
+adds the partial page, the state slots and the metadata row); until the sender is ready the chunks
+wait in its queue. Each chunk is a job on the manager's worker threads that asks the plan for its
+regions and issues one engine `write()` per decode rank, covering all layers, K and V. When the
+last chunk and all earlier ones are done, the sender reports Success to its decode ranks.
+
+States. Bootstrapping (waiting for `init()` and the TransferInfo of every overlapping decode rank)
+-> WaitingForInput (ready, more chunks expected) -> Transferring (last chunk queued) -> Success.
+Failed with a reason on: engine error, decode peer silent past the heartbeat window, no
+TransferInfo within `bootstrap_timeout`, abort by either side, layout or page count mismatch,
+injected failure (`DISAGGREGATION_TEST_FAILURE_PROB`).
+
+The manager remembers how recent rooms ended, so a TransferInfo, an Abort or a `KVSender` that
+arrives after its room ended still gets the room's outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from transfer.base import KVArgs, KVPoll, KVTransferError, TransferSettings
+from transfer.bootstrap import BootstrapError
+from transfer.control import Abort, Message, RegisterPeer, Status, TransferInfo
+from transfer.engine import TransferEngine, TransferError
+from transfer.manager import TERMINAL, KVManager
+from transfer.plan import PairPlan, ranks_overlapping
+
+logger = logging.getLogger(__name__)
+
+_FINISHED_CAP = 20000
+
+
+@dataclass
+class _DecodePeer:
+    reg: RegisterPeer
+    handle: str
+    error: str | None
+    plan: PairPlan | None
+    ready: bool = True
+
+
+@dataclass
+class _Chunk:
+    offset: int
+    pages: np.ndarray
+    state_indices: np.ndarray | None
+    last: bool
+
+
+class PrefillKVManager(KVManager):
+    """One per prefill rank; `bootstrap_addr` ("host:port" of its node's bootstrap server) is where
+    it registers. `create_sender(room)` makes a room's `KVSender`."""
+
+    side = "prefill"
+    peer_side = "decode"
+
+    def __init__(self, args: KVArgs, backend: str | TransferEngine = "mooncake",
+                 settings: TransferSettings | None = None, host: str = "127.0.0.1",
+                 bootstrap_addr: str | None = None, **overrides) -> None:
+        if args.pp_size > 1 and args.state_data_ptrs:
+            raise ValueError("hybrid state transfer with prefill pipeline parallelism is not supported")
+        if not bootstrap_addr:
+            raise ValueError("a PrefillKVManager needs bootstrap_addr (its node's bootstrap server)")
+        self.bootstrap_addr = bootstrap_addr
+        super().__init__(args, backend, settings, host, **overrides)
+
+    def create_sender(self, room: int) -> KVSender:
+        return KVSender(self, room)
+
+    # ------------------------------------------------------------------ side hooks
+    def _init_side(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=self.settings.num_workers, thread_name_prefix="kv-prefill")
+        self._register_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefill-register")
+        self._decode_peers: dict[str, _DecodePeer] = {}
+        self._infos: dict[int, dict[int, TransferInfo]] = {}  # room -> decode tp rank -> info, until ready
+        self._info_time: dict[int, float] = {}
+        self._senders: dict[int, KVSender] = {}
+        self._finished: OrderedDict[int, str | None] = OrderedDict()  # room -> failure reason (None: Success)
+
+    def _start_side(self) -> None:
+        a = self.args
+        info = {"role": "prefill", "tp_rank": a.engine_rank, "tp_size": a.tp_size, "dp_rank": a.dp_rank,
+                "dp_size": a.dp_size, "pp_rank": a.pp_rank, "pp_size": a.pp_size, "rank_ip": self.host,
+                "rank_port": self.control.port, "page_size": a.page_size, "model": a.model,
+                "kv_layout": a.kv_layout, "kv_heads_total": a.total_kv_heads, "start_layer": a.start_layer,
+                "num_layers": a.num_layers}
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                self.bootstrap.register(self.bootstrap_addr, info)
+                return
+            except BootstrapError:
+                self.control.close()
+                raise
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    self.control.close()
+                    raise BootstrapError(f"bootstrap server {self.bootstrap_addr} unreachable: {e}") from e
+                time.sleep(0.1)
+
+    def _close_side(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._register_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, RegisterPeer):
+            self._on_register(msg)
+        elif isinstance(msg, TransferInfo):
+            self._on_info(msg)
+        elif isinstance(msg, Abort):
+            self._on_abort(msg)
+
+    # ------------------------------------------------------------------ decode peers
+    def _check_peer(self, reg: RegisterPeer) -> str | None:
+        a = self.args
+        if reg.page_size != a.page_size:
+            return f"page size mismatch: prefill {a.page_size}, decode {reg.page_size}"
+        if a.model and reg.model and a.model != reg.model:
+            return f"model mismatch: prefill {a.model!r}, decode {reg.model!r}"
+        if reg.total_kv_heads != a.total_kv_heads:
+            return f"kv head count mismatch: prefill {a.total_kv_heads}, decode {reg.total_kv_heads}"
+        if reg.total_kv_heads % reg.tp_size:
+            return f"{reg.total_kv_heads} kv heads cannot be split over decode tp {reg.tp_size}"
+        if len(reg.kv_item_strides) != len(reg.kv_ptrs) or len(reg.kv_item_lens) != len(reg.kv_ptrs):
+            return "decode kv buffer description is inconsistent (pointers, item lengths, strides)"
+        if reg.kv_item_lens[0] // reg.kv_head_num != a.head_bytes:
+            return f"head bytes mismatch: prefill {a.head_bytes}, decode {reg.kv_item_lens[0] // reg.kv_head_num}"
+        if len(reg.kv_ptrs) // 2 < a.start_layer + a.num_layers:
+            return (f"decode holds {len(reg.kv_ptrs) // 2} layers, prefill layers "
+                    f"{a.start_layer}..{a.start_layer + a.num_layers - 1}")
+        if len(reg.aux_ptrs) != len(a.aux_data_ptrs) or list(reg.aux_item_lens) != list(a.aux_item_lens):
+            return "metadata buffer layout differs between prefill and decode"
+        if len(reg.state_ptrs) != len(a.state_data_ptrs):
+            return f"state buffer count mismatch: prefill {len(a.state_data_ptrs)}, decode {len(reg.state_ptrs)}"
+        for j in range(len(reg.state_ptrs)):
+            ds, dd = a.state_dim_per_tensor[j], reg.state_dims[j]
+            if ds * a.tp_size != dd * reg.tp_size or a.state_item_lens[j] // ds != reg.state_item_lens[j] // dd:
+                return f"state buffer {j} shape differs between prefill and decode"
+        return None
+
+    def _on_register(self, reg: RegisterPeer) -> None:
+        """Record the peer at once (so its TransferInfo can queue) and add it to the engine off the
+        receiver thread, which must keep answering heartbeats."""
+        with self._lock:
+            self._decode_peers[reg.src] = _DecodePeer(reg, "", None, None, ready=False)
+        self._register_pool.submit(self._complete_register, reg)
+
+    def _complete_register(self, reg: RegisterPeer) -> None:
+        error = self._check_peer(reg)
+        handle, plan = "", None
+        if error is None:
+            try:
+                handle = self.engine.add_peer(reg.engine_desc)
+                plan = PairPlan(self.args, reg)
+            except Exception as e:  # engine could not reach or parse the peer
+                error = f"engine could not add decode peer: {e}"
+        if error:
+            logger.error("decode peer %s (tp %d) rejected: %s", reg.src, reg.tp_rank, error)
+        else:
+            logger.info("decode peer %s registered (tp %d/%d)", reg.src, reg.tp_rank, reg.tp_size)
+        with self._lock:
+            peer = self._decode_peers.get(reg.src)
+            if peer is None or peer.reg is not reg:
+                return  # forgotten (declared dead) or re-registered meanwhile
+            peer.handle, peer.error, peer.plan, peer.ready = handle, error, plan, True
+            for room, infos in list(self._infos.items()):
+                if any(i.src == reg.src for i in infos.values()):
+                    self._check_ready(room)
+
+    def _on_peer_dead(self, addr: str, rooms: list[KVSender], reason: str) -> None:
+        for sender in rooms:
+            sender._fail(reason)
+        peer = self._decode_peers.pop(addr, None)
+        if peer is not None and peer.handle:
+            try:
+                self.engine.remove_peer(peer.handle)
+            except Exception as e:
+                logger.warning("engine could not remove dead peer %s: %s", addr, e)
+
+    def _live_peers(self) -> dict[str, list[KVSender]]:
+        live: dict[str, list[KVSender]] = {}
+        for sender in self._senders.values():
+            if sender._targets:
+                for info in sender._targets.values():
+                    live.setdefault(info.src, []).append(sender)
+        return live
+
+    # ------------------------------------------------------------------ rooms
+    def _send_status(self, addr: str, room: int, reason: str | None) -> None:
+        """Tell a decode rank how the room ended here (reason None: Success)."""
+        self.control.send(addr, Status(src=self.address, room=room, ok=reason is None, reason=reason or "",
+                                       tp_rank=self.args.engine_rank, pp_rank=self.args.pp_rank))
+
+    def _on_info(self, info: TransferInfo) -> None:
+        with self._lock:
+            if info.room in self._finished:
+                reason = self._finished[info.room]
+                if reason is not None:
+                    self._send_status(info.src, info.room, reason)
+                return
+            if info.src not in self._decode_peers:
+                reason = "decode rank is not registered with this prefill rank (prefill restarted?)"
+                self._send_status(info.src, info.room, reason)
+                return
+            self._infos.setdefault(info.room, {})[info.tp_rank] = info
+            self._info_time.setdefault(info.room, time.monotonic())
+            logger.info("room %d: TransferInfo from decode tp %d (%d pages)", info.room, info.tp_rank,
+                        len(info.dst_page_indices))
+            self._check_ready(info.room)
+
+    def _on_abort(self, msg: Abort) -> None:
+        with self._lock:
+            sender = self._senders.get(msg.room)
+            reason = f"aborted by the decode side: {msg.reason}"
+            if sender is not None:
+                sender._fail(reason)
+            elif msg.room not in self._finished:
+                self._remember(msg.room, reason)
+                self._infos.pop(msg.room, None)
+                self._info_time.pop(msg.room, None)
+                logger.info("room %d: aborted by the decode side before the sender existed", msg.room)
+
+    def _remember(self, room: int, reason: str | None) -> None:
+        self._finished[room] = reason
+        while len(self._finished) > _FINISHED_CAP:
+            self._finished.popitem(last=False)
+
+    def _add_sender(self, sender: KVSender) -> None:
+        """Under the lock: a new room's sender; one whose room already failed fails at once."""
+        self._senders[sender.room] = sender
+        reason = self._finished.pop(sender.room, None)
+        if reason is not None:
+            sender._status, sender._reason = KVPoll.Failed, reason
+            del self._senders[sender.room]
+            self._remember(sender.room, reason)
+            logger.info("room %d: sender created for a room already failed: %s", sender.room, reason)
+
+    def _end_room(self, room: int, reason: str | None) -> dict[int, TransferInfo]:
+        """Under the lock: the room's sender ended (reason None: Success); returns the decode ranks'
+        infos that were still waiting for it."""
+        self._senders.pop(room, None)
+        self._remember(room, reason)
+        if reason is None:
+            return {}
+        self._info_time.pop(room, None)
+        return dict(self._infos.pop(room, {}))
+
+    def _expected_decode_ranks(self, decode_tp: int) -> list[int]:
+        a = self.args
+        lo = a.engine_rank * a.kv_head_num
+        return ranks_overlapping(lo, lo + a.kv_head_num, a.total_kv_heads, decode_tp)
+
+    def _check_ready(self, room: int) -> None:
+        """Under the lock: if the sender has init() and every overlapping decode rank's info, start."""
+        sender = self._senders.get(room)
+        infos = self._infos.get(room)
+        if sender is None or not infos or sender._targets is not None or sender._status in TERMINAL \
+                or sender._num_pages is None:
+            return
+        decode_tp = next(iter(infos.values())).tp_size
+        if any(i.tp_size != decode_tp for i in infos.values()):
+            sender._fail("decode ranks disagree on their tp size", notify=infos)
+            return
+        if self.args.total_kv_heads % decode_tp:
+            sender._fail(f"{self.args.total_kv_heads} kv heads cannot be split over decode tp {decode_tp}",
+                         notify=infos)
+            return
+        expected = self._expected_decode_ranks(decode_tp)
+        if any(r not in infos for r in expected):
+            return
+        targets = {r: infos[r] for r in expected}
+        if any(not p.ready for p in (self._decode_peers.get(i.src) for i in targets.values()) if p is not None):
+            return  # a decode rank's registration is still being added to the engine
+        for r, info in targets.items():
+            peer = self._decode_peers.get(info.src)
+            problem = None
+            if peer is None:
+                problem = f"decode rank tp {r} is not registered"
+            elif peer.error:
+                problem = peer.error
+            elif len(info.dst_page_indices) != sender._num_pages:
+                problem = (f"page count mismatch: prefill sends {sender._num_pages} pages, decode tp {r} allocated "
+                           f"{len(info.dst_page_indices)}")
+            if problem:
+                sender._fail(problem, notify=targets)
+                return
+        self._infos.pop(room, None)
+        self._info_time.pop(room, None)
+        sender._start(targets)
+
+    def _tick_timeouts(self, now: float) -> None:
+        timeout = self.settings.bootstrap_timeout
+        for sender in list(self._senders.values()):
+            if sender._status == KVPoll.Bootstrapping and now - sender._created > timeout:
+                sender._fail(f"no TransferInfo from the decode side within {timeout:g}s (PDSERVE_BOOTSTRAP_TIMEOUT)")
+        for room in [r for r, t in self._info_time.items() if r not in self._senders and now - t > timeout]:
+            self._infos.pop(room, None)
+            self._info_time.pop(room, None)
+
+    # ------------------------------------------------------------------ chunk jobs
+    def _submit(self, sender: KVSender, chunk: _Chunk) -> None:
+        self._pool.submit(sender._run_chunk, chunk)
+
+    def _chunk_regions(self, rank: int, info: TransferInfo, chunk: _Chunk, metadata_index: int):
+        """(engine peer handle, src, dst, lengths) of one chunk for one decode rank."""
+        peer = self._decode_peers.get(info.src)
+        if peer is None or peer.plan is None:
+            raise TransferError(f"decode rank tp {rank} ({info.src}) is gone")
+        plan = peer.plan
+        n = chunk.pages.size
+        dst_pages = np.asarray(info.dst_page_indices[chunk.offset: chunk.offset + n], dtype=np.int64)
+        if dst_pages.size and dst_pages.min() <= 0:
+            raise TransferError("page 0 is the padding page and is never transferred")
+        src, dst, lens = plan.kv_regions(chunk.pages, dst_pages)
+        if chunk.last:
+            s_idx = chunk.state_indices if chunk.state_indices is not None else np.zeros(0, np.int64)
+            if s_idx.size != len(info.state_indices):
+                raise TransferError(f"state slot count mismatch: prefill {s_idx.size}, decode tp {rank} "
+                                    f"{len(info.state_indices)}")
+            a, b, c = plan.state_regions(s_idx, np.asarray(info.state_indices, dtype=np.int64))
+            src += a
+            dst += b
+            lens += c
+            if info.expects_metadata and plan.aux:
+                a, b, c = plan.aux_regions(metadata_index, info.metadata_index)
+                src += a
+                dst += b
+                lens += c
+        return peer.handle, src, dst, lens
+
+
+class KVSender:
+    """Prefill side of one request (room): its state, its queued chunks and its chunk jobs."""
+
+    def __init__(self, mgr: PrefillKVManager, room: int) -> None:
+        if not isinstance(mgr, PrefillKVManager):
+            raise ValueError("KVSender needs a PrefillKVManager")
+        self.mgr = mgr
+        self.room = room
+        self.bytes_sent = 0
+        self._created = time.monotonic()
+        self._status = KVPoll.Bootstrapping
+        self._reason = ""
+        self._num_pages: int | None = None
+        self._metadata_index = -1
+        self._targets: dict[int, TransferInfo] | None = None  # decode tp rank -> its info, once ready
+        self._queued: list[_Chunk] = []  # chunks sent before the sender was ready
+        self._next_offset = 0
+        self._outstanding = 0  # chunks queued or on a worker
+        self._last_enqueued = False
+        with mgr._lock:
+            p = mgr.settings.failure_prob
+            self._inject = p > 0 and random.random() < p
+            mgr._add_sender(self)
+
+    def init(self, num_kv_pages: int, metadata_index: int) -> None:
+        """Declare how many pages this request will send and its source metadata slot."""
+        with self.mgr._lock:
+            self._num_pages = num_kv_pages
+            self._metadata_index = metadata_index
+            self.mgr._check_ready(self.room)
+
+    def send(self, page_indices, state_indices=None, last: bool = False) -> None:
+        """Queue one chunk of pages (full pages unless `last`); the last chunk also moves the state
+        slots and the metadata row. Returns at once."""
+        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+        states = None if state_indices is None else np.asarray(state_indices, dtype=np.int64).reshape(-1)
+        with self.mgr._lock:
+            if self._status in TERMINAL:
+                return
+            if self._num_pages is None:
+                raise RuntimeError(f"room {self.room}: send() before init()")
+            if self._last_enqueued:
+                self._fail("send() after the last chunk")
+                return
+            if pages.size and pages.min() <= 0:
+                self._fail("page 0 is the padding page and is never transferred")
+                return
+            if self._next_offset + pages.size > self._num_pages:
+                self._fail(f"more pages sent ({self._next_offset + pages.size}) than declared ({self._num_pages})")
+                return
+            chunk = _Chunk(self._next_offset, pages, states, last)
+            self._next_offset += pages.size
+            self._outstanding += 1
+            if last:
+                self._last_enqueued = True
+                if self._next_offset != self._num_pages:
+                    self._outstanding -= 1
+                    self._fail(f"last chunk ends at {self._next_offset} pages, init() declared {self._num_pages}")
+                    return
+            if self._targets is None:
+                self._queued.append(chunk)
+            else:
+                if last and self._status == KVPoll.WaitingForInput:
+                    self._status = KVPoll.Transferring
+                self.mgr._submit(self, chunk)
+
+    def poll(self) -> KVPoll:
+        return self._status
+
+    def failure_exception(self) -> Exception:
+        return KVTransferError(self.room, self._reason or "room has not failed")
+
+    def abort(self) -> None:
+        with self.mgr._lock:
+            self._fail("aborted by the prefill side")
+
+    # ------------------------------------------------------------------ under the manager's lock
+    def _start(self, targets: dict[int, TransferInfo]) -> None:
+        """Every overlapping decode rank is known and checked: send the queued chunks."""
+        self._targets = targets
+        if self._inject:
+            self._fail(f"injected failure (DISAGGREGATION_TEST_FAILURE_PROB={self.mgr.settings.failure_prob})")
+            return
+        self._status = KVPoll.Transferring if self._last_enqueued else KVPoll.WaitingForInput
+        logger.info("room %d: ready to send to decode tp ranks %s", self.room, sorted(targets))
+        queued, self._queued = self._queued, []
+        for chunk in queued:
+            self.mgr._submit(self, chunk)
+
+    def _fail(self, reason: str, notify: dict[int, TransferInfo] | None = None) -> None:
+        """Fail the room and tell every decode rank we know of."""
+        if self._status in TERMINAL:
+            return
+        self._status, self._reason = KVPoll.Failed, reason
+        peers = self.mgr._end_room(self.room, reason)
+        peers.update(notify or {})
+        peers.update(self._targets or {})
+        for info in peers.values():
+            self.mgr._send_status(info.src, self.room, reason)
+        logger.warning("room %d: sender Failed: %s", self.room, reason)
+
+    # ------------------------------------------------------------------ on a worker thread
+    def _run_chunk(self, chunk: _Chunk) -> None:
+        mgr = self.mgr
+        try:
+            if self._status in TERMINAL:
+                return
+            for rank, info in self._targets.items():
+                handle, src, dst, lens = mgr._chunk_regions(rank, info, chunk, self._metadata_index)
+                if self._status in TERMINAL:
+                    return
+                mgr.engine.write(handle, src, dst, lens)
+                with mgr._lock:
+                    self.bytes_sent += sum(lens)
+        except TransferError as e:
+            with mgr._lock:
+                self._fail(f"transfer failed: {e}")
+        except Exception as e:
+            logger.exception("room %d: chunk job crashed", self.room)
+            with mgr._lock:
+                self._fail(f"transfer failed: {type(e).__name__}: {e}")
+        finally:
+            with mgr._lock:
+                self._outstanding -= 1
+                if self._last_enqueued and self._outstanding == 0 and self._status not in TERMINAL:
+                    self._status = KVPoll.Success
+                    mgr._end_room(self.room, None)
+                    for info in self._targets.values():
+                        mgr._send_status(info.src, self.room, None)
+                    logger.info("room %d: sent %d bytes, Success", self.room, self.bytes_sent)
