@@ -1,10 +1,10 @@
-"""Shared types of the KV transfer layer: poll states, settings, per-rank buffer description, and the
-abstract manager / sender / receiver / bootstrap-server interfaces every backend presents.
+"""Shared types of the KV transfer layer: poll states, the failure exception, settings, and the
+description of one rank's buffers and place (`KVArgs`).
 
-A prefill rank owns one `KVManager` (role "prefill") and creates a `KVSender` per request (room);
-a decode rank owns one `KVManager` (role "decode") and creates a `KVReceiver` per request. The
-concrete classes live in `transfer/manager.py`; a backend only supplies the byte mover
-(`transfer/engine.py: TransferEngine`).
+A prefill rank owns one `PrefillKVManager` (`transfer/sender.py`) and creates a `KVSender` per
+request (room); a decode rank owns one `DecodeKVManager` (`transfer/receiver.py`) and creates a
+`KVReceiver` per request. Both managers share `transfer/manager.py`; a backend only supplies the
+byte mover (`transfer/engine.py: TransferEngine`).
 
 Settings (`TransferSettings.from_env()`, each overridable by constructor keyword):
 
@@ -28,7 +28,6 @@ PDSERVE_TRANSFER_DEVICES       engine device names (e.g. mlx5_0,...)  ""
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import enum
 import os
@@ -238,53 +237,3 @@ class KVArgs:
             state_dim_per_tensor=dims,
             **rank,
         )
-
-
-class BaseKVManager(abc.ABC):
-    """One per rank: owns the engine, the control-plane sockets and the worker threads."""
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-
-class BaseKVSender(abc.ABC):
-    @abc.abstractmethod
-    def init(self, num_kv_pages: int, metadata_index: int) -> None:
-        """Declare how many pages this request will send and its source metadata slot."""
-
-    @abc.abstractmethod
-    def send(self, page_indices, state_indices=None, last: bool = False) -> None:
-        """Queue one chunk of pages (full pages unless `last`); the last chunk also moves state slots
-        and the metadata row. Returns at once."""
-
-    @abc.abstractmethod
-    def poll(self) -> KVPoll: ...
-
-    @abc.abstractmethod
-    def failure_exception(self) -> Exception: ...
-
-    @abc.abstractmethod
-    def abort(self) -> None: ...
-
-
-class BaseKVReceiver(abc.ABC):
-    @abc.abstractmethod
-    def init(self, dst_page_indices, metadata_index: int, state_indices=None) -> None:
-        """Declare where the pages, metadata row and state slots must land; tells the prefill ranks."""
-
-    @abc.abstractmethod
-    def poll(self) -> KVPoll: ...
-
-    @abc.abstractmethod
-    def failure_exception(self) -> Exception: ...
-
-    @abc.abstractmethod
-    def abort(self) -> None: ...
-
-
-class BaseKVBootstrapServer(abc.ABC):
-    @abc.abstractmethod
-    def start(self) -> None: ...
-
-    @abc.abstractmethod
-    def stop(self) -> None: ...

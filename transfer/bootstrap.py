@@ -2,14 +2,13 @@
 
 Server routes:
 * `PUT /route` — a prefill rank registers itself: JSON with role, tp/dp/pp rank and size, rank_ip,
-  rank_port (its ZMQ control socket), page_size, model, kv_layout, kv_heads_total, start_layer,
-  num_layers. The first registration fixes the node's layout; a later one whose page size, model,
+  rank_port (its ZMQ control socket), page_size, model, kv_layout, kv_heads_total. The first registration fixes the node's layout; a later one whose page size, model,
   KV layout, head count or parallel sizes differ is rejected with 409 and a message naming both values.
 * `GET /route?engine_rank=-1&target_dp_group=-1&target_pp_rank=-1` — the parallel layout
   `{"tp_size", "dp_size", "pp_size", "page_size", "model", "kv_heads_total", "kv_layout", "ranks"}`
   (404 until a rank registered).
 * `GET /route?engine_rank=R&target_dp_group=G&target_pp_rank=P` — that rank's
-  `{"rank_ip", "rank_port", "start_layer", "num_layers"}` (404 until it registered).
+  `{"rank_ip", "rank_port"}` (404 until it registered).
 * `GET /health` — 200 "OK".
 
 `BootstrapServer(host, port).start()` runs the server on its own event loop in a daemon thread;
@@ -31,8 +30,6 @@ import urllib.request
 
 from aiohttp import web
 
-from transfer.base import BaseKVBootstrapServer
-
 logger = logging.getLogger(__name__)
 
 _REQUIRED = ("role", "tp_rank", "tp_size", "dp_rank", "dp_size", "pp_rank", "pp_size", "rank_ip",
@@ -41,7 +38,7 @@ _REQUIRED = ("role", "tp_rank", "tp_size", "dp_rank", "dp_size", "pp_rank", "pp_
 _LAYOUT_KEYS = ("page_size", "model", "kv_layout", "kv_heads_total", "tp_size", "dp_size", "pp_size")
 
 
-class BootstrapServer(BaseKVBootstrapServer):
+class BootstrapServer:
     def __init__(self, host: str = "0.0.0.0", port: int = 8998) -> None:
         self.host = host
         self.port = port
@@ -75,9 +72,7 @@ class BootstrapServer(BaseKVBootstrapServer):
                         logger.error("bootstrap registration rejected: %s", msg)
                         return web.Response(status=409, text=msg)
             key = (int(body["dp_rank"]), int(body["tp_rank"]), int(body["pp_rank"]))
-            self._ranks[key] = {"rank_ip": body["rank_ip"], "rank_port": int(body["rank_port"]),
-                                "start_layer": int(body.get("start_layer", 0)),
-                                "num_layers": int(body.get("num_layers", 0))}
+            self._ranks[key] = {"rank_ip": body["rank_ip"], "rank_port": int(body["rank_port"])}
         logger.info("bootstrap: registered prefill rank dp %d tp %d pp %d at %s:%s", key[0], key[1], key[2],
                     body["rank_ip"], body["rank_port"])
         return web.Response(text="OK")

@@ -7,8 +7,8 @@ with a type tag:
 
 * decode -> prefill: `RegisterPeer` (once per prefill rank: the decode rank's engine description,
   buffer addresses, item sizes and strides, TP place), then `TransferInfo` per room (destination
-  pages, metadata slot, state slots, expected page count), `Abort` when the decode side gives a room
-  up.
+  pages, metadata slot, state slots, whether this prefill rank writes the metadata row), `Abort`
+  when the decode side gives a room up.
 * prefill -> decode: `Status` per room (`ok` = Success, or Failed with a reason).
 * both ways: `Ping` / `Pong` heartbeats.
 
@@ -42,7 +42,6 @@ class RegisterPeer(msgspec.Struct, tag="register"):
     tp_size: int
     kv_head_num: int
     total_kv_heads: int
-    start_layer: int
     kv_ptrs: list[int]
     kv_item_lens: list[int]
     kv_item_strides: list[int]  # bytes from a page of a kv buffer to the next page of that buffer
@@ -63,7 +62,6 @@ class TransferInfo(msgspec.Struct, tag="info"):
     dst_page_indices: list[int]
     metadata_index: int
     state_indices: list[int]
-    expected_pages: int
     expects_metadata: bool  # this prefill rank is the one that writes the metadata row
 
 
@@ -84,19 +82,17 @@ class Abort(msgspec.Struct, tag="abort"):
 
 class Ping(msgspec.Struct, tag="ping"):
     src: str
-    seq: int
 
 
 class Pong(msgspec.Struct, tag="pong"):
     src: str
-    seq: int
 
 
 def peer_registration(a: KVArgs, src: str, engine_desc: bytes) -> RegisterPeer:
     """The `RegisterPeer` a decode rank with buffers `a` sends to a prefill rank."""
     return RegisterPeer(
         src=src, engine_desc=engine_desc, tp_rank=a.engine_rank, tp_size=a.tp_size, kv_head_num=a.kv_head_num,
-        total_kv_heads=a.total_kv_heads, start_layer=a.start_layer, kv_ptrs=a.kv_data_ptrs,
+        total_kv_heads=a.total_kv_heads, kv_ptrs=a.kv_data_ptrs,
         kv_item_lens=a.kv_item_lens, kv_item_strides=a.kv_item_strides, aux_ptrs=a.aux_data_ptrs,
         aux_item_lens=a.aux_item_lens, state_ptrs=a.state_data_ptrs, state_item_lens=a.state_item_lens,
         state_dims=a.state_dim_per_tensor, page_size=a.page_size, model=a.model)

@@ -69,7 +69,6 @@ class KVManager:
         self._last_heard: dict[str, float] = {}
         self._tracked_since: dict[str, float] = {}
         self._last_ping = 0.0
-        self._ping_seq = 0
         self.bootstrap = BootstrapClient()
         self._init_side()
         self.control = ControlPlane(host, self._on_message, name=f"kv-{self.side}")
@@ -120,7 +119,7 @@ class KVManager:
     def _on_message(self, msg: Message) -> None:
         self._last_heard[msg.src] = time.monotonic()
         if isinstance(msg, Ping):
-            self.control.send(msg.src, Pong(src=self.address, seq=msg.seq))
+            self.control.send(msg.src, Pong(src=self.address))
         elif not isinstance(msg, Pong):
             self._dispatch(msg)
 
@@ -155,11 +154,10 @@ class KVManager:
             ping = now - self._last_ping >= s.heartbeat_interval
             if ping:
                 self._last_ping = now
-                self._ping_seq += 1
                 targets = [a for a in live if a not in {d[0] for d in dead}]
         if ping:
             for addr in targets:
-                self.control.send(addr, Ping(src=self.address, seq=self._ping_seq))
+                self.control.send(addr, Ping(src=self.address))
 
     def _forget_peer(self, addr: str) -> None:
         """Under the lock: drop the liveness record and the socket of a dead peer (a new one is made

@@ -248,7 +248,7 @@ class KVReceiver:
                 return
             info = TransferInfo(src=mgr.address, room=self.room, tp_rank=a.engine_rank, tp_size=a.tp_size,
                                 dst_page_indices=pages, metadata_index=meta, state_indices=states,
-                                expected_pages=len(pages), expects_metadata=t.writes_metadata)
+                                expects_metadata=t.writes_metadata)
             if not mgr.control.send(t.addr, info):
                 self._fail(f"cannot reach prefill rank tp {t.tp_rank} at {t.addr}")
                 return

@@ -116,7 +116,7 @@ def test_backend_registry(monkeypatch):
 def _info(**kw) -> dict:
     info = {"role": "prefill", "tp_rank": 0, "tp_size": 2, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
             "rank_ip": "127.0.0.1", "rank_port": 5555, "page_size": 16, "model": "smollm", "kv_layout": "L",
-            "kv_heads_total": 4, "start_layer": 0, "num_layers": 30}
+            "kv_heads_total": 4}
     info.update(kw)
     return info
 
