@@ -28,7 +28,7 @@ import threading
 import time
 
 from transfer.backends import create_engine
-from transfer.base import KVArgs, KVPoll, TransferSettings
+from transfer.base import KVArgs, KVPoll, KVTransferError, TransferSettings
 from transfer.bootstrap import BootstrapClient
 from transfer.control import ControlPlane, Message, Ping, Pong
 from transfer.engine import TransferEngine
@@ -165,3 +165,28 @@ class KVManager:
         self._tracked_since.pop(addr, None)
         self._last_heard.pop(addr, None)
         self.control.drop(addr)
+
+
+class KVRoom:
+    """What a `KVSender` and a `KVReceiver` share: one request (room) on one manager, its poll state
+    and why it failed. Each side implements `_fail(reason)`, called under the manager's lock."""
+
+    def __init__(self, mgr: KVManager, room: int) -> None:
+        self.mgr = mgr
+        self.room = room
+        self._created = time.monotonic()
+        self._status = KVPoll.Bootstrapping
+        self._reason = ""
+
+    def poll(self) -> KVPoll:
+        return self._status
+
+    def failure_exception(self) -> Exception:
+        return KVTransferError(self.room, self._reason or "room has not failed")
+
+    def abort(self) -> None:
+        with self.mgr._lock:
+            self._fail(f"aborted by the {self.mgr.side} side")
+
+    def _fail(self, reason: str) -> None:
+        raise NotImplementedError

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from transfer.base import KVArgs, KVPoll, KVTransferError, TransferSettings
+from transfer.base import KVArgs, KVPoll, TransferSettings
 from transfer.control import Abort, Message, Status, TransferInfo, peer_registration
 from transfer.engine import TransferEngine
-from transfer.manager import TERMINAL, KVManager
+from transfer.manager import TERMINAL, KVManager, KVRoom
 from transfer.plan import ranks_overlapping
 
 logger = logging.getLogger(__name__)
@@ -186,19 +186,17 @@ class DecodeKVManager(KVManager):
         return targets, "", False
 
 
-class KVReceiver:
+class KVReceiver(KVRoom):
     """Decode side of one request (room); `bootstrap_addr` is the prefill node's "host:port"."""
+
+    mgr: DecodeKVManager
 
     def __init__(self, mgr: DecodeKVManager, bootstrap_addr: str, room: int, prefill_dp_rank: int = 0) -> None:
         if not isinstance(mgr, DecodeKVManager):
             raise ValueError("KVReceiver needs a DecodeKVManager")
-        self.mgr = mgr
-        self.room = room
+        super().__init__(mgr, room)
         self.bootstrap_addr = bootstrap_addr
         self._dp_rank = prefill_dp_rank
-        self._created = time.monotonic()
-        self._status = KVPoll.Bootstrapping
-        self._reason = ""
         self._problem = "bootstrap server not answering yet"  # why it is not resolved yet
         self._targets: list[_Target] | None = None
         self._params: tuple[list[int], int, list[int]] | None = None  # pages, metadata slot, state slots
@@ -218,16 +216,6 @@ class KVReceiver:
             self._params = (pages, int(metadata_index), states)
             if self._targets is not None:
                 self._send_infos()
-
-    def poll(self) -> KVPoll:
-        return self._status
-
-    def failure_exception(self) -> Exception:
-        return KVTransferError(self.room, self._reason or "room has not failed")
-
-    def abort(self) -> None:
-        with self.mgr._lock:
-            self._fail("aborted by the decode side")
 
     # ------------------------------------------------------------------ under the manager's lock
     def _resolved(self, targets: list[_Target]) -> None:

@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from transfer.base import KVArgs, KVPoll, KVTransferError, TransferSettings
+from transfer.base import KVArgs, KVPoll, TransferSettings
 from transfer.bootstrap import BootstrapError
 from transfer.control import Abort, Message, RegisterPeer, Status, TransferInfo
 from transfer.engine import TransferEngine, TransferError
-from transfer.manager import TERMINAL, KVManager
+from transfer.manager import TERMINAL, KVManager, KVRoom
 from transfer.plan import PairPlan, ranks_overlapping
 
 logger = logging.getLogger(__name__)
@@ -346,18 +346,16 @@ class PrefillKVManager(KVManager):
         return peer.handle, src, dst, lens
 
 
-class KVSender:
+class KVSender(KVRoom):
     """Prefill side of one request (room): its state, its queued chunks and its chunk jobs."""
+
+    mgr: PrefillKVManager
 
     def __init__(self, mgr: PrefillKVManager, room: int) -> None:
         if not isinstance(mgr, PrefillKVManager):
             raise ValueError("KVSender needs a PrefillKVManager")
-        self.mgr = mgr
-        self.room = room
+        super().__init__(mgr, room)
         self.bytes_sent = 0
-        self._created = time.monotonic()
-        self._status = KVPoll.Bootstrapping
-        self._reason = ""
         self._num_pages: int | None = None
         self._metadata_index = -1
         self._targets: dict[int, TransferInfo] | None = None  # decode tp rank -> its info, once ready
@@ -411,16 +409,6 @@ class KVSender:
                 if last and self._status == KVPoll.WaitingForInput:
                     self._status = KVPoll.Transferring
                 self.mgr._submit(self, chunk)
-
-    def poll(self) -> KVPoll:
-        return self._status
-
-    def failure_exception(self) -> Exception:
-        return KVTransferError(self.room, self._reason or "room has not failed")
-
-    def abort(self) -> None:
-        with self.mgr._lock:
-            self._fail("aborted by the prefill side")
 
     # ------------------------------------------------------------------ under the manager's lock
     def _start(self, targets: dict[int, TransferInfo]) -> None:
