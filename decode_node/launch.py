@@ -1,4 +1,5 @@
-"""Run a decode node: the common front end with `DecodeScheduler` in every scheduler process."""
+"""Run a decode node: the common front end with `DecodeScheduler` (decode_node/role.py) in every
+scheduler process."""
 
 from __future__ import annotations
 
@@ -6,4 +7,4 @@ from common.server.launch import serve_main
 
 
 def main(argv: list[str]) -> int:
-    return serve_main(argv, "decode", "decode_node.scheduler:DecodeScheduler")
+    return serve_main(argv, "decode", "decode_node.role:DecodeScheduler")

@@ -1,4 +1,5 @@
-"""Run a prefill node: the common front end with `PrefillScheduler` in every scheduler process."""
+"""Run a prefill node: the common front end with `PrefillScheduler` (prefill_node/role.py) in every
+scheduler process."""
 
 from __future__ import annotations
 
@@ -6,4 +7,4 @@ from common.server.launch import serve_main
 
 
 def main(argv: list[str]) -> int:
-    return serve_main(argv, "prefill", "prefill_node.scheduler:PrefillScheduler")
+    return serve_main(argv, "prefill", "prefill_node.role:PrefillScheduler")

@@ -1,0 +1,189 @@
+"""What the prefill and decode roles share: the rank's KV manager over the runner's pools, the
+advertised address, the transfer counters, a request's PD state and the queues of its stages, and
+`PDRole`, the scheduler hooks (`common/scheduler/hooks.py`) both roles build on.
+
+`PDRole` keeps every request of the role in `requests`, by rid: one `PDRequest` (stage, room,
+sender or receiver, metadata slot) from arrival until the role lets it go. Its stages' queues are
+`StageQueue`s; adding a request to one sets its stage, so the stage says which queue holds it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.scheduler.hooks import SchedulerHooks
+from common.scheduler.req import FinishStatus, Req
+from transfer.base import KVArgs, KVPoll, TransferSettings
+from transfer.consensus import poll_and_all_reduce
+from transfer.manager import KVManager
+from transfer.metadata import MetadataBuffers
+from transfer.receiver import DecodeKVManager
+from transfer.sender import PrefillKVManager
+
+# first-token top logprobs carried from prefill to decode (requests asking for more are refused)
+MAX_TOP_LOGPROBS = 20
+
+MANAGERS: dict[str, type[KVManager]] = {"prefill": PrefillKVManager, "decode": DecodeKVManager}
+
+
+def advertised_host(host: str) -> str:
+    """An address peers can reach for a listening host setting ("0.0.0.0" is not one)."""
+    if host in ("", "0.0.0.0", "::"):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+    return host
+
+
+def build_kv_manager(args, runner, metadata: MetadataBuffers, tp_rank: int, tp_size: int, role: str,
+                     bootstrap_addr: str | None = None) -> KVManager:
+    """The `role`'s KV manager for this rank's share of the KV heads (and hybrid state), with the
+    node's timeouts (flags win over the environment); a prefill rank passes its `bootstrap_addr`."""
+    kv_args = KVArgs.from_runner(runner, metadata, engine_rank=tp_rank, tp_size=tp_size)
+    settings = TransferSettings.from_env(bootstrap_timeout=args.disaggregation_bootstrap_timeout,
+                                         waiting_timeout=args.disaggregation_waiting_timeout)
+    where = {"bootstrap_addr": bootstrap_addr} if bootstrap_addr else {}
+    return MANAGERS[role](kv_args, args.transfer_backend, settings=settings, host=advertised_host(args.host), **where)
+
+
+@dataclass
+class TransferStats:
+    failures: int = 0
+    successes: int = 0
+    bytes: int = 0
+    latency_sum: float = 0.0
+    latency_last: float = 0.0
+
+    def success(self, nbytes: int, latency: float) -> None:
+        self.successes += 1
+        self.bytes += nbytes
+        self.latency_sum += latency
+        self.latency_last = latency
+
+    def as_stats(self) -> dict[str, float]:
+        n = self.successes
+        return {"transfer_failures": self.failures, "transfer_successes": n, "transfer_bytes": self.bytes,
+                "transfer_latency_avg_s": self.latency_sum / n if n else 0.0,
+                "transfer_latency_last_s": self.latency_last}
+
+
+def failure_reason(poller) -> str:
+    """Why a room failed; the consensus may report a failure another TP rank saw first."""
+    if poller.poll() == KVPoll.Failed:
+        return str(poller.failure_exception())
+    return f"room {poller.room}: the transfer failed on another TP rank of this node (see its log)"
+
+
+@dataclass(kw_only=True)
+class PDRequest:
+    """A request's PD state on one rank: its stage, its room, its sender or receiver (`conn`), and the
+    metadata slot it holds."""
+
+    req: Req
+    room: int
+    conn: Any
+    stage: enum.Enum
+    metadata_index: int | None = None
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+
+class StageQueue:
+    """The requests of one stage, oldest first. `add` sets the request's stage; a role's subclasses
+    move their requests on."""
+
+    stage: enum.Enum
+
+    def __init__(self) -> None:
+        self._reqs: dict[str, PDRequest] = {}
+
+    def add(self, t: PDRequest) -> None:
+        t.stage = self.stage
+        self._reqs[t.rid] = t
+
+    def discard(self, t: PDRequest) -> None:
+        self._reqs.pop(t.rid, None)
+
+    def move(self, t: PDRequest, to: StageQueue) -> None:
+        """The request moves on to the next stage's queue."""
+        self.discard(t)
+        to.add(t)
+
+    def __iter__(self) -> Iterator[PDRequest]:
+        return iter(list(self._reqs.values()))
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+
+class PDRole(SchedulerHooks):
+    """Scheduler hooks shared by the prefill and decode roles (`role` "prefill" or "decode"). A
+    subclass maps stages to its queues (`queue_of`) and frees its own memory in `on_release`."""
+
+    role = "pd"
+    logger = logging.getLogger("pd")
+
+    def __init__(self, sched, metadata_alloc) -> None:
+        from common.distributed import get_consensus_group
+
+        self.sched = sched
+        self.consensus_group = get_consensus_group()
+        self.metadata_alloc = metadata_alloc
+        self.requests: dict[str, PDRequest] = {}
+        self.transfer_stats = TransferStats()
+
+    def validate(self, req: Req) -> tuple[int, str] | None:
+        if req.bootstrap_host is None or req.bootstrap_port is None or req.bootstrap_room is None:
+            return 400, (f"this is a {self.role} node; requests need bootstrap_host/bootstrap_port/"
+                         "bootstrap_room (send them through a PD router)")
+        owner = next((t.rid for t in self.requests.values() if t.room == req.bootstrap_room), None)
+        if owner is not None:
+            return 400, f"bootstrap_room {req.bootstrap_room} is already in use by request {owner}"
+        if req.top_logprobs_num > MAX_TOP_LOGPROBS:
+            return 400, f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS} on a PD cluster, got {req.top_logprobs_num}"
+        return None  # then the scheduler's own checks, with the client's max_new_tokens, so both legs agree
+
+    def queue_of(self, t: PDRequest) -> StageQueue | None:
+        """The role's queue for the request's stage (None: the scheduler holds it)."""
+        raise NotImplementedError
+
+    def poll(self, states: list[PDRequest]) -> dict[str, KVPoll]:
+        """One TP-wide poll (MIN over the consensus group) of the given requests' senders/receivers;
+        those that failed (on any rank) are ended here."""
+        polls = dict(zip([t.rid for t in states], poll_and_all_reduce([t.conn for t in states], self.consensus_group),
+                         strict=True))
+        for t in states:
+            if polls[t.rid] == KVPoll.Failed:
+                self.fail(t, failure_reason(t.conn))
+        return polls
+
+    def fail(self, t: PDRequest, reason: str) -> None:
+        """The transfer failed: end the request (HTTP 500) wherever it is; `on_release` frees the rest."""
+        self.transfer_stats.failures += 1
+        self.logger.warning("rid=%s room=%d transfer failed at stage %s: %s", t.rid, t.room, t.stage.value, reason)
+        self.sched.finish_requests(t.rid, FinishStatus.abort(f"KV transfer failed: {reason}", 500))
+
+    def forget(self, t: PDRequest) -> None:
+        """Drop the request's PD state: out of its queue, its metadata slot freed."""
+        self.requests.pop(t.rid, None)
+        q = self.queue_of(t)
+        if q is not None:
+            q.discard(t)
+        if t.metadata_index is not None:
+            self.metadata_alloc.free(t.metadata_index)
+            t.metadata_index = None
+
+    def release_conn(self, t: PDRequest) -> None:
+        """Abort the sender/receiver unless its transfer already ended."""
+        if t.conn.poll() not in (KVPoll.Success, KVPoll.Failed):
+            t.conn.abort()
