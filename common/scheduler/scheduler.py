@@ -148,14 +148,14 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             if req.check_finished():
-                self.finish_req(req)
+                self._finish(req)
             else:
                 self.running_batch.merge([req])
-            self.collect_update(req)
+            self._report(req)
 
     def schedule(self) -> SchedulerOutput:
         """The role moves its queues on first; then a prefill batch, else a decode step, else nothing."""
-        self.process_queues()
+        self.hooks.before_schedule()
         out = SchedulerOutput()
         out.batch = self._prefill_batch()
         if out.batch is None and self.running_batch.reqs:
@@ -184,32 +184,31 @@ class Scheduler:
             if status.reason.get("type") == "abort":
                 logger.info("rid=%s aborted (%s) at stage %s", rid, status.reason.get("message"), req.stage.value)
                 req.to_abort = status.reason.get("message")
-            self._dequeue(req, status)
+            self._dequeue(req)
             req.finish(status.reason, error_status=status.error_status)
-            self.release_req(req)
+            self._release(req)
             if status.reason.get("type") != "abort":
                 self._log_finished(req)
-            self.collect_update(req)
+            self._report(req)
 
-    def _dequeue(self, req: Req, status: FinishStatus) -> None:
-        """Take a request out of the queue that holds it (a role's: `on_release` takes it out)."""
-        if req in self.waiting_queue:
+    def _dequeue(self, req: Req) -> None:
+        """Take a request out of the queue its stage says holds it (Stage.NEW: a role's queue, which
+        `on_release` empties)."""
+        if req.stage is Stage.WAITING:
             self.waiting_queue.remove(req)
-        elif req is self.chunked_req:
+        elif req.stage is Stage.CHUNKED:
             self.chunked_req = None
-        elif req in self.running_batch.reqs:
+        elif req.stage is Stage.RUNNING:
             self.running_batch.filter(lambda r: r is not req)
         elif self.held.pop(req.rid, None) is not None:
             req.finished_reason = None  # not reported yet: it ends the new way, not the way it had finished
-        else:
-            self.abort_in_extra_queues(req, status.reason.get("message", ""))
 
     def release_held(self, rid: str) -> None:
         """The role is done with a request it held after it finished: free its memory, report its end."""
         req = self.held.pop(rid)
-        self.release_req(req)
+        self._release(req)
         self._log_finished(req)
-        self.collect_update(req)
+        self._report(req)
 
     def get_request_counts(self) -> tuple[int, int]:
         """(running, waiting): the running batch and the request being chunked; the waiting queue."""
@@ -250,7 +249,8 @@ class Scheduler:
         self.total_prompt_tokens += len(req.origin_input_ids)
         logger.info("rid=%s received: %d prompt tokens, max_new_tokens=%d", req.rid,
                     len(req.origin_input_ids), req.max_new_tokens)
-        self.add_new_request(req)
+        if not self.hooks.on_new_request(req):
+            self.add_request(req)
 
     def validate_request(self, req: Req) -> tuple[int, str] | None:
         """(HTTP status, message) when the request cannot be served here, else None."""
@@ -259,7 +259,7 @@ class Scheduler:
     def finish_refused(self, req: Req, status: int, message: str) -> None:
         logger.info("rid=%s refused (%d): %s", req.rid, status, message)
         req.finish({"type": "abort", "message": message}, error_status=status)
-        self.collect_update(req)
+        self._report(req)
 
     def abort_request(self, rid: str, message: str = "aborted by client") -> None:
         """The front end's abort: one request, or every live one for rid ""."""
@@ -360,7 +360,7 @@ class Scheduler:
                 req.input_top_logprobs.extend(tops if tops is not None else [None] * len(result.input_logprobs[i]))
             if not batch.extend_info.completes[i]:
                 self.tree_cache.cache_unfinished_req(req)
-                self.on_prefill_chunk_done(req)
+                self.hooks.on_chunk_done(req)
                 continue
             req.input_logprobs_done = True
             if req.finished():  # ended while this batch ran
@@ -368,13 +368,13 @@ class Scheduler:
             if result.next_token_ids[i] is not None:
                 self._append_token(req, i, result)
             req.check_finished()
-            self.on_prefill_done(req)
+            self.hooks.on_prefill_done(req)
             if req.finished():
-                self.finish_req(req)
+                self._finish(req)
             else:
                 self.tree_cache.cache_unfinished_req(req)
                 self.running_batch.merge([req])
-            self.collect_update(req)
+            self._report(req)
 
     def _update_decode(self, batch: ScheduleBatch, result: RunnerOutput) -> None:
         now = time.monotonic()
@@ -384,8 +384,8 @@ class Scheduler:
                 continue
             self._append_token(req, i, result)
             if req.check_finished():
-                self.finish_req(req)
-            self.collect_update(req)
+                self._finish(req)
+            self._report(req)
         self.running_batch.filter(lambda r: not r.finished())
         if self.forward_ct % 200 == 0:
             s = self.get_stats()
@@ -399,7 +399,7 @@ class Scheduler:
         if self.hooks.on_finished(req):
             self.held[req.rid] = req
             return
-        self.release_req(req)
+        self._release(req)
         self._log_finished(req)
 
     def _log_finished(self, req: Req) -> None:
@@ -420,35 +420,6 @@ class Scheduler:
         """Record the request's news for this iteration's BatchOut (a held request's end waits)."""
         if req.rid not in self.held:
             self.output.add(req)
-
-    # ---- override points of the PD role subclasses until they use `hooks` (they go with them)
-    def add_new_request(self, req: Req) -> None:
-        if not self.hooks.on_new_request(req):
-            self.add_request(req)
-
-    def process_queues(self) -> None:
-        self.hooks.before_schedule()
-
-    def has_pending_work(self) -> bool:
-        return self.hooks.has_work()
-
-    def on_prefill_chunk_done(self, req: Req) -> None:
-        self.hooks.on_chunk_done(req)
-
-    def on_prefill_done(self, req: Req) -> None:
-        self.hooks.on_prefill_done(req)
-
-    def abort_in_extra_queues(self, req: Req, message: str) -> bool:
-        return False
-
-    def finish_req(self, req: Req) -> None:
-        self._finish(req)
-
-    def release_req(self, req: Req) -> None:
-        self._release(req)
-
-    def collect_update(self, req: Req) -> None:
-        self._report(req)
 
     # ================================================================== loop
     def emit(self, out: BatchOut | None) -> None:
@@ -471,7 +442,7 @@ class Scheduler:
         return out.batch is not None
 
     def has_work(self) -> bool:
-        return self.has_unfinished_requests() or self.has_pending_work()
+        return self.has_unfinished_requests() or self.hooks.has_work()
 
     def recv_requests(self, timeout_ms: int) -> list:
         return self.comm.recv(timeout_ms) if self.comm is not None else []
