@@ -83,9 +83,10 @@ def _build(role: str, tp_rank: int, tp_size: int, spec: dict, bootstrap_addr: st
     from transfer.sender import PrefillKVManager
 
     def manager(args):
-        if bootstrap_addr is None:
-            return DecodeKVManager(args, spec["backend"], host="127.0.0.1", **settings)
-        return PrefillKVManager(args, spec["backend"], host="127.0.0.1", bootstrap_addr=bootstrap_addr, **settings)
+        if role == "prefill":
+            return PrefillKVManager(args, spec["backend"], host="127.0.0.1", bootstrap_addr=bootstrap_addr,
+                                    **settings)
+        return DecodeKVManager(args, spec["backend"], host="127.0.0.1", **settings)
 
     s = SHAPE
     heads = s["heads"] // tp_size
