@@ -13,8 +13,10 @@ message starts with the JSON path (e.g. "`$.sampling_params.temperature` ...").
 
 from __future__ import annotations
 
+import ipaddress
 import math
-from typing import Any
+import re
+from typing import Annotated, Any
 
 import msgspec
 
@@ -32,9 +34,14 @@ def decode_json(body: bytes, type_: type) -> Any:
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as e:
-        raise BadRequest(str(e)) from None
+        raise BadRequest(_with_path(str(e))) from None
     except msgspec.DecodeError as e:
         raise BadRequest(f"malformed JSON: {e}") from None
+
+
+def _with_path(message: str) -> str:
+    """msgspec names the JSON path of a bad field ("... - at `$.x`") except for the body itself."""
+    return message if " - at `$" in message else f"request body: {message} - at `$`"
 
 
 def convert(obj: Any, type_: type, where: str) -> Any:
@@ -54,6 +61,51 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     """Every HTTP error of a node or the router, in OpenAI's shape: {"error": {message, type, code}}."""
     type_ = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": type_, "code": status}}
+
+
+# --------------------------------------------------------------------------------------------
+# the PD rendezvous a router injects: one rule for the nodes and the router
+
+MAX_BOOTSTRAP_ROOM = 2**63 - 1  # rooms travel as signed 64-bit integers (metadata rows, numpy)
+MAX_HOST_LENGTH = 253  # a DNS name's limit (RFC 1123); an IPv6 literal in brackets is shorter
+_HOST_CHARS = re.compile(r"[A-Za-z0-9.:%\[\]_-]+")
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+BootstrapHost = Annotated[str, msgspec.Meta(
+    min_length=1, max_length=MAX_HOST_LENGTH,
+    description="prefill bootstrap server: a host name (RFC 1123) or an IPv4/IPv6 address, no scheme or port")]
+BootstrapPort = Annotated[int, msgspec.Meta(ge=1, le=65535, description="prefill bootstrap port")]
+BootstrapRoom = Annotated[int, msgspec.Meta(ge=0, le=MAX_BOOTSTRAP_ROOM, description="rendezvous id, 0..2**63-1")]
+
+
+def normalize_host(host: str, where: str = "bootstrap_host") -> str:
+    """`host` as a peer address: a host name per RFC 1123 (labels of letters, digits and inner hyphens,
+    at most 253 characters, not all-numeric at the end), an IPv4 address, or an IPv6 address (bare or in
+    brackets; returned in brackets so `host:port` stays unambiguous). BadRequest names `where` otherwise.
+    The range of ports and rooms is in the `BootstrapPort` / `BootstrapRoom` types."""
+    if 0 < len(host) <= MAX_HOST_LENGTH and _HOST_CHARS.fullmatch(host):
+        inner = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        try:
+            ip = ipaddress.ip_address(inner)
+        except ValueError:
+            ip = None
+        if isinstance(ip, ipaddress.IPv6Address):
+            return f"[{ip.compressed}]"
+        if ip is not None and inner == host:
+            return host
+        labels = host.split(".")
+        if inner == host and all(_LABEL.fullmatch(x) for x in labels) and not labels[-1].isdigit():
+            return host
+    shown = host if len(host) <= 64 else host[:64] + "..."
+    raise BadRequest(f"`{where}` must be a host name (RFC 1123) or an IPv4/IPv6 address, without scheme, "
+                     f"port or spaces; got {shown!r}")
+
+
+def normalize_hosts(value: str | list[str] | None, name: str = "bootstrap_host") -> str | list[str] | None:
+    """`normalize_host` of a field that is one host or one per batch item (the index is named)."""
+    if isinstance(value, list):
+        return [normalize_host(h, f"{name}[{i}]") for i, h in enumerate(value)]
+    return None if value is None else normalize_host(value, name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,9 +194,9 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True):
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
-    bootstrap_host: str | list[str] | None = None
-    bootstrap_port: int | list[int] | None = None
-    bootstrap_room: int | list[int] | None = None
+    bootstrap_host: BootstrapHost | list[BootstrapHost] | None = None
+    bootstrap_port: BootstrapPort | list[BootstrapPort] | None = None
+    bootstrap_room: BootstrapRoom | list[BootstrapRoom] | None = None
 
 
 def item_rids(rid: str, n: int) -> list[str]:
@@ -191,9 +243,9 @@ class _OpenAICommon(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: str | None = None
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    bootstrap_host: BootstrapHost | None = None
+    bootstrap_port: BootstrapPort | None = None
+    bootstrap_room: BootstrapRoom | None = None
 
 
 class CompletionRequest(_OpenAICommon, kw_only=True):
@@ -203,9 +255,9 @@ class CompletionRequest(_OpenAICommon, kw_only=True):
     suffix: str | None = None
     # a PD router sends one entry per prompt when `prompt` is a list of prompts (as sglang-router does)
     rid: str | list[str] | None = None
-    bootstrap_host: str | list[str] | None = None
-    bootstrap_port: int | list[int] | None = None
-    bootstrap_room: int | list[int] | None = None
+    bootstrap_host: BootstrapHost | list[BootstrapHost] | None = None
+    bootstrap_port: BootstrapPort | list[BootstrapPort] | None = None
+    bootstrap_room: BootstrapRoom | list[BootstrapRoom] | None = None
 
 
 class ChatCompletionRequest(_OpenAICommon, kw_only=True):

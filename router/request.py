@@ -20,6 +20,7 @@ from common.protocol import (
     convert,
     decode_json,
     item_rids,
+    normalize_hosts,
 )
 from router.registry import Worker
 
@@ -61,6 +62,9 @@ def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
         req = msgspec.convert(obj, _TYPES[path])
     except msgspec.ValidationError as e:
         raise BadRequest(str(e)) from None
+    # a client's bootstrap_host/port/room are checked with the nodes' rule (the struct types bound the
+    # port and room), then replaced by the router's own in `inject`, as sglang-router does
+    normalize_hosts(req.bootstrap_host)
     text = None
     batch = None
     if path == "/generate":

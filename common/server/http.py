@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from common.protocol import BadRequest, decode_json, error_body, item_rids
+from common.protocol import BadRequest, decode_json, error_body, item_rids, normalize_hosts
 from common.server.tokenizer_manager import ReqState, TokenizerManager
 
 TM_KEY = web.AppKey("tm", TokenizerManager)
@@ -73,13 +73,14 @@ def item_fields(args, req, n: int, batch: bool) -> list[dict[str, Any]]:
     """The rid and the PD rendezvous (bootstrap_host/port/room) of each of the n items of a request, as
     `TokenizedRequest` keywords. Each field is a scalar or a list with one entry per item; one rid for a
     batch becomes `item_rids(rid, n)`, and no rid a fresh one per item. A batch on a PD node needs one
-    room per item."""
+    room per item. Ports and rooms were range-checked when the body was decoded (`common.protocol`'s
+    `BootstrapPort` / `BootstrapRoom`); hosts are checked here (`normalize_hosts`), on every node role."""
     rid = req.rid
     if rid == "" or (isinstance(rid, list) and not all(rid)):
         raise BadRequest("`rid` must be a non-empty string (or a list of them, one per item)")
     rids = item_rids(rid, n) if batch and isinstance(rid, str) else per_item(rid, n, "rid", batch)
     rids = [r or uuid.uuid4().hex for r in rids]
-    hosts = per_item(req.bootstrap_host, n, "bootstrap_host", batch)
+    hosts = per_item(normalize_hosts(req.bootstrap_host), n, "bootstrap_host", batch)
     ports = per_item(req.bootstrap_port, n, "bootstrap_port", batch)
     rooms = per_item(req.bootstrap_room, n, "bootstrap_room", batch)
     for host, port, room in zip(hosts, ports, rooms, strict=True):
