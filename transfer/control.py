@@ -9,7 +9,9 @@ with a type tag:
   buffer addresses, item sizes and strides, TP place), then `TransferInfo` per room (destination
   pages, metadata slot, state slots, whether this prefill rank writes the metadata row), `Abort`
   when the decode side gives a room up.
-* prefill -> decode: `Status` per room (`ok` = Success, or Failed with a reason).
+* prefill -> decode: `Status` per room (`ok` = Success, or Failed with a reason); `AbortAck` once a
+  room the decode side aborted has no chunk job left that could still write into its memory (the
+  decode keeps the room's pages out of use until then).
 * both ways: `Ping` / `Pong` heartbeats.
 
 Heartbeats (used by `transfer/manager.py`): every `heartbeat_interval` a manager sends `Ping` to each
@@ -52,6 +54,9 @@ class RegisterPeer(msgspec.Struct, tag="register"):
     state_dims: list[int]
     page_size: int
     model: str
+    kv_num_pages: int = 0  # pages per kv buffer (page 0 is padding); 0: not sent (rejected)
+    aux_num_rows: int = 0  # metadata rows per aux buffer
+    state_num_slots: int = 0  # items per state buffer
 
 
 class TransferInfo(msgspec.Struct, tag="info"):
@@ -80,6 +85,15 @@ class Abort(msgspec.Struct, tag="abort"):
     reason: str
 
 
+class AbortAck(msgspec.Struct, tag="abort_ack"):
+    """No chunk job of `room` on this prefill rank can write into the decode's memory any more."""
+
+    src: str
+    room: int
+    tp_rank: int
+    pp_rank: int
+
+
 class Ping(msgspec.Struct, tag="ping"):
     src: str
 
@@ -95,10 +109,18 @@ def peer_registration(a: KVArgs, src: str, engine_desc: bytes) -> RegisterPeer:
         total_kv_heads=a.total_kv_heads, kv_ptrs=a.kv_data_ptrs,
         kv_item_lens=a.kv_item_lens, kv_item_strides=a.kv_item_strides, aux_ptrs=a.aux_data_ptrs,
         aux_item_lens=a.aux_item_lens, state_ptrs=a.state_data_ptrs, state_item_lens=a.state_item_lens,
-        state_dims=a.state_dim_per_tensor, page_size=a.page_size, model=a.model)
+        state_dims=a.state_dim_per_tensor, page_size=a.page_size, model=a.model,
+        kv_num_pages=(a.kv_data_lens[0] - a.kv_item_lens[0]) // a.kv_item_strides[0] + 1,
+        aux_num_rows=_items(a.aux_data_lens, a.aux_item_lens),
+        state_num_slots=_items(a.state_data_lens, a.state_item_lens))
 
 
-Message = Union[RegisterPeer, TransferInfo, Status, Abort, Ping, Pong]  # noqa: UP007 - msgspec wants Union
+def _items(lens: list[int], item_lens: list[int]) -> int:
+    """Items every one of the buffers holds (0 without buffers)."""
+    return min((n // max(m, 1) for n, m in zip(lens, item_lens, strict=True)), default=0)
+
+
+Message = Union[RegisterPeer, TransferInfo, Status, Abort, AbortAck, Ping, Pong]  # noqa: UP007 - msgspec wants Union
 
 
 class ControlPlane:
