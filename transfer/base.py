@@ -16,6 +16,9 @@ PDSERVE_BOOTSTRAP_TIMEOUT      prefill: seconds a room waits for the  300
                                to resolve the prefill ranks
 PDSERVE_WAITING_TIMEOUT        decode: seconds to wait for Success    300
                                after sending TransferInfo
+PDSERVE_ABORT_ACK_TIMEOUT      decode: seconds a failed room's pages  60
+                               wait for the prefill's AbortAck before
+                               that prefill rank is declared dead
 PDSERVE_HEARTBEAT_INTERVAL     seconds between pings to live peers    1.0
 PDSERVE_HEARTBEAT_MAX_FAILURES missed intervals before a peer is dead 3
 DISAGGREGATION_TEST_FAILURE_PROB  share of rooms the sender fails     0.0
@@ -72,6 +75,7 @@ def _env(name: str, cast, default):
 class TransferSettings:
     bootstrap_timeout: float = 300.0
     waiting_timeout: float = 300.0
+    abort_ack_timeout: float = 60.0
     heartbeat_interval: float = 1.0
     heartbeat_max_failures: int = 3
     failure_prob: float = 0.0
@@ -85,6 +89,7 @@ class TransferSettings:
         s = cls(
             bootstrap_timeout=_env("PDSERVE_BOOTSTRAP_TIMEOUT", float, cls.bootstrap_timeout),
             waiting_timeout=_env("PDSERVE_WAITING_TIMEOUT", float, cls.waiting_timeout),
+            abort_ack_timeout=_env("PDSERVE_ABORT_ACK_TIMEOUT", float, cls.abort_ack_timeout),
             heartbeat_interval=_env("PDSERVE_HEARTBEAT_INTERVAL", float, cls.heartbeat_interval),
             heartbeat_max_failures=_env("PDSERVE_HEARTBEAT_MAX_FAILURES", int, cls.heartbeat_max_failures),
             failure_prob=_env("DISAGGREGATION_TEST_FAILURE_PROB", float, cls.failure_prob),
