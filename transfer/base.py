@@ -26,6 +26,14 @@ DISAGGREGATION_TEST_FAILURE_PROB  share of rooms the sender fails     0.0
 PDSERVE_TRANSFER_WORKERS       worker threads per manager             4
 PDSERVE_TRANSFER_PROTOCOL      mooncake protocol: tcp | rdma          tcp
 PDSERVE_TRANSFER_DEVICES       engine device names (e.g. mlx5_0,...)  ""
+PDSERVE_CLUSTER_SECRET_FILE    file of the cluster secret that signs  none
+                               the control plane and bootstrap
+                               traffic (`common/cluster_secret.py`)
+PDSERVE_AUTH_WINDOW            seconds a signed message stays valid   30
+                               (clock skew + delivery); replays within
+                               it are refused by nonce
+PDSERVE_CONTROL_MAX_PEERS      control-plane PUSH sockets open at     256
+                               most (least recently used closed)
 =============================  =====================================  =======
 """
 
@@ -35,6 +43,8 @@ import dataclasses
 import enum
 import os
 from dataclasses import dataclass, field
+
+from common.cluster_secret import ClusterSecret, load_configured
 
 # How KV buffers are laid out; both sides of a transfer must agree (checked at bootstrap).
 KV_LAYOUT = "page,head,token,dim"
@@ -82,6 +92,9 @@ class TransferSettings:
     num_workers: int = 4
     protocol: str = "tcp"
     device_name: str = ""
+    cluster_secret: ClusterSecret | None = None
+    auth_window: float = 30.0
+    control_max_peers: int = 256
 
     @classmethod
     def from_env(cls, **overrides) -> TransferSettings:
@@ -96,6 +109,8 @@ class TransferSettings:
             num_workers=_env("PDSERVE_TRANSFER_WORKERS", int, cls.num_workers),
             protocol=_env("PDSERVE_TRANSFER_PROTOCOL", str, cls.protocol),
             device_name=_env("PDSERVE_TRANSFER_DEVICES", str, cls.device_name),
+            auth_window=_env("PDSERVE_AUTH_WINDOW", float, cls.auth_window),
+            control_max_peers=_env("PDSERVE_CONTROL_MAX_PEERS", int, cls.control_max_peers),
         )
         names = {f.name for f in dataclasses.fields(cls)}
         for key, value in overrides.items():
@@ -107,6 +122,10 @@ class TransferSettings:
             raise ValueError(f"DISAGGREGATION_TEST_FAILURE_PROB must be in [0, 1], got {s.failure_prob}")
         if s.heartbeat_interval <= 0 or s.heartbeat_max_failures < 1:
             raise ValueError("heartbeat interval must be > 0 and max failures >= 1")
+        if s.auth_window <= 0 or s.control_max_peers < 1:
+            raise ValueError("PDSERVE_AUTH_WINDOW must be > 0 and PDSERVE_CONTROL_MAX_PEERS >= 1")
+        if s.cluster_secret is None:
+            s.cluster_secret = load_configured(None)  # $PDSERVE_CLUSTER_SECRET_FILE
         return s
 
     @property

@@ -14,6 +14,25 @@ with a type tag:
   decode keeps the room's pages out of use until then).
 * both ways: `Ping` / `Pong` heartbeats.
 
+Authentication. With a cluster secret (`transfer/auth.py`) every frame is sealed: MAGIC "PDA1" |
+timestamp 8 B | nonce 16 B | HMAC-SHA256 32 B | msgpack body, the MAC bound to the receiving
+address. The receiver drops, before decoding the body, a frame that does not open (no or a bad
+MAC: unauthenticated; outside the time window or a nonce seen before: stale or replayed), and
+counts it. Without a secret frames are the bare msgpack body, as before.
+
+Limits. A frame's body may be `MAX_MESSAGE_BYTES` (8 MiB): the largest legitimate message is a
+`TransferInfo` for a request of 2**20 pages (a 1M-token context at page size 1, or 16M tokens at
+16), ~5.2 MB of msgpack with 4-byte page indices; a `RegisterPeer` of 1,000 layers with a 64 KiB
+engine description is ~120 KB. Larger frames are dropped and counted; beyond
+`ZMQ_MAX_MESSAGE_BYTES` (16 MiB, the PULL socket's `MAXMSGSIZE`) zmq itself cuts the sender's
+connection, so no frame can make the receiver allocate more. A frame whose `src` is not a
+`tcp://host:port` address is dropped as undecodable. At most `max_peers` PUSH sockets are open
+(`PDSERVE_CONTROL_MAX_PEERS`, 256: a decode rank's prefill ranks, or a prefill rank's decode
+ranks, of a large cluster): the least recently used is closed first, and a dead peer's socket at
+once. Sockets close with a linger of `CLOSE_LINGER_MS` (1 s) so that what is queued still goes out
+(`close()` returns when it did, or after the linger). `send()` never raises: a bad address or a
+full context returns False and is logged once per peer.
+
 Heartbeats (used by `transfer/manager.py`): every `heartbeat_interval` a manager sends `Ping` to each
 peer it has live rooms with; the peer answers `Pong` at once. Any message from a peer counts as a
 sign of life. A peer silent for `heartbeat_interval * heartbeat_max_failures` seconds while rooms
@@ -24,17 +43,27 @@ peer whose queue is full (it is gone) simply misses messages and is then caught 
 from __future__ import annotations
 
 import logging
+import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Union
 
 import msgspec
 import zmq
 
+from transfer.auth import CONTROL, HEADER_BYTES, Authenticator, AuthError, DropCounters
+
 if TYPE_CHECKING:
     from transfer.base import KVArgs
 
 logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 8 << 20  # the largest frame body accepted (see the module docstring)
+ZMQ_MAX_MESSAGE_BYTES = 16 << 20  # zmq drops the connection of a peer sending more than this
+DEFAULT_MAX_PEERS = 256
+CLOSE_LINGER_MS = 1000
+_ADDRESS = re.compile(r"tcp://(?:[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
 
 
 class RegisterPeer(msgspec.Struct, tag="register"):
@@ -124,25 +153,43 @@ Message = Union[RegisterPeer, TransferInfo, Status, Abort, AbortAck, Ping, Pong]
 
 
 class ControlPlane:
-    """One PULL socket with a receiver thread, and non-blocking PUSH sockets to peers."""
+    """One PULL socket with a receiver thread, and non-blocking PUSH sockets to peers (at most
+    `max_peers`, least recently used closed first). With `auth` every frame is sealed on the way out
+    and must open on the way in; `counters` counts what the receiver dropped, and why."""
 
-    def __init__(self, host: str, on_message: Callable[[Message], None], name: str = "control") -> None:
+    def __init__(self, host: str, on_message: Callable[[Message], None], name: str = "control",
+                 auth: Authenticator | None = None, max_peers: int = DEFAULT_MAX_PEERS,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        if max_peers < 1:
+            raise ValueError("a control plane needs max_peers >= 1")
         self._ctx = zmq.Context()
+        self._ctx.set(zmq.MAX_SOCKETS, max_peers + 16)  # the PULL socket and the LRU's transient overlap
+        self._auth = auth
+        self.max_peers = max_peers
+        self.max_message_bytes = max_message_bytes
+        self._frame_limit = max_message_bytes + (HEADER_BYTES if auth else 0)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_MESSAGE_BYTES)
         port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.host = host
         self.port = port
         self.address = f"tcp://{host}:{port}"
+        self._context = CONTROL + self.address.encode() + b"\0"  # MACs are bound to this receiver
         self._on_message = on_message
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Message)
-        self._push: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
+        self.counters = DropCounters(f"control plane {self.address}", logger)
+        self.send_failures = 0
+        self.peers_evicted = 0
+        self._push: OrderedDict[str, tuple[zmq.Socket, threading.Lock]] = OrderedDict()
         self._push_lock = threading.Lock()
+        self._failed_peers: OrderedDict[str, None] = OrderedDict()  # peers whose send failure was logged
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-recv", daemon=True)
         self._thread.start()
 
+    # ------------------------------------------------------------------ receiving
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
@@ -156,38 +203,129 @@ class ControlPlane:
                     return
                 continue
             try:
-                msg = self._decoder.decode(raw)
-            except msgspec.DecodeError as e:
-                logger.warning("control plane: dropped an undecodable message (%s)", e)
-                continue
-            try:
-                self._on_message(msg)
-            except Exception:
-                logger.exception("control plane: handler failed for %s", type(msg).__name__)
+                msg = self._accept(raw)
+                if msg is not None:
+                    self._on_message(msg)
+            except Exception:  # the receiver thread outlives any one message
+                logger.exception("control plane: handler failed")
 
+    def _accept(self, raw: bytes) -> Message | None:
+        """The message in a frame, or None if the frame is dropped (oversized, unauthenticated, stale,
+        replayed, undecodable); the body of a frame that fails authentication is never decoded."""
+        if len(raw) > self._frame_limit:
+            self.counters.drop("oversized", f"{len(raw)} bytes, limit {self._frame_limit}")
+            return None
+        body = raw
+        if self._auth is not None:
+            try:
+                body = self._auth.open(self._context, raw)
+            except AuthError as e:
+                self.counters.drop_auth(e)
+                return None
+        try:
+            msg = self._decoder.decode(body)
+        except msgspec.DecodeError as e:
+            self.counters.drop("undecodable", str(e))
+            return None
+        if not _ADDRESS.fullmatch(msg.src):
+            self.counters.drop("undecodable", f"src is not a tcp://host:port address: {msg.src[:80]!r}")
+            return None
+        return msg
+
+    # ------------------------------------------------------------------ sending
     def send(self, addr: str, msg: Message) -> bool:
-        """Queue a message to a peer; False if it could not be queued (peer gone or closing)."""
+        """Queue a message to a peer; False if it could not be queued (peer gone, bad address, no
+        socket left, closing). Never raises."""
         if self._stop.is_set():
             return False
-        with self._push_lock:
-            entry = self._push.get(addr)
+        try:
+            body = self._encoder.encode(msg)
+            frame = body if self._auth is None else self._auth.seal(CONTROL + addr.encode() + b"\0", body)
+        except Exception as e:
+            self._send_failed(addr, f"cannot encode {type(msg).__name__}: {e}")
+            return False
+        for _ in range(2):  # a second try if the socket was evicted between lookup and send
+            entry = self._socket(addr)
             if entry is None:
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 10000)
-                sock.connect(addr)
-                entry = self._push[addr] = (sock, threading.Lock())
-        sock, lock = entry
-        with lock:
-            try:
-                sock.send(self._encoder.encode(msg), zmq.NOBLOCK)
-                return True
-            except zmq.ZMQError as e:
-                logger.debug("control plane: could not send %s to %s (%s)", type(msg).__name__, addr, e)
                 return False
+            sock, lock = entry
+            with lock:
+                if sock.closed:
+                    continue
+                try:
+                    sock.send(frame, zmq.NOBLOCK)
+                    return True
+                except zmq.ZMQError as e:  # queue full: the peer is gone; the heartbeat will tell
+                    logger.debug("control plane: could not send %s to %s (%s)", type(msg).__name__, addr, e)
+                    return False
+        return False
+
+    def _socket(self, addr: str) -> tuple[zmq.Socket, threading.Lock] | None:
+        """The PUSH socket to `addr`, opened on first use; the least recently used ones are closed
+        (with a short linger, to flush) to stay within `max_peers`."""
+        evicted: list[tuple[str, tuple[zmq.Socket, threading.Lock]]] = []
+        entry, failure = None, ""
+        with self._push_lock:
+            if self._stop.is_set():
+                return None
+            entry = self._push.get(addr)
+            if entry is not None:
+                self._push.move_to_end(addr)
+                return entry
+            if not _ADDRESS.fullmatch(addr):
+                failure = "not a tcp://host:port address"
+            else:
+                while len(self._push) >= self.max_peers:
+                    evicted.append(self._push.popitem(last=False))
+                try:
+                    sock = self._ctx.socket(zmq.PUSH)
+                    try:
+                        sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+                        sock.setsockopt(zmq.SNDHWM, 10000)
+                        sock.connect(addr)
+                    except zmq.ZMQError:
+                        sock.close(0)
+                        raise
+                    entry = self._push[addr] = (sock, threading.Lock())
+                except zmq.ZMQError as e:  # a full context (too many sockets) or an address zmq refuses
+                    failure = str(e)
+        for old, (sock, lock) in evicted:
+            with lock:
+                sock.close(CLOSE_LINGER_MS)
+            self.peers_evicted += 1
+            logger.info("control plane: closed the socket to %s, the least recently used of %d peers", old[:80],
+                        self.max_peers)
+        if failure:
+            self._send_failed(addr, failure)
+        return entry
+
+    def _send_failed(self, addr: str, why: str) -> None:
+        """Count a failed send; log it once per peer (a bounded memory of peers already logged)."""
+        with self._push_lock:
+            self.send_failures += 1
+            first = addr not in self._failed_peers
+            self._failed_peers[addr] = None
+            self._failed_peers.move_to_end(addr)
+            if len(self._failed_peers) > 4 * self.max_peers:
+                self._failed_peers.popitem(last=False)
+        if first:
+            logger.warning("control plane: cannot send to %s: %s", addr[:80], why)
+
+    def has_peer(self, addr: str) -> bool:
+        """Whether a socket to `addr` is open (this side has talked to it)."""
+        with self._push_lock:
+            return addr in self._push
+
+    @property
+    def peers_open(self) -> int:
+        return len(self._push)
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counters.as_stats("control_"), "control_send_failures": self.send_failures,
+                "control_peers_open": self.peers_open, "control_peers_evicted": self.peers_evicted}
 
     def drop(self, addr: str) -> None:
-        """Close the socket to a dead peer (a new one is made if it comes back)."""
+        """Close the socket to a dead peer at once (a new one is made if it comes back)."""
         with self._push_lock:
             entry = self._push.pop(addr, None)
         if entry is not None:
@@ -195,6 +333,9 @@ class ControlPlane:
                 entry[0].close(0)
 
     def close(self) -> None:
+        """Stop receiving; close the peers' sockets with a short linger so that messages already
+        queued (a room's last Status may be the first message on its socket, not yet connected) are
+        flushed, for at most `CLOSE_LINGER_MS`."""
         self._stop.set()
         self._thread.join(timeout=2)
         with self._push_lock:
@@ -202,6 +343,6 @@ class ControlPlane:
             self._push.clear()
         for sock, lock in entries:
             with lock:
-                sock.close(0)
+                sock.close(CLOSE_LINGER_MS)
         self._pull.close(0)
-        self._ctx.term()
+        self._ctx.term()  # returns once every queued message went out or its linger ran out
