@@ -5,13 +5,22 @@ creates two groups spanning the same ranks: `tp_group` for the model's collectiv
 after row-parallel layers) and `consensus_group` for control-plane agreement (scheduler input
 broadcast, transfer poll MIN-reduce), so the two kinds of traffic never interleave on one group.
 A world of 1 works too: the groups exist, and the collective helpers skip the call.
+
+The ranks of one node always run on one machine, so their gloo connections stay on loopback:
+`init_distributed` points gloo at the loopback interface (`GLOO_SOCKET_IFNAME`), whatever the
+host name resolves to. The rendezvous store is the caller's `init_method`; the node launcher uses a
+`file://` store in its private (0700) run directory, because torch's TCP store listens on every
+interface whatever host the URL names.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
+import socket
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -21,6 +30,14 @@ _TP_GROUP: dist.ProcessGroup | None = None
 _CONSENSUS_GROUP: dist.ProcessGroup | None = None
 
 
+def loopback_interface() -> str:
+    """The name of the interface that holds 127.0.0.1 ("lo" on Linux)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+            return name
+    return "lo"
+
+
 def init_distributed(rank: int, world_size: int, init_method: str,
                      timeout_s: float = 600.0) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Join the node's gloo world and return `(tp_group, consensus_group)`."""
@@ -28,6 +45,8 @@ def init_distributed(rank: int, world_size: int, init_method: str,
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
     if not dist.is_initialized():
+        # read by gloo when it creates its device: listen and connect on loopback only
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:

@@ -31,7 +31,7 @@ logger = logging.getLogger("scheduler")
 class IpcConfig:
     to_scheduler: str  # ZMQ ipc:// address: front end binds a PUSH, rank 0 connects a PULL
     from_scheduler: str  # front end binds a PULL, rank 0 connects a PUSH
-    dist_init_method: str  # tcp://127.0.0.1:port for torch.distributed (gloo)
+    dist_init_method: str  # torch.distributed rendezvous: file://<private run dir>/dist_store (or tcp://)
 
 
 class SchedulerComm:

@@ -1,10 +1,15 @@
 """`launch_server(args)`: one node = this HTTP front-end process + one scheduler process per TP rank.
 
 1. resolve the model directory (the default model is converted once into the cache);
-2. bind the ZMQ sockets (ipc paths in a private temp dir), spawn `args.tp` scheduler processes
-   (multiprocessing "spawn"), wait until every rank reports ready (or exit with its error);
+2. bind the ZMQ sockets, spawn `args.tp` scheduler processes (multiprocessing "spawn"), wait until
+   every rank reports ready (or exit with its error);
 3. serve HTTP until SIGINT/SIGTERM: then abort running requests, stop the schedulers, exit 0.
 A scheduler process that dies while serving turns `/health` into 503 and fails live requests.
+
+Nothing between the front end and its ranks listens on the network: the two ZMQ ipc sockets and the
+torch.distributed rendezvous (a `file://` store) live in a run directory only this user can enter
+(`private_run_dir`, mode 0700, removed at exit), and gloo stays on loopback (`common/distributed.py`).
+`--dist-port` brings back a TCP store on that port, which torch binds on every interface.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -30,14 +34,24 @@ logger = logging.getLogger("server")
 READY_TIMEOUT = float(os.environ.get("PDSERVE_READY_TIMEOUT", "900"))
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class LaunchError(RuntimeError):
     pass
+
+
+def private_run_dir() -> str:
+    """A fresh directory for the node's ipc sockets and rendezvous file that no other user can enter
+    (a socket file's own mode is not what guards it: its directory's is)."""
+    path = tempfile.mkdtemp(prefix="pdserve-ipc-")
+    os.chmod(path, 0o700)  # mkdtemp's mode already; stated, since the sockets rely on it
+    return path
+
+
+def dist_init_method(run_dir: str, dist_port: int | None) -> str:
+    if dist_port:
+        logger.warning("--dist-port %d: torch's TCP store for the TP ranks listens on every interface; "
+                       "without the flag the ranks meet through a file in %s", dist_port, run_dir)
+        return f"tcp://127.0.0.1:{dist_port}"
+    return f"file://{run_dir}/dist_store"
 
 
 def _wait_ready(procs: list, conns: list, timeout: float) -> list[dict]:
@@ -88,7 +102,7 @@ def _stop_procs(procs: list, grace: float = 10.0) -> None:
             p.join(5)
 
 
-async def _serve(args, tm, procs, model_dir: str) -> None:
+async def _serve(args, tm, procs, model_dir: str, keys, ssl_context) -> None:
     from common.server.app import create_app
 
     loop = asyncio.get_running_loop()
@@ -96,13 +110,13 @@ async def _serve(args, tm, procs, model_dir: str) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await tm.start()
-    app = create_app(tm, model_path=model_dir)
+    app = create_app(tm, model_path=model_dir, keys=keys)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
+    site = web.TCPSite(runner, args.host, args.port, ssl_context=ssl_context)
     await site.start()
-    logger.info("serving on http://%s:%d (model %s, tp %d, mode %s)", args.host, args.port, model_dir,
-                args.tp, args.disaggregation_mode)
+    logger.info("serving on %s://%s:%d (model %s, tp %d, mode %s, %r)", "https" if ssl_context else "http",
+                args.host, args.port, model_dir, args.tp, args.disaggregation_mode, keys)
 
     async def watch() -> None:
         while True:
@@ -137,14 +151,24 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
     `scheduler_cls` is the import path ("package.module:Class") of the Scheduler subclass every rank
     runs; the PD roles pass theirs, so `common/` never imports them."""
     setup_logging("server", args.log_level)
+    from common.server.app import load_node_keys
+    from common.server.security import KeySourceError, server_ssl_context
+
+    try:  # before any process starts: a bad key file or certificate is a start-up error
+        keys = load_node_keys(args)
+        ssl_context = server_ssl_context(args.ssl_certfile, args.ssl_keyfile)
+    except (KeySourceError, ValueError) as e:
+        logger.error("%s", e)
+        sys.exit(2)
+    keys.announce(logger, "/flush_cache and abort-all (/abort_request with abort_all)")
     from common.models.default_model import resolve_model_path
     from common.scheduler.process import IpcConfig, run_scheduler_process
     from common.server.tokenizer_manager import TokenizerManager
 
     model_dir = resolve_model_path(args.model)
-    tmp = tempfile.mkdtemp(prefix="pdserve-ipc-")
+    tmp = private_run_dir()
     ipc = IpcConfig(to_scheduler=f"ipc://{tmp}/to_scheduler", from_scheduler=f"ipc://{tmp}/from_scheduler",
-                    dist_init_method=f"tcp://127.0.0.1:{args.dist_port or free_port()}")
+                    dist_init_method=dist_init_method(tmp, args.dist_port))
     procs: list = []
     tm = None
     # a signal before we serve: stop cleanly too
@@ -171,7 +195,7 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
         infos = _wait_ready(procs, conns, READY_TIMEOUT)
         tm.configure(infos[0])
         # the early handler stays until the event loop installs its own (no unguarded window)
-        asyncio.run(_serve(args, tm, procs, model_dir))
+        asyncio.run(_serve(args, tm, procs, model_dir, keys, ssl_context))
         logger.info("stopped")
     except LaunchError as e:
         logger.error("%s", e)
