@@ -272,7 +272,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
         papp.router.add_get("/metrics", ra.metrics_handler)
         prom = web.AppRunner(papp, access_log=None)
         await prom.setup()
-        await web.TCPSite(prom, cfg.prometheus_host, cfg.prometheus_port, reuse_address=True).start()
+        await web.TCPSite(prom, cfg.prometheus_host or cfg.host, cfg.prometheus_port, reuse_address=True).start()
     need_loads = "power_of_two" in (cfg.effective_prefill_policy, cfg.effective_decode_policy)
     ra.registry.start(need_loads)
     evict = asyncio.get_running_loop().create_task(ra.evict_loop())

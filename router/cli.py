@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve router", description="PD (prefill/decode) HTTP router, "
                                 "a drop-in replacement for sglang-router --pd-disaggregation")
     a = p.add_argument
-    a("--host", default=d.host)
+    a("--host", default=d.host, help="address to listen on (default loopback; 0.0.0.0 for every interface)")
     a("--port", type=int, default=d.port)
     a("--worker-urls", nargs="*", default=[], help="regular (non-PD) mode is not supported; use --prefill/--decode")
     a("--pd-disaggregation", action="store_true", help="PD mode (the only mode; accepted for compatibility)")
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--request-id-headers", nargs="*", default=None)
     a("--api-key", default=None, help="clients must send `Authorization: Bearer KEY`; forwarded to workers")
     a("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
-    a("--prometheus-host", default=d.prometheus_host)
+    a("--prometheus-host", default=d.prometheus_host, help="address of the metrics server (default: --host)")
     a("--prometheus-port", type=int, default=d.prometheus_port, help="0 disables the separate metrics server")
     a("--log-level", choices=["debug", "info", "warn", "error"], default=d.log_level)
     a("--log-dir", default=None)

@@ -18,7 +18,7 @@ class PrefillSpec:
 
 @dataclass
 class RouterConfig:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless told (sglang-router: 0.0.0.0); deployments pass --host
     port: int = 30000
     pd_disaggregation: bool = True
     prefill: list[PrefillSpec] = field(default_factory=list)
@@ -64,7 +64,7 @@ class RouterConfig:
     api_key: str | None = None
     max_concurrent_requests: int = -1
     # observability
-    prometheus_host: str = "0.0.0.0"
+    prometheus_host: str | None = None  # None: the router's own --host
     prometheus_port: int = 29000
     log_level: str = "info"
     log_dir: str | None = None
