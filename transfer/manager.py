@@ -13,8 +13,14 @@ the timer thread, and `close()`. One re-entrant lock per manager guards the mana
 that of its rooms; the control plane's receiver thread, the timer, the worker threads and the
 caller's thread all take it.
 
+Authentication. With a cluster secret in the settings the control plane seals and checks every
+frame and the bootstrap client signs its requests (`transfer/auth.py`); without one, the manager
+says so once per process. `guard_stats()` counts what the control plane dropped.
+
 Liveness. Every `heartbeat_interval` the timer pings each peer that has live rooms with this rank
-(`_live_peers()`, per side); any message from a peer counts as a sign of life. A peer silent for
+(`_live_peers()`, per side); any message from such a peer counts as a sign of life. A `Ping` is
+answered only for a peer this rank knows (live rooms, an open socket to it, or `_is_known_peer`,
+per side): a stranger's pings never make this rank open sockets to addresses it was handed. A peer silent for
 `heartbeat_interval * heartbeat_max_failures` seconds while rooms are live is declared dead: its
 rooms fail with a reason naming it (`_on_peer_dead`, per side) and everything cached about it is
 forgotten, so a restarted peer starts fresh. The timer checks timeouts (`_tick_timeouts`, per
@@ -27,6 +33,8 @@ import logging
 import threading
 import time
 
+from common.cluster_secret import warn_unauthenticated
+from transfer.auth import Authenticator
 from transfer.backends import create_engine
 from transfer.base import KVArgs, KVPoll, KVTransferError, TransferSettings
 from transfer.bootstrap import BootstrapClient
@@ -69,9 +77,17 @@ class KVManager:
         self._last_heard: dict[str, float] = {}
         self._tracked_since: dict[str, float] = {}
         self._last_ping = 0.0
-        self.bootstrap = BootstrapClient()
+        self.pings_ignored = 0
+        self.registrations_refused = 0  # RegisterPeers refused by the prefill side (`_on_register`)
+        secret = self.settings.cluster_secret
+        if secret is None:
+            warn_unauthenticated(logger, f"the kv {self.side} manager's control plane")
+        # the control plane verifies with its own nonce store; the bootstrap client only signs
+        self.bootstrap = BootstrapClient(auth=Authenticator(secret, self.settings.auth_window) if secret else None)
         self._init_side()
-        self.control = ControlPlane(host, self._on_message, name=f"kv-{self.side}")
+        self.control = ControlPlane(host, self._on_message, name=f"kv-{self.side}",
+                                    auth=Authenticator(secret, self.settings.auth_window) if secret else None,
+                                    max_peers=self.settings.control_max_peers)
         self.address = self.control.address
         self._start_side()
         self._timer = threading.Thread(target=self._timer_loop, name=f"kv-{self.side}-timer", daemon=True)
@@ -115,13 +131,30 @@ class KVManager:
         """Under the lock: fail `rooms` (those live through `addr`) and forget the side's state of the peer."""
         raise NotImplementedError
 
+    def _is_known_peer(self, addr: str) -> bool:
+        """Under the lock: the side knows `addr` beyond live rooms and open sockets (e.g. it registered)."""
+        return False
+
     # ------------------------------------------------------------------ messages
     def _on_message(self, msg: Message) -> None:
-        self._last_heard[msg.src] = time.monotonic()
+        src = msg.src
+        with self._lock:
+            if src in self._tracked_since:  # only live peers are watched; the record stays bounded
+                self._last_heard[src] = time.monotonic()
+            if isinstance(msg, Ping):
+                known = src in self._tracked_since or self.control.has_peer(src) or self._is_known_peer(src)
+                if not known:
+                    self.pings_ignored += 1
         if isinstance(msg, Ping):
-            self.control.send(msg.src, Pong(src=self.address))
+            if known:
+                self.control.send(src, Pong(src=self.address))
         elif not isinstance(msg, Pong):
             self._dispatch(msg)
+
+    def guard_stats(self) -> dict[str, int]:
+        """What the control plane dropped and why, its sockets, and the pings left unanswered."""
+        return {**self.control.stats(), "control_pings_ignored": self.pings_ignored,
+                "control_registrations_refused": self.registrations_refused}
 
     # ------------------------------------------------------------------ timeouts and heartbeats
     def _timer_loop(self) -> None:
@@ -139,6 +172,7 @@ class KVManager:
             for addr in list(self._tracked_since):
                 if addr not in live:
                     del self._tracked_since[addr]
+                    self._last_heard.pop(addr, None)
             for addr in live:
                 self._tracked_since.setdefault(addr, now)
             dead = []

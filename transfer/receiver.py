@@ -86,6 +86,9 @@ class DecodeKVManager(KVManager):
                 if receiver is not None:
                     receiver._on_status(msg)
 
+    def _is_known_peer(self, addr: str) -> bool:
+        return addr in self._registered_with
+
     def _live_peers(self) -> dict[str, list[KVReceiver]]:
         live: dict[str, list[KVReceiver]] = {}
         for receiver in self._receivers.values():
