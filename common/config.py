@@ -33,7 +33,17 @@ class ServerArgs:
     # serving
     host: str = _f("127.0.0.1", "HTTP host")
     port: int = _f(30000, "HTTP port")
-    api_key: str | None = _f(None, "require this bearer token on every request")
+    api_key: str | None = field(default=None, repr=False, metadata={
+        "help": "client key as a value (shows in `ps`; prefer --api-key-file or $PDSERVE_API_KEY)", "flags": ()})
+    api_key_file: str | None = _f(None, "file holding the client key, required on public routes "
+                                  "(or $PDSERVE_API_KEY / $PDSERVE_API_KEY_FILE)")
+    admin_api_key_file: str | None = _f(None, "file holding the admin key, required on /flush_cache and "
+                                        "abort-all (or $PDSERVE_ADMIN_API_KEY(_FILE)); without one they "
+                                        "are served to loopback clients only")
+    node_api_key_file: str | None = _f(None, "file holding the node key the router sends, accepted on every "
+                                       "route (or $PDSERVE_NODE_API_KEY(_FILE))")
+    ssl_certfile: str | None = _f(None, "serve HTTPS with this PEM certificate (with --ssl-keyfile)")
+    ssl_keyfile: str | None = _f(None, "private key of --ssl-certfile (PEM)")
     log_level: str = _f("info", "log level", choices=("debug", "info", "warning", "error"))
     seed: int = _f(0, "seed of the sampler's default generator")
     # parallelism
@@ -128,6 +138,12 @@ class ServerArgs:
             raise bad("disaggregation-prealloc-size", "must be >= 1")
         if self.num_reserved_decode_tokens < 0:
             raise bad("num-reserved-decode-tokens", "must be >= 0")
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise bad("ssl-certfile", "--ssl-certfile and --ssl-keyfile go together")
+        for name in ("ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise bad(name.replace("_", "-"), f"no such file: {path!r}")
         for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout"):
             v = getattr(self, name)
             if v is not None and not v > 0:

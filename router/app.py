@@ -1,4 +1,6 @@
-"""The router's aiohttp application: endpoints, bearer-token auth, X-Request-ID, one log line per request."""
+"""The router's aiohttp application: endpoints (one route table, described at `GET /openapi.json`), keys by
+role (`common/server/security.py`: client key on public routes, admin key on `/workers` and `/flush_cache`,
+open probes and metrics), optional TLS, X-Request-ID, one log line per request."""
 
 from __future__ import annotations
 
@@ -7,12 +9,29 @@ import logging
 import signal
 import time
 import uuid
+from typing import Literal
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
-from common.protocol import BadRequest
+from common.protocol import (
+    BadRequest,
+    BootstrapPort,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+)
+from common.server.openapi import Route, access_of, access_table, add_routes, with_openapi
+from common.server.security import (
+    ADMIN,
+    OPEN,
+    Denied,
+    bearer_token,
+    check_access,
+    client_ssl_context,
+    server_ssl_context,
+)
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, NoWorkers, Trace, error_response
 from router.metrics import Metrics
@@ -22,8 +41,16 @@ from router.request import parse
 
 log = logging.getLogger("router")
 _encode = msgspec.json.encode
-OPEN_PATHS = frozenset({"/health", "/readiness", "/liveness"})
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+ADMIN_ROUTES = "GET/POST /workers, DELETE /workers/{id} and POST /flush_cache"
+
+
+class WorkerSpec(msgspec.Struct, kw_only=True):
+    """Body of `POST /workers` (sglang-router's)."""
+
+    url: str
+    worker_type: Literal["prefill", "decode"] = "decode"
+    bootstrap_port: BootstrapPort | None = None
 
 
 def json_response(obj, status: int = 200) -> web.Response:
@@ -40,7 +67,9 @@ class RouterApp:
         self.registry = Registry(cfg, session, on_change=self._workers_changed)
         self.dispatcher = Dispatcher(cfg, self.registry, session, self.metrics, self.prefill_policy,
                                      self.decode_policy)
-        self.expected_auth = f"Bearer {cfg.api_key}" if cfg.api_key else None
+        self.keys = cfg.resolved_keys
+        self.routes = self._routes()
+        self.access = access_table(self.routes)
         self.id_headers = cfg.request_id_headers
         self.limit = asyncio.Semaphore(cfg.max_concurrent_requests) if cfg.max_concurrent_requests > 0 else None
 
@@ -65,10 +94,12 @@ class RouterApp:
         if not rid:
             rid = uuid.uuid4().hex
         request["request_id"] = rid
-        if self.expected_auth is not None and request.path not in OPEN_PATHS \
-                and headers.get("Authorization") != self.expected_auth:
-            return error_response(401, "missing or invalid API key (expected `Authorization: Bearer <key>`)",
-                                  headers={"X-Request-ID": rid})
+        try:
+            check_access(access_of(request, self.access), request.path, bearer_token(headers), request.remote,
+                         self.keys, accept_node_key=False)
+        except Denied as e:
+            log.info("rid=%s %s %s status=%d error=%s", rid, request.method, request.path, e.status, e.message)
+            return error_response(e.status, e.message, headers={"X-Request-ID": rid, **e.headers})
         try:
             resp = await handler(request)
         except web.HTTPException as e:
@@ -120,11 +151,11 @@ class RouterApp:
             return error_response(400, f"malformed JSON: {e}")
         if not isinstance(spec, dict):
             return error_response(400, "request body must be a JSON object")
-        url, kind, port = spec.get("url"), spec.get("worker_type", "decode"), spec.get("bootstrap_port")
-        if not isinstance(url, str) or not url:
-            return error_response(400, "`url` is required and must be a string")
-        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
-            return error_response(400, "`bootstrap_port` must be an integer port or null")
+        try:
+            ws = msgspec.convert(spec, WorkerSpec)
+        except msgspec.ValidationError as e:
+            return error_response(400, str(e))
+        url, kind, port = ws.url, ws.worker_type, ws.bootstrap_port
         try:
             w = await self.registry.add(url, kind, port, explicit_none="bootstrap_port" in spec and port is None)
         except RegistryError as e:
@@ -228,26 +259,32 @@ class RouterApp:
 
     # ---------------------------------------------------------------------------- assembly
 
+    def _routes(self) -> list[Route]:
+        bodies = (GenerateRequest, CompletionRequest, ChatCompletionRequest)
+        return with_openapi([
+            *(Route("POST", p, self.generate, b, summary="generation through a prefill and a decode worker",
+                    stream=True) for p, b in zip(GENERATE_PATHS, bodies, strict=True)),
+            Route("GET", "/workers", self.list_workers, access=ADMIN, summary="registered workers"),
+            Route("POST", "/workers", self.add_worker, WorkerSpec, access=ADMIN, summary="register a worker"),
+            Route("DELETE", "/workers/{id:.+}", self.remove_worker, access=ADMIN, summary="remove a worker"),
+            Route("POST", "/flush_cache", self.flush_cache, access=ADMIN, summary="flush every worker's cache"),
+            Route("GET", "/v1/models", self.models, summary="the served model"),
+            Route("GET", "/get_loads", self.get_loads, summary="every worker's load"),
+            *(Route("GET", p, self.server_info, summary="a prefill worker's server information")
+              for p in ("/get_server_info", "/server_info")),
+            *(Route("GET", p, self.model_info, summary="a prefill worker's model information")
+              for p in ("/get_model_info", "/model_info")),
+            Route("GET", "/health", self.health, access=OPEN, summary="liveness"),
+            Route("GET", "/liveness", self.health, access=OPEN, summary="liveness"),
+            Route("GET", "/readiness", self.readiness, access=OPEN, summary="a prefill and a decode worker up"),
+            Route("GET", "/health_generate", self.health_generate, access=OPEN,
+                  summary="readiness: one step on a prefill and a decode worker"),
+            Route("GET", "/metrics", self.metrics_handler, access=OPEN, summary="Prometheus metrics (no secrets)"),
+        ], "pdserve router", "0.1.0")
+
     def build(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_payload_size, middlewares=[self.middleware])
-        r = app.router
-        for path in GENERATE_PATHS:
-            r.add_post(path, self.generate)
-        r.add_get("/workers", self.list_workers)
-        r.add_post("/workers", self.add_worker)
-        r.add_delete("/workers/{id:.+}", self.remove_worker)
-        r.add_get("/v1/models", self.models)
-        r.add_get("/health", self.health)
-        r.add_get("/liveness", self.health)
-        r.add_get("/readiness", self.readiness)
-        r.add_get("/health_generate", self.health_generate)
-        r.add_get("/get_loads", self.get_loads)
-        for path in ("/get_server_info", "/server_info"):
-            r.add_get(path, self.server_info)
-        for path in ("/get_model_info", "/model_info"):
-            r.add_get(path, self.model_info)
-        r.add_get("/metrics", self.metrics_handler)
-        r.add_post("/flush_cache", self.flush_cache)
+        add_routes(app, self.routes)
         return app
 
     async def evict_loop(self) -> None:
@@ -259,13 +296,16 @@ class RouterApp:
 
 async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
     stop = stop or asyncio.Event()
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=120)
+    tls_in = server_ssl_context(cfg.ssl_certfile, cfg.ssl_keyfile)
+    # https:// workers (health, info, loads, aborts) verified against --ssl-ca-certs or the system's CAs
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=120,
+                                     ssl=client_ssl_context(cfg.ssl_ca_certs))
     session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(
         total=cfg.request_timeout_secs), auto_decompress=False, skip_auto_headers=("User-Agent",))
     ra = RouterApp(cfg, session)
     runner = web.AppRunner(ra.build(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, cfg.host, cfg.port, backlog=4096, reuse_address=True).start()
+    await web.TCPSite(runner, cfg.host, cfg.port, backlog=4096, reuse_address=True, ssl_context=tls_in).start()
     prom = None
     if cfg.prometheus_port:
         papp = web.Application()
@@ -276,9 +316,10 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
     need_loads = "power_of_two" in (cfg.effective_prefill_policy, cfg.effective_decode_policy)
     ra.registry.start(need_loads)
     evict = asyncio.get_running_loop().create_task(ra.evict_loop())
-    log.info("router listening on %s:%d (prefill policy %s, decode policy %s, %d prefill, %d decode)",
-             cfg.host, cfg.port, cfg.effective_prefill_policy, cfg.effective_decode_policy,
-             len(cfg.prefill), len(cfg.decode))
+    log.info("router listening on %s://%s:%d (prefill policy %s, decode policy %s, %d prefill, %d decode, %r)",
+             "https" if tls_in else "http", cfg.host, cfg.port, cfg.effective_prefill_policy,
+             cfg.effective_decode_policy, len(cfg.prefill), len(cfg.decode), ra.keys)
+    ra.keys.announce(log, ADMIN_ROUTES)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:

@@ -6,7 +6,9 @@ import argparse
 import logging
 import sys
 
+from common.server.security import Keys, client_ssl_context, server_ssl_context
 from router.config import DEFAULT_REQUEST_ID_HEADERS, PrefillSpec, RouterConfig
+from router.registry import check_worker_url
 
 POLICIES = ["random", "round_robin", "cache_aware", "power_of_two"]
 
@@ -62,7 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--disable-circuit-breaker", action="store_true")
     a("--request-timeout-secs", type=float, default=d.request_timeout_secs)
     a("--request-id-headers", nargs="*", default=None)
-    a("--api-key", default=None, help="clients must send `Authorization: Bearer KEY`; forwarded to workers")
+    a("--api-key", default=None, help="client key as a value (sglang-router's flag; shows in `ps`): clients "
+      "must send `Authorization: Bearer KEY`; sent to workers when no node key is set")
+    a("--api-key-file", default=None, help="file holding the client key (or $PDSERVE_API_KEY / $PDSERVE_API_KEY_FILE)")
+    a("--admin-api-key-file", default=None, help="file holding the admin key for /workers and /flush_cache (or "
+      "$PDSERVE_ADMIN_API_KEY(_FILE)); without one those are served to loopback clients only")
+    a("--node-api-key-file", default=None, help="file holding the key sent to workers on every hop (or "
+      "$PDSERVE_NODE_API_KEY(_FILE))")
+    a("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (with --ssl-keyfile)")
+    a("--ssl-keyfile", default=None, help="private key of --ssl-certfile (PEM)")
+    a("--ssl-ca-certs", default=None, help="CA bundle (PEM) that verifies https:// workers (default: the system's)")
     a("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
     a("--prometheus-host", default=d.prometheus_host, help="address of the metrics server (default: --host)")
     a("--prometheus-port", type=int, default=d.prometheus_port, help="0 disables the separate metrics server")
@@ -92,7 +103,7 @@ def parse_prefill(values: list[str]) -> PrefillSpec:
     """`--prefill URL [PORT|none]` as sglang-router reads it."""
     if not values or len(values) > 2:
         raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT|none], got {values}")
-    url = values[0].rstrip("/")
+    url = check_worker_url(values[0].rstrip("/"), "--prefill")
     if len(values) == 1:
         return PrefillSpec(url)
     port = values[1]
@@ -115,7 +126,11 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     kwargs = {k: v for k, v in vars(ns).items() if k in fields and k not in ("prefill", "decode")}
     cfg = RouterConfig(**kwargs)
     cfg.prefill = [parse_prefill(v) for v in ns.prefill]
-    cfg.decode = [u.rstrip("/") for u in ns.decode]
+    cfg.decode = [check_worker_url(u.rstrip("/"), "--decode") for u in ns.decode]
+    cfg.keys = Keys.load(api_key=ns.api_key, api_key_file=ns.api_key_file, admin_api_key_file=ns.admin_api_key_file,
+                         node_api_key_file=ns.node_api_key_file, logger=logging.getLogger("router"))
+    server_ssl_context(cfg.ssl_certfile, cfg.ssl_keyfile)  # unreadable files: a start-up error
+    client_ssl_context(cfg.ssl_ca_certs)
     cfg.request_id_headers = tuple(h.lower() for h in ns.request_id_headers) if ns.request_id_headers \
         else DEFAULT_REQUEST_ID_HEADERS
     cfg.pd_disaggregation = True

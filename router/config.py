@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.server.security import Keys
+
 DEFAULT_REQUEST_ID_HEADERS = ("x-request-id", "x-correlation-id", "x-trace-id", "request-id")
 
 
@@ -61,8 +63,16 @@ class RouterConfig:
     # requests
     request_timeout_secs: float = 1800.0
     request_id_headers: tuple[str, ...] = DEFAULT_REQUEST_ID_HEADERS
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # --api-key VALUE (sglang-router's flag)
     max_concurrent_requests: int = -1
+    # keys by role and TLS (common/server/security.py); `keys` is what cli.py read from them
+    api_key_file: str | None = None
+    admin_api_key_file: str | None = None
+    node_api_key_file: str | None = None
+    keys: Keys | None = field(default=None, repr=False)
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None  # CA bundle that verifies https:// workers (default: the system's)
     # observability
     prometheus_host: str | None = None  # None: the router's own --host
     prometheus_port: int = 29000
@@ -81,3 +91,8 @@ class RouterConfig:
     @property
     def effective_decode_policy(self) -> str:
         return self.decode_policy or self.policy
+
+    @property
+    def resolved_keys(self) -> Keys:
+        """The keys read at start-up, or (a config built in code) just the --api-key value."""
+        return self.keys if self.keys is not None else Keys(client=self.api_key.encode() if self.api_key else None)

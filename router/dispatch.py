@@ -16,6 +16,7 @@ import msgspec
 from aiohttp import web
 
 from common.protocol import error_body
+from common.server.security import bearer_header, client_ssl_context
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.policies import Policy
@@ -70,6 +71,10 @@ class Trace:
     attempts: int = 0
     status: int = 0
     first_byte: float = 0.0
+
+
+def _any_https(cfg: RouterConfig) -> bool:
+    return any(u.startswith("https://") for u in [p.url for p in cfg.prefill] + cfg.decode)
 
 
 class NoWorkers(Exception):
@@ -135,9 +140,10 @@ class Dispatcher:
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.need_text = prefill_policy.needs_text or decode_policy.needs_text
-        self.base_headers = {"Content-Type": "application/json"}
-        if cfg.api_key:
-            self.base_headers["Authorization"] = f"Bearer {cfg.api_key}"
+        # every hop to a node (legs, aborts) carries the node key (without one: the client key, as before)
+        self.node_key = cfg.resolved_keys.outgoing()
+        self.base_headers = {"Content-Type": "application/json", **bearer_header(self.node_key)}
+        self.ssl_context = client_ssl_context(cfg.ssl_ca_certs) if _any_https(cfg) else None
         self.background: set[asyncio.Task] = set()
         self.pools: dict[str, Pool] = {}
 
@@ -207,8 +213,10 @@ class Dispatcher:
     def _pool(self, w: Worker) -> Pool:
         pool = self.pools.get(w.url)
         if pool is None:
-            auth = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
-            pool = self.pools[w.url] = Pool(w.url, self.cfg.request_timeout_secs, auth)
+            if w.url.startswith("https://") and self.ssl_context is None:
+                self.ssl_context = client_ssl_context(self.cfg.ssl_ca_certs)
+            pool = self.pools[w.url] = Pool(w.url, self.cfg.request_timeout_secs, bearer_header(self.node_key),
+                                            ssl_context=self.ssl_context)
         return pool
 
     def forget(self, urls: set[str]) -> None:
@@ -257,7 +265,7 @@ class Dispatcher:
     async def handle(self, request: web.Request, req: ParsedRequest, request_id: str,
                      trace: Trace) -> web.StreamResponse:
         headers = b"X-Request-ID: " + _header_value(request_id) + b"\r\n"
-        if not self.cfg.api_key:
+        if not self.node_key:  # a router without keys passes the client's own credentials on
             auth = request.headers.get("Authorization")
             if auth:
                 headers += b"Authorization: " + _header_value(auth) + b"\r\n"

@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
+from common.protocol import BadRequest, normalize_host
+from common.server.security import bearer_header
 from router.config import RouterConfig
 
 log = logging.getLogger("router.registry")
@@ -86,6 +88,28 @@ def bootstrap_host_of(url: str) -> str:
     return host
 
 
+def check_worker_url(url: str, what: str = "`url`") -> str:
+    """A worker URL is http(s)://HOST[:PORT] with HOST a bootstrap-valid host (the router injects it as
+    `bootstrap_host`); raises ValueError naming `what` otherwise."""
+    try:
+        u = urlsplit(url)
+        port = u.port
+    except ValueError:
+        u, port = None, None
+    ok = (u is not None and u.scheme in ("http", "https") and u.hostname and not u.username
+          and not u.password and u.path in ("", "/") and not u.query and not u.fragment and port != 0)
+    if ok:
+        try:
+            normalize_host(u.hostname, what)
+        except BadRequest:
+            ok = False
+    if not ok:
+        shown = url if len(url) <= 80 else url[:80] + "..."
+        raise ValueError(f"{what} must be http://HOST[:PORT] or https://HOST[:PORT] with HOST a host name or an "
+                         f"IP address (no path, query or user), got {shown!r}")
+    return url
+
+
 def worker_id(url: str) -> str:
     return hashlib.sha1(url.encode()).hexdigest()[:12]
 
@@ -150,7 +174,7 @@ class Registry:
         self.decode: list[Worker] = []
         self.pending: set[str] = set()
         self.on_change = on_change or (lambda: None)
-        self.auth = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.auth = bearer_header(cfg.resolved_keys.outgoing())  # the node key (health, info, load polls)
         self._tasks: list[asyncio.Task] = []
 
     # ---------------------------------------------------------------------------- lookup
@@ -209,8 +233,10 @@ class Registry:
         url = url.rstrip("/")
         if kind not in (PREFILL, DECODE):
             raise RegistryError(400, f"`worker_type` must be 'prefill' or 'decode', got {kind!r}")
-        if not url.startswith(("http://", "https://")):
-            raise RegistryError(400, f"`url` must start with http:// or https://, got {url!r}")
+        try:
+            check_worker_url(url)
+        except ValueError as e:
+            raise RegistryError(400, str(e)) from None
         if self.find(url) or url in self.pending:
             raise RegistryError(409, f"worker {url} is already registered")
         self.pending.add(url)

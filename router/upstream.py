@@ -1,5 +1,6 @@
 """A lean HTTP/1.1 client for the generation legs: keep-alive connection pools per worker, requests
-written in one syscall, responses (Content-Length, chunked or until close) parsed incrementally.
+written in one syscall, responses (Content-Length, chunked or until close) parsed incrementally;
+`https://` workers through an `ssl.SSLContext` (asyncio's TLS transport).
 
 aiohttp's ClientSession costs several times more CPU per request; the legs are the router's hot path.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 from urllib.parse import urlsplit
 
 _CRLF2 = b"\r\n\r\n"
@@ -264,12 +266,16 @@ class Response:
 class Pool:
     """Keep-alive connections to one worker."""
 
-    def __init__(self, url: str, timeout: float, extra_headers: dict[str, str]):
+    def __init__(self, url: str, timeout: float, extra_headers: dict[str, str],
+                 ssl_context: ssl.SSLContext | None = None):
         u = urlsplit(url)
-        if u.scheme != "http":
-            raise ValueError(f"the fast upstream client speaks plain http, not {u.scheme}")
+        if u.scheme not in ("http", "https"):
+            raise ValueError(f"the upstream client speaks http and https, not {u.scheme}")
+        if u.scheme == "https" and ssl_context is None:
+            raise ValueError(f"{url}: https needs an ssl context")
+        self.ssl = ssl_context if u.scheme == "https" else None
         self.host = u.hostname or "localhost"
-        self.port = u.port or 80
+        self.port = u.port or (443 if self.ssl else 80)
         self.timeout = timeout
         host_header = f"{u.hostname}:{self.port}" if ":" not in (u.hostname or "") else f"[{u.hostname}]:{self.port}"
         extra = "".join(f"{k}: {v}\r\n" for k, v in extra_headers.items())
@@ -290,7 +296,11 @@ class Pool:
             if not conn.closed:
                 return conn
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port)
+        if self.ssl is None:
+            _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port)
+        else:  # TLS: certificate and host name checked against the context's CAs
+            _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port, ssl=self.ssl,
+                                                   server_hostname=self.host)
         return conn
 
     async def request(self, path: str, body: bytes, headers: bytes = b"") -> Response:

@@ -32,12 +32,15 @@ from common.server.http import (
     sse_done,
     sse_send,
 )
+from common.server.openapi import Route, access_of, access_table, add_routes, with_openapi
+from common.server.security import ADMIN, OPEN, Denied, Keys, bearer_token, check_access
 from common.server.tokenizer_manager import ReqState, ServiceUnavailable, TokenizerManager
 
 logger = logging.getLogger("server")
 
 VERSION = "0.1.0"
-OPEN_PATHS = frozenset({"/health"})
+KEYS_KEY = web.AppKey("keys", Keys)
+ACCESS_KEY = web.AppKey("access", dict)
 
 
 # ---------------------------------------------------------------------------------------------- middlewares
@@ -58,6 +61,11 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
 
     try:
         return await handler(request)
+    except Denied as e:
+        logger.info("%s %s status=%d request_id=%s error=%s", request.method, request.path, e.status,
+                    request.headers.get("X-Request-ID", "-"), e.message)
+        count(e.status)
+        return error_response(e.status, e.message, headers=e.headers)
     except BadRequest as e:
         logger.info("%s %s status=400 error=%s", request.method, request.path, e)
         count(400)
@@ -84,18 +92,16 @@ def _keep_headers(e: web.HTTPException) -> dict[str, str]:
     return {k: v for k, v in e.headers.items() if k in ("Allow", "WWW-Authenticate")}
 
 
-def auth_middleware(api_key: str | None):
-    @web.middleware
-    async def check(request: web.Request, handler):
-        if api_key and request.path not in OPEN_PATHS:
-            got = request.headers.get("Authorization", "")
-            if got != f"Bearer {api_key}":
-                logger.info("%s %s status=401 (missing or wrong api key)", request.method, request.path)
-                return error_response(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
-                                      headers={"WWW-Authenticate": "Bearer"})
-        return await handler(request)
+def authorize(request: web.Request, access: str) -> None:
+    """Raise Denied unless the caller may use a route of class `access` (`common.server.security`)."""
+    check_access(access, request.path, bearer_token(request.headers), request.remote, request.app[KEYS_KEY],
+                 accept_node_key=True)
 
-    return check
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    authorize(request, access_of(request, request.app[ACCESS_KEY]))
+    return await handler(request)
 
 
 # ---------------------------------------------------------------------------------------------- /generate
@@ -314,6 +320,7 @@ async def handle_abort(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     req = await read_json(request, AbortHTTPRequest)
     if req.abort_all:
+        authorize(request, ADMIN)  # one request may abort its own rid; every request is an admin's call
         n = tm.abort_all()
         logger.info("abort_all: %d requests aborted", n)
         return web.json_response({"success": True, "aborted": n})
@@ -332,26 +339,50 @@ async def handle_flush_cache(request: web.Request) -> web.Response:
 
 
 # ---------------------------------------------------------------------------------------------- app
-def create_app(tm: TokenizerManager, *, model_path: str, served_model_name: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[error_middleware, auth_middleware(tm.args.api_key)],
-                          client_max_size=64 * 1024 * 1024)
+def node_routes() -> list[Route]:
+    """Every route of a node with its body struct and access class (`/openapi.json` describes them)."""
+    from common.protocol import ChatCompletionRequest, CompletionRequest
+
+    gen, info = "generation", "information"
+    return with_openapi([
+        Route("POST", "/generate", handle_generate, GenerateRequest, summary=f"SGLang-native {gen}", stream=True),
+        Route("POST", "/v1/completions", openai_api.handle_completions, CompletionRequest,
+              summary=f"OpenAI completions {gen}", stream=True),
+        Route("POST", "/v1/chat/completions", openai_api.handle_chat_completions, ChatCompletionRequest,
+              summary=f"OpenAI chat {gen}", stream=True),
+        Route("GET", "/v1/models", handle_models, summary="the served model"),
+        *(Route("GET", p, handle_server_info, summary=f"server {info} (keys redacted)")
+          for p in ("/server_info", "/get_server_info")),
+        *(Route("GET", p, handle_model_info, summary=f"model {info}") for p in ("/model_info", "/get_model_info")),
+        Route("GET", "/get_load", handle_get_load, summary="queue and token load"),
+        Route("POST", "/abort_request", handle_abort, AbortHTTPRequest,
+              summary="abort one rid (public); abort_all is an admin call"),
+        Route("POST", "/flush_cache", handle_flush_cache, access=ADMIN, summary="drop the prefix cache"),
+        Route("GET", "/health", handle_health, access=OPEN, summary="liveness"),
+        Route("GET", "/health_generate", handle_health_generate, access=OPEN, summary="readiness: runs one step"),
+        Route("GET", "/metrics", handle_metrics, access=OPEN, summary="Prometheus metrics (no secrets)"),
+    ], "pdserve node", VERSION)
+
+
+def create_app(tm: TokenizerManager, *, model_path: str, served_model_name: str | None = None,
+               keys: Keys | None = None) -> web.Application:
+    """The node's app; `keys` default to `tm.args`' key flags and the environment (`Keys.load`)."""
+    if keys is None:
+        keys = load_node_keys(tm.args)
+    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=64 * 1024 * 1024)
     app[TM_KEY] = tm
+    app[KEYS_KEY] = keys
     app[INFO_KEY] = {"model_path": model_path, "started": time.time(),
                      "served_model_name": served_model_name or tm.args.served_model_name
                      or tm.node_info.get("model_config", {}).get("name") or model_path}
-    r = app.router
-    r.add_post("/generate", handle_generate)
-    r.add_post("/v1/completions", openai_api.handle_completions)
-    r.add_post("/v1/chat/completions", openai_api.handle_chat_completions)
-    r.add_get("/v1/models", handle_models)
-    r.add_get("/health", handle_health)
-    r.add_get("/health_generate", handle_health_generate)
-    for p in ("/server_info", "/get_server_info"):
-        r.add_get(p, handle_server_info)
-    for p in ("/model_info", "/get_model_info"):
-        r.add_get(p, handle_model_info)
-    r.add_get("/get_load", handle_get_load)
-    r.add_get("/metrics", handle_metrics)
-    r.add_post("/abort_request", handle_abort)
-    r.add_post("/flush_cache", handle_flush_cache)
+    routes = node_routes()
+    app[ACCESS_KEY] = access_table(routes)
+    add_routes(app, routes)
     return app
+
+
+def load_node_keys(args) -> Keys:
+    """The node's keys from its flags and the environment; raises KeySourceError naming the source."""
+    return Keys.load(api_key=args.api_key, api_key_file=getattr(args, "api_key_file", None),
+                     admin_api_key_file=getattr(args, "admin_api_key_file", None),
+                     node_api_key_file=getattr(args, "node_api_key_file", None), logger=logger)
