@@ -96,5 +96,5 @@ def warn_unauthenticated(logger: logging.Logger, what: str) -> None:
     if _warned:
         return
     _warned = True
-    logger.warning("no cluster secret (--cluster-secret-file / $%s): %s accepts unauthenticated cluster "
-                   "messages; run it only on a network the deployment isolates", ENV_VAR, what)
+    logger.warning("no cluster secret (--cluster-secret-file / $%s): %s is not authenticated; run the "
+                   "cluster only on a network the deployment isolates", ENV_VAR, what)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
+
+from common.cluster_secret import ClusterSecret, ClusterSecretError, load_configured, warn_unauthenticated
 
 
 class ConfigError(ValueError):
@@ -81,6 +84,10 @@ class ServerArgs:
     disaggregation_waiting_timeout: float | None = _f(
         None, "decode: seconds to wait for the KV after sending TransferInfo (default: "
         "$PDSERVE_WAITING_TIMEOUT or 300)")
+    cluster_secret_file: str | None = _f(
+        None, "file holding the cluster secret that authenticates the bootstrap and control-plane traffic, "
+        "the same on every node and the router (one line, >= 16 bytes; a second line, the previous secret, "
+        "is still accepted during a rotation) (or $PDSERVE_CLUSTER_SECRET_FILE)")
 
     # ------------------------------------------------------------------------------------------
     @classmethod
@@ -148,6 +155,20 @@ class ServerArgs:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise bad(name.replace("_", "-"), f"must be > 0 seconds, got {v}")
+        try:  # read once here; the scheduler processes get it with the pickled args
+            self._cluster_secret = load_configured(self.cluster_secret_file)
+        except ClusterSecretError as e:
+            raise bad("cluster-secret-file", str(e)) from None
+        if self._cluster_secret is None and self.disaggregation_mode != "null":
+            warn_unauthenticated(logging.getLogger("server"), "this node's bootstrap and control-plane traffic")
+
+    @property
+    def cluster_secret(self) -> ClusterSecret | None:
+        """The cluster secret `validate()` read (read now for args built in code); never a field, so
+        it shows in no dump of the args."""
+        if not hasattr(self, "_cluster_secret"):
+            self._cluster_secret = load_configured(self.cluster_secret_file)
+        return self._cluster_secret
 
     @property
     def radix_cache_enabled(self) -> bool:

@@ -45,7 +45,8 @@ logger = logging.getLogger("prefill")
 
 
 def start_bootstrap_server(args) -> BootstrapServer:
-    server = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
+    server = BootstrapServer(args.host, args.disaggregation_bootstrap_port,
+                             secret=getattr(args, "cluster_secret", None))
     server.start()
     logger.info("bootstrap server on %s:%d", args.host, server.port)
     return server

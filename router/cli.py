@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from common.cluster_secret import load_configured, warn_unauthenticated
 from common.server.security import Keys, client_ssl_context, server_ssl_context
 from router.config import DEFAULT_REQUEST_ID_HEADERS, PrefillSpec, RouterConfig
 from router.registry import check_worker_url
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (with --ssl-keyfile)")
     a("--ssl-keyfile", default=None, help="private key of --ssl-certfile (PEM)")
     a("--ssl-ca-certs", default=None, help="CA bundle (PEM) that verifies https:// workers (default: the system's)")
+    a("--cluster-secret-file", default=None, help="file holding the cluster secret, the same one every node "
+      "uses (one line, >= 16 bytes; a second line, the previous secret, is accepted during a rotation) "
+      "(or $PDSERVE_CLUSTER_SECRET_FILE)")
     a("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
     a("--prometheus-host", default=d.prometheus_host, help="address of the metrics server (default: --host)")
     a("--prometheus-port", type=int, default=d.prometheus_port, help="0 disables the separate metrics server")
@@ -131,6 +135,9 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                          node_api_key_file=ns.node_api_key_file, logger=logging.getLogger("router"))
     server_ssl_context(cfg.ssl_certfile, cfg.ssl_keyfile)  # unreadable files: a start-up error
     client_ssl_context(cfg.ssl_ca_certs)
+    cfg.cluster_secret = load_configured(cfg.cluster_secret_file)  # ClusterSecretError is a ValueError
+    if cfg.cluster_secret is None:
+        warn_unauthenticated(logging.getLogger("router"), "cluster traffic from this router")
     cfg.request_id_headers = tuple(h.lower() for h in ns.request_id_headers) if ns.request_id_headers \
         else DEFAULT_REQUEST_ID_HEADERS
     cfg.pd_disaggregation = True

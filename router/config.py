@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.cluster_secret import ClusterSecret
 from common.server.security import Keys
 
 DEFAULT_REQUEST_ID_HEADERS = ("x-request-id", "x-correlation-id", "x-trace-id", "request-id")
@@ -73,6 +74,9 @@ class RouterConfig:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None  # CA bundle that verifies https:// workers (default: the system's)
+    # the cluster secret (common/cluster_secret.py), read by cli.py; for router -> node hops
+    cluster_secret_file: str | None = None
+    cluster_secret: ClusterSecret | None = field(default=None, repr=False)
     # observability
     prometheus_host: str | None = None  # None: the router's own --host
     prometheus_port: int = 29000

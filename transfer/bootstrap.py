@@ -15,7 +15,7 @@ Guards. With a cluster secret every `/route` request must carry `X-PDServe-Auth`
 timestamp, nonce and HMAC over method, request-target and body); one without a valid one gets 401,
 and every answer to an authenticated request carries a MAC bound to that request's nonce, which the
 client checks. Bodies over `MAX_BODY_BYTES` get 413, undecodable ones 400; each kind of drop is
-counted (`stats()`). A registration never silently replaces a live one: a `PUT /route` for a rank
+counted (`guard_stats()`). A registration never silently replaces a live one: a `PUT /route` for a rank
 already registered at another address is refused (409, naming the rank and both addresses) while
 the old address still accepts TCP connections (its control socket), and replaces it with a warning
 once it does not; the same address registering again is a no-op. Without a secret anyone who can
@@ -40,7 +40,7 @@ import urllib.request
 
 from aiohttp import web
 
-from common.cluster_secret import ClusterSecret, warn_unauthenticated
+from common.cluster_secret import ClusterSecret, load_configured, warn_unauthenticated
 from transfer.auth import DEFAULT_WINDOW, HTTP_HEADER, Authenticator, AuthError, DropCounters
 
 logger = logging.getLogger(__name__)
@@ -81,12 +81,14 @@ async def _accepts_connections(ip: str, port: int) -> bool:
 
 
 class BootstrapServer:
-    """`secret`: the cluster secret every `/route` request must be signed with (None: open)."""
+    """`secret`: the cluster secret every `/route` request must be signed with (None: the one
+    `$PDSERVE_CLUSTER_SECRET_FILE` names, else none: open)."""
 
     def __init__(self, host: str = "0.0.0.0", port: int = 8998, secret: ClusterSecret | None = None,
                  auth_window: float = DEFAULT_WINDOW) -> None:
         self.host = host
         self.port = port
+        secret = secret if secret is not None else load_configured(None)  # $PDSERVE_CLUSTER_SECRET_FILE
         self._auth = Authenticator(secret, auth_window) if secret is not None else None
         if secret is None:
             warn_unauthenticated(logger, "the bootstrap server")
@@ -100,7 +102,7 @@ class BootstrapServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
-    def stats(self) -> dict[str, int]:
+    def guard_stats(self) -> dict[str, int]:
         return {**self.counters.as_stats("bootstrap_"), "bootstrap_registrations_refused": self.registrations_refused,
                 "bootstrap_registrations_replaced": self.registrations_replaced}
 

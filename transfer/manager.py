@@ -20,10 +20,10 @@ says so once per process. `guard_stats()` counts what the control plane dropped.
 Liveness. Every `heartbeat_interval` the timer pings each peer that has live rooms with this rank
 (`_live_peers()`, per side); any message from such a peer counts as a sign of life. A `Ping` is
 answered only for a peer this rank knows (live rooms, an open socket to it, or `_is_known_peer`,
-per side): a stranger's pings never make this rank open sockets to addresses it was handed. A peer silent for
-`heartbeat_interval * heartbeat_max_failures` seconds while rooms are live is declared dead: its
-rooms fail with a reason naming it (`_on_peer_dead`, per side) and everything cached about it is
-forgotten, so a restarted peer starts fresh. The timer checks timeouts (`_tick_timeouts`, per
+per side): a stranger's pings never make this rank open sockets to addresses it was handed. A peer
+silent for `heartbeat_interval * heartbeat_max_failures` seconds while rooms are live is declared
+dead: its rooms fail with a reason naming it (`_on_peer_dead`, per side) and everything cached
+about it is forgotten (its socket closed), so a restarted peer starts fresh. The timer checks timeouts (`_tick_timeouts`, per
 side) and heartbeats every 50 ms.
 """
 

@@ -13,7 +13,7 @@ import enum
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,8 @@ def build_kv_manager(args, runner, metadata: MetadataBuffers, tp_rank: int, tp_s
     node's timeouts (flags win over the environment); a prefill rank passes its `bootstrap_addr`."""
     kv_args = KVArgs.from_runner(runner, metadata, engine_rank=tp_rank, tp_size=tp_size)
     settings = TransferSettings.from_env(bootstrap_timeout=args.disaggregation_bootstrap_timeout,
-                                         waiting_timeout=args.disaggregation_waiting_timeout)
+                                         waiting_timeout=args.disaggregation_waiting_timeout,
+                                         cluster_secret=getattr(args, "cluster_secret", None))
     where = {"bootstrap_addr": bootstrap_addr} if bootstrap_addr else {}
     return MANAGERS[role](kv_args, args.transfer_backend, settings=settings, host=advertised_host(args.host), **where)
 
@@ -60,6 +61,8 @@ class TransferStats:
     bytes: int = 0
     latency_sum: float = 0.0
     latency_last: float = 0.0
+    # the planes' guard counters (dropped messages by cause, refused registrations, open sockets)
+    guard: Callable[[], dict[str, int]] | None = field(default=None, repr=False, compare=False)
 
     def success(self, nbytes: int, latency: float) -> None:
         self.successes += 1
@@ -71,7 +74,7 @@ class TransferStats:
         n = self.successes
         return {"transfer_failures": self.failures, "transfer_successes": n, "transfer_bytes": self.bytes,
                 "transfer_latency_avg_s": self.latency_sum / n if n else 0.0,
-                "transfer_latency_last_s": self.latency_last}
+                "transfer_latency_last_s": self.latency_last, **(self.guard() if self.guard else {})}
 
 
 def failure_reason(poller) -> str:
@@ -140,7 +143,7 @@ class PDRole(SchedulerHooks):
         self.consensus_group = get_consensus_group()
         self.metadata_alloc = metadata_alloc
         self.requests: dict[str, PDRequest] = {}
-        self.transfer_stats = TransferStats()
+        self.transfer_stats = TransferStats(guard=self.guard_stats)
 
     def validate(self, req: Req) -> tuple[int, str] | None:
         if req.bootstrap_host is None or req.bootstrap_port is None or req.bootstrap_room is None:
@@ -152,6 +155,15 @@ class PDRole(SchedulerHooks):
         if req.top_logprobs_num > MAX_TOP_LOGPROBS:
             return 400, f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS} on a PD cluster, got {req.top_logprobs_num}"
         return None  # then the scheduler's own checks, with the client's max_new_tokens, so both legs agree
+
+    def guard_stats(self) -> dict[str, int]:
+        """The rank's control plane's counters and, on the rank that runs it, the bootstrap server's."""
+        out: dict[str, int] = {}
+        for source in (getattr(self, "kv_manager", None), getattr(self, "bootstrap_server", None)):
+            counters = getattr(source, "guard_stats", None)
+            if counters is not None:
+                out.update(counters())
+        return out
 
     def queue_of(self, t: PDRequest) -> StageQueue | None:
         """The role's queue for the request's stage (None: the scheduler holds it)."""

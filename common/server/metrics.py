@@ -136,6 +136,22 @@ STAT_GAUGES = {
     "transfer_bytes": "KV bytes sent or received (counter)",
     "transfer_latency_avg_s": "mean KV transfer latency (seconds)",
     "transfer_latency_last_s": "latest KV transfer latency (seconds)",
+    # the cluster planes' guards (rank 0; the bootstrap ones on a prefill node)
+    "control_dropped_unauthenticated": "control-plane frames without a valid MAC, dropped (counter)",
+    "control_dropped_stale_or_replayed": "control-plane frames outside the time window or replayed, dropped (counter)",
+    "control_dropped_oversized": "control-plane frames over the size limit, dropped (counter)",
+    "control_dropped_undecodable": "control-plane frames that did not decode, dropped (counter)",
+    "control_send_failures": "control-plane sends that could not be queued (counter)",
+    "control_peers_open": "control-plane sockets open to peers",
+    "control_peers_evicted": "control-plane sockets closed as least recently used (counter)",
+    "control_pings_ignored": "pings from unknown senders left unanswered (counter)",
+    "control_registrations_refused": "RegisterPeers refused: would redirect a peer's live rooms (counter)",
+    "bootstrap_dropped_unauthenticated": "bootstrap requests without a valid MAC, 401 (counter)",
+    "bootstrap_dropped_stale_or_replayed": "bootstrap requests outside the time window or replayed, 401 (counter)",
+    "bootstrap_dropped_oversized": "bootstrap requests over the body limit, 413 (counter)",
+    "bootstrap_dropped_undecodable": "bootstrap requests with undecodable bodies or fields, 400 (counter)",
+    "bootstrap_registrations_refused": "registrations refused: the rank is alive elsewhere, 409 (counter)",
+    "bootstrap_registrations_replaced": "registrations that replaced a dead rank's address (counter)",
 }
 
 
