@@ -5,6 +5,14 @@ sizes and strides, TP place); the manager checks the layout against its own, add
 engine off the control plane's thread (which must keep answering heartbeats) and builds the
 pair's region plan (`transfer/plan.py`). Then the decode rank sends a `TransferInfo` per room.
 
+Peer values. Nothing a peer sends is used unchecked (`transfer/peer_checks.py`): a registration must
+be consistent with this rank's layout (else it is kept with its error and every room that names it
+fails with it); a TransferInfo must come from a registered rank, with its registered TP place,
+destination pages within 1 .. its pool's pages - 1 without duplicates, a metadata row and state
+slots it has. A bad TransferInfo fails its room (Status with the reason to the sender) unless
+another rank already holds that room's place, then it is only dropped; both are counted
+(`rejected_peer_values`).
+
 Parallel layouts. A sender waits for the `TransferInfo` of every decode rank whose kv heads overlap
 this rank's; each info says whether that decode rank expects this rank to write its metadata row
 (the lowest overlapping tp rank of the last pp stage does).
@@ -18,8 +26,15 @@ last chunk and all earlier ones are done, the sender reports Success to its deco
 States. Bootstrapping (waiting for `init()` and the TransferInfo of every overlapping decode rank)
 -> WaitingForInput (ready, more chunks expected) -> Transferring (last chunk queued) -> Success.
 Failed with a reason on: engine error, decode peer silent past the heartbeat window, no
-TransferInfo within `bootstrap_timeout`, abort by either side, layout or page count mismatch,
-injected failure (`DISAGGREGATION_TEST_FAILURE_PROB`).
+TransferInfo within `bootstrap_timeout`, abort by either side, layout or page count mismatch, a bad
+peer value, injected failure (`DISAGGREGATION_TEST_FAILURE_PROB`).
+
+Aborts. An `Abort` counts only from a decode rank whose TransferInfo the room holds; one that comes
+before any TransferInfo of the room is recorded for that rank alone (its TransferInfo, if it comes,
+fails the room); any other is dropped and counted. Every Abort is answered with an `AbortAck` as
+soon as no chunk job of the room can write into that decode rank's memory any more: at once when
+the room never started or has no job left, else when its last job (queued jobs return at once, a
+write in progress finishes or fails) is done. Until then the decode keeps the room's pages out of use.
 
 The manager remembers how recent rooms ended, so a TransferInfo, an Abort or a `KVSender` that
 arrives after its room ended still gets the room's outcome.
@@ -38,9 +53,10 @@ import numpy as np
 
 from transfer.base import KVArgs, KVPoll, TransferSettings
 from transfer.bootstrap import BootstrapError
-from transfer.control import Abort, Message, RegisterPeer, Status, TransferInfo
+from transfer.control import Abort, AbortAck, Message, RegisterPeer, Status, TransferInfo
 from transfer.engine import TransferEngine, TransferError
 from transfer.manager import TERMINAL, KVManager, KVRoom
+from transfer.peer_checks import check_info, check_registration, reject
 from transfer.plan import PairPlan, ranks_overlapping
 
 logger = logging.getLogger(__name__)
@@ -94,6 +110,10 @@ class PrefillKVManager(KVManager):
         self._info_time: dict[int, float] = {}
         self._senders: dict[int, KVSender] = {}
         self._finished: OrderedDict[int, str | None] = OrderedDict()  # room -> failure reason (None: Success)
+        self._draining: dict[int, KVSender] = {}  # failed rooms whose chunk jobs are still running
+        self._early_aborts: dict[int, dict[str, str]] = {}  # room -> decode rank -> reason, before any info
+        self._early_time: dict[int, float] = {}
+        self.rejected_peer_values = 0
 
     def _start_side(self) -> None:
         a = self.args
@@ -120,41 +140,23 @@ class PrefillKVManager(KVManager):
         self._register_pool.shutdown(wait=False, cancel_futures=True)
 
     def _dispatch(self, msg: Message) -> None:
-        if isinstance(msg, RegisterPeer):
-            self._on_register(msg)
-        elif isinstance(msg, TransferInfo):
-            self._on_info(msg)
-        elif isinstance(msg, Abort):
-            self._on_abort(msg)
+        try:
+            if isinstance(msg, RegisterPeer):
+                self._on_register(msg)
+            elif isinstance(msg, TransferInfo):
+                self._on_info(msg)
+            elif isinstance(msg, Abort):
+                self._on_abort(msg)
+        except Exception as e:  # a value no check foresaw: fail that room, keep serving
+            logger.exception("room %s: %s from %s could not be handled", getattr(msg, "room", "-"),
+                             type(msg).__name__, msg.src)
+            room = getattr(msg, "room", None)
+            with self._lock:
+                sender = self._senders.get(room)
+                if sender is not None:
+                    sender._fail(f"{type(msg).__name__} from {msg.src} could not be handled: {type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ decode peers
-    def _check_peer(self, reg: RegisterPeer) -> str | None:
-        a = self.args
-        if reg.page_size != a.page_size:
-            return f"page size mismatch: prefill {a.page_size}, decode {reg.page_size}"
-        if a.model and reg.model and a.model != reg.model:
-            return f"model mismatch: prefill {a.model!r}, decode {reg.model!r}"
-        if reg.total_kv_heads != a.total_kv_heads:
-            return f"kv head count mismatch: prefill {a.total_kv_heads}, decode {reg.total_kv_heads}"
-        if reg.total_kv_heads % reg.tp_size:
-            return f"{reg.total_kv_heads} kv heads cannot be split over decode tp {reg.tp_size}"
-        if len(reg.kv_item_strides) != len(reg.kv_ptrs) or len(reg.kv_item_lens) != len(reg.kv_ptrs):
-            return "decode kv buffer description is inconsistent (pointers, item lengths, strides)"
-        if reg.kv_item_lens[0] // reg.kv_head_num != a.head_bytes:
-            return f"head bytes mismatch: prefill {a.head_bytes}, decode {reg.kv_item_lens[0] // reg.kv_head_num}"
-        if len(reg.kv_ptrs) // 2 < a.start_layer + a.num_layers:
-            return (f"decode holds {len(reg.kv_ptrs) // 2} layers, prefill layers "
-                    f"{a.start_layer}..{a.start_layer + a.num_layers - 1}")
-        if len(reg.aux_ptrs) != len(a.aux_data_ptrs) or list(reg.aux_item_lens) != list(a.aux_item_lens):
-            return "metadata buffer layout differs between prefill and decode"
-        if len(reg.state_ptrs) != len(a.state_data_ptrs):
-            return f"state buffer count mismatch: prefill {len(a.state_data_ptrs)}, decode {len(reg.state_ptrs)}"
-        for j in range(len(reg.state_ptrs)):
-            ds, dd = a.state_dim_per_tensor[j], reg.state_dims[j]
-            if ds * a.tp_size != dd * reg.tp_size or a.state_item_lens[j] // ds != reg.state_item_lens[j] // dd:
-                return f"state buffer {j} shape differs between prefill and decode"
-        return None
-
     def _on_register(self, reg: RegisterPeer) -> None:
         """Record the peer at once (so its TransferInfo can queue) and add it to the engine off the
         receiver thread, which must keep answering heartbeats. A registration that differs from the
@@ -170,7 +172,10 @@ class PrefillKVManager(KVManager):
         self._register_pool.submit(self._complete_register, reg)
 
     def _complete_register(self, reg: RegisterPeer) -> None:
-        error = self._check_peer(reg)
+        try:
+            error = check_registration(self.args, reg)
+        except Exception as e:  # a value of a type no check foresaw
+            error = f"RegisterPeer could not be checked: {type(e).__name__}: {e}"
         handle, plan = "", None
         if error is None:
             try:
@@ -179,7 +184,7 @@ class PrefillKVManager(KVManager):
             except Exception as e:  # engine could not reach or parse the peer
                 error = f"engine could not add decode peer: {e}"
         if error:
-            logger.error("decode peer %s (tp %d) rejected: %s", reg.src, reg.tp_rank, error)
+            reject(self, f"RegisterPeer from {reg.src} (tp {reg.tp_rank})", error)
         else:
             logger.info("decode peer %s registered (tp %d/%d)", reg.src, reg.tp_rank, reg.tp_size)
         with self._lock:
@@ -223,34 +228,82 @@ class PrefillKVManager(KVManager):
         self.control.send(addr, Status(src=self.address, room=room, ok=reason is None, reason=reason or "",
                                        tp_rank=self.args.engine_rank, pp_rank=self.args.pp_rank))
 
+    def _send_ack(self, addr: str, room: int) -> None:
+        """Tell a decode rank that no chunk job of `room` can write into its memory any more."""
+        self.control.send(addr, AbortAck(src=self.address, room=room, tp_rank=self.args.engine_rank,
+                                         pp_rank=self.args.pp_rank))
+
     def _on_info(self, info: TransferInfo) -> None:
         with self._lock:
-            if info.room in self._finished:
-                reason = self._finished[info.room]
+            room = info.room
+            if room in self._finished:
+                reason = self._finished[room]
                 if reason is not None:
-                    self._send_status(info.src, info.room, reason)
+                    self._send_status(info.src, room, reason)
                 return
-            if info.src not in self._decode_peers:
+            peer = self._decode_peers.get(info.src)
+            if peer is None:
                 reason = "decode rank is not registered with this prefill rank (prefill restarted?)"
-                self._send_status(info.src, info.room, reason)
+                reject(self, f"TransferInfo for room {room} from {info.src}", reason)
+                self._send_status(info.src, room, reason)
                 return
-            self._infos.setdefault(info.room, {})[info.tp_rank] = info
-            self._info_time.setdefault(info.room, time.monotonic())
-            logger.info("room %d: TransferInfo from decode tp %d (%d pages)", info.room, info.tp_rank,
+            infos = self._infos.get(room, {})
+            held = infos.get(info.tp_rank)
+            sender = self._senders.get(room)
+            if (held is not None and held.src != info.src) or (sender is not None and sender._targets is not None):
+                why = (f"decode tp {info.tp_rank} of this room is {held.src}" if held is not None and held.src != info.src
+                       else "the room is already transferring")
+                reject(self, f"TransferInfo for room {room} from {info.src}", why)
+                return
+            problem = check_info(peer.reg, info)
+            if problem is None and info.src in self._early_aborts.get(room, {}):
+                problem = f"aborted by the decode side: {self._early_aborts[room][info.src]}"
+            if problem is not None:
+                reject(self, f"TransferInfo for room {room} from {info.src}", problem)
+                self._fail_room(room, problem, {info.tp_rank: info})
+                return
+            self._infos.setdefault(room, {})[info.tp_rank] = info
+            self._info_time.setdefault(room, time.monotonic())
+            logger.info("room %d: TransferInfo from decode tp %d (%d pages)", room, info.tp_rank,
                         len(info.dst_page_indices))
-            self._check_ready(info.room)
+            self._check_ready(room)
+
+    def _fail_room(self, room: int, reason: str, notify: dict[int, TransferInfo]) -> None:
+        """Under the lock: fail a room that has not started, with or without its sender yet."""
+        sender = self._senders.get(room)
+        if sender is not None:
+            sender._fail(reason, notify=notify)
+            return
+        peers = {**self._infos.pop(room, {}), **notify}
+        self._info_time.pop(room, None)
+        self._remember(room, reason)
+        for info in peers.values():
+            self._send_status(info.src, room, reason)
+        logger.info("room %d: failed before its sender existed: %s", room, reason)
 
     def _on_abort(self, msg: Abort) -> None:
         with self._lock:
-            sender = self._senders.get(msg.room)
+            room, src = msg.room, msg.src
             reason = f"aborted by the decode side: {msg.reason}"
-            if sender is not None:
-                sender._fail(reason)
-            elif msg.room not in self._finished:
-                self._remember(msg.room, reason)
-                self._infos.pop(msg.room, None)
-                self._info_time.pop(msg.room, None)
-                logger.info("room %d: aborted by the decode side before the sender existed", msg.room)
+            sender = self._senders.get(room) or self._draining.get(room)
+            if sender is not None and sender._targets is not None:
+                if any(i.src == src for i in sender._targets.values()):
+                    sender._fail(reason)
+                    sender._ack_when_drained(src)
+                    return
+                reject(self, f"Abort for room {room} from {src}", "not a decode rank of this room")
+            elif room not in self._finished:
+                claimants = {i.src for i in self._infos.get(room, {}).values()}
+                if src in claimants:
+                    self._fail_room(room, reason, {})
+                elif claimants or src not in self._decode_peers:
+                    reject(self, f"Abort for room {room} from {src}",
+                           "not a decode rank of this room" if claimants else "not a registered decode rank")
+                else:  # before any TransferInfo: it stands for that rank's TransferInfo only
+                    self._early_aborts.setdefault(room, {})[src] = msg.reason
+                    self._early_time.setdefault(room, time.monotonic())
+                    logger.info("room %d: Abort from decode %s before its TransferInfo, recorded", room, src)
+            self._send_ack(src, room)  # nothing of this room writes into src's memory
 
     def _remember(self, room: int, reason: str | None) -> None:
         self._finished[room] = reason
@@ -328,6 +381,9 @@ class PrefillKVManager(KVManager):
         for room in [r for r, t in self._info_time.items() if r not in self._senders and now - t > timeout]:
             self._infos.pop(room, None)
             self._info_time.pop(room, None)
+        for room in [r for r, t in self._early_time.items() if now - t > timeout]:
+            self._early_aborts.pop(room, None)
+            self._early_time.pop(room, None)
 
     # ------------------------------------------------------------------ chunk jobs
     def _submit(self, sender: KVSender, chunk: _Chunk) -> None:
@@ -376,7 +432,8 @@ class KVSender(KVRoom):
         self._targets: dict[int, TransferInfo] | None = None  # decode tp rank -> its info, once ready
         self._queued: list[_Chunk] = []  # chunks sent before the sender was ready
         self._next_offset = 0
-        self._outstanding = 0  # chunks queued or on a worker
+        self._outstanding = 0  # chunk jobs submitted to the workers and not finished
+        self._ack_to: set[str] = set()  # decode ranks that aborted and wait for the last job to end
         self._last_enqueued = False
         with mgr._lock:
             p = mgr.settings.failure_prob
@@ -411,11 +468,9 @@ class KVSender(KVRoom):
                 return
             chunk = _Chunk(self._next_offset, pages, states, last)
             self._next_offset += pages.size
-            self._outstanding += 1
             if last:
                 self._last_enqueued = True
                 if self._next_offset != self._num_pages:
-                    self._outstanding -= 1
                     self._fail(f"last chunk ends at {self._next_offset} pages, init() declared {self._num_pages}")
                     return
             if self._targets is None:
@@ -423,7 +478,7 @@ class KVSender(KVRoom):
             else:
                 if last and self._status == KVPoll.WaitingForInput:
                     self._status = KVPoll.Transferring
-                self.mgr._submit(self, chunk)
+                self._submit(chunk)
 
     # ------------------------------------------------------------------ under the manager's lock
     def _start(self, targets: dict[int, TransferInfo]) -> None:
@@ -436,19 +491,35 @@ class KVSender(KVRoom):
         logger.info("room %d: ready to send to decode tp ranks %s", self.room, sorted(targets))
         queued, self._queued = self._queued, []
         for chunk in queued:
-            self.mgr._submit(self, chunk)
+            self._submit(chunk)
+
+    def _submit(self, chunk: _Chunk) -> None:
+        self._outstanding += 1
+        self.mgr._submit(self, chunk)
 
     def _fail(self, reason: str, notify: dict[int, TransferInfo] | None = None) -> None:
-        """Fail the room and tell every decode rank we know of."""
+        """Fail the room and tell every decode rank we know of; jobs still on a worker make it drain."""
         if self._status in TERMINAL:
             return
         self._status, self._reason = KVPoll.Failed, reason
+        self._queued = []
         peers = self.mgr._end_room(self.room, reason)
+        if self._outstanding:
+            self.mgr._draining[self.room] = self
         peers.update(notify or {})
         peers.update(self._targets or {})
         for info in peers.values():
             self.mgr._send_status(info.src, self.room, reason)
         logger.warning("room %d: sender Failed: %s", self.room, reason)
+
+    def _ack_when_drained(self, addr: str) -> None:
+        """A decode rank aborted the room: AbortAck once no job of the room can write any more."""
+        if self._outstanding:
+            self._ack_to.add(addr)
+            logger.info("room %d: Abort from %s, AbortAck after %d chunk job(s) end", self.room, addr,
+                        self._outstanding)
+        else:
+            self.mgr._send_ack(addr, self.room)
 
     # ------------------------------------------------------------------ on a worker thread
     def _run_chunk(self, chunk: _Chunk) -> None:
@@ -473,9 +544,23 @@ class KVSender(KVRoom):
         finally:
             with mgr._lock:
                 self._outstanding -= 1
-                if self._last_enqueued and self._outstanding == 0 and self._status not in TERMINAL:
-                    self._status = KVPoll.Success
-                    mgr._end_room(self.room, None)
-                    for info in self._targets.values():
-                        mgr._send_status(info.src, self.room, None)
-                    logger.info("room %d: sent %d bytes, Success", self.room, self.bytes_sent)
+                if self._outstanding == 0:
+                    self._last_job_done()
+
+    def _last_job_done(self) -> None:
+        """Under the lock: no chunk job of the room is left: Success, or the end of a failed room's drain."""
+        mgr = self.mgr
+        if self._status == KVPoll.Failed:
+            mgr._draining.pop(self.room, None)
+            for addr in sorted(self._ack_to):
+                mgr._send_ack(addr, self.room)
+            if self._ack_to:
+                logger.info("room %d: last chunk job ended after the failure, AbortAck sent to %s", self.room,
+                            sorted(self._ack_to))
+            self._ack_to.clear()
+        elif self._last_enqueued and self._status not in TERMINAL:
+            self._status = KVPoll.Success
+            mgr._end_room(self.room, None)
+            for info in self._targets.values():
+                mgr._send_status(info.src, self.room, None)
+            logger.info("room %d: sent %d bytes, Success", self.room, self.bytes_sent)
