@@ -73,6 +73,16 @@ class Trace:
     first_byte: float = 0.0
 
 
+def leg_failure(status: int, leg: str, w: Worker, body: bytes, ctype: str | None) -> Failure:
+    """A worker's error answer, passed on as it is, except a refusal of the router's own credentials: the
+    client's key was fine, so it gets a 502 that says what to fix, not the worker's 401."""
+    if status in (401, 403):
+        log.error("%s worker %s refused the router's credentials (%d): check the node key", leg, w.url, status)
+        return Failure(502, f"{leg} worker {w.url} refused the router's credentials ({status}); the router's "
+                            "node key (--node-api-key-file / PDSERVE_NODE_API_KEY) does not match the worker's", w)
+    return Failure(status, f"{leg} worker {w.url} answered {status}", w, body, ctype)
+
+
 def _any_https(cfg: RouterConfig) -> bool:
     return any(u.startswith("https://") for u in [p.url for p in cfg.prefill] + cfg.decode)
 
@@ -252,7 +262,7 @@ class Dispatcher:
             return Failure(status, f"{leg} worker {w.url} failed: {exc!r}", w)
         status, body, ctype = task.result()
         if status >= 300:
-            return Failure(status, f"{leg} worker {w.url} answered {status}", w, body, ctype)
+            return leg_failure(status, leg, w, body, ctype)
         return None
 
     def _backoff(self, attempt: int) -> float:
@@ -372,8 +382,7 @@ class Dispatcher:
             if err_body is not None:
                 d.breaker.record(status < 500)
                 self._abandon(p_task, p, ids)
-                return Failure(status, f"decode worker {d.url} answered {status}", d, err_body,
-                               resp.headers.get("content-type"))
+                return leg_failure(status, "decode", d, err_body, resp.headers.get("content-type"))
             merger = None
             if req.return_logprob:  # the prompt logprobs come from the prefill leg: wait for its answer
                 await asyncio.wait((p_task,))

@@ -224,7 +224,12 @@ class Registry:
             try:
                 data = await self._get_json(url + path, self.cfg.health_check_timeout_secs)
                 return data if isinstance(data, dict) else {}
-            except (TimeoutError, RegistryError, aiohttp.ClientError, OSError, msgspec.DecodeError):
+            except RegistryError as e:
+                if e.status in (401, 403):
+                    log.error("worker %s refused the router's credentials on %s (%d): check the node key",
+                              url, path, e.status)
+                    return {}
+            except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError):
                 continue
         return {}
 

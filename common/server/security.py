@@ -197,8 +197,7 @@ def check_access(access: str, path: str, token: bytes | None, remote: str | None
         _require(token, [keys.admin])
         return
     if not is_loopback(remote):
-        raise Denied(403, f"`{path}` is an admin route; with no admin key configured it is served to "
-                          "loopback clients only")
+        raise Denied(403, f"`{path}` is an admin route and this server serves it to loopback clients only")
     _require(token, public)
 
 
