@@ -7,7 +7,10 @@ the prefill ranks this rank reads from: every tp rank whose kv heads overlap thi
 pp stage. The one that writes the metadata row is the lowest of them in the last pp stage. Lookups
 are grouped per (bootstrap server, dp rank) and cached by the bootstrap client. A server that
 refuses connections for a whole heartbeat window fails its rooms at once (the prefill node is
-gone); one that answers without the ranks yet (404) is retried until `bootstrap_timeout`.
+gone); one that answers without the ranks yet (404) is retried until `bootstrap_timeout`. Its
+answers are peer values like any other: an address that is not host:port, an answer that is not
+JSON or not of the layout's / rank's shape and types (`transfer/peer_checks.py`) fails the rooms of
+that address with the reason; nothing a bootstrap server answers ends the resolver thread.
 
 Sending the info. Once resolved and `init()`-ed, the receiver registers this rank with each
 target prefill rank (once per manager: `RegisterPeer`, built by `peer_registration`) and sends it
@@ -18,8 +21,18 @@ the received metadata row holds its own room.
 States. Bootstrapping (resolving prefill ranks) -> WaitingForInput (resolved, `init()` not called)
 -> Transferring (TransferInfo sent) -> Success. Failed with a reason on: a prefill rank's failure
 Status, prefill peer silent past the heartbeat window, bootstrap or waiting timeout, abort, room
-mismatch, layout mismatch. A failing receiver tells its prefill ranks (`Abort`) to stop writing
-into pages about to be freed.
+mismatch, layout mismatch. A `Status` counts only from a prefill rank this room's TransferInfo went
+to (same address, tp and pp rank); any other is dropped and counted (`rejected_peer_values`).
+
+Quarantine. A failing receiver tells its prefill ranks (`Abort`) to stop writing. If it had sent its
+TransferInfo, a chunk job may still be inside the engine's `write` to its pages, so the room drains:
+`drain_poll()` stays Transferring until every prefill rank it sent the info to has answered
+`AbortAck` (no job of the room can write any more) or has been declared dead (heartbeats, which go
+on for draining rooms). The role keeps the room's pages, metadata slot and row (its state slot)
+out of use until then. A rank that stays alive without acking for `abort_ack_timeout` is declared
+dead (logged once; its socket and registration dropped, its other rooms failed), which ends the
+drain: the wait is bounded, never cut short. A room that never sent its TransferInfo, or reached
+Success, does not drain.
 """
 
 from __future__ import annotations
@@ -33,9 +46,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from transfer.base import KVArgs, KVPoll, TransferSettings
-from transfer.control import Abort, Message, Status, TransferInfo, peer_registration
+from transfer.control import Abort, AbortAck, Message, Status, TransferInfo, peer_registration
 from transfer.engine import TransferEngine
 from transfer.manager import TERMINAL, KVManager, KVRoom
+from transfer.peer_checks import check_bootstrap_addr, check_layout, check_rank, reject
 from transfer.plan import ranks_overlapping
 
 logger = logging.getLogger(__name__)
@@ -69,7 +83,9 @@ class DecodeKVManager(KVManager):
     def _init_side(self) -> None:
         self._receivers: dict[int, KVReceiver] = {}
         self._registered_with: set[str] = set()  # prefill ranks that have our RegisterPeer
+        self._draining: dict[int, KVReceiver] = {}  # failed rooms waiting for their prefill ranks' AbortAck
         self._resolve_wake = threading.Event()
+        self.rejected_peer_values = 0
 
     def _start_side(self) -> None:
         self._resolver = threading.Thread(target=self._resolve_loop, name="kv-decode-resolver", daemon=True)
@@ -80,31 +96,82 @@ class DecodeKVManager(KVManager):
         self._resolver.join(timeout=5)
 
     def _dispatch(self, msg: Message) -> None:
-        if isinstance(msg, Status):
-            with self._lock:
+        if not isinstance(msg, (Status, AbortAck)):
+            return
+        with self._lock:
+            try:
+                if isinstance(msg, Status):
+                    self._on_status(msg)
+                else:
+                    self._on_ack(msg)
+            except Exception as e:  # a value no check foresaw: fail that room, keep serving
+                logger.exception("room %s: %s from %s could not be handled", msg.room, type(msg).__name__, msg.src)
                 receiver = self._receivers.get(msg.room)
                 if receiver is not None:
-                    receiver._on_status(msg)
+                    receiver._fail(f"{type(msg).__name__} from {msg.src} could not be handled: {type(e).__name__}: {e}")
+
+    def _on_status(self, msg: Status) -> None:
+        """Under the lock: a Status counts only from a prefill rank the room's TransferInfo went to."""
+        receiver = self._receivers.get(msg.room)
+        if receiver is None:
+            return  # the room already ended here (a late Status is normal)
+        if receiver._sent_at is None or not receiver._is_target(msg.src, msg.tp_rank, msg.pp_rank):
+            reject(self, f"Status for room {msg.room} from {msg.src} (tp {msg.tp_rank} pp {msg.pp_rank})",
+                   "not a prefill rank this room's TransferInfo went to")
+            return
+        receiver._on_status(msg)
+
+    def _on_ack(self, msg: AbortAck) -> None:
+        """Under the lock: a prefill rank's chunk jobs of a draining room are over."""
+        receiver = self._draining.get(msg.room)
+        if receiver is None:
+            return  # a room that needed no drain (its TransferInfo was never sent) or drained already
+        if not receiver._is_target(msg.src, msg.tp_rank, msg.pp_rank):
+            reject(self, f"AbortAck for room {msg.room} from {msg.src} (tp {msg.tp_rank} pp {msg.pp_rank})",
+                   "not a prefill rank this room's TransferInfo went to")
+            return
+        receiver._drained_by(msg.src, f"AbortAck from {msg.src}")
 
     def _is_known_peer(self, addr: str) -> bool:
         return addr in self._registered_with
 
     def _live_peers(self) -> dict[str, list[KVReceiver]]:
+        """Prefill ranks of transferring rooms, and those a draining room waits for (so a dead one ends it)."""
         live: dict[str, list[KVReceiver]] = {}
         for receiver in self._receivers.values():
             if receiver._targets and receiver._status == KVPoll.Transferring:
                 for t in receiver._targets:
                     live.setdefault(t.addr, []).append(receiver)
+        for receiver in self._draining.values():
+            for addr in receiver._drain:
+                live.setdefault(addr, [])
         return live
 
     def _tick_timeouts(self, now: float) -> None:
         s = self.settings
         for receiver in list(self._receivers.values()):
             receiver._check_deadlines(now, s.bootstrap_timeout, s.waiting_timeout)
+        late: dict[str, list[int]] = {}
+        for receiver in self._draining.values():
+            if now - receiver._drain_since > s.abort_ack_timeout:
+                for addr in receiver._drain:
+                    late.setdefault(addr, []).append(receiver.room)
+        for addr, rooms in late.items():
+            # alive (it answers pings) yet silent about these rooms: it may still write into their pages
+            reason = (f"prefill peer {addr} sent no AbortAck for room(s) {sorted(rooms)} within "
+                      f"{s.abort_ack_timeout:g}s (PDSERVE_ABORT_ACK_TIMEOUT): declared dead")
+            logger.error("%s; their pages were kept out of use until now", reason)
+            live = [r for r in self._receivers.values() if r._status == KVPoll.Transferring
+                    and any(t.addr == addr for t in r._targets or [])]
+            self._on_peer_dead(addr, live, reason)
+            self._forget_peer(addr)
 
     def _on_peer_dead(self, addr: str, rooms: list[KVReceiver], reason: str) -> None:
         for receiver in rooms:
             receiver._fail(reason)
+        for receiver in list(self._draining.values()):
+            if addr in receiver._drain:
+                receiver._drained_by(addr, "its prefill rank was declared dead")
         self._registered_with.discard(addr)
         for receiver in self._receivers.values():
             if receiver._targets and any(t.addr == addr for t in receiver._targets):
@@ -130,31 +197,51 @@ class DecodeKVManager(KVManager):
         while not self._stop.is_set():
             self._resolve_wake.wait(timeout=0.1)
             self._resolve_wake.clear()
-            with self._lock:
-                todo = [r for r in self._receivers.values()
-                        if r._status == KVPoll.Bootstrapping and r._targets is None]
-            groups: dict[tuple[str, int], list[KVReceiver]] = {}
-            for receiver in todo:
-                groups.setdefault((receiver.bootstrap_addr, receiver._dp_rank), []).append(receiver)
-            for (addr, dp), rooms in groups.items():
-                targets, problem, fatal = self._resolve(addr, dp)
-                with self._lock:
-                    for receiver in rooms:
-                        if receiver._status in TERMINAL:
-                            continue
-                        if fatal:
-                            receiver._fail(problem)
-                        elif targets is None:
-                            receiver._problem = problem
-                        else:
-                            receiver._resolved(targets)
-            if todo:
+            try:
+                busy = self._resolve_pending()
+            except Exception:  # never the thread: the next pass tries again
+                logger.exception("kv decode resolver: a pass failed")
+                busy = True
+            if busy:
                 time.sleep(0.05)
+
+    def _resolve_pending(self) -> bool:
+        """One pass over the rooms still resolving, grouped per (bootstrap server, dp rank)."""
+        with self._lock:
+            todo = [r for r in self._receivers.values() if r._status == KVPoll.Bootstrapping and r._targets is None]
+        groups: dict[tuple[str, int], list[KVReceiver]] = {}
+        for receiver in todo:
+            groups.setdefault((receiver.bootstrap_addr, receiver._dp_rank), []).append(receiver)
+        for (addr, dp), rooms in groups.items():
+            try:
+                targets, problem, fatal = self._resolve(addr, dp)
+            except Exception as e:  # whatever the server answered, only its rooms fail
+                logger.warning("bootstrap server %s: lookup failed: %s: %s", addr, type(e).__name__, e)
+                targets, problem, fatal = None, f"bootstrap server {addr} lookup failed: {type(e).__name__}: {e}", True
+            if fatal:
+                self.bootstrap.invalidate(addr)
+            with self._lock:
+                for receiver in rooms:
+                    if receiver._status in TERMINAL:
+                        continue
+                    if fatal:
+                        receiver._fail(problem)
+                    elif targets is None:
+                        receiver._problem = problem
+                    else:
+                        receiver._resolved(targets)
+        return bool(todo)
 
     def _resolve(self, addr: str, dp: int) -> tuple[list[_Target] | None, str, bool]:
         """(targets, problem, fatal) for this decode rank against the prefill node at `addr`."""
         a = self.args
-        layout = self.bootstrap.layout(addr)
+        bad = check_bootstrap_addr(addr)
+        if bad:
+            return None, bad, True
+        try:
+            layout = self.bootstrap.layout(addr)
+        except ValueError as e:  # not JSON (or not even HTTP)
+            return None, f"bootstrap server {addr} answered something that is not a JSON layout: {e}", True
         if layout is None:
             down = self.bootstrap.unreachable_for(addr)
             if down > self.settings.heartbeat_window:
@@ -162,6 +249,9 @@ class DecodeKVManager(KVManager):
                 # for a whole heartbeat window mean it is gone, not starting
                 return None, f"bootstrap server {addr} unreachable for {down:.1f}s: prefill node down", True
             return None, f"bootstrap server {addr} has no registered prefill rank or is unreachable", False
+        bad = check_layout(layout, dp)
+        if bad:
+            return None, f"bootstrap server {addr}: {bad}", True
         if layout["page_size"] != a.page_size:
             return None, f"page size mismatch: prefill {layout['page_size']}, decode {a.page_size}", True
         if a.model and layout["model"] and layout["model"] != a.model:
@@ -181,9 +271,15 @@ class DecodeKVManager(KVManager):
         targets = []
         for pp in range(layout["pp_size"]):
             for tp in ranks:
-                info = self.bootstrap.rank(addr, tp, dp, pp)
+                try:
+                    info = self.bootstrap.rank(addr, tp, dp, pp)
+                except ValueError as e:
+                    return None, f"bootstrap server {addr} answered something that is not JSON for rank tp {tp}: {e}", True
                 if info is None:
                     return None, f"prefill rank tp {tp} dp {dp} pp {pp} not registered at {addr} yet", False
+                bad = check_rank(info)
+                if bad:
+                    return None, f"bootstrap server {addr}, prefill rank tp {tp} dp {dp} pp {pp}: {bad}", True
                 targets.append(_Target(tp, pp, f"tcp://{info['rank_ip']}:{info['rank_port']}",
                                        writes_metadata=(pp == last_pp and tp == ranks[0])))
         return targets, "", False
@@ -205,6 +301,9 @@ class KVReceiver(KVRoom):
         self._params: tuple[list[int], int, list[int]] | None = None  # pages, metadata slot, state slots
         self._sent_at: float | None = None
         self._pending: set[tuple[int, int]] = set()  # (tp, pp) of the prefill ranks yet to report Success
+        self._info_sent_to: set[str] = set()  # prefill ranks that have this room's TransferInfo
+        self._drain: set[str] = set()  # after a failure: prefill ranks that may still write (no AbortAck yet)
+        self._drain_since = 0.0
         mgr._add_receiver(self)
 
     def init(self, dst_page_indices, metadata_index: int, state_indices=None) -> None:
@@ -243,6 +342,7 @@ class KVReceiver(KVRoom):
             if not mgr.control.send(t.addr, info):
                 self._fail(f"cannot reach prefill rank tp {t.tp_rank} at {t.addr}")
                 return
+            self._info_sent_to.add(t.addr)
         self._sent_at = time.monotonic()
         self._status = KVPoll.Transferring
         logger.info("room %d: TransferInfo sent to %d prefill rank(s), %d pages", self.room, len(self._targets),
@@ -285,13 +385,37 @@ class KVReceiver(KVRoom):
         elif self._status == KVPoll.Transferring and now - self._sent_at > waiting_timeout:
             self._fail(f"no Success within {waiting_timeout:g}s (PDSERVE_WAITING_TIMEOUT)")
 
+    def _is_target(self, addr: str, tp_rank: int, pp_rank: int) -> bool:
+        return any(t.addr == addr and t.tp_rank == tp_rank and t.pp_rank == pp_rank for t in self._targets or [])
+
     def _fail(self, reason: str) -> None:
-        """Fail the room and tell its prefill ranks (those already done ignore it)."""
+        """Fail the room and tell its prefill ranks (those already done ignore it); the ranks that had
+        its TransferInfo and did not report Success may still write: the room drains until they ack."""
         if self._status in TERMINAL:
             return
         self._status, self._reason = KVPoll.Failed, reason
-        self.mgr._receivers.pop(self.room, None)
+        mgr = self.mgr
+        mgr._receivers.pop(self.room, None)
         if self._targets:
             for t in self._targets:
-                self.mgr.control.send(t.addr, Abort(src=self.mgr.address, room=self.room, reason=reason))
+                mgr.control.send(t.addr, Abort(src=mgr.address, room=self.room, reason=reason))
+            self._drain = {t.addr for t in self._targets
+                           if t.addr in self._info_sent_to and (t.tp_rank, t.pp_rank) in self._pending}
         logger.warning("room %d: receiver Failed: %s", self.room, reason)
+        if self._drain:
+            self._drain_since = time.monotonic()
+            mgr._draining[self.room] = self
+            logger.info("room %d: draining: its pages stay out of use until %s acknowledge the abort", self.room,
+                        sorted(self._drain))
+
+    def _drained_by(self, addr: str, why: str) -> None:
+        """Under the lock: prefill rank `addr` can no longer write into this room's pages."""
+        self._drain.discard(addr)
+        if not self._drain and self.mgr._draining.pop(self.room, None) is not None:
+            logger.info("room %d: drained (%s): its pages may be reused", self.room, why)
+
+    def drain_poll(self) -> KVPoll:
+        """Success once no prefill rank can write into this room's pages any more (at once for a room
+        that never sent its TransferInfo, or reached Success); Transferring while it drains."""
+        with self.mgr._lock:
+            return KVPoll.Transferring if self._drain else KVPoll.Success
