@@ -102,12 +102,12 @@ class Authenticator:
         if not good:
             raise AuthError("unauthenticated", "bad MAC")
         now = self._clock()
-        if now - ts > self.window_us:
-            raise AuthError("stale", f"timestamp {(now - ts) / 1e6:.1f}s old")
-        if ts - now > self.window_us:
-            raise AuthError("stale", f"timestamp {(ts - now) / 1e6:.1f}s in the future")
         with self._lock:
             self._evict(now)
+            if now - ts > self.window_us:
+                raise AuthError("stale", f"timestamp {(now - ts) / 1e6:.1f}s old")
+            if ts - now > self.window_us:
+                raise AuthError("stale", f"timestamp {(ts - now) / 1e6:.1f}s in the future")
             if ts <= self._floor:
                 raise AuthError("stale", "older than the oldest remembered nonce (nonce store full)")
             if nonce in self._seen:

@@ -29,7 +29,7 @@ connection, so no frame can make the receiver allocate more. A frame whose `src`
 `tcp://host:port` address is dropped as undecodable. At most `max_peers` PUSH sockets are open
 (`PDSERVE_CONTROL_MAX_PEERS`, 256: a decode rank's prefill ranks, or a prefill rank's decode
 ranks, of a large cluster): the least recently used is closed first, and a dead peer's socket at
-once. Sockets close with a linger of `CLOSE_LINGER_MS` (1 s) so that what is queued still goes out
+once; with those still flushing, a context holds at most 2 * max_peers + 16 sockets. Sockets close with a linger of `CLOSE_LINGER_MS` (1 s) so that what is queued still goes out
 (`close()` returns when it did, or after the linger). `send()` never raises: a bad address or a
 full context returns False and is logged once per peer.
 
@@ -163,7 +163,8 @@ class ControlPlane:
         if max_peers < 1:
             raise ValueError("a control plane needs max_peers >= 1")
         self._ctx = zmq.Context()
-        self._ctx.set(zmq.MAX_SOCKETS, max_peers + 16)  # the PULL socket and the LRU's transient overlap
+        # open peers, as many closed ones still flushing (for at most CLOSE_LINGER_MS), the PULL socket
+        self._ctx.set(zmq.MAX_SOCKETS, 2 * max_peers + 16)
         self._auth = auth
         self.max_peers = max_peers
         self.max_message_bytes = max_message_bytes
