@@ -8,15 +8,31 @@ equals its own room before it reports Success (`get_room`).
 
 Fields per slot: first output token id, cached tokens, the token's logprob value / index, top
 logprobs values / indices, speculative decoding top-k p / index and the hidden state, and the room.
+
+`set_buf` refuses values its int32 / int64 fields cannot hold (ValueError naming the field), so one
+request's bad value fails that request only. The decode side treats a received row as a peer value:
+`check_row` names the first field out of range (first token and top-logprob ids within the
+vocabulary, cached tokens within the prompt, logprob values finite or -inf, the sentinel of a token
+with probability 0).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
 
 _MIN_ROW_BYTES = 64
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _fits(name: str, value, bounds: tuple[int, int]) -> int:
+    v = int(value)
+    if not bounds[0] <= v <= bounds[1]:
+        raise ValueError(f"metadata {name} = {v} does not fit its {'int32' if bounds == _INT32 else 'int64'} field")
+    return v
 
 
 def _row_len(n: int, dtype: torch.dtype) -> int:
@@ -66,10 +82,11 @@ class MetadataBuffers:
                 logprob_idx: int = 0, top_vals=None, top_idxs=None, room: int = 0, topk_p=None,
                 topk_index=None, hidden_state=None) -> None:
         t = self._tensors
-        t["output_ids"][slot, 0] = int(first_token_id)
-        t["cached_tokens"][slot, 0] = int(cached_tokens)
+        room = _fits("bootstrap_room", room, _INT64)
+        t["output_ids"][slot, 0] = _fits("first_token_id", first_token_id, _INT32)
+        t["cached_tokens"][slot, 0] = _fits("cached_tokens", cached_tokens, _INT32)
         t["logprob_val"][slot, 0] = float(logprob_val)
-        t["logprob_idx"][slot, 0] = int(logprob_idx)
+        t["logprob_idx"][slot, 0] = _fits("logprob_idx", logprob_idx, _INT32)
         for name, values, cap in (("top_logprobs_val", top_vals, self.max_top_logprobs),
                                   ("top_logprobs_idx", top_idxs, self.max_top_logprobs),
                                   ("topk_p", topk_p, self.spec_topk),
@@ -82,7 +99,7 @@ class MetadataBuffers:
                 if v.numel() > cap:
                     raise ValueError(f"{name}: {v.numel()} values, the buffer holds {cap}")
                 row[: v.numel()] = v.to(row.dtype)
-        t["bootstrap_room"][slot, 0] = int(room)
+        t["bootstrap_room"][slot, 0] = room
 
     def get_buf(self, slot: int) -> dict:
         t = self._tensors
@@ -101,6 +118,32 @@ class MetadataBuffers:
 
     def get_room(self, slot: int) -> int:
         return int(self._tensors["bootstrap_room"][slot, 0])
+
+    def check_row(self, slot: int, vocab_size: int, prompt_len: int, logprob: bool = False,
+                  top_k: int = 0) -> str | None:
+        """None if the row's fields a decode uses are in range: the first token id within the
+        vocabulary, cached tokens within the prompt, and when asked the logprob and the first `top_k`
+        top logprobs (ids within the vocabulary, values finite or -inf)."""
+        t = self._tensors
+        first = int(t["output_ids"][slot, 0])
+        if not 0 <= first < vocab_size:
+            return f"metadata first_token_id = {first}, expected 0..{vocab_size - 1} (the vocabulary)"
+        cached = int(t["cached_tokens"][slot, 0])
+        if not 0 <= cached <= prompt_len:
+            return f"metadata cached_tokens = {cached}, expected 0..{prompt_len} (the prompt's length)"
+        values = []
+        if logprob:
+            values.append(("logprob_val", float(t["logprob_val"][slot, 0])))
+        k = min(top_k, self.max_top_logprobs)
+        for i, (v, idx) in enumerate(zip(t["top_logprobs_val"][slot, :k].tolist(),
+                                         t["top_logprobs_idx"][slot, :k].tolist(), strict=True)):
+            if not 0 <= idx < vocab_size:
+                return f"metadata top_logprobs_idx[{i}] = {idx}, expected 0..{vocab_size - 1} (the vocabulary)"
+            values.append((f"top_logprobs_val[{i}]", v))
+        for name, v in values:
+            if math.isnan(v) or v == math.inf:
+                return f"metadata {name} = {v}, expected a finite logprob or -inf"
+        return None
 
 
 class MetadataAllocator:

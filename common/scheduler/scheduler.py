@@ -19,7 +19,10 @@ end's messages: new requests (validated; refused with error_status 400 when they
 stats queries, cache flushes. Without a communicator (`comm=None`) the scheduler is driven in
 process: `process_input_requests([...])`, `step()`, and `send_fn` receives what it sends.
 
-A node role plugs in through `hooks` (`common/scheduler/hooks.py`).
+A node role plugs in through `hooks` (`common/scheduler/hooks.py`). An exception in a hook never
+ends the loop: a per-request hook's failure ends that request with error_status 500 (one log
+record with the rid and the traceback); `before_schedule` and `stats` failures are logged and the
+loop goes on; `on_release` failures are logged and the release completes.
 """
 
 from __future__ import annotations
@@ -155,7 +158,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """The role moves its queues on first; then a prefill batch, else a decode step, else nothing."""
-        self.hooks.before_schedule()
+        try:
+            self.hooks.before_schedule()
+        except Exception:
+            logger.exception("before_schedule hook failed; the loop goes on")
         out = SchedulerOutput()
         out.batch = self._prefill_batch()
         if out.batch is None and self.running_batch.reqs:
@@ -241,7 +247,11 @@ class Scheduler:
         if msg.rid in self.live_reqs:
             self.finish_refused(req, 400, f"a request with rid {msg.rid!r} is already running")
             return
-        err = self.hooks.validate(req) or self.validate_request(req)
+        try:
+            err = self.hooks.validate(req) or self.validate_request(req)
+        except Exception:
+            logger.exception("rid=%s validate hook failed; the request is refused", req.rid)
+            err = (500, "internal error while validating the request (see the node's log)")
         if err is not None:
             self.finish_refused(req, *err)
             return
@@ -249,8 +259,20 @@ class Scheduler:
         self.total_prompt_tokens += len(req.origin_input_ids)
         logger.info("rid=%s received: %d prompt tokens, max_new_tokens=%d", req.rid,
                     len(req.origin_input_ids), req.max_new_tokens)
-        if not self.hooks.on_new_request(req):
+        try:
+            kept = self.hooks.on_new_request(req)
+        except Exception:
+            self._hook_failed("on_new_request", req)
+            return
+        if not kept:
             self.add_request(req)
+
+    def _hook_failed(self, hook: str, req: Req) -> None:
+        """A role hook raised for `req` (call from the except block): log it and end that request
+        with 500, wherever it is (a reason it had already finished with is replaced)."""
+        logger.exception("rid=%s %s hook failed; the request fails", req.rid, hook)
+        req.finished_reason = None
+        self.finish_requests(req.rid, FinishStatus.abort(f"internal error in the node's {hook} (see its log)", 500))
 
     def validate_request(self, req: Req) -> tuple[int, str] | None:
         """(HTTP status, message) when the request cannot be served here, else None."""
@@ -360,7 +382,10 @@ class Scheduler:
                 req.input_top_logprobs.extend(tops if tops is not None else [None] * len(result.input_logprobs[i]))
             if not batch.extend_info.completes[i]:
                 self.tree_cache.cache_unfinished_req(req)
-                self.hooks.on_chunk_done(req)
+                try:
+                    self.hooks.on_chunk_done(req)
+                except Exception:
+                    self._hook_failed("on_chunk_done", req)
                 continue
             req.input_logprobs_done = True
             if req.finished():  # ended while this batch ran
@@ -368,7 +393,11 @@ class Scheduler:
             if result.next_token_ids[i] is not None:
                 self._append_token(req, i, result)
             req.check_finished()
-            self.hooks.on_prefill_done(req)
+            try:
+                self.hooks.on_prefill_done(req)
+            except Exception:
+                self._hook_failed("on_prefill_done", req)
+                continue
             if req.finished():
                 self._finish(req)
             else:
@@ -396,7 +425,15 @@ class Scheduler:
 
     def _finish(self, req: Req) -> None:
         """A request ended normally: the role may hold it; else release its memory (into the cache)."""
-        if self.hooks.on_finished(req):
+        try:
+            hold = self.hooks.on_finished(req)
+        except Exception:
+            logger.exception("rid=%s on_finished hook failed; the request fails", req.rid)
+            req.finished_reason = None
+            req.finish({"type": "abort", "message": "internal error in the node's on_finished (see its log)"},
+                       error_status=500)
+            hold = False
+        if hold:
             self.held[req.rid] = req
             return
         self._release(req)
@@ -408,7 +445,10 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Free (or cache) an ended request's memory, the role's share first, and forget it."""
-        self.hooks.on_release(req)
+        try:
+            self.hooks.on_release(req)
+        except Exception:
+            logger.exception("rid=%s on_release hook failed; the scheduler frees its own share", req.rid)
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req)
         elif req.last_node is not None:
@@ -526,5 +566,12 @@ class Scheduler:
             "context_length": self.context_length,
             "max_running_requests": self.max_running_requests,
             **(self.runner.hybrid.stats() if hasattr(self.runner, "hybrid") else {}),
-            **self.hooks.stats(),
+            **self._role_stats(),
         }
+
+    def _role_stats(self) -> dict[str, Any]:
+        try:
+            return self.hooks.stats()
+        except Exception:
+            logger.exception("stats hook failed; stats without the role's figures")
+            return {}
