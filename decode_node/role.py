@@ -16,7 +16,13 @@ A request goes prealloc → transfer → waiting → running (`decode_node/queue
 
 Every receiver in prealloc and transfer is polled once per iteration (`before_schedule`) with
 `poll_and_all_reduce`, so all TP ranks agree; a failure ends the request with HTTP 500
-(`finish_requests`) and `on_release` frees its receiver, row, pages and metadata slot.
+(`finish_requests`) and `on_release` frees its receiver, row, pages and metadata slot. Memory a
+prefill rank may still be writing into (the request had preallocated it and its transfer did not
+succeed) goes to the quarantine (`decode_node/quarantine.py`) instead, until the room drains.
+
+The received metadata row is a peer value: the receiver checks its first token, cached tokens and
+logprobs (`MetadataBuffers.check_row`, through `KVReceiver.check_metadata`) before it reports
+Success, so a bad row fails the room on every TP rank alike (the consensus poll), never the forward.
 
 Radix cache is off on a decode node (`ServerArgs.radix_cache_enabled`). When KV runs out the
 scheduler retracts running requests: a retracted request keeps its tokens (prompt + output so far),
@@ -27,6 +33,7 @@ exactly that, so preallocation never starves running, transferring, waiting or r
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -34,9 +41,12 @@ from typing import Any
 from common.layers.sampling import skip_draws
 from common.scheduler.req import FinishStatus, Req
 from common.scheduler.scheduler import Scheduler
+from decode_node.quarantine import Quarantine, QuarantinedRoom
 from decode_node.queues import DecodeRequest, DecodeStage, PreallocQueue, TransferQueue, WaitingQueue
 from decode_node.req_pool import DecodeReqToTokenPool
+from transfer.consensus import poll_and_all_reduce
 from transfer.metadata import MetadataAllocator, MetadataBuffers
+from transfer.peer_checks import check_bootstrap_addr
 from transfer.role_common import MAX_TOP_LOGPROBS, PDRole, build_kv_manager
 
 logger = logging.getLogger("decode")
@@ -58,6 +68,7 @@ class DecodeRole(PDRole):
         self.prealloc = PreallocQueue()
         self.transfer = TransferQueue()
         self.waiting = WaitingQueue()
+        self.quarantine = Quarantine()
         logger.info("decode rank %d/%d ready: backend %s, prealloc budget %d requests, %d reserved decode "
                     "tokens per request", tp_rank, tp_size, args.transfer_backend, prealloc_size,
                     self.num_reserved_decode_tokens)
@@ -67,14 +78,32 @@ class DecodeRole(PDRole):
                 DecodeStage.WAITING: self.waiting}[t.stage]
 
     # ================================================================== admission
+    def validate(self, req: Req) -> tuple[int, str] | None:
+        err = super().validate(req)
+        if err is not None:
+            return err
+        bad = check_bootstrap_addr(f"{req.bootstrap_host}:{req.bootstrap_port}")
+        if bad:
+            return 400, bad
+        if self.quarantine.holds_room(req.bootstrap_room):
+            return 400, f"bootstrap_room {req.bootstrap_room} is still in use by an aborted transfer"
+        return None
+
     def on_new_request(self, req: Req) -> bool:
         room = int(req.bootstrap_room)
         addr = f"{req.bootstrap_host}:{req.bootstrap_port}"
-        t = DecodeRequest(req=req, room=room, conn=self.kv_manager.create_receiver(addr, room))
+        conn = self.kv_manager.create_receiver(addr, room)
+        conn.check_metadata = functools.partial(self._check_metadata, req)
+        t = DecodeRequest(req=req, room=room, conn=conn)
         self.requests[req.rid] = t
         self.prealloc.add(t)
         logger.info("rid=%s room=%d prealloc: bootstrap %s", req.rid, room, addr)
         return True
+
+    def _check_metadata(self, req: Req, slot: int) -> str | None:
+        """The received metadata row's problem for `req`, if any (called by the receiver before Success)."""
+        return self.metadata.check_row(slot, self.sched.vocab_size, len(req.origin_input_ids),
+                                       logprob=req.return_logprob, top_k=req.top_logprobs_num)
 
     # ================================================================== memory budget
     def _headroom(self, r: Req) -> int:
@@ -130,12 +159,33 @@ class DecodeRole(PDRole):
         if tracked:
             polls = self.poll(tracked)
             for t in self.transfer.arrived(polls):
-                self._on_transferred(t)
+                self.guarded(t, "taking the received KV over", self._on_transferred, t)
             for t in self.prealloc.resolved(polls):  # FCFS: the first that does not fit stops the rest
-                if not self._preallocate(t):
+                ready = self.guarded(t, "preallocating", self._preallocate, t)
+                if ready is None:  # it failed, the next may fit
+                    continue
+                if not ready:
                     break
                 self.prealloc.move(t, self.transfer)
+        if self.quarantine:
+            self._drain_quarantine()
         self._admit()
+
+    def _drain_quarantine(self) -> None:
+        """Free the memory of quarantined rooms no prefill rank can write into any more (TP consensus)."""
+        rooms = list(self.quarantine)
+        for q in self.quarantine.release(poll_and_all_reduce(rooms, self.consensus_group)):
+            self._free_memory(q.pages, q.row, q.metadata_index)
+            logger.info("rid=%s room=%d quarantine over after %.3fs: %d pages, row and metadata slot free again",
+                        q.rid, q.room, time.monotonic() - q.since, len(q.pages))
+
+    def _free_memory(self, pages: list[int] | None, row: int | None, metadata_index: int | None) -> None:
+        if pages:
+            self.alloc.free_pages(pages)
+        if row is not None:
+            self.pool.free(row)
+        if metadata_index is not None:
+            self.metadata_alloc.free(metadata_index)
 
     def _on_transferred(self, t: DecodeRequest) -> None:
         req, slot = t.req, t.metadata_index
@@ -176,13 +226,16 @@ class DecodeRole(PDRole):
 
         for t in self.waiting.admit(can_admit):
             self.forget(t)
-            req = t.req
-            self.pool.promote(req.req_pool_idx)
-            if not req.output_ids:  # max_new_tokens 0: nothing to decode
-                self.sched.finish_requests(req.rid, FinishStatus({"type": "length", "length": 0}))
-                continue
-            logger.info("rid=%s room=%d running", req.rid, t.room)
-            self.sched.add_prebuilt_reqs([req])
+            self.guarded(t, "joining the running batch", self._join, t)
+
+    def _join(self, t: DecodeRequest) -> None:
+        req = t.req
+        self.pool.promote(req.req_pool_idx)
+        if not req.output_ids:  # max_new_tokens 0: nothing to decode
+            self.sched.finish_requests(req.rid, FinishStatus({"type": "length", "length": 0}))
+            return
+        logger.info("rid=%s room=%d running", req.rid, t.room)
+        self.sched.add_prebuilt_reqs([req])
 
     # ================================================================== ending
     def on_release(self, req: Req) -> None:
@@ -190,16 +243,21 @@ class DecodeRole(PDRole):
         if t is None:
             return
         self.release_conn(t)
-        if t.pages:
-            self.alloc.free_pages(t.pages)
-        if t.row is not None:
+        if t.pages is not None:
+            # preallocated and not taken over: the TransferInfo may have gone out, and a prefill rank
+            # may still be writing into these pages; they wait for the room to drain
+            self.quarantine.add(QuarantinedRoom(t.rid, t.room, t.conn, t.pages, t.row, t.metadata_index))
+            logger.info("rid=%s room=%d quarantined: %d pages, row %s, metadata slot %s until the room drains",
+                        t.rid, t.room, len(t.pages), t.row, t.metadata_index)
+            t.metadata_index = None
+        elif t.row is not None:
             self.pool.free(t.row)
         t.row, t.pages = None, None
         self.forget(t)
 
     # ================================================================== loop and stats
     def has_work(self) -> bool:
-        return bool(self.prealloc or self.transfer or self.waiting)
+        return bool(self.prealloc or self.transfer or self.waiting or self.quarantine)
 
     def has_ready_work(self) -> bool:
         return bool(self.waiting)
@@ -217,7 +275,9 @@ class DecodeRole(PDRole):
                 "prealloc_slots_total": self.pool.prealloc_size,
                 "metadata_slots_free": self.metadata_alloc.available(),
                 "metadata_slots_total": self.num_metadata_slots,
-                **self.transfer_stats.as_stats()}
+                "kv_quarantined_pages": self.quarantine.num_pages(),
+                "kv_quarantined_rooms": len(self.quarantine),
+                **self.pd_stats()}
 
     def close(self) -> None:
         self.kv_manager.close()

@@ -15,8 +15,9 @@ A request goes bootstrap → waiting → inflight (`prefill_node/queues.py`):
 
 Every sender in any stage is polled once per iteration (`before_schedule`) with
 `poll_and_all_reduce` over the consensus group, so all TP ranks move requests in lockstep; a failure
-(decode aborted or died, timeout, injected failure) ends the request wherever it is with HTTP 500
-(`finish_requests`), and `on_release` frees its sender and metadata slot.
+(decode aborted or died, timeout, a bad peer value, injected failure) ends the request wherever it
+is with HTTP 500 (`finish_requests`), and `on_release` frees its sender and metadata slot. A step of
+one request that raises (`guarded`) fails that request only.
 
 The bootstrap server runs in rank 0's scheduler process: `common/` (the front end) must not depend
 on `transfer/`, and the server then lives exactly as long as the ranks it describes — when the
@@ -105,9 +106,9 @@ class PrefillRole(PDRole):
         for t in self.bootstrap.take_ready(polls):
             logger.info("rid=%s room=%d waiting: TransferInfo received after %.3fs", t.rid, t.room,
                         time.monotonic() - t.created)
-            self.sched.add_request(t.req)
+            self.guarded(t, "handing the request to the scheduler", self.sched.add_request, t.req)
         for t in self.inflight.take_done(polls):
-            self._complete(t)
+            self.guarded(t, "completing the transfer", self._complete, t)
 
     def _complete(self, t: PrefillRequest) -> None:
         latency = time.monotonic() - (t.first_send or t.created)
@@ -190,7 +191,7 @@ class PrefillRole(PDRole):
     def stats(self) -> dict[str, Any]:
         return {"disaggregation_mode": "prefill", "bootstrap_addr": self.bootstrap_addr,
                 "metadata_slots_free": self.metadata_alloc.available(),
-                "metadata_slots_total": self.num_metadata_slots, **self.transfer_stats.as_stats()}
+                "metadata_slots_total": self.num_metadata_slots, **self.pd_stats()}
 
     def close(self) -> None:
         self.kv_manager.close()

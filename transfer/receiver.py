@@ -41,6 +41,7 @@ import ctypes
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -304,6 +305,8 @@ class KVReceiver(KVRoom):
         self._info_sent_to: set[str] = set()  # prefill ranks that have this room's TransferInfo
         self._drain: set[str] = set()  # after a failure: prefill ranks that may still write (no AbortAck yet)
         self._drain_since = 0.0
+        # the role's check of the received metadata row (slot -> problem or None), run before Success
+        self.check_metadata: Callable[[int], str | None] | None = None
         mgr._add_receiver(self)
 
     def init(self, dst_page_indices, metadata_index: int, state_indices=None) -> None:
@@ -358,8 +361,9 @@ class KVReceiver(KVRoom):
         self._pending.discard((msg.tp_rank, msg.pp_rank))
         if self._pending or self._params is None:
             return
-        problem = self._check_room()
+        problem = self._check_room() or self._check_metadata()
         if problem:
+            reject(self.mgr, f"metadata row of room {self.room}", problem)
             self._fail(problem)
             return
         self._status = KVPoll.Success
@@ -377,6 +381,16 @@ class KVReceiver(KVRoom):
         if got != self.room:
             return f"metadata room mismatch: slot {meta} holds room {got}, expected {self.room}"
         return None
+
+    def _check_metadata(self) -> str | None:
+        """The role's check of the received row (first token within the vocabulary, ...)."""
+        if self.check_metadata is None or not self.mgr.moves_bytes:
+            return None
+        try:
+            problem = self.check_metadata(self._params[1])
+        except Exception as e:
+            problem = f"it could not be checked: {type(e).__name__}: {e}"
+        return f"bad metadata row from the prefill side: {problem}" if problem else None
 
     def _check_deadlines(self, now: float, bootstrap_timeout: float, waiting_timeout: float) -> None:
         if self._status in (KVPoll.Bootstrapping, KVPoll.WaitingForInput) and self._targets is None \

@@ -5,6 +5,17 @@ advertised address, the transfer counters, a request's PD state and the queues o
 `PDRole` keeps every request of the role in `requests`, by rid: one `PDRequest` (stage, room,
 sender or receiver, metadata slot) from arrival until the role lets it go. Its stages' queues are
 `StageQueue`s; adding a request to one sets its stage, so the stage says which queue holds it.
+
+Counting. `transfer_failures` counts every request whose transfer failed on this node: ended by
+the poll (`fail`), or ended another way (an abort that arrived in the same iteration as the failure,
+say the router's abort of the decode leg after the prefill leg failed) while its sender/receiver
+had already failed here. `transfer_aborts` counts transfers this node gave up while they were still
+healthy (client or router abort, request refused or ended for another reason). Each request counts
+once, in one of them or in `transfer_successes`. `rejected_peer_values` is the manager's count of
+peer messages refused by a check (`transfer/peer_checks.py`).
+
+Robustness. `guarded(t, what, fn)` runs one request's step of a role hook; an exception fails that
+request only (500, one log record with the rid and the traceback).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from transfer.sender import PrefillKVManager
 
 # first-token top logprobs carried from prefill to decode (requests asking for more are refused)
 MAX_TOP_LOGPROBS = 20
+MAX_ROOM = (1 << 63) - 1  # rooms travel in an int64 metadata field
 
 MANAGERS: dict[str, type[KVManager]] = {"prefill": PrefillKVManager, "decode": DecodeKVManager}
 
@@ -57,6 +69,7 @@ def build_kv_manager(args, runner, metadata: MetadataBuffers, tp_rank: int, tp_s
 @dataclass
 class TransferStats:
     failures: int = 0
+    aborts: int = 0
     successes: int = 0
     bytes: int = 0
     latency_sum: float = 0.0
@@ -72,7 +85,8 @@ class TransferStats:
 
     def as_stats(self) -> dict[str, float]:
         n = self.successes
-        return {"transfer_failures": self.failures, "transfer_successes": n, "transfer_bytes": self.bytes,
+        return {"transfer_failures": self.failures, "transfer_aborts": self.aborts, "transfer_successes": n,
+                "transfer_bytes": self.bytes,
                 "transfer_latency_avg_s": self.latency_sum / n if n else 0.0,
                 "transfer_latency_last_s": self.latency_last, **(self.guard() if self.guard else {})}
 
@@ -95,6 +109,7 @@ class PDRequest:
     stage: enum.Enum
     metadata_index: int | None = None
     created: float = field(default_factory=time.monotonic)
+    failed: bool = False  # counted as a transfer failure
 
     @property
     def rid(self) -> str:
@@ -149,6 +164,10 @@ class PDRole(SchedulerHooks):
         if req.bootstrap_host is None or req.bootstrap_port is None or req.bootstrap_room is None:
             return 400, (f"this is a {self.role} node; requests need bootstrap_host/bootstrap_port/"
                          "bootstrap_room (send them through a PD router)")
+        if not 0 <= req.bootstrap_room <= MAX_ROOM:
+            return 400, f"bootstrap_room must be 0..{MAX_ROOM} (it travels as an int64), got {req.bootstrap_room}"
+        if not 1 <= req.bootstrap_port <= 65535:
+            return 400, f"bootstrap_port must be 1..65535, got {req.bootstrap_port}"
         owner = next((t.rid for t in self.requests.values() if t.room == req.bootstrap_room), None)
         if owner is not None:
             return 400, f"bootstrap_room {req.bootstrap_room} is already in use by request {owner}"
@@ -181,9 +200,25 @@ class PDRole(SchedulerHooks):
 
     def fail(self, t: PDRequest, reason: str) -> None:
         """The transfer failed: end the request (HTTP 500) wherever it is; `on_release` frees the rest."""
+        t.failed = True
         self.transfer_stats.failures += 1
         self.logger.warning("rid=%s room=%d transfer failed at stage %s: %s", t.rid, t.room, t.stage.value, reason)
         self.sched.finish_requests(t.rid, FinishStatus.abort(f"KV transfer failed: {reason}", 500))
+
+    def guarded(self, t: PDRequest, what: str, fn, *args):
+        """One request's step: `fn(*args)`'s result; an exception fails that request only (None)."""
+        try:
+            return fn(*args)
+        except Exception:
+            self.logger.exception("rid=%s room=%d %s failed; the request fails", t.rid, t.room, what)
+            self.sched.finish_requests(t.rid, FinishStatus.abort(f"internal error while {what} (see the node's log)",
+                                                                 500))
+            return None
+
+    def pd_stats(self) -> dict[str, Any]:
+        """The transfer counters both roles report."""
+        return {**self.transfer_stats.as_stats(),
+                "rejected_peer_values": getattr(self.kv_manager, "rejected_peer_values", 0)}
 
     def forget(self, t: PDRequest) -> None:
         """Drop the request's PD state: out of its queue, its metadata slot freed."""
@@ -196,6 +231,14 @@ class PDRole(SchedulerHooks):
             t.metadata_index = None
 
     def release_conn(self, t: PDRequest) -> None:
-        """Abort the sender/receiver unless its transfer already ended."""
-        if t.conn.poll() not in (KVPoll.Success, KVPoll.Failed):
+        """Abort the sender/receiver unless its transfer already ended; a failure the poll did not
+        see yet (the request ended another way first) is counted here."""
+        state = t.conn.poll()
+        if state == KVPoll.Failed and not t.failed:
+            t.failed = True
+            self.transfer_stats.failures += 1
+            self.logger.warning("rid=%s room=%d transfer had failed when the request ended: %s", t.rid, t.room,
+                                failure_reason(t.conn))
+        elif state not in (KVPoll.Success, KVPoll.Failed):
+            self.transfer_stats.aborts += 1
             t.conn.abort()
