@@ -76,6 +76,10 @@ BootstrapHost = Annotated[str, msgspec.Meta(
     description="prefill bootstrap server: a host name (RFC 1123) or an IPv4/IPv6 address, no scheme or port")]
 BootstrapPort = Annotated[int, msgspec.Meta(ge=1, le=65535, description="prefill bootstrap port")]
 BootstrapRoom = Annotated[int, msgspec.Meta(ge=0, le=MAX_BOOTSTRAP_ROOM, description="rendezvous id, 0..2**63-1")]
+# request ids are logged with every event of a request: bounded, and no control characters (no forged lines)
+MAX_RID_LENGTH = 256
+RequestId = Annotated[str, msgspec.Meta(max_length=MAX_RID_LENGTH, pattern=r"^[^\x00-\x1f\x7f]*$",
+                                        description="request id (no control characters)")]
 
 
 def normalize_host(host: str, where: str = "bootstrap_host") -> str:
@@ -193,7 +197,7 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True):
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
-    rid: str | list[str] | None = None
+    rid: RequestId | list[RequestId] | None = None
     bootstrap_host: BootstrapHost | list[BootstrapHost] | None = None
     bootstrap_port: BootstrapPort | list[BootstrapPort] | None = None
     bootstrap_room: BootstrapRoom | list[BootstrapRoom] | None = None
@@ -242,7 +246,7 @@ class _OpenAICommon(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    rid: str | None = None
+    rid: RequestId | None = None
     bootstrap_host: BootstrapHost | None = None
     bootstrap_port: BootstrapPort | None = None
     bootstrap_room: BootstrapRoom | None = None
@@ -254,7 +258,7 @@ class CompletionRequest(_OpenAICommon, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     # a PD router sends one entry per prompt when `prompt` is a list of prompts (as sglang-router does)
-    rid: str | list[str] | None = None
+    rid: RequestId | list[RequestId] | None = None
     bootstrap_host: BootstrapHost | list[BootstrapHost] | None = None
     bootstrap_port: BootstrapPort | list[BootstrapPort] | None = None
     bootstrap_room: BootstrapRoom | list[BootstrapRoom] | None = None
@@ -270,7 +274,7 @@ class ChatCompletionRequest(_OpenAICommon, kw_only=True):
 
 
 class AbortHTTPRequest(msgspec.Struct):
-    rid: str = ""
+    rid: RequestId = ""
     abort_all: bool = False
 
 
