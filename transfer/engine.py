@@ -9,12 +9,25 @@ protocol logic is written once and every backend gets the same failure handling.
 Writes are one-sided pushes from the prefill side into the decode side's registered buffers.
 `write` blocks until the batch is complete (callers run it on a worker thread) and raises
 `TransferError` with a reason on any failure.
+
+Where an engine listens. An engine is given the address its node was told to use (`hostname`);
+`ucx_net_devices(hostname)` names the UCX devices that keep the UCX-based engines (nixl, ucx) on the
+interface holding that address (plus the RDMA ports, which open no TCP listener), so they listen
+nowhere else. Mooncake cannot be confined (see `transfer/mooncake.py`).
 """
 
 from __future__ import annotations
 
 import abc
+import glob
+import ipaddress
+import os
+import socket
 from collections.abc import Sequence
+
+import psutil
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
 class TransferError(RuntimeError):
@@ -59,3 +72,55 @@ class TransferEngine(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine's resources."""
+
+
+def host_addresses(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The IP addresses `host` stands for (an address literal, or what the name resolves to)."""
+    try:
+        return {ipaddress.ip_address(host.split("%", 1)[0])}
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return set()
+    return {ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos}
+
+
+def interfaces_of(host: str) -> list[str]:
+    """Names of the local network interfaces that hold one of `host`'s addresses."""
+    wanted = host_addresses(host)
+    found = []
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                if ipaddress.ip_address(a.address.split("%", 1)[0]) in wanted:
+                    found.append(name)
+                    break
+            except ValueError:
+                continue
+    return sorted(found)
+
+
+def rdma_ports() -> list[str]:
+    """UCX names ("mlx5_0:1") of this host's RDMA ports; they keep hardware RMA within a confinement."""
+    return sorted(f"{p.split('/')[-3]}:{p.split('/')[-1]}" for p in glob.glob("/sys/class/infiniband/*/ports/*"))
+
+
+def ucx_net_devices(host: str) -> tuple[str | None, str]:
+    """(UCX_NET_DEVICES value, why) that keeps a UCX engine's TCP listeners on `host`'s interface.
+
+    None when nothing is to be confined: UCX_NET_DEVICES is already set by the user (who also opts out
+    with UCX_NET_DEVICES=all), the host is a wildcard (every interface was asked for), or no local
+    interface holds the address (it is then left to UCX, and the reason says so)."""
+    if os.environ.get("UCX_NET_DEVICES"):
+        return None, f"UCX_NET_DEVICES={os.environ['UCX_NET_DEVICES']} (set by the user)"
+    if host in WILDCARD_HOSTS:
+        return None, f"{host or 'an empty host'} asks for every interface"
+    ifaces = interfaces_of(host)
+    if not ifaces:
+        return None, f"no local interface holds {host}: UCX listens on every interface"
+    devices = ",".join(ifaces + rdma_ports())
+    return devices, f"UCX devices {devices} (the interface of {host})"

@@ -18,13 +18,24 @@ whole core for the agent's life, idle or not. On a 2-core host that halves loopb
 agent with a delay of 100 us (~2% of a core when idle) by handing the wrapper a config class whose
 `pthrDelay` ignores the wrapper's 0, swapped in under a lock for the construction only.
 
-Settings: `device_name` becomes the UCX plugin's `ucx_devices` (e.g. "mlx5_0:1"); the usual UCX
-environment (UCX_TLS, UCX_NET_DEVICES, UCX_KEEPALIVE_INTERVAL) is honoured by NIXL's bundled UCX.
-NIXL_LOG_LEVEL controls NIXL's logging. Packages: `nixl` and `nixl-cu12`, both with --no-deps.
+Settings: `device_name` becomes the UCX plugin's `device_list` (RDMA device names such as
+"mlx5_0,mlx5_1"; NIXL 1.5 appends the port ":1" itself, and ignores the older `ucx_devices`); the
+usual UCX environment (UCX_TLS, UCX_NET_DEVICES, UCX_KEEPALIVE_INTERVAL) is honoured by NIXL's
+bundled UCX. NIXL_LOG_LEVEL controls NIXL's logging. Packages: `nixl` and `nixl-cu12`, both with
+--no-deps.
+
+Where it listens: UCX's tcp transport listens on every interface's address it may use. Unless
+`device_name` or UCX_NET_DEVICES picks the devices, the UCX backend is created with UCX_NET_DEVICES
+= the interface holding `hostname` plus the RDMA ports (`ucx_net_devices`; the plugin has no
+parameter for network interfaces, so the variable is set for the creation only, under a lock), so a
+node told 127.0.0.1 listens on 127.0.0.1 only. The abstract unix sockets UCX also opens (`@...`)
+are reachable only from the same network namespace. Remote writes reach only registered memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
 import time
@@ -34,7 +45,9 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from transfer.engine import BackendUnavailable, TransferEngine, TransferError
+from transfer.engine import BackendUnavailable, TransferEngine, TransferError, ucx_net_devices
+
+logger = logging.getLogger(__name__)
 
 _INSTALL_HINT = "install nixl-cu12 and nixl with pip --no-deps"
 _POLL_SLEEP_S = 20e-6
@@ -58,6 +71,20 @@ def _make_agent(name: str, config):
             return _api.nixl_agent(name, config)
         finally:
             _api.nixlBind.nixlAgentConfig = base
+
+
+@contextlib.contextmanager
+def _ucx_net_devices_env(devices: str | None):
+    """UCX_NET_DEVICES=devices while a UCX context is created (nothing to do for None)."""
+    if devices is None:
+        yield
+        return
+    with _AGENT_LOCK:
+        os.environ["UCX_NET_DEVICES"] = devices
+        try:
+            yield
+        finally:
+            os.environ.pop("UCX_NET_DEVICES", None)
 
 
 class _Description(msgspec.Struct, array_like=True):
@@ -94,11 +121,17 @@ class NixlEngine(TransferEngine):
         if "UCX" not in self._agent.get_plugin_list():
             raise BackendUnavailable(f"nixl has no UCX plugin: {_INSTALL_HINT}")
         params: dict[str, str] = {}
+        net_devices = None
         if device_name:
-            params["ucx_devices"] = device_name
+            params["device_list"] = device_name
+            why = f"RDMA devices {device_name} (as configured)"
+        else:
+            net_devices, why = ucx_net_devices(hostname)
         if num_threads > 0:
             params["num_threads"] = str(num_threads)
-        self._agent.create_backend("UCX", params)
+        logger.info("nixl engine for %s: %s", hostname, why)
+        with _ucx_net_devices_env(net_devices):
+            self._agent.create_backend("UCX", params)
         self._lock = threading.Lock()
         self._reg_descs: list[object] = []
         self._peers: set[str] = set()

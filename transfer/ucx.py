@@ -25,12 +25,19 @@ when a peer dies: for single-host benchmarks only.
 Settings: UCX reads its usual environment, e.g. UCX_TLS (transports, e.g. "rc,cuda_copy" or
 "tcp,sm,self"), UCX_NET_DEVICES (e.g. "mlx5_0:1" or "eth0"), UCX_KEEPALIVE_INTERVAL (how fast a dead
 peer is noticed). `device_name`, when given, is applied as UCX_NET_DEVICES for this context only.
+
+Where it listens: UCX's tcp transport listens on every interface's address it may use. Unless
+`device_name` or UCX_NET_DEVICES picks the devices, the context gets NET_DEVICES = the interface
+holding `hostname` plus the RDMA ports (`ucx_net_devices`), so a node told 127.0.0.1 listens on
+127.0.0.1 only. UCX also opens abstract unix sockets (`@...`); those are reachable only from the same
+network namespace. A peer's puts reach only memory this engine registered (they need its rkey).
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -40,7 +47,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from transfer.engine import BackendUnavailable, TransferEngine, TransferError
+from transfer.engine import BackendUnavailable, TransferEngine, TransferError, ucx_net_devices
+
+logger = logging.getLogger(__name__)
 
 _INSTALL_HINT = "install ucxx-cu12 (pulls libucxx-cu12 and libucx-cu12)"
 
@@ -149,7 +158,12 @@ class UcxEngine(TransferEngine):
         self._lib = libucxx
         self.timeout = timeout
         self.error_handling = error_handling
-        config = {"NET_DEVICES": device_name} if device_name else None
+        if device_name:
+            net_devices, why = device_name, f"UCX devices {device_name} (as configured)"
+        else:
+            net_devices, why = ucx_net_devices(hostname)
+        logger.info("ucx engine for %s: %s", hostname, why)
+        config = {"NET_DEVICES": net_devices} if net_devices else None
         self._context = libucxx.UCXContext(config, (libucxx.Feature.RMA, libucxx.Feature.WAKEUP))
         self._worker = libucxx.UCXWorker(self._context)
         self._worker.start_progress_thread(polling_mode=False, epoll_timeout=100)
