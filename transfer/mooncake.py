@@ -20,16 +20,30 @@ MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER default to 65535 here unless already set.
 opens (and closes) one connection per region unless MC_TCP_ENABLE_CONNECTION_POOL is set, which
 costs ~0.1-0.2 ms a region on loopback and seconds for thousands of regions (head-sliced M:N TP
 batches); it defaults to 1 here (~0.03 ms a region).
+
+Where it listens: nowhere we can choose. Mooncake 0.3.13 binds its P2P handshake/RPC listener to
+0.0.0.0 and its TCP transport to :: (dual stack) whatever host it is given (MC_TCP_BIND_ADDRESS only
+changes the address it advertises), and its TCP server reads and writes whatever address of this
+process a request names, registered or not. So anyone who reaches those ports can read and write the
+process's memory. Each engine logs one warning at start-up naming its ports and the firewall rule the
+deployment needs (deploy/README.md, "Security model"); on a shared network use nixl or ucx.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
 
-from transfer.engine import BackendUnavailable, TransferEngine, TransferError
+import psutil
+
+from transfer.engine import BackendUnavailable, TransferEngine, TransferError, host_addresses
+
+logger = logging.getLogger(__name__)
 
 _INSTALL_HINT = ("pip install mooncake-transfer-engine (CUDA hosts) or mooncake-transfer-engine-non-cuda "
                  "(CPU-only; needs Debian libibverbs1 libnl-3-200 libnl-route-3-200)")
@@ -42,6 +56,33 @@ _ENV_DEFAULTS = {
 }
 _POLL_SLEEP_S = 200e-6
 _STATUS = {-1: "failed", -2: "timed out (MC_TRANSFER_TIMEOUT)"}
+
+
+def _listening() -> set[tuple[str, int]]:
+    """(address, port) of this process's listening TCP sockets."""
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def _cluster_subnet(host: str) -> str:
+    """The IPv4 network of the interface holding `host` ("10.0.0.0/24"), for the firewall example."""
+    wanted = host_addresses(host)
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and a.netmask and ipaddress.ip_address(a.address) in wanted:
+                return str(ipaddress.ip_network(f"{a.address}/{a.netmask}", strict=False))
+    return "CLUSTER_SUBNET"
+
+
+def exposure_warning(host: str, opened: list[tuple[str, int]]) -> str:
+    """The start-up warning: mooncake's listeners, what they expose and the rule that confines them."""
+    where = ", ".join(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip, port in opened)
+    ports = ", ".join(str(port) for port in sorted({port for _, port in opened}))
+    return (f"mooncake listens on all interfaces ({where}) whatever --host ({host}) says, and serves raw reads "
+            f"and writes of this process's memory to anyone who can reach those ports: firewall them to the "
+            f"cluster's hosts, e.g. `nft add rule inet filter input ip saddr != {_cluster_subnet(host)} "
+            f"tcp dport {{ {ports} }} drop` (and the same for IPv6), or use --transfer-backend nixl "
+            f"(deploy/README.md, Security model)")
 
 
 class MooncakeEngine(TransferEngine):
@@ -57,11 +98,15 @@ class MooncakeEngine(TransferEngine):
             raise BackendUnavailable(f"mooncake backend needs Mooncake: {_INSTALL_HINT} ({exc})") from exc
         self.protocol = protocol
         self._engine = _MooncakeTE()
+        before = _listening()
         ret = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name or "")
         if ret != 0:
             raise TransferError(f"Mooncake initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}, "
                                 f"{device_name or ''!r}) failed with {ret}")
-        self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
+        rpc_port = self._engine.get_rpc_port()
+        self.session_id = f"{hostname}:{rpc_port}"
+        self.listeners = sorted(_listening() - before) or [("0.0.0.0", rpc_port)]
+        logger.warning("%s", exposure_warning(hostname, self.listeners))
         self._registered: list[tuple[int, int]] = []
         self._lock = threading.Lock()
 
