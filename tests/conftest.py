@@ -9,6 +9,17 @@
   random fp32 weights, saved with `save_pretrained(safe_serialization=True)` plus the tokenizer
   files; cached per session per (arch, overrides).
 * `tiny_model_dir` — `make_tiny_model("llama")`.
+
+Processes (tests.harness.nodes): `launcher`, `module_launcher`, `session_launcher` — a `Launcher`
+whose nodes, PD pairs, routers and clusters are stopped at the end of the test / module / session,
+their logs in a pytest temporary directory:
+
+    node = module_launcher.colocated(tiny_model_dir, max_total_tokens=4096)
+    pair = module_launcher.pair(pd_model_dir, "nixl", prefill_tp=2)
+    cluster = session_launcher.cluster(tiny_model_dir, backend="fake")
+
+When a test fails, its report shows the tail of the logs of every server its launchers started.
+`@pytest.mark.backend(name)` skips a test whose transfer backend cannot run here (tests.harness.backends).
 """
 
 from __future__ import annotations
@@ -18,6 +29,9 @@ import os
 import shutil
 
 import pytest
+
+from tests.harness.backends import backend_problem
+from tests.harness.nodes import Launcher
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "vocab.json", "merges.txt")
@@ -101,3 +115,46 @@ def make_tiny_model(tokenizer_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dir(make_tiny_model) -> str:
     return make_tiny_model("llama")
+
+
+# ---------------------------------------------------------------------------------------------- processes
+@pytest.fixture
+def launcher(tmp_path_factory):
+    launch = Launcher(tmp_path_factory.mktemp("procs"))
+    yield launch
+    launch.close()
+
+
+@pytest.fixture(scope="module")
+def module_launcher(tmp_path_factory):
+    launch = Launcher(tmp_path_factory.mktemp("procs-module"))
+    yield launch
+    launch.close()
+
+
+@pytest.fixture(scope="session")
+def session_launcher(tmp_path_factory):
+    launch = Launcher(tmp_path_factory.mktemp("procs-session"))
+    yield launch
+    launch.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report gets the tail of every log of the servers its launchers started."""
+    report = yield
+    if report.failed and call.when in ("setup", "call"):
+        launchers = [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, Launcher)]
+        text = "\n".join(t for t in (launch.log_tails() for launch in launchers) if t)
+        if text:
+            report.sections.append(("server logs (tail)", text))
+    return report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """`backend(name)` marker: skip before any fixture starts a node for a backend that cannot run here."""
+    for mark in item.iter_markers("backend"):
+        problem = backend_problem(mark.args[0])
+        if problem:
+            pytest.skip(f"{mark.args[0]} backend unavailable: {problem}")
