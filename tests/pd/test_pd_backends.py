@@ -1,6 +1,17 @@
-"""Prefill tp 1 -> decode tp 1 over mooncake: token identity with a colocated node (many prompts, several
-chunks, 32 concurrent requests, logprobs), aborts at every stage, and the real sglang-router in front.
-After every test both nodes are back at their starting free pages, request slots and metadata slots."""
+"""A prefill node and a decode node over each real transfer backend: token identity with a colocated node
+(many prompts, several chunks, concurrent requests, seeded sampling, logprobs), the PD stats, aborts at
+every stage, retraction on a decode node short of KV, a killed peer, and the real sglang-router in front.
+
+Each backend runs with its own TP layout, so between them the three cover 1->1, 2->1 and 1->2:
+
+    mooncake  prefill tp 1 -> decode tp 1
+    nixl      prefill tp 2 -> decode tp 1, a decode KV pool of 256 tokens with almost no decode
+              headroom (concurrent requests must retract)
+    ucx       prefill tp 1 -> decode tp 2
+
+Every test runs on all three unless its `@on(...)` says otherwise, and why. One pair per backend is
+shared by the module; after every test that does not kill a node both nodes are back at their starting
+free pages, request slots and metadata slots."""
 
 from __future__ import annotations
 
@@ -11,33 +22,50 @@ import sys
 import time
 
 import pytest
-from node_process import free_port, http_get, http_post
-from pd_harness import (
-    PDPair,
+
+from tests.harness.backends import backend_params
+from tests.harness.client import free_port, http_get, http_post
+from tests.harness.pd import (
     assert_restored,
     colocated_tokens,
     free_counts,
     greedy,
     make_prompts,
-    start_pair,
+    wait_stage,
 )
+
+SETUPS = {
+    "mooncake": {},
+    "nixl": {"prefill_tp": 2, "decode_settings": {"max_total_tokens": 256, "num_reserved_decode_tokens": 4}},
+    "ucx": {"decode_tp": 2},
+}
+
+
+def on(*backends: str):
+    """Run the test on these backends only."""
+    return pytest.mark.parametrize("backend", backend_params(*backends), indirect=True)
+
+
+@pytest.fixture(scope="module", params=backend_params(*SETUPS))
+def backend(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def pair(pd_model_dir):
-    p = start_pair(pd_model_dir, "mooncake")
+def pair(backend, pd_model_dir, module_launcher):
+    p = module_launcher.pair(pd_model_dir, backend, **SETUPS[backend])
     yield p
-    p.prefill.stop()
-    p.decode.stop()
+    p.stop()  # now, not at the end of the module: one backend's pair at a time
 
 
 @pytest.fixture
-def restored(pair: PDPair):
+def restored(pair):
     start = pair.start_counts()
     yield
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
 
 
+# ---------------------------------------------------------------------------------------------- answers
 def test_greedy_matches_colocated(pair, colocated, pd_tok, restored):
     # 3..120 tokens: up to four 32-token chunks, partial last pages of every size (page size 4)
     prompts = make_prompts(pd_tok, 10, seed=1, lo=3, hi=120)
@@ -84,6 +112,9 @@ def test_logprobs_travel_with_the_first_token(pair, colocated, pd_tok, restored)
         [[t for _, t, _ in row] for row in ref["output_top_logprobs"]]
 
 
+# nixl's setup has a decode pool too small for 32 requests at once: its concurrent test is the
+# retraction one below
+@on("mooncake", "ucx")
 def test_32_concurrent_requests(pair, colocated, pd_tok, restored):
     prompts = make_prompts(pd_tok, 32, seed=2, lo=3, hi=90)
     want = colocated_tokens(colocated, prompts, n=6)
@@ -94,6 +125,22 @@ def test_32_concurrent_requests(pair, colocated, pd_tok, restored):
     assert [db["output_ids"] for _, (_, db) in got] == want
 
 
+# needs nixl's setup: a decode KV pool of 256 tokens with almost no decode headroom
+@on("nixl")
+def test_retracted_requests_finish_with_the_same_tokens(pair, colocated, pd_tok, restored):
+    prompts = make_prompts(pd_tok, 6, seed=12, lo=20, hi=40)
+    want = colocated_tokens(colocated, prompts, n=40)
+    before = pair.decode.stats()["num_retractions"]
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        got = list(ex.map(lambda p: pair.generate({"input_ids": p, "sampling_params": greedy(40)}), prompts))
+    for (ps, pb), (ds, db) in got:
+        assert ps == 200 and ds == 200, (pb, db)
+    assert pair.decode.stats()["num_retractions"] > before
+    assert [db["output_ids"] for _, (_, db) in got] == want
+
+
+# the HTTP front end refuses these before any transfer starts: one backend shows it
+@on("mooncake")
 def test_requests_without_bootstrap_fields_are_refused(pair):
     for node, role in ((pair.prefill, "prefill"), (pair.decode, "decode")):
         status, raw = http_post(node.url + "/generate", {"input_ids": [5, 6, 7], "sampling_params": greedy()})
@@ -124,15 +171,6 @@ def _post_async(ex, url, body):
     return ex.submit(http_post, url + "/generate", body, None, 60)
 
 
-def _wait_stage(node, stage: str, n: int = 1, timeout: float = 30.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if free_counts(node)["queues"].get(stage, 0) >= n:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{node.role} never had {n} request(s) in {stage}: {free_counts(node)}")
-
-
 def _abort(node, rid: str) -> None:
     status, raw = http_post(node.url + "/abort_request", {"rid": rid})
     assert status == 200 and json.loads(raw)["success"], raw
@@ -142,7 +180,7 @@ def test_abort_on_prefill_in_bootstrap_then_decode_fails_fast(pair, restored):
     body = pair.body({"input_ids": list(range(100, 140)), "sampling_params": greedy(), "rid": "ab-boot"})
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         fp = _post_async(ex, pair.prefill.url, body)
-        _wait_stage(pair.prefill, "bootstrap")
+        wait_stage(pair.prefill, "bootstrap")
         _abort(pair.prefill, "ab-boot")
         status, raw = fp.result()
         assert status == 200 and json.loads(raw)["meta_info"]["finish_reason"]["type"] == "abort"
@@ -158,7 +196,7 @@ def test_abort_on_decode_in_prealloc(pair, restored):
             "bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(), "bootstrap_room": 424242}
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         fd = _post_async(ex, pair.decode.url, body)
-        _wait_stage(pair.decode, "prealloc")
+        wait_stage(pair.decode, "prealloc")
         _abort(pair.decode, "ab-pre")
         status, raw = fd.result()
     assert status == 200 and json.loads(raw)["meta_info"]["finish_reason"]["type"] == "abort"
@@ -168,7 +206,7 @@ def test_abort_on_decode_in_transfer_then_prefill_fails_fast(pair, restored):
     body = pair.body({"input_ids": list(range(200, 260)), "sampling_params": greedy(), "rid": "ab-xfer"})
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         fd = _post_async(ex, pair.decode.url, body)
-        _wait_stage(pair.decode, "transfer")  # TransferInfo sent; no prefill request yet
+        wait_stage(pair.decode, "transfer")  # TransferInfo sent; no prefill request yet
         _abort(pair.decode, "ab-xfer")
         status, raw = fd.result()
         assert status == 200 and json.loads(raw)["meta_info"]["finish_reason"]["type"] == "abort"
@@ -183,7 +221,7 @@ def test_abort_on_decode_while_running(pair, restored):
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         fp = _post_async(ex, pair.prefill.url, body)
         fd = _post_async(ex, pair.decode.url, body)
-        _wait_stage(pair.decode, "running")
+        wait_stage(pair.decode, "running")
         _abort(pair.decode, "ab-run")
         (ps, _), (ds, draw) = fp.result(), fd.result()
     assert ps == 200
@@ -192,6 +230,8 @@ def test_abort_on_decode_while_running(pair, restored):
 
 
 # ---------------------------------------------------------------------------------------------- router
+# what this shows is the nodes' compatibility with sglang-router, not a backend: one backend is enough
+@on("mooncake")
 def test_behind_sglang_router(pair, colocated, pd_tok, restored):
     pytest.importorskip("sglang_router")
     port = free_port()
@@ -223,3 +263,48 @@ def test_behind_sglang_router(pair, colocated, pd_tok, restored):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+# ---------------------------------------------------------------------------------------------- dead peers
+# These end their backend's pair, so they stay the last tests of the module (pytest keeps a module's
+# order within one backend's tests). One side per backend: every kill costs a pair, and the heartbeat
+# that notices a dead peer is the control plane's, the same for every backend.
+def _wait_transfer_stage(pair, fd) -> None:
+    deadline = time.time() + 120  # generous: a loaded machine resolves the prefill ranks slowly
+    while time.time() < deadline and not free_counts(pair.decode)["queues"].get("transfer"):
+        assert not fd.done(), fd.result()
+        time.sleep(0.05)
+    # only from the transfer stage on has the prefill node got this room's TransferInfo
+    assert free_counts(pair.decode)["queues"].get("transfer"), "the decode node never reached transfer"
+
+
+@on("nixl")
+def test_killed_decode_node_frees_the_prefill_request(pair):
+    start = free_counts(pair.prefill)
+    body = pair.body({"input_ids": list(range(500, 560)), "sampling_params": greedy()})
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        fd = ex.submit(http_post, pair.decode.url + "/generate", body, None, 60)
+        _wait_transfer_stage(pair, fd)
+        # the decode node waits for this room's KV, its TransferInfo is at the prefill node: kill it
+        pair.decode.kill()
+        assert fd.exception() is not None or fd.result()[0] != 200
+    status, raw = http_post(pair.prefill.url + "/generate", body, timeout=60)
+    assert status == 500, raw
+    assert "KV transfer failed" in json.loads(raw)["error"]["message"]
+    assert_restored((pair.prefill, start))
+
+
+@on("ucx")
+def test_killed_prefill_node_frees_the_decode_request(pair):
+    start = free_counts(pair.decode)
+    body = pair.body({"input_ids": list(range(600, 650)), "sampling_params": greedy()})
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        fd = ex.submit(http_post, pair.decode.url + "/generate", body, None, 60)
+        _wait_transfer_stage(pair, fd)
+        pair.prefill.kill()
+        status, raw = fd.result()
+    assert status == 500, raw
+    msg = json.loads(raw)["error"]["message"]
+    # the rank that noticed names the dead peer; the other rank reports the consensus
+    assert "KV transfer failed" in msg and ("dead" in msg or "another TP rank" in msg), msg
+    assert_restored((pair.decode, start))
