@@ -33,7 +33,7 @@ from common.server.http import (
     sse_send,
 )
 from common.server.openapi import Route, access_of, access_table, add_routes, with_openapi
-from common.server.security import ADMIN, OPEN, Denied, Keys, bearer_token, check_access
+from common.server.security import ADMIN, BY_BODY, OPEN, PUBLIC, Denied, Keys, bearer_token, check_access
 from common.server.tokenizer_manager import ReqState, ServiceUnavailable, TokenizerManager
 
 logger = logging.getLogger("server")
@@ -100,7 +100,9 @@ def authorize(request: web.Request, access: str) -> None:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    authorize(request, access_of(request, request.app[ACCESS_KEY]))
+    access = access_of(request, request.app[ACCESS_KEY])
+    if access != BY_BODY:
+        authorize(request, access)
     return await handler(request)
 
 
@@ -318,9 +320,13 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 async def handle_abort(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
+    try:  # aborting one rid is a public call, aborting every request an admin's
+        authorize(request, PUBLIC)
+    except Denied:
+        authorize(request, ADMIN)
     req = await read_json(request, AbortHTTPRequest)
     if req.abort_all:
-        authorize(request, ADMIN)  # one request may abort its own rid; every request is an admin's call
+        authorize(request, ADMIN)
         n = tm.abort_all()
         logger.info("abort_all: %d requests aborted", n)
         return web.json_response({"success": True, "aborted": n})
@@ -355,7 +361,7 @@ def node_routes() -> list[Route]:
           for p in ("/server_info", "/get_server_info")),
         *(Route("GET", p, handle_model_info, summary=f"model {info}") for p in ("/model_info", "/get_model_info")),
         Route("GET", "/get_load", handle_get_load, summary="queue and token load"),
-        Route("POST", "/abort_request", handle_abort, AbortHTTPRequest,
+        Route("POST", "/abort_request", handle_abort, AbortHTTPRequest, access=BY_BODY,
               summary="abort one rid (public); abort_all is an admin call"),
         Route("POST", "/flush_cache", handle_flush_cache, access=ADMIN, summary="drop the prefix cache"),
         Route("GET", "/health", handle_health, access=OPEN, summary="liveness"),

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 log = logging.getLogger("security")
 
 OPEN, PUBLIC, ADMIN = "open", "public", "admin"
+BY_BODY = "by_body"  # the handler picks PUBLIC or ADMIN once it has read the body (abort one rid / all)
 MAX_KEY_LENGTH = 4096
 
 # role -> (flag of the key file, environment variable of the value; `_FILE` appended: of a file)
@@ -186,6 +187,8 @@ def check_access(access: str, path: str, token: bytes | None, remote: str | None
     every route (`accept_node_key`); the router accepts no node key from its callers."""
     if access == OPEN:
         return
+    if access not in (PUBLIC, ADMIN):
+        raise ValueError(f"check_access: access class {access!r} is decided by its handler")
     node = [keys.node] if accept_node_key and keys.node else []
     if node and key_matches(token, node[0]):
         return
