@@ -28,14 +28,16 @@ engine description is ~120 KB. Larger frames are dropped and counted; beyond
 connection, so no frame can make the receiver allocate more. A frame whose `src` is not a
 `tcp://host:port` address is dropped as undecodable. At most `max_peers` PUSH sockets are open
 (`PDSERVE_CONTROL_MAX_PEERS`, 256: a decode rank's prefill ranks, or a prefill rank's decode
-ranks, of a large cluster): the least recently used is closed first, and a dead peer's socket at
-once; with those still flushing, a context holds at most 2 * max_peers + 16 sockets. Sockets close with a linger of `CLOSE_LINGER_MS` (1 s) so that what is queued still goes out
-(`close()` returns when it did, or after the linger). `send()` never raises: a bad address or a
-full context returns False and is logged once per peer.
+ranks, of a large cluster): the least recently used is closed first (flushing for at most
+`EVICT_LINGER_MS`, 100 ms), and a dead peer's socket at once; with those still flushing, a context
+holds at most 2 * max_peers + 16 sockets. `close()` closes the rest with a linger of
+`CLOSE_LINGER_MS` (1 s) so that what is queued still goes out: it returns when it did, or after the
+linger. `send()` never raises: a bad address or a full context returns False and is logged once
+per peer (at most 20 lines per 10 s).
 
 Heartbeats (used by `transfer/manager.py`): every `heartbeat_interval` a manager sends `Ping` to each
-peer it has live rooms with; the peer answers `Pong` at once. Any message from a peer counts as a
-sign of life. A peer silent for `heartbeat_interval * heartbeat_max_failures` seconds while rooms
+peer it has live rooms with; the peer answers `Pong` at once if it knows the sender. Any message
+from such a peer counts as a sign of life. A peer silent for `heartbeat_interval * heartbeat_max_failures` seconds while rooms
 are live is declared dead and all rooms with it fail with a reason naming it. Sends never block: a
 peer whose queue is full (it is gone) simply misses messages and is then caught by the heartbeat.
 """
@@ -45,6 +47,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Union
@@ -63,7 +66,15 @@ MAX_MESSAGE_BYTES = 8 << 20  # the largest frame body accepted (see the module d
 ZMQ_MAX_MESSAGE_BYTES = 16 << 20  # zmq drops the connection of a peer sending more than this
 DEFAULT_MAX_PEERS = 256
 CLOSE_LINGER_MS = 1000
-_ADDRESS = re.compile(r"tcp://(?:[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
+EVICT_LINGER_MS = 100  # an evicted peer is the least recently used: little or nothing left to flush
+_FAILURE_LOGS = 20  # send-failure lines per 10 s at most
+_ADDRESS = re.compile(r"tcp://(?:[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})")
+
+
+def valid_address(addr: str) -> bool:
+    """Whether `addr` is a `tcp://host:port` address a peer can have (host name or IP, port 1-65535)."""
+    m = _ADDRESS.fullmatch(addr)
+    return m is not None and 0 < int(m.group(1)) < 65536
 
 
 class RegisterPeer(msgspec.Struct, tag="register"):
@@ -186,6 +197,7 @@ class ControlPlane:
         self._push: OrderedDict[str, tuple[zmq.Socket, threading.Lock]] = OrderedDict()
         self._push_lock = threading.Lock()
         self._failed_peers: OrderedDict[str, None] = OrderedDict()  # peers whose send failure was logged
+        self._failure_log_window, self._failure_logs = 0.0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-recv", daemon=True)
         self._thread.start()
@@ -228,7 +240,7 @@ class ControlPlane:
         except msgspec.DecodeError as e:
             self.counters.drop("undecodable", str(e))
             return None
-        if not _ADDRESS.fullmatch(msg.src):
+        if not valid_address(msg.src):
             self.counters.drop("undecodable", f"src is not a tcp://host:port address: {msg.src[:80]!r}")
             return None
         return msg
@@ -256,14 +268,14 @@ class ControlPlane:
                 try:
                     sock.send(frame, zmq.NOBLOCK)
                     return True
-                except zmq.ZMQError as e:  # queue full: the peer is gone; the heartbeat will tell
+                except Exception as e:  # queue full: the peer is gone; the heartbeat will tell
                     logger.debug("control plane: could not send %s to %s (%s)", type(msg).__name__, addr, e)
                     return False
         return False
 
     def _socket(self, addr: str) -> tuple[zmq.Socket, threading.Lock] | None:
         """The PUSH socket to `addr`, opened on first use; the least recently used ones are closed
-        (with a short linger, to flush) to stay within `max_peers`."""
+        (with a linger of `EVICT_LINGER_MS`, to flush) to stay within `max_peers`."""
         evicted: list[tuple[str, tuple[zmq.Socket, threading.Lock]]] = []
         entry, failure = None, ""
         with self._push_lock:
@@ -273,7 +285,7 @@ class ControlPlane:
             if entry is not None:
                 self._push.move_to_end(addr)
                 return entry
-            if not _ADDRESS.fullmatch(addr):
+            if not valid_address(addr):
                 failure = "not a tcp://host:port address"
             else:
                 while len(self._push) >= self.max_peers:
@@ -284,15 +296,15 @@ class ControlPlane:
                         sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
                         sock.setsockopt(zmq.SNDHWM, 10000)
                         sock.connect(addr)
-                    except zmq.ZMQError:
+                    except Exception:
                         sock.close(0)
                         raise
                     entry = self._push[addr] = (sock, threading.Lock())
-                except zmq.ZMQError as e:  # a full context (too many sockets) or an address zmq refuses
-                    failure = str(e)
+                except Exception as e:  # a full context (too many sockets), an address zmq refuses
+                    failure = str(e) or type(e).__name__
         for old, (sock, lock) in evicted:
             with lock:
-                sock.close(CLOSE_LINGER_MS)
+                sock.close(EVICT_LINGER_MS)
             self.peers_evicted += 1
             logger.info("control plane: closed the socket to %s, the least recently used of %d peers", old[:80],
                         self.max_peers)
@@ -301,7 +313,9 @@ class ControlPlane:
         return entry
 
     def _send_failed(self, addr: str, why: str) -> None:
-        """Count a failed send; log it once per peer (a bounded memory of peers already logged)."""
+        """Count a failed send; log it once per peer (a bounded memory of peers already logged), and
+        at most `_FAILURE_LOGS` lines per 10 s when many peers fail at once (a flood of bogus peers)."""
+        now = time.monotonic()
         with self._push_lock:
             self.send_failures += 1
             first = addr not in self._failed_peers
@@ -309,8 +323,13 @@ class ControlPlane:
             self._failed_peers.move_to_end(addr)
             if len(self._failed_peers) > 4 * self.max_peers:
                 self._failed_peers.popitem(last=False)
-        if first:
-            logger.warning("control plane: cannot send to %s: %s", addr[:80], why)
+            if now - self._failure_log_window >= 10.0:
+                self._failure_log_window, self._failure_logs = now, 0
+            log = first and self._failure_logs < _FAILURE_LOGS
+            self._failure_logs += first
+        if log:
+            logger.warning("control plane: cannot send to %s: %s (%d sends failed so far)", addr[:80], why,
+                           self.send_failures)
 
     def has_peer(self, addr: str) -> bool:
         """Whether a socket to `addr` is open (this side has talked to it)."""
