@@ -37,6 +37,7 @@ from hypothesis.errors import Unsatisfiable  # noqa: E402
 
 from tests.harness.client import free_port, http_get, http_post  # noqa: E402
 from tests.harness.nodes import NodeProcess, RouterProcess, ServerProcess, start_together  # noqa: E402
+from tests.integration.test_trust_edge import key_env  # noqa: E402
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "8"))
 SECONDS = float(os.environ.get("PDSERVE_FUZZ_SECONDS", "50"))
@@ -46,17 +47,6 @@ NAMES_SOMETHING = re.compile(r"`[^`]+`|request body|JSON")
 WORKERS_SCRIPT = Path(__file__).resolve().parents[1] / "router" / "workers.py"
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _write_keys(tmp: Path) -> dict[str, str]:
-    env = {}
-    for role, var in (("client", "PDSERVE_API_KEY_FILE"), ("admin", "PDSERVE_ADMIN_API_KEY_FILE"),
-                      ("node", "PDSERVE_NODE_API_KEY_FILE")):
-        p = tmp / f"{role}.key"
-        p.write_text(KEYS[role] + "\n")
-        p.chmod(0o600)
-        env[var] = str(p)
-    return env
 
 
 class RecordingWorker(ServerProcess):
@@ -136,7 +126,7 @@ def fuzz(base_url: str, token_for, prepare=None) -> tuple[list[str], dict[str, i
 
 
 def test_fuzz_node(tiny_model_dir, tmp_path):
-    env = _write_keys(tmp_path)
+    env = key_env(tmp_path, KEYS)
     node = NodeProcess(tiny_model_dir, env=env, log_path=tmp_path / "node.log", context_length=128,
                        max_total_tokens=4096, max_running_requests=8, num_threads=1)
     with node:
@@ -154,7 +144,7 @@ def test_fuzz_node(tiny_model_dir, tmp_path):
 
 
 def test_fuzz_router(tmp_path):
-    env = _write_keys(tmp_path)
+    env = key_env(tmp_path, KEYS)
     prefill = RecordingWorker("prefill", tmp_path / "p.log", bootstrap_port=free_port())
     decode = RecordingWorker("decode", tmp_path / "d.log")
     start_together([prefill, decode])

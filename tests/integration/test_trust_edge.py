@@ -37,12 +37,13 @@ GOOD = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room":
 pytestmark = pytest.mark.timeout(900)
 
 
-def key_env(folder: Path) -> dict[str, str]:
+def key_env(folder: Path, keys: dict[str, str] = KEYS) -> dict[str, str]:
+    """Key files (mode 600) in `folder` for `keys` by role, and the environment that names them."""
     env = {}
     for role, var in (("client", "PDSERVE_API_KEY_FILE"), ("admin", "PDSERVE_ADMIN_API_KEY_FILE"),
                       ("node", "PDSERVE_NODE_API_KEY_FILE")):
         path = folder / f"{role}.key"
-        path.write_text(KEYS[role] + "\n")
+        path.write_text(keys[role] + "\n")
         path.chmod(0o600)
         env[var] = str(path)
     return env
