@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the node_process helper
-from node_process import NodeProcess  # noqa: E402
-
-from bench import serve  # noqa: E402
+from bench import serve
 
 
 @pytest.fixture(scope="module")
-def node(tiny_model_dir):
-    n = NodeProcess(tiny_model_dir, max_total_tokens=4096, max_running_requests=8, served_model_name="tiny")
-    n.start()
-    yield n
-    n.stop()
+def node(tiny_model_dir, module_launcher):
+    return module_launcher.colocated(tiny_model_dir, max_total_tokens=4096, max_running_requests=8,
+                                     served_model_name="tiny")
 
 
 def test_bench_serve_random_dataset_report(node, tmp_path, capsys):

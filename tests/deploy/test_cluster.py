@@ -15,10 +15,9 @@ import psutil
 import pytest
 
 from deploy import cluster as cl
+from tests.harness.client import http_json
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
-from cluster_utils import http_json  # noqa: E402
 
 
 def launch(args: list[str], log_dir: Path) -> subprocess.Popen:

@@ -8,10 +8,10 @@ import os
 import random
 
 import torch
-from model_harness import Harness
 
 from common.hybrid import HybridSupport
 from common.models.config import ModelConfig
+from tests.model_harness import Harness
 
 VOCAB = 256
 QWEN35_LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -124,14 +124,6 @@ def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
 
 def model_dir(tmp_path_factory, name: str) -> str:
     return os.fspath(tmp_path_factory.mktemp(name))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tp_worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[int], list[int]]], out_queue) -> None:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybrid_harness import make_mistral_swa, make_qwen3_5, random_prompt
-from model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 from common.config import ServerArgs
 from common.protocol import SamplingParams, TokenizedRequest
 from common.scheduler.scheduler import Scheduler
+from tests.hybrid.hybrid_harness import make_mistral_swa, make_qwen3_5, random_prompt
+from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybrid_harness import (
+
+from common.memory.state_pool import OutOfStateSlots, StatePool
+from common.models.qwen3_5 import chunk_gated_delta_rule, recurrent_gated_delta_step
+from tests.hybrid.hybrid_harness import (
     HybridHarness,
     hf_logits,
     load_ours,
@@ -17,10 +20,7 @@ from hybrid_harness import (
     make_qwen3_swa,
     random_prompt,
 )
-from model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
-
-from common.memory.state_pool import OutOfStateSlots, StatePool
-from common.models.qwen3_5 import chunk_gated_delta_rule, recurrent_gated_delta_step
+from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 TOL = 1e-4
 
@@ -71,7 +71,7 @@ def test_qwen35_layout(qwen35):
 
 
 def test_multimodal_checkpoint_served_text_only(tmp_path):
-    from hybrid_harness import make_qwen3_5_multimodal
+    from tests.hybrid.hybrid_harness import make_qwen3_5_multimodal
 
     hf = make_qwen3_5_multimodal(str(tmp_path), seed=2)
     model, cfg = load_ours(str(tmp_path))
@@ -255,7 +255,8 @@ def test_state_pool():
 def test_tp2_matches_hf(qwen35, mistral_swa, tmp_path_factory):
     import multiprocessing as mp
 
-    from hybrid_harness import free_port, tp_worker
+    from tests.harness.client import free_port
+    from tests.hybrid.hybrid_harness import tp_worker
 
     jobs, refs = [], []
     for name, (hf, _, _) in (("qwen35", qwen35), ("mistral_swa", mistral_swa)):

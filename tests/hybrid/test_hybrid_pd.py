@@ -7,15 +7,15 @@ nodes are back at their starting free KV pages, request rows, metadata slots and
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from hybrid_harness import make_mistral_swa, make_qwen3_5, random_prompt
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
-from pd_harness import PDPair, assert_restored, greedy, start_pair  # noqa: E402
+from tests.harness.backends import backend_params
+from tests.harness.nodes import Launcher, PDPair
+from tests.harness.pd import assert_restored, greedy
+from tests.hybrid.hybrid_harness import make_mistral_swa, make_qwen3_5, random_prompt
 
 CHUNK = 16  # prefill chunk size of both nodes
 WINDOW = 24
@@ -56,10 +56,10 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [random_prompt(5 + (17 * i + seed) % 71, seed * 100 + i) for i in range(n)]
 
 
-def _pair(model: str, backend: str, prefill_tp: int = 1) -> PDPair:
+def _pair(launcher: Launcher, model: str, backend: str, prefill_tp: int = 1) -> PDPair:
     settings = {"chunked_prefill_size": CHUNK}
-    return start_pair(model, backend, prefill_tp=prefill_tp, decode_tp=1, prefill_settings=settings,
-                      decode_settings=settings)
+    return launcher.pair(model, backend, prefill_tp=prefill_tp, decode_tp=1, prefill_settings=settings,
+                         decode_settings=settings)
 
 
 def _state_free(pair: PDPair) -> tuple[int, int]:
@@ -75,12 +75,11 @@ def _check_greedy(pair: PDPair, hf, ps: list[list[int]], n: int = 8) -> None:
         assert db["output_ids"] == want, f"prompt of {len(p)} tokens"
 
 
-@pytest.fixture(scope="module", params=["mooncake", "nixl", "ucx"])
-def qwen35_pair(request, qwen35):
-    pair = _pair(qwen35[0], request.param)
+@pytest.fixture(scope="module", params=backend_params("mooncake", "nixl", "ucx"))
+def qwen35_pair(request, qwen35, module_launcher):
+    pair = _pair(module_launcher, qwen35[0], request.param)
     yield pair
-    pair.prefill.stop()
-    pair.decode.stop()
+    pair.stop()  # now, not at the end of the module: one backend's pair at a time
 
 
 def test_qwen35_greedy_and_state_slots(qwen35_pair, qwen35):
@@ -94,14 +93,15 @@ def test_qwen35_greedy_and_state_slots(qwen35_pair, qwen35):
     assert _state_free(pair) == states
 
 
-@pytest.mark.parametrize("qwen35_pair", ["mooncake"], indirect=True)
+# the node frees a request's state slot whatever moved its state: one backend shows it
+@pytest.mark.parametrize("qwen35_pair", backend_params("mooncake"), indirect=True)
 def test_qwen35_abort_frees_state(qwen35_pair, qwen35):
     """A request aborted on the decode side while decoding, then a normal one: slots all come back."""
     import concurrent.futures
     import json
     import time
 
-    from node_process import http_post
+    from tests.harness.client import http_post
 
     pair = qwen35_pair
     start = pair.start_counts()
@@ -124,33 +124,30 @@ def test_qwen35_abort_frees_state(qwen35_pair, qwen35):
     assert _state_free(pair) == states
 
 
-def test_qwen35_prefill_tp2_to_decode_tp1(qwen35):
-    pair = _pair(qwen35[0], "mooncake", prefill_tp=2)
-    try:
-        start = pair.start_counts()
-        states = _state_free(pair)
-        _check_greedy(pair, qwen35[1], prompts(3, seed=3))
-        assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
-        assert _state_free(pair) == states
-    finally:
-        pair.prefill.stop()
-        pair.decode.stop()
+# slicing the state by heads is the transfer planner's (transfer/plan.py), the same for every backend
+@pytest.mark.backend("mooncake")
+def test_qwen35_prefill_tp2_to_decode_tp1(qwen35, launcher):
+    pair = _pair(launcher, qwen35[0], "mooncake", prefill_tp=2)
+    start = pair.start_counts()
+    states = _state_free(pair)
+    _check_greedy(pair, qwen35[1], prompts(3, seed=3))
+    assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
+    assert _state_free(pair) == states
 
 
-@pytest.mark.parametrize("backend,prefill_tp", [("mooncake", 1), ("nixl", 2), ("ucx", 1)])
-def test_sliding_window_sends_only_the_window(swa, backend, prefill_tp):
-    pair = _pair(swa[0], backend, prefill_tp=prefill_tp)
-    try:
-        start = pair.start_counts()
-        long = random_prompt(100, 4)  # 25 pages of 4; the window (24 tokens) spans pages 19..24
-        before = pair.prefill.stats()["transfer_bytes"]
-        _check_greedy(pair, swa[1], [long])
-        sent = pair.prefill.stats()["transfer_bytes"] - before
-        # rank 0's sends: K+V x 2 layers x its KV heads x 4 tokens x 16 dims x fp32 per page
-        page_bytes = 2 * 2 * (2 // prefill_tp) * 4 * 16 * 4
-        assert 6 * page_bytes <= sent < 10 * page_bytes, sent
-        _check_greedy(pair, swa[1], prompts(3, seed=5))
-        assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
-    finally:
-        pair.prefill.stop()
-        pair.decode.stop()
+# every backend once; nixl with prefill tp 2 (each rank sends its half of the heads)
+@pytest.mark.parametrize("backend,prefill_tp", [
+    pytest.param(b, tp, marks=pytest.mark.backend(b), id=f"{b}-{tp}") for b, tp in (("mooncake", 1), ("nixl", 2),
+                                                                                      ("ucx", 1))])
+def test_sliding_window_sends_only_the_window(swa, launcher, backend, prefill_tp):
+    pair = _pair(launcher, swa[0], backend, prefill_tp=prefill_tp)
+    start = pair.start_counts()
+    long = random_prompt(100, 4)  # 25 pages of 4; the window (24 tokens) spans pages 19..24
+    before = pair.prefill.stats()["transfer_bytes"]
+    _check_greedy(pair, swa[1], [long])
+    sent = pair.prefill.stats()["transfer_bytes"] - before
+    # rank 0's sends: K+V x 2 layers x its KV heads x 4 tokens x 16 dims x fp32 per page
+    page_bytes = 2 * 2 * (2 // prefill_tp) * 4 * 16 * 4
+    assert 6 * page_bytes <= sent < 10 * page_bytes, sent
+    _check_greedy(pair, swa[1], prompts(3, seed=5))
+    assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))

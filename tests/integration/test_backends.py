@@ -6,39 +6,15 @@ prefill radix cache) and the OpenAI endpoints; pools back at their starting figu
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the node_process helper
-from cluster_utils import (  # noqa: E402
-    CHUNK,
-    NODE_ARGS,
-    PAGE_SIZE,
-    cluster_pools,
-    http_json,
-    make_cluster,
-    stream,
-    wait_pools,
-)
-from node_process import NodeProcess  # noqa: E402
+from tests.harness.backends import backend_params
+from tests.harness.client import http_json, stream
+from tests.harness.cluster import CHUNK, NODE_SETTINGS, PAGE_SIZE, cluster_pools, wait_pools
 
-ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ["mooncake", "nixl", "ucx"]
 LENGTHS = [5, CHUNK + 8, 3 * CHUNK + PAGE_SIZE + 1, 300]
-
-
-def backend_problem(name: str) -> str:
-    """Empty when the backend's engine can be built here; else why not (the library is missing)."""
-    code = ("from transfer.backends import create_engine\nfrom transfer.engine import BackendUnavailable\n"
-            f"try:\n    create_engine({name!r})\nexcept BackendUnavailable as e:\n    print('UNAVAILABLE', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    if "UNAVAILABLE" in out.stdout:
-        return out.stdout.strip()
-    return ""
 
 
 def prompts() -> list[list[int]]:
@@ -57,36 +33,29 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
+def reference(tiny_model_dir, module_launcher):
     """Greedy answers of one colocated node with the same memory and chunk settings."""
-    node = NodeProcess(tiny_model_dir, page_size=PAGE_SIZE, chunked_prefill_size=CHUNK,
-                       max_total_tokens=int(NODE_ARGS[NODE_ARGS.index("--max-total-tokens") + 1]), num_threads=1)
-    node.start()
-    try:
-        gen = []
-        for ids in prompts():
-            status, out = http_json("POST", node.url + "/generate", body(ids))
-            assert status == 200, out
-            gen.append(out["output_ids"])
-        status, chat = http_json("POST", node.url + "/v1/chat/completions",
-                                 {"messages": CHAT, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
-        assert status == 200, chat
-    finally:
-        node.stop()
+    node = module_launcher.colocated(tiny_model_dir, page_size=PAGE_SIZE, chunked_prefill_size=CHUNK,
+                                     max_total_tokens=NODE_SETTINGS["max_total_tokens"], num_threads=1)
+    gen = []
+    for ids in prompts():
+        status, out = http_json("POST", node.url + "/generate", body(ids))
+        assert status == 200, out
+        gen.append(out["output_ids"])
+    status, chat = http_json("POST", node.url + "/v1/chat/completions",
+                             {"messages": CHAT, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
+    assert status == 200, chat
+    node.stop()  # the answers are all it was for
     return {"generate": gen, "chat": chat["choices"][0]["message"]["content"]}
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def backend_cluster(request, tiny_model_dir, tmp_path_factory):
-    problem = backend_problem(request.param)
-    if problem:
-        pytest.skip(f"{request.param}: {problem}")
-    c = make_cluster(tiny_model_dir, tmp_path_factory.mktemp(f"cluster-{request.param}"), backend=request.param,
-                     role_env={r: {"PDSERVE_TRANSFER_PROTOCOL": "tcp"} for r in ("prefill", "decode")})
-    c.start()
+@pytest.fixture(scope="module", params=backend_params(*BACKENDS))
+def backend_cluster(request, tiny_model_dir, module_launcher):
+    c = module_launcher.cluster(tiny_model_dir, backend=request.param,
+                                role_env={r: {"PDSERVE_TRANSFER_PROTOCOL": "tcp"} for r in ("prefill", "decode")})
     c.baseline = cluster_pools(c)
     yield c
-    c.stop()
+    c.stop()  # now, not at the end of the module: one backend's cluster at a time
 
 
 def test_greedy_tokens_match_a_colocated_node(backend_cluster, reference):

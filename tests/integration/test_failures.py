@@ -6,50 +6,26 @@ the survivors, and every surviving node's pools come back to their starting figu
 from __future__ import annotations
 
 import random
-import sys
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster_utils import (  # noqa: E402
-    cluster_pools,
-    error_message,
-    http_json,
-    make_cluster,
-    metric_total,
-    node_stats,
-    router_decode_of,
-    stream,
-    wait_pools,
-)
+from tests.harness.client import error_message, http_json, metric_total, stream, wait_until
+from tests.harness.cluster import cluster_pools, node_stats, router_decode_of, wait_pools
 
 
 def greedy(n: int) -> dict:
     return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
 
 
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        if time.time() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
-def kill_cluster(tiny_model_dir, tmp_path_factory):
+def kill_cluster(tiny_model_dir, module_launcher):
     # a request whose peer died at a stage heartbeats do not cover ends at these timeouts (default 300 s)
-    c = make_cluster(tiny_model_dir, tmp_path_factory.mktemp("cluster-kill"),
-                     env={"PDSERVE_BOOTSTRAP_TIMEOUT": "30", "PDSERVE_WAITING_TIMEOUT": "30"})
-    c.start()
+    c = module_launcher.cluster(tiny_model_dir, env={"PDSERVE_BOOTSTRAP_TIMEOUT": "30", "PDSERVE_WAITING_TIMEOUT": "30"})
     c.baseline = cluster_pools(c)
-    yield c
-    c.stop()
+    return c
 
 
 def new_traffic_succeeds(cluster, n: int = 8) -> None:
@@ -88,7 +64,7 @@ def test_decode_node_killed_mid_stream(kill_cluster):
     with ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(one, i) for i in range(n)]
         wait_until(lambda: all(e.is_set() for e in started) or any(f.done() for f in futures), 180,
-                   "every stream's first token")
+                   "every stream's first token", interval=0.1)
         assert not any(f.done() for f in futures), [f.result() for f in futures if f.done()]
         cluster.kill(victim.name)
         for i in range(n):
@@ -96,7 +72,8 @@ def test_decode_node_killed_mid_stream(kill_cluster):
         results = [f.result(timeout=300) for f in futures]
 
     # the router logs each request when it ends (a client that left: when the router notices)
-    wait_until(lambda: all(router_decode_of(cluster, r) for r in rids), 60, "the router's line for each request")
+    wait_until(lambda: all(router_decode_of(cluster, r) for r in rids), 60, "the router's line for each request",
+               interval=0.1)
     on_victim = [r for r in results if router_decode_of(cluster, r.request_id) == victim.url]
     on_survivor = [r for r in results if router_decode_of(cluster, r.request_id) == survivor.url]
     assert on_victim and on_survivor and len(on_victim) + len(on_survivor) == n  # round robin: both
@@ -139,7 +116,7 @@ def test_prefill_node_killed_mid_prefill(kill_cluster):
         prefill_leg = pool.submit(post, victim.url + "/generate", leg)
         decode_leg = pool.submit(post, decode.url + "/generate", leg)
         futures = [pool.submit(post, cluster.url + "/generate", b) for b in bodies]
-        wait_until(busy, 120, "prefill-1 to get work")
+        wait_until(busy, 120, "prefill-1 to get work", interval=0.1)
         cluster.kill(victim.name)
         status, out = decode_leg.result(timeout=150)
         assert status >= 400 and error_message(out), (status, out)  # a clear error, no hang
@@ -156,14 +133,11 @@ def test_prefill_node_killed_mid_prefill(kill_cluster):
 
 
 @pytest.fixture(scope="module")
-def flaky_cluster(tiny_model_dir, tmp_path_factory):
-    c = make_cluster(tiny_model_dir, tmp_path_factory.mktemp("cluster-flaky"), prefill=1, decode=1,
-                     router_args=["--disable-retries"],
-                     role_env={"prefill": {"DISAGGREGATION_TEST_FAILURE_PROB": "0.5"}})
-    c.start()
+def flaky_cluster(tiny_model_dir, module_launcher):
+    c = module_launcher.cluster(tiny_model_dir, prefill=1, decode=1, router_args=["--disable-retries"],
+                                role_env={"prefill": {"DISAGGREGATION_TEST_FAILURE_PROB": "0.5"}})
     c.baseline = cluster_pools(c)
-    yield c
-    c.stop()
+    return c
 
 
 def test_injected_transfer_failures(flaky_cluster):

@@ -9,16 +9,10 @@ moves the KV (mooncake over TCP), which also shows each prompt's KV reached its 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the node_process helper
-from cluster_utils import PAGE_SIZE, cluster_pools, http_json, make_cluster, stream, wait_pools  # noqa: E402
-from node_process import NodeProcess  # noqa: E402
-from test_backends import backend_problem  # noqa: E402
+from tests.harness.client import http_json, stream
+from tests.harness.cluster import PAGE_SIZE, cluster_pools, wait_pools
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "1 2 3 4 5 6 7 8"]
 IDS = [list(range(100, 140)), list(range(300, 310))]  # token-id prompts; the first spans two chunks
@@ -26,22 +20,16 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def colocated(tiny_model_dir):
-    with NodeProcess(tiny_model_dir, max_total_tokens=4096, page_size=PAGE_SIZE, num_threads=1) as node:
-        yield node
+def colocated(tiny_model_dir, module_launcher):
+    return module_launcher.colocated(tiny_model_dir, max_total_tokens=4096, page_size=PAGE_SIZE, num_threads=1)
 
 
 @pytest.fixture(scope="module")
-def mooncake_cluster(tiny_model_dir, tmp_path_factory):
-    problem = backend_problem("mooncake")
-    if problem:
-        pytest.skip(problem)
-    c = make_cluster(tiny_model_dir, tmp_path_factory.mktemp("cluster-batch"), backend="mooncake", prefill=1,
-                     decode=1, role_env={r: {"PDSERVE_TRANSFER_PROTOCOL": "tcp"} for r in ("prefill", "decode")})
-    c.start()
+def mooncake_cluster(tiny_model_dir, module_launcher):
+    c = module_launcher.cluster(tiny_model_dir, backend="mooncake", prefill=1, decode=1,
+                                role_env={r: {"PDSERVE_TRANSFER_PROTOCOL": "tcp"} for r in ("prefill", "decode")})
     c.baseline = cluster_pools(c)
-    yield c
-    c.stop()
+    return c
 
 
 def complete(url: str, prompt, **kw) -> dict:
@@ -82,6 +70,7 @@ def test_batch_through_router(pools_restored):
     check_batch(pools_restored.url, IDS, same_text=False)
 
 
+@pytest.mark.backend("mooncake")
 def test_batch_through_router_moving_kv(mooncake_cluster):
     check_batch(mooncake_cluster.url, PROMPTS, same_text=True)
     check_batch(mooncake_cluster.url, IDS, same_text=True)

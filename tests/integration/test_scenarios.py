@@ -5,24 +5,13 @@ backend, tiny random model). Every test ends with every node's pools back at the
 from __future__ import annotations
 
 import random
-import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster_utils import (  # noqa: E402
-    CHUNK,
-    PAGE_SIZE,
-    error_message,
-    http_json,
-    metric_total,
-    node_stats,
-    stream,
-    wait_pools,
-)
+from tests.harness.client import error_message, http_json, metric_total, stream
+from tests.harness.cluster import CHUNK, PAGE_SIZE, node_stats, wait_pools
 
 openai = pytest.importorskip("openai")
 

@@ -1,17 +1,11 @@
 """Fixtures for the PD node tests: the tiny model, its tokenizer and a colocated reference node
-(helpers live in pd_harness.py)."""
+(helpers live in tests/harness/pd.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # pd_harness
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # node_process
-from node_process import NodeProcess  # noqa: E402
-from pd_harness import BASE, FAST_ENV  # noqa: E402
+from tests.harness.pd import BASE, FAST_ENV
 
 
 @pytest.fixture(scope="session")
@@ -28,9 +22,6 @@ def pd_tok(pd_model_dir):
 
 
 @pytest.fixture(scope="session")
-def colocated(pd_model_dir):
+def colocated(pd_model_dir, session_launcher):
     """A colocated node (`pdserve serve`) with the same settings: the reference answers."""
-    node = NodeProcess(pd_model_dir, env=FAST_ENV, **BASE)
-    node.start()
-    yield node
-    node.stop()
+    return session_launcher.colocated(pd_model_dir, env=FAST_ENV, **BASE)

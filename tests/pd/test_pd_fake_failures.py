@@ -8,17 +8,16 @@ import concurrent.futures
 import json
 
 import pytest
-from node_process import http_post
-from pd_harness import PDPair, assert_restored, free_counts, greedy, make_prompts, start_pair
+
+from tests.harness.client import http_post
+from tests.harness.nodes import PDPair
+from tests.harness.pd import assert_restored, free_counts, greedy, make_prompts
 
 
 @pytest.fixture(scope="module")
-def pair(pd_model_dir):
-    p = start_pair(pd_model_dir, "fake", env={"DISAGGREGATION_TEST_FAILURE_PROB": "0.3"},
-                   prefill_settings={"disaggregation_bootstrap_timeout": 10})
-    yield p
-    p.prefill.stop()
-    p.decode.stop()
+def pair(pd_model_dir, module_launcher):
+    return module_launcher.pair(pd_model_dir, "fake", env={"DISAGGREGATION_TEST_FAILURE_PROB": "0.3"},
+                                prefill_settings={"disaggregation_bootstrap_timeout": 10})
 
 
 def test_lifecycle_with_injected_failures(pair: PDPair, pd_tok):

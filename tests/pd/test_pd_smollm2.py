@@ -6,10 +6,10 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
-from node_process import NodeProcess
-from pd_harness import BASE, FAST_ENV, assert_restored, colocated_tokens, greedy, start_pair
 
-pytestmark = pytest.mark.slow
+from tests.harness.pd import BASE, FAST_ENV, assert_restored, colocated_tokens, greedy
+
+pytestmark = [pytest.mark.slow, pytest.mark.backend("mooncake")]
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -30,23 +30,16 @@ def chats(smollm2_dir):
     return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-def test_smollm2_disaggregated_matches_colocated(smollm2_dir, chats):
+def test_smollm2_disaggregated_matches_colocated(smollm2_dir, chats, launcher):
     assert max(len(c) for c in chats) > SETTINGS["chunked_prefill_size"]  # several chunks for one prompt
-    colocated = NodeProcess(smollm2_dir, env=FAST_ENV, **SETTINGS)
-    colocated.start()
-    try:
-        want = colocated_tokens(colocated, chats, n=16)
-    finally:
-        colocated.stop()
-    pair = start_pair(smollm2_dir, "mooncake", prefill_settings=SETTINGS, decode_settings=SETTINGS)
-    try:
-        start = pair.start_counts()
-        with concurrent.futures.ThreadPoolExecutor(len(chats)) as ex:
-            got = list(ex.map(lambda c: pair.generate({"input_ids": c, "sampling_params": greedy(16)}), chats))
-        for (ps, pb), (ds, db) in got:
-            assert ps == 200 and ds == 200, (pb, db)
-        assert [db["output_ids"] for _, (_, db) in got] == want
-        assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
-    finally:
-        pair.prefill.stop()
-        pair.decode.stop()
+    colocated = launcher.colocated(smollm2_dir, env=FAST_ENV, **SETTINGS)
+    want = colocated_tokens(colocated, chats, n=16)
+    colocated.stop()  # one model-sized process at a time
+    pair = launcher.pair(smollm2_dir, "mooncake", prefill_settings=SETTINGS, decode_settings=SETTINGS)
+    start = pair.start_counts()
+    with concurrent.futures.ThreadPoolExecutor(len(chats)) as ex:
+        got = list(ex.map(lambda c: pair.generate({"input_ids": c, "sampling_params": greedy(16)}), chats))
+    for (ps, pb), (ds, db) in got:
+        assert ps == 200 and ds == 200, (pb, db)
+    assert [db["output_ids"] for _, (_, db) in got] == want
+    assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))

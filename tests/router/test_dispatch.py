@@ -6,7 +6,7 @@ import http.client as httpclient
 import json
 import threading
 
-from conftest import http, wait_until
+from tests.harness.client import http, wait_until
 
 
 def _stream(router_url: str, path: str, body: dict):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import get_json, wait_until
+from tests.harness.client import get_json, wait_until
 
 
 def _counts(ws):

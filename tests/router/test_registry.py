@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from urllib.parse import quote
 
-from conftest import Worker, get_json, http, wait_until
+from tests.harness.client import get_json, http, wait_until
 
 
 def _worker(router, url):
@@ -35,28 +35,25 @@ def test_explicit_none_bootstrap_port_is_null(workers, make_router):
     assert d.requests()[0]["body"]["bootstrap_port"] is None
 
 
-def test_startup_waits_for_health(workers, make_router):
+def test_startup_waits_for_health(workers, make_worker, make_router):
     d = workers["d"][0]
-    late = Worker("prefill", 9100)
-    try:
-        late.wait_ready()
-        late.config(health=503)
-        r = make_router([late], [d], "--policy", "round_robin", wait=False)
-        def up():
-            try:
-                return http("GET", r.url + "/health", timeout=1)[0] == 200
-            except OSError:
-                return False
+    late = make_worker("prefill", 9100)
+    late.config(health=503)
+    r = make_router([late], [d], "--policy", "round_robin", wait=False)
 
-        wait_until(up, what="router up")
-        assert http("GET", r.url + "/readiness")[0] == 503
-        status, _, body = r.post("/generate", {"text": "x"})
-        assert status == 503 and "prefill" in json.loads(body)["error"]["message"]
-        late.config(health=200)
-        r.wait_ready()
-        assert r.post("/generate", {"text": "x"})[0] == 200
-    finally:
-        late.stop()
+    def up():
+        try:
+            return http("GET", r.url + "/health", timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    wait_until(up, what="router up")
+    assert http("GET", r.url + "/readiness")[0] == 503
+    status, _, body = r.post("/generate", {"text": "x"})
+    assert status == 503 and "prefill" in json.loads(body)["error"]["message"]
+    late.config(health=200)
+    r.wait_ready()
+    assert r.post("/generate", {"text": "x"})[0] == 200
 
 
 def test_health_transitions(workers, make_router):

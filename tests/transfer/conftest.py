@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kv_harness import RankPool
+
+from tests.transfer.kv_harness import RankPool
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
-from kv_harness import free_port
-
+from tests.transfer.kv_harness import free_port
 from transfer.base import KVPoll
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import random
 
-import kv_harness as h
 import pytest
 
+from tests.transfer import kv_harness as h
 from transfer.base import KVPoll
 
 REAL = ["mooncake", "nixl", "ucx"]

@@ -8,9 +8,9 @@ import ctypes
 import numpy as np
 import pytest
 import torch
-from kv_harness import SplitPool
 
 from common.memory.kv_pool import KVPool
+from tests.transfer.kv_harness import SplitPool
 from transfer.base import KVArgs
 from transfer.control import peer_registration
 from transfer.plan import PairPlan, fuse_buffers, merge, ranks_overlapping, regions, union

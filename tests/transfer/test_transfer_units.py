@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kv_harness import free_port
 
 from common.hybrid import HybridSupport
 from common.memory.kv_pool import KVPool
+from tests.transfer.kv_harness import free_port
 from transfer.backends import create_engine, get_engine_class
 from transfer.base import KVArgs, KVPoll, TransferSettings
 from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer

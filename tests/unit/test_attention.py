@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_harness import (
-    Harness,
-    one_torch_thread,  # noqa: F401  (autouse)
-)
 
 from common.forward_batch import ForwardBatch, ForwardMode
 from common.layers.attention import TorchAttentionBackend
 from common.memory.kv_pool import KVPool
+from tests.model_harness import (
+    Harness,
+    one_torch_thread,  # noqa: F401  (autouse)
+)
 
 HEADS, KV_HEADS, D, LAYERS = 6, 2, 8, 2
 

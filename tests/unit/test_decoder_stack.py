@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_harness import (
-    Harness,
-    one_torch_thread,  # noqa: F401  (autouse)
-)
 
 from common.layers import native
 from common.models.decoder_stack import DecoderStack
 from common.models.loader import load_model
+from tests.model_harness import (
+    Harness,
+    one_torch_thread,  # noqa: F401  (autouse)
+)
 
 
 def decode_logits(model, cfg, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:

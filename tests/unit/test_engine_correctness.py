@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 from common.config import ServerArgs
 from common.protocol import AbortRequest, SamplingParams, StatsQuery, StatsReport, TokenizedRequest
 from common.scheduler.req import Stage
 from common.scheduler.scheduler import Scheduler
+from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 # ------------------------------------------------------------------------------------------------
 # harness

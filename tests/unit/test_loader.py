@@ -11,15 +11,15 @@ import socket
 
 import pytest
 import torch
-from model_harness import (
-    one_torch_thread,  # noqa: F401  (autouse)
-    teacher_forced_logits,
-    tp_worker,
-)
 from safetensors.torch import load_file, save_file
 
 from common.models.config import ModelConfig
 from common.models.loader import ModelLoadError, UnsupportedArchitecture, load_model
+from tests.model_harness import (
+    one_torch_thread,  # noqa: F401  (autouse)
+    teacher_forced_logits,
+    tp_worker,
+)
 
 
 def _copy_model(src: str, dst: str, with_weights: bool = True) -> str:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_harness import (
+
+from common.models.loader import load_model
+from tests.model_harness import (
     Harness,
     one_torch_thread,  # noqa: F401  (autouse)
 )
-
-from common.models.loader import load_model
 
 TOL = 1e-4
 # oneDNN's packed matmul (the serving default, common/layers/linear.py) sums in another order than

@@ -4,18 +4,13 @@ scheduler ranks running: each rank notices the front end is gone and exits."""
 from __future__ import annotations
 
 import signal
-import sys
-from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the node_process helper
-from node_process import NodeProcess  # noqa: E402
 
-
-def test_scheduler_ranks_exit_when_the_front_end_is_killed(tiny_model_dir):
-    node = NodeProcess(tiny_model_dir, tp=2, context_length=128, max_total_tokens=512,
-                       env={"OMP_NUM_THREADS": "1"}).start()
+def test_scheduler_ranks_exit_when_the_front_end_is_killed(tiny_model_dir, launcher):
+    node = launcher.colocated(tiny_model_dir, tp=2, context_length=128, max_total_tokens=512,
+                              env={"OMP_NUM_THREADS": "1"})
     front = psutil.Process(node.proc.pid)
     ranks = [c for c in front.children(recursive=True)
              if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 from common.config import ServerArgs
 from common.protocol import SamplingParams, TokenizedRequest
 from common.scheduler.hooks import SchedulerHooks
 from common.scheduler.req import FinishStatus, Stage
 from common.scheduler.scheduler import Scheduler, SchedulerOutput
+from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 ABORT = FinishStatus.abort("test abort")
 

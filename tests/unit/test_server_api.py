@@ -5,15 +5,12 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the node_process helper
-from node_process import NodeProcess, http_get, http_post  # noqa: E402
+from tests.harness.client import http_get, http_post
 
 openai = pytest.importorskip("openai")
 
@@ -21,13 +18,10 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", 
 
 
 @pytest.fixture(scope="module")
-def node(tiny_model_dir):
+def node(tiny_model_dir, module_launcher):
     # a short context keeps the run-to-the-end tests (chat default max_tokens, aborts) quick
-    n = NodeProcess(tiny_model_dir, max_total_tokens=4096, max_running_requests=8, served_model_name="tiny",
-                    context_length=160)
-    n.start()
-    yield n
-    n.stop()
+    return module_launcher.colocated(tiny_model_dir, max_total_tokens=4096, max_running_requests=8,
+                                     served_model_name="tiny", context_length=160)
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the node_process helper
-from node_process import NodeProcess  # noqa: E402
 
 openai = pytest.importorskip("openai")
 
@@ -16,14 +10,14 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.mark.slow
-def test_smollm2_answers_paris(smollm2_dir):
-    with NodeProcess(smollm2_dir, max_total_tokens=4096, served_model_name="smollm2") as node:
-        client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=30, temperature=0)
-        answer = r.choices[0].message.content
-        assert "Paris" in answer, answer
-        assert r.choices[0].finish_reason in ("stop", "length")
-        stream = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=30, temperature=0,
-                                                stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
-        assert node.stop() == 0
+def test_smollm2_answers_paris(smollm2_dir, launcher):
+    node = launcher.colocated(smollm2_dir, max_total_tokens=4096, served_model_name="smollm2")
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=30, temperature=0)
+    answer = r.choices[0].message.content
+    assert "Paris" in answer, answer
+    assert r.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=30, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
+    assert node.stop() == 0

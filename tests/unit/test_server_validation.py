@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the node_process helper
-from node_process import NodeProcess, http_get, http_post  # noqa: E402
+from tests.harness.client import http_get, http_post
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -21,12 +18,9 @@ CONTEXT = 64
 
 
 @pytest.fixture(scope="module")
-def node(tiny_model_dir):
-    n = NodeProcess(tiny_model_dir, max_total_tokens=2048, max_running_requests=4, api_key=KEY,
-                    context_length=CONTEXT)
-    n.start()
-    yield n
-    n.stop()
+def node(tiny_model_dir, module_launcher):
+    return module_launcher.colocated(tiny_model_dir, max_total_tokens=2048, max_running_requests=4, api_key=KEY,
+                                     context_length=CONTEXT)
 
 
 def post(node, path, body, status, *fields, headers=AUTH):
