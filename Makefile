@@ -33,9 +33,10 @@ setup:
 $(STAMP):
 	$(MAKE) setup
 
-# router + 1 prefill + 1 decode node (mooncake) serving the default model; Ctrl-C stops them all
+# router + 1 prefill + 1 decode node (nixl: it listens on 127.0.0.1 only) serving the default model;
+# Ctrl-C stops them all
 run: $(STAMP)
-	$(VENV)/bin/pdserve cluster --prefill 1 --decode 1 --transfer-backend mooncake --model default --port $(PORT)
+	$(VENV)/bin/pdserve cluster --prefill 1 --decode 1 --transfer-backend nixl --host 127.0.0.1 --model default --port $(PORT)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -21,6 +21,12 @@ are passed to every node unchanged (checked against the node parser first); `--r
 adds router flags.
 
 `Cluster` is the same launcher as a library (the integration tests and `pdserve bench compare` use it).
+
+Everything listens on `--host` (127.0.0.1 by default) and nowhere else: node HTTP, bootstrap servers,
+ZMQ control planes, the router and its metrics server, and the transfer engines. That is why the
+default backend is nixl: it can be confined to the host's interface, while mooncake listens on every
+interface and serves this process's memory to whoever reaches it (it warns at start-up; see
+deploy/README.md, "Security model").
 """
 
 from __future__ import annotations
@@ -182,7 +188,7 @@ class Cluster:
     num_prefill: int = 1
     num_decode: int = 1
     model: str = "default"
-    transfer_backend: str = "mooncake"
+    transfer_backend: str = "nixl"  # confinable to `host` (mooncake is not)
     port: int | None = None  # router port; None: a free one
     host: str = "127.0.0.1"  # address everything binds to
     log_dir: str | None = None
@@ -414,8 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--prefill", type=int, default=1, help="number of prefill nodes")
     a("--decode", type=int, default=1, help="number of decode nodes")
-    a("--transfer-backend", "--disaggregation-transfer-backend", dest="transfer_backend", default="mooncake",
-      choices=("mooncake", "nixl", "ucx", "fake"))
+    a("--transfer-backend", "--disaggregation-transfer-backend", dest="transfer_backend", default="nixl",
+      choices=("mooncake", "nixl", "ucx", "fake"),
+      help="KV transfer engine (default nixl, which listens only on --host; mooncake listens on every interface)")
     a("--model", "--model-path", dest="model", default="default")
     a("--port", type=int, default=30000, help="router port (0: a free one)")
     a("--host", default="127.0.0.1", help="address every process binds to")
