@@ -59,7 +59,7 @@ def wait_for(cond, timeout: float = 30.0) -> bool:
 
 
 class Cluster(SimpleNamespace):
-    """srv, addr, pm (prefill manager), dm (decode manager), their pools, secret, backend."""
+    """srv, addr, pm (prefill manager), dm (decode manager), their buffers, secret, backend."""
 
     def stats(self, mgr) -> dict[str, int]:
         return mgr.guard_stats()
@@ -144,14 +144,15 @@ def cluster(request, tmp_path_factory):
     built = []
     try:
         try:
-            pm, _, pmeta, _ = h._build("prefill", 0, 1, spec, addr, settings)
+            pm, ppool, pmeta, pstate = h._build("prefill", 0, 1, spec, addr, settings)
             built.append(pm)
             dm, dpool, dmeta, dstate = h._build("decode", 0, 1, spec, None, settings)
             built.append(dm)
         except BackendUnavailable as e:
             pytest.skip(str(e))
-        c = Cluster(srv=srv, addr=addr, pm=pm, dm=dm, pmeta=pmeta, dpool=dpool, dmeta=dmeta, dstate=dstate,
-                    secret=secret, backend=backend)
+        # the prefill's pool and state must outlive its manager's registration of them
+        c = Cluster(srv=srv, addr=addr, pm=pm, dm=dm, ppool=ppool, pmeta=pmeta, pstate=pstate, dpool=dpool,
+                    dmeta=dmeta, dstate=dstate, secret=secret, backend=backend)
         c.transfer()  # warm: the pair registered, the engines connected
         yield c
     finally:
