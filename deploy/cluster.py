@@ -26,7 +26,10 @@ Everything listens on `--host` (127.0.0.1 by default) and nowhere else: node HTT
 ZMQ control planes, the router and its metrics server, and the transfer engines. That is why the
 default backend is nixl: it can be confined to the host's interface, while mooncake listens on every
 interface and serves this process's memory to whoever reaches it (it warns at start-up; see
-deploy/README.md, "Security model").
+deploy/README.md, "Security model"). Loopback is shared by every user of the machine, so each launch
+also gives its children a cluster secret (`$PDSERVE_CLUSTER_SECRET_FILE`): the file named by
+`--cluster-secret-file` or that variable, else a fresh random one in `<log-dir>/cluster-secret` (mode
+0600), which authenticates the bootstrap and control-plane traffic between the nodes.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import shlex
 import signal
 import socket
@@ -48,6 +52,7 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLES = ("prefill", "decode", "router")
+SECRET_ENV = "PDSERVE_CLUSTER_SECRET_FILE"
 
 
 class ClusterError(RuntimeError):
@@ -80,6 +85,16 @@ def free_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
                 avoid.add(port)
             return port
     raise ClusterError("no free TCP port found")
+
+
+def new_secret_file(path: str) -> str:
+    """Write a new random cluster secret to `path` (mode 0600, replacing an older one); returns `path`."""
+    if os.path.exists(path):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return path
 
 
 def parse_cores(spec: str) -> list[int]:
@@ -202,6 +217,8 @@ class Cluster:
     startup_timeout: float = 600.0
     grace_period: float = 20.0
     quiet: bool = False
+    # file with the secret every child gets; None: $PDSERVE_CLUSTER_SECRET_FILE, else a new one in log_dir
+    cluster_secret_file: str | None = None
     children: list[Child] = field(default_factory=list, init=False)
 
     # ------------------------------------------------------------------------------------ layout
@@ -257,7 +274,8 @@ class Cluster:
 
     # ------------------------------------------------------------------------------------ processes
     def _spawn(self, child: Child) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **self.role_env.get(child.role, {})}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: self.cluster_secret_file, **self.env,
+               **self.role_env.get(child.role, {})}
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cores = child.cores
 
@@ -319,6 +337,8 @@ class Cluster:
         if self.log_dir is None:
             self.log_dir = os.path.join(os.getcwd(), "logs", time.strftime("cluster-%Y%m%d-%H%M%S"))
         os.makedirs(self.log_dir, exist_ok=True)
+        self.cluster_secret_file = self.cluster_secret_file or os.environ.get(SECRET_ENV) or \
+            new_secret_file(os.path.join(self.log_dir, "cluster-secret"))
         used: set[int] = set()
         router_port = self.port or free_port(self.host, used)
         used.add(router_port)
@@ -436,6 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefill-args", default="", help='more flags for prefill nodes only: --prefill-args="--tp 2"')
     a("--decode-args", default="", help='more flags for decode nodes only: --decode-args="--max-running-requests 8"')
     a("--log-dir", default=None, help="folder for the children's logs (default ./logs/cluster-<timestamp>)")
+    a("--cluster-secret-file", default=None, help="cluster secret every child uses (default: "
+      f"${SECRET_ENV}, else a new random one in <log-dir>/cluster-secret)")
     a("--startup-timeout", type=float, default=900.0, help="seconds for every child to become healthy")
     a("--grace-period", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL at shutdown")
     return p
@@ -491,7 +513,7 @@ def cluster_from_args(argv: list[str]) -> Cluster:
                    transfer_backend=ns.transfer_backend, port=ns.port or None, host=ns.host, log_dir=ns.log_dir,
                    cpu_affinity=affinity, node_args=node_args, prefill_args=prefill_args,
                    decode_args=decode_args, router_args=router_args, startup_timeout=ns.startup_timeout,
-                   grace_period=ns.grace_period)
+                   grace_period=ns.grace_period, cluster_secret_file=ns.cluster_secret_file)
 
 
 def main(argv: list[str] | None = None) -> int:

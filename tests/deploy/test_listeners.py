@@ -5,9 +5,10 @@ A cluster is started the way `pdserve cluster` starts one (`cluster_from_args`, 
 node; tiny model; the router's metrics server on). Every process of its tree (router, node front
 ends, scheduler ranks) is asked for its listening TCP sockets and unconnected UDP sockets: none may be
 on a wildcard address (0.0.0.0, ::) or on any address but loopback. A second router started with no
-address flags at all (as a user would type it) must also stay on loopback, metrics server included. The ipc sockets between a front end and its ranks must sit in a
-directory only this user can enter. With mooncake, which cannot be confined, each node must log the
-start-up warning that names every port it opened on all interfaces.
+address flags at all (as a user would type it) must also stay on loopback, metrics server included.
+The ipc sockets between a front end and its ranks must sit in a directory only this user can enter,
+and every child runs with the launch's cluster secret. With mooncake, which cannot be confined, each
+node must log the start-up warning that names every port it opened on all interfaces.
 """
 
 from __future__ import annotations
@@ -156,6 +157,11 @@ def test_local_cluster_listens_on_loopback_only(tiny_model_dir, tmp_path):
                 st = os.stat(os.path.dirname(path))
                 assert st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077 == 0, \
                     f"{node.name}: {path} is in a directory with mode {stat.S_IMODE(st.st_mode):o}"
+
+        # loopback is shared with the machine's other users: the launch gave every child its own secret
+        assert stat.S_IMODE(os.stat(cluster.cluster_secret_file).st_mode) == 0o600
+        for c in cluster.children:
+            assert "no cluster secret" not in Path(c.log_path).read_text(errors="replace"), c.name
 
         bare = bare_router_listeners(cluster, tmp_path)
         assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in bare), f"router defaults listen on {bare}"
