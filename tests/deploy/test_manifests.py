@@ -1,11 +1,16 @@
 """Every Kubernetes manifest and multi-machine example in deploy/ loads, and every container / script
 command runs a real `pdserve` subcommand with flags its parser accepts (values rendered from the
-ConfigMap or env file, then parsed and validated by the same code the command runs)."""
+ConfigMap or env file, then parsed and validated by the same code the command runs, with the secret
+files they name present). Keys and the cluster secret reach every process as files from one Secret /
+secrets directory, never as values; the router and the nodes share the cluster secret and the node key;
+the pools take traffic from pdserve pods only."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import secrets
 import shlex
 from pathlib import Path
 
@@ -21,6 +26,26 @@ EXAMPLES = DEPLOY / "examples" / "multi-node"
 NODE_COMMANDS = {"serve": "null", "prefill": "prefill", "decode": "decode"}
 MODULES = {"prefill_node": "prefill", "decode_node": "decode", "router": "router"}
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Pod", "Job")
+SECRET_NAME = "pdserve-secrets"
+# flag -> what the file holds; which role passes which (the router: every key; a node: what it checks)
+SECRET_FLAGS = {"--cluster-secret-file": "cluster secret", "--api-key-file": "client key",
+                "--admin-api-key-file": "admin key", "--node-api-key-file": "node key"}
+ROLE_SECRET_FLAGS = {"router": set(SECRET_FLAGS), "prefill": {"--cluster-secret-file", "--node-api-key-file"},
+                     "decode": {"--cluster-secret-file", "--node-api-key-file"}}
+VALUE_FLAGS = ("--api-key",)  # a key on the command line shows in `ps`
+
+
+@pytest.fixture
+def secret_files(tmp_path):
+    """A directory standing in for the mounted Secret: every key the manifests name, mode 600."""
+    def make(keys) -> Path:
+        folder = tmp_path / f"secrets-{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        for key in keys:
+            (folder / key).write_text(secrets.token_hex(24) + "\n")
+            os.chmod(folder / key, 0o600)
+        return folder
+    return make
 
 
 def load_docs(path: Path) -> list[dict]:
@@ -48,6 +73,26 @@ def containers(docs: list[dict]):
         spec = d["spec"] if d["kind"] == "Pod" else d["spec"]["template"]["spec"]
         for c in spec.get("containers", []) + spec.get("initContainers", []):
             yield d, c
+
+
+def secret_volume(d: dict, c: dict) -> tuple[str, dict, dict]:
+    """(mount path, volume, mount) of the container's one volume from the pdserve Secret."""
+    spec = d["spec"] if d["kind"] == "Pod" else d["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec.get("volumes", []) if v.get("secret", {}).get("secretName") == SECRET_NAME}
+    mounts = [m for m in c.get("volumeMounts", []) if m["name"] in volumes]
+    assert len(mounts) == 1, f"{c['name']}: expected one mount of the {SECRET_NAME} Secret, got {mounts}"
+    return mounts[0]["mountPath"], volumes[mounts[0]["name"]], mounts[0]
+
+
+def with_secret_files(argv: list[str], d: dict, c: dict, make_files) -> list[str]:
+    """The command with the Secret's mount path moved to a folder holding the projected keys."""
+    mount, volume, _ = secret_volume(d, c)
+    folder = make_files([item["path"] for item in volume["secret"]["items"]])
+    return [w.replace(mount, str(folder)) for w in argv]
+
+
+def flag_values(argv: list[str]) -> dict[str, str]:
+    return {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
 
 
 def render(words: list[str], env: dict[str, str]) -> list[str]:
@@ -102,7 +147,7 @@ def test_every_manifest_loads_and_has_kind():
 
 
 @pytest.mark.parametrize("values", ["k8s/configmap.yaml", "k8s/values/mooncake.yaml", "k8s/values/nixl.yaml"])
-def test_container_commands_use_only_accepted_flags(values):
+def test_container_commands_use_only_accepted_flags(values, secret_files):
     env = config_maps()[values]
     seen = {}
     for docs in all_docs().values():
@@ -110,7 +155,7 @@ def test_container_commands_use_only_accepted_flags(values):
             cenv = dict(env)
             cenv.update({e["name"]: str(e.get("value", "")) for e in c.get("env", []) if "value" in e})
             argv = render(list(c.get("command", [])) + [str(a) for a in c.get("args", [])], cenv)
-            role, parsed = check_command(argv)
+            role, parsed = check_command(with_secret_files(argv, d, c, secret_files))
             seen[role] = (d, c, parsed)
     assert set(seen) == {"prefill", "decode", "router"}
     backend = env["TRANSFER_BACKEND"]
@@ -129,7 +174,57 @@ def test_container_commands_use_only_accepted_flags(values):
         assert url.startswith(f"http://{decode_set['metadata']['name']}-{i}.{decode_set['spec']['serviceName']}:")
 
 
-def test_probes_ports_and_resources():
+def test_keys_and_cluster_secret_come_from_the_secret_as_files(secret_files):
+    env = config_maps()["k8s/configmap.yaml"]
+    secret_key_of: dict[str, set[str]] = {}  # flag -> the Secret keys it is given, over all containers
+    for docs in all_docs().values():
+        for d, c in containers(docs):
+            argv = render(list(c["command"]) + [str(a) for a in c["args"]], env)
+            role, _ = role_and_flags(argv)
+            mount, volume, m = secret_volume(d, c)
+            assert m.get("readOnly") is True, f"{role}: mount the Secret read-only"
+            assert volume["secret"]["defaultMode"] == 0o400, f"{role}: Secret files readable by their owner only"
+            items = {i["path"]: i["key"] for i in volume["secret"]["items"]}
+            flags = flag_values(argv)
+            assert not [f for f in VALUE_FLAGS if f in argv], f"{role}: a key as a value on the command line"
+            assert set(flags) & set(SECRET_FLAGS) == ROLE_SECRET_FLAGS[role], f"{role}: {sorted(flags)}"
+            for flag in ROLE_SECRET_FLAGS[role]:
+                folder, _, name = flags[flag].rpartition("/")
+                assert folder == mount and name in items, f"{role} {flag} {flags[flag]}: not a file of the Secret"
+                secret_key_of.setdefault(flag, set()).add(items[name])
+            for e in c.get("env", []):
+                assert not re.search(r"KEY|SECRET", e["name"]) or "value" not in e, f"{role}: {e['name']} as a value"
+            # the command starts with those files in place, and reads them
+            _, parsed = check_command(with_secret_files(argv, d, c, secret_files))
+            if role == "router":
+                keys = parsed.resolved_keys
+                assert keys.client and keys.admin and keys.node and parsed.cluster_secret is not None
+            else:
+                assert parsed.cluster_secret is not None
+    # one cluster secret and one node key: the same Secret key wherever it is passed
+    assert all(len(keys) == 1 for keys in secret_key_of.values()), secret_key_of
+    assert not [k for k in config_maps()["k8s/configmap.yaml"] if re.search(r"KEY|SECRET", k)]
+
+
+def test_pools_take_traffic_from_pdserve_pods_only():
+    docs = all_docs()
+    policies = {d["metadata"]["name"]: d for ds in docs.values() for d in ds if d["kind"] == "NetworkPolicy"}
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert "networkpolicy.yaml" in kust["resources"]
+    pools = policies["pdserve-pools"]["spec"]
+    selected = {v for e in pools["podSelector"]["matchExpressions"] for v in e["values"]}
+    workloads = {d["metadata"]["name"]: d for ds in docs.values() for d in ds if d["kind"] in WORKLOADS}
+    for name in ("pdserve-prefill", "pdserve-decode"):
+        labels = workloads[name]["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] in selected, name
+    assert pools["policyTypes"] == ["Ingress"]
+    sources = [src for rule in pools["ingress"] for src in rule["from"]]
+    assert sources == [{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "pdserve"}}}]
+    for d in workloads.values():
+        assert d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdserve"
+
+
+def test_probes_ports_and_resources(secret_files):
     docs = {Path(n).name: ds for n, ds in all_docs().items()}
     services = {d["metadata"]["name"]: d for ds in docs.values() for d in ds if d["kind"] == "Service"}
     env = config_maps()["k8s/configmap.yaml"]
@@ -140,7 +235,8 @@ def test_probes_ports_and_resources():
             ports = {p["name"]: p["containerPort"] for p in c["ports"]}
             assert probe["port"] in ports
             assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
-            role, parsed = check_command(render(c["command"] + [str(a) for a in c["args"]], env))
+            argv = render(c["command"] + [str(a) for a in c["args"]], env)
+            role, parsed = check_command(with_secret_files(argv, d, c, secret_files))
             assert ports["http"] == parsed.port
             if d["kind"] == "StatefulSet":
                 svc = services[d["spec"]["serviceName"]]
@@ -168,13 +264,15 @@ def script_commands(path: Path, env: dict[str, str]) -> list[list[str]]:
     return cmds
 
 
-def test_multi_machine_examples():
+def test_multi_machine_examples(secret_files):
     env = {}
     for line in (EXAMPLES / "cluster.env").read_text().splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             key, _, value = line.partition("=")
             env[key] = value
+    assert not [k for k in env if re.search(r"KEY|SECRET", k) and k != "SECRETS_DIR"], "keys belong in files"
+    env["SECRETS_DIR"] = str(secret_files(["cluster-secret", "api-key", "admin-api-key", "node-api-key"]))
     roles = {}
     for script in sorted(EXAMPLES.glob("*.sh")):
         text = script.read_text()
@@ -183,6 +281,11 @@ def test_multi_machine_examples():
         assert len(cmds) == 1, f"{script.name}: one launch command per machine"
         role, parsed = check_command(cmds[0])
         roles.setdefault(role, []).append(parsed)
+        flags = flag_values(cmds[0])
+        assert not [f for f in VALUE_FLAGS if f in cmds[0]], f"{script.name}: a key as a value on the command line"
+        assert set(flags) & set(SECRET_FLAGS) == ROLE_SECRET_FLAGS[role], f"{script.name}: {sorted(flags)}"
+        assert all(flags[f].startswith(env["SECRETS_DIR"] + "/") for f in ROLE_SECRET_FLAGS[role]), script.name
+        assert flags["--host"] != "0.0.0.0", f"{script.name}: bind the machine's address, not every interface"
     assert len(roles["prefill"]) == 2 and len(roles["decode"]) == 1 and len(roles["router"]) == 1
     router_cfg = roles["router"][0]
     assert sorted(p.url for p in router_cfg.prefill) == [f"http://{env['PREFILL_A_IP']}:{env['NODE_PORT']}",
