@@ -255,7 +255,8 @@ class PrefillKVManager(KVManager):
                        else "the room is already transferring")
                 reject(self, f"TransferInfo for room {room} from {info.src}", why)
                 return
-            problem = check_info(peer.reg, info)
+            reg_error = peer.error if peer.ready else check_registration(self.args, peer.reg)
+            problem = f"decode rank's registration was rejected: {reg_error}" if reg_error else check_info(peer.reg, info)
             if problem is None and info.src in self._early_aborts.get(room, {}):
                 problem = f"aborted by the decode side: {self._early_aborts[room][info.src]}"
             if problem is not None:
