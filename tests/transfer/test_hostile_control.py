@@ -29,6 +29,7 @@ import zmq
 from common.cluster_secret import ClusterSecret, load_secret
 from common.server.metrics import Metrics
 from tests.transfer import kv_harness as h
+from tests.transfer.inproc_pair import wait as wait_for
 from transfer.auth import CONTROL, Authenticator
 from transfer.base import KVPoll
 from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
@@ -48,15 +49,6 @@ ENCODE = msgspec.msgpack.Encoder().encode
 
 def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def wait_for(cond, timeout: float = 30.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 class Cluster(SimpleNamespace):
