@@ -1,0 +1,77 @@
+"""Test-only hooks inside real node processes (prefill, decode and their scheduler processes).
+
+A test puts this directory on the nodes' PYTHONPATH and names a control directory in
+PDSERVE_TEST_HOOKS_DIR; Python imports this module at start-up in every process of the node. Each
+hook is driven by a file the test creates in the control directory, and taken by the first process
+that acts on it (renamed to `<name>.taken`), so it fires once:
+
+* `gate_armed`: the next engine `write` creates `gate_entered` and waits, before it reaches the
+  engine, until `gate_release` exists (a write in progress, held as long as the test needs);
+* `bad_token` (holding a number): the next metadata row a prefill writes carries that first token;
+* `raise`: the next metadata row write raises (an exception inside the role's on_prefill_done).
+
+PDSERVE_TEST_NO_QUARANTINE=1 makes a decode node free an aborted room's memory at once, as before the
+quarantine existed (to show that a test catches what the quarantine prevents).
+"""
+
+import os
+import sys
+import time
+
+_DIR = os.environ.get("PDSERVE_TEST_HOOKS_DIR")
+
+
+def _take(name: str) -> str | None:
+    """The file's content if this process is the one that takes it, else None."""
+    path = os.path.join(_DIR, name)
+    try:
+        os.rename(path, path + ".taken")
+    except OSError:
+        return None
+    with open(path + ".taken") as f:
+        return f.read()
+
+
+def _install() -> None:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import transfer.backends as backends
+    import transfer.metadata as metadata
+
+    create = backends.create_engine
+
+    def create_engine(*args, **kwargs):
+        engine = create(*args, **kwargs)
+        write = engine.write
+
+        def gated_write(peer, src, dst, lengths):
+            if _take("gate_armed") is not None:
+                open(os.path.join(_DIR, "gate_entered"), "w").close()
+                end = time.monotonic() + 120
+                while not os.path.exists(os.path.join(_DIR, "gate_release")) and time.monotonic() < end:
+                    time.sleep(0.01)
+            return write(peer, src, dst, lengths)
+
+        engine.write = gated_write
+        return engine
+
+    backends.create_engine = create_engine
+    set_buf = metadata.MetadataBuffers.set_buf
+
+    def hooked_set_buf(self, slot, first_token_id, *args, **kwargs):
+        if _take("raise") is not None:
+            raise RuntimeError("metadata write failed (injected by the test)")
+        bad = _take("bad_token")
+        return set_buf(self, slot, int(bad) if bad is not None else first_token_id, *args, **kwargs)
+
+    metadata.MetadataBuffers.set_buf = hooked_set_buf
+    if os.environ.get("PDSERVE_TEST_NO_QUARANTINE") == "1":
+        import decode_node.quarantine as quarantine
+        from transfer.base import KVPoll
+
+        quarantine.QuarantinedRoom.poll = lambda self: KVPoll.Success
+
+
+if _DIR:
+    _install()
