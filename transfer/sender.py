@@ -194,7 +194,11 @@ class PrefillKVManager(KVManager):
             peer.handle, peer.error, peer.plan, peer.ready = handle, error, plan, True
             for room, infos in list(self._infos.items()):
                 if any(i.src == reg.src for i in infos.values()):
-                    self._check_ready(room)
+                    try:
+                        self._check_ready(room)
+                    except Exception as e:  # that room fails; the registration thread goes on
+                        logger.exception("room %d: could not start after %s registered", room, reg.src)
+                        self._fail_room(room, f"could not start: {type(e).__name__}: {e}", {})
 
     def _on_peer_dead(self, addr: str, rooms: list[KVSender], reason: str) -> None:
         for sender in rooms:
@@ -303,6 +307,10 @@ class PrefillKVManager(KVManager):
                 else:  # before any TransferInfo: it stands for that rank's TransferInfo only
                     self._early_aborts.setdefault(room, {})[src] = msg.reason
                     self._early_time.setdefault(room, time.monotonic())
+                    while len(self._early_aborts) > _FINISHED_CAP:  # bounded whatever a peer sends
+                        oldest = next(iter(self._early_aborts))
+                        del self._early_aborts[oldest]
+                        self._early_time.pop(oldest, None)
                     logger.info("room %d: Abort from decode %s before its TransferInfo, recorded", room, src)
             self._send_ack(src, room)  # nothing of this room writes into src's memory
 
