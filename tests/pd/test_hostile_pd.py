@@ -18,7 +18,6 @@ node processes (a held write, a bad first token, an exception) are `tests/pd/nod
 from __future__ import annotations
 
 import concurrent.futures
-import http.server
 import json
 import os
 import threading
@@ -30,6 +29,7 @@ import pytest
 from tests.harness.backends import backend_params
 from tests.harness.client import http_get, http_post, stream
 from tests.harness.pd import assert_restored, colocated_tokens, greedy, make_prompts
+from tests.transfer.inproc_pair import Garbage
 
 HOOKS = str(Path(__file__).resolve().parent / "node_hooks")
 
@@ -111,35 +111,13 @@ def test_a_host_that_is_no_host_name_is_a_400_on_the_decode_node(pair, backend, 
 
 
 # ---------------------------------------------------------------------------------------------- bootstrap
-class GarbageServer:
-    def __init__(self, body: bytes, ctype: str) -> None:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
-                self.send_response(200)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.mark.parametrize("body,ctype", [(b"<html><body>bad gateway</body></html>", "text/html"),
                                         (b'{"page_size": "4"}', "application/json"),
                                         (b"[1, 2, 3]", "application/json")], ids=["html", "wrong-types", "list"])
 def test_a_bootstrap_server_answering_garbage_fails_the_request_not_the_resolver(pair, backend, colocated, pd_tok,
                                                                                  restored, body, ctype):
     mooncake_only(backend)
-    server = GarbageServer(body, ctype)
+    server = Garbage(lambda path: (ctype, body))
     try:
         req = {"input_ids": list(range(100, 130)), "sampling_params": greedy(), "bootstrap_host": "127.0.0.1",
                "bootstrap_port": server.port, "bootstrap_room": 777001}

@@ -7,11 +7,13 @@ the decode ones start at zero. `Pair.transfer(room, src_pages, dst_pages, ...)` 
 end; `Pair.pages_hold(dst_pages, src_pages)` / `state_holds` / `row_room` say whether the decode
 side holds exactly the source's bytes. `GatedEngine` wraps an engine so that the next write after
 `arm()` waits before it reaches the engine until `release()` (or fails on `fail()`): a write in
-progress, for as long as a test needs.
+progress, for as long as a test needs. `Garbage(answers)` is an HTTP server (a hostile bootstrap
+server) answering every GET with whatever `answers(path)` gives.
 """
 
 from __future__ import annotations
 
+import http.server
 import threading
 import time
 from collections.abc import Sequence
@@ -175,3 +177,30 @@ class Pair:
         p, d = self.prefill, self.decode
         with p._lock, d._lock:
             return not (p._senders or p._draining or d._receivers or d._draining)
+
+
+class Garbage:
+    """An HTTP server answering every GET with the body its `answers(path)` gives."""
+
+    def __init__(self, answers) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                ctype, body = answers(self.path)
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.addr = f"127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -11,15 +11,13 @@ byte-exact, no manager thread died, and no room is left live or draining on eith
 
 from __future__ import annotations
 
-import http.server
 import itertools
 import json
-import threading
 
 import msgspec
 import pytest
 
-from tests.transfer.inproc_pair import GatedEngine, Pair, engine_or_skip, wait
+from tests.transfer.inproc_pair import Garbage, GatedEngine, Pair, engine_or_skip, wait
 from transfer.base import KVPoll
 from transfer.control import (
     Abort,
@@ -324,34 +322,6 @@ def test_bad_metadata_row_fails_the_room_not_the_decode(pair, case):
 
 
 # ------------------------------------------------------------------------------------- bootstrap answers
-class Garbage:
-    """An HTTP server answering every GET with the body its `answers(path)` gives."""
-
-    def __init__(self, answers) -> None:
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
-                ctype, body = answers(self.path)
-                self.send_response(200)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.addr = f"127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=outer.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 LAYOUT = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 4, "model": "test-model", "kv_heads_total": 4,
           "kv_layout": "page,head,token,dim", "ranks": 1}
 

@@ -21,37 +21,31 @@ from transfer.peer_checks import check_bootstrap_addr
 HOOKS = ["validate", "on_new_request", "on_chunk_done", "on_prefill_done", "on_finished", "on_release"]
 
 
+def _raising(name: str, result=None):
+    """A hook that raises for rid "bad" when it is the hook under test, else returns `result`."""
+
+    def hook(self, req):
+        if name == self.hook and req.rid == "bad":
+            raise RuntimeError(f"{name} broke for {req.rid}")
+        return result
+
+    return hook
+
+
 class RaisingHooks(SchedulerHooks):
     """Raises in `hook` for rid "bad" only (and in before_schedule / stats once each)."""
+
+    validate = _raising("validate")
+    on_new_request = _raising("on_new_request", False)
+    on_chunk_done = _raising("on_chunk_done")
+    on_prefill_done = _raising("on_prefill_done")
+    on_finished = _raising("on_finished", False)
+    on_release = _raising("on_release")
 
     def __init__(self, hook: str) -> None:
         self.hook = hook
         self.before_raised = False
         self.stats_raised = False
-
-    def _maybe(self, name: str, req) -> None:
-        if name == self.hook and req.rid == "bad":
-            raise RuntimeError(f"{name} broke for {req.rid}")
-
-    def validate(self, req):
-        self._maybe("validate", req)
-
-    def on_new_request(self, req):
-        self._maybe("on_new_request", req)
-        return False
-
-    def on_chunk_done(self, req):
-        self._maybe("on_chunk_done", req)
-
-    def on_prefill_done(self, req):
-        self._maybe("on_prefill_done", req)
-
-    def on_finished(self, req):
-        self._maybe("on_finished", req)
-        return False
-
-    def on_release(self, req):
-        self._maybe("on_release", req)
 
     def before_schedule(self):
         if not self.before_raised:
