@@ -322,6 +322,8 @@ class BootstrapClient:
             except AuthError as e:
                 status, text = 401, f"the answer is not authenticated ({e}): not this cluster's bootstrap server?"
         if status == 401 and addr not in self._refused_logged:
+            if len(self._refused_logged) >= 1024:  # addresses come with requests: keep the memory bounded
+                self._refused_logged.clear()
             self._refused_logged.add(addr)
             logger.error("bootstrap server %s: cluster authentication failed: %s", addr, text[:200])
         return status, text
