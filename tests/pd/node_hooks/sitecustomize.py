@@ -15,7 +15,6 @@ quarantine existed (to show that a test catches what the quarantine prevents).
 """
 
 import os
-import sys
 import time
 
 _DIR = os.environ.get("PDSERVE_TEST_HOOKS_DIR")
@@ -33,9 +32,7 @@ def _take(name: str) -> str | None:
 
 
 def _install() -> None:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    if root not in sys.path:
-        sys.path.insert(0, root)
+    # the repository root is on PYTHONPATH ahead of this directory (tests.harness.nodes.ServerProcess)
     import transfer.backends as backends
     import transfer.metadata as metadata
 
