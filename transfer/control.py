@@ -33,7 +33,8 @@ ranks, of a large cluster): the least recently used is closed first (flushing fo
 holds at most 2 * max_peers + 16 sockets. `close()` closes the rest with a linger of
 `CLOSE_LINGER_MS` (1 s) so that what is queued still goes out: it returns when it did, or after the
 linger. `send()` never raises: a bad address or a full context returns False and is logged once
-per peer (at most 20 lines per 10 s).
+per peer (at most 20 lines per 10 s); a sender other than the receiver thread first waits up to
+`FULL_WAIT_S` (1 s) for a context full of sockets still flushing to drain.
 
 Heartbeats (used by `transfer/manager.py`): every `heartbeat_interval` a manager sends `Ping` to each
 peer it has live rooms with; the peer answers `Pong` at once if it knows the sender. Any message
@@ -44,6 +45,7 @@ peer whose queue is full (it is gone) simply misses messages and is then caught 
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import threading
@@ -66,6 +68,7 @@ MAX_MESSAGE_BYTES = 8 << 20  # the largest frame body accepted (see the module d
 ZMQ_MAX_MESSAGE_BYTES = 16 << 20  # zmq drops the connection of a peer sending more than this
 DEFAULT_MAX_PEERS = 256
 CLOSE_LINGER_MS = 1000
+FULL_WAIT_S = 1.0  # how long a sender other than the receiver thread waits for a full context
 EVICT_LINGER_MS = 100  # an evicted peer is the least recently used: little or nothing left to flush
 _FAILURE_LOGS = 20  # send-failure lines per 10 s at most
 _ADDRESS = re.compile(r"tcp://(?:[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})")
@@ -275,16 +278,30 @@ class ControlPlane:
 
     def _socket(self, addr: str) -> tuple[zmq.Socket, threading.Lock] | None:
         """The PUSH socket to `addr`, opened on first use; the least recently used ones are closed
-        (with a linger of `EVICT_LINGER_MS`, to flush) to stay within `max_peers`."""
+        (with a linger of `EVICT_LINGER_MS`, to flush) to stay within `max_peers`. When the context
+        is full of sockets still flushing, a caller other than the receiver thread (which must keep
+        reading) waits up to `FULL_WAIT_S` for zmq to reap them: a room's Status is worth the wait."""
+        deadline = time.monotonic() + FULL_WAIT_S
+        while True:
+            entry, failure, full = self._open(addr)
+            if not full or threading.current_thread() is self._thread or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        if failure:
+            self._send_failed(addr, failure)
+        return entry
+
+    def _open(self, addr: str) -> tuple[tuple[zmq.Socket, threading.Lock] | None, str, bool]:
+        """(entry, why it failed, whether the context is full) for one attempt of `_socket`."""
         evicted: list[tuple[str, tuple[zmq.Socket, threading.Lock]]] = []
-        entry, failure = None, ""
+        entry, failure, full = None, "", False
         with self._push_lock:
             if self._stop.is_set():
-                return None
+                return None, "", False
             entry = self._push.get(addr)
             if entry is not None:
                 self._push.move_to_end(addr)
-                return entry
+                return entry, "", False
             if not valid_address(addr):
                 failure = "not a tcp://host:port address"
             else:
@@ -302,15 +319,14 @@ class ControlPlane:
                     entry = self._push[addr] = (sock, threading.Lock())
                 except Exception as e:  # a full context (too many sockets), an address zmq refuses
                     failure = str(e) or type(e).__name__
+                    full = isinstance(e, zmq.ZMQError) and e.errno == errno.EMFILE
         for old, (sock, lock) in evicted:
             with lock:
                 sock.close(EVICT_LINGER_MS)
             self.peers_evicted += 1
             logger.info("control plane: closed the socket to %s, the least recently used of %d peers", old[:80],
                         self.max_peers)
-        if failure:
-            self._send_failed(addr, failure)
-        return entry
+        return entry, failure, full
 
     def _send_failed(self, addr: str, why: str) -> None:
         """Count a failed send; log it once per peer (a bounded memory of peers already logged), and
