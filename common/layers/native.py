@@ -48,8 +48,9 @@ def _cpu_flags() -> set[str]:
 
 
 def _compile_flags() -> list[str]:
-    # fast-math lets expf vectorise (glibc's libmvec); infinities stay (the running max starts at -inf)
-    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+    # fast-math lets expf vectorise (glibc's libmvec); infinities stay (the running max starts at -inf).
+    # Compile-only: see build() for why the link step must not see -ffast-math.
+    flags = ["-O3", "-fPIC", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
     cpu = _cpu_flags()
     if {"avx2", "fma"} <= cpu:
         flags += ["-mavx2", "-mfma"]
@@ -68,24 +69,34 @@ def build() -> Path:
         raise RuntimeError("no C compiler (cc / gcc) on PATH")
     flags = _compile_flags()
     src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    digest = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(src + " ".join(flags + ["link-without-fast-math"]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"kernels-{digest}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    try:
-        proc = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # Objects first, then a link without -ffast-math: linking a shared object with it pulls in GCC's
+    # crtfastmath.o, whose constructor turns on flush-to-zero / denormals-are-zero for the whole
+    # process that loads the kernels (torch's numerics included), not just for these loops.
+    with tempfile.TemporaryDirectory(dir=out.parent) as objdir:
+        try:
+            objs = [os.path.join(objdir, p.stem + ".o") for p in SOURCES]
+            for src_path, obj in zip(SOURCES, objs, strict=True):
+                _run(compiler, [*flags, "-c", str(src_path), "-o", obj])
+            _run(compiler, ["-shared", "-fopenmp", *objs, "-o", tmp, "-lm"])
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     logger.info("built %s", out)
     return out
+
+
+def _run(compiler: str, args: list[str]) -> None:
+    proc = subprocess.run([compiler, *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")
 
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
