@@ -34,6 +34,9 @@ PDSERVE_AUTH_WINDOW            seconds a signed message stays valid   30
                                it are refused by nonce
 PDSERVE_CONTROL_MAX_PEERS      control-plane PUSH sockets open at     256
                                most (least recently used closed)
+PDSERVE_MAX_DECODE_PEERS       prefill: decode ranks registered at    1024
+                               most; a new one evicts the oldest
+                               without rooms (it registers again)
 =============================  =====================================  =======
 """
 
@@ -95,6 +98,7 @@ class TransferSettings:
     cluster_secret: ClusterSecret | None = None
     auth_window: float = 30.0
     control_max_peers: int = 256
+    max_decode_peers: int = 1024
 
     @classmethod
     def from_env(cls, **overrides) -> TransferSettings:
@@ -111,6 +115,7 @@ class TransferSettings:
             device_name=_env("PDSERVE_TRANSFER_DEVICES", str, cls.device_name),
             auth_window=_env("PDSERVE_AUTH_WINDOW", float, cls.auth_window),
             control_max_peers=_env("PDSERVE_CONTROL_MAX_PEERS", int, cls.control_max_peers),
+            max_decode_peers=_env("PDSERVE_MAX_DECODE_PEERS", int, cls.max_decode_peers),
         )
         names = {f.name for f in dataclasses.fields(cls)}
         for key, value in overrides.items():

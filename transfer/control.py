@@ -120,6 +120,7 @@ class Status(msgspec.Struct, tag="status"):
     reason: str
     tp_rank: int
     pp_rank: int
+    unregistered: bool = False  # the prefill rank does not know the sender: register again
 
 
 class Abort(msgspec.Struct, tag="abort"):

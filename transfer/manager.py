@@ -79,6 +79,7 @@ class KVManager:
         self._last_ping = 0.0
         self.pings_ignored = 0
         self.registrations_refused = 0  # RegisterPeers refused by the prefill side (`_on_register`)
+        self.registrations_evicted = 0  # idle decode registrations dropped for new ones (`max_decode_peers`)
         secret = self.settings.cluster_secret
         if secret is None:
             warn_unauthenticated(logger, f"the kv {self.side} manager's control plane")
@@ -154,7 +155,8 @@ class KVManager:
     def guard_stats(self) -> dict[str, int]:
         """What the control plane dropped and why, its sockets, and the pings left unanswered."""
         return {**self.control.stats(), "control_pings_ignored": self.pings_ignored,
-                "control_registrations_refused": self.registrations_refused}
+                "control_registrations_refused": self.registrations_refused,
+                "control_registrations_evicted": self.registrations_evicted}
 
     # ------------------------------------------------------------------ timeouts and heartbeats
     def _timer_loop(self) -> None:

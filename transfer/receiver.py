@@ -303,6 +303,7 @@ class KVReceiver(KVRoom):
         self._sent_at: float | None = None
         self._pending: set[tuple[int, int]] = set()  # (tp, pp) of the prefill ranks yet to report Success
         self._info_sent_to: set[str] = set()  # prefill ranks that have this room's TransferInfo
+        self._reregistered: set[str] = set()  # prefill ranks that forgot us during this room (registered again)
         self._drain: set[str] = set()  # after a failure: prefill ranks that may still write (no AbortAck yet)
         self._drain_since = 0.0
         # the role's check of the received metadata row (slot -> problem or None), run before Success
@@ -333,26 +334,31 @@ class KVReceiver(KVRoom):
 
     def _send_infos(self) -> None:
         """Register with each target prefill rank (once per manager) and send it the room's info."""
-        mgr, a = self.mgr, self.mgr.args
-        pages, meta, states = self._params
         for t in self._targets:
-            if not mgr._ensure_registered(t.addr):
-                self._fail(f"cannot reach prefill rank tp {t.tp_rank} at {t.addr}")
+            if not self._send_info(t):
                 return
-            info = TransferInfo(src=mgr.address, room=self.room, tp_rank=a.engine_rank, tp_size=a.tp_size,
-                                dst_page_indices=pages, metadata_index=meta, state_indices=states,
-                                expects_metadata=t.writes_metadata)
-            if not mgr.control.send(t.addr, info):
-                self._fail(f"cannot reach prefill rank tp {t.tp_rank} at {t.addr}")
-                return
-            self._info_sent_to.add(t.addr)
         self._sent_at = time.monotonic()
         self._status = KVPoll.Transferring
         logger.info("room %d: TransferInfo sent to %d prefill rank(s), %d pages", self.room, len(self._targets),
-                    len(pages))
+                    len(self._params[0]))
+
+    def _send_info(self, t: _Target) -> bool:
+        mgr, a = self.mgr, self.mgr.args
+        pages, meta, states = self._params
+        info = TransferInfo(src=mgr.address, room=self.room, tp_rank=a.engine_rank, tp_size=a.tp_size,
+                            dst_page_indices=pages, metadata_index=meta, state_indices=states,
+                            expects_metadata=t.writes_metadata)
+        if not (mgr._ensure_registered(t.addr) and mgr.control.send(t.addr, info)):
+            self._fail(f"cannot reach prefill rank tp {t.tp_rank} at {t.addr}")
+            return False
+        self._info_sent_to.add(t.addr)
+        return True
 
     def _on_status(self, msg: Status) -> None:
         if self._status in TERMINAL:
+            return
+        if not msg.ok and msg.unregistered and msg.src not in self._reregistered:
+            self._register_again(msg)
             return
         if not msg.ok:
             # tell the other prefill ranks of this room to stop writing into pages about to be freed
@@ -369,6 +375,17 @@ class KVReceiver(KVRoom):
         self._status = KVPoll.Success
         self.mgr._receivers.pop(self.room, None)
         logger.info("room %d: receiver Success", self.room)
+
+    def _register_again(self, msg: Status) -> None:
+        """The prefill rank forgot this manager (restarted, or evicted an idle registration) and kept
+        nothing of the room's TransferInfo: register again and resend it, once per rank and room."""
+        self._reregistered.add(msg.src)
+        self.mgr._registered_with.discard(msg.src)
+        logger.info("room %d: prefill rank tp %d at %s does not know this decode rank: registering again",
+                    self.room, msg.tp_rank, msg.src)
+        for t in self._targets:
+            if t.addr == msg.src and not self._send_info(t):
+                return
 
     def _check_room(self) -> str | None:
         """The received metadata row must hold this room (a row meant for another room means crossed wires)."""

@@ -168,6 +168,9 @@ class PrefillKVManager(KVManager):
                 logger.warning("decode peer %s: refused a RegisterPeer that differs from its registration while "
                                "it has live rooms", reg.src)
                 return
+            if old is None and not self._make_room_for_peer(reg.src):
+                return
+            self._decode_peers.pop(reg.src, None)  # re-inserted: the newest registration is evicted last
             self._decode_peers[reg.src] = _DecodePeer(reg, "", None, None, ready=False)
         self._register_pool.submit(self._complete_register, reg)
 
@@ -200,15 +203,44 @@ class PrefillKVManager(KVManager):
                         logger.exception("room %d: could not start after %s registered", room, reg.src)
                         self._fail_room(room, f"could not start: {type(e).__name__}: {e}", {})
 
-    def _on_peer_dead(self, addr: str, rooms: list[KVSender], reason: str) -> None:
-        for sender in rooms:
-            sender._fail(reason)
+    def _make_room_for_peer(self, src: str) -> bool:
+        """Under the lock: keep at most `max_decode_peers` registrations (whatever unauthenticated peers
+        send): evict the oldest one without rooms; it gets `Status(unregistered=True)` for its next
+        TransferInfo and registers again. False (refused, counted) if every registered peer has rooms."""
+        cap = self.settings.max_decode_peers
+        while len(self._decode_peers) >= cap:
+            idle = next((a for a in self._decode_peers if not self._has_rooms_with(a)), None)
+            if idle is None:
+                self.registrations_refused += 1
+                logger.warning("decode peer %s: refused, %d registered decode ranks all have rooms "
+                               "(PDSERVE_MAX_DECODE_PEERS)", src, cap)
+                return False
+            self.registrations_evicted += 1
+            logger.info("decode peer %s: registration evicted for %s (%d registered, PDSERVE_MAX_DECODE_PEERS)",
+                        idle, src, cap)
+            self._drop_decode_peer(idle)
+        return True
+
+    def _drop_decode_peer(self, addr: str) -> None:
+        """Under the lock: forget a decode rank; its engine peer is removed on the registration thread
+        (closing an endpoint may block, and this runs on the control or timer thread)."""
         peer = self._decode_peers.pop(addr, None)
         if peer is not None and peer.handle:
             try:
-                self.engine.remove_peer(peer.handle)
-            except Exception as e:
-                logger.warning("engine could not remove dead peer %s: %s", addr, e)
+                self._register_pool.submit(self._remove_engine_peer, addr, peer.handle)
+            except RuntimeError:  # closing: the engine's close() drops every peer
+                pass
+
+    def _remove_engine_peer(self, addr: str, handle) -> None:
+        try:
+            self.engine.remove_peer(handle)
+        except Exception as e:
+            logger.warning("engine could not remove decode peer %s: %s", addr, e)
+
+    def _on_peer_dead(self, addr: str, rooms: list[KVSender], reason: str) -> None:
+        for sender in rooms:
+            sender._fail(reason)
+        self._drop_decode_peer(addr)
 
     def _is_known_peer(self, addr: str) -> bool:
         return addr in self._decode_peers
@@ -227,10 +259,11 @@ class PrefillKVManager(KVManager):
         return live
 
     # ------------------------------------------------------------------ rooms
-    def _send_status(self, addr: str, room: int, reason: str | None) -> None:
+    def _send_status(self, addr: str, room: int, reason: str | None, unregistered: bool = False) -> None:
         """Tell a decode rank how the room ended here (reason None: Success)."""
         self.control.send(addr, Status(src=self.address, room=room, ok=reason is None, reason=reason or "",
-                                       tp_rank=self.args.engine_rank, pp_rank=self.args.pp_rank))
+                                       tp_rank=self.args.engine_rank, pp_rank=self.args.pp_rank,
+                                       unregistered=unregistered))
 
     def _send_ack(self, addr: str, room: int) -> None:
         """Tell a decode rank that no chunk job of `room` can write into its memory any more."""
@@ -247,9 +280,9 @@ class PrefillKVManager(KVManager):
                 return
             peer = self._decode_peers.get(info.src)
             if peer is None:
-                reason = "decode rank is not registered with this prefill rank (prefill restarted?)"
+                reason = "decode rank is not registered with this prefill rank (prefill restarted or peer evicted)"
                 reject(self, f"TransferInfo for room {room} from {info.src}", reason)
-                self._send_status(info.src, room, reason)
+                self._send_status(info.src, room, reason, unregistered=True)
                 return
             infos = self._infos.get(room, {})
             held = infos.get(info.tp_rank)

@@ -145,7 +145,9 @@ STAT_GAUGES = {
     "control_peers_open": "control-plane sockets open to peers",
     "control_peers_evicted": "control-plane sockets closed as least recently used (counter)",
     "control_pings_ignored": "pings from unknown senders left unanswered (counter)",
-    "control_registrations_refused": "RegisterPeers refused: would redirect a peer's live rooms (counter)",
+    "control_registrations_refused": "RegisterPeers refused: would redirect a peer's live rooms, or every "
+                                     "registered decode rank has rooms (counter)",
+    "control_registrations_evicted": "idle decode registrations dropped for new ones, PDSERVE_MAX_DECODE_PEERS (counter)",
     "bootstrap_dropped_unauthenticated": "bootstrap requests without a valid MAC, 401 (counter)",
     "bootstrap_dropped_stale_or_replayed": "bootstrap requests outside the time window or replayed, 401 (counter)",
     "bootstrap_dropped_oversized": "bootstrap requests over the body limit, 413 (counter)",

@@ -40,6 +40,7 @@ from transfer.role_common import PDRole
 from transfer.sender import KVSender
 
 MAX_PEERS = 64
+MAX_DECODE_PEERS = 32
 SPEC = {"seed": 21, "src_pages": [3, 4, 5, 9, 11, 17], "dst_pages": [7, 8, 2, 20, 21, 30], "chunks": [2, 4],
         "src_meta": 1, "dst_meta": 2, "src_state": [1, 3], "dst_state": [4, 0]}
 ROOMS = itertools.count(5_000_001)
@@ -132,7 +133,8 @@ def cluster(request, tmp_path_factory):
     srv = BootstrapServer("127.0.0.1", 0, secret=secret)
     srv.start()
     addr = f"127.0.0.1:{srv.port}"
-    settings = {**h.FAST, "control_max_peers": MAX_PEERS, "cluster_secret": secret}
+    settings = {**h.FAST, "control_max_peers": MAX_PEERS, "max_decode_peers": MAX_DECODE_PEERS,
+                "cluster_secret": secret}
     spec = {**SPEC, "backend": backend}
     built = []
     try:
@@ -385,6 +387,12 @@ def test_thousands_of_bogus_peers_keep_sockets_and_fds_bounded(cluster):
             assert c.stats(c.pm)["control_peers_open"] == before[c.pm]["control_peers_open"]  # none opened
         else:
             assert c.stats(c.pm)["control_peers_evicted"] > before[c.pm]["control_peers_evicted"]
+            # a thousand registrations keep at most MAX_DECODE_PEERS; the real decode's idle one was
+            # evicted with them, and the transfer below registers it again on its first TransferInfo
+            evicted = c.stats(c.pm)["control_registrations_evicted"] - before[c.pm]["control_registrations_evicted"]
+            assert evicted >= n // 3 - MAX_DECODE_PEERS
+            assert c.dm.address not in c.pm._decode_peers
+        assert len(c.pm._decode_peers) <= MAX_DECODE_PEERS
         assert max(c.stats(m)["control_peers_open"] for m in (c.pm, c.dm)) <= MAX_PEERS
     finally:
         attacker.close()
