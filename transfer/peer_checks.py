@@ -18,13 +18,15 @@ both values ("TransferInfo.metadata_index = 99, expected 0..15 (the decode's met
 * `check_bootstrap_addr(addr)`: a "host:port" the decode side can ask at all.
 
 `reject(mgr, what, reason)` counts a rejected value on the manager (`rejected_peer_values`, in the
-role's stats) and logs it once.
+role's stats) and logs it: at most `LOG_BURST` lines per second per manager, then one line saying how
+many were not logged (a flood of bad messages must not become a flood of log lines).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 ADDRESS_LIMIT = 1 << 64  # a buffer must end inside a 64-bit address space
 MAX_ITEMS = 1 << 32  # pages, metadata rows or state slots of one buffer
 MAX_BUFFERS = 1 << 14
+LOG_BURST = 20  # reject() lines per second per manager
 MAX_TP = 1 << 12
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]{1,253})$")
 
@@ -52,9 +55,21 @@ def _want(msg: str, field: str, got, want: str) -> str:
 
 def reject(mgr, what: str, reason: str) -> None:
     """Count a rejected peer value on `mgr` and log it (one line, naming the message and the room)."""
+    now = time.monotonic()
     with mgr._lock:
         mgr.rejected_peer_values = getattr(mgr, "rejected_peer_values", 0) + 1
-    logger.warning("kv %s: rejected %s: %s", mgr.side, what, reason)
+        start, logged, quiet = getattr(mgr, "_reject_log", (now, 0, 0))
+        if now - start >= 1.0:
+            if quiet:
+                logger.warning("kv %s: %d more rejected peer value(s) not logged in the last %.0fs", mgr.side,
+                               quiet, now - start)
+            start, logged, quiet = now, 0, 0
+        if logged < LOG_BURST:
+            logged += 1
+            logger.warning("kv %s: rejected %s: %s", mgr.side, what, reason)
+        else:
+            quiet += 1
+        mgr._reject_log = (start, logged, quiet)
 
 
 # ---------------------------------------------------------------------------------------- RegisterPeer

@@ -377,3 +377,24 @@ def test_unusable_bootstrap_address_fails_its_room_not_the_resolver(pair, addr):
     _resolver_fails(pair, addr, "is not host:port")
     healthy(pair)
 
+
+
+def test_a_flood_of_rejections_is_counted_in_full_and_logged_in_bursts(caplog, monkeypatch):
+    import threading
+    from types import SimpleNamespace
+
+    from transfer import peer_checks
+
+    clock = [100.0]
+    monkeypatch.setattr(peer_checks.time, "monotonic", lambda: clock[0])
+    mgr = SimpleNamespace(_lock=threading.Lock(), side="prefill")
+    with caplog.at_level("WARNING", logger="transfer.peer_checks"):
+        for i in range(500):
+            peer_checks.reject(mgr, f"TransferInfo for room {i}", "bad")
+        assert len(caplog.records) == peer_checks.LOG_BURST
+        clock[0] += 1.5
+        peer_checks.reject(mgr, "TransferInfo for room 500", "bad")
+    lines = [r.getMessage() for r in caplog.records]
+    assert mgr.rejected_peer_values == 501
+    assert f"{500 - peer_checks.LOG_BURST} more rejected peer value(s) not logged" in lines[-2]
+    assert lines[-1].endswith("room 500: bad")
