@@ -16,6 +16,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import random
 import re
 import socket
 import stat
@@ -98,6 +99,23 @@ def ask(cluster: Cluster) -> None:
     assert status == 200 and body["usage"]["completion_tokens"] == 3, (status, body)
 
 
+def junk(found: list[Listener], size: int = 4096) -> None:
+    """Random bytes to every listener: a TCP connection that writes `size` bytes and closes, a datagram."""
+    rng = random.Random(13)
+    for lst in found:
+        data = rng.randbytes(size)
+        family = socket.AF_INET6 if ":" in lst.ip else socket.AF_INET
+        try:
+            if lst.kind == "tcp":
+                with socket.create_connection((lst.ip, lst.port), timeout=2) as s:
+                    s.sendall(data)
+            else:
+                with socket.socket(family, socket.SOCK_DGRAM) as s:
+                    s.sendto(data[:512], (lst.ip, lst.port))
+        except OSError:
+            pass  # a listener that hangs up on garbage is doing its job
+
+
 def tree_listeners(pid: int) -> list[tuple[str, int]]:
     root = psutil.Process(pid)
     return [(c.laddr.ip, c.laddr.port) for p in (root, *root.children(recursive=True))
@@ -162,6 +180,11 @@ def test_local_cluster_listens_on_loopback_only(tiny_model_dir, tmp_path):
         assert stat.S_IMODE(os.stat(cluster.cluster_secret_file).st_mode) == 0o600
         for c in cluster.children:
             assert "no cluster secret" not in Path(c.log_path).read_text(errors="replace"), c.name
+
+        # an attacker on the host sends a few kilobytes of random bytes to every port: the cluster serves on
+        junk(found)
+        ask(cluster)
+        assert all(c.proc.poll() is None for c in cluster.children), "a child died of random bytes"
 
         bare = bare_router_listeners(cluster, tmp_path)
         assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in bare), f"router defaults listen on {bare}"
