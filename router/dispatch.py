@@ -26,7 +26,16 @@ from router.upstream import Pool
 
 log = logging.getLogger("router.dispatch")
 
-RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
+# A worker's answer decides what happens next:
+# * 429 (the node's queue is full) goes back to the client as it is, with its Retry-After: no retry (a retry
+#   storm is what turns an overloaded cluster into a dead one);
+# * 503 and 408 (an overloaded or timed-out node) are retried once, on another worker, when there is one;
+# * 500, 502, 504 and broken connections (a worker that is broken) are retried up to --retry-max-retries.
+# Only the last kind counts as a failure for the worker's circuit breaker; an overload answer counts as
+# neither a failure nor a success.
+RETRYABLE = frozenset({500, 502, 504})
+RETRY_ONCE = frozenset({408, 503})
+OVERLOAD = frozenset({408, 429, 503})
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 _DONE = b"data: [DONE]\n\n"
@@ -51,6 +60,7 @@ class Failure:
     worker: Worker | None = None
     body: bytes | None = None
     content_type: str | None = None
+    retry_after: str | None = None  # the worker's Retry-After header
 
     @property
     def retryable(self) -> bool:
@@ -58,6 +68,10 @@ class Failure:
 
     def response(self, request_id: str) -> web.Response:
         headers = {"X-Request-ID": request_id}
+        if self.retry_after is not None:
+            headers["Retry-After"] = _header_value(self.retry_after).decode("latin-1")
+        elif self.status == 429:
+            headers["Retry-After"] = "1"
         if self.body is not None:  # the worker's own answer, status and body preserved
             return web.Response(body=self.body, status=self.status, headers=headers,
                                 content_type=(self.content_type or "application/json").split(";")[0])
@@ -73,14 +87,15 @@ class Trace:
     first_byte: float = 0.0
 
 
-def leg_failure(status: int, leg: str, w: Worker, body: bytes, ctype: str | None) -> Failure:
+def leg_failure(status: int, leg: str, w: Worker, body: bytes, ctype: str | None,
+                retry_after: str | None = None) -> Failure:
     """A worker's error answer, passed on as it is, except a refusal of the router's own credentials: the
     client's key was fine, so it gets a 502 that says what to fix, not the worker's 401."""
     if status in (401, 403):
         log.error("%s worker %s refused the router's credentials (%d): check the node key", leg, w.url, status)
         return Failure(502, f"{leg} worker {w.url} refused the router's credentials ({status}); the router's "
                             "node key (--node-api-key-file / PDSERVE_NODE_API_KEY) does not match the worker's", w)
-    return Failure(status, f"{leg} worker {w.url} answered {status}", w, body, ctype)
+    return Failure(status, f"{leg} worker {w.url} answered {status}", w, body, ctype, retry_after)
 
 
 def _any_https(cfg: RouterConfig) -> bool:
@@ -199,7 +214,17 @@ class Dispatcher:
         self._spawn(self._abort_on(w, rids))
 
     @staticmethod
-    def _leg_done(w: Worker, task: asyncio.Task) -> None:
+    def _record(w: Worker, status: int) -> None:
+        """A worker's answer, for its circuit breaker: 5xx but an overload answer is a failure."""
+        if status in OVERLOAD:
+            return  # busy, not broken
+        ok = status < 500
+        w.breaker.record(ok)
+        if not ok:
+            w.errors += 1
+
+    @classmethod
+    def _leg_done(cls, w: Worker, task: asyncio.Task) -> None:
         w.active -= 1
         if task.cancelled():
             return
@@ -208,10 +233,7 @@ class Dispatcher:
             w.errors += 1
             w.breaker.record(False)
         else:
-            status = task.result()[0]
-            w.breaker.record(status < 500)
-            if status >= 500:
-                w.errors += 1
+            cls._record(w, task.result()[0])
 
     def _start_leg(self, w: Worker, coro) -> asyncio.Task:
         w.active += 1
@@ -235,14 +257,16 @@ class Dispatcher:
             if url not in urls:
                 self.pools.pop(url).close()
 
-    async def _fetch(self, w: Worker, path: str, payload: bytes, headers: bytes) -> tuple[int, bytes, str | None]:
+    async def _fetch(self, w: Worker, path: str, payload: bytes,
+                     headers: bytes) -> tuple[int, bytes, str | None, str | None]:
+        """(status, body, content type, Retry-After) of one leg."""
         resp = await self._pool(w).request(path, payload, headers)
         try:
             body = await resp.read()
         except BaseException:
             resp.close()
             raise
-        return resp.status, body, resp.headers.get("content-type")
+        return resp.status, body, resp.headers.get("content-type"), resp.headers.get("retry-after")
 
     async def _open_stream(self, w: Worker, path: str, payload: bytes, headers: bytes):
         resp = await self._pool(w).request(path, payload, headers)
@@ -260,9 +284,9 @@ class Dispatcher:
         if exc is not None:
             status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
             return Failure(status, f"{leg} worker {w.url} failed: {exc!r}", w)
-        status, body, ctype = task.result()
+        status, body, ctype, retry_after = task.result()
         if status >= 300:
-            return leg_failure(status, leg, w, body, ctype)
+            return leg_failure(status, leg, w, body, ctype, retry_after)
         return None
 
     def _backoff(self, attempt: int) -> float:
@@ -281,6 +305,7 @@ class Dispatcher:
                 headers += b"Authorization: " + _header_value(auth) + b"\r\n"
         failure: Failure | None = None
         exclude: tuple[Worker, ...] = ()
+        overload_retried = False
         for attempt in range(self.cfg.max_attempts):
             if attempt:
                 self.metrics.retries += 1
@@ -302,12 +327,29 @@ class Dispatcher:
                 trace.status = result.status
                 return result
             failure = result
-            log.warning("request %s attempt %d failed: %s", request_id, attempt + 1, failure.message)
-            if not failure.retryable:
+            if failure.status in RETRY_ONCE:  # an overloaded node: one more try, elsewhere
+                retry = not overload_retried and self._other_available(failure.worker)
+                overload_retried = True
+            else:
+                retry = failure.retryable
+            if retry and attempt + 1 < self.cfg.max_attempts:
+                log.warning("request %s attempt %d failed, retrying: %s", request_id, attempt + 1, failure.message)
+            elif failure.status not in OVERLOAD:
+                log.warning("request %s attempt %d failed: %s", request_id, attempt + 1, failure.message)
+            if not retry:
                 break
             exclude = (failure.worker,) if failure.worker is not None else ()
         trace.status = failure.status
+        if failure.status in OVERLOAD and failure.body is not None:
+            self.metrics.overload_passed += 1
         return failure.response(request_id)
+
+    def _other_available(self, w: Worker | None) -> bool:
+        """Whether a worker of `w`'s kind other than `w` can take a request."""
+        if w is None:
+            return False
+        workers = self.registry.prefill if w.kind == "prefill" else self.registry.decode
+        return any(x is not w and x.available for x in workers)
 
     # ------------------------------------------------------------------------------ non-streaming
 
@@ -328,7 +370,7 @@ class Dispatcher:
             if fail is not None:
                 self._abandon(p_task, p, ids)
                 return fail
-            status, body, ctype = d_task.result()
+            status, body, ctype, _ = d_task.result()
             if req.return_logprob:
                 await asyncio.wait((p_task,))
                 if p_task.exception() is None and p_task.result()[0] < 300:
@@ -380,9 +422,10 @@ class Dispatcher:
                 return self._failure(d_task, d, "decode")
             status, resp, first, err_body = d_task.result()
             if err_body is not None:
-                d.breaker.record(status < 500)
+                self._record(d, status)
                 self._abandon(p_task, p, ids)
-                return leg_failure(status, "decode", d, err_body, resp.headers.get("content-type"))
+                return leg_failure(status, "decode", d, err_body, resp.headers.get("content-type"),
+                                   resp.headers.get("retry-after"))
             merger = None
             if req.return_logprob:  # the prompt logprobs come from the prefill leg: wait for its answer
                 await asyncio.wait((p_task,))

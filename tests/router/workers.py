@@ -13,6 +13,7 @@ every abort, and its behaviour is set at runtime through `POST /debug/config`:
   chunk_delay  seconds between streamed events
   break_after  close the connection after this many streamed events (-1: never)
   load         num_tokens reported by /get_load
+  retry_after  Retry-After header of error answers (None: none)
 
 `GET /debug/received` returns {"requests": [...], "aborts": [...]}; `POST /debug/reset` clears them.
 Run: python workers.py --port P --role prefill|decode [--bootstrap-port N] [--no-record]
@@ -28,7 +29,7 @@ import time
 from aiohttp import web
 
 DEFAULTS = {"status": 200, "health": 200, "hold": 0, "delay": 0.0, "chunks": 3, "chunk_delay": 0.0,
-            "break_after": -1, "load": 0}
+            "break_after": -1, "load": 0, "retry_after": None}
 
 
 class Recorder:
@@ -142,8 +143,9 @@ class Recorder:
         status = cfg["status"]
         if status >= 300:
             entry["done"] = True
+            headers = {"Retry-After": str(cfg["retry_after"])} if cfg["retry_after"] is not None else None
             return web.json_response({"error": {"message": f"{self.name} says {status}", "type": "worker_error",
-                                                "code": status}}, status=status)
+                                                "code": status}}, status=status, headers=headers)
         if not body.get("stream"):
             entry["done"] = True
             if isinstance(body.get("text"), list):
