@@ -34,6 +34,7 @@ from common.server.security import (
 )
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, NoWorkers, Trace, error_response
+from router.limits import Admission, Rejected, check_length, read_body
 from router.metrics import Metrics
 from router.policies import make_policy
 from router.registry import PREFILL, Registry, RegistryError
@@ -71,7 +72,9 @@ class RouterApp:
         self.routes = self._routes()
         self.access = access_table(self.routes)
         self.id_headers = cfg.request_id_headers
-        self.limit = asyncio.Semaphore(cfg.max_concurrent_requests) if cfg.max_concurrent_requests > 0 else None
+        self.admission = Admission(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_secs,
+                                   cfg.rate_limit_tokens_per_second)
+        self.metrics.admission = self.admission
 
     def _workers_changed(self) -> None:
         urls = {w.url for w in self.registry.all()}
@@ -116,21 +119,31 @@ class RouterApp:
         rid = request["request_id"]
         trace = Trace()
         status = 499
+        admitted = False
         try:
-            body = await request.read()
+            try:
+                check_length(request, self.cfg.max_payload_size)  # before queueing: nothing read
+                await self.admission.acquire()
+                admitted = True
+                body = await read_body(request, self.cfg.max_payload_size)
+            except Rejected as e:
+                trace.status = status = e.status
+                resp = error_response(e.status, e.message, headers=e.headers)
+                if e.status == 413:  # the rest of the body is not wanted: no keep-alive on this connection
+                    self.admission.rejected[e.reason] += 1
+                    resp.force_close()
+                return resp
             try:
                 req = parse(path, body, self.dispatcher.need_text)
             except BadRequest as e:
                 trace.status = status = 400
                 return error_response(400, str(e))
-            if self.limit is None:
-                resp = await self.dispatcher.handle(request, req, rid, trace)
-            else:
-                async with self.limit:
-                    resp = await self.dispatcher.handle(request, req, rid, trace)
+            resp = await self.dispatcher.handle(request, req, rid, trace)
             status = trace.status
             return resp
         finally:
+            if admitted:
+                self.admission.release()
             t1 = time.perf_counter()
             self.metrics.observe(path, status, t1 - t0)
             first = (trace.first_byte or t1) - t0
@@ -190,6 +203,8 @@ class RouterApp:
         info = await self._first_prefill_get(("/server_info", "/get_server_info"))
         if info is None:
             return error_response(503, "no prefill server available")
+        if isinstance(info, dict):  # a prefill worker's, plus the router's own admission counters
+            info["router"] = self.admission.describe()
         return json_response(info)
 
     async def model_info(self, request):

@@ -14,8 +14,8 @@ from router.registry import check_worker_url
 POLICIES = ["random", "round_robin", "cache_aware", "power_of_two"]
 
 # sglang-router flags that are accepted (scripts written for it keep working) but change nothing here
-_NO_EFFECT = ("dp_aware", "enable_igw", "mini_lb", "cors_allowed_origins", "queue_size", "queue_timeout_secs",
-              "rate_limit_tokens_per_second", "shutdown_grace_period_secs", "prometheus_duration_buckets",
+_NO_EFFECT = ("dp_aware", "enable_igw", "mini_lb", "cors_allowed_origins", "shutdown_grace_period_secs",
+              "prometheus_duration_buckets",
               "model_path", "tokenizer_path", "chat_template", "bucket_adjust_interval_secs", "max_idle_secs",
               "assignment_mode", "enable_trace", "otlp_traces_endpoint")
 
@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-tree-size", type=int, default=d.max_tree_size)
     a("--load-check-interval-secs", type=float, default=d.load_check_interval_secs,
       help="how often power_of_two polls the workers' /get_load")
-    a("--max-payload-size", type=int, default=d.max_payload_size)
+    a("--max-payload-size", type=int, default=d.max_payload_size,
+      help="largest generation request body in bytes (default 512 MiB, sglang-router's); a larger declared "
+      "Content-Length is a 413 before any byte is read, a chunked body is cut off at the limit")
     a("--worker-startup-timeout-secs", type=float, default=d.worker_startup_timeout_secs)
     a("--worker-startup-check-interval", type=float, default=d.worker_startup_check_interval)
     a("--health-failure-threshold", type=int, default=d.health_failure_threshold)
@@ -78,7 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cluster-secret-file", default=None, help="file holding the cluster secret, the same one every node "
       "uses (one line, >= 16 bytes; a second line, the previous secret, is accepted during a rotation) "
       "(or $PDSERVE_CLUSTER_SECRET_FILE)")
-    a("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
+    a("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
+      help="generation requests in flight at once (-1, the default: no limit); a request keeps its place "
+      "until its answer (stream included) has ended; the rest wait in the queue")
+    a("--queue-size", type=int, default=d.queue_size,
+      help="requests that may wait for a place, first come first served (default 100); when full, or 0, "
+      "the answer is 429 with Retry-After")
+    a("--queue-timeout-secs", type=float, default=d.queue_timeout_secs,
+      help="longest wait in the queue (default 60 s); then the answer is 408")
+    a("--rate-limit-tokens-per-second", type=float, default=d.rate_limit_tokens_per_second,
+      help="request-rate limit: a token bucket of --max-concurrent-requests tokens (this rate when that "
+      "is off) refilled at this rate; each admitted request takes one (default: no rate limit)")
     a("--prometheus-host", default=d.prometheus_host, help="address of the metrics server (default: --host)")
     a("--prometheus-port", type=int, default=d.prometheus_port, help="0 disables the separate metrics server")
     a("--log-level", choices=["debug", "info", "warn", "error"], default=d.log_level)
@@ -87,9 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dp-aware", action="store_true")
     a("--enable-igw", action="store_true")
     a("--cors-allowed-origins", nargs="*", default=[])
-    a("--queue-size", type=int, default=None)
-    a("--queue-timeout-secs", type=float, default=None)
-    a("--rate-limit-tokens-per-second", type=float, default=None)
     a("--shutdown-grace-period-secs", type=float, default=None)
     a("--prometheus-duration-buckets", nargs="+", type=float, default=None)
     a("--model-path", default=None)
@@ -141,6 +150,14 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     cfg.request_id_headers = tuple(h.lower() for h in ns.request_id_headers) if ns.request_id_headers \
         else DEFAULT_REQUEST_ID_HEADERS
     cfg.pd_disaggregation = True
+    if cfg.queue_size < 0:
+        raise ValueError(f"--queue-size must be >= 0, got {cfg.queue_size}")
+    if cfg.queue_timeout_secs <= 0:
+        raise ValueError(f"--queue-timeout-secs must be > 0, got {cfg.queue_timeout_secs:g}")
+    if cfg.rate_limit_tokens_per_second is not None and cfg.rate_limit_tokens_per_second <= 0:
+        raise ValueError(f"--rate-limit-tokens-per-second must be > 0, got {cfg.rate_limit_tokens_per_second:g}")
+    if cfg.max_payload_size <= 0:
+        raise ValueError(f"--max-payload-size must be > 0, got {cfg.max_payload_size}")
     for name, policy in (("prefill", cfg.effective_prefill_policy), ("decode", cfg.effective_decode_policy)):
         n = len(cfg.prefill if name == "prefill" else cfg.decode)
         if policy == "power_of_two" and 0 < n < 2:

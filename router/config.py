@@ -37,7 +37,7 @@ class RouterConfig:
     max_tree_size: int = 2**26
     # power_of_two: how often /get_load is polled
     load_check_interval_secs: float = 5.0
-    max_payload_size: int = 512 * 2**20
+    max_payload_size: int = 512 * 2**20  # sglang-router's default; enforced while the body is read
     # worker start-up
     worker_startup_timeout_secs: float = 1800.0
     worker_startup_check_interval: float = 30.0
@@ -65,7 +65,11 @@ class RouterConfig:
     request_timeout_secs: float = 1800.0
     request_id_headers: tuple[str, ...] = DEFAULT_REQUEST_ID_HEADERS
     api_key: str | None = field(default=None, repr=False)  # --api-key VALUE (sglang-router's flag)
+    # admission (router/limits.py), sglang-router's flags and defaults; -1: no concurrency limit
     max_concurrent_requests: int = -1
+    queue_size: int = 100
+    queue_timeout_secs: float = 60.0
+    rate_limit_tokens_per_second: float | None = None  # None: no request-rate limit
     # keys by role and TLS (common/server/security.py); `keys` is what cli.py read from them
     api_key_file: str | None = None
     admin_api_key_file: str | None = None

@@ -18,6 +18,8 @@ class Metrics:
         self.orphan_aborts = 0
         self.client_disconnects = 0
         self.stream_errors = 0
+        self.overload_passed = 0  # workers' 429/503 answers given to the client as they were
+        self.admission = None  # router.limits.Admission, set by the app
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         self.requests[(route, status)] += 1
@@ -46,6 +48,17 @@ class Metrics:
                             ("stream_errors_total", self.stream_errors)):
             out.append(f"# TYPE pdserve_router_{name} counter")
             out.append(f"pdserve_router_{name} {value}")
+        out.append("# TYPE pdserve_router_worker_overload_answers_total counter")
+        out.append(f"pdserve_router_worker_overload_answers_total {self.overload_passed}")
+        adm = self.admission
+        if adm is not None:
+            out.append("# TYPE pdserve_router_in_flight_requests gauge")
+            out.append(f"pdserve_router_in_flight_requests {adm.in_flight}")
+            out.append("# TYPE pdserve_router_queued_requests gauge")
+            out.append(f"pdserve_router_queued_requests {adm.queued}")
+            out.append("# TYPE pdserve_router_rejected_requests_total counter")
+            for reason in ("concurrency", "queue_full", "queue_timeout", "rate_limit", "payload_too_large"):
+                out.append(f'pdserve_router_rejected_requests_total{{reason="{reason}"}} {adm.rejected[reason]}')
         gauges = (("worker_healthy", lambda w: int(w.healthy)), ("worker_active_requests", lambda w: w.active),
                   ("worker_circuit_state", lambda w: _CB_STATE[w.breaker.state]),
                   ("worker_requests_total", lambda w: w.requests), ("worker_errors_total", lambda w: w.errors),
