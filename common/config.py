@@ -66,6 +66,14 @@ class ServerArgs:
     min_new_token_ratio: float = _f(0.1, "lowest value new_token_ratio decays to")
     new_token_ratio_decay_steps: int = _f(600, "decode steps for new_token_ratio to decay from init to min")
     stream_interval: int = _f(1, "stream an update every N decoded tokens")
+    # liveness
+    request_timeout: float | None = _f(
+        None, "seconds a request may take from arrival to its last token; past it the request is aborted "
+        "and answered 504 (default: no limit, as batch jobs want)")
+    watchdog_timeout: float = _f(
+        300.0, "seconds a scheduler rank may go without finishing a loop iteration (a hung forward or "
+        "collective): it logs every thread's stack and exits, and the node answers 503 and fails its "
+        "requests (0: off)")
     # disaggregation
     disaggregation_mode: str = _f("null", "role of this node", choices=("null", "prefill", "decode"))
     disaggregation_bootstrap_port: int = _f(8998, "port of the prefill node's bootstrap server")
@@ -130,6 +138,10 @@ class ServerArgs:
             raise bad("chunked-prefill-size", f"must be -1 or >= the page size ({ps})")
         if self.max_prefill_tokens < 1:
             raise bad("max-prefill-tokens", "must be >= 1")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise bad("request-timeout", f"must be > 0 seconds, got {self.request_timeout}")
+        if not self.watchdog_timeout >= 0:
+            raise bad("watchdog-timeout", f"must be >= 0 seconds (0: off), got {self.watchdog_timeout}")
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise bad("init-new-token-ratio", "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
         if self.context_length is not None and self.context_length < 1:
