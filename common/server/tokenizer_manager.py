@@ -76,6 +76,7 @@ class ReqState:
     input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     released: bool = False
+    deadline: asyncio.TimerHandle | None = None  # --request-timeout
 
     @property
     def text(self) -> str:
@@ -184,7 +185,9 @@ class TokenizerManager:
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as e:
-                logger.error("ZMQ receive failed: %s", e)
+                # nothing more can arrive: every live request would wait forever
+                logger.error("ZMQ receive from the scheduler failed: %s", e)
+                self.mark_dead(f"the front end lost its scheduler (ZMQ receive failed: {e})")
                 return
             try:
                 msg = self._decoder.decode(data)
@@ -357,7 +360,25 @@ class TokenizerManager:
                 for s in states:
                     self.states.pop(s.rid, None)
                 raise
+        timeout = getattr(self.args, "request_timeout", None)
+        if timeout:
+            loop = asyncio.get_running_loop()
+            for st in states:
+                st.deadline = loop.call_later(timeout, self._expire, st, timeout)
         return states, notify
+
+    def _expire(self, st: ReqState, timeout: float) -> None:
+        """--request-timeout passed: abort the request in the scheduler and answer 504 now, whether or
+        not the scheduler still answers (its later updates for this rid are ignored)."""
+        if st.finished:
+            return
+        message = f"request timed out after {timeout:g}s (--request-timeout)"
+        logger.warning("rid=%s %s", st.rid, message)
+        try:
+            self._send(AbortRequest(rid=st.rid, message=message))
+        except ServiceUnavailable:
+            pass
+        self._finish(st, {"type": "abort", "message": message}, 504)
 
     async def wait(self, states: list[ReqState], notify: asyncio.Event) -> None:
         """Return when something changed in one of the states (or at once when all are finished)."""
@@ -384,6 +405,8 @@ class TokenizerManager:
         if st.released:
             return
         st.released = True
+        if st.deadline is not None:
+            st.deadline.cancel()
         if not st.finished:
             try:
                 self._send(AbortRequest(rid=st.rid, message="client disconnected"))
