@@ -23,6 +23,7 @@ import zmq
 from common.config import ServerArgs
 from common.log import setup_logging
 from common.protocol import BatchOut, ReqUpdate, ToScheduler
+from common.scheduler.watchdog import Watchdog
 
 logger = logging.getLogger("scheduler")
 
@@ -179,8 +180,9 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: I
     gc.collect()
     gc.freeze()
     code = 0
+    watchdog = Watchdog(args.watchdog_timeout, f"scheduler-tp{tp_rank}").start()
     try:
-        scheduler.event_loop()
+        scheduler.event_loop(beat=watchdog.beat)
     except Exception as e:
         code = 1
         logger.error("scheduler loop crashed: %s\n%s", e, traceback.format_exc())
@@ -196,6 +198,7 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: I
             except Exception:
                 pass
     finally:
+        watchdog.stop()
         comm.close()
         try:
             import torch.distributed as dist

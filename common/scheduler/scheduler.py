@@ -487,10 +487,13 @@ class Scheduler:
     def recv_requests(self, timeout_ms: int) -> list:
         return self.comm.recv(timeout_ms) if self.comm is not None else []
 
-    def event_loop(self) -> None:
+    def event_loop(self, beat=None) -> None:
+        """Serve until told to stop; `beat()` (the watchdog's) runs once per iteration."""
         ran = False
         try:
             while not self.stopping:
+                if beat is not None:
+                    beat()
                 # block on the socket when there is nothing to do; right after a forward, with more
                 # forwards to run, do not wait at all; otherwise (waiting on memory or on a transfer)
                 # wait a little instead of spinning on the CPU the forwards need

@@ -28,6 +28,7 @@ import time
 from aiohttp import web
 
 from common.log import setup_logging
+from common.scheduler.watchdog import describe_exit
 
 logger = logging.getLogger("server")
 
@@ -122,7 +123,8 @@ async def _serve(args, tm, procs, model_dir: str, keys, ssl_context) -> None:
         while True:
             for r, p in enumerate(procs):
                 if not p.is_alive():
-                    reason = f"scheduler rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+                    why = describe_exit(p.exitcode, args.watchdog_timeout) or f"exited with code {p.exitcode}"
+                    reason = f"scheduler rank {r} (pid {p.pid}) {why}"
                     if tm.healthy:
                         logger.error("%s; /health now answers 503", reason)
                         tm.mark_dead(reason)

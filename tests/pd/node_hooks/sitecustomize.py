@@ -9,12 +9,14 @@ that acts on it (renamed to `<name>.taken`), so it fires once:
   engine, until `gate_release` exists (a write in progress, held as long as the test needs);
 * `bad_token` (holding a number): the next metadata row a prefill writes carries that first token;
 * `raise`: the next metadata row write raises (an exception inside the role's on_prefill_done).
+* `hang_forward`: the next forward of a scheduler rank never returns (a hung kernel or collective).
 
 PDSERVE_TEST_NO_QUARANTINE=1 makes a decode node free an aborted room's memory at once, as before the
 quarantine existed (to show that a test catches what the quarantine prevents).
 """
 
 import os
+import sys
 import time
 
 _DIR = os.environ.get("PDSERVE_TEST_HOOKS_DIR")
@@ -70,5 +72,21 @@ def _install() -> None:
         quarantine.QuarantinedRoom.poll = lambda self: KVPoll.Success
 
 
+def _install_in_scheduler() -> None:
+    import common.runner as runner
+
+    run = runner.ModelRunner.run
+
+    def hung_run(self, batch):
+        if batch is not None and _take("hang_forward") is not None:
+            while True:
+                time.sleep(1)
+        return run(self, batch)
+
+    runner.ModelRunner.run = hung_run
+
+
 if _DIR:
     _install()
+    if "--multiprocessing-fork" in sys.argv:  # a scheduler rank
+        _install_in_scheduler()
