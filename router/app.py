@@ -335,6 +335,11 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
              "https" if tls_in else "http", cfg.host, cfg.port, cfg.effective_prefill_policy,
              cfg.effective_decode_policy, len(cfg.prefill), len(cfg.decode), ra.keys)
     ra.keys.announce(log, ADMIN_ROUTES)
+    if ra.admission.enabled:
+        a = ra.admission
+        log.info("admission: --max-concurrent-requests %d, --queue-size %d, --queue-timeout-secs %g, "
+                 "--rate-limit-tokens-per-second %s", a.max_concurrent or -1, a.queue_size, a.queue_timeout,
+                 f"{a.bucket.rate:g}" if a.bucket else "off")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:

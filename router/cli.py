@@ -186,6 +186,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in _NO_EFFECT:
         if getattr(ns, name, None) not in (None, False, []):
             log.warning("--%s is accepted for sglang-router compatibility and has no effect", name.replace("_", "-"))
+    if cfg.max_concurrent_requests <= 0 and cfg.rate_limit_tokens_per_second is None:
+        d = RouterConfig()
+        for flag, value, default in (("queue-size", cfg.queue_size, d.queue_size),
+                                     ("queue-timeout-secs", cfg.queue_timeout_secs, d.queue_timeout_secs)):
+            if value != default:
+                log.warning("--%s has no effect without --max-concurrent-requests or "
+                            "--rate-limit-tokens-per-second", flag)
     from router.app import run
 
     try:
