@@ -32,7 +32,9 @@ class ServerArgs:
     tokenizer: str | None = _f(None, "tokenizer directory (default: the model's)", ("--tokenizer", "--tokenizer-path"))
     served_model_name: str | None = _f(None, "model name reported by /v1/models (default: the model's name)")
     context_length: int | None = _f(None, "maximum tokens per request, prompt + output (default: the model's)")
-    dtype: str = _f("float32", "compute dtype; CPU runs use float32", choices=("float32", "bfloat16", "float16"))
+    dtype: str = _f("auto", "compute dtype: auto, float32 or float (all float32, the one this CPU build "
+                    "computes fast); bfloat16/float16/half are refused (no fast half-precision matmul on CPU)",
+                    choices=("auto", "float32", "float", "bfloat16", "float16", "half"))
     # serving
     host: str = _f("127.0.0.1", "HTTP host")
     port: int = _f(30000, "HTTP port")
@@ -138,6 +140,9 @@ class ServerArgs:
             raise bad("chunked-prefill-size", f"must be -1 or >= the page size ({ps})")
         if self.max_prefill_tokens < 1:
             raise bad("max-prefill-tokens", "must be >= 1")
+        if self.dtype in ("bfloat16", "float16", "half"):
+            raise bad("dtype", f"{self.dtype} is not supported: the CPU kernels compute in float32 (a half-precision "
+                      "matmul runs ~100x slower on an AVX2 CPU); use --dtype auto or float32")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise bad("request-timeout", f"must be > 0 seconds, got {self.request_timeout}")
         if not self.watchdog_timeout >= 0:
