@@ -194,3 +194,14 @@ def test_decode_receiver_fails_fast_when_the_bootstrap_server_is_gone():
         assert "unreachable" in recv.failure_exception().reason and dead in recv.failure_exception().reason
     finally:
         mgr.close()
+
+
+def test_node_flags_win_over_the_environment(monkeypatch):
+    from common.config import ServerArgs
+    from transfer.role_common import node_settings
+
+    monkeypatch.setenv("PDSERVE_TRANSFER_DEVICES", "mlx5_9")
+    monkeypatch.setenv("PDSERVE_WAITING_TIMEOUT", "40")
+    s = node_settings(ServerArgs(disaggregation_ib_device="mlx5_0,mlx5_1", disaggregation_bootstrap_timeout=12.0))
+    assert (s.device_name, s.bootstrap_timeout, s.waiting_timeout) == ("mlx5_0,mlx5_1", 12.0, 40.0)
+    assert node_settings(ServerArgs()).device_name == "mlx5_9"  # no flag: the environment's
