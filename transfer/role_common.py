@@ -59,11 +59,17 @@ def build_kv_manager(args, runner, metadata: MetadataBuffers, tp_rank: int, tp_s
     """The `role`'s KV manager for this rank's share of the KV heads (and hybrid state), with the
     node's timeouts (flags win over the environment); a prefill rank passes its `bootstrap_addr`."""
     kv_args = KVArgs.from_runner(runner, metadata, engine_rank=tp_rank, tp_size=tp_size)
-    settings = TransferSettings.from_env(bootstrap_timeout=args.disaggregation_bootstrap_timeout,
-                                         waiting_timeout=args.disaggregation_waiting_timeout,
-                                         cluster_secret=getattr(args, "cluster_secret", None))
     where = {"bootstrap_addr": bootstrap_addr} if bootstrap_addr else {}
-    return MANAGERS[role](kv_args, args.transfer_backend, settings=settings, host=advertised_host(args.host), **where)
+    return MANAGERS[role](kv_args, args.transfer_backend, settings=node_settings(args),
+                          host=advertised_host(args.host), **where)
+
+
+def node_settings(args) -> TransferSettings:
+    """The transfer settings of a node: the environment's, with the node's flags winning."""
+    return TransferSettings.from_env(bootstrap_timeout=args.disaggregation_bootstrap_timeout,
+                                     waiting_timeout=args.disaggregation_waiting_timeout,
+                                     device_name=args.disaggregation_ib_device,
+                                     cluster_secret=getattr(args, "cluster_secret", None))
 
 
 @dataclass
