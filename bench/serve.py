@@ -477,14 +477,17 @@ def main(argv: list[str] | None = None) -> int:
         progress=not ns.disable_tqdm))
     summary = summarize(results, duration, ns.slo_ttft_ms, ns.slo_tpot_ms)
     print(format_summary("serving benchmark", summary))
-    plot = ns.plot or (ns.json.rsplit(".", 1)[0] + ".png" if ns.json else None)
-    if plot:
-        plot_cdfs({"run": results}, plot, f"pdserve bench serve: {ns.dataset}, {len(requests)} requests")
-        print(f"wrote {plot}")
     config = {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(ns).items()}
     config.update(model=model, tokenizer=tok_path, argv=list(argv) if argv is not None else sys.argv[1:])
     figures = {"config": config, "summary": summary, "requests": result_rows(results)}
     write_report(ns.json, "serve", figures, {})
+    plot = ns.plot or (ns.json.rsplit(".", 1)[0] + ".png" if ns.json else None)
+    if plot:  # after the JSON: a missing plotting library never loses the figures
+        try:
+            plot_cdfs({"run": results}, plot, f"pdserve bench serve: {ns.dataset}, {len(requests)} requests")
+            print(f"wrote {plot}")
+        except ImportError as e:
+            print(f"no plot ({e}; pip install 'pdserve[bench]' for matplotlib)", file=sys.stderr)
     return 0 if summary["completed"] else 1
 
 
