@@ -39,6 +39,7 @@ import time
 from typing import Any
 
 from common.layers.sampling import skip_draws
+from common.memory.req_to_token import ReqToTokenPool
 from common.scheduler.req import FinishStatus, Req
 from common.scheduler.scheduler import Scheduler
 from decode_node.quarantine import Quarantine, QuarantinedRoom
@@ -273,6 +274,9 @@ class DecodeRole(PDRole):
                 "num_prealloc_tokens": sum(t.num_pages for t in self.transfer) * self.alloc.page_size,
                 "prealloc_slots_free": self.pool.prealloc_available(),
                 "prealloc_slots_total": self.pool.prealloc_size,
+                # every row, running and preallocated (`req_slots_*` count the running budget's only)
+                "req_rows_free": ReqToTokenPool.available_size(self.pool),
+                "req_rows_total": self.pool.size,
                 "metadata_slots_free": self.metadata_alloc.available(),
                 "metadata_slots_total": self.num_metadata_slots,
                 "kv_quarantined_pages": self.quarantine.num_pages(),

@@ -189,7 +189,9 @@ class PrefillRole(PDRole):
                 "inflight": len(self.inflight)}
 
     def stats(self) -> dict[str, Any]:
+        pool = self.sched.req_to_token_pool
         return {"disaggregation_mode": "prefill", "bootstrap_addr": self.bootstrap_addr,
+                "req_rows_free": pool.available_size(), "req_rows_total": pool.size,
                 "metadata_slots_free": self.metadata_alloc.available(),
                 "metadata_slots_total": self.num_metadata_slots, **self.pd_stats()}
 

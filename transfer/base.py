@@ -37,6 +37,10 @@ PDSERVE_CONTROL_MAX_PEERS      control-plane PUSH sockets open at     256
 PDSERVE_MAX_DECODE_PEERS       prefill: decode ranks registered at    1024
                                most; a new one evicts the oldest
                                without rooms (it registers again)
+PDSERVE_PEER_IDLE_TIMEOUT      seconds a peer's registration stays    300
+                               without any room before it is dropped
+                               (a dead or restarted peer's goes then;
+                               a live one registers again)
 =============================  =====================================  =======
 """
 
@@ -99,6 +103,7 @@ class TransferSettings:
     auth_window: float = 30.0
     control_max_peers: int = 256
     max_decode_peers: int = 1024
+    peer_idle_timeout: float = 300.0
 
     @classmethod
     def from_env(cls, **overrides) -> TransferSettings:
@@ -116,6 +121,7 @@ class TransferSettings:
             auth_window=_env("PDSERVE_AUTH_WINDOW", float, cls.auth_window),
             control_max_peers=_env("PDSERVE_CONTROL_MAX_PEERS", int, cls.control_max_peers),
             max_decode_peers=_env("PDSERVE_MAX_DECODE_PEERS", int, cls.max_decode_peers),
+            peer_idle_timeout=_env("PDSERVE_PEER_IDLE_TIMEOUT", float, cls.peer_idle_timeout),
         )
         names = {f.name for f in dataclasses.fields(cls)}
         for key, value in overrides.items():
@@ -129,6 +135,8 @@ class TransferSettings:
             raise ValueError("heartbeat interval must be > 0 and max failures >= 1")
         if s.auth_window <= 0 or s.control_max_peers < 1:
             raise ValueError("PDSERVE_AUTH_WINDOW must be > 0 and PDSERVE_CONTROL_MAX_PEERS >= 1")
+        if s.peer_idle_timeout <= 0:
+            raise ValueError("PDSERVE_PEER_IDLE_TIMEOUT must be > 0")
         if s.cluster_secret is None:
             s.cluster_secret = load_configured(None)  # $PDSERVE_CLUSTER_SECRET_FILE
         return s

@@ -70,6 +70,10 @@ class TransferEngine(abc.ABC):
     def remove_peer(self, peer: str) -> None:  # noqa: B027 - optional hook
         """Forget a peer (it died or was deregistered)."""
 
+    def peer_count(self) -> int:
+        """Peers added and not removed (0 for an engine that keeps no per-peer state of its own)."""
+        return len(getattr(self, "_peers", ()))
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine's resources."""
 

@@ -25,6 +25,13 @@ silent for `heartbeat_interval * heartbeat_max_failures` seconds while rooms are
 dead: its rooms fail with a reason naming it (`_on_peer_dead`, per side) and everything cached
 about it is forgotten (its socket closed), so a restarted peer starts fresh. The timer checks timeouts (`_tick_timeouts`, per
 side) and heartbeats every 50 ms.
+
+Idle registrations. Peers without rooms are not pinged (registrations are unauthenticated without a
+cluster secret, and pinging every registered address would make this rank open sockets on a
+stranger's word). A registration (decode ranks registered with a prefill rank, prefill ranks a
+decode rank registered with) whose peer has had no room for `peer_idle_timeout` seconds is dropped
+instead, with its engine peer and socket (`registrations_expired`): a node that died idle, or was
+restarted on new control ports, leaves nothing behind for longer than that.
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ class KVManager:
         self.pings_ignored = 0
         self.registrations_refused = 0  # RegisterPeers refused by the prefill side (`_on_register`)
         self.registrations_evicted = 0  # idle decode registrations dropped for new ones (`max_decode_peers`)
+        self.registrations_expired = 0  # registrations without rooms for `peer_idle_timeout` (`_expire_idle`)
+        self._idle_since: dict[str, float] = {}
         secret = self.settings.cluster_secret
         if secret is None:
             warn_unauthenticated(logger, f"the kv {self.side} manager's control plane")
@@ -136,6 +145,18 @@ class KVManager:
         """Under the lock: the side knows `addr` beyond live rooms and open sockets (e.g. it registered)."""
         return False
 
+    def _idle_registered(self, live: dict[str, list]) -> set[str]:
+        """Under the lock: peers the side keeps a registration of and that have no room here (`live`
+        is `_live_peers()`)."""
+        return set()
+
+    def _expire_peer(self, addr: str) -> None:
+        """Under the lock: drop the side's registration of an idle peer (`_expire_idle`)."""
+
+    def _room_stats(self) -> dict[str, int]:
+        """Under the lock: the side's open rooms and registrations (`leak_stats`)."""
+        return {}
+
     # ------------------------------------------------------------------ messages
     def _on_message(self, msg: Message) -> None:
         src = msg.src
@@ -156,7 +177,15 @@ class KVManager:
         """What the control plane dropped and why, its sockets, and the pings left unanswered."""
         return {**self.control.stats(), "control_pings_ignored": self.pings_ignored,
                 "control_registrations_refused": self.registrations_refused,
-                "control_registrations_evicted": self.registrations_evicted}
+                "control_registrations_evicted": self.registrations_evicted,
+                "control_registrations_expired": self.registrations_expired, **self.leak_stats()}
+
+    def leak_stats(self) -> dict[str, int]:
+        """What this rank holds per room and per peer; a drained node has no open or draining room and
+        no registration of a peer that is gone (`transfer_peers_registered` <= live peer ranks)."""
+        with self._lock:
+            return {"transfer_peers_watched": len(self._tracked_since),
+                    "transfer_engine_peers": self.engine.peer_count(), **self._room_stats()}
 
     # ------------------------------------------------------------------ timeouts and heartbeats
     def _timer_loop(self) -> None:
@@ -191,9 +220,30 @@ class KVManager:
             if ping:
                 self._last_ping = now
                 targets = [a for a in live if a not in {d[0] for d in dead}]
+                self._expire_idle(now, live)
         if ping:
             for addr in targets:
                 self.control.send(addr, Ping(src=self.address))
+
+    def _expire_idle(self, now: float, live: dict[str, list]) -> None:
+        """Under the lock: forget registrations whose peer has had no room for `peer_idle_timeout`
+        seconds. A peer that died idle is not watched by heartbeats (a restarted node comes back on a
+        new control address), so without this its registration, engine peer and socket would stay; a
+        live one that was only idle registers again on its next room."""
+        idle = self._idle_registered(live)
+        for addr in list(self._idle_since):
+            if addr not in idle:
+                del self._idle_since[addr]
+        timeout = self.settings.peer_idle_timeout
+        for addr in idle:
+            since = self._idle_since.setdefault(addr, now)
+            if now - since > timeout:
+                del self._idle_since[addr]
+                self.registrations_expired += 1
+                logger.info("kv %s: %s peer %s had no room for %.0fs (PDSERVE_PEER_IDLE_TIMEOUT): registration "
+                            "dropped", self.side, self.peer_side, addr, now - since)
+                self._expire_peer(addr)
+                self._forget_peer(addr)
 
     def _forget_peer(self, addr: str) -> None:
         """Under the lock: drop the liveness record and the socket of a dead peer (a new one is made

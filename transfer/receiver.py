@@ -136,6 +136,18 @@ class DecodeKVManager(KVManager):
     def _is_known_peer(self, addr: str) -> bool:
         return addr in self._registered_with
 
+    def _idle_registered(self, live: dict[str, list]) -> set[str]:
+        # a resolved room that has not sent its TransferInfo yet will use its registration soon
+        pending = {t.addr for r in self._receivers.values() for t in r._targets or ()}
+        return {a for a in self._registered_with if a not in live and a not in pending}
+
+    def _expire_peer(self, addr: str) -> None:
+        self._registered_with.discard(addr)
+
+    def _room_stats(self) -> dict[str, int]:
+        return {"transfer_rooms_open": len(self._receivers), "transfer_rooms_draining": len(self._draining),
+                "transfer_peers_registered": len(self._registered_with)}
+
     def _live_peers(self) -> dict[str, list[KVReceiver]]:
         """Prefill ranks of transferring rooms, and those a draining room waits for (so a dead one ends it)."""
         live: dict[str, list[KVReceiver]] = {}

@@ -223,7 +223,7 @@ class PDRole(SchedulerHooks):
 
     def pd_stats(self) -> dict[str, Any]:
         """The transfer counters both roles report."""
-        return {**self.transfer_stats.as_stats(),
+        return {**self.transfer_stats.as_stats(), "pd_requests_open": len(self.requests),
                 "rejected_peer_values": getattr(self.kv_manager, "rejected_peer_values", 0)}
 
     def forget(self, t: PDRequest) -> None:

@@ -245,6 +245,18 @@ class PrefillKVManager(KVManager):
     def _is_known_peer(self, addr: str) -> bool:
         return addr in self._decode_peers
 
+    def _idle_registered(self, live: dict[str, list]) -> set[str]:
+        waiting = {i.src for infos in self._infos.values() for i in infos.values()}
+        return {a for a in self._decode_peers if a not in live and a not in waiting}
+
+    def _expire_peer(self, addr: str) -> None:
+        self._drop_decode_peer(addr)
+
+    def _room_stats(self) -> dict[str, int]:
+        return {"transfer_rooms_open": len(self._senders), "transfer_rooms_draining": len(self._draining),
+                "transfer_rooms_pending_info": len(self._infos), "transfer_early_aborts": len(self._early_aborts),
+                "transfer_peers_registered": len(self._decode_peers)}
+
     def _has_rooms_with(self, addr: str) -> bool:
         """Under the lock: a started room sends to `addr`, or a room's TransferInfo from it waits."""
         return addr in self._live_peers() or any(i.src == addr for infos in self._infos.values()
