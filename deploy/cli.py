@@ -59,6 +59,7 @@ BENCHES = {
     "router": "bench.router",
     "serve": "bench.serve",
     "compare": "bench.compare",
+    "chaos": "bench.chaos",
 }
 
 
@@ -68,7 +69,9 @@ def _bench(argv: list[str]) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     import importlib
 
-    return importlib.import_module(BENCHES[argv[0]]).main(argv[1:]) or 0
+    # a bench's main returns an exit code, or its results (a dict: success) -- never sys.exit(dict)
+    rc = importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+    return rc if isinstance(rc, int) else 0
 
 
 COMMANDS = {

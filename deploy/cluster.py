@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLES = ("prefill", "decode", "router")
+HEALTH_DEFAULTS = (("--health-check-interval-secs", "2"), ("--health-failure-threshold", "2"),
+                   ("--health-success-threshold", "2"))
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET_FILE"
 
 
@@ -176,6 +178,14 @@ class Child:
     proc: subprocess.Popen | None = None
     exit_reported: bool = False
     port_retries: int = 0
+    # supervision (`Cluster.supervise`): restart times, the next back-off, a pending restart, health
+    restarts: list[float] = field(default_factory=list)
+    backoff: float = 0.0
+    restart_at: float | None = None
+    started_at: float = 0.0
+    healthy_since: float | None = None
+    awaiting_health: bool = False
+    gave_up: bool = False
 
     @property
     def url(self) -> str:
@@ -219,7 +229,16 @@ class Cluster:
     quiet: bool = False
     # file with the secret every child gets; None: $PDSERVE_CLUSTER_SECRET_FILE, else a new one in log_dir
     cluster_secret_file: str | None = None
+    # restarts of a child that exits after start-up (`supervise`); at most `max_restarts` per child
+    # within `restart_window` seconds, after a back-off from `backoff_initial` doubling to `backoff_max`
+    restart: bool = False
+    max_restarts: int = 5
+    restart_window: float = 600.0
+    backoff_initial: float = 1.0
+    backoff_max: float = 30.0
     children: list[Child] = field(default_factory=list, init=False)
+    # (wall time, child name, event, detail): exited, restarting, restarted, healthy, gave_up
+    events: list[tuple[float, str, str, str]] = field(default_factory=list, init=False)
 
     # ------------------------------------------------------------------------------------ layout
     @property
@@ -270,6 +289,11 @@ class Cluster:
             cmd += ["--decode", d.url]
         if not any(a.startswith("--prometheus-port") for a in self.router_args):
             cmd += ["--prometheus-port", "0"]  # /metrics is on the router's own port too
+        # a node that dies leaves the rotation within ~4 s and a restarted one is back ~4 s after its
+        # /health passes (sglang-router's defaults, 60 s x 3, would keep a dead node in for 3 minutes)
+        for flag, value in HEALTH_DEFAULTS:
+            if not any(a == flag or a.startswith(flag + "=") for a in self.router_args):
+                cmd += [flag, value]
         return cmd + self.router_args
 
     # ------------------------------------------------------------------------------------ processes
@@ -291,6 +315,10 @@ class Cluster:
                                           stdin=subprocess.DEVNULL, start_new_session=True,
                                           preexec_fn=pin)
         child.exit_reported = False
+        child.started_at = time.time()
+        child.healthy_since = None
+        if not child.backoff:
+            child.backoff = self.backoff_initial
 
     def _respawn_on_new_ports(self, c: Child) -> bool:
         """A node that lost a port race (another process bound the port we picked for it before it
@@ -330,6 +358,10 @@ class Cluster:
                 tails = "\n".join(f"--- {c.name} ({c.log_path}):\n{c.log_tail(15)}" for c in pending)
                 raise ClusterError(f"not healthy after {self.startup_timeout:.0f}s: {names}\n{tails}")
             time.sleep(0.25)
+
+    def __post_init__(self) -> None:
+        self._stopping = False
+        self._supervisor: threading.Thread | None = None
 
     def start(self) -> Cluster:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -408,8 +440,90 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 pass
 
+    # ------------------------------------------------------------------------------------ supervision
+    def _event(self, c: Child, kind: str, detail: str) -> None:
+        self.events.append((time.time(), c.name, kind, detail))
+        self._say(f"{time.strftime('%H:%M:%S')} {c.name}: {detail}")
+
+    def _group_gone(self, c: Child, timeout: float = 10.0) -> None:
+        """SIGKILL what is left of a dead child's process group (its scheduler ranks hold its ports)
+        and wait until the group is empty."""
+        self._signal_child(c, signal.SIGKILL)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                os.killpg(c.proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
+
+    def supervise(self, now: float | None = None) -> None:
+        """One pass over the children: a child that exited after start-up is restarted on the same
+        ports and command after its back-off (`restart`), at most `max_restarts` times within
+        `restart_window` seconds; a restarted child is reported healthy once its health URL answers.
+        One line per event (`events`, and printed unless `quiet`)."""
+        if self._stopping:
+            return
+        now = time.time() if now is None else now
+        for c in list(self.children):
+            if c.proc is None or c.gave_up:
+                continue
+            if c.alive():
+                if c.awaiting_health and http_status(c.url + ("/readiness" if c.role == "router" else "/health"),
+                                                     timeout=0.5) == 200:
+                    c.awaiting_health = False
+                    c.healthy_since = now
+                    self._event(c, "healthy", f"healthy again on port {c.port} (pid {c.proc.pid}), "
+                                              f"{now - c.started_at:.1f}s after its restart")
+                if c.healthy_since is not None and now - c.healthy_since > 60.0:
+                    c.backoff = self.backoff_initial  # a minute of health: the next crash restarts fast
+                continue
+            if c.restart_at is None:  # just seen dead
+                if c.exit_reported:
+                    continue
+                c.exit_reported = True
+                code = c.proc.returncode
+                self._group_gone(c)
+                recent = [t for t in c.restarts if now - t < self.restart_window]
+                if not self.restart:
+                    self._event(c, "exited", f"exited with code {code} (restarts are off); log {c.log_path}")
+                    c.gave_up = True
+                elif len(recent) >= self.max_restarts:
+                    self._event(c, "gave_up", f"exited with code {code}; not restarted: {len(recent)} restarts in "
+                                              f"the last {self.restart_window:.0f}s (--max-restarts "
+                                              f"{self.max_restarts}); log {c.log_path}")
+                    c.gave_up = True
+                else:
+                    c.restart_at = now + c.backoff
+                    self._event(c, "exited", f"exited with code {code}; restart {len(recent) + 1}/"
+                                             f"{self.max_restarts} in {c.backoff:.0f}s on port {c.port}")
+                    c.backoff = min(c.backoff * 2, self.backoff_max)
+            elif now >= c.restart_at:
+                c.restart_at = None
+                c.restarts.append(now)
+                self._spawn(c)
+                c.awaiting_health = True
+                self.write_manifest()
+                self._event(c, "restarted", f"restarted on port {c.port} (pid {c.proc.pid})")
+
+    def start_supervisor(self, interval: float = 0.5) -> None:
+        """`supervise()` every `interval` seconds on a daemon thread until `stop()`."""
+        def loop() -> None:
+            while not self._stopping:
+                try:
+                    self.supervise()
+                except Exception as e:  # keep supervising whatever one pass raised
+                    self._say(f"supervisor pass failed: {type(e).__name__}: {e}")
+                time.sleep(interval)
+
+        self._supervisor = threading.Thread(target=loop, name="cluster-supervisor", daemon=True)
+        self._supervisor.start()
+
     def stop(self) -> None:
-        """Router first (no new traffic), then every node."""
+        """Router first (no new traffic), then every node; no restart from here on."""
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=30)
         routers = [c for c in self.children if c.role == "router"]
         self.stop_children(routers)
         self.stop_children([c for c in self.children if c.role != "router"])
@@ -460,6 +574,11 @@ def build_parser() -> argparse.ArgumentParser:
       f"${SECRET_ENV}, else a new random one in <log-dir>/cluster-secret)")
     a("--startup-timeout", type=float, default=900.0, help="seconds for every child to become healthy")
     a("--grace-period", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL at shutdown")
+    a("--max-restarts", type=int, default=5, metavar="N",
+      help="restart a child that exits after start-up, on the same ports, at most N times per child within "
+           "--restart-window (back-off 1s doubling to 30s); 0: never restart (default 5)")
+    a("--restart-window", type=float, default=600.0, metavar="SECS",
+      help="the window --max-restarts counts restarts in (default 600)")
     return p
 
 
@@ -513,7 +632,9 @@ def cluster_from_args(argv: list[str]) -> Cluster:
                    transfer_backend=ns.transfer_backend, port=ns.port or None, host=ns.host, log_dir=ns.log_dir,
                    cpu_affinity=affinity, node_args=node_args, prefill_args=prefill_args,
                    decode_args=decode_args, router_args=router_args, startup_timeout=ns.startup_timeout,
-                   grace_period=ns.grace_period, cluster_secret_file=ns.cluster_secret_file)
+                   grace_period=ns.grace_period, cluster_secret_file=ns.cluster_secret_file,
+                   restart=ns.max_restarts > 0, max_restarts=max(ns.max_restarts, 0),
+                   restart_window=ns.restart_window)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -545,12 +666,8 @@ def main(argv: list[str] | None = None) -> int:
               "    -d '{\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}],"
               "\"max_tokens\":32}'\n\nCtrl-C stops every process.", flush=True)
         while not stop.is_set():
-            for c in cluster.dead_children():
-                if not c.exit_reported:
-                    c.exit_reported = True
-                    print(f"warning: {c.name} exited with code {c.proc.returncode}; last lines of "
-                          f"{c.log_path}:\n{c.log_tail(20)}", file=sys.stderr, flush=True)
-            stop.wait(1.0)
+            cluster.supervise()  # restarts and their back-off, one line per event
+            stop.wait(0.5)
     except KeyboardInterrupt:
         pass
     finally:

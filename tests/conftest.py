@@ -30,24 +30,9 @@ import shutil
 
 import pytest
 
+from bench.tiny_model import TOKENIZER_FILES, build_tiny_model
 from tests.harness.backends import backend_problem
 from tests.harness.nodes import Launcher
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "vocab.json", "merges.txt")
-
-TINY_BASE = dict(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-6,
-    initializer_range=0.05,
-    tie_word_embeddings=False,
-)
 
 
 @pytest.fixture(scope="session")
@@ -68,33 +53,7 @@ def tokenizer_dir(smollm2_dir, tmp_path_factory) -> str:
 
 
 def _build_tiny_model(out_dir: str, arch: str, tokenizer_dir: str, overrides: dict) -> None:
-    import torch
-    import transformers
-    from transformers import AutoTokenizer
-
-    config_classes = {
-        "llama": ("LlamaConfig", "LlamaForCausalLM"),
-        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-        "mistral": ("MistralConfig", "MistralForCausalLM"),
-    }
-    if arch not in config_classes:
-        raise ValueError(f"make_tiny_model: unknown arch {arch!r} (one of {', '.join(config_classes)})")
-    cfg_name, model_name = config_classes[arch]
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    kw = dict(TINY_BASE)
-    kw.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-              pad_token_id=tok.pad_token_id)
-    kw.update(overrides)
-    config = getattr(transformers, cfg_name)(**kw)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        src = os.path.join(tokenizer_dir, name)
-        if os.path.isfile(src):
-            shutil.copy(src, os.path.join(out_dir, name))
+    build_tiny_model(out_dir, arch, tokenizer_dir, overrides)
 
 
 @pytest.fixture(scope="session")
