@@ -169,6 +169,8 @@ def test_worker_429_passed_through_without_retry(workers, make_router):
     assert len(d0.requests()) == 2 and len(d1.requests()) == 2  # no retries
     assert set(_breakers(r).values()) == {"closed"}
     # a prefill worker's 429 too; without its own Retry-After the router gives one
+    for d in (d0, d1):  # decode answers after the prefill's (a real decode waits for the KV)
+        d.config(status=200, retry_after=None, delay=0.3)
     p.config(status=429)
     status, headers, body = r.post("/generate", {"text": "x"})
     assert status == 429 and headers["retry-after"] == "1"
@@ -195,8 +197,8 @@ def test_worker_503_retried_once_on_another_worker(workers, make_router):
     assert len(d0.requests()) + len(d1.requests()) == before + 2
     assert set(_breakers(r).values()) == {"closed"}
     # one prefill worker only: no other worker to retry on
-    d0.reset()
-    d1.reset()
+    for d in (d0, d1):  # decode answers after the prefill's (a real decode waits for the KV)
+        d.config(status=200, delay=0.3)
     p.config(status=503)
     before = len(p.requests())
     assert r.post("/generate", {"text": "x"})[0] == 503
