@@ -30,9 +30,12 @@ log = logging.getLogger("router.dispatch")
 # * 429 (the node's queue is full) goes back to the client as it is, with its Retry-After: no retry (a retry
 #   storm is what turns an overloaded cluster into a dead one);
 # * 503 and 408 (an overloaded or timed-out node) are retried once, on another worker, when there is one;
-# * 500, 502, 504 and broken connections (a worker that is broken) are retried up to --retry-max-retries.
-# Only the last kind counts as a failure for the worker's circuit breaker; an overload answer counts as
-# neither a failure nor a success.
+# * a worker's own 504 (its --request-timeout passed) goes back as it is: the same deadline would pass
+#   again elsewhere, and the worker is not broken;
+# * 500, 502, 504 without an answer (the router's timeout) and broken connections (a worker that is
+#   broken) are retried up to --retry-max-retries.
+# Only the last kind counts as a failure for the worker's circuit breaker; an overload or deadline answer
+# counts as neither a failure nor a success.
 RETRYABLE = frozenset({500, 502, 504})
 RETRY_ONCE = frozenset({408, 503})
 OVERLOAD = frozenset({408, 429, 503})
@@ -64,7 +67,7 @@ class Failure:
 
     @property
     def retryable(self) -> bool:
-        return self.status in RETRYABLE
+        return self.status in RETRYABLE and not (self.status == 504 and self.body is not None)
 
     def response(self, request_id: str) -> web.Response:
         headers = {"X-Request-ID": request_id}
@@ -216,8 +219,8 @@ class Dispatcher:
     @staticmethod
     def _record(w: Worker, status: int) -> None:
         """A worker's answer, for its circuit breaker: 5xx but an overload answer is a failure."""
-        if status in OVERLOAD:
-            return  # busy, not broken
+        if status in OVERLOAD or status == 504:
+            return  # busy, or the request's own deadline passed: not broken
         ok = status < 500
         w.breaker.record(ok)
         if not ok:

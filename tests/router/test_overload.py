@@ -204,3 +204,15 @@ def test_worker_503_retried_once_on_another_worker(workers, make_router):
     assert r.post("/generate", {"text": "x"})[0] == 503
     assert len(p.requests()) == before + 1
     assert set(_breakers(r).values()) == {"closed"}
+
+
+def test_worker_504_deadline_passed_through_without_retry(workers, make_router):
+    p, (d0, d1) = workers["p"][0], workers["d"]
+    r = make_router([p], [d0, d1], "--decode-policy", "round_robin", "--cb-failure-threshold", "1",
+                    "--retry-max-retries", "5")
+    for d in (d0, d1):  # a node's --request-timeout answer
+        d.config(status=504)
+    status, _, body = r.post("/generate", {"text": "x"})
+    assert status == 504 and "says 504" in _message(body)
+    assert len(d0.requests()) + len(d1.requests()) == 1  # not retried
+    assert set(_breakers(r).values()) == {"closed"}
