@@ -64,6 +64,11 @@ class ServerArgs:
     max_prefill_tokens: int = _f(8192, "new tokens of one prefill batch at most")
     schedule_policy: str = _f("fcfs", "order of waiting requests", choices=("fcfs", "lpm"))
     disable_radix_cache: bool = _f(False, "do not reuse cached prefixes")
+    kv_events_config: str | None = _f(
+        None, "publish the prefix cache's blocks as KV events (vLLM's ZMQ wire format), a JSON object: "
+        "{\"publisher\": \"zmq\", \"endpoint\": \"tcp://HOST:5557\", \"replay_endpoint\": ..., \"topic\": \"\", "
+        "\"buffer_steps\": 10000}; endpoint default tcp://<--host>:5557, replay: its port + 1 "
+        "(see common/kv_events.py)")
     init_new_token_ratio: float = _f(0.7, "initial share of max_new_tokens reserved for running requests")
     min_new_token_ratio: float = _f(0.1, "lowest value new_token_ratio decays to")
     new_token_ratio_decay_steps: int = _f(600, "decode steps for new_token_ratio to decay from init to min")
@@ -140,6 +145,13 @@ class ServerArgs:
             raise bad("chunked-prefill-size", f"must be -1 or >= the page size ({ps})")
         if self.max_prefill_tokens < 1:
             raise bad("max-prefill-tokens", "must be >= 1")
+        if self.kv_events_config is not None:
+            from common.kv_events import KVEventsConfig
+
+            try:
+                KVEventsConfig.parse(self.kv_events_config, self.host)
+            except ValueError as e:
+                raise bad("kv-events-config", str(e)) from None
         if self.dtype in ("bfloat16", "float16", "half"):
             raise bad("dtype", f"{self.dtype} is not supported: the CPU kernels compute in float32 (a half-precision "
                       "matmul runs ~100x slower on an AVX2 CPU); use --dtype auto or float32")

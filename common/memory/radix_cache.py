@@ -11,6 +11,10 @@ Ownership rules (the scheduler relies on them):
   are freed back to the allocator at once. Pages the caller got from the tree are left alone.
 * The caller keeps (and eventually frees) the slots past the last full page.
 
+Events: with a sink set (`events`, a `common.kv_events.KVEventPublisher`), every node carries the
+chained hashes of its pages, and each new node, evicted leaf and flush is reported (`stored`,
+`removed`, `cleared`); splitting a node changes no block, so it reports nothing.
+
 `ChunkCache` has the same interface and reuses nothing (for `--disable-radix-cache` and decode
 nodes): finished requests free everything they hold.
 """
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.kv_events import chain_hashes
 from common.memory.allocator import TokenToKVPoolAllocator
 from common.memory.req_to_token import ReqToTokenPool
 
@@ -35,7 +40,7 @@ _tick = itertools.count()
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id", "hashes")
 
     def __init__(self, parent: TreeNode | None = None, key: tuple = (), value: torch.Tensor = _EMPTY):
         self.children: dict[tuple, TreeNode] = {}
@@ -45,6 +50,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = time.monotonic()
         self.id = next(_tick)
+        self.hashes: list[int] = []  # chained block hashes of the key's pages (with an event sink only)
 
     def __lt__(self, other: TreeNode) -> bool:  # heap order: least recently used first
         return (self.last_access, self.id) < (other.last_access, other.id)
@@ -63,6 +69,7 @@ class RadixCache:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
+        self.events = None  # KV event sink: stored(hashes, parent, tokens), removed(hashes), cleared()
         self.reset()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -77,8 +84,14 @@ class RadixCache:
         """Free every cached page and reset; refused (False) while any node is locked."""
         if self._protected:
             return False
-        self.evict(self._evictable)
+        events, self.events = self.events, None  # one AllBlocksCleared instead of a removal per leaf
+        try:
+            self.evict(self._evictable)
+        finally:
+            self.events = events
         self.reset()
+        if events is not None:
+            events.cleared()
         return True
 
     def evictable_size(self) -> int:
@@ -138,6 +151,8 @@ class RadixCache:
         child.key = child.key[k:]
         child.value = child.value[k:]
         child.parent = upper
+        if child.hashes:
+            upper.hashes, child.hashes = child.hashes[: k // self.page_size], child.hashes[k // self.page_size :]
         upper.children[child.key[: self.page_size]] = child
         return upper
 
@@ -169,6 +184,10 @@ class RadixCache:
             new.last_access = now
             node.children[new.key[:ps]] = new
             self._evictable += n - pos
+            if self.events is not None:
+                parent = node.hashes[-1] if node.hashes else None
+                new.hashes = chain_hashes(parent, new.key, ps)
+                self.events.stored(new.hashes, parent, new.key)
         return matched
 
     def _free_duplicates(self, tree_slots: torch.Tensor, own: torch.Tensor) -> None:
@@ -217,6 +236,8 @@ class RadixCache:
         while freed < num_tokens and heap:
             leaf = heapq.heappop(heap)
             self.allocator.free_slots(leaf.value)
+            if self.events is not None:
+                self.events.removed(leaf.hashes)
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
             parent = leaf.parent

@@ -36,6 +36,7 @@ from typing import Any
 
 from common.config import ServerArgs
 from common.forward_batch import ForwardMode
+from common.kv_events import KVEventPublisher, KVEventsConfig
 from common.memory.radix_cache import make_tree_cache
 from common.protocol import (
     AbortRequest,
@@ -89,6 +90,11 @@ class Scheduler:
         # models with recurrent state (hybrid) cannot reuse a cached prefix: see common/hybrid.py
         self.tree_cache = make_tree_cache(args.radix_cache_enabled and getattr(runner, "supports_radix_cache", True),
                                           self.req_to_token_pool, self.allocator, self.page_size)
+        self.kv_events = None  # publishes the prefix cache's blocks (rank 0 only: the ranks' caches are equal)
+        if getattr(args, "kv_events_config", None) and self.tree_cache.enabled and tp_rank == 0:
+            cfg = KVEventsConfig.parse(args.kv_events_config, args.host)
+            if cfg.enabled:
+                self.kv_events = self.tree_cache.events = KVEventPublisher(cfg, self.page_size)
         self.tokenizer = tokenizer if tokenizer is not None else load_stop_decoder(args.tokenizer or model_dir)
         self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache)
         self.new_token_ratio = NewTokenRatio(args.init_new_token_ratio, args.min_new_token_ratio,
@@ -512,8 +518,12 @@ class Scheduler:
                 else:
                     ran = False
                     self.stream_output()
+                if self.kv_events is not None:
+                    self.kv_events.flush()
         finally:
             self.hooks.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """In-process driving: step until nothing is left to do."""
@@ -565,6 +575,8 @@ class Scheduler:
             "forward_ct": self.forward_ct,
             "total_generated_tokens": self.total_generated_tokens,
             "radix_cache": self.tree_cache.enabled,
+            "radix_cache_tokens": self.tree_cache.total_size(),
+            **(self.kv_events.stats() if self.kv_events is not None else {}),
             "page_size": self.page_size,
             "context_length": self.context_length,
             "max_running_requests": self.max_running_requests,

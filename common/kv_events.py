@@ -1,0 +1,236 @@
+"""KV cache events: what a node's prefix cache holds, published for routers (`--kv-events-config`).
+
+Wire format (the one vLLM's ZMQ event publisher speaks, so the consumers written for it — Dynamo's
+and llm-d's KV indexers, SGLang's router — read ours):
+
+* a PUB socket sends three frames per batch: topic, an 8-byte big-endian sequence number (0, 1, ...),
+  and the msgpack of a `KVEventBatch`: an array `[ts, events]` whose events are tagged arrays
+  `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]`,
+  `["BlockRemoved", block_hashes, medium]` and `["AllBlocksCleared"]`;
+* a ROUTER socket answers a replay request (one frame after the delimiter: the first wanted sequence
+  number, 8 bytes big-endian) with one message `[seq, payload]` per batch still in the buffer from
+  that number on, then `[-1 as 8 signed bytes, b""]`.
+
+A block is one page of the radix cache. Its hash chains from its parent's: the first 8 bytes of
+SHA-256 over the parent's hash and the page's token ids, as a non-negative 63-bit int, so two nodes
+caching the same prefix publish the same hashes. `medium` is "CPU" (the KV lives in host memory).
+
+Config (a JSON object, keys as vLLM/SGLang name them): `publisher` ("zmq" or "null"), `endpoint`
+(default `tcp://<--host>:5557`: like every listener of a node it binds only the address it is given;
+write `tcp://*:5557` to serve every interface), `replay_endpoint` (default: the endpoint's port + 1),
+`topic` (""), `buffer_steps` (batches kept for replay, 10000), `hwm` (100000), `max_queue_size`
+(batches waiting for the publisher thread, 100000: past it a batch is dropped and counted, the
+scheduler never waits). Only TP rank 0 publishes; the ranks' caches are identical.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import queue
+import struct
+import threading
+import time
+from dataclasses import dataclass, fields
+
+import msgspec
+import zmq
+
+logger = logging.getLogger("kv_events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MEDIUM = "CPU"
+
+
+# ---------------------------------------------------------------------------------------------- wire
+class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def block_hash(parent: int | None, token_ids) -> int:
+    """The chained hash of one page: parent's hash (or none at the root) and its token ids."""
+    h = hashlib.sha256(struct.pack("<q", -1 if parent is None else parent))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return int.from_bytes(h.digest()[:8], "big") >> 1
+
+
+def chain_hashes(parent: int | None, token_ids, page_size: int) -> list[int]:
+    out = []
+    for i in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = block_hash(parent, token_ids[i:i + page_size])
+        out.append(parent)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- config
+@dataclass
+class KVEventsConfig:
+    publisher: str = "zmq"
+    endpoint: str = ""
+    replay_endpoint: str = ""
+    topic: str = ""
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    enable_kv_cache_events: bool = True
+
+    @classmethod
+    def parse(cls, raw: str, host: str) -> KVEventsConfig:
+        """From the `--kv-events-config` JSON; raises ValueError naming the key."""
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError("must be a JSON object")
+        known = {f.name: f for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ValueError(f"unknown key {key!r} (known: {', '.join(sorted(known))})")
+        cfg = cls(**data)
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(cfg, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        for key in ("publisher", "endpoint", "replay_endpoint", "topic"):
+            if not isinstance(getattr(cfg, key), str):
+                raise ValueError(f"{key} must be a string")
+        if cfg.publisher not in ("zmq", "null"):
+            raise ValueError(f"publisher must be 'zmq' or 'null', got {cfg.publisher!r}")
+        if not isinstance(cfg.enable_kv_cache_events, bool):
+            raise ValueError("enable_kv_cache_events must be true or false")
+        cfg.endpoint = cfg.endpoint or f"tcp://{_bracket(host)}:5557"
+        if not cfg.endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"endpoint must be tcp://HOST:PORT or ipc://PATH, got {cfg.endpoint!r}")
+        if not cfg.replay_endpoint and cfg.endpoint.startswith("tcp://"):
+            base, _, port = cfg.endpoint.rpartition(":")
+            if not port.isdigit():
+                raise ValueError(f"endpoint needs a port, got {cfg.endpoint!r}")
+            cfg.replay_endpoint = f"{base}:{int(port) + 1}"
+        return cfg
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+# ---------------------------------------------------------------------------------------------- publisher
+class KVEventPublisher:
+    """Collects a scheduler step's events (`stored`, `removed`, `cleared`, called by the radix
+    cache) and, at `flush()`, hands them as one batch to a thread that owns the sockets."""
+
+    def __init__(self, cfg: KVEventsConfig, page_size: int) -> None:
+        self.cfg = cfg
+        self.page_size = page_size
+        self.pending: list = []
+        self.batches_published = 0
+        self.batches_dropped = 0
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=cfg.max_queue_size)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, cfg.hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(cfg.endpoint)
+        self._replay = None
+        if cfg.replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(cfg.replay_endpoint)
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+        logger.info("publishing KV events on %s (replay %s, topic %r)", cfg.endpoint, cfg.replay_endpoint or "off",
+                    cfg.topic)
+
+    # the radix cache's sink
+    def stored(self, hashes: list[int], parent: int | None, token_ids) -> None:
+        self.pending.append(BlockStored(hashes, parent, list(token_ids), self.page_size, None, MEDIUM))
+
+    def removed(self, hashes: list[int]) -> None:
+        self.pending.append(BlockRemoved(hashes, MEDIUM))
+
+    def cleared(self) -> None:
+        self.pending.append(AllBlocksCleared())
+
+    def flush(self) -> None:
+        """Publish what this step recorded, as one batch (never blocks: a full queue drops it)."""
+        if not self.pending:
+            return
+        payload = self._encoder.encode(KVEventBatch(time.time(), self.pending))
+        self.pending = []
+        try:
+            self._queue.put_nowait(payload)
+        except queue.Full:
+            self.batches_dropped += 1
+            logger.warning("KV event queue full (max_queue_size %d): a batch was dropped", self.cfg.max_queue_size)
+
+    def stats(self) -> dict[str, int]:
+        return {"kv_events_published": self.batches_published, "kv_events_dropped": self.batches_dropped}
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=2)
+
+    # the publisher thread: the only user of the sockets
+    def _run(self) -> None:
+        topic = self.cfg.topic.encode()
+        buffer: collections.deque[tuple[bytes, bytes]] = collections.deque(maxlen=self.cfg.buffer_steps)
+        seq = 0
+        try:
+            while True:
+                self._serve_replays(buffer)
+                try:
+                    payload = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if payload is None:
+                    return
+                seq_bytes = seq.to_bytes(8, "big")
+                self._pub.send_multipart((topic, seq_bytes, payload))
+                buffer.append((seq_bytes, payload))
+                seq += 1
+                self.batches_published += 1
+        except Exception:
+            logger.exception("the KV event publisher stopped")
+        finally:
+            for s in (self._pub, self._replay):
+                if s is not None:
+                    s.close()
+            self._ctx.term()
+
+    def _serve_replays(self, buffer) -> None:
+        while self._replay is not None and self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                logger.warning("dropped a malformed replay request (%d frames)", len(frames))
+                continue
+            client, start = frames[0], int.from_bytes(frames[2], "big")
+            for seq_bytes, payload in list(buffer):
+                if int.from_bytes(seq_bytes, "big") >= start:
+                    self._replay.send_multipart((client, b"", seq_bytes, payload))
+            self._replay.send_multipart((client, b"", END_SEQ, b""))
