@@ -290,6 +290,12 @@ async def handle_server_info(request: web.Request) -> web.Response:
         "max_running_requests": tm.node_info.get("max_running_requests", args.max_running_requests),
     })
     stats = await tm.stats() if tm.healthy else {}
+    if "kv_events_published" in stats:  # a KV event publisher runs (radix cache on): where routers subscribe
+        from common.kv_events import KVEventsConfig
+
+        kv = KVEventsConfig.parse(args.kv_events_config, args.host)
+        out.update(kv_events_endpoint=kv.endpoint, kv_events_replay_endpoint=kv.replay_endpoint or None,
+                   kv_events_topic=kv.topic)
     out["stats"] = stats
     out["internal_states"] = [stats]
     return web.json_response(out, dumps=dumps)
