@@ -60,7 +60,8 @@ class Req:
         self.eos_token_ids = set(eos_token_ids or ())
         self.stop_token_ids = set(sampling.stop_token_ids or ())
         self.stop_strs = sampling.stop_strings()
-        self.stop_str_max_len = max((len(s) for s in self.stop_strs), default=0)
+        # in UTF-8 bytes: every token decodes to at least one byte, not always to a whole character
+        self.stop_str_max_len = max((len(s.encode("utf-8")) for s in self.stop_strs), default=0)
         self.tokenizer = tokenizer
 
         # memory
@@ -192,7 +193,8 @@ class Req:
             self.finish({"type": "stop", "matched": last})
             return True
         if self.stop_strs and self.tokenizer is not None:
-            # a stop string ends within the last few tokens; each token is at least one character
+            # a new match ends in the last token, so it lies within the last (bytes of the longest stop
+            # string + 1) tokens: each token is at least one byte of text
             tail = self.tokenizer.decode(self.output_ids[-(self.stop_str_max_len + 1):])
             for s in self.stop_strs:
                 if s in tail:

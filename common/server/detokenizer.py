@@ -8,11 +8,15 @@ keep two offsets into the id list (a few prompt ids followed by the output ids):
 * ``read_offset``: end of what has been turned into text so far.
 
 Each step decodes ``ids[surr:read]`` and ``ids[surr:]``; the new text is the difference. When the new
-text ends in U+FFFD (an incomplete UTF-8 sequence) it is held back until a later token completes it.
+text ends in U+FFFD (an incomplete UTF-8 sequence) it is held back until a later token completes it,
+for at most ``MAX_HELD_TOKENS`` tokens (a character is at most 4 bytes; a model emitting invalid bytes
+would otherwise make every step decode a window that only grows).
 
 While a request runs, a text tail that could be the beginning of one of its stop strings is held back
 too, so streamed deltas never have to be taken back; when the request finishes on a stop string the
-text is cut where the stop string starts (unless ``no_stop_trim``).
+text is cut where the stop string first occurs (unless ``no_stop_trim``). Every step costs the new text
+plus the stop strings' length, never the whole output: `StopScanner` looks for stop strings only in the
+tail where a new occurrence can be (the new text and the ``len(stop) - 1`` characters before it).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Any
 
 # prompt ids kept as left context for the first output tokens (SGLang uses 5)
 INIT_CONTEXT_TOKENS = 5
+# tokens whose text may be held back while it ends in an incomplete UTF-8 sequence
+MAX_HELD_TOKENS = 16
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:
@@ -56,26 +62,54 @@ def decode_ids(tokenizer, ids: Sequence[int], *, skip_special_tokens: bool,
     return " ".join(parts)
 
 
-def trim_stop(text: str, finish_reason: dict[str, Any] | None, no_stop_trim: bool) -> str:
-    """Cut ``text`` where the matched stop string starts (SGLang's trim_matched_stop for text)."""
+def trim_stop(text: str, finish_reason: dict[str, Any] | None, no_stop_trim: bool,
+              first: dict[str, int] | None = None) -> str:
+    """Cut ``text`` where the matched stop string first occurs (SGLang's trim_matched_stop for text);
+    ``first`` maps stop strings to their first position when a `StopScanner` already knows it."""
     if no_stop_trim or not finish_reason or finish_reason.get("type") != "stop":
         return text
     matched = finish_reason.get("matched")
     if isinstance(matched, str) and matched:
-        pos = text.find(matched)
+        pos = first.get(matched, -1) if first is not None else text.find(matched)
         if pos != -1:
             return text[:pos]
     return text
 
 
+class StopScanner:
+    """The first occurrence of each stop string in a text that only grows at its end, found by scanning
+    only the tail a new occurrence can be in: one not found yet ends in the new text, so it starts at
+    most ``len(stop) - 1`` characters before it. ``feed(text)`` after each growth."""
+
+    def __init__(self, stops: Iterable[str]) -> None:
+        self.stops = [s for s in dict.fromkeys(stops) if s]
+        self.first: dict[str, int] = {}  # stop string -> its first position
+        self.scanned = 0  # length of the text already scanned
+
+    def feed(self, text: str) -> None:
+        for s in self.stops:
+            if s not in self.first:
+                pos = text.find(s, max(0, self.scanned - len(s) + 1))
+                if pos != -1:
+                    self.first[s] = pos
+        self.scanned = len(text)
+
+
 def _held_stop_prefix(text: str, stops: Iterable[str]) -> int:
-    """Length of the longest tail of ``text`` that is a prefix of (or equals) a stop string."""
+    """Length of the longest tail of ``text`` that is a prefix of (or equals) a stop string. Only the
+    last ``len(stop)`` characters are looked at, and only where the stop string's first character is."""
     best = 0
+    n = len(text)
     for s in stops:
-        for n in range(min(len(s), len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
+        i = max(0, n - len(s))
+        while True:
+            i = text.find(s[0], i, n - best)  # a start before n - best gives a longer tail than `best`
+            if i == -1:
                 break
+            if s.startswith(text[i:]):
+                best = n - i
+                break
+            i += 1
     return best
 
 
@@ -97,6 +131,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(ctx)
         self.num_context = len(ctx)
         self.decoded = ""  # text of ids[num_context:read_offset]
+        self.stops = StopScanner(self.stop_strings) if self.stop_strings and not no_stop_trim else None
         self.text = ""  # what has been released to the client
         self.finished = False
 
@@ -111,8 +146,11 @@ class IncrementalDetokenizer:
         surr_text = self._decode(self.ids[self.surr_offset:self.read_offset])
         full_text = self._decode(self.ids[self.surr_offset:])
         new_text = full_text[len(surr_text):]
-        if final or (new_text and not new_text.endswith("\ufffd")):
+        if final or (new_text and not new_text.endswith("\ufffd")) \
+                or len(self.ids) - self.read_offset > MAX_HELD_TOKENS:
             self.decoded += new_text
+            if self.stops is not None:
+                self.stops.feed(self.decoded)
             self.surr_offset = self.read_offset
             self.read_offset = len(self.ids)
 
@@ -133,7 +171,8 @@ class IncrementalDetokenizer:
         self._advance(final)
         if final:
             self.finished = True
-            full = trim_stop(self.decoded, finish_reason, self.no_stop_trim)
+            full = trim_stop(self.decoded, finish_reason, self.no_stop_trim,
+                             self.stops.first if self.stops is not None else None)
             if not full.startswith(self.text):
                 # cannot happen with held-back stop prefixes; never take text back from a client
                 full = self.text
