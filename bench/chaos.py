@@ -461,7 +461,7 @@ async def soak(ns, cluster) -> dict:
         def budget_left() -> int:
             if ns.requests is not None:
                 return ns.requests - driver.sent
-            return 1 if time.time() - start < ns.duration else 0
+            return 1 << 30 if time.time() - start < ns.duration else 0
 
         def on_tick() -> None:
             for k in kills:
