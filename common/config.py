@@ -58,6 +58,10 @@ class ServerArgs:
     # memory
     page_size: int = _f(16, "tokens per KV page (prefill and decode must agree)")
     max_total_tokens: int = _f(32768, "KV cache size in tokens")
+    decode_offload_size: int | None = _f(
+        None, "tokens of KV a host-side store keeps for retracted decode requests, so they resume without "
+        "re-prefilling (whole pages; least recently stored entries are evicted; a request that finds no entry "
+        "recomputes). Default: half of --max-total-tokens; 0: off. Not used on prefill nodes")
     max_running_requests: int = _f(64, "requests decoded together at most")
     # scheduling
     chunked_prefill_size: int = _f(512, "tokens of one prompt prefilled per forward (-1: no chunking)")
@@ -141,6 +145,8 @@ class ServerArgs:
             raise bad("max-total-tokens", f"must hold at least two pages ({2 * ps} tokens)")
         if self.max_running_requests < 1:
             raise bad("max-running-requests", "must be >= 1")
+        if self.decode_offload_size is not None and self.decode_offload_size < 0:
+            raise bad("decode-offload-size", f"must be >= 0 tokens (0: off), got {self.decode_offload_size}")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < ps:
             raise bad("chunked-prefill-size", f"must be -1 or >= the page size ({ps})")
         if self.max_prefill_tokens < 1:
@@ -198,6 +204,15 @@ class ServerArgs:
         if not hasattr(self, "_cluster_secret"):
             self._cluster_secret = load_configured(self.cluster_secret_file)
         return self._cluster_secret
+
+    @property
+    def decode_offload_tokens(self) -> int:
+        """--decode-offload-size, or its default (half the KV budget); 0 on prefill nodes (they never decode)."""
+        if self.disaggregation_mode == "prefill":
+            return 0
+        if self.decode_offload_size is not None:
+            return self.decode_offload_size
+        return self.max_total_tokens // 2
 
     @property
     def radix_cache_enabled(self) -> bool:

@@ -49,7 +49,7 @@ class ScheduleBatch:
         return ScheduleBatch([], self.req_to_token_pool, self.allocator, self.kv_pool, self.tree_cache)
 
     # ------------------------------------------------------------------ memory
-    def _alloc_pages_evicting(self, pages: int) -> None:
+    def ensure_free_pages(self, pages: int) -> None:
         """Make sure `pages` pages are free, evicting from the cache if needed."""
         short = pages - self.allocator.available_pages()
         if short > 0:
@@ -62,7 +62,7 @@ class ScheduleBatch:
         """Give each request a req pool row and KV slots for its next `extend_input_len` tokens."""
         self.mode = ForwardMode.EXTEND
         need = sum(self.allocator.pages_needed(len(r.prefix_indices), r.extend_input_len) for r in self.reqs)
-        self._alloc_pages_evicting(need)
+        self.ensure_free_pages(need)
         input_ids: list[int] = []
         positions, out_locs, logits_idx = [], [], []
         seq_lens, prefix_lens, extend_lens, rows = [], [], [], []
@@ -141,7 +141,7 @@ class ScheduleBatch:
         reqs = self.reqs
         positions = [r.kv_len for r in reqs]
         fresh = [i for i, p in enumerate(positions) if p % ps == 0]  # these start a new page
-        self._alloc_pages_evicting(len(fresh))
+        self.ensure_free_pages(len(fresh))
         pages = self.allocator.alloc_pages(len(fresh))
         r2t = self.req_to_token_pool.req_to_token
         rows_t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
@@ -192,19 +192,23 @@ class ScheduleBatch:
         # the most memory)
         return (len(r.output_ids), -len(r.origin_input_ids))
 
-    def retract_decode(self, steps: int = 1) -> tuple[list[Req], float]:
+    def retract_decode(self, steps: int = 1, before_release=None) -> tuple[list[Req], float]:
         """Take requests out until the rest can decode `steps` more tokens.
 
         Victims (fewest output tokens first, ties: longest prompt) release their KV into the cache
         (radix: full pages stay reusable until evicted) and are reset to prefill prompt + output so
-        far again, so greedy decoding later produces the same tokens. Usually one request keeps
-        running; all go when another holder (a chunked prefill) has the memory. Returns (victims,
-        the new new_token_ratio estimate)."""
+        far again, so greedy decoding later produces the same tokens. `before_release(victim)` runs
+        while the victim still holds its KV (the scheduler copies it to the host store there, so the
+        victim can resume without that prefill). Usually one request keeps running; all go when
+        another holder (a chunked prefill) has the memory. Returns (victims, the new new_token_ratio
+        estimate)."""
         order = sorted(self.reqs, key=self.retract_order_key)
         victims: list[Req] = []
         while self.reqs and not self.check_decode_mem(steps):
             victim = order.pop(0)
             self.reqs.remove(victim)
+            if before_release is not None:
+                before_release(victim)
             self.tree_cache.cache_finished_req(victim)
             victim.reset_for_retract()
             victims.append(victim)

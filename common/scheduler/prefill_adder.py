@@ -7,7 +7,9 @@
 * `rem_chunk_tokens`: tokens of one request per forward (`chunked_prefill_size`); a longer prompt
   is cut at a page boundary and becomes the (single) chunked request.
 
-Every budget counts whole pages, since the allocator hands out pages.
+Every budget counts whole pages, since the allocator hands out pages. A retracted request whose KV
+waits in the host store (`add_restored_req`) counts against the KV budget only: it is copied back,
+not prefilled.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class PrefillAdder:
         self.running_reserved = sum(self.reserve_running(r) for r in running_reqs)
         self.added_tokens = 0
         self.can_run_list: list[Req] = []
+        self.restore_list: list[Req] = []  # retracted requests whose KV comes back from the host store
         self.new_chunked_req: Req | None = None
         self.locked_nodes: list = []
 
@@ -132,6 +135,19 @@ class PrefillAdder:
         self._take(req, cut, 0)
         self.new_chunked_req = req
         return AddResult.OTHER
+
+    def add_restored_req(self, req: Req, kv_len: int) -> AddResult:
+        """Try to add a retracted request whose `kv_len` tokens of KV wait in the host store: it takes
+        pages for them and its output (the KV budget), and no prefill tokens (the other budgets)."""
+        if self.rem_total_tokens <= 0:
+            return AddResult.NO_TOKEN
+        reserve = min(max(req.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+        need = self.allocator.pages_for(kv_len + reserve) * self.page_size
+        if need > self.rem_total_tokens:
+            return AddResult.NO_TOKEN
+        self.restore_list.append(req)
+        self.added_tokens += need
+        return AddResult.CONTINUE
 
     def _unlock_last(self) -> None:
         node = self.locked_nodes.pop()

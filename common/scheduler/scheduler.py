@@ -37,6 +37,7 @@ from typing import Any
 from common.config import ServerArgs
 from common.forward_batch import ForwardMode
 from common.kv_events import KVEventPublisher, KVEventsConfig
+from common.memory.host_store import HostKVStore
 from common.memory.radix_cache import make_tree_cache
 from common.protocol import (
     AbortRequest,
@@ -109,6 +110,8 @@ class Scheduler:
                                            self.tree_cache)  # Stage.RUNNING
         self.held: dict[str, Req] = {}  # finished, memory held for the role (hooks.on_finished)
         self.output = OutputBatcher(args.stream_interval)
+        # retracted requests' KV waits here until they resume (--decode-offload-size; None: off)
+        self.host_store = self._make_host_store(args)
 
         self.send_fn = send_fn
         self.comm = comm
@@ -119,6 +122,10 @@ class Scheduler:
         # statistics
         self.forward_ct = 0
         self.num_retractions = 0
+        self.num_retract_offloaded = 0  # victims whose KV went to the host store
+        self.num_retract_restored = 0  # resumed with their KV copied back (no prefill)
+        self.num_retract_recomputed = 0  # resumed by prefilling prompt + output again (no entry: the fallback)
+        self.total_prefill_tokens = 0  # tokens computed by prefill (extend) forwards
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
         self.total_generated_tokens = 0
@@ -132,6 +139,16 @@ class Scheduler:
     @eos_token_ids.setter
     def eos_token_ids(self, ids: list[int]) -> None:
         self.runner.eos_token_ids = list(ids)
+
+    def _make_host_store(self, args) -> HostKVStore | None:
+        tokens = getattr(args, "decode_offload_tokens", 0)
+        if tokens < self.page_size:  # 0: off (and less than one page would hold nothing)
+            return None
+        pool = self.req_to_token_pool
+        store = HostKVStore(tokens, self.kv_pool, pool.state_pool, state_slots=pool.size)
+        logger.info("decode offload: retracted requests keep their KV in a host store of %d tokens (%.1f MiB)",
+                    store.capacity_tokens, store.nbytes() / 2**20)
+        return store
 
     # ================================================================== contract
     def add_request(self, req: Req) -> None:
@@ -314,26 +331,73 @@ class Scheduler:
         if chunked is None or chunked in adder.can_run_list:
             rows_free = self.req_to_token_pool.available_size()
             for req in self.waiting_queue:
-                new = len(adder.can_run_list) - (1 if chunked is not None else 0)
+                new = len(adder.can_run_list) + len(adder.restore_list) - (1 if chunked is not None else 0)
                 if new >= slots_left or new >= rows_free:
                     break
-                req.init_next_round_input(self.tree_cache)
-                if adder.add_one_req(req) is not AddResult.CONTINUE:
+                if self.host_store is not None and req.rid in self.host_store:
+                    added = adder.add_restored_req(req, self.host_store.kv_len(req.rid))
+                else:
+                    req.init_next_round_input(self.tree_cache)
+                    added = adder.add_one_req(req)
+                if added is not AddResult.CONTINUE:
                     break
         can_run = adder.can_run_list
+        restored = adder.restore_list
+        if restored:  # back into the running batch now; they decode with the next decode step
+            picked = set(map(id, restored))
+            self.waiting_queue = [r for r in self.waiting_queue if id(r) not in picked]
+            for r in restored:
+                self._restore(r)
         if not can_run:
-            self._refuse_if_never_fits()
+            if not restored:
+                self._refuse_if_never_fits()
             return None
         if chunked is None or chunked in can_run:
             self.chunked_req = adder.new_chunked_req
         picked = set(map(id, can_run))
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in picked]
         for r in can_run:
+            if r.is_retracted and r is not chunked:  # leaves the waiting queue to prefill prompt + output again
+                self.num_retract_recomputed += 1
             r.scheduled_once = True
             r.stage = Stage.CHUNKED if r is self.chunked_req else Stage.RUNNING
         batch = ScheduleBatch(can_run, self.req_to_token_pool, self.allocator, self.kv_pool, self.tree_cache)
         batch.prepare_for_extend()
+        self.total_prefill_tokens += sum(r.extend_input_len for r in can_run)
         return batch
+
+    def _restore(self, req: Req) -> None:
+        """A retracted request's KV (and state) comes back from the host store into a new row and fresh
+        pages; it rejoins the running batch and its next decode step feeds its last output token, as
+        if it had never left (the prefill adder has budgeted the pages)."""
+        store = self.host_store
+        n = store.kv_len(req.rid)
+        if n != req.seqlen - 1:
+            raise RuntimeError(f"rid={req.rid}: {n} tokens of KV stored for a sequence of {req.seqlen}")
+        num_pages = self.allocator.pages_for(n)
+        self.running_batch.ensure_free_pages(num_pages)
+        row = self.req_to_token_pool.alloc()
+        if row is None:
+            raise RuntimeError("no free req pool row (the scheduler checks this before)")
+        pages = self.allocator.alloc_pages(num_pages)
+        pool = self.req_to_token_pool
+        store.load(req.rid, pages, int(pool.row_state[row]) if pool.state_pool is not None else None)
+        req.release_kv_state()  # drops a prefix match the schedule policy may have made (never locked)
+        pool.write(row, 0, self.allocator.slots_of_pages(pages, n))
+        req.req_pool_idx, req.kv_len = row, n
+        req.extend_input_len = 0
+        self.num_retract_restored += 1
+        self.running_batch.merge([req])
+        logger.info("rid=%s restored from the host store: %d tokens of KV, no prefill", req.rid, n)
+
+    def _offload_victim(self, req: Req) -> None:
+        """A retraction victim, still holding its KV: copy its pages (and state slot) to the host store."""
+        row, n = req.req_pool_idx, req.kv_len
+        pool = self.req_to_token_pool
+        pages = self.allocator.pages_of_slots(pool.slots(row, 0, n)).tolist()
+        state = int(pool.row_state[row]) if pool.state_pool is not None else None
+        if self.host_store.store(req.rid, pages, n, state):
+            self.num_retract_offloaded += 1
 
     def _refuse_if_never_fits(self) -> None:
         """With every page and row free, a request at the head that still cannot be admitted never
@@ -350,11 +414,13 @@ class Scheduler:
     def _decode_batch(self, out: SchedulerOutput) -> ScheduleBatch | None:
         batch = self.running_batch
         if not batch.check_decode_mem():
-            victims, ratio = batch.retract_decode()
+            store = self.host_store
+            victims, ratio = batch.retract_decode(before_release=self._offload_victim if store is not None else None)
             self.num_retractions += len(victims)
             for v in victims:
-                logger.info("rid=%s retracted after %d output tokens (KV memory full)", v.rid,
-                            len(v.output_ids))
+                kept = store is not None and v.rid in store
+                logger.info("rid=%s retracted after %d output tokens (KV memory full); %s", v.rid,
+                            len(v.output_ids), "KV in the host store" if kept else "will prefill again")
             out.retracted = [v.rid for v in victims]
             self.waiting_queue[:0] = victims
             self.new_token_ratio.on_retract(ratio)
@@ -459,6 +525,8 @@ class Scheduler:
             self.tree_cache.cache_finished_req(req)
         elif req.last_node is not None:
             req.last_node = None
+        if self.host_store is not None:
+            self.host_store.discard(req.rid)
         self.total_cached_tokens += req.cached_tokens if req.scheduled_once else 0
         self.live_reqs.pop(req.rid, None)
 
@@ -572,6 +640,11 @@ class Scheduler:
             "gen_throughput": gen,
             "new_token_ratio": self.new_token_ratio.value,
             "num_retractions": self.num_retractions,
+            "num_retract_offloaded": self.num_retract_offloaded,
+            "num_retract_restored": self.num_retract_restored,
+            "num_retract_recomputed": self.num_retract_recomputed,
+            "total_prefill_tokens": self.total_prefill_tokens,
+            **(self.host_store.stats() if self.host_store is not None else HostKVStore.off_stats()),
             "forward_ct": self.forward_ct,
             "total_generated_tokens": self.total_generated_tokens,
             "radix_cache": self.tree_cache.enabled,
