@@ -19,6 +19,10 @@ seconds or `--requests` requests, with at once:
 * bursts (`--burst-size` requests at once every `--burst-every` seconds) past the router's
   admission limits (`--router-args`), which answer 429.
 
+With `--duration` the traffic goes on past it (by at most `--heal-wait` seconds) until every killed
+node is healthy again and has been in rotation for `--after-heal` seconds, so the run shows the
+router serving through the restarted nodes.
+
 After the run it waits up to `--hang-wait` seconds for every request still open: one without a final
 answer by then is *hung*. Then it waits up to `--drain-timeout` for every node to be drained and
 reads its leak counters from `/server_info`: free KV tokens (+ evictable) == total, request rows,
@@ -352,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--burst-size", type=int, default=80, help="requests per burst (0: none)")
     a("--kills", default="decode-1@0.3,prefill-1@0.6",
       help="NAME@FRACTION of the run to kill -9, comma-separated ('' for none)")
+    a("--after-heal", type=float, default=5.0,
+      help="--duration mode: the run goes on until every killed node has served this long after its restart")
+    a("--heal-wait", type=float, default=120.0, help="... for at most this many seconds past --duration")
     a("--warmup", type=int, default=20, help="requests before the RSS baseline (no faults but injected failures)")
     a("--hang-wait", type=float, default=60.0, help="seconds after the run a request may still end in")
     a("--drain-timeout", type=float, default=120.0, help="seconds for every node to be back at rest")
@@ -458,10 +465,22 @@ async def soak(ns, cluster) -> dict:
                 return driver.sent / max(ns.requests, 1)
             return (time.time() - start) / ns.duration
 
+        def healed_long_enough() -> bool:
+            """Every killed node is healthy again and has had `--after-heal` seconds of traffic."""
+            killed = {k[1] for k in kills if k[2]}
+            if len(killed) < len(kills):
+                return False
+            healthy = {n: t for t, n, kind, _ in cluster.events if kind == "healthy"}
+            return all(n in healthy and time.time() - healthy[n] >= ns.after_heal for n in killed) or \
+                any(n in {x.name for x in cluster.children if x.gave_up} for n in killed)
+
         def budget_left() -> int:
             if ns.requests is not None:
                 return ns.requests - driver.sent
-            return 1 << 30 if time.time() - start < ns.duration else 0
+            elapsed = time.time() - start
+            if elapsed < ns.duration or (elapsed < ns.duration + ns.heal_wait and not healed_long_enough()):
+                return 1 << 30
+            return 0
 
         def on_tick() -> None:
             for k in kills:
