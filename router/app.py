@@ -63,9 +63,21 @@ class RouterApp:
         self.cfg = cfg
         self.session = session
         self.metrics = Metrics()
-        self.prefill_policy = make_policy(cfg.effective_prefill_policy, cfg)
+        self.kv_index = None
+        self.route_tokenizer = None  # router/tokenizer.py RouterTokenizer, loaded at the first admission
+        self._tokenizer_tried: set[str] = set()
+        if cfg.kv_events:
+            from router.kv_index import KVEventIndex
+
+            self.kv_index = KVEventIndex(cfg.kv_events_max_blocks)
+            self.metrics.kv_index = self.kv_index
+        self.prefill_policy = make_policy(cfg.effective_prefill_policy, cfg, self.kv_index,
+                                          lambda: self.route_tokenizer)
+        self.metrics.route_counts = getattr(self.prefill_policy, "counts", None)
         self.decode_policy = make_policy(cfg.effective_decode_policy, cfg)
         self.registry = Registry(cfg, session, on_change=self._workers_changed)
+        if self.kv_index is not None:
+            self.registry.on_admit = self._admit_prefill
         self.dispatcher = Dispatcher(cfg, self.registry, session, self.metrics, self.prefill_policy,
                                      self.decode_policy)
         self.keys = cfg.resolved_keys
@@ -80,9 +92,44 @@ class RouterApp:
         urls = {w.url for w in self.registry.all()}
         self.dispatcher.forget(urls)
         for policy in (self.prefill_policy, self.decode_policy):
-            for url in list(getattr(policy, "trees", {})):
+            for url in set(getattr(policy, "trees", {})) | set(getattr(policy, "recent", {})):
                 if url not in urls:
                     policy.forget(url)
+        if self.kv_index is not None:
+            prefill = {w.url for w in self.registry.prefill}
+            for url in list(self.kv_index.views):
+                if url not in prefill:
+                    self.kv_index.unsubscribe(url)
+
+    async def _admit_prefill(self, w) -> None:
+        """--kv-events: follow the worker's events (when it names an endpoint); load the tokenizer once."""
+        view = self.kv_index.subscribe(w.url, w.server_info)
+        if view is None:
+            log.warning("prefill worker %s publishes no KV events (start it with --kv-events-config): it is "
+                        "routed by the approximate tree", w.url)
+            return
+        if self.route_tokenizer is None:
+            await self._load_tokenizer(w)
+
+    async def _load_tokenizer(self, w) -> None:
+        from router.tokenizer import RouterTokenizer
+
+        path = self.cfg.tokenizer_path or self.cfg.model_path or w.model_info.get("tokenizer_path")
+        if not isinstance(path, str) or path in self._tokenizer_tried:
+            return
+        self._tokenizer_tried.add(path)
+        if not RouterTokenizer.usable(path):
+            log.warning("no tokenizer.json in %r: text prompts are routed by the approximate tree (give "
+                        "--tokenizer-path)", path)
+            return
+        try:
+            tok = await asyncio.get_running_loop().run_in_executor(None, RouterTokenizer, path)
+        except Exception as e:
+            log.warning("cannot load the tokenizer in %r (%s): text prompts are routed by the approximate tree",
+                        path, e)
+            return
+        self.route_tokenizer = tok
+        log.info("tokenizing prompts for --kv-events routing with %s", path)
 
     # ---------------------------------------------------------------------------- middleware
 
@@ -153,9 +200,16 @@ class RouterApp:
     # ---------------------------------------------------------------------------- workers
 
     async def list_workers(self, request):
-        ws = [w.describe() for w in self.registry.all()]
+        ws = [self._describe(w) for w in self.registry.all()]
         return json_response({"workers": ws, "total": len(ws),
                               "prefill": len(self.registry.prefill), "decode": len(self.registry.decode)})
+
+    def _describe(self, w) -> dict:
+        d = w.describe()
+        view = self.kv_index.view(w.url) if self.kv_index is not None else None
+        if view is not None:
+            d["kv_events"] = view.describe()
+        return d
 
     async def add_worker(self, request):
         try:
@@ -205,6 +259,9 @@ class RouterApp:
             return error_response(503, "no prefill server available")
         if isinstance(info, dict):  # a prefill worker's, plus the router's own admission counters
             info["router"] = self.admission.describe()
+            if self.kv_index is not None:
+                info["router"]["kv_events"] = {"workers": {u: v.describe() for u, v in list(self.kv_index.views.items())},
+                                               "routes": dict(self.metrics.route_counts or {})}
         return json_response(info)
 
     async def model_info(self, request):
@@ -351,6 +408,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
     finally:
         evict.cancel()
         await ra.registry.stop()
+        if ra.kv_index is not None:
+            ra.kv_index.close()
         await runner.cleanup()
         if prom is not None:
             await prom.cleanup()

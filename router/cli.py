@@ -16,7 +16,7 @@ POLICIES = ["random", "round_robin", "cache_aware", "power_of_two"]
 # sglang-router flags that are accepted (scripts written for it keep working) but change nothing here
 _NO_EFFECT = ("dp_aware", "enable_igw", "mini_lb", "cors_allowed_origins", "shutdown_grace_period_secs",
               "prometheus_duration_buckets",
-              "model_path", "tokenizer_path", "chat_template", "bucket_adjust_interval_secs", "max_idle_secs",
+              "chat_template", "bucket_adjust_interval_secs", "max_idle_secs",
               "assignment_mode", "enable_trace", "otlp_traces_endpoint")
 
 
@@ -41,6 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--balance-rel-threshold", type=float, default=d.balance_rel_threshold)
     a("--eviction-interval-secs", type=float, default=d.eviction_interval_secs)
     a("--max-tree-size", type=int, default=d.max_tree_size)
+    a("--kv-events", action="store_true",
+      help="cache_aware routes prefill requests by each worker's exact cached blocks: the router subscribes to "
+      "the KV events of every prefill worker whose /server_info names a kv_events_endpoint (a node started with "
+      "--kv-events-config) and picks the one holding the longest prefix of the prompt's pages; workers without "
+      "events keep the approximate tree. Needs the model's tokenizer (--tokenizer-path, --model-path, or the "
+      "worker's /model_info tokenizer_path when that directory exists here)")
+    a("--kv-events-max-blocks", type=int, default=d.kv_events_max_blocks,
+      help="most block hashes kept per worker (default: twice the worker's KV capacity in pages); a view that "
+      "outgrows it is cleared and rebuilt from later events")
+    a("--kv-events-pending-secs", type=float, default=d.kv_events_pending_secs,
+      help="seconds the pages of a request routed to a worker count as cached there before its events confirm "
+      "them (its prefill may still run; default 10, 0: only confirmed blocks)")
     a("--load-check-interval-secs", type=float, default=d.load_check_interval_secs,
       help="how often power_of_two polls the workers' /get_load")
     a("--max-payload-size", type=int, default=d.max_payload_size,
@@ -101,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cors-allowed-origins", nargs="*", default=[])
     a("--shutdown-grace-period-secs", type=float, default=None)
     a("--prometheus-duration-buckets", nargs="+", type=float, default=None)
-    a("--model-path", default=None)
-    a("--tokenizer-path", default=None)
+    a("--model-path", default=None, help="with --kv-events: the model directory whose tokenizer the router uses")
+    a("--tokenizer-path", default=None, help="with --kv-events: the tokenizer directory (tokenizer.json, "
+      "tokenizer_config.json, chat template) the prefill nodes use")
     a("--chat-template", default=None)
     a("--bucket-adjust-interval-secs", type=float, default=None)
     a("--max-idle-secs", type=float, default=None)
@@ -156,8 +169,15 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         raise ValueError(f"--queue-timeout-secs must be > 0, got {cfg.queue_timeout_secs:g}")
     if cfg.rate_limit_tokens_per_second is not None and cfg.rate_limit_tokens_per_second <= 0:
         raise ValueError(f"--rate-limit-tokens-per-second must be > 0, got {cfg.rate_limit_tokens_per_second:g}")
+    if cfg.kv_events_max_blocks is not None and cfg.kv_events_max_blocks <= 0:
+        raise ValueError(f"--kv-events-max-blocks must be > 0, got {cfg.kv_events_max_blocks}")
+    if cfg.kv_events_pending_secs < 0:
+        raise ValueError(f"--kv-events-pending-secs must be >= 0, got {cfg.kv_events_pending_secs:g}")
     if cfg.max_payload_size <= 0:
         raise ValueError(f"--max-payload-size must be > 0, got {cfg.max_payload_size}")
+    if cfg.kv_events and cfg.effective_prefill_policy != "cache_aware":
+        logging.getLogger("router").warning("--kv-events is used by the cache_aware prefill policy only; the "
+                                            "prefill policy is %s", cfg.effective_prefill_policy)
     for name, policy in (("prefill", cfg.effective_prefill_policy), ("decode", cfg.effective_decode_policy)):
         n = len(cfg.prefill if name == "prefill" else cfg.decode)
         if policy == "power_of_two" and 0 < n < 2:
@@ -183,6 +203,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg = config_from_args(ns)
     except ValueError as e:
         parser.error(str(e))
+    for name in ("model_path", "tokenizer_path"):
+        if getattr(ns, name, None) and not cfg.kv_events:
+            log.warning("--%s is used with --kv-events only; it has no effect here", name.replace("_", "-"))
     for name in _NO_EFFECT:
         if getattr(ns, name, None) not in (None, False, []):
             log.warning("--%s is accepted for sglang-router compatibility and has no effect", name.replace("_", "-"))

@@ -35,6 +35,12 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     eviction_interval_secs: float = 60.0
     max_tree_size: int = 2**26
+    # --kv-events: cache_aware routes prefill requests by the workers' exact cached blocks (router/kv_index.py)
+    kv_events: bool = False
+    kv_events_max_blocks: int | None = None  # None: twice the worker's KV capacity in pages
+    kv_events_pending_secs: float = 10.0
+    tokenizer_path: str | None = None  # None: --model-path, else the worker's /model_info tokenizer_path
+    model_path: str | None = None
     # power_of_two: how often /get_load is polled
     load_check_interval_secs: float = 5.0
     max_payload_size: int = 512 * 2**20  # sglang-router's default; enforced while the body is read

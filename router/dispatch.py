@@ -186,7 +186,8 @@ class Dispatcher:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    def pick(self, text: str | None, exclude: tuple[Worker, ...]) -> tuple[Worker, Worker]:
+    def pick(self, text: str | None, exclude: tuple[Worker, ...], prefill_key=None) -> tuple[Worker, Worker]:
+        """A prefill and a decode worker; the prefill policy routes by `prefill_key` when it prepared one."""
         pairs = []
         for workers, kind in ((self.registry.prefill, "prefill"), (self.registry.decode, "decode")):
             ok = [w for w in workers if w.available]
@@ -195,7 +196,8 @@ class Dispatcher:
             if exclude and len(ok) > 1:
                 ok = [w for w in ok if w not in exclude] or ok
             pairs.append(ok)
-        return self.prefill_policy.select(pairs[0], text), self.decode_policy.select(pairs[1], text)
+        return (self.prefill_policy.select(pairs[0], text if prefill_key is None else prefill_key),
+                self.decode_policy.select(pairs[1], text))
 
     async def _abort_on(self, w: Worker, rids: list[str]) -> None:
         for rid in rids:
@@ -309,13 +311,14 @@ class Dispatcher:
         failure: Failure | None = None
         exclude: tuple[Worker, ...] = ()
         overload_retried = False
+        key = await self.prefill_policy.prepare(req) if self.prefill_policy.prepares else None
         for attempt in range(self.cfg.max_attempts):
             if attempt:
                 self.metrics.retries += 1
                 await asyncio.sleep(self._backoff(attempt))
             trace.attempts = attempt + 1
             try:
-                p, d = self.pick(req.text, exclude)
+                p, d = self.pick(req.text, exclude, key)
             except NoWorkers as e:
                 failure = Failure(503, str(e))
                 continue

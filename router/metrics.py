@@ -20,6 +20,8 @@ class Metrics:
         self.stream_errors = 0
         self.overload_passed = 0  # workers' 429/503 answers given to the client as they were
         self.admission = None  # router.limits.Admission, set by the app
+        self.kv_index = None  # router.kv_index.KVEventIndex with --kv-events
+        self.route_counts = None  # the exact cache_aware policy's decisions by kind
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         self.requests[(route, status)] += 1
@@ -59,6 +61,21 @@ class Metrics:
             out.append("# TYPE pdserve_router_rejected_requests_total counter")
             for reason in ("concurrency", "queue_full", "queue_timeout", "rate_limit", "payload_too_large"):
                 out.append(f'pdserve_router_rejected_requests_total{{reason="{reason}"}} {adm.rejected[reason]}')
+        if self.kv_index is not None:
+            out.append("# TYPE pdserve_router_kv_event_blocks gauge")
+            views = list(self.kv_index.views.values())
+            for v in views:
+                out.append(f'pdserve_router_kv_event_blocks{{worker="{v.url}"}} {len(v.blocks)}')
+            out.append("# TYPE pdserve_router_kv_events_total counter")
+            for kind in ("batches", "dropped_frames", "gaps", "replays", "replay_failures", "unreplayable_gaps",
+                         "restarts", "resyncs", "overflows"):
+                for v in views:
+                    out.append(f'pdserve_router_kv_events_total{{worker="{v.url}",kind="{kind}"}} '
+                               f'{v.counters[kind]}')
+        if self.route_counts is not None:
+            out.append("# TYPE pdserve_router_prefill_routes_total counter")
+            for kind, n in self.route_counts.items():
+                out.append(f'pdserve_router_prefill_routes_total{{by="{kind}"}} {n}')
         gauges = (("worker_healthy", lambda w: int(w.healthy)), ("worker_active_requests", lambda w: w.active),
                   ("worker_circuit_state", lambda w: _CB_STATE[w.breaker.state]),
                   ("worker_requests_total", lambda w: w.requests), ("worker_errors_total", lambda w: w.errors),

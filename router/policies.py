@@ -1,18 +1,26 @@
-"""Worker selection: random, round_robin, power_of_two and cache_aware (sglang-router's rules)."""
+"""Worker selection: random, round_robin, power_of_two and cache_aware (sglang-router's rules); with
+`--kv-events`, cache_aware routes prefill requests by the workers' exact cached blocks (router/kv_index.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from router.config import RouterConfig
 from router.registry import Worker
 from router.tree import PrefixTree
 
+log = logging.getLogger("router.policies")
+
 
 class Policy:
     name = ""
     needs_text = False
+    prepares = False  # `await prepare(req)` gives the routing key `select` takes instead of the text
 
     def select(self, workers: list[Worker], text: str | None) -> Worker:
         raise NotImplementedError
@@ -84,16 +92,21 @@ class CacheAwarePolicy(Policy):
             t = self.trees[w.url] = PrefixTree()
         return t
 
+    def imbalanced(self, workers) -> Worker | None:
+        """The least loaded worker when the loads are imbalanced beyond the thresholds."""
+        loads = [w.active for w in workers]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > self.abs and hi > lo * self.rel:
+            return workers[loads.index(lo)]
+        return None
+
     def select(self, workers, text):
         text = text or ""
         if len(workers) == 1:
             chosen = workers[0]
         else:
-            loads = [w.active for w in workers]
-            hi, lo = max(loads), min(loads)
-            if hi - lo > self.abs and hi > lo * self.rel:
-                chosen = workers[loads.index(lo)]
-            else:
+            chosen = self.imbalanced(workers)
+            if chosen is None:
                 best, best_len = None, 0
                 if text:
                     for w in workers:
@@ -116,7 +129,131 @@ class CacheAwarePolicy(Policy):
             t.evict(self.max_size)
 
 
-def make_policy(name: str, cfg: RouterConfig) -> Policy:
+class RouteKey:
+    """What the exact policy routes one request by: its text (for the approximate fallback), the ids the
+    prefill node will compute, and their chained page hashes per page size."""
+
+    __slots__ = ("text", "ids", "hashes")
+
+    def __init__(self, text: str | None, ids: list[int] | None, hashes: dict[int, list[int]]):
+        self.text, self.ids, self.hashes = text, ids, hashes
+
+
+# prompts up to this many characters (or ids) are tokenized and hashed on the event loop (well under a
+# millisecond); longer ones on the policy's thread pool, so a huge prompt never stalls other requests
+INLINE_ROUTE_SIZE = 2048
+
+
+class KVEventsCacheAwarePolicy(CacheAwarePolicy):
+    """cache_aware with `--kv-events`, for prefill workers: the prompt is tokenized as the node does
+    (router/tokenizer.py) and hashed into chained pages as the node's KV events are (common/kv_events.py);
+    the worker holding the longest prefix of those pages in tokens wins. Its view is the blocks its events
+    reported, plus the pages of requests routed to it in the last `--kv-events-pending-secs` seconds that
+    its events have not confirmed yet (their prefill may still run). The load rules stay sglang-router's:
+    imbalanced loads take the least loaded worker; no match takes the least loaded one, then the one with
+    the fewest cached blocks. Workers without events (no endpoint in their /server_info, or no tokenizer
+    in the router) are routed by the approximate tree, as plain cache_aware."""
+
+    name = "cache_aware"
+    prepares = True
+
+    def __init__(self, cfg: RouterConfig, index, tokenizer_source):
+        super().__init__(cfg)
+        self.index = index
+        self.tokenizer_source = tokenizer_source  # () -> RouterTokenizer | None
+        self.pending_secs = cfg.kv_events_pending_secs
+        self.recent: dict[str, dict[int, float]] = {}
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="route-tokenize")
+        self.counts = {"exact": 0, "exact_hits": 0, "approximate": 0, "load": 0}
+
+    async def prepare(self, req) -> RouteKey:
+        from router.tokenizer import prompt_source, source_size, tokenize
+
+        src = prompt_source(req.path, req.obj)
+        if src is None:
+            return RouteKey(req.text, None, {})
+        tok = self.tokenizer_source() if src[0] != "ids" else None
+        sizes = {v.page_size for v in list(self.index.views.values())}
+
+        def work() -> RouteKey:
+            from common.kv_events import chain_hashes
+
+            ids = tokenize(tok, *src)
+            hashes = {ps: chain_hashes(None, ids, ps) for ps in sizes} if ids else {}
+            return RouteKey(req.text, ids, hashes)
+
+        if source_size(*src) <= INLINE_ROUTE_SIZE:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self.pool, work)
+
+    def _recent(self, url: str) -> dict[int, float]:
+        r = self.recent.get(url)
+        if r is None:
+            r = self.recent[url] = {}
+        return r
+
+    def select(self, workers, key):
+        if not isinstance(key, RouteKey):
+            return super().select(workers, key)
+        views = [self.index.view(w.url) for w in workers]
+        if key.ids is None or any(v is None for v in views):
+            self.counts["approximate"] += 1
+            return super().select(workers, key.text)
+        if len(workers) == 1:
+            chosen = workers[0]
+        else:
+            chosen = self.imbalanced(workers)
+            if chosen is None:
+                now = time.monotonic()
+                best, best_tokens = None, 0
+                for w, v in zip(workers, views, strict=True):
+                    hashes = self._hashes(key, v.page_size)
+                    recent = self.recent.get(w.url)
+                    live = {h for h in hashes if recent.get(h, 0.0) > now} if recent else None
+                    tokens = v.matched_blocks(hashes, live) * v.page_size
+                    if tokens > best_tokens or (tokens == best_tokens and best is not None
+                                                and tokens and w.active < best.active):
+                        best, best_tokens = w, tokens
+                if best is not None:
+                    chosen = best
+                    self.counts["exact_hits"] += 1
+                else:
+                    chosen = min(workers, key=lambda w: (w.active, len(self.index.view(w.url).blocks)
+                                                         + len(self.recent.get(w.url, ()))))
+            else:
+                self.counts["load"] += 1
+        self.counts["exact"] += 1
+        view = self.index.view(chosen.url)
+        if view is not None and self.pending_secs > 0:
+            until = time.monotonic() + self.pending_secs
+            recent = self._recent(chosen.url)
+            if len(recent) > view.max_blocks:
+                recent.clear()
+            for h in self._hashes(key, view.page_size):
+                recent[h] = until
+        return chosen
+
+    @staticmethod
+    def _hashes(key: RouteKey, page_size: int) -> list[int]:
+        hashes = key.hashes.get(page_size)
+        if hashes is None and key.ids:  # a page size learned after the request was prepared
+            from common.kv_events import chain_hashes
+
+            hashes = key.hashes[page_size] = chain_hashes(None, key.ids, page_size)
+        return hashes or []
+
+    def forget(self, url):
+        super().forget(url)
+        self.recent.pop(url, None)
+
+    def evict(self):
+        super().evict()
+        now = time.monotonic()
+        for url, recent in list(self.recent.items()):
+            self.recent[url] = {h: t for h, t in recent.items() if t > now}
+
+
+def make_policy(name: str, cfg: RouterConfig, index=None, tokenizer_source=None) -> Policy:
     if name == "random":
         return RandomPolicy()
     if name == "round_robin":
@@ -124,5 +261,7 @@ def make_policy(name: str, cfg: RouterConfig) -> Policy:
     if name == "power_of_two":
         return PowerOfTwoPolicy()
     if name == "cache_aware":
+        if index is not None:
+            return KVEventsCacheAwarePolicy(cfg, index, tokenizer_source)
         return CacheAwarePolicy(cfg)
     raise ValueError(f"unknown policy {name!r}")

@@ -174,6 +174,9 @@ class Registry:
         self.decode: list[Worker] = []
         self.pending: set[str] = set()
         self.on_change = on_change or (lambda: None)
+        # async on_admit(worker): a prefill worker was registered, or came back healthy with its
+        # /server_info read again (--kv-events subscribes to what it names)
+        self.on_admit = None
         self.auth = bearer_header(cfg.resolved_keys.outgoing())  # the node key (health, info, load polls)
         self._tasks: list[asyncio.Task] = []
 
@@ -268,7 +271,22 @@ class Registry:
         log.info("registered %s worker %s (id %s, bootstrap_port %s, model %s)", kind, url, w.id,
                  w.bootstrap_port, model_info.get("model_path") or server_info.get("model_path"))
         self.on_change()
+        await self._admitted(w)
         return w
+
+    async def _admitted(self, w: Worker) -> None:
+        if self.on_admit is not None and w.kind == PREFILL:
+            try:
+                await self.on_admit(w)
+            except Exception:
+                log.exception("admission hook failed for %s", w.url)
+
+    async def _readmit(self, w: Worker) -> None:
+        """A worker back in rotation may have restarted: read its server_info again."""
+        info = await self._info(w.url, "server_info")
+        if info and self.find(w.url) is w:
+            w.server_info = info
+            await self._admitted(w)
 
     def remove(self, key: str) -> Worker:
         w = self.find(key)
@@ -317,6 +335,8 @@ class Registry:
                 if not w.healthy and w.ok_streak >= self.cfg.health_success_threshold:
                     w.healthy = True
                     log.info("worker %s is healthy again", w.url)
+                    if self.on_admit is not None and w.kind == PREFILL:
+                        self._spawn(self._readmit(w))
             else:
                 w.fail_streak, w.ok_streak = w.fail_streak + 1, 0
                 if w.healthy and w.fail_streak >= self.cfg.health_failure_threshold:

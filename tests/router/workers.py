@@ -14,6 +14,7 @@ every abort, and its behaviour is set at runtime through `POST /debug/config`:
   break_after  close the connection after this many streamed events (-1: never)
   load         num_tokens reported by /get_load
   retry_after  Retry-After header of error answers (None: none)
+  info         extra fields of /server_info (e.g. a kv_events_endpoint)
 
 `GET /debug/received` returns {"requests": [...], "aborts": [...]}; `POST /debug/reset` clears them.
 Run: python workers.py --port P --role prefill|decode [--bootstrap-port N] [--no-record]
@@ -29,7 +30,7 @@ import time
 from aiohttp import web
 
 DEFAULTS = {"status": 200, "health": 200, "hold": 0, "delay": 0.0, "chunks": 3, "chunk_delay": 0.0,
-            "break_after": -1, "load": 0, "retry_after": None}
+            "break_after": -1, "load": 0, "retry_after": None, "info": {}}
 
 
 class Recorder:
@@ -50,7 +51,7 @@ class Recorder:
     async def server_info(self, request):
         return web.json_response({"disaggregation_mode": self.role, "model_path": "test-model",
                                   "disaggregation_bootstrap_port": self.bootstrap_port, "page_size": 1,
-                                  "tp_size": 1, "worker": self.name})
+                                  "tp_size": 1, "worker": self.name, **self.cfg["info"]})
 
     async def model_info(self, request):
         return web.json_response({"model_path": "test-model", "is_generation": True, "worker": self.name})
