@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import logging
 import random
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -179,7 +180,10 @@ class KVEventsCacheAwarePolicy(CacheAwarePolicy):
             from common.kv_events import chain_hashes
 
             ids = tokenize(tok, *src)
-            hashes = {ps: chain_hashes(None, ids, ps) for ps in sizes} if ids else {}
+            try:
+                hashes = {ps: chain_hashes(None, ids, ps) for ps in sizes} if ids else {}
+            except (struct.error, OverflowError, ValueError, TypeError):  # ids no node takes (it answers 400): route by text
+                ids, hashes = None, {}
             return RouteKey(req.text, ids, hashes)
 
         if source_size(*src) <= INLINE_ROUTE_SIZE:

@@ -260,6 +260,7 @@ def test_garbage_events_do_not_stop_the_router(workers, make_router):
         wait_until(lambda: _views(r)[p.url]["kv_events"]["blocks"] == 40, what="valid events after garbage")
         assert _views(r)[p.url]["kv_events"]["dropped_frames"] >= 2
         assert r.post("/generate", {"input_ids": list(range(40))})[0] == 200  # text-less routing by ids works
+        assert r.post("/generate", {"input_ids": [2**63 + 5]})[0] == 200  # unhashable ids: routed by the tree
         code, _, metrics = http("GET", r.url + "/metrics")
         assert f'pdserve_router_kv_events_total{{worker="{p.url}",kind="dropped_frames"}}' in metrics.decode()
     finally:
