@@ -24,6 +24,11 @@ Status, prefill peer silent past the heartbeat window, bootstrap or waiting time
 mismatch, layout mismatch. A `Status` counts only from a prefill rank this room's TransferInfo went
 to (same address, tp and pp rank); any other is dropped and counted (`rejected_peer_values`).
 
+Restarted prefill nodes. A prefill rank declared dead is remembered by its control address; a
+bootstrap answer (fresh or cached) that still names it is asked again instead of used, until the
+restarted rank has registered its new address (a crashed node's bootstrap server can outlive its
+front end for a moment and hand out the dead rank).
+
 Quarantine. A failing receiver tells its prefill ranks (`Abort`) to stop writing. If it had sent its
 TransferInfo, a chunk job may still be inside the engine's `write` to its pages, so the room drains:
 `drain_poll()` stays Transferring until every prefill rank it sent the info to has answered
@@ -55,6 +60,8 @@ from transfer.plan import ranks_overlapping
 
 logger = logging.getLogger(__name__)
 
+_DEAD_PEERS_CAP = 1024
+
 
 @dataclass
 class _Target:
@@ -85,6 +92,7 @@ class DecodeKVManager(KVManager):
         self._receivers: dict[int, KVReceiver] = {}
         self._registered_with: set[str] = set()  # prefill ranks that have our RegisterPeer
         self._draining: dict[int, KVReceiver] = {}  # failed rooms waiting for their prefill ranks' AbortAck
+        self._dead_peers: dict[str, float] = {}  # prefill control addresses declared dead (oldest first)
         self._resolve_wake = threading.Event()
         self.rejected_peer_values = 0
 
@@ -189,6 +197,12 @@ class DecodeKVManager(KVManager):
         for receiver in self._receivers.values():
             if receiver._targets and any(t.addr == addr for t in receiver._targets):
                 self.bootstrap.invalidate(receiver.bootstrap_addr)
+        # a crashed prefill node's bootstrap server may answer with the dead rank for a moment after
+        # this (its front end died first), and any room resolved from that answer would send its
+        # TransferInfo into the void until the heartbeats fail it: the address is remembered as dead
+        self._dead_peers[addr] = time.monotonic()
+        while len(self._dead_peers) > _DEAD_PEERS_CAP:
+            self._dead_peers.pop(next(iter(self._dead_peers)))
 
     # ------------------------------------------------------------------ rooms
     def _add_receiver(self, receiver: KVReceiver) -> None:
@@ -293,8 +307,14 @@ class DecodeKVManager(KVManager):
                 bad = check_rank(info)
                 if bad:
                     return None, f"bootstrap server {addr}, prefill rank tp {tp} dp {dp} pp {pp}: {bad}", True
-                targets.append(_Target(tp, pp, f"tcp://{info['rank_ip']}:{info['rank_port']}",
-                                       writes_metadata=(pp == last_pp and tp == ranks[0])))
+                control = f"tcp://{info['rank_ip']}:{info['rank_port']}"
+                if control in self._dead_peers:
+                    # the answer of a node that is going down, or cached from before its restart: ask
+                    # again until the restarted rank registers its new address
+                    self.bootstrap.invalidate(addr)
+                    return None, (f"prefill rank tp {tp} dp {dp} pp {pp} at {addr} is still registered at "
+                                  f"{control}, which was declared dead"), False
+                targets.append(_Target(tp, pp, control, writes_metadata=(pp == last_pp and tp == ranks[0])))
         return targets, "", False
 
 

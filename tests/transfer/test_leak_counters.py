@@ -9,6 +9,8 @@ import pytest
 
 from tests.transfer.inproc_pair import Pair, engine_or_skip, wait
 from transfer.base import KVPoll
+from transfer.receiver import KVReceiver
+from transfer.sender import KVSender
 
 KEYS = ("transfer_rooms_open", "transfer_rooms_draining", "transfer_peers_registered", "transfer_engine_peers")
 
@@ -44,5 +46,30 @@ def test_counters_and_idle_registrations_expire(backend):
         assert send.poll() == KVPoll.Success and recv.poll() == KVPoll.Success
         assert pair.pages_hold([7, 8], [5, 6]) or not p.moves_bytes
         assert counters(p)["transfer_peers_registered"] == 1 and counters(d)["transfer_peers_registered"] == 1
+    finally:
+        pair.close()
+
+
+def test_a_rank_declared_dead_is_not_resolved_again_from_a_stale_answer():
+    """A crashed prefill node's bootstrap server can answer with its dead rank for a moment (and the
+    decode's cache keeps that answer): rooms resolved from it would send their TransferInfo into the
+    void. The decode asks again until the rank registers a new address."""
+    pair = Pair(engine_or_skip("fake"), engine_or_skip("fake"))
+    try:
+        p, d = pair.prefill, pair.decode
+        send, recv = pair.transfer(21, [1], [2])
+        assert recv.poll() == KVPoll.Success
+        with d._lock:
+            d._on_peer_dead(p.address, [], "test: declared dead")
+        recv = KVReceiver(d, pair.addr, 22)
+        recv.init([3], 0, [0])
+        assert not wait(lambda: recv.poll() != KVPoll.Bootstrapping, timeout=1.5)
+        assert "declared dead" in recv._problem
+        with d._lock:
+            d._dead_peers.clear()  # as if the restarted rank had registered a new address
+        send = KVSender(p, 22)
+        send.init(1, 0)
+        send.send([1], [0], last=True)
+        assert wait(lambda: recv.poll() == KVPoll.Success and send.poll() == KVPoll.Success)
     finally:
         pair.close()
