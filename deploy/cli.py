@@ -59,6 +59,7 @@ BENCHES = {
     "router": "bench.router",
     "serve": "bench.serve",
     "compare": "bench.compare",
+    "kv_routing": "bench.kv_routing",
     "chaos": "bench.chaos",
 }
 
