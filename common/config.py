@@ -63,6 +63,19 @@ class ServerArgs:
         "re-prefilling (whole pages; least recently stored entries are evicted; a request that finds no entry "
         "recomputes). Default: half of --max-total-tokens; 0: off. Not used on prefill nodes")
     max_running_requests: int = _f(64, "requests decoded together at most")
+    # admission (backpressure and input caps)
+    max_queued_requests: int | None = _f(
+        None, "requests this node holds that are not running yet (waiting; on a prefill node also the "
+        "bootstrap queue, on a decode node the prealloc, transfer and received queues; requests still in "
+        "the pipe to the scheduler count too). One more is answered 429 with Retry-After; a batch counts "
+        "per prompt, is admitted whole or not at all, and may have at most this many prompts (400). "
+        "Default: 2 x the requests the node can run at once, min(--max-running-requests, "
+        "--max-total-tokens / --page-size) (a running request holds at least one KV page): about two "
+        "batches' turnover of waiting, as a deeper queue only adds latency and the router queues the rest")
+    max_top_logprobs_num: int = _f(
+        20, "most top logprobs per position a request may ask for (`top_logprobs_num` of /generate, "
+        "prompt positions included; OpenAI's `logprobs` / `top_logprobs` are capped at min(20, this) as "
+        "OpenAI caps them at 20)")
     # scheduling
     chunked_prefill_size: int = _f(512, "tokens of one prompt prefilled per forward (-1: no chunking)")
     max_prefill_tokens: int = _f(8192, "new tokens of one prefill batch at most")
@@ -161,6 +174,10 @@ class ServerArgs:
         if self.dtype in ("bfloat16", "float16", "half"):
             raise bad("dtype", f"{self.dtype} is not supported: the CPU kernels compute in float32 (a half-precision "
                       "matmul runs ~100x slower on an AVX2 CPU); use --dtype auto or float32")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise bad("max-queued-requests", f"must be >= 1, got {self.max_queued_requests}")
+        if self.max_top_logprobs_num < 0:
+            raise bad("max-top-logprobs-num", f"must be >= 0, got {self.max_top_logprobs_num}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise bad("request-timeout", f"must be > 0 seconds, got {self.request_timeout}")
         if not self.watchdog_timeout >= 0:
@@ -204,6 +221,13 @@ class ServerArgs:
         if not hasattr(self, "_cluster_secret"):
             self._cluster_secret = load_configured(self.cluster_secret_file)
         return self._cluster_secret
+
+    @property
+    def queued_requests_limit(self) -> int:
+        """--max-queued-requests, or its default from the running and KV budgets (see its help)."""
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        return 2 * max(1, min(self.max_running_requests, self.max_total_tokens // max(self.page_size, 1)))
 
     @property
     def decode_offload_tokens(self) -> int:

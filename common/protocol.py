@@ -53,6 +53,7 @@ def convert(obj: Any, type_: type, where: str) -> Any:
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "method_not_allowed", 413: "invalid_request_error",
+                429: "rate_limit_error",
                 499: "request_aborted", 500: "internal_error", 502: "upstream_error",
                 503: "service_unavailable", 504: "upstream_error"}
 
@@ -76,10 +77,19 @@ BootstrapHost = Annotated[str, msgspec.Meta(
     description="prefill bootstrap server: a host name (RFC 1123) or an IPv4/IPv6 address, no scheme or port")]
 BootstrapPort = Annotated[int, msgspec.Meta(ge=1, le=65535, description="prefill bootstrap port")]
 BootstrapRoom = Annotated[int, msgspec.Meta(ge=0, le=MAX_BOOTSTRAP_ROOM, description="rendezvous id, 0..2**63-1")]
-# request ids are logged with every event of a request: bounded, and no control characters (no forged lines)
+# request ids are logged with every event of a request: bounded, and no control characters (C0, DEL, C1),
+# so a rid cannot forge or break a log line. (The pattern stays within Latin-1: msgspec 0.22 crashes
+# formatting the error of a pattern with other characters; `check_rid` refuses U+2028/U+2029.)
 MAX_RID_LENGTH = 256
-RequestId = Annotated[str, msgspec.Meta(max_length=MAX_RID_LENGTH, pattern=r"^[^\x00-\x1f\x7f]*$",
-                                        description="request id (no control characters)")]
+RequestId = Annotated[str, msgspec.Meta(max_length=MAX_RID_LENGTH, pattern=r"^[^\x00-\x1f\x7f-\x9f]*$",
+                                        description="request id: at most 256 characters, no control characters")]
+
+
+def check_rid(rid: str, where: str = "rid") -> None:
+    """What `RequestId` cannot say: no Unicode line or paragraph separator (Python's `splitlines` and
+    some log viewers break lines there)."""
+    if "\u2028" in rid or "\u2029" in rid:
+        raise BadRequest(f"`{where}` must not contain a line or paragraph separator (U+2028/U+2029)")
 
 
 def normalize_host(host: str, where: str = "bootstrap_host") -> str:
@@ -114,6 +124,12 @@ def normalize_hosts(value: str | list[str] | None, name: str = "bootstrap_host")
 
 # --------------------------------------------------------------------------------------------
 # sampling parameters (SGLang's names)
+
+# stop conditions are matched against every output token: bounded per request. OpenAI's own API takes at
+# most 4 stop strings; SGLang and vLLM take any number, so the cap here is looser than OpenAI's
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LENGTH = 256  # characters
+MAX_STOP_TOKEN_IDS = 256
 
 UNSUPPORTED_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias")
 
@@ -172,10 +188,21 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
         if self.n != 1:
             raise bad("n", "only n=1 is supported")
-        if any(not s for s in self.stop_strings()):
-            raise bad("stop", "must not contain empty strings")
-        if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative token ids")
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOP_STRINGS:
+            raise bad("stop", f"has {len(stops)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+        for i, s in enumerate(stops):
+            name = "stop" if isinstance(self.stop, str) else f"stop[{i}]"
+            if not s:
+                raise bad(name, "must not be an empty string")
+            if len(s) > MAX_STOP_STRING_LENGTH:
+                raise bad(name, f"has {len(s)} characters; a stop string has at most {MAX_STOP_STRING_LENGTH}")
+        if self.stop_token_ids:
+            if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+                raise bad("stop_token_ids", f"has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                          "are allowed")
+            if any(t < 0 for t in self.stop_token_ids):
+                raise bad("stop_token_ids", "must be non-negative token ids")
         for name in ("json_schema", "regex", "ebnf"):
             if getattr(self, name) is not None:
                 raise bad(name, "structured output is not supported by this server")
@@ -294,6 +321,10 @@ class TokenizedRequest(msgspec.Struct, tag=True, omit_defaults=True):
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     arrival_time: float = 0.0
+    # the items of one HTTP request are sent one after the other; the scheduler admits them together
+    # (--max-queued-requests): the first item carries the batch's size, the others their index
+    batch_size: int = 1
+    batch_index: int = 0
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -332,6 +363,9 @@ class ReqUpdate(msgspec.Struct, omit_defaults=True):
 
 class BatchOut(msgspec.Struct, tag=True):
     updates: list[ReqUpdate]
+    # rids the scheduler took in since its previous message (its queue had room): the front end counts
+    # what is still in its pipe by them, and starts a stream's answer once its requests are admitted
+    admitted: list[str] = []
 
 
 class StatsReport(msgspec.Struct, tag=True):

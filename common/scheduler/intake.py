@@ -1,11 +1,12 @@
-"""What a new request goes through before the scheduler takes it: a `Req` built from the front end's
-`TokenizedRequest`, the checks that refuse it (HTTP status and message), and the decoder that stop
-strings are matched with."""
+"""What a new request goes through before the scheduler takes it: admission against the queue limit
+(`Admission`), a `Req` built from the front end's `TokenizedRequest`, the checks that refuse it (HTTP
+status and message), and the decoder that stop strings are matched with."""
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from common.layers.sampling import make_generator
@@ -41,6 +42,48 @@ def load_stop_decoder(path: str):
         return None
 
 
+class Admission:
+    """--max-queued-requests at the scheduler's intake, where the count is exact: every TP rank takes
+    the same messages in the same order and counts the same queues, so all ranks decide alike.
+
+    `check(msg, queued)` runs first for every new request; `queued()` counts the requests the node
+    holds that are not running yet. The items of one HTTP request arrive one after the other: the
+    first (`batch_index` 0, `batch_size` n) decides for all n, which are then admitted or refused
+    together. Admitted rids are collected for the front end (`take_admitted`)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.refused = 0  # requests answered 429 since start
+        self._group_left = 0  # items of the current batch still to come
+        self._group_error: tuple[int, str] | None = None
+        self._admitted: list[str] = []
+
+    def check(self, msg: TokenizedRequest, queued: Callable[[], int]) -> tuple[int, str] | None:
+        if msg.batch_index > 0 and self._group_left > 0:
+            self._group_left -= 1
+            err = self._group_error
+        else:
+            size = max(msg.batch_size, 1) if msg.batch_index == 0 else 1  # an orphan item decides alone
+            self._group_left = size - 1
+            n = queued()
+            err = None
+            if n + size > self.limit:
+                what = f"a batch of {size} requests" if size > 1 else "a new request"
+                err = (429, f"the node's queue is full: {n} requests wait to run and {what} would pass "
+                            f"--max-queued-requests={self.limit}; retry later")
+            self._group_error = err
+        if err is not None:
+            self.refused += 1
+        return err
+
+    def admitted(self, rid: str) -> None:
+        self._admitted.append(rid)
+
+    def take_admitted(self) -> list[str]:
+        out, self._admitted = self._admitted, []
+        return out
+
+
 def make_req(msg: TokenizedRequest, eos_token_ids: list[int], tokenizer: Any) -> Req:
     seed = msg.sampling.seed
     return Req(msg.rid, msg.input_ids, msg.sampling, stream=msg.stream,
@@ -53,7 +96,7 @@ def make_req(msg: TokenizedRequest, eos_token_ids: list[int], tokenizer: Any) ->
 
 
 def check_request(req: Req, vocab_size: int, context_length: int, kv_capacity: int,
-                  tokenizer: Any) -> tuple[int, str] | None:
+                  tokenizer: Any, max_top_logprobs_num: int | None = None) -> tuple[int, str] | None:
     """(HTTP status, message) when the request cannot be served, else None."""
     n = len(req.origin_input_ids)
     if n == 0:
@@ -74,6 +117,9 @@ def check_request(req: Req, vocab_size: int, context_length: int, kv_capacity: i
                      f"{total} tokens exceed the KV cache size of {kv_capacity} tokens")
     if req.top_logprobs_num < 0:
         return 400, f"top_logprobs_num must be >= 0, got {req.top_logprobs_num}"
+    if max_top_logprobs_num is not None and req.top_logprobs_num > max_top_logprobs_num:
+        return 400, (f"top_logprobs_num = {req.top_logprobs_num} is more than --max-top-logprobs-num "
+                     f"({max_top_logprobs_num})")
     if req.stop_strs and tokenizer is None:
         return 400, "stop strings need a tokenizer, and this model directory has none"
     return None

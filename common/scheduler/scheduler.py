@@ -50,7 +50,7 @@ from common.protocol import (
 from common.runner import RunnerOutput
 from common.scheduler.batch import ScheduleBatch
 from common.scheduler.hooks import SchedulerHooks
-from common.scheduler.intake import check_request, load_stop_decoder, make_req
+from common.scheduler.intake import Admission, check_request, load_stop_decoder, make_req
 from common.scheduler.output import OutputBatcher
 from common.scheduler.policy import NewTokenRatio, SchedulePolicy
 from common.scheduler.prefill_adder import AddResult, PrefillAdder
@@ -112,6 +112,7 @@ class Scheduler:
         self.output = OutputBatcher(args.stream_interval)
         # retracted requests' KV waits here until they resume (--decode-offload-size; None: off)
         self.host_store = self._make_host_store(args)
+        self.admission = Admission(args.queued_requests_limit)  # --max-queued-requests
 
         self.send_fn = send_fn
         self.comm = comm
@@ -261,12 +262,19 @@ class Scheduler:
                 self.send(StatsReport(qid=msg.qid, stats={"flushed": ok, **self.get_stats()}))
             else:
                 logger.warning("unknown message %r", type(msg).__name__)
+        admitted = self.admission.take_admitted()
+        if admitted:  # at once, not after this iteration's forward: streams start their answer on it
+            self.send(BatchOut(updates=[], admitted=admitted))
 
     def make_req(self, msg: TokenizedRequest) -> Req:
         return make_req(msg, self.eos_token_ids, self.tokenizer)
 
     def handle_generate_request(self, msg: TokenizedRequest) -> None:
         req = self.make_req(msg)
+        full = self.admission.check(msg, self.num_queued_reqs)
+        if full is not None:
+            self.finish_refused(req, *full)
+            return
         if msg.rid in self.live_reqs:
             self.finish_refused(req, 400, f"a request with rid {msg.rid!r} is already running")
             return
@@ -289,6 +297,7 @@ class Scheduler:
             return
         if not kept:
             self.add_request(req)
+        self.admission.admitted(req.rid)
 
     def _hook_failed(self, hook: str, req: Req) -> None:
         """A role hook raised for `req` (call from the except block): log it and end that request
@@ -299,7 +308,8 @@ class Scheduler:
 
     def validate_request(self, req: Req) -> tuple[int, str] | None:
         """(HTTP status, message) when the request cannot be served here, else None."""
-        return check_request(req, self.vocab_size, self.context_length, self.allocator.capacity, self.tokenizer)
+        return check_request(req, self.vocab_size, self.context_length, self.allocator.capacity, self.tokenizer,
+                             self.args.max_top_logprobs_num)
 
     def finish_refused(self, req: Req, status: int, message: str) -> None:
         logger.info("rid=%s refused (%d): %s", req.rid, status, message)
@@ -309,6 +319,11 @@ class Scheduler:
     def abort_request(self, rid: str, message: str = "aborted by client") -> None:
         """The front end's abort: one request, or every live one for rid ""."""
         self.finish_requests(list(self.live_reqs) if rid == "" else [rid], FinishStatus.abort(message))
+
+    def num_queued_reqs(self) -> int:
+        """Requests here that are not running yet (--max-queued-requests counts them): the waiting queue
+        (retracted requests included) and those a role keeps in its own queues before they run."""
+        return len(self.waiting_queue) + sum(1 for r in self.live_reqs.values() if r.stage is Stage.NEW)
 
     # ================================================================== scheduling
     def num_running_slots_used(self) -> int:
@@ -630,6 +645,9 @@ class Scheduler:
             "num_running_reqs": self.num_running_slots_used(),
             "num_waiting_reqs": len(self.waiting_queue),
             "num_queue_reqs": self.queue_counts(),
+            "num_queued_reqs": self.num_queued_reqs(),
+            "max_queued_requests": self.admission.limit,
+            "num_queue_full_refused": self.admission.refused,
             "kv_free_tokens": free,
             "kv_total_tokens": total,
             "kv_evictable_tokens": evictable,

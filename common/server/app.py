@@ -22,6 +22,8 @@ from common.server import openai_api
 from common.server.http import (
     INFO_KEY,
     TM_KEY,
+    check_batch_size,
+    check_top_logprobs,
     dumps,
     error_response,
     failed,
@@ -34,7 +36,7 @@ from common.server.http import (
 )
 from common.server.openapi import Route, access_of, access_table, add_routes, with_openapi
 from common.server.security import ADMIN, BY_BODY, OPEN, PUBLIC, Denied, Keys, bearer_token, check_access
-from common.server.tokenizer_manager import ReqState, ServiceUnavailable, TokenizerManager
+from common.server.tokenizer_manager import QueueFull, ReqState, ServiceUnavailable, TokenizerManager
 
 logger = logging.getLogger("server")
 
@@ -70,6 +72,10 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
         logger.info("%s %s status=400 error=%s", request.method, request.path, e)
         count(400)
         return error_response(400, str(e))
+    except QueueFull as e:
+        logger.info("%s %s status=429 error=%s", request.method, request.path, e)
+        count(429)
+        return error_response(429, str(e))
     except ServiceUnavailable as e:
         logger.warning("%s %s status=503 error=%s", request.method, request.path, e)
         count(503)
@@ -138,7 +144,7 @@ def generate_output(tm: TokenizerManager, st: ReqState, index: int | None = None
     return out
 
 
-def build_generate_requests(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[TokenizedRequest], bool]:
+async def build_generate_requests(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[TokenizedRequest], bool]:
     if req.text is not None and req.input_ids is not None:
         raise BadRequest("give either `text` or `input_ids`, not both")
     if req.text is None and req.input_ids is None:
@@ -149,12 +155,14 @@ def build_generate_requests(tm: TokenizerManager, req: GenerateRequest) -> tuple
         field_name = "text"
         if batch and not prompts:
             raise BadRequest("`text` is an empty batch")
-        ids_list = [tm.encode_text(t, f"text[{i}]" if batch else "text") for i, t in enumerate(prompts)]
+        check_batch_size(tm, len(prompts), "text")
+        ids_list = await tm.encode_texts([(t, f"text[{i}]" if batch else "text") for i, t in enumerate(prompts)])
     else:
         ids = req.input_ids
         batch = bool(ids) and isinstance(ids[0], list)
         field_name = "input_ids"
         if batch:
+            check_batch_size(tm, len(ids), "input_ids")
             ids_list = [tm.check_ids(x, f"input_ids[{i}]") for i, x in enumerate(ids)]
         else:
             ids_list = [tm.check_ids(ids, "input_ids")]
@@ -168,8 +176,8 @@ def build_generate_requests(tm: TokenizerManager, req: GenerateRequest) -> tuple
     for i, ids in enumerate(ids_list):
         where = f"sampling_params[{i}]" if isinstance(req.sampling_params, list) else "sampling_params"
         sp = tm.make_sampling(sps[i], len(ids), where=where, prompt_field=field_name)
-        if top_ns[i] < 0:
-            raise BadRequest(f"`top_logprobs_num` must be >= 0, got {top_ns[i]}")
+        check_top_logprobs(tm, top_ns[i], f"top_logprobs_num[{i}]" if isinstance(req.top_logprobs_num, list)
+                           else "top_logprobs_num")
         if starts[i] < -1 or starts[i] >= len(ids):
             raise BadRequest(f"`logprob_start_len` must be -1 or in [0, {len(ids)}), got {starts[i]}")
         out.append(TokenizedRequest(input_ids=ids, sampling=sp, stream=req.stream, return_logprob=bool(want_lps[i]),
@@ -201,7 +209,7 @@ async def _stream_generate(tm: TokenizerManager, states: list[ReqState], notify,
 async def handle_generate(request: web.Request) -> web.StreamResponse:
     tm = request.app[TM_KEY]
     req = await read_json(request, GenerateRequest)
-    treqs, batch = build_generate_requests(tm, req)
+    treqs, batch = await build_generate_requests(tm, req)
     states, notify = tm.submit(treqs, endpoint="generate", return_text_in_logprobs=req.return_text_in_logprobs)
 
     def body():
@@ -230,7 +238,10 @@ async def handle_health_generate(request: web.Request) -> web.Response:
         return web.Response(status=200, text="")
     sp = tm.make_sampling({"max_new_tokens": 1, "temperature": 0.0}, 1)
     treq = TokenizedRequest(rid="health-" + uuid.uuid4().hex, input_ids=[0], sampling=sp)
-    states, notify = tm.submit([treq], endpoint="health_generate")
+    try:
+        states, notify = tm.submit([treq], endpoint="health_generate")
+    except QueueFull as e:  # the scheduler has not taken in what was sent to it yet
+        return error_response(503, f"health generation not admitted: {e}")
     st = states[0]
     try:
         deadline = time.time() + 60
@@ -242,6 +253,8 @@ async def handle_health_generate(request: web.Request) -> web.Response:
         if not st.finished:
             tm.abort(st.rid, "health check timed out")
             return error_response(503, "health generation did not finish within 60s")
+        if st.error_status == 429:  # the queue is full: the scheduler answered, so it is alive
+            return web.Response(status=200, text="")
         if failed(st) or (st.finish_reason or {}).get("type") == "abort":
             return error_response(503, f"health generation failed: {st.finish_reason}")
         return web.Response(status=200, text="")
@@ -296,21 +309,35 @@ async def handle_server_info(request: web.Request) -> web.Response:
         kv = KVEventsConfig.parse(args.kv_events_config, args.host)
         out.update(kv_events_endpoint=kv.endpoint, kv_events_replay_endpoint=kv.replay_endpoint or None,
                    kv_events_topic=kv.topic)
+    out.update(queue_figures(tm, stats))
     out["stats"] = stats
     out["internal_states"] = [stats]
     return web.json_response(out, dumps=dumps)
+
+
+def queue_figures(tm: TokenizerManager, stats: dict[str, Any]) -> dict[str, int]:
+    """The queue limit and how deep the queue is (the scheduler's requests not running yet, never more
+    than the limit); the requests sent to the scheduler that it has not admitted yet (some may still be
+    refused); and the requests answered 429 so far (front end and scheduler)."""
+    return {"max_queued_requests": tm.queue_limit,
+            "num_queued_reqs": int(stats.get("num_queued_reqs", 0)),
+            "num_pending_admission": len(tm.pending),
+            "num_queue_full_refused": tm.queue_full_refused + int(stats.get("num_queue_full_refused", 0))}
 
 
 async def handle_get_load(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     s = await tm.stats()
     running = int(s.get("num_running_reqs", 0))
-    waiting = int(s.get("num_waiting_reqs", 0))
     queues = s.get("num_queue_reqs") or {}
-    waiting_total = waiting + sum(int(v) for v in queues.values()) if isinstance(queues, dict) else waiting
-    return web.json_response([{"dp_rank": 0, "num_reqs": running + waiting_total,
-                               "num_waiting_reqs": waiting_total,
-                               "num_tokens": int(s.get("num_tokens_used", 0))}])
+    held = int(queues.get("inflight", 0)) if isinstance(queues, dict) else 0  # prefill: sending its KV
+    q = queue_figures(tm, s)
+    waiting = q["num_queued_reqs"]  # every stage before running, the role's queues included
+    return web.json_response([{"dp_rank": 0, "num_reqs": running + waiting + held,
+                               "num_waiting_reqs": waiting,
+                               "num_tokens": int(s.get("num_tokens_used", 0)),
+                               "num_queued_reqs": waiting,
+                               "max_queued_requests": q["max_queued_requests"]}])
 
 
 async def handle_metrics(request: web.Request) -> web.Response:

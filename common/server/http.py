@@ -1,6 +1,7 @@
-"""The HTTP rules every endpoint of a node shares: JSON errors in OpenAI's shape, JSON body reading,
-SSE framing, the per-item fields of a request (rid and the PD rendezvous) and the life of submitted
-requests (`respond`). `app.py` (SGLang-native endpoints) and `openai_api.py` both build on it.
+"""The HTTP rules every endpoint of a node shares: JSON errors in OpenAI's shape (a 429 carries
+`Retry-After`), JSON body reading, SSE framing, the per-item fields of a request (rid and the PD
+rendezvous), the input caps every generation route applies (batch size, top logprobs) and the life of
+submitted requests (`respond`). `app.py` (SGLang-native endpoints) and `openai_api.py` both build on it.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from typing import Any
 
 from aiohttp import web
 
-from common.protocol import BadRequest, decode_json, error_body, item_rids, normalize_hosts
+from common.protocol import BadRequest, check_rid, decode_json, error_body, item_rids, normalize_hosts
 from common.server.tokenizer_manager import ReqState, TokenizerManager
 
 TM_KEY = web.AppKey("tm", TokenizerManager)
 INFO_KEY = web.AppKey("info", dict)
+# a full queue drains as running requests finish: a client may try again after about this long
+RETRY_AFTER_SECONDS = 1
 
 
 # ---------------------------------------------------------------------------------------------- bodies
@@ -24,6 +27,8 @@ def dumps(obj: Any) -> str:
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    if status == 429:
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS), **(headers or {})}
     return web.json_response(error_body(status, message), status=status, headers=headers, dumps=dumps)
 
 
@@ -45,6 +50,22 @@ async def sse_send(resp: web.StreamResponse, obj: Any) -> None:
 async def sse_done(resp: web.StreamResponse) -> None:
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
+
+
+# ---------------------------------------------------------------------------------------------- input caps
+def check_batch_size(tm: TokenizerManager, n: int, name: str) -> None:
+    """A batch counts per prompt against --max-queued-requests and is admitted whole, so a larger one
+    could never run: refuse it before tokenizing anything."""
+    if n > tm.queue_limit:
+        raise BadRequest(f"`{name}` has {n} prompts; a batch has at most {tm.queue_limit} "
+                         "(--max-queued-requests)")
+
+
+def check_top_logprobs(tm: TokenizerManager, n: int, name: str, cap: int | None = None) -> None:
+    """Top logprobs per position (prompt positions too) are capped: `--max-top-logprobs-num`, or `cap`."""
+    limit = tm.args.max_top_logprobs_num if cap is None else cap
+    if not 0 <= n <= limit:
+        raise BadRequest(f"`{name}` must be in [0, {limit}], got {n}")
 
 
 # ---------------------------------------------------------------------------------------------- per-item fields
@@ -80,6 +101,8 @@ def item_fields(args, req, n: int, batch: bool) -> list[dict[str, Any]]:
         raise BadRequest("`rid` must be a non-empty string (or a list of them, one per item)")
     rids = item_rids(rid, n) if batch and isinstance(rid, str) else per_item(rid, n, "rid", batch)
     rids = [r or uuid.uuid4().hex for r in rids]
+    for i, r in enumerate(rids):
+        check_rid(r, f"rid[{i}]" if isinstance(rid, list) else "rid")
     hosts = per_item(normalize_hosts(req.bootstrap_host), n, "bootstrap_host", batch)
     ports = per_item(req.bootstrap_port, n, "bootstrap_port", batch)
     rooms = per_item(req.bootstrap_room, n, "bootstrap_room", batch)
@@ -109,19 +132,32 @@ async def respond(request: web.Request, tm: TokenizerManager, states: list[ReqSt
     status = 200
     try:
         if stream is not None:
+            # answer only once the scheduler took every item in, so a full queue (or any refusal) is an
+            # HTTP status, not an error event in a 200 stream
+            while not all(s.admitted or s.finished for s in states):
+                await tm.wait(states, notify)
+            for st in states:
+                err = error_of(st)
+                if err:
+                    status = err[0]
+                    return error_response(*err)
+            if any(s.output_ids or s.finished for s in states):
+                notify.set()  # news that came with the admission: the stream sends it at once
             resp = await sse_start(request)
             try:
                 await stream(resp)
             except ConnectionResetError:  # the client went away: release() aborts what is unfinished
                 pass
             return resp
-        while not all(s.finished for s in states):
+        while True:  # every item done, or the first failure (the others are aborted on release)
+            for st in states:
+                err = error_of(st) if st.finished else None
+                if err:
+                    status = err[0]
+                    return error_response(*err)
+            if all(s.finished for s in states):
+                break
             await tm.wait(states, notify)
-        for st in states:
-            err = error_of(st)
-            if err:
-                status = err[0]
-                return error_response(*err)
         return web.json_response(body(), dumps=dumps)
     except BaseException:
         status = 499

@@ -25,6 +25,8 @@ from common.protocol import (
 from common.server.http import (
     INFO_KEY,
     TM_KEY,
+    check_batch_size,
+    check_top_logprobs,
     failed,
     item_fields,
     read_json,
@@ -35,7 +37,11 @@ from common.server.http import (
 from common.server.tokenizer_manager import ReqState, TokenizerManager
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap; --max-top-logprobs-num may lower it
+
+
+def top_logprobs_cap(tm: TokenizerManager) -> int:
+    return min(MAX_TOP_LOGPROBS, tm.args.max_top_logprobs_num)
 
 
 def _treq(tm: TokenizerManager, req, fields: dict[str, Any], ids: list[int], *, default_max: int | None,
@@ -105,15 +111,17 @@ def _chat_logprobs(tm: TokenizerManager, st: ReqState, start: int, end: int) -> 
 
 
 # ---------------------------------------------------------------------------------------------- /v1/completions
-def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[list[int]], bool]:
+async def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[list[int]], bool]:
     """The prompts' ids, and whether `prompt` is a batch (a list of strings or of id lists)."""
     if isinstance(prompt, str):
-        return [tm.encode_text(prompt, "prompt")], False
+        return [await tm.encode_text(prompt, "prompt")], False
     if not isinstance(prompt, list) or not prompt:
         raise BadRequest("`prompt` must be a non-empty string, list of strings, or list of token ids")
     if all(isinstance(p, str) for p in prompt):
-        return [tm.encode_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)], True
+        check_batch_size(tm, len(prompt), "prompt")
+        return await tm.encode_texts([(p, f"prompt[{i}]") for i, p in enumerate(prompt)]), True
     if all(isinstance(p, list) for p in prompt):
+        check_batch_size(tm, len(prompt), "prompt")
         return [tm.check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)], True
     return [tm.check_ids(prompt, "prompt")], False
 
@@ -123,18 +131,18 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     req: CompletionRequest = await read_json(request, CompletionRequest)
     if req.suffix:
         raise BadRequest("`suffix` is not supported by this server")
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-        raise BadRequest(f"`logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}")
-    prompts, batch = _completion_prompts(tm, req.prompt)
+    if req.logprobs is not None:
+        check_top_logprobs(tm, req.logprobs, "logprobs", top_logprobs_cap(tm))
+    prompts, batch = await _completion_prompts(tm, req.prompt)
     fields = item_fields(tm.args, req, len(prompts), batch)
     want_lp = req.logprobs is not None
     treqs = [_treq(tm, req, f, ids, default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, prompt_field="prompt",
                    logprobs=want_lp, top_n=req.logprobs or 0) for f, ids in zip(fields, prompts, strict=True)]
+    echo = [await tm.decode(ids) if req.echo else "" for ids in prompts]  # before submit: nothing to release
     states, notify = tm.submit(treqs, endpoint="completions")
     cid = "cmpl-" + uuid.uuid4().hex
     created = int(time.time())
     model = model_name(request, req)
-    echo = [tm.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
 
     def body():
         choices = []
@@ -224,11 +232,10 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise BadRequest("`response_format` other than text is not supported by this server")
     if req.top_logprobs is not None:
-        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise BadRequest(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+        check_top_logprobs(tm, req.top_logprobs, "top_logprobs", top_logprobs_cap(tm))
         if req.top_logprobs and not req.logprobs:
             raise BadRequest("`top_logprobs` needs `logprobs: true`")
-    ids = tm.apply_chat_template(_chat_messages(req))
+    ids = await tm.apply_chat_template(_chat_messages(req))
     [fields] = item_fields(tm.args, req, 1, False)
     treq = _treq(tm, req, fields, ids, default_max=None, prompt_field="messages", logprobs=req.logprobs,
                  top_n=req.top_logprobs or 0)

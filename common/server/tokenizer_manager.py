@@ -1,8 +1,14 @@
 """The front end's side of a node: tokenizer, validation, ZMQ to/from the scheduler, per-request state.
 
-* `encode_text`, `check_ids`, `apply_chat_template`, `make_sampling`, `check_fits` turn client input
-  into prompt ids and sampling parameters (raising `BadRequest` naming the field);
-* `submit` registers the request states and sends them to scheduler rank 0 (ZMQ PUSH);
+* `encode_texts`, `check_ids`, `apply_chat_template`, `make_sampling`, `check_fits` turn client input
+  into prompt ids and sampling parameters (raising `BadRequest` naming the field). Large inputs are
+  tokenized (and chat templates rendered, long outputs detokenized) on a thread pool, never on the
+  event loop, so `/health` and other streams keep answering; a text too long to fit the context in
+  any case is refused before it is tokenized;
+* `submit` registers the request states and sends them to scheduler rank 0 (ZMQ PUSH). It refuses
+  (`QueueFull`, HTTP 429) requests that would bring what is in the pipe to the scheduler and not yet
+  admitted by it past --max-queued-requests; the scheduler admits or refuses (429) each request
+  against its queues (`common/scheduler/intake.py: Admission`) and names the rids it admitted;
 * a background task reads `BatchOut`/`StatsReport` (ZMQ PULL) and updates the states: output ids,
   incremental text, logprobs, finish reason; every state of one HTTP request shares one
   `asyncio.Event`, so a handler can wait for "something changed" across a batch;
@@ -16,6 +22,7 @@ import asyncio
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,10 +49,36 @@ from common.server.metrics import Metrics
 logger = logging.getLogger("server")
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params has no max_new_tokens
+# inputs up to this many characters are tokenized on the event loop: ~0.1-1 ms there, while a hop to
+# the thread pool and back costs ~0.15 ms; longer ones go to the pool (10 MB of text take ~9 s)
+INLINE_TOKENIZE_CHARS = 2048
+# updates of up to this many tokens are detokenized on the event loop (the incremental window is a few
+# tokens); a longer one (the whole answer of a long non-streamed request) goes to the pool
+INLINE_DETOKENIZE_TOKENS = 512
+TOKENIZER_THREADS = 2
 
 
 class ServiceUnavailable(RuntimeError):
     """The scheduler is gone or does not answer: HTTP 503."""
+
+
+class QueueFull(RuntimeError):
+    """--max-queued-requests is reached: HTTP 429 with Retry-After."""
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """An upper bound on the characters of input text one token of this tokenizer covers, or None when
+    it cannot be told (a normalizer may shrink the text; a slow tokenizer). Byte-level and metaspace
+    tokens cover at most as many characters as their vocabulary strings have; added tokens match their
+    content."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    try:
+        vocab = backend.get_vocab(with_added_tokens=True)
+    except Exception:
+        return None
+    return max((len(t) for t in vocab), default=0) or None
 
 
 @dataclass
@@ -77,6 +110,8 @@ class ReqState:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     released: bool = False
     deadline: asyncio.TimerHandle | None = None  # --request-timeout
+    admitted: bool = False  # the scheduler took it in (its queue had room)
+    detok_busy: bool = False  # a long update is being detokenized on the pool
 
     @property
     def text(self) -> str:
@@ -104,6 +139,11 @@ class TokenizerManager:
         self.node_info: dict[str, Any] = {}
         self.context_length = args.context_length or 0
         self.vocab_size = len(tokenizer)
+        self.queue_limit = args.queued_requests_limit  # --max-queued-requests
+        self.max_token_chars = max_chars_per_token(tokenizer)
+        self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenizer")
+        self.pending: set[str] = set()  # rids sent to the scheduler, neither admitted nor finished yet
+        self.queue_full_refused = 0  # requests answered 429 here (the scheduler counts its own)
         # ZMQ: a plain PUSH (sends never wait: NOBLOCK, unbounded queue) and an asyncio PULL
         self._ctx = zmq.Context()
         self._push = self._ctx.socket(zmq.PUSH)
@@ -146,6 +186,7 @@ class TokenizerManager:
         self.close_sockets()
 
     def close_sockets(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
         if self._ctx.closed:
             return
         self._pull.close(0)
@@ -195,21 +236,29 @@ class TokenizerManager:
                 logger.error("undecodable message from the scheduler: %s", e)
                 continue
             if isinstance(msg, BatchOut):
+                for rid in msg.admitted:
+                    self.pending.discard(rid)
+                    st = self.states.get(rid)
+                    if st is not None and not st.admitted:
+                        st.admitted = True
+                        st.notify.set()
                 for u in msg.updates:
                     st = self.states.get(u.rid)
                     if st is not None and not st.finished:
                         try:
-                            self._apply_update(st, u)
+                            await self._apply_update(st, u)
                         except Exception:
                             logger.exception("rid=%s failed to apply an update", u.rid)
-                            self._finish(st, {"type": "abort", "message": "internal error in the front end"}, 500)
+                            if not st.finished:
+                                self._finish(st, {"type": "abort", "message": "internal error in the front end"},
+                                             500)
             elif isinstance(msg, StatsReport):
                 self.last_stats = msg.stats
                 fut = self._queries.pop(msg.qid, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg.stats)
 
-    def _apply_update(self, st: ReqState, u) -> None:
+    async def _apply_update(self, st: ReqState, u) -> None:
         now = time.time()
         new = list(u.new_token_ids)
         if new:
@@ -237,6 +286,17 @@ class TokenizerManager:
         if u.input_top_logprobs:
             st.input_top_logprobs.extend(None if x is None else [tuple(y) for y in x]
                                          for x in u.input_top_logprobs)
+        if len(new) > INLINE_DETOKENIZE_TOKENS:
+            # a long answer at once: decode it on the pool (updates of other requests wait behind it,
+            # in order; the event loop does not)
+            st.detok_busy = True
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.pool, st.detok.step, new, u.finish_reason)
+            finally:
+                st.detok_busy = False
+            if st.finished:  # ended meanwhile (--request-timeout): that end stands
+                return
+            new = []
         if u.finish_reason is not None:
             self._finish(st, u.finish_reason, u.error_status, new)
         else:
@@ -245,7 +305,9 @@ class TokenizerManager:
 
     def _finish(self, st: ReqState, reason: dict[str, Any], error_status: int = 0,
                 new_ids: list[int] | None = None) -> None:
-        st.detok.step(new_ids or [], reason)
+        self.pending.discard(st.rid)
+        if not st.detok_busy:  # else the pool's step is the last one
+            st.detok.step(new_ids or [], reason)
         st.finish_reason = reason
         st.error_status = error_status
         st.finished = True
@@ -257,21 +319,60 @@ class TokenizerManager:
         st.notify.set()
 
     # ------------------------------------------------------------------ input → TokenizedRequest
-    def encode_text(self, text: str, field_name: str, add_special_tokens: bool = True) -> list[int]:
+    def _check_text(self, text: Any, field_name: str) -> str:
         if not isinstance(text, str):
             raise BadRequest(f"`{field_name}` must be a string")
         if not text:
             raise BadRequest(f"`{field_name}` is empty; a prompt needs at least one token")
+        self._check_text_length(len(text), field_name)
+        return text
+
+    def _check_text_length(self, chars: int, field_name: str) -> None:
+        """Refuse, before tokenizing it, a text with more characters than the context's tokens can cover."""
+        k = self.max_token_chars
+        if k and self.context_length and chars > self.context_length * k:
+            raise BadRequest(f"`{field_name}` has {chars} characters: more than the context length of "
+                             f"{self.context_length} tokens can hold (a token of this model covers at most {k} "
+                             f"characters)")
+
+    def _encode(self, text: str, field_name: str, add_special_tokens: bool) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise BadRequest(f"`{field_name}` tokenizes to no tokens")
         return list(ids)
+
+    async def run_sized(self, size: int, inline_limit: int, fn, *args):
+        """`fn(*args)` on the event loop when `size` is small, else on the tokenizer pool."""
+        if size <= inline_limit:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def encode_texts(self, texts: list[tuple[str, str]], add_special_tokens: bool = True) -> list[list[int]]:
+        """Prompt ids of each (text, field name); large inputs are tokenized off the event loop."""
+        for text, name in texts:
+            self._check_text(text, name)
+        total = sum(len(t) for t, _ in texts)
+
+        def encode_all() -> list[list[int]]:
+            return [self._encode(t, name, add_special_tokens) for t, name in texts]
+
+        return await self.run_sized(total, INLINE_TOKENIZE_CHARS, encode_all)
+
+    async def encode_text(self, text: str, field_name: str, add_special_tokens: bool = True) -> list[int]:
+        return (await self.encode_texts([(text, field_name)], add_special_tokens))[0]
+
+    async def decode(self, ids: list[int]) -> str:
+        """`tokenizer.decode(ids)`, off the event loop for long inputs (an echoed prompt)."""
+        return await self.run_sized(len(ids), INLINE_DETOKENIZE_TOKENS, self.tokenizer.decode, ids)
 
     def check_ids(self, ids: Any, field_name: str) -> list[int]:
         if not isinstance(ids, list):
             raise BadRequest(f"`{field_name}` must be a list of token ids")
         if not ids:
             raise BadRequest(f"`{field_name}` is empty; a prompt needs at least one token")
+        if self.context_length and len(ids) >= self.context_length:  # before looking at each id
+            raise BadRequest(f"`{field_name}` has {len(ids)} tokens; the context length is "
+                             f"{self.context_length} (the prompt plus at least one output token must fit)")
         for i, t in enumerate(ids):
             if not isinstance(t, int) or isinstance(t, bool):
                 raise BadRequest(f"`{field_name}[{i}]` must be an integer token id, got {t!r}")
@@ -279,8 +380,13 @@ class TokenizerManager:
                 raise BadRequest(f"`{field_name}[{i}]` = {t} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Chat messages → prompt ids (the model's chat template with the generation prompt)."""
+    async def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Chat messages → prompt ids (the model's chat template with the generation prompt); rendered
+        and tokenized off the event loop when the messages are large."""
+        size = sum(len(m.get("content") or "") for m in messages)
+        return await self.run_sized(size, INLINE_TOKENIZE_CHARS, self._render_chat, messages)
+
+    def _render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         tok = self.tokenizer
         if getattr(tok, "chat_template", None):
             try:
@@ -290,6 +396,7 @@ class TokenizerManager:
         else:
             # no template shipped with the model: a plain transcript
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        self._check_text_length(len(text), "messages")
         ids = tok.encode(text, add_special_tokens=False)
         if not ids:
             raise BadRequest("`messages` renders to an empty prompt")
@@ -331,6 +438,15 @@ class TokenizerManager:
         """Register and send the requests of one HTTP call; they share one notify event."""
         if self.dead_reason is not None:
             raise ServiceUnavailable(self.dead_reason)
+        n = len(reqs)
+        if n > self.queue_limit:  # handlers refuse it sooner, naming their field
+            raise BadRequest(f"a batch of {n} prompts is more than --max-queued-requests ({self.queue_limit})")
+        if len(self.pending) + n > self.queue_limit:
+            # the scheduler has not taken in what is already in the pipe: do not grow it further
+            self.queue_full_refused += n
+            raise QueueFull(f"the node's queue is full: {len(self.pending)} requests wait to be admitted and "
+                            f"{'a batch of ' + str(n) + ' requests' if n > 1 else 'a new request'} would pass "
+                            f"--max-queued-requests={self.queue_limit}; retry later")
         rids = [r.rid for r in reqs]
         if len(set(rids)) != len(rids):
             raise BadRequest("`rid` values in one batch must be distinct")
@@ -340,7 +456,8 @@ class TokenizerManager:
         notify = asyncio.Event()
         states = []
         now = time.time()
-        for r in reqs:
+        for i, r in enumerate(reqs):
+            r.batch_size, r.batch_index = n, i
             sp = r.sampling
             detok = IncrementalDetokenizer(
                 self.tokenizer, r.input_ids, skip_special_tokens=sp.skip_special_tokens,
@@ -354,11 +471,13 @@ class TokenizerManager:
             states.append(st)
         for st, r in zip(states, reqs, strict=True):
             self.states[st.rid] = st
+            self.pending.add(st.rid)
             try:
                 self._send(r)
             except ServiceUnavailable:
                 for s in states:
                     self.states.pop(s.rid, None)
+                    self.pending.discard(s.rid)
                 raise
         timeout = getattr(self.args, "request_timeout", None)
         if timeout:
@@ -415,6 +534,7 @@ class TokenizerManager:
             self._finish(st, {"type": "abort", "message": "client disconnected"})
             status = 499
         self.states.pop(st.rid, None)
+        self.pending.discard(st.rid)
         m = self.metrics
         m.requests.inc(endpoint=st.endpoint, status=str(status))
         m.prompt_tokens.inc(st.prompt_tokens)

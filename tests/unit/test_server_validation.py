@@ -89,7 +89,7 @@ def test_generate_bad_input(node, body, fields):
     ({"prompt": "hi", "max_tokens": -1}, ["`max_tokens`", "-1"]),
     ({"prompt": "hi", "max_tokens": "many"}, ["$.max_tokens"]),
     ({"prompt": "hi", "max_tokens": CONTEXT}, ["`max_tokens`", str(CONTEXT)]),
-    ({"prompt": [list(range(1, CONTEXT + 5))]}, ["`prompt`", str(CONTEXT + 4)]),
+    ({"prompt": [list(range(1, CONTEXT + 5))]}, ["`prompt[0]`", str(CONTEXT + 4)]),
     ({"prompt": "hi", "temperature": -1}, ["`temperature`"]),
     ({"prompt": "hi", "top_p": 2}, ["`top_p`"]),
     ({"prompt": "hi", "n": 2}, ["`n`"]),
