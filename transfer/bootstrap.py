@@ -383,6 +383,15 @@ class BootstrapClient:
             for key in [k for k in self._ranks if k[0] == bootstrap_addr]:
                 del self._ranks[key]
 
+    def invalidate_rank(self, control_addr: str) -> None:
+        """Forget cached answers naming the rank at `control_addr` ("tcp://ip:port"), whichever
+        bootstrap server gave them (the rank was declared dead)."""
+        with self._lock:
+            stale = [k for k, v in self._ranks.items() if f"tcp://{v.get('rank_ip')}:{v.get('rank_port')}" == control_addr]
+            for key in stale:
+                del self._ranks[key]
+                self._layouts.pop(key[0], None)
+
     def health(self, bootstrap_addr: str) -> bool:
         try:
             return self._request("GET", f"http://{bootstrap_addr}/health")[0] == 200

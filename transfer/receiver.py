@@ -24,10 +24,11 @@ Status, prefill peer silent past the heartbeat window, bootstrap or waiting time
 mismatch, layout mismatch. A `Status` counts only from a prefill rank this room's TransferInfo went
 to (same address, tp and pp rank); any other is dropped and counted (`rejected_peer_values`).
 
-Restarted prefill nodes. A prefill rank declared dead is remembered by its control address; a
-bootstrap answer (fresh or cached) that still names it is asked again instead of used, until the
-restarted rank has registered its new address (a crashed node's bootstrap server can outlive its
-front end for a moment and hand out the dead rank).
+Restarted prefill nodes. When a prefill rank is declared dead, every cached bootstrap answer naming
+its control address is dropped, and for max(5 s, two heartbeat windows) an answer that still names
+it is asked again instead of used (a crashed node's bootstrap server can outlive its front end for a
+moment and hand out the dead rank; a restarted rank registers a new address). A rank declared dead
+while alive (the AbortAck timeout) is resolved again after that grace period.
 
 Quarantine. A failing receiver tells its prefill ranks (`Abort`) to stop writing. If it had sent its
 TransferInfo, a chunk job may still be inside the engine's `write` to its pages, so the room drains:
@@ -92,7 +93,8 @@ class DecodeKVManager(KVManager):
         self._receivers: dict[int, KVReceiver] = {}
         self._registered_with: set[str] = set()  # prefill ranks that have our RegisterPeer
         self._draining: dict[int, KVReceiver] = {}  # failed rooms waiting for their prefill ranks' AbortAck
-        self._dead_peers: dict[str, float] = {}  # prefill control addresses declared dead (oldest first)
+        self._dead_peers: dict[str, float] = {}  # prefill control address -> when declared dead (oldest first)
+        self._dead_grace = max(5.0, 2 * self.settings.heartbeat_window)
         self._resolve_wake = threading.Event()
         self.rejected_peer_values = 0
 
@@ -199,7 +201,10 @@ class DecodeKVManager(KVManager):
                 self.bootstrap.invalidate(receiver.bootstrap_addr)
         # a crashed prefill node's bootstrap server may answer with the dead rank for a moment after
         # this (its front end died first), and any room resolved from that answer would send its
-        # TransferInfo into the void until the heartbeats fail it: the address is remembered as dead
+        # TransferInfo into the void until the heartbeats fail it: cached answers naming the rank are
+        # dropped and, for a grace period, fresh ones are not used (a rank declared dead while alive,
+        # e.g. after the AbortAck timeout, is resolved again after it)
+        self.bootstrap.invalidate_rank(addr)
         self._dead_peers[addr] = time.monotonic()
         while len(self._dead_peers) > _DEAD_PEERS_CAP:
             self._dead_peers.pop(next(iter(self._dead_peers)))
@@ -308,7 +313,7 @@ class DecodeKVManager(KVManager):
                 if bad:
                     return None, f"bootstrap server {addr}, prefill rank tp {tp} dp {dp} pp {pp}: {bad}", True
                 control = f"tcp://{info['rank_ip']}:{info['rank_port']}"
-                if control in self._dead_peers:
+                if time.monotonic() - self._dead_peers.get(control, -1e9) < self._dead_grace:
                     # the answer of a node that is going down, or cached from before its restart: ask
                     # again until the restarted rank registers its new address
                     self.bootstrap.invalidate(addr)
