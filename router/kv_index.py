@@ -41,7 +41,11 @@ log = logging.getLogger("router.kv_events")
 
 REPLAY_TIMEOUT = 3.0  # seconds without a replay message before the replay is given up
 MAX_FRAME = 64 * 2**20  # a larger event frame is dropped by ZMQ (MAXMSGSIZE) before it is read
-MAX_PENDING = 100_000  # live batches kept while a replay runs; past it they are dropped (another gap)
+MAX_PENDING = 10_000  # live batches kept while a replay runs; past it (or MAX_PENDING_BYTES) they are dropped
+MAX_PENDING_BYTES = 256 * 2**20
+# every counter of a view, present from the start: the event loop copies them while the thread counts
+COUNTERS = ("batches", "dropped_frames", "gaps", "replays", "replay_failures", "unreplayable_gaps", "restarts",
+            "resyncs", "overflows", "pending_dropped")
 _DECODE = msgspec.msgpack.Decoder(KVEventBatch).decode
 _WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
 
@@ -73,7 +77,7 @@ class WorkerView:
         self.complete = False  # every block the worker holds is in `blocks` (else only some of them)
         self.synced = False  # the first replay is done
         self.next_seq: int | None = None
-        self.counters = collections.Counter()
+        self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
         # owned by the kv-events thread
         self.sub: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
@@ -82,6 +86,7 @@ class WorkerView:
         self.replay_first: int | None = None
         self.replay_deadline = 0.0
         self.pending: list[tuple[int, bytes]] = []
+        self.pending_bytes = 0
         self.dup_from, self.dup_until = 0, -1
 
     def matched_blocks(self, hashes: list[int], extra=None) -> int:
@@ -152,12 +157,6 @@ class KVEventIndex:
         view = self.views.get(url)
         if view is not None:
             self._commands.put(("resync", view))
-
-    def totals(self) -> collections.Counter:
-        out = collections.Counter()
-        for v in list(self.views.values()):
-            out.update(v.counters)
-        return out
 
     def close(self) -> None:
         self._stop.set()
@@ -257,10 +256,12 @@ class KVEventIndex:
             return
         seq = int.from_bytes(frames[1], "big")
         if view.dealer is not None:  # a replay runs: keep the batch for after it
-            if len(view.pending) >= MAX_PENDING:
-                view.pending.clear()
+            if len(view.pending) >= MAX_PENDING or view.pending_bytes > MAX_PENDING_BYTES:
+                view.pending.clear()  # the next batch after the replay shows the gap again
+                view.pending_bytes = 0
                 view.counters["pending_dropped"] += 1
             view.pending.append((seq, frames[2]))
+            view.pending_bytes += len(frames[2])
             return
         self._on_seq(view, seq, frames[2])
 
@@ -383,6 +384,7 @@ class KVEventIndex:
 
     def _drain_pending(self, view: WorkerView) -> None:
         pending, view.pending = view.pending, []  # in arrival order: one PUB socket keeps the order
+        view.pending_bytes = 0
         for i, (seq, payload) in enumerate(pending):
             if view.dealer is not None:  # a new replay started: keep the rest for after it
                 view.pending.extend(pending[i:])

@@ -67,8 +67,7 @@ class Metrics:
             for v in views:
                 out.append(f'pdserve_router_kv_event_blocks{{worker="{v.url}"}} {len(v.blocks)}')
             out.append("# TYPE pdserve_router_kv_events_total counter")
-            for kind in ("batches", "dropped_frames", "gaps", "replays", "replay_failures", "unreplayable_gaps",
-                         "restarts", "resyncs", "overflows"):
+            for kind in (list(views[0].counters) if views else []):  # the same kinds on every view
                 for v in views:
                     out.append(f'pdserve_router_kv_events_total{{worker="{v.url}",kind="{kind}"}} '
                                f'{v.counters[kind]}')
