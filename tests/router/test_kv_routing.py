@@ -265,3 +265,51 @@ def test_garbage_events_do_not_stop_the_router(workers, make_router):
         assert f'pdserve_router_kv_events_total{{worker="{p.url}",kind="dropped_frames"}}' in metrics.decode()
     finally:
         pub.close()
+
+
+def test_exact_policy_choices():
+    """Longest cached prefix in tokens wins; imbalanced loads and no match go by load; a worker without
+    events sends the choice to the approximate tree; pages just routed count until their TTL."""
+    import asyncio
+
+    from router.config import RouterConfig
+    from router.kv_index import WorkerView
+    from router.policies import KVEventsCacheAwarePolicy, RouteKey
+    from router.registry import Worker
+    from router.request import parse
+
+    class Index:
+        views: dict = {}
+
+        def view(self, url):
+            return self.views.get(url)
+
+    cfg = RouterConfig(kv_events=True, kv_events_pending_secs=0)
+    index = Index()
+    policy = KVEventsCacheAwarePolicy(cfg, index, lambda: None)
+    ws = [Worker(f"http://127.0.0.1:{9000 + i}", "prefill", None, cfg) for i in range(3)]
+    ids = list(range(64))
+    hashes = chain_hashes(None, ids, 4)
+    for w in ws:
+        index.views[w.url] = WorkerView(w.url, "tcp://x:1", None, "", 4, 1000)
+    index.views[ws[0].url].blocks = set(hashes[:3])
+    index.views[ws[1].url].blocks = set(hashes[:5])  # the longest prefix
+    index.views[ws[2].url].blocks = {hashes[7]}  # not a prefix
+    req = parse("/generate", json.dumps({"input_ids": ids}).encode(), True)
+    key = asyncio.run(policy.prepare(req))
+    assert key.ids == ids and set(key.hashes) == {4}
+    assert policy.select(ws, key) is ws[1]
+    ws[1].active = 100  # imbalanced beyond --balance-abs/rel-threshold: the least loaded
+    assert policy.select(ws, key) is ws[0] and policy.counts["load"] == 1
+    ws[1].active = 0
+    other = RouteKey("zzz", [999] * 8, {4: chain_hashes(None, [999] * 8, 4)})
+    ws[0].active = 1
+    assert policy.select(ws, other) is ws[2]  # no match: least active, then fewest blocks
+    del index.views[ws[2].url]
+    assert policy.select(ws, key) in ws and policy.counts["approximate"] == 1 and policy.trees
+    policy.pending_secs = 30
+    index.views[ws[2].url] = WorkerView(ws[2].url, "tcp://x:1", None, "", 4, 1000)
+    fresh = RouteKey(None, list(range(500, 540)), {4: chain_hashes(None, list(range(500, 540)), 4)})
+    ws[0].active = 0
+    first = policy.select(ws, fresh)
+    assert all(policy.select(ws, fresh) is first for _ in range(3))  # routed pages count before events confirm
