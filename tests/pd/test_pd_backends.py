@@ -36,7 +36,10 @@ from tests.harness.pd import (
 
 SETUPS = {
     "mooncake": {},
-    "nixl": {"prefill_tp": 2, "decode_settings": {"max_total_tokens": 256, "num_reserved_decode_tokens": 4}},
+    # the decode's host KV store is off: its retracted requests re-prefill (tests/pd/test_pd_offload.py
+    # has the store on)
+    "nixl": {"prefill_tp": 2, "decode_settings": {"max_total_tokens": 256, "num_reserved_decode_tokens": 4,
+                                                  "decode_offload_size": 0}},
     "ucx": {"decode_tp": 2},
 }
 
@@ -135,7 +138,9 @@ def test_retracted_requests_finish_with_the_same_tokens(pair, colocated, pd_tok,
         got = list(ex.map(lambda p: pair.generate({"input_ids": p, "sampling_params": greedy(40)}), prompts))
     for (ps, pb), (ds, db) in got:
         assert ps == 200 and ds == 200, (pb, db)
-    assert pair.decode.stats()["num_retractions"] > before
+    after = pair.decode.stats()
+    assert after["num_retractions"] > before
+    assert after["num_retract_recomputed"] > 0 and after["num_retract_restored"] == 0  # the store is off here
     assert [db["output_ids"] for _, (_, db) in got] == want
 
 
