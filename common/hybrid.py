@@ -9,8 +9,9 @@
   transfer layer slices for M:N TP; the last chunk moves the request's slot into the slot of the
   decode node's preallocated row. The prebuilt request keeps that row, so its first decode step
   reads the received state in place (no copy). A retracted request gives its row and slot back like
-  its KV, and its re-prefill of prompt + output starts from zero state (position 0), so it
-  continues with exactly the state it had.
+  its KV; the host store (`common/memory/host_store.py`) keeps a copy of the slot with the KV and
+  writes it into the new row's slot when it resumes; without an entry its re-prefill of prompt +
+  output starts from zero state (position 0). Either way it continues with exactly the state it had.
   Prefix caching is off for them: a cached KV prefix does not give back the recurrent state at the
   end of that prefix (the state is a running summary of every earlier token, kept only for the
   position the request reached), so a radix hit would have to recompute the prefix anyway.

@@ -26,8 +26,10 @@ Success, so a bad row fails the room on every TP rank alike (the consensus poll)
 
 Radix cache is off on a decode node (`ServerArgs.radix_cache_enabled`). When KV runs out the
 scheduler retracts running requests: a retracted request keeps its tokens (prompt + output so far),
-frees its KV, and is prefilled again *on this node* from the scheduler's waiting queue before it
-continues, so it produces the tokens it would have produced. `_allocatable_tokens` keeps room for
+its KV is copied to the host store (`--decode-offload-size`) and freed, and from the scheduler's
+waiting queue it gets fresh pages with its KV copied back and decodes on, with no prefill; only if
+the store had no room for it is it prefilled again *on this node*. Either way it produces the tokens
+it would have produced. `_allocatable_tokens` keeps room for
 exactly that, so preallocation never starves running, transferring, waiting or retracted requests.
 """
 
