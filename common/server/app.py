@@ -322,7 +322,8 @@ def queue_figures(tm: TokenizerManager, stats: dict[str, Any]) -> dict[str, int]
     return {"max_queued_requests": tm.queue_limit,
             "num_queued_reqs": int(stats.get("num_queued_reqs", 0)),
             "num_pending_admission": len(tm.pending),
-            "num_queue_full_refused": tm.queue_full_refused + int(stats.get("num_queue_full_refused", 0))}
+            "num_queue_full_refused": tm.queue_full_refused + int(stats.get("num_queue_full_refused", 0)),
+            "num_early_aborts": tm.early_aborts_applied}
 
 
 async def handle_get_load(request: web.Request) -> web.Response:

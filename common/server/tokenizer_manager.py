@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -57,6 +58,10 @@ INLINE_TOKENIZE_CHARS = 2048
 INLINE_DETOKENIZE_TOKENS = 512
 TOKENIZER_THREADS = 2
 
+
+
+EARLY_ABORTS_MAX = 10_000  # aborts of unknown rids remembered at most
+EARLY_ABORT_TTL = 30.0  # seconds such an abort waits for its request
 
 class ServiceUnavailable(RuntimeError):
     """The scheduler is gone or does not answer: HTTP 503."""
@@ -164,6 +169,11 @@ class TokenizerManager:
         self.dead_reason: str | None = None
         self.last_stats: dict[str, Any] = {}
         self._token_text_cache: dict[int, str] = {}
+        # aborts of rids not (yet) here: a router abandons a leg whose request may still be on its way
+        # (in the socket, or being tokenized); that request is ended on arrival instead of waiting out
+        # its bootstrap timeout with its room and memory
+        self._early_aborts: collections.OrderedDict[str, tuple[float, str]] = collections.OrderedDict()
+        self.early_aborts_applied = 0
 
     # ------------------------------------------------------------------ lifecycle
     def configure(self, ready: dict[str, Any]) -> None:
@@ -469,6 +479,13 @@ class TokenizerManager:
                           return_text_in_logprobs=return_text_in_logprobs, endpoint=endpoint, created=now,
                           prompt_tokens=len(r.input_ids))
             states.append(st)
+        early = self._take_early_abort(rids)
+        if early is not None:  # aborted before it arrived: it ends here, the scheduler never sees it
+            for st in states:
+                self.states[st.rid] = st
+                self._finish(st, {"type": "abort", "message": early})
+            logger.info("rid=%s aborted before it arrived (%s)", rids[0], early)
+            return states, notify
         for st, r in zip(states, reqs, strict=True):
             self.states[st.rid] = st
             self.pending.add(st.rid)
@@ -508,13 +525,36 @@ class TokenizerManager:
 
     def abort(self, rid: str, message: str = "aborted by client") -> bool:
         st = self.states.get(rid)
-        if st is None or st.finished:
+        if st is None:
+            self._early_aborts[rid] = (time.monotonic(), message)
+            self._early_aborts.move_to_end(rid)
+            while len(self._early_aborts) > EARLY_ABORTS_MAX:
+                self._early_aborts.popitem(last=False)
+            return False
+        if st.finished:
             return False
         try:
             self._send(AbortRequest(rid=rid, message=message))
         except ServiceUnavailable:
             self._finish(st, {"type": "abort", "message": message})
         return True
+
+    def _take_early_abort(self, rids: list[str]) -> str | None:
+        """The message of an abort that came for one of `rids` within EARLY_ABORT_TTL before it (taken)."""
+        now = time.monotonic()
+        while self._early_aborts:
+            rid, (when, _) = next(iter(self._early_aborts.items()))
+            if now - when <= EARLY_ABORT_TTL:
+                break
+            del self._early_aborts[rid]
+        found = None
+        for rid in rids:
+            hit = self._early_aborts.pop(rid, None)
+            if hit is not None:
+                found = hit[1]
+        if found is not None:
+            self.early_aborts_applied += 1
+        return found
 
     def abort_all(self, message: str = "aborted by abort_all") -> int:
         return sum(self.abort(rid, message) for rid in list(self.states))

@@ -392,6 +392,15 @@ def test_abort_request(node):
     # unknown rid: nothing to abort, still a valid call
     code, raw = http_post(node.url + "/abort_request", {"rid": "no-such-rid"})
     assert code == 200 and json.loads(raw)["success"] is False
+    # ... and the request, when it arrives after its abort (a router abandoned the leg while the request
+    # was still on its way), ends at once instead of running or waiting for its peer
+    before = get_json(node, "/server_info")["num_early_aborts"]
+    out = generate(node, {"text": "late", "rid": "no-such-rid", "sampling_params": greedy(ctx - 8)})
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["meta_info"]["completion_tokens"] == 0
+    assert get_json(node, "/server_info")["num_early_aborts"] == before + 1
+    out = generate(node, {"text": "again", "rid": "no-such-rid", "sampling_params": greedy(4)})
+    assert out["meta_info"]["completion_tokens"] == 4  # the abort was used once
+    assert free_counts(wait_idle(node)) == start
 
 
 @pytest.mark.parametrize("stream", [True, False])
