@@ -323,7 +323,7 @@ class Dispatcher:
                 failure = Failure(503, str(e))
                 continue
             trace.prefill, trace.decode = p.url, d.url
-            rids = new_rids(req)
+            rids = new_rids(req, attempt)
             payload, _ = inject(req, p, rids)
             if req.stream:
                 result = await self._attempt_stream(request, req, p, d, payload, headers, rids, request_id, trace)

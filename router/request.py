@@ -119,10 +119,16 @@ def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
     return ParsedRequest(path, body, obj, req.stream, bool(return_logprob), batch, req.rid, text)
 
 
-def new_rids(req: ParsedRequest) -> str | list[str]:
-    """Request ids for both legs of one attempt (the client's own when it gave them)."""
+def new_rids(req: ParsedRequest, attempt: int = 0) -> str | list[str]:
+    """Request ids for both legs of one attempt: the client's own when it gave them, with `-retryN`
+    from the second attempt on (the abort of an abandoned attempt must never meet its retry on a
+    node, where it would end it, nor a node refuse the retry's rid as still in use)."""
     if req.client_rid is not None:
-        return req.client_rid
+        if not attempt:
+            return req.client_rid
+        if isinstance(req.client_rid, list):
+            return [f"{r}-retry{attempt}" for r in req.client_rid]
+        return f"{req.client_rid}-retry{attempt}"
     base = uuid.uuid4().hex
     return base if req.batch is None else item_rids(base, req.batch)
 
@@ -153,7 +159,7 @@ def inject(req: ParsedRequest, prefill: Worker, rids: str | list[str]) -> tuple[
         extra = {"bootstrap_host": [prefill.bootstrap_host] * n, "bootstrap_port": [prefill.bootstrap_port] * n,
                  "bootstrap_room": room}
     obj = req.obj
-    if req.client_rid is None:
+    if rids != req.client_rid:
         extra["rid"] = rids
     if any(k in obj for k in _INJECTED) or ("rid" in extra and "rid" in obj):
         merged = dict(obj)

@@ -156,6 +156,19 @@ def test_retry_aborts_orphan_decode_leg(workers, make_router):
     assert sorted(x["body"]["bootstrap_room"] for x in p1.requests()) == sorted(s["bootstrap_room"] for s in retry)
 
 
+def test_a_retry_of_a_client_rid_runs_under_its_own_rid(workers, make_router):
+    # the abort of the abandoned attempt must not meet the retry on a node (nor the node refuse its rid)
+    (p0, p1), d = workers["p"], workers["d"][0]
+    r = make_router([p0, p1], [d], "--prefill-policy", "round_robin", "--decode-policy", "random")
+    p0.config(status=503)
+    for _ in range(2):  # round robin: one of the two meets p0 first
+        assert r.post("/generate", {"text": "hi", "rid": "mine"})[0] == 200
+    failed = len(p0.requests())  # attempts that met p0's 503 (each retried once, on p1)
+    assert failed >= 1 and [x["body"]["rid"] for x in p0.requests()] == ["mine"] * failed
+    rids = sorted(x["body"]["rid"] for x in d.requests())
+    assert rids == ["mine"] * 2 + ["mine-retry1"] * failed, rids
+
+
 def test_decode_failure_aborts_prefill_leg(workers, make_router):
     p, (d0, d1) = workers["p"][0], workers["d"]
     r = make_router([p], [d0, d1], "--prefill-policy", "random", "--decode-policy", "round_robin")
