@@ -390,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.duration is None and ns.requests is None:
         ns.duration = 120.0
-    from deploy.cluster import Cluster, ClusterError
+    from deploy.cluster import Cluster
+    from deploy.procs import ClusterError
 
     model = resolve_model(ns.model)
     log_dir = ns.log_dir or os.path.join(os.getcwd(), "logs", time.strftime("chaos-%Y%m%d-%H%M%S"))
@@ -522,7 +523,7 @@ async def soak(ns, cluster) -> dict:
             o.result = "hung"
 
     # drain: every node alive, healthy and at rest
-    from deploy.cluster import http_json, http_status
+    from deploy.procs import http_json, http_status
 
     drain_start = time.time()
     peers = {"prefill": len(cluster.decodes), "decode": len(cluster.prefills)}

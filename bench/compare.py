@@ -38,7 +38,8 @@ from bench.serve import (
     run_benchmark,
     summarize,
 )
-from deploy.cluster import ROOT, Cluster, ClusterError, die_with_parent, free_port, http_status, parse_cores
+from deploy.cluster import ROOT, Cluster
+from deploy.procs import ClusterError, die_with_parent, free_port, http_status, parse_cores
 
 
 def child_env(ns: argparse.Namespace) -> dict[str, str]:

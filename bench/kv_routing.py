@@ -33,7 +33,8 @@ import time
 import urllib.request
 
 from bench.report import write_report
-from deploy.cluster import ROOT, free_port, http_status
+from deploy.cluster import ROOT
+from deploy.procs import free_port, http_status
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone cloud maple orbit "

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from deploy import cluster as cl
+from deploy import procs
 from tests.harness.client import http_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,16 +119,16 @@ def test_launcher_rejects_bad_flags_before_starting_anything(tmp_path):
 
 
 def test_affinity_and_core_parsing():
-    assert cl.parse_cores("0-2,5,5") == [0, 1, 2, 5]
+    assert procs.parse_cores("0-2,5,5") == [0, 1, 2, 5]
     with pytest.raises(ValueError):
-        cl.parse_cores("3-1")
+        procs.parse_cores("3-1")
     first = min(os.sched_getaffinity(0))
-    assert cl.parse_affinity(f"prefill={first}; decode={first}") == {"prefill": [first], "decode": [first]}
-    assert cl.parse_affinity(None) == {}
+    assert procs.parse_affinity(f"prefill={first}; decode={first}") == {"prefill": [first], "decode": [first]}
+    assert procs.parse_affinity(None) == {}
     with pytest.raises(ValueError, match="ROLE=CORES"):
-        cl.parse_affinity("gpu=0")
+        procs.parse_affinity("gpu=0")
     with pytest.raises(ValueError, match="not available"):
-        cl.parse_affinity("decode=4096")
+        procs.parse_affinity("decode=4096")
 
 
 def test_cluster_args_reach_every_node(tiny_model_dir):

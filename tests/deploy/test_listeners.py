@@ -31,7 +31,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from deploy.cluster import ROOT, Cluster, cluster_from_args, free_port, http_status
+from deploy.cluster import ROOT, Cluster, cluster_from_args
+from deploy.procs import free_port, http_status
 
 MOONCAKE_WARNING = "mooncake listens on all interfaces"
 

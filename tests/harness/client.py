@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 # below the kernel's ephemeral range: transfer engines and ZMQ bind ephemeral ports at start-up
-from deploy.cluster import free_port  # noqa: F401  (re-exported)
+from deploy.procs import free_port  # noqa: F401  (re-exported)
 
 
 def http(method: str, url: str, body=None, headers=None, timeout: float = 30.0):
