@@ -37,7 +37,6 @@ from typing import Any
 from common.config import ServerArgs
 from common.forward_batch import ForwardMode
 from common.kv_events import KVEventPublisher, KVEventsConfig
-from common.memory.host_store import HostKVStore
 from common.memory.radix_cache import make_tree_cache
 from common.protocol import (
     AbortRequest,
@@ -51,10 +50,12 @@ from common.runner import RunnerOutput
 from common.scheduler.batch import ScheduleBatch
 from common.scheduler.hooks import SchedulerHooks
 from common.scheduler.intake import Admission, check_request, load_stop_decoder, make_req
+from common.scheduler.offload import make_host_store, offload_victim, restore
 from common.scheduler.output import OutputBatcher
 from common.scheduler.policy import NewTokenRatio, SchedulePolicy
 from common.scheduler.prefill_adder import AddResult, PrefillAdder
 from common.scheduler.req import FinishStatus, Req, Stage
+from common.scheduler.stats import scheduler_stats
 
 logger = logging.getLogger("scheduler")
 
@@ -111,7 +112,7 @@ class Scheduler:
         self.held: dict[str, Req] = {}  # finished, memory held for the role (hooks.on_finished)
         self.output = OutputBatcher(args.stream_interval)
         # retracted requests' KV waits here until they resume (--decode-offload-size; None: off)
-        self.host_store = self._make_host_store(args)
+        self.host_store = make_host_store(args, self)
         self.admission = Admission(args.queued_requests_limit)  # --max-queued-requests
 
         self.send_fn = send_fn
@@ -140,16 +141,6 @@ class Scheduler:
     @eos_token_ids.setter
     def eos_token_ids(self, ids: list[int]) -> None:
         self.runner.eos_token_ids = list(ids)
-
-    def _make_host_store(self, args) -> HostKVStore | None:
-        tokens = getattr(args, "decode_offload_tokens", 0)
-        if tokens < self.page_size:  # 0: off (and less than one page would hold nothing)
-            return None
-        pool = self.req_to_token_pool
-        store = HostKVStore(tokens, self.kv_pool, pool.state_pool, state_slots=pool.size)
-        logger.info("decode offload: retracted requests keep their KV in a host store of %d tokens (%.1f MiB)",
-                    store.capacity_tokens, store.nbytes() / 2**20)
-        return store
 
     # ================================================================== contract
     def add_request(self, req: Req) -> None:
@@ -362,7 +353,7 @@ class Scheduler:
             picked = set(map(id, restored))
             self.waiting_queue = [r for r in self.waiting_queue if id(r) not in picked]
             for r in restored:
-                self._restore(r)
+                restore(self, r)
         if not can_run:
             if not restored:
                 self._refuse_if_never_fits()
@@ -381,39 +372,6 @@ class Scheduler:
         self.total_prefill_tokens += sum(r.extend_input_len for r in can_run)
         return batch
 
-    def _restore(self, req: Req) -> None:
-        """A retracted request's KV (and state) comes back from the host store into a new row and fresh
-        pages; it rejoins the running batch and its next decode step feeds its last output token, as
-        if it had never left (the prefill adder has budgeted the pages)."""
-        store = self.host_store
-        n = store.kv_len(req.rid)
-        if n != req.seqlen - 1:
-            raise RuntimeError(f"rid={req.rid}: {n} tokens of KV stored for a sequence of {req.seqlen}")
-        num_pages = self.allocator.pages_for(n)
-        self.running_batch.ensure_free_pages(num_pages)
-        row = self.req_to_token_pool.alloc()
-        if row is None:
-            raise RuntimeError("no free req pool row (the scheduler checks this before)")
-        pages = self.allocator.alloc_pages(num_pages)
-        pool = self.req_to_token_pool
-        store.load(req.rid, pages, int(pool.row_state[row]) if pool.state_pool is not None else None)
-        req.release_kv_state()  # drops a prefix match the schedule policy may have made (never locked)
-        pool.write(row, 0, self.allocator.slots_of_pages(pages, n))
-        req.req_pool_idx, req.kv_len = row, n
-        req.extend_input_len = 0
-        self.num_retract_restored += 1
-        self.running_batch.merge([req])
-        logger.info("rid=%s restored from the host store: %d tokens of KV, no prefill", req.rid, n)
-
-    def _offload_victim(self, req: Req) -> None:
-        """A retraction victim, still holding its KV: copy its pages (and state slot) to the host store."""
-        row, n = req.req_pool_idx, req.kv_len
-        pool = self.req_to_token_pool
-        pages = self.allocator.pages_of_slots(pool.slots(row, 0, n)).tolist()
-        state = int(pool.row_state[row]) if pool.state_pool is not None else None
-        if self.host_store.store(req.rid, pages, n, state):
-            self.num_retract_offloaded += 1
-
     def _refuse_if_never_fits(self) -> None:
         """With every page and row free, a request at the head that still cannot be admitted never
         will be (validation should prevent this): refuse it rather than spin."""
@@ -430,7 +388,7 @@ class Scheduler:
         batch = self.running_batch
         if not batch.check_decode_mem():
             store = self.host_store
-            victims, ratio = batch.retract_decode(before_release=self._offload_victim if store is not None else None)
+            victims, ratio = batch.retract_decode(before_release=(lambda r: offload_victim(self, r)) if store is not None else None)
             self.num_retractions += len(victims)
             for v in victims:
                 kept = store is not None and v.rid in store
@@ -630,50 +588,7 @@ class Scheduler:
                                              "chunked": 1 if self.chunked_req is not None else 0}
 
     def get_stats(self) -> dict[str, Any]:
-        free = self.allocator.available_size()
-        total = self.allocator.capacity
-        evictable = self.tree_cache.evictable_size()
-        now = time.monotonic()
-        while self._gen_window and now - self._gen_window[0][0] > 10.0:
-            self._gen_window.popleft()
-        if len(self._gen_window) >= 2:
-            span = max(now - self._gen_window[0][0], 1e-3)
-            gen = sum(n for _, n in self._gen_window) / span
-        else:
-            gen = 0.0
-        return {
-            "num_running_reqs": self.num_running_slots_used(),
-            "num_waiting_reqs": len(self.waiting_queue),
-            "num_queue_reqs": self.queue_counts(),
-            "num_queued_reqs": self.num_queued_reqs(),
-            "max_queued_requests": self.admission.limit,
-            "num_queue_full_refused": self.admission.refused,
-            "kv_free_tokens": free,
-            "kv_total_tokens": total,
-            "kv_evictable_tokens": evictable,
-            "req_slots_free": self.req_to_token_pool.available_size(),
-            "req_slots_total": self.req_to_token_pool.size,
-            "cache_hit_rate": self.total_cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens else 0.0,
-            "num_tokens_used": total - free - evictable,
-            "gen_throughput": gen,
-            "new_token_ratio": self.new_token_ratio.value,
-            "num_retractions": self.num_retractions,
-            "num_retract_offloaded": self.num_retract_offloaded,
-            "num_retract_restored": self.num_retract_restored,
-            "num_retract_recomputed": self.num_retract_recomputed,
-            "total_prefill_tokens": self.total_prefill_tokens,
-            **(self.host_store.stats() if self.host_store is not None else HostKVStore.off_stats()),
-            "forward_ct": self.forward_ct,
-            "total_generated_tokens": self.total_generated_tokens,
-            "radix_cache": self.tree_cache.enabled,
-            "radix_cache_tokens": self.tree_cache.total_size(),
-            **(self.kv_events.stats() if self.kv_events is not None else {}),
-            "page_size": self.page_size,
-            "context_length": self.context_length,
-            "max_running_requests": self.max_running_requests,
-            **(self.runner.hybrid.stats() if hasattr(self.runner, "hybrid") else {}),
-            **self._role_stats(),
-        }
+        return scheduler_stats(self)
 
     def _role_stats(self) -> dict[str, Any]:
         try:

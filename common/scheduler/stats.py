@@ -1,0 +1,56 @@
+"""The scheduler's figures for `/server_info` and `/metrics` (`Scheduler.get_stats`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from common.memory.host_store import HostKVStore
+
+
+def scheduler_stats(sched) -> dict[str, Any]:
+    """What /server_info shows of a scheduler: queues, KV use, caches, retractions and the role's figures."""
+    free = sched.allocator.available_size()
+    total = sched.allocator.capacity
+    evictable = sched.tree_cache.evictable_size()
+    now = time.monotonic()
+    while sched._gen_window and now - sched._gen_window[0][0] > 10.0:
+        sched._gen_window.popleft()
+    if len(sched._gen_window) >= 2:
+        span = max(now - sched._gen_window[0][0], 1e-3)
+        gen = sum(n for _, n in sched._gen_window) / span
+    else:
+        gen = 0.0
+    return {
+        "num_running_reqs": sched.num_running_slots_used(),
+        "num_waiting_reqs": len(sched.waiting_queue),
+        "num_queue_reqs": sched.queue_counts(),
+        "num_queued_reqs": sched.num_queued_reqs(),
+        "max_queued_requests": sched.admission.limit,
+        "num_queue_full_refused": sched.admission.refused,
+        "kv_free_tokens": free,
+        "kv_total_tokens": total,
+        "kv_evictable_tokens": evictable,
+        "req_slots_free": sched.req_to_token_pool.available_size(),
+        "req_slots_total": sched.req_to_token_pool.size,
+        "cache_hit_rate": sched.total_cached_tokens / sched.total_prompt_tokens if sched.total_prompt_tokens else 0.0,
+        "num_tokens_used": total - free - evictable,
+        "gen_throughput": gen,
+        "new_token_ratio": sched.new_token_ratio.value,
+        "num_retractions": sched.num_retractions,
+        "num_retract_offloaded": sched.num_retract_offloaded,
+        "num_retract_restored": sched.num_retract_restored,
+        "num_retract_recomputed": sched.num_retract_recomputed,
+        "total_prefill_tokens": sched.total_prefill_tokens,
+        **(sched.host_store.stats() if sched.host_store is not None else HostKVStore.off_stats()),
+        "forward_ct": sched.forward_ct,
+        "total_generated_tokens": sched.total_generated_tokens,
+        "radix_cache": sched.tree_cache.enabled,
+        "radix_cache_tokens": sched.tree_cache.total_size(),
+        **(sched.kv_events.stats() if sched.kv_events is not None else {}),
+        "page_size": sched.page_size,
+        "context_length": sched.context_length,
+        "max_running_requests": sched.max_running_requests,
+        **(sched.runner.hybrid.stats() if hasattr(sched.runner, "hybrid") else {}),
+        **sched._role_stats(),
+    }
