@@ -35,8 +35,8 @@ PDSERVE_AUTH_WINDOW            seconds a signed message stays valid   30
 PDSERVE_CONTROL_MAX_PEERS      control-plane PUSH sockets open at     256
                                most (least recently used closed)
 PDSERVE_MAX_DECODE_PEERS       prefill: decode ranks registered at    1024
-                               most; a new one evicts the oldest
-                               without rooms (it registers again)
+                               most; when full a refused one makes
+                               room, else the new one is refused
 PDSERVE_PEER_IDLE_TIMEOUT      seconds a peer's registration stays    300
                                without any room before it is dropped
                                (a dead or restarted peer's goes then;

@@ -205,20 +205,20 @@ class PrefillKVManager(KVManager):
 
     def _make_room_for_peer(self, src: str) -> bool:
         """Under the lock: keep at most `max_decode_peers` registrations (whatever unauthenticated peers
-        send): evict the oldest one without rooms; it gets `Status(unregistered=True)` for its next
-        TransferInfo and registers again. False (refused, counted) if every registered peer has rooms."""
+        send). When full, a refused registration (bad layout, an engine description that did not work)
+        makes room, as it serves no one; otherwise the new one is refused and counted, and a live decode
+        rank's registration is never dropped for a stranger's (idle ones expire after
+        PDSERVE_PEER_IDLE_TIMEOUT)."""
         cap = self.settings.max_decode_peers
         while len(self._decode_peers) >= cap:
-            idle = next((a for a in self._decode_peers if not self._has_rooms_with(a)), None)
-            if idle is None:
+            refused = next((a for a, p in self._decode_peers.items() if p.ready and p.error), None)
+            if refused is None:
                 self.registrations_refused += 1
-                logger.warning("decode peer %s: refused, %d registered decode ranks all have rooms "
+                logger.warning("decode peer %s: registration refused, %d decode ranks registered "
                                "(PDSERVE_MAX_DECODE_PEERS)", src, cap)
                 return False
             self.registrations_evicted += 1
-            logger.info("decode peer %s: registration evicted for %s (%d registered, PDSERVE_MAX_DECODE_PEERS)",
-                        idle, src, cap)
-            self._drop_decode_peer(idle)
+            self._drop_decode_peer(refused)
         return True
 
     def _drop_decode_peer(self, addr: str) -> None:
