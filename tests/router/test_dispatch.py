@@ -161,12 +161,15 @@ def test_a_retry_of_a_client_rid_runs_under_its_own_rid(workers, make_router):
     (p0, p1), d = workers["p"], workers["d"][0]
     r = make_router([p0, p1], [d], "--prefill-policy", "round_robin", "--decode-policy", "random")
     p0.config(status=503)
+    d.config(delay=0.3)  # the decode answers after the prefill's 503 (a real decode waits for the KV)
     for _ in range(2):  # round robin: one of the two meets p0 first
         assert r.post("/generate", {"text": "hi", "rid": "mine"})[0] == 200
     failed = len(p0.requests())  # attempts that met p0's 503 (each retried once, on p1)
     assert failed >= 1 and [x["body"]["rid"] for x in p0.requests()] == ["mine"] * failed
-    rids = sorted(x["body"]["rid"] for x in d.requests())
-    assert rids == ["mine"] * 2 + ["mine-retry1"] * failed, rids
+    # every request's last attempt reached p1 (its prefill leg may still be on the way when the answer is in)
+    wait_until(lambda: len(p1.requests()) == 2, what="both prefill legs on p1")
+    rids = sorted(x["body"]["rid"] for x in p1.requests())
+    assert rids == ["mine"] * (2 - failed) + ["mine-retry1"] * failed, rids
 
 
 def test_decode_failure_aborts_prefill_leg(workers, make_router):
