@@ -13,7 +13,7 @@ from router.registry import check_worker_url
 
 POLICIES = ["random", "round_robin", "cache_aware", "power_of_two"]
 
-# sglang-router flags that are accepted (scripts written for it keep working) but change nothing here
+# sglang-router flags this router does not implement: parsed so the refusal names them, then refused
 _NO_EFFECT = ("dp_aware", "enable_igw", "mini_lb", "cors_allowed_origins", "shutdown_grace_period_secs",
               "prometheus_duration_buckets",
               "chat_template", "bucket_adjust_interval_secs", "max_idle_secs",
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     ns = parser.parse_args(argv)
     level = {"warn": "warning"}.get(ns.log_level, ns.log_level)
-    log = setup_logging("router", level)
+    setup_logging("router", level)
     if ns.log_dir:
         import os
 
@@ -205,17 +205,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     for name in ("model_path", "tokenizer_path"):
         if getattr(ns, name, None) and not cfg.kv_events:
-            log.warning("--%s is used with --kv-events only; it has no effect here", name.replace("_", "-"))
+            parser.error(f"--{name.replace('_', '-')} is used only with --kv-events")
     for name in _NO_EFFECT:
         if getattr(ns, name, None) not in (None, False, []):
-            log.warning("--%s is accepted for sglang-router compatibility and has no effect", name.replace("_", "-"))
+            parser.error(f"--{name.replace('_', '-')} is an sglang-router flag this router does not implement")
     if cfg.max_concurrent_requests <= 0 and cfg.rate_limit_tokens_per_second is None:
         d = RouterConfig()
         for flag, value, default in (("queue-size", cfg.queue_size, d.queue_size),
                                      ("queue-timeout-secs", cfg.queue_timeout_secs, d.queue_timeout_secs)):
             if value != default:
-                log.warning("--%s has no effect without --max-concurrent-requests or "
-                            "--rate-limit-tokens-per-second", flag)
+                parser.error(f"--{flag} needs --max-concurrent-requests or --rate-limit-tokens-per-second")
     from router.app import run
 
     try:

@@ -102,3 +102,17 @@ def test_disabled_counts_in_flight_only():
         assert gate.in_flight == 1000 and gate.queued == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--enable-igw"], "--enable-igw"),
+    (["--tokenizer-path", "/tmp"], "--tokenizer-path"),
+    (["--queue-size", "5"], "--queue-size"),
+])
+def test_flags_that_would_do_nothing_are_refused(flags, named, capsys):
+    from router.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--pd-disaggregation", "--prefill", "http://127.0.0.1:1", "none", "--decode", "http://127.0.0.1:2",
+              *flags])
+    assert e.value.code == 2 and named in capsys.readouterr().err
