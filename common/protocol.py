@@ -58,6 +58,14 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 503: "service_unavailable", 504: "upstream_error"}
 
 
+# A node's error answer names a cause the router acts on in this header. `kv_transfer`: the KV transfer
+# between the two nodes failed, which is the other node's or the network's doing as often as this one's,
+# so the router retries but counts it against neither worker's circuit breaker (the node at fault fails
+# its own leg and its health checks).
+ERR_TYPE_HEADER = "X-PD-Error-Type"
+KV_TRANSFER_FAILED = "kv_transfer"
+
+
 def error_body(status: int, message: str) -> dict[str, Any]:
     """Every HTTP error of a node or the router, in OpenAI's shape: {"error": {message, type, code}}."""
     type_ = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")

@@ -10,12 +10,13 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
-from common.protocol import error_body
+from common.protocol import ERR_TYPE_HEADER, KV_TRANSFER_FAILED, error_body
 from common.server.security import bearer_header, client_ssl_context
 from router.config import RouterConfig
 from router.metrics import Metrics
@@ -34,14 +35,16 @@ log = logging.getLogger("router.dispatch")
 #   again elsewhere, and the worker is not broken;
 # * 500, 502, 504 without an answer (the router's timeout) and broken connections (a worker that is
 #   broken) are retried up to --retry-max-retries.
-# Only the last kind counts as a failure for the worker's circuit breaker; an overload or deadline answer
-# counts as neither a failure nor a success.
+# Only the last kind counts as a failure for the worker's circuit breaker, unless the node names a failed KV
+# transfer as the cause (`ERR_TYPE_HEADER`); an overload or deadline answer counts as neither a failure nor
+# a success.
 RETRYABLE = frozenset({500, 502, 504})
 RETRY_ONCE = frozenset({408, 503})
 OVERLOAD = frozenset({408, 429, 503})
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 _DONE = b"data: [DONE]\n\n"
+_ERR_TYPE = ERR_TYPE_HEADER.lower()  # router.upstream keeps header names lower-case
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
@@ -79,6 +82,16 @@ class Failure:
             return web.Response(body=self.body, status=self.status, headers=headers,
                                 content_type=(self.content_type or "application/json").split(";")[0])
         return error_response(self.status, self.message, headers=headers)
+
+
+class LegAnswer(NamedTuple):
+    """A worker's whole answer to one leg."""
+
+    status: int
+    body: bytes
+    content_type: str | None
+    retry_after: str | None
+    err_type: str | None  # the cause the node named (`ERR_TYPE_HEADER`)
 
 
 @dataclass(slots=True)
@@ -219,10 +232,12 @@ class Dispatcher:
         self._spawn(self._abort_on(w, rids))
 
     @staticmethod
-    def _record(w: Worker, status: int) -> None:
+    def _record(w: Worker, status: int, err_type: str | None = None) -> None:
         """A worker's answer, for its circuit breaker: 5xx but an overload answer is a failure."""
         if status in OVERLOAD or status == 504:
             return  # busy, or the request's own deadline passed: not broken
+        if err_type == KV_TRANSFER_FAILED:
+            return  # the transfer between the nodes failed: the node at fault fails its own leg
         ok = status < 500
         w.breaker.record(ok)
         if not ok:
@@ -238,7 +253,8 @@ class Dispatcher:
             w.errors += 1
             w.breaker.record(False)
         else:
-            cls._record(w, task.result()[0])
+            answer = task.result()
+            cls._record(w, answer.status, answer.err_type)
 
     def _start_leg(self, w: Worker, coro) -> asyncio.Task:
         w.active += 1
@@ -262,16 +278,15 @@ class Dispatcher:
             if url not in urls:
                 self.pools.pop(url).close()
 
-    async def _fetch(self, w: Worker, path: str, payload: bytes,
-                     headers: bytes) -> tuple[int, bytes, str | None, str | None]:
-        """(status, body, content type, Retry-After) of one leg."""
+    async def _fetch(self, w: Worker, path: str, payload: bytes, headers: bytes) -> LegAnswer:
         resp = await self._pool(w).request(path, payload, headers)
         try:
             body = await resp.read()
         except BaseException:
             resp.close()
             raise
-        return resp.status, body, resp.headers.get("content-type"), resp.headers.get("retry-after")
+        return LegAnswer(resp.status, body, resp.headers.get("content-type"), resp.headers.get("retry-after"),
+                         resp.headers.get(_ERR_TYPE))
 
     async def _open_stream(self, w: Worker, path: str, payload: bytes, headers: bytes):
         resp = await self._pool(w).request(path, payload, headers)
@@ -289,9 +304,9 @@ class Dispatcher:
         if exc is not None:
             status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
             return Failure(status, f"{leg} worker {w.url} failed: {exc!r}", w)
-        status, body, ctype, retry_after = task.result()
-        if status >= 300:
-            return leg_failure(status, leg, w, body, ctype, retry_after)
+        a = task.result()
+        if a.status >= 300:
+            return leg_failure(a.status, leg, w, a.body, a.content_type, a.retry_after)
         return None
 
     def _backoff(self, attempt: int) -> float:
@@ -376,7 +391,7 @@ class Dispatcher:
             if fail is not None:
                 self._abandon(p_task, p, ids)
                 return fail
-            status, body, ctype, _ = d_task.result()
+            status, body, ctype = d_task.result()[:3]
             if req.return_logprob:
                 await asyncio.wait((p_task,))
                 if p_task.exception() is None and p_task.result()[0] < 300:
@@ -428,7 +443,7 @@ class Dispatcher:
                 return self._failure(d_task, d, "decode")
             status, resp, first, err_body = d_task.result()
             if err_body is not None:
-                self._record(d, status)
+                self._record(d, status, resp.headers.get(_ERR_TYPE))
                 self._abandon(p_task, p, ids)
                 return leg_failure(status, "decode", d, err_body, resp.headers.get("content-type"),
                                    resp.headers.get("retry-after"))

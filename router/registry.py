@@ -72,6 +72,12 @@ class CircuitBreaker:
         if len(self.failures) >= self.failure_threshold:
             self._open(now)
 
+    def recovered(self) -> None:
+        """The worker passed its health checks again after failing them (a restarted node): an open breaker
+        goes half-open at once instead of waiting out its timeout, so traffic finds the node again."""
+        if self.state == "open":
+            self.state, self.half_open_successes = "half_open", 0
+
     def _open(self, now: float) -> None:
         self.state, self.opened_at = "open", now
         self.failures.clear()
@@ -334,6 +340,7 @@ class Registry:
                 w.ok_streak, w.fail_streak = w.ok_streak + 1, 0
                 if not w.healthy and w.ok_streak >= self.cfg.health_success_threshold:
                     w.healthy = True
+                    w.breaker.recovered()
                     log.info("worker %s is healthy again", w.url)
                     if self.on_admit is not None and w.kind == PREFILL:
                         self._spawn(self._readmit(w))

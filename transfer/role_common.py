@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.protocol import KV_TRANSFER_FAILED
 from common.scheduler.hooks import SchedulerHooks
 from common.scheduler.req import FinishStatus, Req
 from transfer.base import KVArgs, KVPoll, TransferSettings
@@ -209,7 +210,8 @@ class PDRole(SchedulerHooks):
         t.failed = True
         self.transfer_stats.failures += 1
         self.logger.warning("rid=%s room=%d transfer failed at stage %s: %s", t.rid, t.room, t.stage.value, reason)
-        self.sched.finish_requests(t.rid, FinishStatus.abort(f"KV transfer failed: {reason}", 500))
+        self.sched.finish_requests(t.rid, FinishStatus.abort(f"KV transfer failed: {reason}", 500,
+                                                                 err_type=KV_TRANSFER_FAILED))
 
     def guarded(self, t: PDRequest, what: str, fn, *args):
         """One request's step: `fn(*args)`'s result; an exception fails that request only (None)."""

@@ -40,8 +40,12 @@ class FinishStatus:
     error_status: int = 0
 
     @classmethod
-    def abort(cls, message: str, error_status: int = 0) -> FinishStatus:
-        return cls({"type": "abort", "message": message}, error_status)
+    def abort(cls, message: str, error_status: int = 0, err_type: str | None = None) -> FinishStatus:
+        """`err_type` names a cause a router acts on (`common.protocol.ERR_TYPE_HEADER`)."""
+        reason = {"type": "abort", "message": message}
+        if err_type:
+            reason["err_type"] = err_type
+        return cls(reason, error_status)
 
 
 class Req:

@@ -12,7 +12,15 @@ from typing import Any
 
 from aiohttp import web
 
-from common.protocol import BadRequest, check_rid, decode_json, error_body, item_rids, normalize_hosts
+from common.protocol import (
+    ERR_TYPE_HEADER,
+    BadRequest,
+    check_rid,
+    decode_json,
+    error_body,
+    item_rids,
+    normalize_hosts,
+)
 from common.server.tokenizer_manager import ReqState, TokenizerManager
 
 TM_KEY = web.AppKey("tm", TokenizerManager)
@@ -115,6 +123,12 @@ def item_fields(args, req, n: int, batch: bool) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- answering
+def err_type_header(st: ReqState) -> dict[str, str] | None:
+    """The cause a router acts on (`ERR_TYPE_HEADER`), when the scheduler named one."""
+    err_type = (st.finish_reason or {}).get("err_type")
+    return {ERR_TYPE_HEADER: err_type} if err_type else None
+
+
 def failed(st: ReqState) -> tuple[int, str] | None:
     """(status, message) when the request ended in an error the client should see as one."""
     if st.error_status:
@@ -140,7 +154,7 @@ async def respond(request: web.Request, tm: TokenizerManager, states: list[ReqSt
                 err = error_of(st)
                 if err:
                     status = err[0]
-                    return error_response(*err)
+                    return error_response(*err, headers=err_type_header(st))
             if any(s.output_ids or s.finished for s in states):
                 notify.set()  # news that came with the admission: the stream sends it at once
             resp = await sse_start(request)
@@ -154,7 +168,7 @@ async def respond(request: web.Request, tm: TokenizerManager, states: list[ReqSt
                 err = error_of(st) if st.finished else None
                 if err:
                     status = err[0]
-                    return error_response(*err)
+                    return error_response(*err, headers=err_type_header(st))
             if all(s.finished for s in states):
                 break
             await tm.wait(states, notify)

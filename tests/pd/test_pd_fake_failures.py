@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.harness.client import http_post
+from tests.harness.client import http, http_post
 from tests.harness.nodes import PDPair
 from tests.harness.pd import assert_restored, free_counts, greedy, make_prompts
 
@@ -46,7 +46,9 @@ def test_bootstrap_timeout_frees_the_prefill_request(pair: PDPair):
     start = free_counts(pair.prefill)
     # no decode leg ever comes; the prefill node gives the room up after its bootstrap timeout (10 s here)
     body = pair.body({"input_ids": list(range(400, 420)), "sampling_params": greedy()})
-    status, raw = http_post(pair.prefill.url + "/generate", body, timeout=60)
+    status, headers, raw = http("POST", pair.prefill.url + "/generate", body, timeout=60)
     assert status == 500, raw
     assert "no TransferInfo from the decode side" in json.loads(raw)["error"]["message"]
+    # the cause is named for a router, which then does not hold it against this node's circuit breaker
+    assert headers["x-pd-error-type"] == "kv_transfer"
     assert_restored((pair.prefill, start))

@@ -87,6 +87,46 @@ def test_circuit_breaker_opens(workers, make_router):
     assert len(d0.requests()) == 2  # no traffic once open
 
 
+def test_a_failed_kv_transfer_opens_no_breaker(workers, make_router):
+    """A decode answering 500 with the KV transfer named as the cause (the prefill or the link failed it) is
+    retried but not held against the decode: its breaker stays closed while plain 500s open it."""
+    p, (d0, d1) = workers["p"][0], workers["d"]
+    r = make_router([p], [d0, d1], "--policy", "round_robin", "--cb-failure-threshold", "2",
+                    "--cb-timeout-duration-secs", "600", "--retry-max-retries", "3")
+    d0.config(status=500, err_type="kv_transfer")
+    for _ in range(6):
+        assert r.post("/generate", {"text": "x"})[0] == 200  # retried on d1
+    assert _worker(r, d0.url)["circuit_breaker"] == "closed"
+    assert len(d0.requests()) >= 3  # an open breaker would have stopped at 2
+    d0.config(err_type=None)
+    for _ in range(6):
+        assert r.post("/generate", {"text": "x"})[0] == 200
+    assert _worker(r, d0.url)["circuit_breaker"] == "open"
+
+
+def test_a_breaker_opened_before_a_restart_lets_traffic_through_once_healthy(workers, make_router):
+    """A node that failed its health checks and passes them again (restarted) gets traffic at once: its
+    open breaker goes half-open instead of waiting out --cb-timeout-duration-secs."""
+    p, (d0, d1) = workers["p"][0], workers["d"]
+    r = make_router([p], [d0, d1], "--policy", "round_robin", "--cb-failure-threshold", "2",
+                    "--cb-timeout-duration-secs", "600", "--retry-max-retries", "3",
+                    "--health-check-interval-secs", "0.1", "--health-failure-threshold", "2",
+                    "--health-success-threshold", "2", "--cb-success-threshold", "2")
+    d0.config(status=500)
+    for _ in range(6):
+        assert r.post("/generate", {"text": "x"})[0] == 200
+    assert _worker(r, d0.url)["circuit_breaker"] == "open"
+    d0.config(health=503)
+    wait_until(lambda: not _worker(r, d0.url)["is_healthy"], what="d0 unhealthy")
+    d0.config(status=200, health=200)
+    wait_until(lambda: _worker(r, d0.url)["is_healthy"], what="d0 healthy again")
+    assert _worker(r, d0.url)["circuit_breaker"] == "half_open"
+    d0.reset()
+    for _ in range(4):
+        assert r.post("/generate", {"text": "x"})[0] == 200
+    assert len(d0.requests()) == 2 and _worker(r, d0.url)["circuit_breaker"] == "closed"
+
+
 def test_runtime_add_and_remove(workers, make_router):
     p, (d0, d1) = workers["p"][0], workers["d"]
     r = make_router([p], [d0], "--policy", "round_robin")

@@ -14,6 +14,7 @@ every abort, and its behaviour is set at runtime through `POST /debug/config`:
   break_after  close the connection after this many streamed events (-1: never)
   load         num_tokens reported by /get_load
   retry_after  Retry-After header of error answers (None: none)
+  err_type     X-PD-Error-Type header of error answers (None: none), the cause a node names
   info         extra fields of /server_info (e.g. a kv_events_endpoint)
 
 `GET /debug/received` returns {"requests": [...], "aborts": [...]}; `POST /debug/reset` clears them.
@@ -30,7 +31,8 @@ import time
 from aiohttp import web
 
 DEFAULTS = {"status": 200, "health": 200, "hold": 0, "delay": 0.0, "chunks": 3, "chunk_delay": 0.0,
-            "break_after": -1, "load": 0, "retry_after": None, "info": {}}
+            "break_after": -1, "load": 0, "retry_after": None, "err_type": None,
+            "info": {}}
 
 
 class Recorder:
@@ -144,7 +146,11 @@ class Recorder:
         status = cfg["status"]
         if status >= 300:
             entry["done"] = True
-            headers = {"Retry-After": str(cfg["retry_after"])} if cfg["retry_after"] is not None else None
+            headers = {}
+            if cfg["retry_after"] is not None:
+                headers["Retry-After"] = str(cfg["retry_after"])
+            if cfg["err_type"] is not None:
+                headers["X-PD-Error-Type"] = cfg["err_type"]
             return web.json_response({"error": {"message": f"{self.name} says {status}", "type": "worker_error",
                                                 "code": status}}, status=status, headers=headers)
         if not body.get("stream"):
