@@ -285,8 +285,8 @@ class Scheduler:
             self.priority.displace(self, displaced, req)
         self.live_reqs[req.rid] = req
         self.total_prompt_tokens += len(req.origin_input_ids)
-        logger.info("rid=%s received: %d prompt tokens, max_new_tokens=%d", req.rid,
-                    len(req.origin_input_ids), req.max_new_tokens)
+        logger.info("rid=%s received: %d prompt tokens, max_new_tokens=%d, priority=%d", req.rid,
+                    len(req.origin_input_ids), req.max_new_tokens, req.priority)
         try:
             kept = self.hooks.on_new_request(req)
         except Exception:

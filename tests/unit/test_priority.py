@@ -130,3 +130,40 @@ def test_full_queue_turns_away_the_lowest_priority(tiny_model_dir):
 def test_priority_flags_are_checked(kw, flag):
     with pytest.raises(ConfigError, match=flag):
         ServerArgs(**kw).validate()
+
+
+def test_a_node_without_the_priority_policy_refuses_the_field():
+    from common.protocol import BadRequest, GenerateRequest
+    from common.server.http import item_fields
+
+    req = GenerateRequest(text="a", priority=3)
+    with pytest.raises(BadRequest, match=r"`priority` needs a node started with --schedule-policy priority"):
+        item_fields(ServerArgs(), req, 1, False)
+    assert item_fields(ServerArgs(schedule_policy="priority"), req, 1, False)[0]["priority"] == 3
+    assert item_fields(ServerArgs(), GenerateRequest(text="a"), 1, False)[0]["priority"] == 0
+
+
+def test_decode_prealloc_and_waiting_queues_serve_the_highest_priority_first():
+    from common.protocol import SamplingParams
+    from common.scheduler.priority import PriorityScheduling
+    from common.scheduler.req import Req
+    from decode_node.queues import DecodeRequest, PreallocQueue, WaitingQueue
+    from transfer.base import KVPoll
+
+    rank = PriorityScheduling(ServerArgs(schedule_policy="priority")).rank
+    reqs = []
+    for i, p in enumerate([0, 7, -2, 7]):
+        r = Req(f"r{i}", [1, 2], SamplingParams())
+        r.priority = p
+        reqs.append(DecodeRequest(req=r, room=i, conn=None))
+    prealloc, waiting = PreallocQueue(), WaitingQueue()
+    for t in reqs:
+        prealloc.add(t)
+        waiting.add(t)
+    polls = {t.rid: KVPoll.WaitingForInput for t in reqs}
+    assert [t.rid for t in prealloc.resolved(polls)] == ["r0", "r1", "r2", "r3"]  # FCFS without a rank
+    assert [t.rid for t in prealloc.resolved(polls, rank)] == ["r1", "r3", "r0", "r2"]
+    admitted = []
+    for t in waiting.admit(lambda: len(admitted) < 2, rank):
+        admitted.append(t.rid)
+    assert admitted == ["r1", "r3"] and [t.rid for t in waiting] == ["r0", "r2"]
