@@ -62,20 +62,18 @@ class PriorityScheduling:
     # ------------------------------------------------------------------ preemption
     def preempt(self, sched, adder: PrefillAdder, req: Req, slot: bool) -> list[Req]:
         """Retract running requests `req` outranks by more than the threshold so that it can be admitted:
-        for a running slot and req pool row (`slot`), or for its KV (prompt + clipped output, what the
-        adder is short of). Returns the victims (out of the running batch, stage WAITING, not yet in
+        for a running slot and req pool row (`slot`: at least one victim), and for its KV (prompt +
+        clipped output) beyond what the adder has left. Returns the victims (out of the running batch, stage WAITING, not yet in
         the waiting queue: the caller puts them there), [] when preemption cannot make room."""
         if not self.preemption:
             return []
         page = adder.page_size
-        if slot:
-            short = 0
-        else:
-            reserve = min(max(req.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
-            need = adder.allocator.pages_needed(len(req.prefix_indices), req.extend_input_len + reserve) * page
-            short = need - adder.rem_total_tokens
-            if short <= 0:
-                return []
+        pre = min(len(req.prefix_indices), len(req.fill_ids))
+        reserve = min(max(req.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+        need = adder.allocator.pages_needed(pre, len(req.fill_ids) - pre + reserve) * page
+        short = need - adder.rem_total_tokens  # KV tokens missing (a slot is missing too when `slot`)
+        if short <= 0 and not slot:
+            return []
         cands = [r for r in sched.running_batch.reqs if self.outranks(req, r, self.threshold)]
         cands.sort(key=lambda r: (-self.rank(r), -r.arrival_time))
         victims: list[Req] = []
