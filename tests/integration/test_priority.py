@@ -26,8 +26,9 @@ from tests.harness.client import http, http_json, wait_until
 pytestmark = pytest.mark.timeout(300)
 openai = pytest.importorskip("openai")
 
+# no chunked prefill: a chunk is admitted on the KV it needs itself, so a waiting prompt would start
 PRIORITY_NODE = dict(schedule_policy="priority", enable_priority_preemption=True, page_size=4,
-                     chunked_prefill_size=64, max_total_tokens=512, max_running_requests=8,
+                     chunked_prefill_size=-1, max_total_tokens=512, max_running_requests=8,
                      max_queued_requests=2, num_threads=1, disable_radix_cache=True,
                      # the share of max_new_tokens reserved for running requests stays at 0.7 (no decay),
                      # so what fits next to two running requests does not depend on what ran before
@@ -91,7 +92,8 @@ def test_full_queue_turns_away_the_lowest_priority(node):
         runs = [ex.submit(generate, node.url, body(ids(100, 10 + i), LOW)) for i in range(2)]
         wait_until(lambda: running(node) == 2, what="two running requests")
         waits = [ex.submit(generate, node.url, body(ids(100, 20 + i), LOW, priority=p)) for i, p in enumerate((3, 1))]
-        wait_until(lambda: node.stats()["num_waiting_reqs"] == 2, what="a full queue")
+        wait_until(lambda: (lambda st: st["num_waiting_reqs"] == st["num_queued_reqs"] == 2
+                            and st["num_running_reqs"] == 2)(node.stats()), what="a full queue")
         # outranks nobody waiting (1 is the lowest): turned away itself
         status, headers, out, _ = generate(node.url, body(ids(8, 30), 4, priority=1))
         assert status == 429 and headers.get("retry-after"), out
