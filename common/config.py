@@ -79,7 +79,21 @@ class ServerArgs:
     # scheduling
     chunked_prefill_size: int = _f(512, "tokens of one prompt prefilled per forward (-1: no chunking)")
     max_prefill_tokens: int = _f(8192, "new tokens of one prefill batch at most")
-    schedule_policy: str = _f("fcfs", "order of waiting requests", choices=("fcfs", "lpm"))
+    schedule_policy: str = _f(
+        "fcfs", "order of waiting requests: fcfs (arrival), lpm (longest cached prefix first) or priority (the "
+        "request's `priority` field, higher first unless --schedule-low-priority-values-first; arrival order "
+        "among equals; a full queue turns away the lowest priority first). Only a priority node accepts "
+        "requests that carry `priority`", choices=("fcfs", "lpm", "priority"))
+    schedule_low_priority_values_first: bool = _f(
+        False, "with --schedule-policy priority: a smaller `priority` value runs first (default: a larger one, "
+        "as SGLang)")
+    enable_priority_preemption: bool = _f(
+        False, "with --schedule-policy priority: a request that cannot be admitted for lack of KV memory or "
+        "running slots retracts running requests of lower priority (back to the waiting queue; they resume "
+        "with the same tokens)")
+    priority_scheduling_preemption_threshold: int = _f(
+        10, "with --enable-priority-preemption: a request preempts only running requests whose priority is "
+        "lower than its own by more than this (SGLang's default, 10)")
     disable_radix_cache: bool = _f(False, "do not reuse cached prefixes")
     kv_events_config: str | None = _f(
         None, "publish the prefix cache's blocks as KV events (vLLM's ZMQ wire format), a JSON object: "
@@ -162,6 +176,15 @@ class ServerArgs:
             raise bad("decode-offload-size", f"must be >= 0 tokens (0: off), got {self.decode_offload_size}")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < ps:
             raise bad("chunked-prefill-size", f"must be -1 or >= the page size ({ps})")
+        if self.schedule_policy != "priority":
+            for flag in ("schedule_low_priority_values_first", "enable_priority_preemption"):
+                if getattr(self, flag):
+                    raise bad(flag.replace("_", "-"), "needs --schedule-policy priority")
+        if self.priority_scheduling_preemption_threshold != 10 and not self.enable_priority_preemption:
+            raise bad("priority-scheduling-preemption-threshold", "needs --enable-priority-preemption")
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise bad("priority-scheduling-preemption-threshold",
+                      f"must be >= 0, got {self.priority_scheduling_preemption_threshold}")
         if self.max_prefill_tokens < 1:
             raise bad("max-prefill-tokens", "must be >= 1")
         if self.kv_events_config is not None:

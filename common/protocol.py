@@ -92,6 +92,12 @@ MAX_RID_LENGTH = 256
 RequestId = Annotated[str, msgspec.Meta(max_length=MAX_RID_LENGTH, pattern=r"^[^\x00-\x1f\x7f-\x9f]*$",
                                         description="request id: at most 256 characters, no control characters")]
 
+# scheduling priority (SGLang's `priority`): a larger value runs first on a node started with
+# --schedule-policy priority (a smaller one with --schedule-low-priority-values-first); others refuse it
+MAX_PRIORITY = 2**31 - 1
+Priority = Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY,
+                                       description="scheduling priority, -(2**31-1)..2**31-1")]
+
 
 def check_rid(rid: str, where: str = "rid") -> None:
     """What `RequestId` cannot say: no Unicode line or paragraph separator (Python's `splitlines` and
@@ -236,6 +242,7 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True):
     bootstrap_host: BootstrapHost | list[BootstrapHost] | None = None
     bootstrap_port: BootstrapPort | list[BootstrapPort] | None = None
     bootstrap_room: BootstrapRoom | list[BootstrapRoom] | None = None
+    priority: Priority | list[Priority] | None = None
 
 
 def item_rids(rid: str, n: int) -> list[str]:
@@ -285,6 +292,7 @@ class _OpenAICommon(msgspec.Struct, omit_defaults=True, kw_only=True):
     bootstrap_host: BootstrapHost | None = None
     bootstrap_port: BootstrapPort | None = None
     bootstrap_room: BootstrapRoom | None = None
+    priority: Priority | None = None
 
 
 class CompletionRequest(_OpenAICommon, kw_only=True):
@@ -329,6 +337,7 @@ class TokenizedRequest(msgspec.Struct, tag=True, omit_defaults=True):
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     arrival_time: float = 0.0
+    priority: int = 0
     # the items of one HTTP request are sent one after the other; the scheduler admits them together
     # (--max-queued-requests): the first item carries the batch's size, the others their index
     batch_size: int = 1

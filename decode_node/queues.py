@@ -1,5 +1,7 @@
 """The decode role's queues: prealloc, transfer, waiting; then the scheduler's running batch.
 
+Under --schedule-policy priority the prealloc and waiting queues serve the highest priority first.
+
 * `PreallocQueue`: the request's `KVReceiver` asks the prefill node's bootstrap server for the
   layout and the overlapping prefill ranks (page size, model and layout are checked there); once
   resolved (`resolved`) and when memory allows, the role preallocates and moves it on;
@@ -15,8 +17,11 @@ import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from common.scheduler.req import Req
 from transfer.base import KVPoll
 from transfer.role_common import PDRequest, StageQueue
+
+Rank = Callable[[Req], int]  # smaller first: common/scheduler/priority.py
 
 
 class DecodeStage(enum.Enum):
@@ -40,9 +45,11 @@ class DecodeRequest(PDRequest):
 class PreallocQueue(StageQueue):
     stage = DecodeStage.PREALLOC
 
-    def resolved(self, polls: dict[str, KVPoll]) -> list[DecodeRequest]:
-        """The requests whose receiver knows its prefill ranks, oldest first (still in the queue)."""
-        return [t for t in self if polls.get(t.rid, KVPoll.Failed) >= KVPoll.WaitingForInput]
+    def resolved(self, polls: dict[str, KVPoll], rank: Rank | None = None) -> list[DecodeRequest]:
+        """The requests whose receiver knows its prefill ranks, oldest first, or by `rank(req)` then
+        oldest first (--schedule-policy priority) (still in the queue)."""
+        ready = [t for t in self if polls.get(t.rid, KVPoll.Failed) >= KVPoll.WaitingForInput]
+        return ready if rank is None else sorted(ready, key=lambda t: rank(t.req))
 
 
 class TransferQueue(StageQueue):
@@ -56,10 +63,10 @@ class TransferQueue(StageQueue):
 class WaitingQueue(StageQueue):
     stage = DecodeStage.WAITING
 
-    def admit(self, can_admit: Callable[[], bool]) -> Iterator[DecodeRequest]:
-        """Oldest first, out of the queue while `can_admit()` (asked again once the caller has
-        admitted the previous one)."""
-        for t in self:
+    def admit(self, can_admit: Callable[[], bool], rank: Rank | None = None) -> Iterator[DecodeRequest]:
+        """Oldest first (by `rank(req)` first when given), out of the queue while `can_admit()` (asked
+        again once the caller has admitted the previous one)."""
+        for t in self if rank is None else sorted(self, key=lambda t: rank(t.req)):
             if not can_admit():
                 return
             self.discard(t)

@@ -76,6 +76,11 @@ class DecodeRole(PDRole):
                     "tokens per request", tp_rank, tp_size, args.transfer_backend, prealloc_size,
                     self.num_reserved_decode_tokens)
 
+    @property
+    def rank(self):
+        """The order of the prealloc and waiting queues: by priority under --schedule-policy priority."""
+        return self.sched.priority.rank if self.sched.priority.enabled else None
+
     def queue_of(self, t: DecodeRequest):
         return {DecodeStage.PREALLOC: self.prealloc, DecodeStage.TRANSFER: self.transfer,
                 DecodeStage.WAITING: self.waiting}[t.stage]
@@ -163,7 +168,8 @@ class DecodeRole(PDRole):
             polls = self.poll(tracked)
             for t in self.transfer.arrived(polls):
                 self.guarded(t, "taking the received KV over", self._on_transferred, t)
-            for t in self.prealloc.resolved(polls):  # FCFS: the first that does not fit stops the rest
+            # FCFS (priority first under --schedule-policy priority): the first that does not fit stops the rest
+            for t in self.prealloc.resolved(polls, self.rank):
                 ready = self.guarded(t, "preallocating", self._preallocate, t)
                 if ready is None:  # it failed, the next may fit
                     continue
@@ -227,7 +233,7 @@ class DecodeRole(PDRole):
         def can_admit() -> bool:
             return self.sched.get_request_counts()[0] < self.sched.max_running_requests and self.pool.can_promote()
 
-        for t in self.waiting.admit(can_admit):
+        for t in self.waiting.admit(can_admit, self.rank):
             self.forget(t)
             self.guarded(t, "joining the running batch", self._join, t)
 

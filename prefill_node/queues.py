@@ -42,9 +42,10 @@ class BootstrapQueue(StageQueue):
         super().__init__()
         self.metadata_alloc = metadata_alloc
 
-    def init_senders(self) -> None:
-        """Give requests without one a metadata slot and init() their sender, oldest first."""
-        for t in self:
+    def init_senders(self, rank=None) -> None:
+        """Give requests without one a metadata slot and init() their sender, oldest first (by
+        `rank(req)` first under --schedule-policy priority: common/scheduler/priority.py)."""
+        for t in self if rank is None else sorted(self, key=lambda t: rank(t.req)):
             if t.metadata_index is not None:
                 continue
             slot = self.metadata_alloc.alloc()

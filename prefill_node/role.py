@@ -92,13 +92,18 @@ class PrefillRole(PDRole):
         self.requests[req.rid] = t
         self.bootstrap.add(t)
         logger.info("rid=%s room=%d bootstrap: %d pages to send", req.rid, room, n_pages)
-        self.bootstrap.init_senders()
+        self.bootstrap.init_senders(self.rank)
         return True
+
+    @property
+    def rank(self):
+        """Metadata slots go to the highest priority first under --schedule-policy priority."""
+        return self.sched.priority.rank if self.sched.priority.enabled else None
 
     # ================================================================== every iteration
     def before_schedule(self) -> None:
         """Poll every sender once (TP consensus) and move requests between stages."""
-        self.bootstrap.init_senders()
+        self.bootstrap.init_senders(self.rank)
         tracked = list(self.requests.values())
         if not tracked:
             return

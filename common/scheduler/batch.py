@@ -192,17 +192,18 @@ class ScheduleBatch:
         # the most memory)
         return (len(r.output_ids), -len(r.origin_input_ids))
 
-    def retract_decode(self, steps: int = 1, before_release=None) -> tuple[list[Req], float]:
+    def retract_decode(self, steps: int = 1, before_release=None, order_key=None) -> tuple[list[Req], float]:
         """Take requests out until the rest can decode `steps` more tokens.
 
         Victims (fewest output tokens first, ties: longest prompt) release their KV into the cache
         (radix: full pages stay reusable until evicted) and are reset to prefill prompt + output so
         far again, so greedy decoding later produces the same tokens. `before_release(victim)` runs
         while the victim still holds its KV (the scheduler copies it to the host store there, so the
-        victim can resume without that prefill). Usually one request keeps running; all go when
+        victim can resume without that prefill). `order_key` replaces `retract_order_key` (priority
+        scheduling puts the lowest priority first). Usually one request keeps running; all go when
         another holder (a chunked prefill) has the memory. Returns (victims, the new new_token_ratio
         estimate)."""
-        order = sorted(self.reqs, key=self.retract_order_key)
+        order = sorted(self.reqs, key=order_key or self.retract_order_key)
         victims: list[Req] = []
         while self.reqs and not self.check_decode_mem(steps):
             victim = order.pop(0)

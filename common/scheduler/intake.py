@@ -86,13 +86,15 @@ class Admission:
 
 def make_req(msg: TokenizedRequest, eos_token_ids: list[int], tokenizer: Any) -> Req:
     seed = msg.sampling.seed
-    return Req(msg.rid, msg.input_ids, msg.sampling, stream=msg.stream,
+    req = Req(msg.rid, msg.input_ids, msg.sampling, stream=msg.stream,
                return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
                top_logprobs_num=msg.top_logprobs_num,
                generator=make_generator(seed) if seed is not None else None,
                eos_token_ids=eos_token_ids, tokenizer=tokenizer,
                bootstrap_host=msg.bootstrap_host, bootstrap_port=msg.bootstrap_port,
                bootstrap_room=msg.bootstrap_room, arrival_time=msg.arrival_time or None)
+    req.priority = msg.priority
+    return req
 
 
 def check_request(req: Req, vocab_size: int, context_length: int, kv_capacity: int,

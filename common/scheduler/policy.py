@@ -10,11 +10,14 @@ LPM_MAX_QUEUE = 128
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache) -> None:
-        if policy not in ("fcfs", "lpm"):
-            raise ValueError(f"unknown schedule policy {policy!r} (fcfs or lpm)")
+    def __init__(self, policy: str, tree_cache, priority=None) -> None:
+        if policy not in ("fcfs", "lpm", "priority"):
+            raise ValueError(f"unknown schedule policy {policy!r} (fcfs, lpm or priority)")
+        if policy == "priority" and priority is None:
+            raise ValueError("the priority policy needs its PriorityScheduling")
         self.policy = policy
         self.tree_cache = tree_cache
+        self.priority = priority  # common/scheduler/priority.py
 
     def effective_policy(self, queue: list[Req]) -> str:
         if self.policy == "lpm" and (not self.tree_cache.enabled or len(queue) > LPM_MAX_QUEUE):
@@ -23,7 +26,11 @@ class SchedulePolicy:
 
     def calc_priority(self, queue: list[Req]) -> None:
         """Reorder `queue` in place. FCFS keeps arrival order (retracted requests were put back at
-        the front); LPM puts the longest cached prefix first (ties keep arrival order)."""
+        the front); LPM puts the longest cached prefix first (ties keep arrival order); priority puts
+        the highest priority first (ties keep arrival order)."""
+        if self.policy == "priority":
+            self.priority.sort(queue)
+            return
         if self.effective_policy(queue) == "fcfs":
             return
         for r in queue:

@@ -80,6 +80,7 @@ class Req:
         self.is_retracted = False
         self.retract_count = 0
         self.scheduled_once = False
+        self.priority = 0  # --schedule-policy priority (common/scheduler/priority.py)
         self.cached_tokens = 0
 
         # end

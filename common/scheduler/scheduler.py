@@ -54,6 +54,7 @@ from common.scheduler.offload import make_host_store, offload_victim, restore
 from common.scheduler.output import OutputBatcher
 from common.scheduler.policy import NewTokenRatio, SchedulePolicy
 from common.scheduler.prefill_adder import AddResult, PrefillAdder
+from common.scheduler.priority import PriorityScheduling
 from common.scheduler.req import FinishStatus, Req, Stage
 from common.scheduler.stats import scheduler_stats
 
@@ -98,7 +99,8 @@ class Scheduler:
             if cfg.enabled:
                 self.kv_events = self.tree_cache.events = KVEventPublisher(cfg, self.page_size)
         self.tokenizer = tokenizer if tokenizer is not None else load_stop_decoder(args.tokenizer or model_dir)
-        self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache)
+        self.priority = PriorityScheduling(args)  # --schedule-policy priority: order, preemption, full queue
+        self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache, self.priority)
         self.new_token_ratio = NewTokenRatio(args.init_new_token_ratio, args.min_new_token_ratio,
                                              args.new_token_ratio_decay_steps)
         self.hooks = SchedulerHooks()
@@ -263,7 +265,9 @@ class Scheduler:
     def handle_generate_request(self, msg: TokenizedRequest) -> None:
         req = self.make_req(msg)
         full = self.admission.check(msg, self.num_queued_reqs)
-        if full is not None:
+        # a full queue turns away its lowest priority first: a newcomer that outranks it takes its place
+        displaced = self.priority.queue_full_victim(self, req) if full is not None and msg.batch_size <= 1 else None
+        if full is not None and displaced is None:
             self.finish_refused(req, *full)
             return
         if msg.rid in self.live_reqs:
@@ -277,10 +281,12 @@ class Scheduler:
         if err is not None:
             self.finish_refused(req, *err)
             return
+        if displaced is not None:
+            self.priority.displace(self, displaced, req)
         self.live_reqs[req.rid] = req
         self.total_prompt_tokens += len(req.origin_input_ids)
-        logger.info("rid=%s received: %d prompt tokens, max_new_tokens=%d", req.rid,
-                    len(req.origin_input_ids), req.max_new_tokens)
+        logger.info("rid=%s received: %d prompt tokens, max_new_tokens=%d, priority=%d", req.rid,
+                    len(req.origin_input_ids), req.max_new_tokens, req.priority)
         try:
             kept = self.hooks.on_new_request(req)
         except Exception:
@@ -324,7 +330,7 @@ class Scheduler:
         if self.chunked_req is None and not self.waiting_queue:
             return None
         slots_left = self.max_running_requests - self.num_running_slots_used()
-        if self.chunked_req is None and slots_left <= 0:
+        if self.chunked_req is None and slots_left <= 0 and not self.priority.preemption:
             return None
         self.policy.calc_priority(self.waiting_queue)
         adder = PrefillAdder(self.tree_cache, self.allocator, self.running_batch.reqs,
@@ -336,17 +342,24 @@ class Scheduler:
             adder.add_chunked_req(chunked)
         if chunked is None or chunked in adder.can_run_list:
             rows_free = self.req_to_token_pool.available_size()
+            preempted: list[Req] = []  # running requests retracted for higher-priority ones (--enable-priority-preemption)
             for req in self.waiting_queue:
                 new = len(adder.can_run_list) + len(adder.restore_list) - (1 if chunked is not None else 0)
                 if new >= slots_left or new >= rows_free:
-                    break
+                    victims = self.priority.preempt(self, adder, req, slot=True)
+                    if not victims:
+                        break
+                    preempted += victims
+                    slots_left, rows_free = slots_left + len(victims), rows_free + len(victims)
                 if self.host_store is not None and req.rid in self.host_store:
                     added = adder.add_restored_req(req, self.host_store.kv_len(req.rid))
                 else:
                     req.init_next_round_input(self.tree_cache)
+                    preempted += self.priority.preempt(self, adder, req, slot=False)  # if its prompt + output do not fit
                     added = adder.add_one_req(req)
                 if added is not AddResult.CONTINUE:
                     break
+            self.waiting_queue += preempted  # the policy orders them by priority next round
         can_run = adder.can_run_list
         restored = adder.restore_list
         if restored:  # back into the running batch now; they decode with the next decode step
@@ -388,7 +401,8 @@ class Scheduler:
         batch = self.running_batch
         if not batch.check_decode_mem():
             store = self.host_store
-            victims, ratio = batch.retract_decode(before_release=(lambda r: offload_victim(self, r)) if store is not None else None)
+            victims, ratio = batch.retract_decode(before_release=(lambda r: offload_victim(self, r)) if store is not None else None,
+                                                  order_key=self.priority.retract_key if self.priority.enabled else None)
             self.num_retractions += len(victims)
             for v in victims:
                 kept = store is not None and v.rid in store
@@ -589,10 +603,3 @@ class Scheduler:
 
     def get_stats(self) -> dict[str, Any]:
         return scheduler_stats(self)
-
-    def _role_stats(self) -> dict[str, Any]:
-        try:
-            return self.hooks.stats()
-        except Exception:
-            logger.exception("stats hook failed; stats without the role's figures")
-            return {}

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from common.memory.host_store import HostKVStore
+
+logger = logging.getLogger("scheduler")
 
 
 def scheduler_stats(sched) -> dict[str, Any]:
@@ -52,5 +55,14 @@ def scheduler_stats(sched) -> dict[str, Any]:
         "context_length": sched.context_length,
         "max_running_requests": sched.max_running_requests,
         **(sched.runner.hybrid.stats() if hasattr(sched.runner, "hybrid") else {}),
-        **sched._role_stats(),
+        **sched.priority.stats(),
+        **_role_stats(sched),
     }
+
+
+def _role_stats(sched) -> dict[str, Any]:
+    try:
+        return sched.hooks.stats()
+    except Exception:
+        logger.exception("stats hook failed; stats without the role's figures")
+        return {}

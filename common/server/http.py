@@ -99,7 +99,7 @@ def check_role(args, host: Any, port: Any, room: Any) -> None:
 
 
 def item_fields(args, req, n: int, batch: bool) -> list[dict[str, Any]]:
-    """The rid and the PD rendezvous (bootstrap_host/port/room) of each of the n items of a request, as
+    """The rid, the PD rendezvous (bootstrap_host/port/room) and the `priority` of each of the n items of a request, as
     `TokenizedRequest` keywords. Each field is a scalar or a list with one entry per item; one rid for a
     batch becomes `item_rids(rid, n)`, and no rid a fresh one per item. A batch on a PD node needs one
     room per item. Ports and rooms were range-checked when the body was decoded (`common.protocol`'s
@@ -118,8 +118,12 @@ def item_fields(args, req, n: int, batch: bool) -> list[dict[str, Any]]:
         check_role(args, host, port, room)
     if n > 1 and args.disaggregation_mode != "null" and not isinstance(req.bootstrap_room, list):
         raise BadRequest(f"`bootstrap_room` must be a list with one room per item for a batch of {n}")
-    return [{"rid": r, "bootstrap_host": h, "bootstrap_port": p, "bootstrap_room": room}
-            for r, h, p, room in zip(rids, hosts, ports, rooms, strict=True)]
+    prios = per_item(req.priority, n, "priority", batch)
+    if req.priority is not None and args.schedule_policy != "priority":
+        raise BadRequest("`priority` needs a node started with --schedule-policy priority; this node schedules "
+                         f"by {args.schedule_policy} (leave `priority` out)")
+    return [{"rid": r, "bootstrap_host": h, "bootstrap_port": p, "bootstrap_room": room, "priority": prio or 0}
+            for r, h, p, room, prio in zip(rids, hosts, ports, rooms, prios, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------- answering
