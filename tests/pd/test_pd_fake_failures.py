@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.harness.client import http, http_post
+from tests.harness.client import http
 from tests.harness.nodes import PDPair
 from tests.harness.pd import assert_restored, free_counts, greedy, make_prompts
 
