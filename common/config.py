@@ -34,6 +34,8 @@ class ServerArgs:
     revision: str | None = _f(None, "branch, tag or commit of a Hub model id (default: main)")
     tokenizer: str | None = _f(None, "tokenizer directory (default: the model's)", ("--tokenizer", "--tokenizer-path"))
     served_model_name: str | None = _f(None, "model name reported by /v1/models (default: the model's name)")
+    chat_template: str | None = _f(None, "a Jinja chat template file used for chat requests instead of the model's "
+                                   "own (a model without one answers chat requests with 400 unless this is given)")
     context_length: int | None = _f(None, "maximum tokens per request, prompt + output (default: the model's)")
     dtype: str = _f("auto", "compute dtype: auto, float32 or float (all float32, the one this CPU build "
                     "computes fast); bfloat16/float16/half are refused (no fast half-precision matmul on CPU)",
@@ -167,6 +169,8 @@ class ServerArgs:
         if self.model != "default" and not os.path.exists(self.model) and not is_hub_id(self.model):
             raise bad("model", f"no such model directory or file, and not a Hugging Face Hub id (owner/name): "
                                f"{self.model!r}")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise bad("chat-template", f"no such file: {self.chat_template!r}")
         if self.revision is not None and not is_hub_id(self.model):
             raise bad("revision", f"applies to a Hugging Face Hub model id; {self.model!r} is not one")
         ps = self.page_size

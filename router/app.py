@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 import uuid
@@ -128,6 +129,10 @@ class RouterApp:
             log.warning("cannot load the tokenizer in %r (%s): text prompts are routed by the approximate tree",
                         path, e)
             return
+        template = w.server_info.get("chat_template")  # the worker's --chat-template, on a shared path
+        if isinstance(template, str) and os.path.isfile(template):
+            with open(template, encoding="utf-8") as f:
+                tok.use_template(f.read())
         self.route_tokenizer = tok
         log.info("tokenizing prompts for --kv-events routing with %s", path)
 

@@ -89,12 +89,15 @@ class RouterTokenizer:
             self._template = env.from_string(self.chat_template)
         return self._template
 
+    def use_template(self, text: str) -> None:
+        """The template the worker renders chat with (its --chat-template), instead of the model's."""
+        self.chat_template, self._template = text, None
+
     def render_chat(self, messages: list[dict[str, str]]) -> str:
-        if self.chat_template:
-            return self._compiled().render(messages=messages, tools=None, documents=None,
-                                           add_generation_prompt=True, **self.special)
-        # a model without a template: the node's plain transcript
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        if not self.chat_template:  # the node answers such a chat request 400: nothing to route by
+            raise ValueError("the model has no chat template")
+        return self._compiled().render(messages=messages, tools=None, documents=None,
+                                       add_generation_prompt=True, **self.special)
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode(self.render_chat(messages), add_special_tokens=False)

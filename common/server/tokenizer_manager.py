@@ -137,6 +137,9 @@ class TokenizerManager:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        if getattr(args, "chat_template", None):
+            with open(args.chat_template, encoding="utf-8") as f:
+                tokenizer.chat_template = f.read()
         self.tokenizer = tokenizer
         self.special_ids = special_token_ids(tokenizer)
         self.metrics = metrics or Metrics()
@@ -398,14 +401,13 @@ class TokenizerManager:
 
     def _render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            except Exception as e:  # jinja raises for messages a template refuses
-                raise BadRequest(f"`messages` cannot be rendered by the model's chat template: {e}") from None
-        else:
-            # no template shipped with the model: a plain transcript
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        if not getattr(tok, "chat_template", None):
+            raise BadRequest("`messages`: this model has no chat template; start the node with --chat-template FILE, "
+                             "or send the prompt to /v1/completions")
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja raises for messages a template refuses
+            raise BadRequest(f"`messages` cannot be rendered by the model's chat template: {e}") from None
         self._check_text_length(len(text), "messages")
         ids = tok.encode(text, add_special_tokens=False)
         if not ids:
