@@ -338,19 +338,21 @@ def percentile(values: list[float], q: float) -> float | None:
 
 # ---------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve bench chaos", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="pdserve bench chaos", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
-    a("--prefill", type=int, default=2)
-    a("--decode", type=int, default=2)
-    a("--transfer-backend", default="nixl", choices=("nixl", "ucx", "mooncake", "fake"))
+    a("--prefill", type=int, default=2, help="prefill nodes")
+    a("--decode", type=int, default=2, help="decode nodes")
+    a("--transfer-backend", default="nixl", choices=("nixl", "ucx", "mooncake", "fake"), help="KV transfer engine")
     a("--model", default="tiny", help="model directory, 'default' (SmolLM2) or 'tiny' (random weights, default)")
     a("--duration", type=float, default=None, help="seconds of traffic (default 120 unless --requests)")
     a("--requests", type=int, default=None, help="requests to send (instead of --duration)")
     a("--concurrency", type=int, default=16, help="closed-loop clients")
-    a("--max-tokens", type=int, default=24)
-    a("--stream-prob", type=float, default=0.6)
-    a("--disconnect-prob", type=float, default=0.15)
-    a("--abort-prob", type=float, default=0.05)
+    a("--max-tokens", type=int, default=24, help="output tokens per request")
+    a("--stream-prob", type=float, default=0.6, help="share of streamed requests")
+    a("--disconnect-prob", type=float, default=0.15,
+      help="share of requests whose client goes away at a random point")
+    a("--abort-prob", type=float, default=0.05, help="share of requests aborted through /abort_request")
     a("--failure-prob", type=float, default=0.2, help="DISAGGREGATION_TEST_FAILURE_PROB on every node")
     a("--burst-every", type=float, default=15.0, help="seconds between bursts")
     a("--burst-size", type=int, default=80, help="requests per burst (0: none)")
@@ -364,12 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--drain-timeout", type=float, default=120.0, help="seconds for every node to be back at rest")
     a("--peer-idle-timeout", type=float, default=15.0, help="PDSERVE_PEER_IDLE_TIMEOUT of the nodes")
     a("--heartbeat-interval", type=float, default=0.5, help="PDSERVE_HEARTBEAT_INTERVAL of the nodes")
-    a("--progress-every", type=float, default=5.0)
+    a("--progress-every", type=float, default=5.0, help="seconds between progress lines")
     a("--node-args", default="", help="more node flags (default: small pools, one thread)")
     a("--router-args", default="", help="more router flags (default: round robin, 1 s health checks, "
       "32 concurrent requests + a queue of 16)")
-    a("--log-dir", default=None)
-    a("--seed", type=int, default=0)
+    a("--log-dir", default=None, help="children's logs (default: a new temporary folder)")
+    a("--seed", type=int, default=0, help="seed of the traffic mix and fault timing")
     a("--json", default=None, help="write the report here")
     return p
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from bench.report import write_report
+from bench.report import HelpFormatter, write_report
 from bench.serve import (
     BenchRequest,
     PromptMaker,
@@ -189,34 +189,35 @@ def markdown_table(dis: dict, col: dict, ns: argparse.Namespace, commands: list[
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench compare", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     a = p.add_argument
-    a("--model", default="default")
-    a("--transfer-backend", default="mooncake", choices=("mooncake", "nixl", "ucx", "fake"))
+    a("--model", default="default", help="model of both setups ('default' or a directory)")
+    a("--transfer-backend", default="mooncake", choices=("mooncake", "nixl", "ucx", "fake"),
+      help="KV transfer engine of the disaggregated setup")
     a("--prefill-cores", default="0", help="cores of the prefill node in (a)")
     a("--decode-cores", default="1", help="cores of the decode node in (a); (b) gets both sets")
     a("--node-args", default="--chunked-prefill-size 256 --max-total-tokens 32768",
       help="flags for every node of both setups, one string")
     a("--colocated-threads", type=int, default=None, help="torch threads of (b) (default: its core count)")
     a("--omp-wait-policy", default="PASSIVE", help="OMP_WAIT_POLICY of every node ('' keeps the default)")
-    a("--num-decodes", type=int, default=16)
+    a("--num-decodes", type=int, default=16, help="short decode-heavy requests")
     a("--decode-rate", type=float, default=0.5, help="decode requests per second")
-    a("--decode-input-len", type=int, default=32)
-    a("--decode-output-len", type=int, default=64)
-    a("--num-long", type=int, default=4)
-    a("--long-input-len", type=int, default=768)
-    a("--long-output-len", type=int, default=4)
+    a("--decode-input-len", type=int, default=32, help="prompt tokens of each decode-heavy request")
+    a("--decode-output-len", type=int, default=64, help="output tokens of each decode-heavy request")
+    a("--num-long", type=int, default=4, help="long prefill-heavy prompts interleaved with them")
+    a("--long-input-len", type=int, default=768, help="prompt tokens of each long prompt")
+    a("--long-output-len", type=int, default=4, help="output tokens of each long prompt")
     a("--long-start", type=float, default=4.0, help="seconds before the first long prompt")
-    a("--long-interval", type=float, default=8.0)
-    a("--slo-ttft-ms", type=float, default=30000.0)
-    a("--slo-tpot-ms", type=float, default=1500.0)
-    a("--warmup-requests", type=int, default=2)
-    a("--seed", type=int, default=1)
-    a("--startup-timeout", type=float, default=900.0)
+    a("--long-interval", type=float, default=8.0, help="seconds between long prompts")
+    a("--slo-ttft-ms", type=float, default=30000.0, help="goodput: TTFT limit")
+    a("--slo-tpot-ms", type=float, default=1500.0, help="goodput: TPOT limit")
+    a("--warmup-requests", type=int, default=2, help="requests sent and discarded before each measured run")
+    a("--seed", type=int, default=1, help="seed of prompts")
+    a("--startup-timeout", type=float, default=900.0, help="seconds for every node to become healthy")
     a("--log-dir", default=None, help="children's logs (default ./logs/compare-<timestamp>)")
     a("--only", choices=("both", "disaggregated", "colocated"), default="both", help=argparse.SUPPRESS)
-    a("--disable-tqdm", action="store_true")
-    a("--json", default=None)
+    a("--disable-tqdm", action="store_true", help="no progress bar")
+    a("--json", default=None, help="write the report here")
     a("--markdown", default=None, help="write the markdown table here")
     a("--plot", default=None, help="latency CDF PNG (default: the --json path with .png)")
     return p

@@ -44,7 +44,8 @@ def log(msg: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="default", help="model directory, .gguf, or 'default' (SmolLM2-135M)")
     p.add_argument("--json", default=None, help="write the report to this file")
     p.add_argument("--decode-steps", type=int, default=64, help="decode steps timed per run")

@@ -165,7 +165,8 @@ def summary(runs: list[dict]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve bench kv_routing", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="pdserve bench kv_routing", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--model", default="tiny", help="'tiny' (random weights, SmolLM2's tokenizer; default), 'default' or a directory")
     a("--prefill", type=int, default=3, help="prefill nodes (default 3)")
@@ -174,14 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefix-tokens", type=int, default=256, help="words of each system prompt (~tokens; default 256)")
     a("--suffix-tokens", type=int, default=768, help="words of each rag request's own text (default 768)")
     a("--chat-suffix-tokens", type=int, default=48, help="words of each chat request's own text (default 48)")
-    a("--output-len", type=int, default=4)
-    a("--concurrency", type=int, default=4)
+    a("--output-len", type=int, default=4, help="output tokens per request")
+    a("--concurrency", type=int, default=4, help="requests in flight")
     a("--max-total-tokens", type=int, default=8192, help="each prefill node's KV cache in tokens (default 8192)")
-    a("--page-size", type=int, default=16)
+    a("--page-size", type=int, default=16, help="KV page size of the nodes (the events' block size)")
     a("--repeats", type=int, choices=(1, 2), default=2,
       help="runs of each mode per workload: 2 (default) runs tree, exact, exact, tree; 1 runs tree, exact")
-    a("--seed", type=int, default=0)
-    a("--log-dir", default=None)
+    a("--seed", type=int, default=0, help="seed of the prompts")
+    a("--log-dir", default=None, help="children's logs (default: a new temporary folder)")
     a("--json", default=None, help="write the report here")
     return p
 

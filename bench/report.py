@@ -5,6 +5,7 @@ A ratio is ours / reference measured in the same run, oriented so that higher is
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -55,3 +56,7 @@ def write_report(path: str | None, bench: str, figures: dict, ratios: dict[str, 
             json.dump(report, f, indent=2)
         print(f"wrote {path}")
     return report
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the description's line breaks and shows every flag's default."""

@@ -33,7 +33,8 @@ def log(msg: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pdserve bench retract", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="pdserve bench retract", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="default", help="model directory, .gguf, or 'default' (SmolLM2-135M)")
     p.add_argument("--json", default=None, help="write the report to this file")
     p.add_argument("--requests", type=int, default=16, help="requests, all sent at once")
@@ -41,13 +42,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per request")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV pool in tokens (default: 30%% of what the requests need together)")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="KV page size")
     p.add_argument("--offload-size", type=int, default=None,
                    help="--decode-offload-size of the 'on' run (default: the KV pool's size)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: the CPU time then measures the work done, whatever else runs)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per mode (interleaved; best counts)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     args = p.parse_args(argv)
     if args.requests < 2 or args.prompt_len < 1 or args.max_new_tokens < 2 or args.repeats < 1:
         p.error("need --requests >= 2, --prompt-len >= 1, --max-new-tokens >= 2, --repeats >= 1")

@@ -184,15 +184,18 @@ async def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="pdserve bench router", description=__doc__)
+    ap = argparse.ArgumentParser(prog="pdserve bench router", description=__doc__,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--requests", type=int, default=3000, help="measured requests per point")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 128],
+                    help="client concurrency levels, one run each")
     ap.add_argument("--policy", default="round_robin", choices=["random", "round_robin", "cache_aware",
-                                                                 "power_of_two"])
-    ap.add_argument("--prefill-workers", type=int, default=2)
-    ap.add_argument("--decode-workers", type=int, default=2)
-    ap.add_argument("--log-dir", default="/tmp/pdserve_bench_router")
+                                                                 "power_of_two"],
+                    help="router policy under test")
+    ap.add_argument("--prefill-workers", type=int, default=2, help="recording prefill stand-ins behind the router")
+    ap.add_argument("--decode-workers", type=int, default=2, help="recording decode stand-ins behind the router")
+    ap.add_argument("--log-dir", default="/tmp/pdserve_bench_router", help="logs of the router and the stand-ins")
     args = ap.parse_args(argv)
     try:
         import uvloop

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-from bench.report import write_report
+from bench.report import HelpFormatter, write_report
 
 LATENCY_KEYS = ("ttft", "tpot", "itl", "e2e")
 
@@ -411,30 +411,34 @@ def result_rows(results: list[RequestResult]) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     a = p.add_argument
     a("--base-url", default="http://127.0.0.1:30000", help="server root (the router or a node)")
     a("--model", default=None, help="model name in requests (default: the server's first /v1/models entry)")
     a("--tokenizer", default=None, help="tokenizer directory for exact prompt lengths (default: the "
       "server's, when it is on this machine); 'none' uses random words")
-    a("--dataset", choices=["random", "chat"], default="random")
+    a("--dataset", choices=["random", "chat"], default="random",
+      help="random prompts, or multi-turn chats that grow turn by turn")
     a("--api", choices=["completions", "chat"], default=None,
       help="endpoint for the random dataset (default completions; the chat dataset always uses chat)")
-    a("--num-prompts", type=int, default=100)
-    a("--random-input-len", type=int, default=256)
-    a("--random-output-len", type=int, default=64)
+    a("--num-prompts", type=int, default=100, help="requests to send")
+    a("--random-input-len", type=int, default=256, help="prompt tokens of the random dataset")
+    a("--random-output-len", type=int, default=64, help="output tokens per request")
     a("--random-range-ratio", type=float, default=0.0,
       help="lengths are drawn uniformly from [len * ratio, len] (1.0: fixed)")
-    a("--chat-max-turns", type=int, default=4)
+    a("--chat-max-turns", type=int, default=4, help="turns per conversation of the chat dataset")
     a("--request-rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
-    a("--arrival", choices=["poisson", "fixed"], default="poisson")
-    a("--max-concurrency", type=int, default=None)
-    a("--warmup-requests", type=int, default=1)
-    a("--slo-ttft-ms", type=float, default=None)
-    a("--slo-tpot-ms", type=float, default=None)
-    a("--seed", type=int, default=1)
+    a("--arrival", choices=["poisson", "fixed"], default="poisson",
+      help="inter-arrival times at --request-rate: exponential (poisson) or equal (fixed)")
+    a("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    a("--warmup-requests", type=int, default=1, help="requests sent and discarded before the measured run")
+    a("--slo-ttft-ms", type=float, default=None,
+      help="goodput counts only requests whose TTFT is within this (default: no TTFT SLO)")
+    a("--slo-tpot-ms", type=float, default=None,
+      help="goodput counts only requests whose TPOT is within this (default: no TPOT SLO)")
+    a("--seed", type=int, default=1, help="seed of prompts and arrivals")
     a("--extra-body", default=None, help="JSON object merged into every request body")
-    a("--disable-tqdm", action="store_true")
+    a("--disable-tqdm", action="store_true", help="no progress bar")
     a("--json", default=None, help="write the report here")
     a("--plot", default=None, help="PNG of the latency CDFs (default: the --json path with .png)")
     return p

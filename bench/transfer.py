@@ -240,11 +240,13 @@ def memcpy_gbps(nbytes: int, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--backend", action="append", default=None,
                     help="mooncake, nixl, ucx (repeatable) or 'all' (default: all)")
     ap.add_argument("--json", default=None, help="write the report here")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096],
+      help="KV lengths in tokens to transfer, one run each")
     ap.add_argument("--repeats", type=int, default=7, help="timed transfers per size and round")
     ap.add_argument("--rounds", type=int, default=3, help="fresh process pairs per backend")
     args = ap.parse_args(argv)

@@ -445,7 +445,8 @@ class Cluster:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdserve cluster", description="start prefill and decode nodes and a PD router on this machine",
-        epilog="Other flags are node flags (see `pdserve serve --help`) passed to every node.")
+        epilog="Other flags are node flags (see `pdserve serve --help`) passed to every node.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--prefill", type=int, default=1, help="number of prefill nodes")
     a("--decode", type=int, default=1, help="number of decode nodes")
@@ -458,8 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--port", type=int, default=30000, help="router port (0: a free one)")
     a("--host", default="127.0.0.1", help="address every process binds to")
     a("--tp", type=int, default=None, help="tensor parallel size of every node")
-    a("--page-size", type=int, default=None)
-    a("--chunked-prefill-size", type=int, default=None)
+    a("--page-size", type=int, default=None, help="KV page size of every node (default: the node's)")
+    a("--chunked-prefill-size", type=int, default=None,
+      help="chunked prefill size of every node (default: the node's)")
     a("--cpu-affinity", default=None, metavar="SPEC",
       help='pin roles to cores, e.g. "prefill=0;decode=1" or "prefill=0-1;decode=2-3;router=0"')
     a("--policy", default=None, help="router policy (random, round_robin, cache_aware, power_of_two)")

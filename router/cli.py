@@ -23,24 +23,31 @@ _NO_EFFECT = ("dp_aware", "enable_igw", "mini_lb", "cors_allowed_origins", "shut
 def build_parser() -> argparse.ArgumentParser:
     d = RouterConfig()
     p = argparse.ArgumentParser(prog="pdserve router", description="PD (prefill/decode) HTTP router, "
-                                "a drop-in replacement for sglang-router --pd-disaggregation")
+                                "a drop-in replacement for sglang-router --pd-disaggregation",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--host", default=d.host, help="address to listen on (default loopback; 0.0.0.0 for every interface)")
-    a("--port", type=int, default=d.port)
+    a("--port", type=int, default=d.port, help="port to listen on")
     a("--worker-urls", nargs="*", default=[], help="regular (non-PD) mode is not supported; use --prefill/--decode")
     a("--pd-disaggregation", action="store_true", help="PD mode (the only mode; accepted for compatibility)")
-    a("--mini-lb", action="store_true")
+    a("--mini-lb", action="store_true", help="sglang-router's minimal load balancer: not implemented here (refused)")
     a("--prefill", nargs="+", action="append", default=[], metavar="URL [BOOTSTRAP_PORT|none]",
       help="prefill server URL and optional bootstrap port; repeatable")
     a("--decode", action="append", default=[], metavar="URL", help="decode server URL; repeatable")
-    a("--policy", choices=POLICIES, default=d.policy)
-    a("--prefill-policy", choices=POLICIES, default=None)
-    a("--decode-policy", choices=POLICIES, default=None)
-    a("--cache-threshold", type=float, default=d.cache_threshold)
-    a("--balance-abs-threshold", type=int, default=d.balance_abs_threshold)
-    a("--balance-rel-threshold", type=float, default=d.balance_rel_threshold)
-    a("--eviction-interval-secs", type=float, default=d.eviction_interval_secs)
-    a("--max-tree-size", type=int, default=d.max_tree_size)
+    a("--policy", choices=POLICIES, default=d.policy,
+      help="how a worker is picked (both roles unless --prefill-policy/--decode-policy say otherwise)")
+    a("--prefill-policy", choices=POLICIES, default=None, help="policy for prefill workers (default: --policy)")
+    a("--decode-policy", choices=POLICIES, default=None, help="policy for decode workers (default: --policy)")
+    a("--cache-threshold", type=float, default=d.cache_threshold,
+      help="cache_aware: smallest prefix-match rate that routes to the matching worker; below it the least loaded worker gets the request")
+    a("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+      help="cache_aware: load is imbalanced when max - min in-flight requests exceeds this (and the relative threshold)")
+    a("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
+      help="cache_aware: load is imbalanced when max > min x this (and the absolute threshold)")
+    a("--eviction-interval-secs", type=float, default=d.eviction_interval_secs,
+      help="cache_aware: how often the approximate prefix tree is trimmed")
+    a("--max-tree-size", type=int, default=d.max_tree_size,
+      help="cache_aware: characters the approximate prefix tree keeps per worker after a trim")
     a("--kv-events", action="store_true",
       help="cache_aware routes prefill requests by each worker's exact cached blocks: the router subscribes to "
       "the KV events of every prefill worker whose /server_info names a kv_events_endpoint (a node started with "
@@ -58,27 +65,42 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-payload-size", type=int, default=d.max_payload_size,
       help="largest generation request body in bytes (default 512 MiB, sglang-router's); a larger declared "
       "Content-Length is a 413 before any byte is read, a chunked body is cut off at the limit")
-    a("--worker-startup-timeout-secs", type=float, default=d.worker_startup_timeout_secs)
-    a("--worker-startup-check-interval", type=float, default=d.worker_startup_check_interval)
-    a("--health-failure-threshold", type=int, default=d.health_failure_threshold)
-    a("--health-success-threshold", type=int, default=d.health_success_threshold)
-    a("--health-check-timeout-secs", type=float, default=d.health_check_timeout_secs)
-    a("--health-check-interval-secs", type=float, default=d.health_check_interval_secs)
-    a("--health-check-endpoint", default=d.health_check_endpoint)
-    a("--disable-health-check", action="store_true")
-    a("--retry-max-retries", type=int, default=d.retry_max_retries)
-    a("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_ms)
-    a("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_ms)
-    a("--retry-backoff-multiplier", type=float, default=d.retry_backoff_multiplier)
-    a("--retry-jitter-factor", type=float, default=d.retry_jitter_factor)
-    a("--disable-retries", action="store_true")
-    a("--cb-failure-threshold", type=int, default=d.cb_failure_threshold)
-    a("--cb-success-threshold", type=int, default=d.cb_success_threshold)
-    a("--cb-timeout-duration-secs", type=float, default=d.cb_timeout_duration_secs)
-    a("--cb-window-duration-secs", type=float, default=d.cb_window_duration_secs)
-    a("--disable-circuit-breaker", action="store_true")
-    a("--request-timeout-secs", type=float, default=d.request_timeout_secs)
-    a("--request-id-headers", nargs="*", default=None)
+    a("--worker-startup-timeout-secs", type=float, default=d.worker_startup_timeout_secs,
+      help="seconds a worker given at startup or POST /workers may take to become healthy")
+    a("--worker-startup-check-interval", type=float, default=d.worker_startup_check_interval,
+      help="seconds between health probes of a starting worker")
+    a("--health-failure-threshold", type=int, default=d.health_failure_threshold,
+      help="consecutive failed health checks that mark a worker unhealthy")
+    a("--health-success-threshold", type=int, default=d.health_success_threshold,
+      help="consecutive passed health checks that mark an unhealthy worker healthy again")
+    a("--health-check-timeout-secs", type=float, default=d.health_check_timeout_secs,
+      help="timeout of one health check")
+    a("--health-check-interval-secs", type=float, default=d.health_check_interval_secs,
+      help="seconds between health-check rounds")
+    a("--health-check-endpoint", default=d.health_check_endpoint, help="path of the workers' health endpoint")
+    a("--disable-health-check", action="store_true", help="no periodic health checks (workers stay as registered)")
+    a("--retry-max-retries", type=int, default=d.retry_max_retries,
+      help="attempts per request for retryable failures (500/502/504, broken connections), the first included")
+    a("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_ms, help="wait before the first retry")
+    a("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_ms, help="longest wait between retries")
+    a("--retry-backoff-multiplier", type=float, default=d.retry_backoff_multiplier,
+      help="each retry waits this many times longer than the one before")
+    a("--retry-jitter-factor", type=float, default=d.retry_jitter_factor,
+      help="random spread of each wait, +- this fraction")
+    a("--disable-retries", action="store_true", help="never retry")
+    a("--cb-failure-threshold", type=int, default=d.cb_failure_threshold,
+      help="failures within --cb-window-duration-secs that open a worker's circuit breaker")
+    a("--cb-success-threshold", type=int, default=d.cb_success_threshold,
+      help="successes in half-open state that close the breaker again")
+    a("--cb-timeout-duration-secs", type=float, default=d.cb_timeout_duration_secs,
+      help="seconds an open breaker keeps the worker out before a half-open trial")
+    a("--cb-window-duration-secs", type=float, default=d.cb_window_duration_secs,
+      help="window in which failures are counted")
+    a("--disable-circuit-breaker", action="store_true", help="no circuit breakers")
+    a("--request-timeout-secs", type=float, default=d.request_timeout_secs,
+      help="longest a request may take end to end through the router; then 504")
+    a("--request-id-headers", nargs="*", default=None,
+      help="headers a client request id is read from, in order (default: x-request-id, x-correlation-id, x-trace-id, request-id)")
     a("--api-key", default=None, help="client key as a value (sglang-router's flag; shows in `ps`): clients "
       "must send `Authorization: Bearer KEY`; sent to workers when no node key is set")
     a("--api-key-file", default=None, help="file holding the client key (or $PDSERVE_API_KEY / $PDSERVE_API_KEY_FILE)")
@@ -105,23 +127,27 @@ def build_parser() -> argparse.ArgumentParser:
       "is off) refilled at this rate; each admitted request takes one (default: no rate limit)")
     a("--prometheus-host", default=d.prometheus_host, help="address of the metrics server (default: --host)")
     a("--prometheus-port", type=int, default=d.prometheus_port, help="0 disables the separate metrics server")
-    a("--log-level", choices=["debug", "info", "warn", "error"], default=d.log_level)
-    a("--log-dir", default=None)
-    # accepted for compatibility, without effect
-    a("--dp-aware", action="store_true")
-    a("--enable-igw", action="store_true")
-    a("--cors-allowed-origins", nargs="*", default=[])
-    a("--shutdown-grace-period-secs", type=float, default=None)
-    a("--prometheus-duration-buckets", nargs="+", type=float, default=None)
+    a("--log-level", choices=["debug", "info", "warn", "error"], default=d.log_level, help="log level")
+    a("--log-dir", default=None, help="also write the log to a file in this folder")
+    # sglang-router flags not implemented here: parsed so the refusal names them (_NO_EFFECT)
+    a("--dp-aware", action="store_true", help="sglang-router flag not implemented here (refused)")
+    a("--enable-igw", action="store_true", help="sglang-router flag not implemented here (refused)")
+    a("--cors-allowed-origins", nargs="*", default=[], help="sglang-router flag not implemented here (refused)")
+    a("--shutdown-grace-period-secs", type=float, default=None,
+      help="sglang-router flag not implemented here (refused)")
+    a("--prometheus-duration-buckets", nargs="+", type=float, default=None,
+      help="sglang-router flag not implemented here (refused)")
     a("--model-path", default=None, help="with --kv-events: the model directory whose tokenizer the router uses")
     a("--tokenizer-path", default=None, help="with --kv-events: the tokenizer directory (tokenizer.json, "
       "tokenizer_config.json, chat template) the prefill nodes use")
-    a("--chat-template", default=None)
-    a("--bucket-adjust-interval-secs", type=float, default=None)
-    a("--max-idle-secs", type=float, default=None)
-    a("--assignment-mode", default=None)
-    a("--enable-trace", action="store_true")
-    a("--otlp-traces-endpoint", default=None)
+    a("--chat-template", default=None,
+      help="sglang-router flag not implemented here (refused; the router uses the workers' template)")
+    a("--bucket-adjust-interval-secs", type=float, default=None,
+      help="sglang-router flag not implemented here (refused)")
+    a("--max-idle-secs", type=float, default=None, help="sglang-router flag not implemented here (refused)")
+    a("--assignment-mode", default=None, help="sglang-router flag not implemented here (refused)")
+    a("--enable-trace", action="store_true", help="sglang-router flag not implemented here yet (refused)")
+    a("--otlp-traces-endpoint", default=None, help="sglang-router flag not implemented here yet (refused)")
     return p
 
 

@@ -227,7 +227,8 @@ def serve_main(argv: list[str], mode: str = "null", scheduler_cls: str | None = 
 
     from common.config import ConfigError, ServerArgs
 
-    parser = argparse.ArgumentParser(prog=f"pdserve {'serve' if mode == 'null' else mode}")
+    parser = argparse.ArgumentParser(prog=f"pdserve {'serve' if mode == 'null' else mode}",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(argv)
     if mode != "null":
