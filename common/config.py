@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from common.cluster_secret import ClusterSecret, ClusterSecretError, load_configured, warn_unauthenticated
 from common.models.hub import is_hub_id
 
+DEFAULT_OTLP_ENDPOINT = "localhost:4318"
+
 
 class ConfigError(ValueError):
     """A setting is invalid; the message names the flag."""
@@ -56,6 +58,10 @@ class ServerArgs:
     ssl_keyfile: str | None = _f(None, "private key of --ssl-certfile (PEM)")
     log_level: str = _f("info", "log level", choices=("debug", "info", "warning", "error"))
     seed: int = _f(0, "seed of the sampler's default generator")
+    enable_trace: bool = _f(False, "OpenTelemetry tracing: a span per request and per stage, exported over "
+                            "OTLP/HTTP to --otlp-traces-endpoint (W3C traceparent from the router or client)")
+    otlp_traces_endpoint: str | None = _f(None, "OTLP/HTTP collector: HOST:PORT or URL (with --enable-trace; "
+                                          "default localhost:4318, the collector's OTLP/HTTP port)")
     # parallelism
     tp: int = _f(1, "tensor parallel size (one scheduler process per rank)", ("--tp", "--tp-size"))
     dist_port: int | None = _f(None, "port of the torch.distributed rendezvous (default: a free port)")
@@ -204,6 +210,18 @@ class ServerArgs:
                 KVEventsConfig.parse(self.kv_events_config, self.host)
             except ValueError as e:
                 raise bad("kv-events-config", str(e)) from None
+        if self.otlp_traces_endpoint is not None and not self.enable_trace:
+            raise bad("otlp-traces-endpoint", "has no effect without --enable-trace")
+        if self.enable_trace:
+            from common.tracing import check_available, otlp_traces_url
+
+            why = check_available()
+            if why:
+                raise bad("enable-trace", why)
+            try:
+                otlp_traces_url(self.otlp_traces_endpoint or DEFAULT_OTLP_ENDPOINT)
+            except ValueError as e:
+                raise bad("otlp-traces-endpoint", str(e)) from None
         if self.dtype in ("bfloat16", "float16", "half"):
             raise bad("dtype", f"{self.dtype} is not supported: the CPU kernels compute in float32 (a half-precision "
                       "matmul runs ~100x slower on an AVX2 CPU); use --dtype auto or float32")

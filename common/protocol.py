@@ -342,6 +342,7 @@ class TokenizedRequest(msgspec.Struct, tag=True, omit_defaults=True):
     # (--max-queued-requests): the first item carries the batch's size, the others their index
     batch_size: int = 1
     batch_index: int = 0
+    traceparent: str | None = None  # W3C trace context of the front end's span (--enable-trace)
 
 
 class AbortRequest(msgspec.Struct, tag=True):

@@ -102,6 +102,7 @@ class DecodeRole(PDRole):
         addr = f"{req.bootstrap_host}:{req.bootstrap_port}"
         conn = self.kv_manager.create_receiver(addr, room)
         conn.check_metadata = functools.partial(self._check_metadata, req)
+        conn.traceparent = req.traceparent
         t = DecodeRequest(req=req, room=room, conn=conn)
         self.requests[req.rid] = t
         self.prealloc.add(t)

@@ -64,6 +64,11 @@ class RouterApp:
         self.cfg = cfg
         self.session = session
         self.metrics = Metrics()
+        self.tracer = None
+        if cfg.enable_trace:
+            from common.tracing import Tracer
+
+            self.tracer = Tracer("pdserve-router", cfg.otlp_traces_endpoint or "localhost:4318")
         self.kv_index = None
         self.route_tokenizer = None  # router/tokenizer.py RouterTokenizer, loaded at the first admission
         self._tokenizer_tried: set[str] = set()
@@ -172,6 +177,10 @@ class RouterApp:
         trace = Trace()
         status = 499
         admitted = False
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start(f"router {path}", request.headers.get("traceparent"), {"pdserve.rid": rid})
+            trace.traceparent = self.tracer.traceparent_of(span)
         try:
             try:
                 check_length(request, self.cfg.max_payload_size)  # before queueing: nothing read
@@ -201,6 +210,10 @@ class RouterApp:
             first = (trace.first_byte or t1) - t0
             log.info("rid=%s %s status=%d prefill=%s decode=%s attempts=%d first_byte_ms=%.1f total_ms=%.1f",
                      rid, path, status, trace.prefill, trace.decode, trace.attempts, first * 1e3, (t1 - t0) * 1e3)
+            if span is not None:
+                self.tracer.end(span, {"http.response.status_code": status, "pdserve.prefill": trace.prefill,
+                                       "pdserve.decode": trace.decode, "pdserve.attempts": trace.attempts},
+                                error=f"status {status}" if status >= 500 else None)
 
     # ---------------------------------------------------------------------------- workers
 
@@ -419,6 +432,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
         if prom is not None:
             await prom.cleanup()
         await session.close()
+        if ra.tracer is not None:
+            await loop.run_in_executor(None, ra.tracer.close)
 
 
 def run(cfg: RouterConfig) -> None:

@@ -17,7 +17,7 @@ POLICIES = ["random", "round_robin", "cache_aware", "power_of_two"]
 _NO_EFFECT = ("dp_aware", "enable_igw", "mini_lb", "cors_allowed_origins", "shutdown_grace_period_secs",
               "prometheus_duration_buckets",
               "chat_template", "bucket_adjust_interval_secs", "max_idle_secs",
-              "assignment_mode", "enable_trace", "otlp_traces_endpoint")
+              "assignment_mode")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
       "is off) refilled at this rate; each admitted request takes one (default: no rate limit)")
     a("--prometheus-host", default=d.prometheus_host, help="address of the metrics server (default: --host)")
     a("--prometheus-port", type=int, default=d.prometheus_port, help="0 disables the separate metrics server")
+    a("--enable-trace", action="store_true", help="OpenTelemetry tracing: a span per request, its W3C traceparent "
+      "passed to both legs, exported over OTLP/HTTP to --otlp-traces-endpoint")
+    a("--otlp-traces-endpoint", default=None, help="OTLP/HTTP collector, HOST:PORT or URL (with --enable-trace; "
+      "default localhost:4318)")
     a("--log-level", choices=["debug", "info", "warn", "error"], default=d.log_level, help="log level")
     a("--log-dir", default=None, help="also write the log to a file in this folder")
     # sglang-router flags not implemented here: parsed so the refusal names them (_NO_EFFECT)
@@ -146,8 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
       help="sglang-router flag not implemented here (refused)")
     a("--max-idle-secs", type=float, default=None, help="sglang-router flag not implemented here (refused)")
     a("--assignment-mode", default=None, help="sglang-router flag not implemented here (refused)")
-    a("--enable-trace", action="store_true", help="sglang-router flag not implemented here yet (refused)")
-    a("--otlp-traces-endpoint", default=None, help="sglang-router flag not implemented here yet (refused)")
     return p
 
 
@@ -189,6 +191,18 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     cfg.request_id_headers = tuple(h.lower() for h in ns.request_id_headers) if ns.request_id_headers \
         else DEFAULT_REQUEST_ID_HEADERS
     cfg.pd_disaggregation = True
+    if cfg.otlp_traces_endpoint is not None and not cfg.enable_trace:
+        raise ValueError("--otlp-traces-endpoint has no effect without --enable-trace")
+    if cfg.enable_trace:
+        from common.tracing import check_available, otlp_traces_url
+
+        why = check_available()
+        if why:
+            raise ValueError(why)
+        try:
+            otlp_traces_url(cfg.otlp_traces_endpoint or "localhost:4318")
+        except ValueError as e:
+            raise ValueError(f"--otlp-traces-endpoint {e}") from None
     if cfg.queue_size < 0:
         raise ValueError(f"--queue-size must be >= 0, got {cfg.queue_size}")
     if cfg.queue_timeout_secs <= 0:

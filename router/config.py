@@ -39,6 +39,9 @@ class RouterConfig:
     kv_events: bool = False
     kv_events_max_blocks: int | None = None  # None: twice the worker's KV capacity in pages
     kv_events_pending_secs: float = 10.0
+    # OpenTelemetry (common/tracing.py)
+    enable_trace: bool = False
+    otlp_traces_endpoint: str | None = None  # default localhost:4318 with enable_trace
     tokenizer_path: str | None = None  # None: --model-path, else the worker's /model_info tokenizer_path
     model_path: str | None = None
     # power_of_two: how often /get_load is polled

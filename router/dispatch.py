@@ -101,6 +101,7 @@ class Trace:
     attempts: int = 0
     status: int = 0
     first_byte: float = 0.0
+    traceparent: str | None = None  # the router's span, parent of both legs' spans (--enable-trace)
 
 
 def leg_failure(status: int, leg: str, w: Worker, body: bytes, ctype: str | None,
@@ -319,6 +320,8 @@ class Dispatcher:
     async def handle(self, request: web.Request, req: ParsedRequest, request_id: str,
                      trace: Trace) -> web.StreamResponse:
         headers = b"X-Request-ID: " + _header_value(request_id) + b"\r\n"
+        if trace.traceparent:
+            headers += b"traceparent: " + _header_value(trace.traceparent) + b"\r\n"
         if not self.node_key:  # a router without keys passes the client's own credentials on
             auth = request.headers.get("Authorization")
             if auth:

@@ -52,7 +52,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Annotated, Union
 
 import msgspec
 import zmq
@@ -102,6 +102,9 @@ class RegisterPeer(msgspec.Struct, tag="register"):
     state_num_slots: int = 0  # items per state buffer
 
 
+Traceparent = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")]
+
+
 class TransferInfo(msgspec.Struct, tag="info"):
     src: str
     room: int
@@ -111,6 +114,8 @@ class TransferInfo(msgspec.Struct, tag="info"):
     metadata_index: int
     state_indices: list[int]
     expects_metadata: bool  # this prefill rank is the one that writes the metadata row
+    # the decode request's W3C trace context (--enable-trace): the prefill's transfer span links to it
+    traceparent: Traceparent | None = None
 
 
 class Status(msgspec.Struct, tag="status"):

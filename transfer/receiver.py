@@ -345,6 +345,7 @@ class KVReceiver(KVRoom):
         self._drain_since = 0.0
         # the role's check of the received metadata row (slot -> problem or None), run before Success
         self.check_metadata: Callable[[int], str | None] | None = None
+        self.traceparent: str | None = None  # the request's trace context, sent in the TransferInfo
         mgr._add_receiver(self)
 
     def init(self, dst_page_indices, metadata_index: int, state_indices=None) -> None:
@@ -384,7 +385,7 @@ class KVReceiver(KVRoom):
         pages, meta, states = self._params
         info = TransferInfo(src=mgr.address, room=self.room, tp_rank=a.engine_rank, tp_size=a.tp_size,
                             dst_page_indices=pages, metadata_index=meta, state_indices=states,
-                            expects_metadata=t.writes_metadata)
+                            expects_metadata=t.writes_metadata, traceparent=self.traceparent)
         if not (mgr._ensure_registered(t.addr) and mgr.control.send(t.addr, info)):
             self._fail(f"cannot reach prefill rank tp {t.tp_rank} at {t.addr}")
             return False

@@ -134,6 +134,7 @@ class StageQueue:
 
     def add(self, t: PDRequest) -> None:
         t.stage = self.stage
+        t.req.mark(self.stage.value)
         self._reqs[t.rid] = t
 
     def discard(self, t: PDRequest) -> None:

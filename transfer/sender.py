@@ -535,6 +535,11 @@ class KVSender(KVRoom):
                 self._submit(chunk)
 
     # ------------------------------------------------------------------ under the manager's lock
+    @property
+    def peer_traceparent(self) -> str | None:
+        """The decode request's trace context, from its TransferInfo (--enable-trace)."""
+        return next((i.traceparent for i in (self._targets or {}).values() if i.traceparent), None)
+
     def _start(self, targets: dict[int, TransferInfo]) -> None:
         """Every overlapping decode rank is known and checked: send the queued chunks."""
         self._targets = targets

@@ -94,6 +94,7 @@ def make_req(msg: TokenizedRequest, eos_token_ids: list[int], tokenizer: Any) ->
                bootstrap_host=msg.bootstrap_host, bootstrap_port=msg.bootstrap_port,
                bootstrap_room=msg.bootstrap_room, arrival_time=msg.arrival_time or None)
     req.priority = msg.priority
+    req.traceparent = msg.traceparent
     return req
 
 

@@ -77,6 +77,10 @@ class Req:
         self.fill_ids: list[int] = list(self.origin_input_ids)
         self.extend_input_len = 0
         self.stage = Stage.NEW
+        # tracing (--enable-trace): the front end's span context, and when the request entered each stage
+        self.traceparent: str | None = None
+        self.marks: list[tuple[str, float]] = []
+        self.trace_links: dict[str, str] = {}  # stage -> the peer's traceparent (PD transfer)
         self.is_retracted = False
         self.retract_count = 0
         self.scheduled_once = False
@@ -127,6 +131,12 @@ class Req:
     @property
     def max_new_tokens(self) -> int:
         return self.sampling.max_new_tokens
+
+    def mark(self, stage: str) -> None:
+        """The request entered `stage` now (kept only when it is traced; a repeat of the current stage
+        is not a new one)."""
+        if self.traceparent is not None and (not self.marks or self.marks[-1][0] != stage):
+            self.marks.append((stage, time.time()))
 
     def finished(self) -> bool:
         return self.finished_reason is not None

@@ -57,6 +57,7 @@ from common.scheduler.prefill_adder import AddResult, PrefillAdder
 from common.scheduler.priority import PriorityScheduling
 from common.scheduler.req import FinishStatus, Req, Stage
 from common.scheduler.stats import scheduler_stats
+from common.scheduler.trace import export_stage_spans, make_tracer
 
 logger = logging.getLogger("scheduler")
 
@@ -93,6 +94,7 @@ class Scheduler:
         # models with recurrent state (hybrid) cannot reuse a cached prefix: see common/hybrid.py
         self.tree_cache = make_tree_cache(args.radix_cache_enabled and getattr(runner, "supports_radix_cache", True),
                                           self.req_to_token_pool, self.allocator, self.page_size)
+        self.tracer = make_tracer(args) if tp_rank == 0 else None  # stage spans of released requests
         self.kv_events = None  # publishes the prefix cache's blocks (rank 0 only: the ranks' caches are equal)
         if getattr(args, "kv_events_config", None) and self.tree_cache.enabled and tp_rank == 0:
             cfg = KVEventsConfig.parse(args.kv_events_config, args.host)
@@ -152,6 +154,7 @@ class Scheduler:
             raise ValueError(f"rid={req.rid} is already live here")
         self.live_reqs[req.rid] = req
         req.stage = Stage.WAITING
+        req.mark("waiting")
         self.waiting_queue.append(req)
 
     def add_prebuilt_reqs(self, reqs: list[Req]) -> None:
@@ -171,6 +174,7 @@ class Scheduler:
                 self._finish(req)
             else:
                 self.running_batch.merge([req])
+                req.mark("decode")
             self._report(req)
 
     def schedule(self) -> SchedulerOutput:
@@ -367,6 +371,7 @@ class Scheduler:
             self.waiting_queue = [r for r in self.waiting_queue if id(r) not in picked]
             for r in restored:
                 restore(self, r)
+                r.mark("decode")
         if not can_run:
             if not restored:
                 self._refuse_if_never_fits()
@@ -380,6 +385,7 @@ class Scheduler:
                 self.num_retract_recomputed += 1
             r.scheduled_once = True
             r.stage = Stage.CHUNKED if r is self.chunked_req else Stage.RUNNING
+            r.mark("prefill")
         batch = ScheduleBatch(can_run, self.req_to_token_pool, self.allocator, self.kv_pool, self.tree_cache)
         batch.prepare_for_extend()
         self.total_prefill_tokens += sum(r.extend_input_len for r in can_run)
@@ -405,6 +411,7 @@ class Scheduler:
                                                   order_key=self.priority.retract_key if self.priority.enabled else None)
             self.num_retractions += len(victims)
             for v in victims:
+                v.mark("waiting")  # retracted
                 kept = store is not None and v.rid in store
                 logger.info("rid=%s retracted after %d output tokens (KV memory full); %s", v.rid,
                             len(v.output_ids), "KV in the host store" if kept else "will prefill again")
@@ -462,6 +469,7 @@ class Scheduler:
             else:
                 self.tree_cache.cache_unfinished_req(req)
                 self.running_batch.merge([req])
+                req.mark("decode")
             self._report(req)
 
     def _update_decode(self, batch: ScheduleBatch, result: RunnerOutput) -> None:
@@ -516,6 +524,8 @@ class Scheduler:
             self.host_store.discard(req.rid)
         self.total_cached_tokens += req.cached_tokens if req.scheduled_once else 0
         self.live_reqs.pop(req.rid, None)
+        if self.tracer is not None and req.traceparent:
+            export_stage_spans(self.tracer, req)
 
     def _report(self, req: Req) -> None:
         """Record the request's news for this iteration's BatchOut (a held request's end waits)."""
@@ -579,6 +589,8 @@ class Scheduler:
             self.hooks.close()
             if self.kv_events is not None:
                 self.kv_events.close()
+            if self.tracer is not None:
+                self.tracer.close()
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """In-process driving: step until nothing is left to do."""

@@ -37,6 +37,7 @@ from common.server.http import (
 from common.server.openapi import Route, access_of, access_table, add_routes, with_openapi
 from common.server.security import ADMIN, BY_BODY, OPEN, PUBLIC, Denied, Keys, bearer_token, check_access
 from common.server.tokenizer_manager import QueueFull, ReqState, ServiceUnavailable, TokenizerManager
+from common.tracing import TRACEPARENT, incoming_traceparent
 
 logger = logging.getLogger("server")
 
@@ -61,6 +62,9 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
         if tm is not None and request.match_info.route.resource is not None:  # known routes only
             tm.metrics.requests.inc(endpoint=endpoint_label(request.path), status=str(status))
 
+    tp = request.headers.get(TRACEPARENT)
+    if tp is not None and len(tp) <= 128:  # a W3C traceparent is 55 characters; a longer value is not one
+        incoming_traceparent.set(tp)
     try:
         return await handler(request)
     except Denied as e:

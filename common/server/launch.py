@@ -147,6 +147,8 @@ async def _serve(args, tm, procs, model_dir: str, keys, ssl_context) -> None:
             await asyncio.sleep(0.05)
     await runner.cleanup()
     await tm.close()
+    if tm.tracer is not None:
+        await asyncio.get_running_loop().run_in_executor(None, tm.tracer.close)
 
 
 def launch_server(args, scheduler_cls: str | None = None) -> None:
@@ -168,6 +170,7 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
     keys.announce(logger, "/flush_cache and abort-all (/abort_request with abort_all)")
     from common.models.default_model import resolve_model_path
     from common.scheduler.process import IpcConfig, run_scheduler_process
+    from common.scheduler.trace import make_tracer
     from common.server.tokenizer_manager import TokenizerManager
 
     try:
@@ -190,6 +193,7 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
     old = {s: signal.signal(s, early) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         tm = TokenizerManager(args, model_dir, ipc.to_scheduler, ipc.from_scheduler)
+        tm.tracer = make_tracer(args)
         ctx = mp.get_context("spawn")
         conns = []
         for rank in range(args.tp):

@@ -46,6 +46,7 @@ from common.protocol import (
 )
 from common.server.detokenizer import IncrementalDetokenizer, special_token_ids, token_texts
 from common.server.metrics import Metrics
+from common.tracing import incoming_traceparent
 
 logger = logging.getLogger("server")
 
@@ -117,6 +118,7 @@ class ReqState:
     deadline: asyncio.TimerHandle | None = None  # --request-timeout
     admitted: bool = False  # the scheduler took it in (its queue had room)
     detok_busy: bool = False  # a long update is being detokenized on the pool
+    span: Any = None  # its span (--enable-trace), ended on release
 
     @property
     def text(self) -> str:
@@ -152,6 +154,7 @@ class TokenizerManager:
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenizer")
         self.pending: set[str] = set()  # rids sent to the scheduler, neither admitted nor finished yet
         self.queue_full_refused = 0  # requests answered 429 here (the scheduler counts its own)
+        self.tracer = None  # common.tracing.Tracer with --enable-trace (set by launch)
         # ZMQ: a plain PUSH (sends never wait: NOBLOCK, unbounded queue) and an asyncio PULL
         self._ctx = zmq.Context()
         self._push = self._ctx.socket(zmq.PUSH)
@@ -480,6 +483,10 @@ class TokenizerManager:
                           stream=r.stream, return_logprob=r.return_logprob, top_logprobs_num=r.top_logprobs_num,
                           return_text_in_logprobs=return_text_in_logprobs, endpoint=endpoint, created=now,
                           prompt_tokens=len(r.input_ids))
+            if self.tracer is not None:
+                st.span = self.tracer.start("request", incoming_traceparent.get(),
+                                            {"pdserve.rid": r.rid, "pdserve.endpoint": endpoint}, start_time=now)
+                r.traceparent = self.tracer.traceparent_of(st.span)
             states.append(st)
         early = self._take_early_abort(rids)
         if early is not None:  # aborted before it arrived: it ends here, the scheduler never sees it
@@ -587,6 +594,10 @@ class TokenizerManager:
         elif status < 400:
             m.e2e.observe(st.e2e_latency)
         fr = st.finish_reason or {}
+        if st.span is not None:
+            self.tracer.end(st.span, {"http.response.status_code": status, "pdserve.prompt_tokens": st.prompt_tokens,
+                                      "pdserve.completion_tokens": st.completion_tokens},
+                            error=fr.get("message") if status >= 400 else None)
         logger.info("rid=%s endpoint=%s status=%d prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
                     "latency=%.3fs finish=%s", st.rid, st.endpoint, status, st.prompt_tokens,
                     st.completion_tokens, st.cached_tokens, st.e2e_latency, fr.get("type"))

@@ -1,0 +1,31 @@
+"""A released request's stages as spans (`--enable-trace`): the marks `Req.mark` recorded, from its arrival
+to its release, under the front end's span of the request."""
+
+from __future__ import annotations
+
+import time
+
+from common.scheduler.req import Req
+
+
+def make_tracer(args):
+    """The node's Tracer with --enable-trace, else None."""
+    if not getattr(args, "enable_trace", False):
+        return None
+    from common.config import DEFAULT_OTLP_ENDPOINT
+    from common.tracing import Tracer, service_name
+
+    return Tracer(service_name(args.disaggregation_mode), args.otlp_traces_endpoint or DEFAULT_OTLP_ENDPOINT)
+
+
+def export_stage_spans(tracer, req: Req) -> None:
+    marks = req.marks
+    if not marks or marks[0][1] > req.arrival_time:
+        marks = [("queued", req.arrival_time), *marks]  # before its first stage: in the pipe, or a role's intake
+    reason = req.finished_reason or {}
+    error = reason.get("message") if reason.get("type") == "abort" else None
+    attrs = {"pdserve.rid": req.rid, "pdserve.prompt_tokens": len(req.origin_input_ids),
+             "pdserve.output_tokens": len(req.output_ids), "pdserve.cached_tokens": req.cached_tokens}
+    if req.bootstrap_room is not None:
+        attrs["pdserve.bootstrap_room"] = req.bootstrap_room
+    tracer.stage_spans(req.traceparent, marks, time.time(), attrs, links=req.trace_links, error=error)
