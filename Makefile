@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 # mooncake's runtime libraries, and a C compiler for the native decode-attention kernel
-APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200 gcc libc6-dev
+APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200 gcc libc6-dev chromium chromium-driver
 PORT ?= 30000
 
 .PHONY: setup run test test-fast bench lint clean
@@ -16,7 +16,7 @@ setup:
 	  if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
 	  fi; \
-	else echo "note: not root or no apt-get; the mooncake backend needs: $(APT_PACKAGES)"; fi
+	else echo "note: not root or no apt-get; the mooncake backend and the dashboard test need: $(APT_PACKAGES)"; fi
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
 	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip

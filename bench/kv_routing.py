@@ -138,12 +138,12 @@ def run_once(router: str, prefills: list[str], texts: list[str], ns: argparse.Na
     for p in prefills:
         _post(p + "/flush_cache")
     time.sleep(1.0)  # the flushes' events reach the exact router
-    before = [(_metric(p, "pdserve_cached_tokens_total"), _metric(p, "pdserve_prompt_tokens_total"),
+    before = [(_metric(p, "sglang:cached_tokens_total"), _metric(p, "sglang:prompt_tokens_total"),
                _metric(p, "pdserve_requests_total")) for p in prefills]
     t0 = time.perf_counter()
     ttfts = asyncio.run(_drive(router, texts, ns))
     wall = time.perf_counter() - t0
-    after = [(_metric(p, "pdserve_cached_tokens_total"), _metric(p, "pdserve_prompt_tokens_total"),
+    after = [(_metric(p, "sglang:cached_tokens_total"), _metric(p, "sglang:prompt_tokens_total"),
               _metric(p, "pdserve_requests_total")) for p in prefills]
     cached = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     prompt = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))

@@ -33,9 +33,11 @@ from common.server.security import (
     client_ssl_context,
     server_ssl_context,
 )
+from router import dashboard
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, NoWorkers, Trace, error_response
 from router.limits import Admission, Rejected, check_length, read_body
+from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import Metrics
 from router.policies import make_policy
 from router.registry import PREFILL, Registry, RegistryError
@@ -80,6 +82,7 @@ class RouterApp:
         self.prefill_policy = make_policy(cfg.effective_prefill_policy, cfg, self.kv_index,
                                           lambda: self.route_tokenizer)
         self.metrics.route_counts = getattr(self.prefill_policy, "counts", None)
+        self.metrics.policies = {"prefill": cfg.effective_prefill_policy, "decode": cfg.effective_decode_policy}
         self.decode_policy = make_policy(cfg.effective_decode_policy, cfg)
         self.registry = Registry(cfg, session, on_change=self._workers_changed)
         if self.kv_index is not None:
@@ -208,6 +211,9 @@ class RouterApp:
             t1 = time.perf_counter()
             self.metrics.observe(path, status, t1 - t0)
             first = (trace.first_byte or t1) - t0
+            if trace.first_byte and status == 200:  # a stream: its first event, then one per token or so
+                tokens = trace.events - 1  # its last event is [DONE]
+                self.metrics.latency.add(first, (t1 - trace.first_byte) / (tokens - 1) if tokens > 1 else None)
             log.info("rid=%s %s status=%d prefill=%s decode=%s attempts=%d first_byte_ms=%.1f total_ms=%.1f",
                      rid, path, status, trace.prefill, trace.decode, trace.attempts, first * 1e3, (t1 - t0) * 1e3)
             if span is not None:
@@ -317,7 +323,8 @@ class RouterApp:
                               "failed": len(ws) - ok})
 
     async def metrics_handler(self, request):
-        return web.Response(text=self.metrics.render(self.registry.all()), content_type="text/plain")
+        return web.Response(body=self.metrics.render(self.registry.all()).encode(),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def _fan_out(self, method: str, path: str, workers) -> list[str]:
         async def one(w):
@@ -347,6 +354,15 @@ class RouterApp:
             return error_response(503, "; ".join(errors))
         return json_response({"status": "ok", "prefill": p.url, "decode": d.url})
 
+    async def dashboard_page(self, request):
+        return web.Response(text=dashboard.PAGE, content_type="text/html",
+                            headers={"Cache-Control": "no-cache", "Content-Security-Policy":
+                                     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                     "connect-src 'self'"})
+
+    async def dashboard_data(self, request):
+        return json_response(await dashboard.dashboard_data(self))
+
     # ---------------------------------------------------------------------------- assembly
 
     def _routes(self) -> list[Route]:
@@ -370,6 +386,8 @@ class RouterApp:
             Route("GET", "/health_generate", self.health_generate, access=OPEN,
                   summary="readiness: one step on a prefill and a decode worker"),
             Route("GET", "/metrics", self.metrics_handler, access=OPEN, summary="Prometheus metrics (no secrets)"),
+            Route("GET", "/dashboard", self.dashboard_page, access=OPEN, summary="the live cluster page (no data)"),
+            Route("GET", "/dashboard/data", self.dashboard_data, summary="what the live cluster page shows"),
         ], "pdserve router", "0.1.0")
 
     def build(self) -> web.Application:

@@ -102,6 +102,7 @@ class Trace:
     status: int = 0
     first_byte: float = 0.0
     traceparent: str | None = None  # the router's span, parent of both legs' spans (--enable-trace)
+    events: int = 0  # SSE events relayed to the client (the dashboard's TPOT)
 
 
 def leg_failure(status: int, leg: str, w: Worker, body: bytes, ctype: str | None,
@@ -468,7 +469,7 @@ class Dispatcher:
                 "Cache-Control": "no-cache", "X-Request-ID": request_id})
             await out.prepare(request)
             trace.first_byte = time.perf_counter()
-            reason = await self._relay(out, resp, first, merger, p_task, p)
+            reason = await self._relay(out, resp, first, merger, p_task, p, trace)
             if reason is None:
                 clean = True
             elif reason != "client":
@@ -501,7 +502,7 @@ class Dispatcher:
                 if resp.status < 300:
                     d.breaker.record(not upstream_broken)
 
-    async def _relay(self, out, resp, data, merger, p_task, p) -> str | None:
+    async def _relay(self, out, resp, data, merger, p_task, p, trace: Trace) -> str | None:
         """Copy decode bytes to the client. None when the stream ended cleanly, "client" when the client
         went away, else why the stream broke (the decode leg failed, or the prefill leg did)."""
         me = asyncio.current_task()
@@ -524,6 +525,7 @@ class Dispatcher:
                 if merger is not None:
                     data = merger.feed(data)
                 if data:
+                    trace.events += data.count(b"data: ")
                     try:
                         await out.write(data)
                     except ConnectionError:

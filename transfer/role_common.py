@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.histogram import BucketCounts
 from common.protocol import KV_TRANSFER_FAILED
 from common.scheduler.hooks import SchedulerHooks
 from common.scheduler.req import FinishStatus, Req
@@ -76,6 +77,7 @@ def node_settings(args) -> TransferSettings:
 @dataclass
 class TransferStats:
     failures: int = 0
+    failures_bootstrap: int = 0  # of `failures`: before any KV moved (rendezvous, TransferInfo, prealloc)
     aborts: int = 0
     successes: int = 0
     bytes: int = 0
@@ -84,15 +86,20 @@ class TransferStats:
     # the planes' guard counters (dropped messages by cause, refused registrations, open sockets)
     guard: Callable[[], dict[str, int]] | None = field(default=None, repr=False, compare=False)
 
+    latency_hist: BucketCounts = field(default_factory=BucketCounts, repr=False, compare=False)
+
     def success(self, nbytes: int, latency: float) -> None:
         self.successes += 1
         self.bytes += nbytes
         self.latency_sum += latency
         self.latency_last = latency
+        self.latency_hist.observe(latency)
 
     def as_stats(self) -> dict[str, float]:
         n = self.successes
-        return {"transfer_failures": self.failures, "transfer_aborts": self.aborts, "transfer_successes": n,
+        return {"transfer_failures": self.failures, "transfer_failures_bootstrap": self.failures_bootstrap,
+                "transfer_aborts": self.aborts, "transfer_successes": n,
+                "transfer_latency_hist": self.latency_hist.as_stats(),
                 "transfer_bytes": self.bytes,
                 "transfer_latency_avg_s": self.latency_sum / n if n else 0.0,
                 "transfer_latency_last_s": self.latency_last, **(self.guard() if self.guard else {})}
@@ -103,6 +110,11 @@ def failure_reason(poller) -> str:
     if poller.poll() == KVPoll.Failed:
         return str(poller.failure_exception())
     return f"room {poller.room}: the transfer failed on another TP rank of this node (see its log)"
+
+
+# the stages (prefill, decode) in which no KV has moved yet: a failure there is a bootstrap failure
+# (reference 001 §15.1 counts those apart from failures of the transfer itself)
+BEFORE_TRANSFER = frozenset({"bootstrap", "prealloc"})
 
 
 @dataclass(kw_only=True)
@@ -210,6 +222,8 @@ class PDRole(SchedulerHooks):
         """The transfer failed: end the request (HTTP 500) wherever it is; `on_release` frees the rest."""
         t.failed = True
         self.transfer_stats.failures += 1
+        if t.stage.value in BEFORE_TRANSFER:
+            self.transfer_stats.failures_bootstrap += 1
         self.logger.warning("rid=%s room=%d transfer failed at stage %s: %s", t.rid, t.room, t.stage.value, reason)
         self.sched.finish_requests(t.rid, FinishStatus.abort(f"KV transfer failed: {reason}", 500,
                                                                  err_type=KV_TRANSFER_FAILED))
@@ -246,6 +260,8 @@ class PDRole(SchedulerHooks):
         if state == KVPoll.Failed and not t.failed:
             t.failed = True
             self.transfer_stats.failures += 1
+            if t.stage.value in BEFORE_TRANSFER:
+                self.transfer_stats.failures_bootstrap += 1
             self.logger.warning("rid=%s room=%d transfer had failed when the request ended: %s", t.rid, t.room,
                                 failure_reason(t.conn))
         elif state not in (KVPoll.Success, KVPoll.Failed):

@@ -36,6 +36,7 @@ from typing import Any
 
 from common.config import ServerArgs
 from common.forward_batch import ForwardMode
+from common.histogram import BucketCounts
 from common.kv_events import KVEventPublisher, KVEventsConfig
 from common.memory.radix_cache import make_tree_cache
 from common.protocol import (
@@ -95,6 +96,7 @@ class Scheduler:
         self.tree_cache = make_tree_cache(args.radix_cache_enabled and getattr(runner, "supports_radix_cache", True),
                                           self.req_to_token_pool, self.allocator, self.page_size)
         self.tracer = make_tracer(args) if tp_rank == 0 else None  # stage spans of released requests
+        self.queue_time = BucketCounts()  # arrival to first prefill (the role's queues included)
         self.kv_events = None  # publishes the prefix cache's blocks (rank 0 only: the ranks' caches are equal)
         if getattr(args, "kv_events_config", None) and self.tree_cache.enabled and tp_rank == 0:
             cfg = KVEventsConfig.parse(args.kv_events_config, args.host)
@@ -383,6 +385,8 @@ class Scheduler:
         for r in can_run:
             if r.is_retracted and r is not chunked:  # leaves the waiting queue to prefill prompt + output again
                 self.num_retract_recomputed += 1
+            if not r.scheduled_once:
+                self.queue_time.observe(max(0.0, time.time() - r.arrival_time))
             r.scheduled_once = True
             r.stage = Stage.CHUNKED if r is self.chunked_req else Stage.RUNNING
             r.mark("prefill")

@@ -45,6 +45,8 @@ def scheduler_stats(sched) -> dict[str, Any]:
         "num_retract_restored": sched.num_retract_restored,
         "num_retract_recomputed": sched.num_retract_recomputed,
         "total_prefill_tokens": sched.total_prefill_tokens,
+        "total_prompt_tokens": sched.total_prompt_tokens,
+        "queue_time_hist": sched.queue_time.as_stats(),
         **(sched.host_store.stats() if sched.host_store is not None else HostKVStore.off_stats()),
         "forward_ct": sched.forward_ct,
         "total_generated_tokens": sched.total_generated_tokens,

@@ -34,6 +34,7 @@ from common.server.http import (
     sse_done,
     sse_send,
 )
+from common.server.metrics import CONTENT_TYPE
 from common.server.openapi import Route, access_of, access_table, add_routes, with_openapi
 from common.server.security import ADMIN, BY_BODY, OPEN, PUBLIC, Denied, Keys, bearer_token, check_access
 from common.server.tokenizer_manager import QueueFull, ReqState, ServiceUnavailable, TokenizerManager
@@ -352,8 +353,7 @@ async def handle_metrics(request: web.Request) -> web.Response:
             await tm.stats(timeout=5)
         except ServiceUnavailable as e:
             logger.warning("metrics: no scheduler stats: %s", e)
-    return web.Response(text=tm.metrics.render(), content_type="text/plain", charset="utf-8",
-                        headers={"X-Prometheus-Version": "0.0.4"})
+    return web.Response(body=tm.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
 async def handle_abort(request: web.Request) -> web.Response:
@@ -419,6 +419,7 @@ def create_app(tm: TokenizerManager, *, model_path: str, served_model_name: str 
     app[INFO_KEY] = {"model_path": model_path, "started": time.time(),
                      "served_model_name": served_model_name or tm.args.served_model_name
                      or tm.node_info.get("model_config", {}).get("name") or model_path}
+    tm.metrics.model_name = app[INFO_KEY]["served_model_name"]  # the model_name label of every series
     routes = node_routes()
     app[ACCESS_KEY] = access_table(routes)
     add_routes(app, routes)

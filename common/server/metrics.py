@@ -1,209 +1,225 @@
-"""Prometheus metrics of a node's front end, rendered in the text exposition format (version 0.0.4).
+"""A node's Prometheus metrics, through `prometheus_client` (one registry per front end process).
 
-Counters and histograms are updated by the tokenizer manager as requests finish; gauges are filled
-from the scheduler's stats (`StatsReport`) each time `/metrics` is scraped.
+Names follow SGLang's (`sglang:*`, every series labelled `model_name`), so SGLang's Grafana dashboard and
+tools that read SGLang's metrics (llm-d's scorers, Dynamo) work unchanged; what SGLang has no name for is
+`pdserve_*`. The front end counts and times requests as they finish; the scheduler's figures (queues, KV
+use, transfers, the cluster planes' guards) come with its stats, fetched on every scrape, and are turned
+into metric families by `_StatsCollector` at that moment.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 import threading
 from typing import Any
 
-PREFIX = "pdserve_"
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
+# scheduler stats with SGLang's names: sglang name -> (stats key, help)
+SGLANG_GAUGES = {
+    "sglang:num_running_reqs": ("num_running_reqs", "requests in the running batch"),
+    "sglang:num_queue_reqs": ("num_queued_reqs", "requests waiting to run (every queue of the node)"),
+    "sglang:num_used_tokens": ("num_tokens_used", "KV tokens in use"),
+    "sglang:max_total_num_tokens": ("kv_total_tokens", "KV cache size in tokens"),
+    "sglang:cache_hit_rate": ("cache_hit_rate", "share of prompt tokens served from the prefix cache"),
+    "sglang:gen_throughput": ("gen_throughput", "decode throughput (tokens/s, last 10 s)"),
+    "sglang:max_running_requests": ("max_running_requests", "most requests in the running batch"),
+}
 
-def _fmt(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if math.isnan(v):
-        return "NaN"
-    if float(v).is_integer():
-        return str(int(v))
-    return repr(float(v))
-
-
-def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _escape(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help: str, labelnames: tuple[str, ...] = ()):
-        self.name = PREFIX + name
-        self.help = help
-        self.labelnames = tuple(labelnames)
-        self._lock = threading.Lock()
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def __init__(self, name, help, labelnames=()):
-        super().__init__(name, help, labelnames)
-        self.values: dict[tuple[str, ...], float] = {} if labelnames else {(): 0.0}
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = tuple(str(labels[n]) for n in self.labelnames)
-        with self._lock:
-            self.values[key] = self.values.get(key, 0.0) + amount
-
-    def render(self) -> list[str]:
-        lines = self.header()
-        for key, v in sorted(self.values.items()):
-            lines.append(f"{self.name}_total{_labels(self.labelnames, key)} {_fmt(v)}")
-        return lines
-
-
-class Gauge(_Metric):
-    kind = "gauge"
-
-    def __init__(self, name, help, labelnames=()):
-        super().__init__(name, help, labelnames)
-        self.values: dict[tuple[str, ...], float] = {}
-
-    def set(self, value: float, **labels: str) -> None:
-        key = tuple(str(labels[n]) for n in self.labelnames)
-        with self._lock:
-            self.values[key] = float(value)
-
-    def render(self) -> list[str]:
-        lines = self.header()
-        for key, v in sorted(self.values.items()):
-            lines.append(f"{self.name}{_labels(self.labelnames, key)} {_fmt(v)}")
-        return lines
-
-
-class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(self, name, help, buckets=LATENCY_BUCKETS):
-        super().__init__(name, help)
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)  # last one: +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        i = bisect.bisect_left(self.buckets, value)
-        with self._lock:
-            self.counts[i] += 1
-            self.sum += value
-            self.count += 1
-
-    def render(self) -> list[str]:
-        lines = self.header()
-        acc = 0
-        for b, c in zip((*self.buckets, math.inf), self.counts, strict=True):
-            acc += c
-            lines.append(f'{self.name}_bucket{{le="{_fmt(b)}"}} {acc}')
-        lines.append(f"{self.name}_sum {_fmt(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
-        return lines
-
-
-# scheduler stats exported as gauges: stats key -> help
-STAT_GAUGES = {
-    "num_running_reqs": "requests in the running batch",
-    "num_waiting_reqs": "requests waiting to be scheduled",
-    "kv_free_tokens": "free KV cache slots (tokens)",
-    "kv_total_tokens": "KV cache size (tokens)",
-    "kv_evictable_tokens": "KV tokens held only by the radix cache (evictable)",
-    "req_slots_free": "free request slots",
-    "req_slots_total": "request slots",
-    "cache_hit_rate": "share of prompt tokens served from the prefix cache",
-    "num_tokens_used": "KV tokens in use",
-    "gen_throughput": "decode throughput (tokens/s)",
-    # PD roles (absent on a colocated node)
-    "num_prealloc_tokens": "decode: KV tokens preallocated for requests still being transferred",
-    "metadata_slots_free": "free MetadataBuffers slots",
-    "metadata_slots_total": "MetadataBuffers slots",
-    "prealloc_slots_free": "decode: free request rows of the preallocation budget",
-    "prealloc_slots_total": "decode: request rows of the preallocation budget",
-    "req_rows_free": "free request rows (req-to-token rows, running and preallocated)",
-    "req_rows_total": "request rows (req-to-token rows, running and preallocated)",
-    "kv_quarantined_pages": "decode: KV pages of failed rooms held until their prefill ranks stop writing",
-    "kv_quarantined_rooms": "decode: failed rooms whose memory is held until their prefill ranks stop writing",
-    "pd_requests_open": "requests the PD role tracks (bootstrap, transfer, inflight or waiting)",
-    "transfer_rooms_open": "transfer rooms (senders or receivers) not ended yet",
-    "transfer_rooms_draining": "failed rooms waiting for their last write to end (prefill) or AbortAck (decode)",
-    "transfer_rooms_pending_info": "prefill: rooms with a TransferInfo and no sender yet",
-    "transfer_early_aborts": "prefill: Aborts recorded before their room's TransferInfo",
-    "transfer_peers_registered": "peer ranks registered (prefill: decode RegisterPeers; decode: prefill ranks told)",
-    "transfer_peers_watched": "peer ranks under heartbeat watch",
-    "transfer_engine_peers": "peers added to the transfer engine",
-    "control_registrations_expired": "registered peers without rooms dropped after missing heartbeats (counter)",
-    "transfer_failures": "KV transfers that failed (counter)",
-    "transfer_bytes": "KV bytes sent or received (counter)",
-    "transfer_latency_avg_s": "mean KV transfer latency (seconds)",
-    "transfer_latency_last_s": "latest KV transfer latency (seconds)",
-    # the cluster planes' guards (rank 0; the bootstrap ones on a prefill node)
-    "control_dropped_unauthenticated": "control-plane frames without a valid MAC, dropped (counter)",
-    "control_dropped_stale_or_replayed": "control-plane frames outside the time window or replayed, dropped (counter)",
-    "control_dropped_oversized": "control-plane frames over the size limit, dropped (counter)",
-    "control_dropped_undecodable": "control-plane frames that did not decode, dropped (counter)",
-    "control_send_failures": "control-plane sends that could not be queued (counter)",
-    "control_peers_open": "control-plane sockets open to peers",
-    "control_peers_evicted": "control-plane sockets closed as least recently used (counter)",
-    "control_pings_ignored": "pings from unknown senders left unanswered (counter)",
-    "control_registrations_refused": "RegisterPeers refused: would redirect a peer's live rooms, or every "
-                                     "registered decode rank has rooms (counter)",
-    "control_registrations_evicted": "idle decode registrations dropped for new ones, PDSERVE_MAX_DECODE_PEERS (counter)",
-    "bootstrap_dropped_unauthenticated": "bootstrap requests without a valid MAC, 401 (counter)",
-    "bootstrap_dropped_stale_or_replayed": "bootstrap requests outside the time window or replayed, 401 (counter)",
-    "bootstrap_dropped_oversized": "bootstrap requests over the body limit, 413 (counter)",
-    "bootstrap_dropped_undecodable": "bootstrap requests with undecodable bodies or fields, 400 (counter)",
-    "bootstrap_registrations_refused": "registrations refused: the rank is alive elsewhere, 409 (counter)",
-    "bootstrap_registrations_replaced": "registrations that replaced a dead rank's address (counter)",
+# scheduler stats without an SGLang name: pdserve_<key>; "counter" ones only grow
+STAT_METRICS = {
+    "kv_free_tokens": ("gauge", "free KV cache slots (tokens)"),
+    "kv_evictable_tokens": ("gauge", "KV tokens held only by the radix cache (evictable)"),
+    "req_slots_free": ("gauge", "free request slots"),
+    "req_slots_total": ("gauge", "request slots"),
+    "num_retractions": ("counter", "decode requests retracted when KV memory ran out"),
+    "num_prealloc_tokens": ("gauge", "decode: KV tokens preallocated for requests still being transferred"),
+    "metadata_slots_free": ("gauge", "free MetadataBuffers slots"),
+    "metadata_slots_total": ("gauge", "MetadataBuffers slots"),
+    "prealloc_slots_free": ("gauge", "decode: free request rows of the preallocation budget"),
+    "prealloc_slots_total": ("gauge", "decode: request rows of the preallocation budget"),
+    "req_rows_free": ("gauge", "free request rows (req-to-token rows, running and preallocated)"),
+    "req_rows_total": ("gauge", "request rows (req-to-token rows, running and preallocated)"),
+    "kv_quarantined_pages": ("gauge", "decode: KV pages of failed rooms held until their prefill ranks stop writing"),
+    "kv_quarantined_rooms": ("gauge", "decode: failed rooms whose memory is held until their prefill ranks stop"),
+    "pd_requests_open": ("gauge", "requests the PD role tracks (bootstrap, transfer, inflight or waiting)"),
+    "transfer_rooms_open": ("gauge", "transfer rooms (senders or receivers) not ended yet"),
+    "transfer_rooms_draining": ("gauge", "failed rooms waiting for their last write (prefill) or AbortAck (decode)"),
+    "transfer_rooms_pending_info": ("gauge", "prefill: rooms with a TransferInfo and no sender yet"),
+    "transfer_early_aborts": ("gauge", "prefill: Aborts recorded before their room's TransferInfo"),
+    "transfer_peers_registered": ("gauge", "peer ranks registered (prefill: decode RegisterPeers; decode: prefill "
+                                           "ranks told)"),
+    "transfer_peers_watched": ("gauge", "peer ranks under heartbeat watch"),
+    "transfer_engine_peers": ("gauge", "peers added to the transfer engine"),
+    "transfer_aborts": ("counter", "KV transfers aborted (the request ended before its transfer did)"),
+    "control_registrations_expired": ("counter", "registered peers without rooms dropped after missing heartbeats"),
+    "control_dropped_unauthenticated": ("counter", "control-plane frames without a valid MAC, dropped"),
+    "control_dropped_stale_or_replayed": ("counter", "control-plane frames outside the time window or replayed"),
+    "control_dropped_oversized": ("counter", "control-plane frames over the size limit, dropped"),
+    "control_dropped_undecodable": ("counter", "control-plane frames that did not decode, dropped"),
+    "control_send_failures": ("counter", "control-plane sends that could not be queued"),
+    "control_peers_open": ("gauge", "control-plane sockets open to peers"),
+    "control_peers_evicted": ("counter", "control-plane sockets closed as least recently used"),
+    "control_pings_ignored": ("counter", "pings from unknown senders left unanswered"),
+    "control_registrations_refused": ("counter", "RegisterPeers refused (would redirect a peer's live rooms, or "
+                                                 "every registered decode rank has rooms)"),
+    "control_registrations_evicted": ("counter", "idle decode registrations dropped for new ones"),
+    "bootstrap_dropped_unauthenticated": ("counter", "bootstrap requests without a valid MAC (401)"),
+    "bootstrap_dropped_stale_or_replayed": ("counter", "bootstrap requests outside the time window or replayed (401)"),
+    "bootstrap_dropped_oversized": ("counter", "bootstrap requests over the body limit (413)"),
+    "bootstrap_dropped_undecodable": ("counter", "bootstrap requests with undecodable bodies or fields (400)"),
+    "bootstrap_registrations_refused": ("counter", "registrations refused: the rank is alive elsewhere (409)"),
+    "bootstrap_registrations_replaced": ("counter", "registrations that replaced a dead rank's address"),
 }
 
 
-class Metrics:
-    def __init__(self, model_name: str = ""):
-        self.model_name = model_name
-        self.requests = Counter("requests", "finished HTTP requests by endpoint and status",
-                                ("endpoint", "status"))
-        self.prompt_tokens = Counter("prompt_tokens", "prompt tokens of finished requests")
-        self.generation_tokens = Counter("generation_tokens", "generated tokens of finished requests")
-        self.cached_tokens = Counter("cached_tokens", "prompt tokens served from the prefix cache")
-        self.aborted = Counter("aborted_requests", "requests aborted (client gone, abort_request, error)")
-        self.ttft = Histogram("time_to_first_token_seconds", "time from arrival to the first token")
-        self.e2e = Histogram("e2e_request_latency_seconds", "time from arrival to the last token")
-        self.itl = Histogram("inter_token_latency_seconds", "time between two output tokens", ITL_BUCKETS)
-        self.healthy = Gauge("healthy", "1 while every scheduler process is alive")
-        self.stat_gauges = {k: Gauge(k, h) for k, h in STAT_GAUGES.items()}
-        self.queue_gauge = Gauge("num_queue_reqs", "requests per scheduler queue", ("queue",))
-        self.healthy.set(1)
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
-    def set_stats(self, stats: dict[str, Any]) -> None:
-        for k, g in self.stat_gauges.items():
-            v = stats.get(k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                g.set(v)
+
+def _histogram(name: str, help: str, model: str, h: Any) -> HistogramMetricFamily | None:
+    """A histogram family from `common.histogram.BucketCounts.as_stats()`."""
+    if not isinstance(h, dict) or not all(k in h for k in ("buckets", "counts", "sum")):
+        return None
+    acc, buckets = 0, []
+    for le, n in zip([*h["buckets"], float("inf")], h["counts"], strict=False):
+        acc += n
+        buckets.append(("+Inf" if le == float("inf") else repr(float(le)), acc))
+    fam = HistogramMetricFamily(name, help, labels=["model_name"])
+    fam.add_metric([model], buckets, sum_value=h["sum"])
+    return fam
+
+
+class _StatsCollector:
+    """The scheduler's last stats as metric families, at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []  # families depend on the node's role: nothing to register ahead
+
+    def collect(self):
+        stats, model = self.metrics.stats, self.metrics.model_name
+        yield _gauge("pdserve_healthy", "1 while every scheduler process is alive", model, self.metrics.healthy.value)
+        if not stats:
+            return
+        for name, (key, help) in SGLANG_GAUGES.items():
+            if _number(stats.get(key)):
+                yield _gauge(name, help, model, stats[key])
+        used, total = stats.get("num_tokens_used"), stats.get("kv_total_tokens")
+        if _number(used) and _number(total) and total:
+            yield _gauge("sglang:token_usage", "share of the KV cache in use", model, used / total)
         queues = stats.get("num_queue_reqs")
         if isinstance(queues, dict):
-            for q, v in queues.items():
-                if isinstance(v, (int, float)):
-                    self.queue_gauge.set(v, queue=q)
+            fam = GaugeMetricFamily("pdserve_queue_reqs", "requests per queue of the node (PD stages on a "
+                                    "prefill or decode node)", labels=["model_name", "queue"])
+            for q, v in sorted(queues.items()):
+                if _number(v):
+                    fam.add_metric([model, str(q)], v)
+            yield fam
+        for key, (kind, help) in STAT_METRICS.items():
+            v = stats.get(key)
+            if not _number(v):
+                continue
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            fam = family("pdserve_" + key, help, labels=["model_name"])
+            fam.add_metric([model], v)
+            yield fam
+        if _number(stats.get("transfer_bytes")):
+            fam = CounterMetricFamily("pdserve_kv_transfer_bytes", "KV (and state) bytes sent or received",
+                                      labels=["model_name"])
+            fam.add_metric([model], stats["transfer_bytes"])
+            yield fam
+        if _number(stats.get("transfer_failures")):
+            boot = stats.get("transfer_failures_bootstrap", 0)
+            fam = CounterMetricFamily("pdserve_kv_transfer_failures", "failed KV transfers by cause: bootstrap "
+                                      "(before any KV moved) or transfer", labels=["model_name", "cause"])
+            fam.add_metric([model, "bootstrap"], boot)
+            fam.add_metric([model, "transfer"], stats["transfer_failures"] - boot)
+            yield fam
+        for name, key, help in (("pdserve_kv_transfer_latency_seconds", "transfer_latency_hist",
+                                 "time from a room's first KV write to its Success"),
+                                ("pdserve_queue_time_seconds", "queue_time_hist",
+                                 "time from a request's arrival to its first prefill step (every queue included)")):
+            fam = _histogram(name, help, model, stats.get(key))
+            if fam is not None:
+                yield fam
+
+
+def _gauge(name: str, help: str, model: str, value: float) -> GaugeMetricFamily:
+    fam = GaugeMetricFamily(name, help, labels=["model_name"])
+    fam.add_metric([model], value)
+    return fam
+
+
+class _Bound:
+    """A labelled metric with `model_name` filled in: `inc(amount, **labels)` / `observe(v)` / `set(v)`."""
+
+    def __init__(self, metrics: Metrics, metric) -> None:
+        self._m, self._metric = metrics, metric
+
+    def _child(self, labels):
+        return self._metric.labels(model_name=self._m.model_name, **labels)
+
+    def inc(self, amount: float = 1.0, **labels) -> None:
+        self._child(labels).inc(amount)
+
+    def observe(self, value: float, **labels) -> None:
+        self._child(labels).observe(value)
+
+    def set(self, value: float, **labels) -> None:
+        self._child(labels).set(value)
+
+
+class _Value:
+    """A gauge's value, exported by the stats collector with the model name known at scrape time."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+class Metrics:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name  # the served model name (set by the app)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.stats: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        r, mn = self.registry, ["model_name"]
+
+        def counter(name, help, labels=()):
+            return _Bound(self, Counter(name, help, [*mn, *labels], registry=r))
+
+        def histogram(name, help, buckets):
+            return _Bound(self, Histogram(name, help, mn, registry=r, buckets=buckets))
+
+        self.prompt_tokens = counter("sglang:prompt_tokens", "prompt tokens of finished requests")
+        self.generation_tokens = counter("sglang:generation_tokens", "generated tokens of finished requests")
+        self.cached_tokens = counter("sglang:cached_tokens", "prompt tokens served from the prefix cache")
+        self.requests = counter("pdserve_requests", "finished HTTP requests by endpoint and status",
+                                ("endpoint", "status"))
+        self.aborted = counter("pdserve_aborted_requests", "requests aborted (client gone, abort_request, error)")
+        self.ttft = histogram("sglang:time_to_first_token_seconds", "time from arrival to the first token",
+                              LATENCY_BUCKETS)
+        self.e2e = histogram("sglang:e2e_request_latency_seconds", "time from arrival to the last token",
+                             LATENCY_BUCKETS)
+        self.itl = histogram("sglang:inter_token_latency_seconds", "time between two output tokens", ITL_BUCKETS)
+        self.tpot = histogram("sglang:time_per_output_token_seconds", "a request's decode time per output token "
+                              "after the first", ITL_BUCKETS)
+        self.healthy = _Value(1)
+        self.registry.register(_StatsCollector(self))
+
+    def set_stats(self, stats: dict[str, Any]) -> None:
+        with self._lock:
+            self.stats = dict(stats)
 
     def render(self) -> str:
-        lines: list[str] = []
-        for m in (self.requests, self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.aborted,
-                  self.ttft, self.e2e, self.itl, self.healthy, *self.stat_gauges.values(), self.queue_gauge):
-            lines.extend(m.render())
-        return "\n".join(lines) + "\n"
+        return generate_latest(self.registry).decode()

@@ -593,6 +593,9 @@ class TokenizerManager:
             m.aborted.inc()
         elif status < 400:
             m.e2e.observe(st.e2e_latency)
+            if st.first_token_time is not None and st.completion_tokens > 1:
+                decode_time = (st.finished_time or time.time()) - st.first_token_time
+                m.tpot.observe(decode_time / (st.completion_tokens - 1))
         fr = st.finish_reason or {}
         if st.span is not None:
             self.tracer.end(st.span, {"http.response.status_code": status, "pdserve.prompt_tokens": st.prompt_tokens,

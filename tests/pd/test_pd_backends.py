@@ -166,7 +166,7 @@ def test_server_info_and_metrics(pair):
         assert key in dinfo["stats"]
     assert dinfo["stats"]["transfer_bytes"] > 0 and info["stats"]["transfer_bytes"] > 0
     status, text = http_get(pair.decode.url + "/metrics")
-    assert status == 200 and b'pdserve_num_queue_reqs{queue="prealloc"}' in text
+    assert status == 200 and b'queue="prealloc"' in text and b"pdserve_queue_reqs{" in text
     status, load = http_get(pair.decode.url + "/get_load")
     assert status == 200 and json.loads(load)[0]["num_reqs"] == 0
 

@@ -185,7 +185,7 @@ def _views(router) -> dict:
 
 def _cached(url: str) -> float:
     """Prompt tokens the node served from its prefix cache so far (the decode's answer does not tell)."""
-    return metric_total(url, "pdserve_cached_tokens_total")
+    return metric_total(url, "sglang:cached_tokens_total")
 
 
 def _gen(router, ids) -> dict:
@@ -262,7 +262,7 @@ def test_garbage_events_do_not_stop_the_router(workers, make_router):
         assert r.post("/generate", {"input_ids": list(range(40))})[0] == 200  # text-less routing by ids works
         assert r.post("/generate", {"input_ids": [2**63 + 5]})[0] == 200  # unhashable ids: routed by the tree
         code, _, metrics = http("GET", r.url + "/metrics")
-        assert f'pdserve_router_kv_events_total{{worker="{p.url}",kind="dropped_frames"}}' in metrics.decode()
+        assert f'pdserve_router_kv_events_total{{kind="dropped_frames",worker="{p.url}"}}' in metrics.decode()
     finally:
         pub.close()
 

@@ -20,7 +20,7 @@ def _metric(r, name: str) -> float:
     _, _, body = http("GET", r.url + "/metrics")
     for line in body.decode().splitlines():
         key, _, value = line.rpartition(" ")
-        if key == name:
+        if key == name or key == name + "_total":
             return float(value)
     raise AssertionError(f"{name} not in /metrics")
 

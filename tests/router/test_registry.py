@@ -25,7 +25,7 @@ def test_registration_reads_server_info(workers, make_router):
     loads = get_json(r.url + "/get_loads")["workers"]
     assert {x["worker"] for x in loads} == {p.url, d.url} and all(x["load"] == 0 for x in loads)
     metrics = http("GET", r.url + "/metrics")[2].decode()
-    assert "pdserve_router_worker_healthy" in metrics
+    assert f'smg_worker_health{{worker="{p.url}"}} 1.0' in metrics
 
 
 def test_explicit_none_bootstrap_port_is_null(workers, make_router):

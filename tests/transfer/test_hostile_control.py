@@ -417,7 +417,7 @@ def test_guard_counters_reach_the_stats_and_metrics(cluster):
         assert key in stats
     metrics = Metrics()
     metrics.set_stats({**stats, "control_dropped_oversized": 5})
-    assert "pdserve_control_dropped_oversized 5" in metrics.render()
+    assert 'pdserve_control_dropped_oversized_total{model_name=""} 5.0' in metrics.render()
 
 
 # ---------------------------------------------------------------------------------------------- sockets

@@ -320,34 +320,35 @@ def test_info_endpoints(node, client):
 
 
 def test_metrics_parse(node):
+    from prometheus_client.parser import text_string_to_metric_families
+
     generate(node, {"text": PROMPTS[0], "sampling_params": greedy(3)})
     status, body = http_get(node.url + "/metrics")
     assert status == 200
-    sample = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="[^"]*",?)*\})? (\S+)$')
-    values: dict[str, float] = {}
-    types: dict[str, str] = {}
-    for line in body.decode().splitlines():
-        if line.startswith("# TYPE"):
-            _, _, name, kind = line.split()
-            types[name] = kind
-            continue
-        if line.startswith("#") or not line:
-            continue
-        m = sample.match(line)
-        assert m, line
-        values[line.rsplit(" ", 1)[0]] = float(m.group(4))
-    assert types["pdserve_requests"] == "counter"
-    assert types["pdserve_time_to_first_token_seconds"] == "histogram"
-    assert values['pdserve_requests_total{endpoint="generate",status="200"}'] >= 1
-    assert values["pdserve_generation_tokens_total"] >= 3
-    assert values["pdserve_prompt_tokens_total"] >= 1
-    assert values["pdserve_e2e_request_latency_seconds_count"] >= 1
-    assert values['pdserve_time_to_first_token_seconds_bucket{le="+Inf"}'] >= 1
-    assert "pdserve_inter_token_latency_seconds_count" in values
-    for g in ("kv_free_tokens", "kv_evictable_tokens", "req_slots_free", "num_running_reqs", "num_waiting_reqs"):
-        assert f"pdserve_{g}" in values, g
-    assert any(k.startswith("pdserve_num_queue_reqs{") for k in values)
-    assert values["pdserve_healthy"] == 1
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    # every series names the served model, as SGLang's do
+    assert all(s.labels.get("model_name") == "tiny" for f in families.values() for s in f.samples)
+
+    def value(family, suffix="", **labels):
+        return sum(s.value for s in families[family].samples
+                   if s.name == family + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert families["sglang:prompt_tokens"].type == "counter" and value("sglang:prompt_tokens", "_total") >= 1
+    assert value("sglang:generation_tokens", "_total") >= 3
+    assert families["pdserve_requests"].type == "counter"
+    assert value("pdserve_requests", "_total", endpoint="generate", status="200") >= 1
+    for h in ("sglang:time_to_first_token_seconds", "sglang:e2e_request_latency_seconds",
+              "sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds",
+              "pdserve_queue_time_seconds"):
+        assert families[h].type == "histogram", h
+    assert value("sglang:e2e_request_latency_seconds", "_count") >= 1
+    assert value("sglang:time_to_first_token_seconds", "_bucket", le="+Inf") >= 1
+    assert value("pdserve_queue_time_seconds", "_count") >= 1
+    for g in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
+              "sglang:gen_throughput", "pdserve_kv_free_tokens", "pdserve_queue_reqs"):
+        assert families[g].type == "gauge", g
+    assert families["pdserve_num_retractions"].type == "counter"
+    assert value("pdserve_healthy") == 1
 
 
 # ---------------------------------------------------------------------------------------------- aborts

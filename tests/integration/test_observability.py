@@ -1,4 +1,9 @@
-"""OpenTelemetry tracing across router → prefill → transfer → decode, received by a real OTLP/HTTP
+"""Observability of a router + prefill + decode cluster.
+
+Metrics: every endpoint's exposition parses with prometheus_client's parser, counters are counters, and
+every series SGLang's published Grafana dashboard queries is there, labelled with the model name.
+
+Tracing: OpenTelemetry spans across router → prefill → transfer → decode, received by a real OTLP/HTTP
 endpoint in the test (protobuf `ExportTraceServiceRequest`s decoded with opentelemetry-proto): one trace
 per request, the client's traceparent at its root, every hop and every queue stage a span in it, and the
 prefill's transfer span linked to the decode's request through the TransferInfo."""
@@ -149,3 +154,99 @@ def test_tracing_flags_are_checked(tiny_model_dir):
         ServerArgs(model=tiny_model_dir, otlp_traces_endpoint="localhost:4318").validate()
     with pytest.raises(ConfigError, match="--otlp-traces-endpoint: must be HOST:PORT or an http"):
         ServerArgs(model=tiny_model_dir, enable_trace=True, otlp_traces_endpoint="ftp://x").validate()
+
+
+# the series SGLang's Grafana dashboard (examples/monitoring/grafana/dashboards/json/sglang-dashboard.json)
+# queries: histograms by `le`, gauges by instance, the model picked by the `model_name` label
+DASHBOARD_SERIES = ["sglang:e2e_request_latency_seconds_bucket", "sglang:e2e_request_latency_seconds_sum",
+                    "sglang:e2e_request_latency_seconds_count", "sglang:time_to_first_token_seconds_bucket",
+                    "sglang:time_to_first_token_seconds_sum", "sglang:time_to_first_token_seconds_count",
+                    "sglang:num_running_reqs", "sglang:gen_throughput", "sglang:cache_hit_rate",
+                    "sglang:num_queue_reqs"]
+
+
+def scrape(url):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, headers, body = http("GET", url + "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+    return list(text_string_to_metric_families(body.decode()))
+
+
+def test_every_endpoint_exposes_parseable_typed_metrics(cluster):
+    status, _, body = http("POST", cluster.url + "/generate", {"text": "metrics", "sampling_params":
+                                                              {"max_new_tokens": 3}}, timeout=60)
+    assert status == 200, body
+    for node in cluster.nodes:
+        families = {f.name: f for f in scrape(node.url)}
+        samples = {s.name for f in families.values() for s in f.samples}
+        missing = [n for n in DASHBOARD_SERIES if n not in samples]
+        assert not missing, (node.name, missing)
+        models = {s.labels.get("model_name") for f in families.values() for s in f.samples}
+        assert len(models) == 1 and None not in models and "" not in models, models
+        for name, f in families.items():  # a counter is a counter: its samples end in _total (or _created)
+            if f.type == "counter":
+                assert all(s.name in (name + "_total", name + "_created") for s in f.samples), name
+        assert families["pdserve_kv_transfer_bytes"].type == "counter"
+        assert families["pdserve_kv_transfer_failures"].type == "counter"
+        causes = {s.labels["cause"] for s in families["pdserve_kv_transfer_failures"].samples}
+        assert causes == {"bootstrap", "transfer"}
+        assert families["pdserve_kv_transfer_latency_seconds"].type == "histogram"
+        queues = {s.labels["queue"] for s in families["pdserve_queue_reqs"].samples}
+        want = {"bootstrap", "waiting", "inflight"} if node.role == "prefill" else {"prealloc", "transfer", "waiting"}
+        assert want <= queues, (node.name, queues)
+    families = {f.name: f for f in scrape(cluster.url)}
+    assert families["smg_http_requests"].type == "counter"
+    assert families["smg_http_request_duration_seconds"].type == "histogram"
+    health = {s.labels["worker"]: s.value for s in families["smg_worker_health"].samples}
+    assert health == {n.url: 1.0 for n in cluster.nodes}
+    assert all(f.documentation for f in families.values())  # HELP on every family
+
+
+def test_dashboard_in_a_real_browser_lists_the_workers_and_follows_the_traffic(cluster):
+    """The router's /dashboard in headless Chromium (Debian's, driven by Selenium): every worker is listed
+    with its health and stage queues, and the request count and TTFT change as requests flow."""
+    import shutil
+
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.common.by import By
+
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not browser or not driver:
+        pytest.skip("no chromium / chromedriver (Debian packages chromium, chromium-driver; make setup installs them)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = browser
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        opts.add_argument(arg)
+    from selenium.webdriver.chrome.service import Service
+
+    page = webdriver.Chrome(options=opts, service=Service(driver))
+    try:
+        page.get(cluster.url + "/dashboard")
+
+        def text(id_):
+            return page.find_element(By.ID, id_).text
+
+        def until(cond, what, timeout=30.0):
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if cond():
+                    return
+                time.sleep(0.2)
+            raise AssertionError(f"dashboard: {what}; page says {page.find_element(By.TAG_NAME, 'body').text!r}")
+
+        until(lambda: len(page.find_elements(By.CSS_SELECTOR, "#workers tr")) == len(cluster.nodes), "worker rows")
+        rows = {r.get_attribute("data-url"): r.text for r in page.find_elements(By.CSS_SELECTOR, "#workers tr")}
+        assert set(rows) == {n.url for n in cluster.nodes}
+        for node in cluster.nodes:
+            assert "healthy" in rows[node.url] and "closed" in rows[node.url], rows[node.url]
+        assert "prealloc" in rows[cluster.decodes[0].url] and "bootstrap" in rows[cluster.prefills[0].url]
+        before = int(text("req-total"))
+        for _ in range(3):
+            status, _, body = http("POST", cluster.url + "/generate", {
+                "text": "dashboard", "stream": True, "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+            assert status == 200, body
+        until(lambda: int(text("req-total")) >= before + 3, "request count")
+        until(lambda: text("ttft").split(" / ")[0] not in ("-", ""), "TTFT")
+    finally:
+        page.quit()
