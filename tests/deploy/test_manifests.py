@@ -301,3 +301,32 @@ def test_check_command_rejects_unknown_flags():
         check_command(["pdserve", "router", "--pd-disaggregation", "--decode", "http://d:1", "--bogus"])
     with pytest.raises(AssertionError, match="not defined"):
         render(["--model", "$(NOT_SET)"], {})
+
+
+def test_pods_run_unprivileged_and_no_volume_hides_the_image_cache():
+    """The image's user (uid 10001) everywhere, no capabilities, no escalation; the model cache volume is
+    HF_HOME, not the path where the image keeps its converted model and compiled kernels."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    image_cache = re.search(r"PDSERVE_CACHE=(\S+)", dockerfile).group(1)
+    for docs in all_docs().values():
+        for d, c in containers(docs):
+            spec = d["spec"]["template"]["spec"]
+            pod = spec.get("securityContext", {})
+            assert pod.get("runAsNonRoot") is True and pod.get("runAsUser") == 10001, d["metadata"]["name"]
+            sc = c.get("securityContext", {})
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"] and not sc["capabilities"].get("add"), c["name"]
+            assert sc.get("allowPrivilegeEscalation") is False, c["name"]
+            for m in c.get("volumeMounts", []):
+                assert not image_cache.startswith(m["mountPath"].rstrip("/") + "/") and m["mountPath"] != image_cache, \
+                    f"{c['name']}: {m['mountPath']} hides the image's {image_cache}"
+
+
+def test_the_image_is_cpu_only_unprivileged_and_builds_from_a_clean_context():
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^USER 10001$", dockerfile, re.M), "the image runs as root"
+    assert "download.pytorch.org/whl/cpu" in dockerfile and "torch==2.13.0" in dockerfile
+    assert "gcc" in dockerfile  # the native kernels compile
+    installs = " ".join(re.findall(r"pip install[^&]*", dockerfile))
+    assert not re.search(r"nvidia-|cuda-|torch(?!==2\.13\.0)\S*cu\d", installs), installs
+    ignored = set((DEPLOY.parent / ".dockerignore").read_text().split())
+    assert {".git", ".venv", "tests", "bench/results"} <= ignored
