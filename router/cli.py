@@ -9,6 +9,7 @@ import sys
 from common.cluster_secret import load_configured, warn_unauthenticated
 from common.server.security import Keys, client_ssl_context, server_ssl_context
 from router.config import DEFAULT_REQUEST_ID_HEADERS, PrefillSpec, RouterConfig
+from router.discovery import parse_selector
 from router.registry import check_worker_url
 
 POLICIES = ["random", "round_robin", "cache_aware", "power_of_two"]
@@ -127,6 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
       "is off) refilled at this rate; each admitted request takes one (default: no rate limit)")
     a("--prometheus-host", default=d.prometheus_host, help="address of the metrics server (default: --host)")
     a("--prometheus-port", type=int, default=d.prometheus_port, help="0 disables the separate metrics server")
+    a("--service-discovery", action="store_true", help="follow the prefill and decode pods of a Kubernetes "
+      "cluster (Running and Ready pods matching --prefill-selector / --decode-selector join and leave the "
+      "registry; a prefill pod's bootstrap port from its sglang.ai/bootstrap-port annotation)")
+    a("--selector", nargs="+", default=None, help="sglang-router's selector of regular mode: refused (this router "
+      "is PD-only; use --prefill-selector and --decode-selector)")
+    a("--prefill-selector", nargs="+", default=None, metavar="KEY=VALUE", help="labels of the prefill pods")
+    a("--decode-selector", nargs="+", default=None, metavar="KEY=VALUE", help="labels of the decode pods")
+    a("--service-discovery-port", type=int, default=d.service_discovery_port,
+      help="port of the discovered pods' HTTP server")
+    a("--service-discovery-namespace", default=None, help="namespace to watch (default: every namespace, which "
+      "needs cluster-wide read access to pods)")
     a("--enable-trace", action="store_true", help="OpenTelemetry tracing: a span per request, its W3C traceparent "
       "passed to both legs, exported over OTLP/HTTP to --otlp-traces-endpoint")
     a("--otlp-traces-endpoint", default=None, help="OTLP/HTTP collector, HOST:PORT or URL (with --enable-trace; "
@@ -177,7 +189,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         raise ValueError("--worker-urls (regular mode) is not supported: this router is PD-only; "
                          "use --pd-disaggregation --prefill URL --decode URL")
     fields = set(RouterConfig.__dataclass_fields__)
-    kwargs = {k: v for k, v in vars(ns).items() if k in fields and k not in ("prefill", "decode")}
+    kwargs = {k: v for k, v in vars(ns).items()
+              if k in fields and k not in ("prefill", "decode", "prefill_selector", "decode_selector")}
     cfg = RouterConfig(**kwargs)
     cfg.prefill = [parse_prefill(v) for v in ns.prefill]
     cfg.decode = [check_worker_url(u.rstrip("/"), "--decode") for u in ns.decode]
@@ -191,6 +204,24 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     cfg.request_id_headers = tuple(h.lower() for h in ns.request_id_headers) if ns.request_id_headers \
         else DEFAULT_REQUEST_ID_HEADERS
     cfg.pd_disaggregation = True
+    if ns.selector:
+        raise ValueError("--selector selects the workers of sglang-router's regular mode; this router is PD-only: "
+                         "use --prefill-selector and --decode-selector")
+    cfg.prefill_selector = parse_selector(ns.prefill_selector, "--prefill-selector")
+    cfg.decode_selector = parse_selector(ns.decode_selector, "--decode-selector")
+    if cfg.service_discovery and not (cfg.prefill_selector and cfg.decode_selector):
+        raise ValueError("--service-discovery needs --prefill-selector and --decode-selector (key=value labels)")
+    if not cfg.service_discovery and (cfg.prefill_selector or cfg.decode_selector
+                                      or ns.service_discovery_namespace is not None):
+        raise ValueError("--prefill-selector, --decode-selector and --service-discovery-namespace have no effect "
+                         "without --service-discovery")
+    if not 1 <= cfg.service_discovery_port <= 65535:
+        raise ValueError(f"--service-discovery-port must be a port number, got {cfg.service_discovery_port}")
+    if cfg.service_discovery:
+        try:
+            import kubernetes  # noqa: F401
+        except ImportError:
+            raise ValueError("--service-discovery needs the kubernetes client: pip install 'pdserve[k8s]'") from None
     if cfg.otlp_traces_endpoint is not None and not cfg.enable_trace:
         raise ValueError("--otlp-traces-endpoint has no effect without --enable-trace")
     if cfg.enable_trace:

@@ -39,6 +39,12 @@ class RouterConfig:
     kv_events: bool = False
     kv_events_max_blocks: int | None = None  # None: twice the worker's KV capacity in pages
     kv_events_pending_secs: float = 10.0
+    # Kubernetes service discovery (router/discovery.py), sglang-router's flags
+    service_discovery: bool = False
+    prefill_selector: str = ""  # a label selector, "k=v,k2=v2"
+    decode_selector: str = ""
+    service_discovery_port: int = 80
+    service_discovery_namespace: str | None = None
     # OpenTelemetry (common/tracing.py)
     enable_trace: bool = False
     otlp_traces_endpoint: str | None = None  # default localhost:4318 with enable_trace

@@ -18,7 +18,7 @@ every abort, and its behaviour is set at runtime through `POST /debug/config`:
   info         extra fields of /server_info (e.g. a kv_events_endpoint)
 
 `GET /debug/received` returns {"requests": [...], "aborts": [...]}; `POST /debug/reset` clears them.
-Run: python workers.py --port P --role prefill|decode [--bootstrap-port N] [--no-record]
+Run: python workers.py --port P --role prefill|decode [--bootstrap-port N] [--no-record] [--host 127.x.y.z]
 """
 
 from __future__ import annotations
@@ -203,6 +203,7 @@ def main(argv=None) -> None:
     ap.add_argument("--role", choices=["prefill", "decode"], required=True)
     ap.add_argument("--bootstrap-port", type=int, default=None)
     ap.add_argument("--no-record", action="store_true", help="keep nothing (benchmarks)")
+    ap.add_argument("--host", default="127.0.0.1", help="loopback address to listen on (127.x.y.z: a pod's IP)")
     a = ap.parse_args(argv)
 
     async def make():
@@ -214,7 +215,7 @@ def main(argv=None) -> None:
         uvloop.install()
     except ImportError:
         pass
-    web.run_app(make(), host="127.0.0.1", port=a.port, access_log=None, print=None)
+    web.run_app(make(), host=a.host, port=a.port, access_log=None, print=None)
 
 
 if __name__ == "__main__":
