@@ -8,6 +8,7 @@ the pools take traffic from pdserve pods only."""
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 import secrets
@@ -53,17 +54,57 @@ def load_docs(path: Path) -> list[dict]:
 
 
 def all_docs() -> dict[str, list[dict]]:
-    return {str(p.relative_to(DEPLOY)): load_docs(p) for p in sorted(K8S.rglob("*.yaml"))}
+    """The base's files (deploy/k8s/*.yaml)."""
+    return {str(p.relative_to(DEPLOY)): load_docs(p) for p in sorted(K8S.glob("*.yaml"))}
+
+
+def merge(dst: dict, src: dict) -> None:
+    """The strategic-merge subset the overlays use: maps merge, lists of named maps merge by name, the
+    rest replaces."""
+    for k, v in src.items():
+        old = dst.get(k)
+        if isinstance(v, dict) and isinstance(old, dict):
+            merge(old, v)
+        elif isinstance(v, list) and isinstance(old, list) and all(isinstance(x, dict) and "name" in x
+                                                                  for x in v + old):
+            by_name = {x["name"]: x for x in old}
+            for x in v:
+                if x["name"] in by_name:
+                    merge(by_name[x["name"]], x)
+                else:
+                    old.append(copy.deepcopy(x))
+        else:
+            dst[k] = copy.deepcopy(v)
+
+
+def kustomize(folder: Path) -> list[dict]:
+    """What `kubectl kustomize folder` renders, for the resources + patches the overlays use."""
+    k = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    assert set(k) <= {"apiVersion", "kind", "resources", "patches"}, f"{folder}: a kustomize feature not rendered here"
+    docs: list[dict] = []
+    for res in k.get("resources", []):
+        path = (folder / res).resolve()
+        docs += kustomize(path) if path.is_dir() else load_docs(path)
+    for patch in k.get("patches", []):
+        (doc,) = load_docs((folder / patch["path"]).resolve())
+        target = patch.get("target") or {"kind": doc["kind"], "name": doc["metadata"]["name"]}
+        hits = [d for d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
+        assert len(hits) == 1, f"{folder}: patch {patch['path']} matches {len(hits)} objects"
+        merge(hits[0], doc)
+    return docs
+
+
+VARIANTS = ["base", "overlays/rdma-nixl", "overlays/rdma-mooncake"]
+
+
+def rendered(variant: str) -> list[dict]:
+    return kustomize(K8S if variant == "base" else K8S / variant)
 
 
 def config_maps() -> dict[str, dict]:
-    """file -> the pdserve-config data it defines (configmap.yaml and each values/*.yaml)."""
-    out = {}
-    for name, docs in all_docs().items():
-        for d in docs:
-            if d.get("kind") == "ConfigMap" and d["metadata"]["name"] == "pdserve-config":
-                out[name] = d["data"]
-    return out
+    """variant -> the pdserve-config data it renders."""
+    return {v: next(d["data"] for d in rendered(v) if d["kind"] == "ConfigMap" and d["metadata"]["name"] ==
+                    "pdserve-config") for v in VARIANTS}
 
 
 def containers(docs: list[dict]):
@@ -146,11 +187,11 @@ def test_every_manifest_loads_and_has_kind():
         assert (K8S / res).is_file(), res
 
 
-@pytest.mark.parametrize("values", ["k8s/configmap.yaml", "k8s/values/mooncake.yaml", "k8s/values/nixl.yaml"])
-def test_container_commands_use_only_accepted_flags(values, secret_files):
-    env = config_maps()[values]
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_container_commands_use_only_accepted_flags(variant, secret_files):
+    env = config_maps()[variant]
     seen = {}
-    for docs in all_docs().values():
+    for docs in [rendered(variant)]:
         for d, c in containers(docs):
             cenv = dict(env)
             cenv.update({e["name"]: str(e.get("value", "")) for e in c.get("env", []) if "value" in e})
@@ -175,7 +216,7 @@ def test_container_commands_use_only_accepted_flags(values, secret_files):
 
 
 def test_keys_and_cluster_secret_come_from_the_secret_as_files(secret_files):
-    env = config_maps()["k8s/configmap.yaml"]
+    env = config_maps()["base"]
     secret_key_of: dict[str, set[str]] = {}  # flag -> the Secret keys it is given, over all containers
     for docs in all_docs().values():
         for d, c in containers(docs):
@@ -203,7 +244,7 @@ def test_keys_and_cluster_secret_come_from_the_secret_as_files(secret_files):
                 assert parsed.cluster_secret is not None
     # one cluster secret and one node key: the same Secret key wherever it is passed
     assert all(len(keys) == 1 for keys in secret_key_of.values()), secret_key_of
-    assert not [k for k in config_maps()["k8s/configmap.yaml"] if re.search(r"KEY|SECRET", k)]
+    assert not [k for k in config_maps()["base"] if re.search(r"KEY|SECRET", k)]
 
 
 def test_pools_take_traffic_from_pdserve_pods_only():
@@ -227,7 +268,7 @@ def test_pools_take_traffic_from_pdserve_pods_only():
 def test_probes_ports_and_resources(secret_files):
     docs = {Path(n).name: ds for n, ds in all_docs().items()}
     services = {d["metadata"]["name"]: d for ds in docs.values() for d in ds if d["kind"] == "Service"}
-    env = config_maps()["k8s/configmap.yaml"]
+    env = config_maps()["base"]
     for name in ("prefill.yaml", "decode.yaml", "router.yaml"):
         for d, c in containers(docs[name]):
             probe = c["readinessProbe"]["httpGet"]
@@ -330,3 +371,66 @@ def test_the_image_is_cpu_only_unprivileged_and_builds_from_a_clean_context():
     assert not re.search(r"nvidia-|cuda-|torch(?!==2\.13\.0)\S*cu\d", installs), installs
     ignored = set((DEPLOY.parent / ".dockerignore").read_text().split())
     assert {".git", ".venv", "tests", "bench/results"} <= ignored
+
+
+def check_fields(value, type_name: str, where: str) -> None:
+    """`value` against the Kubernetes API type `type_name` as the official client's models describe it
+    (their openapi_types and attribute_map): an unknown field or a wrong type fails, which the client's
+    own deserializer would let pass (it drops unknown fields)."""
+    from kubernetes import client
+
+    if type_name.lower().startswith("list["):
+        assert isinstance(value, list), f"{where}: expected a list, got {value!r}"
+        for i, x in enumerate(value):
+            check_fields(x, type_name[5:-1], f"{where}[{i}]")
+    elif type_name.lower().startswith(("dict(", "dict[")):
+        assert isinstance(value, dict), f"{where}: expected a map, got {value!r}"
+        inner = type_name[type_name.index(",") + 1:-1].strip()
+        for k, x in value.items():
+            check_fields(x, inner, f"{where}.{k}")
+    elif type_name in ("str", "int", "bool", "float"):
+        want = {"str": str, "int": int, "bool": bool, "float": (int, float)}[type_name]
+        assert isinstance(value, want) and (type_name == "bool" or not isinstance(value, bool)), \
+            f"{where}: expected {type_name}, got {value!r}"
+    elif type_name == "object":  # int-or-string (ports), free-form
+        assert isinstance(value, str | int | dict), f"{where}: {value!r}"
+    else:
+        model = getattr(client, type_name)
+        assert isinstance(value, dict), f"{where}: expected a {type_name} object, got {value!r}"
+        fields = {v: k for k, v in model.attribute_map.items()}
+        for key, x in value.items():
+            assert key in fields, f"{where}.{key}: not a field of {type_name}"
+            check_fields(x, model.openapi_types[fields[key]], f"{where}.{key}")
+
+
+def check_object(doc: dict, where: str) -> None:
+    check_fields(doc, "V1" + doc["kind"], f"{where} {doc['kind']}/{doc['metadata']['name']}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rendered_manifests_validate_against_the_kubernetes_schemas(variant):
+    pytest.importorskip("kubernetes")
+    docs = rendered(variant)
+    assert {d["kind"] for d in docs} >= {"ConfigMap", "Service", "StatefulSet", "Deployment", "NetworkPolicy"}
+    for d in docs:
+        check_object(d, variant)
+    if variant != "base":  # what an RDMA overlay is for: an HCA and IPC_LOCK for the node pods, devices set
+        assert config_maps()[variant]["IB_DEVICE"]
+        for d, c in containers(docs):
+            if d["metadata"]["name"] in ("pdserve-prefill", "pdserve-decode"):
+                assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+                assert c["resources"]["limits"]["rdma/hca_shared_devices_a"] == "1"
+                assert c["resources"]["requests"]["memory"]  # the base's requests are kept
+
+
+def test_the_schema_check_catches_a_misspelled_field_and_a_wrong_type():
+    pytest.importorskip("kubernetes")
+    base = rendered("base")
+    sts = copy.deepcopy(next(d for d in base if d["kind"] == "StatefulSet"))
+    sts["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(AssertionError, match="readinesProbe: not a field of V1Container"):
+        check_object(sts, "test")
+    sts = copy.deepcopy(next(d for d in base if d["kind"] == "StatefulSet"))
+    sts["spec"]["replicas"] = "2"
+    with pytest.raises(AssertionError, match="replicas: expected int"):
+        check_object(sts, "test")
