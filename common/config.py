@@ -129,7 +129,8 @@ class ServerArgs:
     transfer_backend: str = _f("mooncake", "KV transfer backend",
                                ("--transfer-backend", "--disaggregation-transfer-backend"),
                                choices=("mooncake", "nixl", "ucx", "fake"))
-    disaggregation_decode_tp: int | None = _f(None, "decode TP size, set on the prefill side when it differs")
+    disaggregation_decode_tp: int | None = _f(None, "prefill: the decode TP size this node serves; a decode rank "
+                                              "of another TP size is refused at registration (default: any)")
     disaggregation_ib_device: str | None = _f(None, "RDMA device names for the transfer engine")
     disaggregation_prealloc_size: int | None = _f(
         None, "decode: requests that may hold preallocated KV (prealloc + transfer + waiting) at once, in "

@@ -89,8 +89,13 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--version"], ["-V"]):
+        from common.version import VERSION
+
+        print(f"pdserve {VERSION}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: pdserve <command> [options]\n\ncommands:")
+        print("usage: pdserve <command> [options]   (pdserve --version: the version)\n\ncommands:")
         for name, (help_, _) in COMMANDS.items():
             print(f"  {name:<10} {help_}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -33,6 +33,7 @@ from common.server.security import (
     client_ssl_context,
     server_ssl_context,
 )
+from common.version import VERSION
 from router import dashboard
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, NoWorkers, Trace, error_response
@@ -344,6 +345,9 @@ class RouterApp:
             return error_response(502, "; ".join(errors))
         return json_response({"status": "ok"})
 
+    async def version(self, request):
+        return json_response({"version": VERSION})
+
     async def health_generate(self, request):
         try:
             p, d = self.dispatcher.pick(None, ())
@@ -381,6 +385,7 @@ class RouterApp:
             *(Route("GET", p, self.model_info, summary="a prefill worker's model information")
               for p in ("/get_model_info", "/model_info")),
             Route("GET", "/health", self.health, access=OPEN, summary="liveness"),
+            Route("GET", "/version", self.version, access=OPEN, summary="the pdserve version"),
             Route("GET", "/liveness", self.health, access=OPEN, summary="liveness"),
             Route("GET", "/readiness", self.readiness, access=OPEN, summary="a prefill and a decode worker up"),
             Route("GET", "/health_generate", self.health_generate, access=OPEN,
@@ -388,7 +393,7 @@ class RouterApp:
             Route("GET", "/metrics", self.metrics_handler, access=OPEN, summary="Prometheus metrics (no secrets)"),
             Route("GET", "/dashboard", self.dashboard_page, access=OPEN, summary="the live cluster page (no data)"),
             Route("GET", "/dashboard/data", self.dashboard_data, summary="what the live cluster page shows"),
-        ], "pdserve router", "0.1.0")
+        ], "pdserve router", VERSION)
 
     def build(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_payload_size, middlewares=[self.middleware])

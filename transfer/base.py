@@ -189,6 +189,7 @@ class KVArgs:
     total_kv_heads: int = 0  # 0: kv_head_num * tp_size
     model: str = ""
     kv_layout: str = KV_LAYOUT
+    decode_tp: int = 0  # a prefill rank's --disaggregation-decode-tp: decode ranks of another TP are refused (0: any)
 
     def __post_init__(self) -> None:
         if self.total_kv_heads == 0:

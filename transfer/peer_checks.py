@@ -89,6 +89,9 @@ def _check_place(a: KVArgs, reg: RegisterPeer) -> str | None:
         return f"kv head count mismatch: prefill {a.total_kv_heads}, decode {reg.total_kv_heads}"
     if not 1 <= reg.tp_size <= MAX_TP:
         return _want(m, "tp_size", reg.tp_size, f"1..{MAX_TP}")
+    if a.decode_tp and reg.tp_size != a.decode_tp:
+        return f"decode tp {reg.tp_size} registered; this prefill node serves decode tp {a.decode_tp} only " \
+               "(--disaggregation-decode-tp)"
     if reg.total_kv_heads % reg.tp_size:
         return f"{reg.total_kv_heads} kv heads cannot be split over decode tp {reg.tp_size}"
     if not 0 <= reg.tp_rank < reg.tp_size:

@@ -61,6 +61,8 @@ def build_kv_manager(args, runner, metadata: MetadataBuffers, tp_rank: int, tp_s
     """The `role`'s KV manager for this rank's share of the KV heads (and hybrid state), with the
     node's timeouts (flags win over the environment); a prefill rank passes its `bootstrap_addr`."""
     kv_args = KVArgs.from_runner(runner, metadata, engine_rank=tp_rank, tp_size=tp_size)
+    if role == "prefill":
+        kv_args.decode_tp = getattr(args, "disaggregation_decode_tp", None) or 0
     where = {"bootstrap_addr": bootstrap_addr} if bootstrap_addr else {}
     return MANAGERS[role](kv_args, args.transfer_backend, settings=node_settings(args),
                           host=advertised_host(args.host), **where)

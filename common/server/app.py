@@ -39,10 +39,10 @@ from common.server.openapi import Route, access_of, access_table, add_routes, wi
 from common.server.security import ADMIN, BY_BODY, OPEN, PUBLIC, Denied, Keys, bearer_token, check_access
 from common.server.tokenizer_manager import QueueFull, ReqState, ServiceUnavailable, TokenizerManager
 from common.tracing import TRACEPARENT, incoming_traceparent
+from common.version import VERSION
 
 logger = logging.getLogger("server")
 
-VERSION = "0.1.0"
 KEYS_KEY = web.AppKey("keys", Keys)
 ACCESS_KEY = web.AppKey("access", dict)
 
@@ -346,6 +346,10 @@ async def handle_get_load(request: web.Request) -> web.Response:
                                "max_queued_requests": q["max_queued_requests"]}])
 
 
+async def handle_version(request: web.Request) -> web.Response:
+    return web.json_response({"version": VERSION})
+
+
 async def handle_metrics(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     if tm.healthy:
@@ -403,6 +407,7 @@ def node_routes() -> list[Route]:
               summary="abort one rid (public); abort_all is an admin call"),
         Route("POST", "/flush_cache", handle_flush_cache, access=ADMIN, summary="drop the prefix cache"),
         Route("GET", "/health", handle_health, access=OPEN, summary="liveness"),
+        Route("GET", "/version", handle_version, access=OPEN, summary="the pdserve version"),
         Route("GET", "/health_generate", handle_health_generate, access=OPEN, summary="readiness: runs one step"),
         Route("GET", "/metrics", handle_metrics, access=OPEN, summary="Prometheus metrics (no secrets)"),
     ], "pdserve node", VERSION)

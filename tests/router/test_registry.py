@@ -24,6 +24,9 @@ def test_registration_reads_server_info(workers, make_router):
     assert get_json(r.url + "/v1/models")["data"][0]["id"] == "test-model"
     loads = get_json(r.url + "/get_loads")["workers"]
     assert {x["worker"] for x in loads} == {p.url, d.url} and all(x["load"] == 0 for x in loads)
+    from importlib.metadata import version
+
+    assert get_json(r.url + "/version") == {"version": version("pdserve")}
     metrics = http("GET", r.url + "/metrics")[2].decode()
     assert f'smg_worker_health{{worker="{p.url}"}} 1.0' in metrics
 

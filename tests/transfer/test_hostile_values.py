@@ -145,6 +145,22 @@ def test_inconsistent_register_peer_fails_the_rooms_naming_it(pair, case):
     healthy(pair)
 
 
+def test_a_decode_tp_other_than_the_prefill_serves_is_refused(pair):
+    """--disaggregation-decode-tp on the prefill side: a registration of another decode TP size is refused."""
+    pair.prefill.args.decode_tp = 2  # the pair's decode ranks are tp 1
+    try:
+        register_attacker(pair)
+        room = next(_rooms)
+        send = KVSender(pair.prefill, room)
+        send.init(2, 0)
+        pair.attacker.send(pair.prefill.address, good_info(pair, room, 2))
+        assert wait(lambda: send.poll() == KVPoll.Failed)
+        assert "serves decode tp 2 only (--disaggregation-decode-tp)" in send.failure_exception().reason
+    finally:
+        pair.prefill.args.decode_tp = 0
+    healthy(pair)
+
+
 # ------------------------------------------------------------------------------------- TransferInfo
 INFO_CASES = {
     "page past the pool": ({"dst_page_indices": [20, 32]}, "dst_page_indices[1] = 32, expected 1..31"),

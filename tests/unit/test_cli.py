@@ -51,3 +51,10 @@ def test_every_flag_of_every_command_has_help_and_shows_its_default(monkeypatch)
         assert issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter), argv
         bare = [a.option_strings or a.dest for a in parser._actions if not (a.help or "").strip()]
         assert not bare, (argv, bare)
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"pdserve {version('pdserve')}"

@@ -442,3 +442,10 @@ def test_sigterm_exits_cleanly(node):
     assert out["meta_info"]["completion_tokens"] == 2
     assert node.stop() == 0
     assert "stopped" in node.log_text()
+
+
+def test_version_endpoint(node):
+    from importlib.metadata import version
+
+    assert get_json(node, "/version") == {"version": version("pdserve")}
+    assert get_json(node, "/server_info")["version"] == version("pdserve")
