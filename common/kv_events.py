@@ -211,10 +211,10 @@ class KVEventPublisher:
                 if payload is None:
                     return
                 seq_bytes = seq.to_bytes(8, "big")
+                self.batches_published += 1  # counted first: a subscriber never sees a batch the stats miss
                 self._pub.send_multipart((topic, seq_bytes, payload))
                 buffer.append((seq_bytes, payload))
                 seq += 1
-                self.batches_published += 1
         except Exception:
             logger.exception("the KV event publisher stopped")
         finally:

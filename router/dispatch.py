@@ -103,6 +103,7 @@ class Trace:
     first_byte: float = 0.0
     traceparent: str | None = None  # the router's span, parent of both legs' spans (--enable-trace)
     events: int = 0  # SSE events relayed to the client (the dashboard's TPOT)
+    decode_failed: bool = False  # the decode's stream carried an error event
 
 
 def leg_failure(status: int, leg: str, w: Worker, body: bytes, ctype: str | None,
@@ -472,6 +473,8 @@ class Dispatcher:
             reason = await self._relay(out, resp, first, merger, p_task, p, trace)
             if reason is None:
                 clean = True
+                if trace.decode_failed:  # its decode will not take the KV: the prefill leg must not wait for it
+                    self._abandon(p_task, p, ids)
             elif reason != "client":
                 upstream_broken = True
                 self.metrics.stream_errors += 1
@@ -520,12 +523,18 @@ class Dispatcher:
             p_task.add_done_callback(prefill_done)
         elif self._failure(p_task, p, "prefill") is not None:
             return "prefill leg failed"
+        tail = b""
         try:
             while data:
                 if merger is not None:
                     data = merger.feed(data)
                 if data:
                     trace.events += data.count(b"data: ")
+                    # an error event: the decode's request failed after its stream began (as a JSON key,
+                    # the quote before `error` is never escaped; the tail covers a key split across reads)
+                    if b'"error":' in tail + data:
+                        trace.decode_failed = True
+                    tail = data[-8:]
                     try:
                         await out.write(data)
                     except ConnectionError:

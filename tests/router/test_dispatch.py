@@ -188,6 +188,20 @@ def test_decode_failure_aborts_prefill_leg(workers, make_router):
     assert len(d1.requests()) == 2
 
 
+def test_a_decode_stream_ending_in_an_error_aborts_the_waiting_prefill_leg(workers, make_router):
+    """A decode whose request failed after its stream began (its transfer failed: the prefill it talked to
+    had restarted) ends the stream with an error event; its prefill leg would wait for a TransferInfo until
+    its bootstrap timeout, so the router aborts it instead of waiting."""
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin")
+    p.config(hold=-1)
+    d.config(error_event=True)
+    status, _, body = r.post("/generate", {"text": "hi", "stream": True})
+    assert status == 200 and b'"error":' in body and body.rstrip().endswith(b"data: [DONE]")
+    wait_until(lambda: p.aborts() == [d.requests()[0]["body"]["rid"]], what="the prefill leg aborted")
+    p.release()
+
+
 def test_mid_stream_failure_is_sse_error_then_done(workers, make_router):
     p, d = workers["p"][0], workers["d"][0]
     r = make_router([p], [d], "--policy", "round_robin")

@@ -15,6 +15,8 @@ every abort, and its behaviour is set at runtime through `POST /debug/config`:
   load         num_tokens reported by /get_load
   retry_after  Retry-After header of error answers (None: none)
   err_type     X-PD-Error-Type header of error answers (None: none), the cause a node names
+  error_event  a streamed answer ends with an SSE error event after its chunks (as a node whose request
+               failed after its stream began), then [DONE]
   info         extra fields of /server_info (e.g. a kv_events_endpoint)
 
 `GET /debug/received` returns {"requests": [...], "aborts": [...]}; `POST /debug/reset` clears them.
@@ -32,7 +34,7 @@ from aiohttp import web
 
 DEFAULTS = {"status": 200, "health": 200, "hold": 0, "delay": 0.0, "chunks": 3, "chunk_delay": 0.0,
             "break_after": -1, "load": 0, "retry_after": None, "err_type": None,
-            "info": {}}
+            "error_event": False, "info": {}}
 
 
 class Recorder:
@@ -169,6 +171,9 @@ class Recorder:
             await resp.write(b"data: " + json.dumps(self._answer(request.path, body, rid, i)).encode() + b"\n\n")
             if cfg["chunk_delay"]:
                 await asyncio.sleep(cfg["chunk_delay"])
+        if cfg["error_event"]:
+            await resp.write(b'data: {"error": {"message": "KV transfer failed", "type": "server_error", '
+                             b'"code": 500}}\n\n')
         await resp.write(b"data: [DONE]\n\n")
         entry["done"] = True
         await resp.write_eof()

@@ -319,6 +319,13 @@ def test_info_endpoints(node, client):
     assert code == 200, body
 
 
+def test_version_endpoint(node):
+    from importlib.metadata import version
+
+    assert get_json(node, "/version") == {"version": version("pdserve")}
+    assert get_json(node, "/server_info")["version"] == version("pdserve")
+
+
 def test_metrics_parse(node):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -443,9 +450,3 @@ def test_sigterm_exits_cleanly(node):
     assert node.stop() == 0
     assert "stopped" in node.log_text()
 
-
-def test_version_endpoint(node):
-    from importlib.metadata import version
-
-    assert get_json(node, "/version") == {"version": version("pdserve")}
-    assert get_json(node, "/server_info")["version"] == version("pdserve")

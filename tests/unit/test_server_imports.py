@@ -48,4 +48,4 @@ def test_router_imports_no_torch():
     # common/server/security.py (keys, TLS) and openapi.py (route tables) are torch-free and shared with nodes
     assert set(out.stdout.split()) <= {"common", "common.protocol", "common.openai_params", "common.log",
                                        "common.server", "common.server.security", "common.server.openapi",
-                                       "common.cluster_secret"}
+                                       "common.cluster_secret", "common.version"}
