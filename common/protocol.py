@@ -16,7 +16,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -34,13 +34,25 @@ def decode_json(body: bytes, type_: type) -> Any:
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as e:
-        raise BadRequest(_with_path(str(e))) from None
+        raise BadRequest(validation_message(e)) from None
     except msgspec.DecodeError as e:
         raise BadRequest(f"malformed JSON: {e}") from None
 
 
-def _with_path(message: str) -> str:
-    """msgspec names the JSON path of a bad field ("... - at `$.x`") except for the body itself."""
+_UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
+
+
+def validation_message(e: msgspec.ValidationError, where: str = "") -> str:
+    """msgspec's message with the JSON path of the bad field (it names it "... - at `$.x`", except for
+    the body itself); an unknown field is named as a path of its own: requests are strict, a field this
+    server does not know or support is refused rather than dropped."""
+    message = str(e)
+    m = _UNKNOWN.fullmatch(message)
+    if m:
+        path = ".".join(x for x in (where, m.group(2) or "", m.group(1)) if x)
+        return f"`{path}` is not a field this server knows or supports"
+    if where:
+        return message.replace("- at `$", f"- at `{where}") if " - at `$" in message else f"{message} - at `{where}`"
     return message if " - at `$" in message else f"request body: {message} - at `$`"
 
 
@@ -48,7 +60,7 @@ def convert(obj: Any, type_: type, where: str) -> Any:
     try:
         return msgspec.convert(obj, type=type_)
     except msgspec.ValidationError as e:
-        raise BadRequest(f"{e} (in `{where}`)") from None
+        raise BadRequest(validation_message(e, where)) from None
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -66,10 +78,33 @@ ERR_TYPE_HEADER = "X-PD-Error-Type"
 KV_TRANSFER_FAILED = "kv_transfer"
 
 
+_PATH = re.compile(r" - at `\$\.([^`]+)`")
+_NAMED = re.compile(r"`\$?\.?([A-Za-z_][A-Za-z0-9_.\[\]]*)`")
+_CODES = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large", 429: "rate_limit_exceeded"}
+
+
+def error_param(message: str) -> str | None:
+    """The request field an error message names (the JSON path msgspec gives, else the first
+    `field` in backquotes), as OpenAI's `param`."""
+    m = _PATH.search(message) or _NAMED.search(message)
+    return m.group(1) if m else None
+
+
 def error_body(status: int, message: str) -> dict[str, Any]:
-    """Every HTTP error of a node or the router, in OpenAI's shape: {"error": {message, type, code}}."""
+    """Every HTTP error of a node or the router, in OpenAI's shape: {"error": {message, type, param,
+    code}}: `param` the field a 400 names, `code` a string (`invalid_value`, `unknown_parameter`,
+    `context_length_exceeded`, `rate_limit_exceeded`, ...) or null, as OpenAI's API answers."""
     type_ = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": type_, "code": status}}
+    param = error_param(message) if status == 400 else None
+    code = _CODES.get(status)
+    if status == 400:
+        if "is not a field this server knows" in message:
+            code = "unknown_parameter"
+        elif "context length" in message or "context window" in message:
+            code = "context_length_exceeded"
+        else:
+            code = "invalid_value" if param else "invalid_request"
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,6 +139,16 @@ def check_rid(rid: str, where: str = "rid") -> None:
     some log viewers break lines there)."""
     if "\u2028" in rid or "\u2029" in rid:
         raise BadRequest(f"`{where}` must not contain a line or paragraph separator (U+2028/U+2029)")
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def check_request_id(value: str, where: str = "X-Request-ID") -> str:
+    """A client's request id (a header) held to the `RequestId` rule: it becomes the rid of every log line."""
+    if not value or len(value) > MAX_RID_LENGTH or _CONTROL.search(value):
+        raise BadRequest(f"`{where}` must have 1 to {MAX_RID_LENGTH} characters and no control characters")
+    return value
 
 
 def normalize_host(host: str, where: str = "bootstrap_host") -> str:
@@ -145,7 +190,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LENGTH = 256  # characters
 MAX_STOP_TOKEN_IDS = 256
 
-UNSUPPORTED_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias")
+MAX_N = 64  # copies of one prompt (`n`); each is a request of its own in the queue
+MAX_LOGIT_BIAS = 300  # entries of `logit_bias` (OpenAI's own limit)
+MAX_GRAMMAR_LENGTH = 65536  # characters of a json_schema / regex / ebnf
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -160,13 +207,18 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     repetition_penalty: float = 1.0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # regular expressions (Python `re`) searched in the output text: a match ends the request as `stop`
+    # does, the text cut before the match (kept with no_stop_trim)
+    stop_regex: str | list[str] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
     seed: int | None = None
-    # accepted and refused with a clear message (structured output is not built)
+    # token id (as a string, OpenAI's shape) -> value added to its logit, -100..100
+    logit_bias: dict[str, float] | None = None
+    # structured output: at most one of them; the output is constrained to the grammar (xgrammar)
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -175,6 +227,22 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def stop_regexes(self) -> list[str]:
+        if self.stop_regex is None:
+            return []
+        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex)
+
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, source) of the request's grammar: kind is json_schema, regex or ebnf."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            source = getattr(self, kind)
+            if source is not None:
+                return kind, source
+        return None
+
+    def logit_bias_items(self) -> list[tuple[int, float]]:
+        return [(int(k), float(v)) for k, v in (self.logit_bias or {}).items()]
 
     def verify(self, where: str = "sampling_params") -> None:
         """Raise BadRequest naming the field when a value is out of range."""
@@ -200,8 +268,19 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                 raise bad(name, f"must be in [-2, 2], got {v}")
         if not 0 < self.repetition_penalty <= 2:
             raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
-        if self.n != 1:
-            raise bad("n", "only n=1 is supported")
+        if not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be in [1, {MAX_N}], got {self.n}")
+        self._verify_stops(bad)
+        self._verify_logit_bias(bad)
+        kinds = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        if len(kinds) > 1:
+            raise bad(kinds[1], f"cannot be combined with `{kinds[0]}`: give one grammar")
+        for k in kinds:
+            source = getattr(self, k)
+            if not source or len(source) > MAX_GRAMMAR_LENGTH:
+                raise bad(k, f"must have 1 to {MAX_GRAMMAR_LENGTH} characters, got {len(source)}")
+
+    def _verify_stops(self, bad) -> None:
         stops = self.stop_strings()
         if len(stops) > MAX_STOP_STRINGS:
             raise bad("stop", f"has {len(stops)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
@@ -211,24 +290,44 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                 raise bad(name, "must not be an empty string")
             if len(s) > MAX_STOP_STRING_LENGTH:
                 raise bad(name, f"has {len(s)} characters; a stop string has at most {MAX_STOP_STRING_LENGTH}")
+        regexes = self.stop_regexes()
+        if len(regexes) > MAX_STOP_STRINGS:
+            raise bad("stop_regex", f"has {len(regexes)} patterns; at most {MAX_STOP_STRINGS} are allowed")
+        for i, s in enumerate(regexes):
+            name = "stop_regex" if isinstance(self.stop_regex, str) else f"stop_regex[{i}]"
+            if not s or len(s) > MAX_STOP_STRING_LENGTH:
+                raise bad(name, f"must have 1 to {MAX_STOP_STRING_LENGTH} characters")
+            try:
+                if re.compile(s).match(""):
+                    raise bad(name, "matches the empty string, so it would stop every request at once")
+            except re.error as e:
+                raise bad(name, f"is not a valid regular expression: {e}") from None
         if self.stop_token_ids:
             if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
                 raise bad("stop_token_ids", f"has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
                           "are allowed")
             if any(t < 0 for t in self.stop_token_ids):
                 raise bad("stop_token_ids", "must be non-negative token ids")
-        for name in ("json_schema", "regex", "ebnf"):
-            if getattr(self, name) is not None:
-                raise bad(name, "structured output is not supported by this server")
+
+    def _verify_logit_bias(self, bad) -> None:
+        if not self.logit_bias:
+            return
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        for k, v in self.logit_bias.items():
+            if not k.isdigit() or len(k) > 9:
+                raise bad(f"logit_bias.{k[:32]}", "must be keyed by a token id (a non-negative integer as a string)")
+            if not (math.isfinite(v) and -100 <= v <= 100):
+                raise bad(f"logit_bias.{k}", f"must be a number in [-100, 100], got {v}")
 
 
 # --------------------------------------------------------------------------------------------
 # HTTP: SGLang native /generate
 
 
-class GenerateRequest(msgspec.Struct, omit_defaults=True):
-    """SGLang's GenerateReqInput. Unknown top-level fields are ignored (routers add their own);
-    `sampling_params` is strict."""
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """SGLang's GenerateReqInput: the fields this server honours. Strict: any other field (image_data,
+    lora_path, return_hidden_states, ...) is a 400 naming it, never dropped."""
 
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None
@@ -259,13 +358,34 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class ChatMessage(msgspec.Struct, omit_defaults=True):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # an assistant turn's calls and a tool turn's answer to one of them
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
-class _OpenAICommon(msgspec.Struct, omit_defaults=True, kw_only=True):
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    schema: dict[str, Any] | None = None  # none: any JSON value
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON valid for a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _OpenAICommon(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """The fields of OpenAI's completion APIs this server honours, plus SGLang's extensions. Strict: a
+    field not here is a 400 naming it."""
+
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -277,7 +397,7 @@ class _OpenAICommon(msgspec.Struct, omit_defaults=True, kw_only=True):
     seed: int | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id: logged with the request's rid
     logit_bias: dict[str, float] | None = None
     # SGLang extensions
     top_k: int = -1
@@ -288,10 +408,14 @@ class _OpenAICommon(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    rid: RequestId | None = None
-    bootstrap_host: BootstrapHost | None = None
-    bootstrap_port: BootstrapPort | None = None
-    bootstrap_room: BootstrapRoom | None = None
+    stop_regex: str | list[str] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    # a PD router sends one entry per item when the request has several (a list of prompts, or n > 1)
+    rid: RequestId | list[RequestId] | None = None
+    bootstrap_host: BootstrapHost | list[BootstrapHost] | None = None
+    bootstrap_port: BootstrapPort | list[BootstrapPort] | None = None
+    bootstrap_room: BootstrapRoom | list[BootstrapRoom] | None = None
     priority: Priority | None = None
 
 
@@ -300,11 +424,6 @@ class CompletionRequest(_OpenAICommon, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    # a PD router sends one entry per prompt when `prompt` is a list of prompts (as sglang-router does)
-    rid: RequestId | list[RequestId] | None = None
-    bootstrap_host: BootstrapHost | list[BootstrapHost] | None = None
-    bootstrap_port: BootstrapPort | list[BootstrapPort] | None = None
-    bootstrap_room: BootstrapRoom | list[BootstrapRoom] | None = None
 
 
 class ChatCompletionRequest(_OpenAICommon, kw_only=True):
@@ -313,7 +432,10 @@ class ChatCompletionRequest(_OpenAICommon, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class AbortHTTPRequest(msgspec.Struct):

@@ -18,6 +18,7 @@ import torch
 
 from common.config import ServerArgs
 from common.forward_batch import ForwardBatch, ForwardMode
+from common.grammar import apply_grammars
 from common.hybrid import HybridSupport
 from common.layers.sampling import SampleOutput, Sampler, SamplingBatchInfo
 from common.memory.allocator import TokenToKVPoolAllocator
@@ -143,6 +144,9 @@ class ModelRunner:
             picked = logits  # every row, in order: no copy (logits are not used after sampling)
         else:
             picked = logits[torch.tensor(rows, dtype=torch.int64)]
+        grammars = [r.grammar for r in sreqs]
+        if any(g is not None for g in grammars):
+            apply_grammars(picked, grammars)  # only what each grammar allows next can be drawn
         s = self.sample(picked, info, nums, return_logprob=want_lp)
         ids = s.next_token_ids.tolist()
         lp = s.logprobs.tolist() if s.logprobs is not None else None

@@ -216,9 +216,13 @@ class DecodeRole(PDRole):
         t.row, t.pages = None, None
         first = meta["first_token_id"]
         req.cached_tokens = meta["cached_tokens"]
+        off_grammar = None
         if req.max_new_tokens > 0:
             req.output_ids = [first]
             skip_draws(req.generator, req.sampling, 1)  # the prefill node drew the first token
+            # the prefill node sampled it under the same grammar: the matcher here starts from it
+            if req.grammar is not None and not req.grammar.accept(first):
+                off_grammar = f"the prefill node's first token {first} is outside the request's grammar"
             if req.return_logprob:
                 req.output_logprobs = [(meta["logprob_val"], first)]
                 if req.top_logprobs_num > 0:
@@ -228,6 +232,8 @@ class DecodeRole(PDRole):
         self.transfer.move(t, self.waiting)
         logger.info("rid=%s room=%d waiting: KV received (%d pages) in %.3fs, first token %d", req.rid, t.room,
                     t.num_pages, latency, first)
+        if off_grammar is not None:
+            self.sched.finish_requests(req.rid, FinishStatus.abort(off_grammar, 500))
 
     def _admit(self) -> None:
         """Received requests join the running batch while running slots are free."""

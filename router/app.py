@@ -22,6 +22,7 @@ from common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    check_request_id,
 )
 from common.server.openapi import Route, access_of, access_table, add_routes, with_openapi
 from common.server.security import (
@@ -159,6 +160,11 @@ class RouterApp:
             rid = uuid.uuid4().hex
         request["request_id"] = rid
         try:
+            check_request_id(rid, "X-Request-ID")
+        except BadRequest as e:
+            request["request_id"] = uuid.uuid4().hex
+            return error_response(400, str(e), headers={"X-Request-ID": request["request_id"]})
+        try:
             check_access(access_of(request, self.access), request.path, bearer_token(headers), request.remote,
                          self.keys, accept_node_key=False)
         except Denied as e:
@@ -169,7 +175,7 @@ class RouterApp:
         except web.HTTPException as e:
             resp = error_response(e.status, e.reason)
         if not resp.prepared:
-            resp.headers["X-Request-ID"] = rid
+            resp.headers["X-Request-ID"] = request["request_id"]
         return resp
 
     # ---------------------------------------------------------------------------- generation
@@ -203,6 +209,8 @@ class RouterApp:
             except BadRequest as e:
                 trace.status = status = 400
                 return error_response(400, str(e))
+            if isinstance(req.client_rid, str):  # the body's rid names the request on every process
+                rid = request["request_id"] = req.client_rid
             resp = await self.dispatcher.handle(request, req, rid, trace)
             status = trace.status
             return resp
@@ -277,6 +285,24 @@ class RouterApp:
             except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError):
                 continue
         return None
+
+    async def tokenize(self, request):
+        """/tokenize and /detokenize: answered by a prefill worker (every worker has the model's tokenizer)."""
+        workers = [w for w in self.registry.prefill if w.available] or self.registry.prefill
+        if not workers:
+            return error_response(503, "no prefill server available")
+        try:
+            body = await read_body(request, self.cfg.max_payload_size)
+        except Rejected as e:
+            return error_response(e.status, e.message, headers=e.headers)
+        try:
+            async with self.session.post(workers[0].url + request.path, data=body, headers={
+                    **self.registry.auth, "Content-Type": "application/json",
+                    "X-Request-ID": request["request_id"]},
+                    timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_secs)) as r:
+                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            return error_response(502, f"tokenizing on {workers[0].url} failed: {e}")
 
     async def server_info(self, request):
         info = await self._first_prefill_get(("/server_info", "/get_server_info"))
@@ -379,6 +405,10 @@ class RouterApp:
             Route("DELETE", "/workers/{id:.+}", self.remove_worker, access=ADMIN, summary="remove a worker"),
             Route("POST", "/flush_cache", self.flush_cache, access=ADMIN, summary="flush every worker's cache"),
             Route("GET", "/v1/models", self.models, summary="the served model"),
+            *(Route("POST", p, self.tokenize, summary="text or chat messages to token ids (a prefill worker's)")
+              for p in ("/tokenize", "/v1/tokenize")),
+            *(Route("POST", p, self.tokenize, summary="token ids to text (a prefill worker's)")
+              for p in ("/detokenize", "/v1/detokenize")),
             Route("GET", "/get_loads", self.get_loads, summary="every worker's load"),
             *(Route("GET", p, self.server_info, summary="a prefill worker's server information")
               for p in ("/get_server_info", "/server_info")),

@@ -343,7 +343,7 @@ class Dispatcher:
                 failure = Failure(503, str(e))
                 continue
             trace.prefill, trace.decode = p.url, d.url
-            rids = new_rids(req, attempt)
+            rids = new_rids(req, attempt, request_id)
             payload, _ = inject(req, p, rids)
             if req.stream:
                 result = await self._attempt_stream(request, req, p, d, payload, headers, rids, request_id, trace)

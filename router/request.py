@@ -21,6 +21,7 @@ from common.protocol import (
     decode_json,
     item_rids,
     normalize_hosts,
+    validation_message,
 )
 from router.registry import Worker
 
@@ -61,7 +62,7 @@ def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
     try:
         req = msgspec.convert(obj, _TYPES[path])
     except msgspec.ValidationError as e:
-        raise BadRequest(str(e)) from None
+        raise BadRequest(validation_message(e)) from None
     # a client's bootstrap_host/port/room are checked with the nodes' rule (the struct types bound the
     # port and room), then replaced by the router's own in `inject`, as sglang-router does
     normalize_hosts(req.bootstrap_host)
@@ -87,6 +88,10 @@ def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
                 _verify_sampling(one, f"sampling_params[{i}]")
         elif sp is not None:
             _verify_sampling(sp, "sampling_params")
+        copies = {one.get("n", 1) for one in (sp if isinstance(sp, list) else [sp or {}])}
+        if len(copies) > 1:
+            raise BadRequest("`sampling_params.n` must be the same for every prompt of a batch")
+        n = copies.pop()
         return_logprob = any(req.return_logprob) if isinstance(req.return_logprob, list) else req.return_logprob
         if need_text:
             if req.text is not None:
@@ -103,6 +108,7 @@ def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
         elif not p:
             raise BadRequest("`prompt` must not be empty")
         sampling_params(req, _NO_LIMIT)
+        n = req.n
         return_logprob = req.logprobs is not None
         if need_text:
             first = p[0] if batch else p
@@ -111,26 +117,28 @@ def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
         if not req.messages:
             raise BadRequest("`messages` must not be empty")
         sampling_params(req, _NO_LIMIT)
+        n = req.n
         return_logprob = req.logprobs
         if need_text:
             text = "\n".join(m.content for m in req.messages if isinstance(m.content, str))
+    if n > 1:  # n copies of each prompt: a batch of prompts x n items, one room each
+        batch = (batch or 1) * n
     if isinstance(req.rid, list) and len(req.rid) != (batch or 1):
         raise BadRequest(f"`rid` list has {len(req.rid)} entries for a batch of {batch or 1}")
     return ParsedRequest(path, body, obj, req.stream, bool(return_logprob), batch, req.rid, text)
 
 
-def new_rids(req: ParsedRequest, attempt: int = 0) -> str | list[str]:
-    """Request ids for both legs of one attempt: the client's own when it gave them, with `-retryN`
-    from the second attempt on (the abort of an abandoned attempt must never meet its retry on a
-    node, where it would end it, nor a node refuse the retry's rid as still in use)."""
-    if req.client_rid is not None:
-        if not attempt:
-            return req.client_rid
-        if isinstance(req.client_rid, list):
-            return [f"{r}-retry{attempt}" for r in req.client_rid]
-        return f"{req.client_rid}-retry{attempt}"
-    base = uuid.uuid4().hex
-    return base if req.batch is None else item_rids(base, req.batch)
+def new_rids(req: ParsedRequest, attempt: int = 0, request_id: str | None = None) -> str | list[str]:
+    """Request ids for both legs of one attempt: the client's own when it gave them (in the body), else
+    the router's request id (the client's X-Request-ID, or a fresh one), so the router's and the nodes'
+    log lines of one request carry the same id; with `-retryN` from the second attempt on (the abort of
+    an abandoned attempt must never meet its retry on a node, where it would end it, nor a node refuse
+    the retry's rid as still in use)."""
+    rid = req.client_rid if req.client_rid is not None else request_id or uuid.uuid4().hex
+    if attempt:
+        rid = [f"{r}-retry{attempt}" for r in rid] if isinstance(rid, list) else f"{rid}-retry{attempt}"
+    return rid if isinstance(rid, list) or req.batch is None or req.client_rid is not None \
+        else item_rids(rid, req.batch)
 
 
 def rid_list(req: ParsedRequest, rids: str | list[str]) -> list[str]:

@@ -2,8 +2,8 @@
 
 Processing order (the same as SGLang / vLLM / HF's warpers):
 
-1. penalties on the logits: repetition penalty, then frequency and presence penalties, then the
-   ``min_new_tokens`` mask (EOS and ``stop_token_ids`` set to -inf while a request has produced fewer
+1. penalties on the logits: ``logit_bias`` (OpenAI: a value added to a token's logit), repetition
+   penalty, then frequency and presence penalties, then the ``min_new_tokens`` mask (EOS and ``stop_token_ids`` set to -inf while a request has produced fewer
    than ``min_new_tokens`` tokens);
 2. temperature (logits / T);
 3. top-k, 4. top-p (over the distribution renormalised after top-k), 5. min-p (probability at least
@@ -100,6 +100,10 @@ class SamplingBatchInfo:
     # (row, token) pairs masked to -inf because min_new_tokens is not reached yet
     min_tokens_rows: torch.Tensor | None
     min_tokens_cols: torch.Tensor | None
+    # logit_bias: logits[row, token] += value
+    bias_rows: torch.Tensor | None = None
+    bias_cols: torch.Tensor | None = None
+    bias_vals: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -107,7 +111,8 @@ class SamplingBatchInfo:
 
     @property
     def has_penalties(self) -> bool:
-        return self.fp_rows is not None or self.rep_rows is not None or self.min_tokens_rows is not None
+        return (self.fp_rows is not None or self.rep_rows is not None or self.min_tokens_rows is not None
+                or self.bias_rows is not None)
 
     @classmethod
     def build(cls, params: list[SamplingParams], output_ids: list[list[int]], vocab_size: int,
@@ -163,6 +168,16 @@ class SamplingBatchInfo:
                         mt_rows.append(i)
                         mt_cols.append(t)
 
+        b_rows: list[int] = []
+        b_cols: list[int] = []
+        b_vals: list[float] = []
+        for i, p in enumerate(params):
+            for t, v in p.logit_bias_items() if p.logit_bias else ():
+                if 0 <= t < vocab_size:
+                    b_rows.append(i)
+                    b_cols.append(t)
+                    b_vals.append(v)
+
         def col(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32).view(-1, 1)
 
@@ -182,6 +197,9 @@ class SamplingBatchInfo:
             rep_rows=rep_rows, rep_cols=rep_cols, rep_vals=rep_vals,
             min_tokens_rows=torch.tensor(mt_rows, dtype=torch.int64) if mt_rows else None,
             min_tokens_cols=torch.tensor(mt_cols, dtype=torch.int64) if mt_rows else None,
+            bias_rows=torch.tensor(b_rows, dtype=torch.int64) if b_rows else None,
+            bias_cols=torch.tensor(b_cols, dtype=torch.int64) if b_rows else None,
+            bias_vals=torch.tensor(b_vals, dtype=torch.float32) if b_rows else None,
         )
 
 
@@ -203,7 +221,10 @@ class SampleOutput:
 
 
 def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Repetition penalty, then frequency/presence penalties, then the min_new_tokens mask; in place."""
+    """Logit bias, repetition penalty, then frequency/presence penalties, then the min_new_tokens mask;
+    in place."""
+    if info.bias_rows is not None:
+        logits.index_put_((info.bias_rows, info.bias_cols), info.bias_vals, accumulate=True)
     if info.rep_rows is not None:
         idx = (info.rep_rows, info.rep_cols)
         v = logits[idx]

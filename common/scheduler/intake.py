@@ -123,6 +123,9 @@ def check_request(req: Req, vocab_size: int, context_length: int, kv_capacity: i
     if max_top_logprobs_num is not None and req.top_logprobs_num > max_top_logprobs_num:
         return 400, (f"top_logprobs_num = {req.top_logprobs_num} is more than --max-top-logprobs-num "
                      f"({max_top_logprobs_num})")
-    if req.stop_strs and tokenizer is None:
-        return 400, "stop strings need a tokenizer, and this model directory has none"
+    if (req.stop_strs or req.stop_regexes or req.sampling.grammar()) and tokenizer is None:
+        return 400, "stop strings and grammars need a tokenizer, and this model directory has none"
+    bad = [t for t, _ in req.sampling.logit_bias_items() if t >= vocab_size] if req.sampling.logit_bias else []
+    if bad:
+        return 400, f"`logit_bias` has token id {bad[0]} outside the vocabulary (0..{vocab_size - 1})"
     return None

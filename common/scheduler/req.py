@@ -12,6 +12,7 @@ Token bookkeeping (positions are token indices of `all_token_ids()` = prompt + o
 from __future__ import annotations
 
 import enum
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ import torch
 from common.protocol import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+# a stop_regex match is looked for in the text of this many last output tokens
+STOP_REGEX_WINDOW = 64
 
 
 class Stage(enum.Enum):
@@ -66,7 +69,9 @@ class Req:
         self.stop_strs = sampling.stop_strings()
         # in UTF-8 bytes: every token decodes to at least one byte, not always to a whole character
         self.stop_str_max_len = max((len(s.encode("utf-8")) for s in self.stop_strs), default=0)
+        self.stop_regexes = [re.compile(r) for r in sampling.stop_regexes()]
         self.tokenizer = tokenizer
+        self.grammar: Any = None  # common.grammar.Grammar once the grammar queue compiled it
 
         # memory
         self.req_pool_idx: int | None = None
@@ -207,6 +212,9 @@ class Req:
         if not self.sampling.ignore_eos and last in self.eos_token_ids:
             self.finish({"type": "stop", "matched": last})
             return True
+        if self.grammar is not None and self.grammar.terminated:  # it accepted its end-of-sequence token
+            self.finish({"type": "stop", "matched": last})
+            return True
         if self.stop_strs and self.tokenizer is not None:
             # a new match ends in the last token, so it lies within the last (bytes of the longest stop
             # string + 1) tokens: each token is at least one byte of text
@@ -215,7 +223,23 @@ class Req:
                 if s in tail:
                     self.finish({"type": "stop", "matched": s})
                     return True
+        if self.stop_regexes and self.tokenizer is not None:
+            # a match is looked for in the text of the last STOP_REGEX_WINDOW tokens; the text is cut
+            # where the matched text first occurs, as for a stop string
+            tail = self.tokenizer.decode(self.output_ids[-STOP_REGEX_WINDOW:])
+            for r in self.stop_regexes:
+                m = r.search(tail)
+                if m and m.group(0):
+                    self.finish({"type": "stop", "matched": m.group(0)})
+                    return True
         return False
+
+    def accept_grammar(self, token: int) -> None:
+        """Advance the grammar by an output token (one the grammar's mask allowed); a token it refuses
+        ends the request with an error, as its output could no longer follow the grammar."""
+        if not self.grammar.accept(token) and self.finished_reason is None:
+            self.finish({"type": "abort", "message": f"output token {token} is outside the request's grammar"},
+                        error_status=500)
 
     def __repr__(self) -> str:
         return (f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, "

@@ -36,6 +36,7 @@ from typing import Any
 
 from common.config import ServerArgs
 from common.forward_batch import ForwardMode
+from common.grammar import GrammarCompiler
 from common.histogram import BucketCounts
 from common.kv_events import KVEventPublisher, KVEventsConfig
 from common.memory.radix_cache import make_tree_cache
@@ -49,6 +50,7 @@ from common.protocol import (
 )
 from common.runner import RunnerOutput
 from common.scheduler.batch import ScheduleBatch
+from common.scheduler.grammar_queue import GrammarQueue
 from common.scheduler.hooks import SchedulerHooks
 from common.scheduler.intake import Admission, check_request, load_stop_decoder, make_req
 from common.scheduler.offload import make_host_store, offload_victim, restore
@@ -120,6 +122,10 @@ class Scheduler:
         # retracted requests' KV waits here until they resume (--decode-offload-size; None: off)
         self.host_store = make_host_store(args, self)
         self.admission = Admission(args.queued_requests_limit)  # --max-queued-requests
+        # requests whose grammar compiles (Stage.NEW, admitted when it is ready)
+        tok_path = args.tokenizer or model_dir
+        self.grammar_queue = GrammarQueue(lambda: GrammarCompiler(lambda: _hf_tokenizer(tok_path), self.vocab_size,
+                                                                  self.eos_token_ids), tp_size)
 
         self.send_fn = send_fn
         self.comm = comm
@@ -185,6 +191,7 @@ class Scheduler:
             self.hooks.before_schedule()
         except Exception:
             logger.exception("before_schedule hook failed; the loop goes on")
+        self.grammar_queue.poll(self._start_request, self._grammar_failed)
         out = SchedulerOutput()
         out.batch = self._prefill_batch()
         if out.batch is None and self.running_batch.reqs:
@@ -225,6 +232,8 @@ class Scheduler:
         `on_release` empties)."""
         if req.stage is Stage.WAITING:
             self.waiting_queue.remove(req)
+        elif req.stage is Stage.NEW and req.grammar is None and req.sampling.grammar() is not None:
+            self.grammar_queue.remove(req)
         elif req.stage is Stage.CHUNKED:
             self.chunked_req = None
         elif req.stage is Stage.RUNNING:
@@ -293,6 +302,13 @@ class Scheduler:
         self.total_prompt_tokens += len(req.origin_input_ids)
         logger.info("rid=%s received: %d prompt tokens, max_new_tokens=%d, priority=%d", req.rid,
                     len(req.origin_input_ids), req.max_new_tokens, req.priority)
+        if req.sampling.grammar() is not None:
+            self.grammar_queue.add(req)  # admitted once its grammar is ready
+            return
+        self._start_request(req)
+
+    def _start_request(self, req: Req) -> None:
+        """An accepted request goes to its role's queues (or the waiting queue) and is admitted."""
         try:
             kept = self.hooks.on_new_request(req)
         except Exception:
@@ -301,6 +317,10 @@ class Scheduler:
         if not kept:
             self.add_request(req)
         self.admission.admitted(req.rid)
+
+    def _grammar_failed(self, req: Req, message: str) -> None:
+        self.live_reqs.pop(req.rid, None)
+        self.finish_refused(req, 400, message)
 
     def _hook_failed(self, hook: str, req: Req) -> None:
         """A role hook raised for `req` (call from the except block): log it and end that request
@@ -349,6 +369,7 @@ class Scheduler:
         if chunked is None or chunked in adder.can_run_list:
             rows_free = self.req_to_token_pool.available_size()
             preempted: list[Req] = []  # running requests retracted for higher-priority ones (--enable-priority-preemption)
+            prompts: set[int] = set()  # hashes of the prompts this batch prefills
             for req in self.waiting_queue:
                 new = len(adder.can_run_list) + len(adder.restore_list) - (1 if chunked is not None else 0)
                 if new >= slots_left or new >= rows_free:
@@ -361,6 +382,8 @@ class Scheduler:
                     added = adder.add_restored_req(req, self.host_store.kv_len(req.rid))
                 else:
                     req.init_next_round_input(self.tree_cache)
+                    if self._shares_a_prompt_in(req, prompts):
+                        continue  # it takes that prompt's KV from the cache next round instead of computing it again
                     preempted += self.priority.preempt(self, adder, req, slot=False)  # if its prompt + output do not fit
                     added = adder.add_one_req(req)
                 if added is not AddResult.CONTINUE:
@@ -394,6 +417,18 @@ class Scheduler:
         batch.prepare_for_extend()
         self.total_prefill_tokens += sum(r.extend_input_len for r in can_run)
         return batch
+
+    def _shares_a_prompt_in(self, req: Req, prompts: set[int]) -> bool:
+        """Whether `req`'s prompt is one this batch already prefills (the copies of a request with n > 1,
+        or clients sending the same prompt together): with the prefix cache on, it waits one round and
+        then finds the prompt's KV cached. Records the prompt of a request that is not deferred."""
+        if not self.tree_cache.enabled or req.is_retracted or req.extend_input_len <= self.page_size:
+            return False
+        key = hash(tuple(req.origin_input_ids))
+        if key in prompts:
+            return True
+        prompts.add(key)
+        return False
 
     def _refuse_if_never_fits(self) -> None:
         """With every page and row free, a request at the head that still cannot be admitted never
@@ -433,6 +468,8 @@ class Scheduler:
     def _append_token(self, req: Req, i: int, result: RunnerOutput) -> None:
         tok = result.next_token_ids[i]
         req.output_ids.append(tok)
+        if req.grammar is not None:
+            req.accept_grammar(tok)
         if req.return_logprob:
             req.output_logprobs.append((result.token_logprobs[i], tok))
             if req.top_logprobs_num > 0:
@@ -557,7 +594,7 @@ class Scheduler:
         return out.batch is not None
 
     def has_work(self) -> bool:
-        return self.has_unfinished_requests() or self.hooks.has_work()
+        return self.has_unfinished_requests() or self.hooks.has_work() or bool(self.grammar_queue)
 
     def recv_requests(self, timeout_ms: int) -> list:
         return self.comm.recv(timeout_ms) if self.comm is not None else []
@@ -591,6 +628,7 @@ class Scheduler:
                     self.kv_events.flush()
         finally:
             self.hooks.close()
+            self.grammar_queue.close()
             if self.kv_events is not None:
                 self.kv_events.close()
             if self.tracer is not None:
@@ -619,3 +657,10 @@ class Scheduler:
 
     def get_stats(self) -> dict[str, Any]:
         return scheduler_stats(self)
+
+
+def _hf_tokenizer(path: str):
+    """The Hugging Face tokenizer xgrammar builds its token tables from (loaded on the grammar thread)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -58,6 +58,7 @@ def scheduler_stats(sched) -> dict[str, Any]:
         "max_running_requests": sched.max_running_requests,
         **(sched.runner.hybrid.stats() if hasattr(sched.runner, "hybrid") else {}),
         **sched.priority.stats(),
+        **sched.grammar_queue.stats(),
         **_role_stats(sched),
     }
 

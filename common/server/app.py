@@ -17,16 +17,26 @@ from typing import Any
 
 from aiohttp import web
 
-from common.protocol import AbortHTTPRequest, BadRequest, GenerateRequest, TokenizedRequest, error_body
+from common.protocol import (
+    AbortHTTPRequest,
+    BadRequest,
+    GenerateRequest,
+    TokenizedRequest,
+    check_request_id,
+    error_body,
+)
 from common.server import openai_api
 from common.server.http import (
     INFO_KEY,
+    REQUEST_ID_HEADER,
     TM_KEY,
     check_batch_size,
     check_top_logprobs,
+    copy_of,
     dumps,
     error_response,
     failed,
+    incoming_request_id,
     item_fields,
     per_item,
     read_json,
@@ -37,6 +47,7 @@ from common.server.http import (
 from common.server.metrics import CONTENT_TYPE
 from common.server.openapi import Route, access_of, access_table, add_routes, with_openapi
 from common.server.security import ADMIN, BY_BODY, OPEN, PUBLIC, Denied, Keys, bearer_token, check_access
+from common.server.tokenize_api import DetokenizeRequest, TokenizeRequest, handle_detokenize, handle_tokenize
 from common.server.tokenizer_manager import QueueFull, ReqState, ServiceUnavailable, TokenizerManager
 from common.tracing import TRACEPARENT, incoming_traceparent
 from common.version import VERSION
@@ -58,6 +69,24 @@ def endpoint_label(path: str) -> str:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """Errors as JSON in OpenAI's shape; the client's X-Request-ID (the rid of a request whose body names
+    none) is checked and echoed on every answer."""
+    rid = request.headers.get(REQUEST_ID_HEADER)
+    resp = await _answer(request, handler, rid)
+    if rid is not None and not resp.prepared and _valid_id(rid):
+        resp.headers[REQUEST_ID_HEADER] = rid
+    return resp
+
+
+def _valid_id(rid: str) -> bool:
+    try:
+        check_request_id(rid)
+    except BadRequest:
+        return False
+    return True
+
+
+async def _answer(request: web.Request, handler, rid: str | None) -> web.StreamResponse:
     def count(status: int) -> None:
         tm = request.app.get(TM_KEY)
         if tm is not None and request.match_info.route.resource is not None:  # known routes only
@@ -67,14 +96,15 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
     if tp is not None and len(tp) <= 128:  # a W3C traceparent is 55 characters; a longer value is not one
         incoming_traceparent.set(tp)
     try:
+        if rid is not None:
+            incoming_request_id.set(check_request_id(rid))
         return await handler(request)
     except Denied as e:
-        logger.info("%s %s status=%d request_id=%s error=%s", request.method, request.path, e.status,
-                    request.headers.get("X-Request-ID", "-"), e.message)
+        logger.info("rid=%s %s %s status=%d error=%s", rid or "-", request.method, request.path, e.status, e.message)
         count(e.status)
         return error_response(e.status, e.message, headers=e.headers)
     except BadRequest as e:
-        logger.info("%s %s status=400 error=%s", request.method, request.path, e)
+        logger.info("rid=%s %s %s status=400 error=%s", rid or "-", request.method, request.path, e)
         count(400)
         return error_response(400, str(e))
     except QueueFull as e:
@@ -176,8 +206,7 @@ async def build_generate_requests(tm: TokenizerManager, req: GenerateRequest) ->
     want_lps = per_item(req.return_logprob, n, "return_logprob", batch)
     starts = per_item(req.logprob_start_len, n, "logprob_start_len", batch)
     top_ns = per_item(req.top_logprobs_num, n, "top_logprobs_num", batch)
-    fields = item_fields(tm.args, req, n, batch)
-    out = []
+    per_prompt = []
     for i, ids in enumerate(ids_list):
         where = f"sampling_params[{i}]" if isinstance(req.sampling_params, list) else "sampling_params"
         sp = tm.make_sampling(sps[i], len(ids), where=where, prompt_field=field_name)
@@ -185,8 +214,19 @@ async def build_generate_requests(tm: TokenizerManager, req: GenerateRequest) ->
                            else "top_logprobs_num")
         if starts[i] < -1 or starts[i] >= len(ids):
             raise BadRequest(f"`logprob_start_len` must be -1 or in [0, {len(ids)}), got {starts[i]}")
-        out.append(TokenizedRequest(input_ids=ids, sampling=sp, stream=req.stream, return_logprob=bool(want_lps[i]),
-                                    logprob_start_len=starts[i], top_logprobs_num=top_ns[i], **fields[i]))
+        if per_prompt and sp.n != per_prompt[0][1].n:
+            raise BadRequest(f"`{where}.n` is {sp.n}, but the first prompt asks for {per_prompt[0][1].n}: "
+                             "every prompt of a batch takes the same n")
+        per_prompt.append((ids, sp, i))
+    copies = per_prompt[0][1].n
+    check_batch_size(tm, n * copies, field_name)
+    fields = item_fields(tm.args, req, n * copies, batch or copies > 1)
+    out = []
+    for k, (ids, sp, i) in enumerate(item for item in per_prompt for _ in range(copies)):
+        out.append(TokenizedRequest(input_ids=ids, sampling=copy_of(sp, k % copies), stream=req.stream,
+                                    return_logprob=bool(want_lps[i]), logprob_start_len=starts[i],
+                                    top_logprobs_num=top_ns[i], **fields[k]))
+    batch = batch or copies > 1
     return out, batch
 
 
@@ -399,6 +439,10 @@ def node_routes() -> list[Route]:
         Route("POST", "/v1/chat/completions", openai_api.handle_chat_completions, ChatCompletionRequest,
               summary=f"OpenAI chat {gen}", stream=True),
         Route("GET", "/v1/models", handle_models, summary="the served model"),
+        *(Route("POST", p, handle_tokenize, TokenizeRequest, summary="text or chat messages to token ids")
+          for p in ("/tokenize", "/v1/tokenize")),
+        *(Route("POST", p, handle_detokenize, DetokenizeRequest, summary="token ids to text")
+          for p in ("/detokenize", "/v1/detokenize")),
         *(Route("GET", p, handle_server_info, summary=f"server {info} (keys redacted)")
           for p in ("/server_info", "/get_server_info")),
         *(Route("GET", p, handle_model_info, summary=f"model {info}") for p in ("/model_info", "/get_model_info")),

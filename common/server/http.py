@@ -6,15 +6,18 @@ submitted requests (`respond`). `app.py` (SGLang-native endpoints) and `openai_a
 
 from __future__ import annotations
 
+import contextvars
 import json
 import uuid
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from common.protocol import (
     ERR_TYPE_HEADER,
     BadRequest,
+    SamplingParams,
     check_rid,
     decode_json,
     error_body,
@@ -22,6 +25,10 @@ from common.protocol import (
     normalize_hosts,
 )
 from common.server.tokenizer_manager import ReqState, TokenizerManager
+
+# the client's X-Request-ID (checked by the middleware): the rid of a request whose body names none
+REQUEST_ID_HEADER = "X-Request-ID"
+incoming_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
 TM_KEY = web.AppKey("tm", TokenizerManager)
 INFO_KEY = web.AppKey("info", dict)
@@ -45,8 +52,11 @@ async def read_json(request: web.Request, type_: type) -> Any:
 
 
 async def sse_start(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(status=200, headers={
-        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    rid = incoming_request_id.get()
+    if rid:
+        headers[REQUEST_ID_HEADER] = rid
+    resp = web.StreamResponse(status=200, headers=headers)
     await resp.prepare(request)
     return resp
 
@@ -77,6 +87,14 @@ def check_top_logprobs(tm: TokenizerManager, n: int, name: str, cap: int | None 
 
 
 # ---------------------------------------------------------------------------------------------- per-item fields
+def copy_of(sp: SamplingParams, j: int) -> SamplingParams:
+    """The sampling parameters of copy j of a prompt sent with n > 1: each copy is a request of its own
+    (n = 1); with a seed, copy j draws with seed + j, so the copies differ and the answer is still
+    reproducible."""
+    seed = sp.seed if sp.seed is None or j == 0 else sp.seed + j
+    return msgspec.structs.replace(sp, n=1, seed=seed)
+
+
 def per_item(value: Any, n: int, name: str, batch: bool) -> list[Any]:
     """One value per item of a field that is a scalar (shared by every item) or a list (one per item)."""
     if isinstance(value, list):
@@ -101,10 +119,10 @@ def check_role(args, host: Any, port: Any, room: Any) -> None:
 def item_fields(args, req, n: int, batch: bool) -> list[dict[str, Any]]:
     """The rid, the PD rendezvous (bootstrap_host/port/room) and the `priority` of each of the n items of a request, as
     `TokenizedRequest` keywords. Each field is a scalar or a list with one entry per item; one rid for a
-    batch becomes `item_rids(rid, n)`, and no rid a fresh one per item. A batch on a PD node needs one
+    batch becomes `item_rids(rid, n)`; no rid is the client's X-Request-ID, else a fresh one per item. A batch on a PD node needs one
     room per item. Ports and rooms were range-checked when the body was decoded (`common.protocol`'s
     `BootstrapPort` / `BootstrapRoom`); hosts are checked here (`normalize_hosts`), on every node role."""
-    rid = req.rid
+    rid = req.rid if req.rid is not None else incoming_request_id.get()
     if rid == "" or (isinstance(rid, list) and not all(rid)):
         raise BadRequest("`rid` must be a non-empty string (or a list of them, one per item)")
     rids = item_rids(rid, n) if batch and isinstance(rid, str) else per_item(rid, n, "rid", batch)

@@ -2,12 +2,15 @@
 
 Parameters map onto SGLang's `SamplingParams` through `common/openai_params.py` (the router checks
 requests with the same mapping); responses and stream chunks have the OpenAI API's shapes, so the
-official `openai` client parses them. A list of prompts is a batch: one choice per prompt, each with
-its `index`. A request that ends aborted is an error (JSON error, or an `error` event in a stream).
+official `openai` client parses them. A list of prompts is a batch, and `n` asks for n choices per
+prompt: choice `index` k is copy k % n of prompt k // n, each copy a request of its own (the copies
+share the prompt's KV through the prefix cache). A request that ends aborted is an error (JSON error,
+or an `error` event in a stream). Tools are in `tool_calls.py`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -18,6 +21,7 @@ from common.openai_params import max_tokens_field, sampling_params
 from common.protocol import (
     BadRequest,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     TokenizedRequest,
     error_body,
@@ -27,6 +31,7 @@ from common.server.http import (
     TM_KEY,
     check_batch_size,
     check_top_logprobs,
+    copy_of,
     failed,
     item_fields,
     read_json,
@@ -35,6 +40,9 @@ from common.server.http import (
     sse_send,
 )
 from common.server.tokenizer_manager import ReqState, TokenizerManager
+from common.server.tool_calls import ToolStream, parse_answer, plan_tools, template_messages
+
+logger = logging.getLogger("server")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap; --max-top-logprobs-num may lower it
@@ -44,13 +52,24 @@ def top_logprobs_cap(tm: TokenizerManager) -> int:
     return min(MAX_TOP_LOGPROBS, tm.args.max_top_logprobs_num)
 
 
-def _treq(tm: TokenizerManager, req, fields: dict[str, Any], ids: list[int], *, default_max: int | None,
-          prompt_field: str, logprobs: bool, top_n: int) -> TokenizedRequest:
-    """One prompt of an OpenAI request; `fields` are its rid and rendezvous (`item_fields`)."""
-    sp = sampling_params(req, tm.room(len(ids), default_max))
-    tm.check_fits(sp, len(ids), max_field=max_tokens_field(req), prompt_field=prompt_field)
-    return TokenizedRequest(input_ids=ids, sampling=sp, stream=req.stream, return_logprob=logprobs,
-                            top_logprobs_num=top_n, **fields)
+def _treqs(tm: TokenizerManager, req, prompts: list[list[int]], batch: bool, *, default_max: int | None,
+           prompt_field: str, logprobs: bool, top_n: int, grammar=None) -> list[TokenizedRequest]:
+    """The requests of an OpenAI call: `req.n` copies of each prompt, copy j of prompt i at i * n + j,
+    each with its rid and rendezvous (`item_fields`)."""
+    n = req.n
+    sps = [sampling_params(req, tm.room(len(ids), default_max), grammar) for ids in prompts]
+    check_batch_size(tm, len(prompts) * n, prompt_field if n == 1 else "n")
+    fields = item_fields(tm.args, req, len(prompts) * n, batch or n > 1)
+    out = []
+    for i, (ids, sp) in enumerate(zip(prompts, sps, strict=True)):
+        tm.check_fits(sp, len(ids), max_field=max_tokens_field(req), prompt_field=prompt_field)
+        tm.check_token_ids(sp, "")
+        for j in range(n):
+            out.append(TokenizedRequest(input_ids=ids, sampling=copy_of(sp, j), stream=req.stream,
+                                        return_logprob=logprobs, top_logprobs_num=top_n, **fields[i * n + j]))
+    if req.user:  # OpenAI's end-user id: it changes nothing in the answer, the log keeps it with the rids
+        logger.info("rid=%s user=%r", out[0].rid, req.user[:128])
+    return out
 
 
 def model_name(request: web.Request, req) -> str:
@@ -73,11 +92,13 @@ def _abort_error(st: ReqState) -> tuple[int, str] | None:
     return None
 
 
-def _usage(states: list[ReqState]) -> dict[str, int]:
-    p = sum(s.prompt_tokens for s in states)
+def _usage(states: list[ReqState], n: int = 1) -> dict[str, int]:
+    """Token counts of a call: each prompt counts once, whatever its number of copies `n`."""
+    firsts = states[::n]
+    p = sum(s.prompt_tokens for s in firsts)
     c = sum(s.completion_tokens for s in states)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in states)}}
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)}}
 
 
 # ---------------------------------------------------------------------------------------------- logprobs
@@ -126,19 +147,33 @@ async def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[l
     return [tm.check_ids(prompt, "prompt")], False
 
 
+FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+
+
+def fim_prompt(tm: TokenizerManager, prompt: Any, suffix: str) -> str:
+    """`suffix` (fill in the middle): the prompt in the model's FIM form, prefix-suffix-middle, for
+    models whose vocabulary has the FIM tokens (StarCoder's or Qwen's names); a 400 for the others."""
+    if not isinstance(prompt, str):
+        raise BadRequest("`suffix` needs `prompt` to be one string")
+    vocab = tm.tokenizer.get_vocab()
+    for pre, suf, mid in FIM_TOKENS:
+        if pre in vocab and suf in vocab and mid in vocab:
+            return f"{pre}{prompt}{suf}{suffix}{mid}"
+    raise BadRequest("`suffix`: this model has no fill-in-the-middle tokens (<fim_prefix>, <fim_suffix>, <fim_middle>)")
+
+
 async def handle_completions(request: web.Request) -> web.StreamResponse:
     tm = request.app[TM_KEY]
     req: CompletionRequest = await read_json(request, CompletionRequest)
-    if req.suffix:
-        raise BadRequest("`suffix` is not supported by this server")
     if req.logprobs is not None:
         check_top_logprobs(tm, req.logprobs, "logprobs", top_logprobs_cap(tm))
-    prompts, batch = await _completion_prompts(tm, req.prompt)
-    fields = item_fields(tm.args, req, len(prompts), batch)
+    prompt = fim_prompt(tm, req.prompt, req.suffix) if req.suffix else req.prompt
+    prompts, batch = await _completion_prompts(tm, prompt)
     want_lp = req.logprobs is not None
-    treqs = [_treq(tm, req, f, ids, default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, prompt_field="prompt",
-                   logprobs=want_lp, top_n=req.logprobs or 0) for f, ids in zip(fields, prompts, strict=True)]
-    echo = [await tm.decode(ids) if req.echo else "" for ids in prompts]  # before submit: nothing to release
+    treqs = _treqs(tm, req, prompts, batch, default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, prompt_field="prompt",
+                   logprobs=want_lp, top_n=req.logprobs or 0)
+    n = req.n
+    echo = [await tm.decode(ids) if req.echo else "" for ids in prompts for _ in range(n)]  # before submit
     states, notify = tm.submit(treqs, endpoint="completions")
     cid = "cmpl-" + uuid.uuid4().hex
     created = int(time.time())
@@ -151,7 +186,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
             choices.append({"index": i, "text": echo[i] + st.text, "logprobs": lp,
                             "finish_reason": _finish_reason(st)})
         return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                "usage": _usage(states)}
+                "usage": _usage(states, n)}
 
     stream = ((lambda resp: _stream_completions(resp, tm, req, states, notify, cid, created, model, echo))
               if req.stream else None)
@@ -195,16 +230,16 @@ async def _stream_completions(resp, tm, req, states, notify, cid, created, model
             done[i] = st.finished
     if include_usage:
         await sse_send(resp, {"id": cid, "object": "text_completion", "created": created, "model": model,
-                              "choices": [], "usage": _usage(states)})
+                              "choices": [], "usage": _usage(states, req.n)})
     await sse_done(resp)
 
 
 # ---------------------------------------------------------------------------------------------- /v1/chat/completions
-def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    if not req.messages:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    if not messages:
         raise BadRequest("`messages` is empty; send at least one message")
     out = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(messages):
         if m.role not in ("system", "user", "assistant", "tool", "developer"):
             raise BadRequest(f"`messages[{i}].role` must be one of system/user/assistant/tool/developer, "
                              f"got {m.role!r}")
@@ -217,76 +252,100 @@ def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                                      "(only text is supported)")
                 texts.append(part["text"])
             content = "".join(texts)
-        role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content or ""})
-    if all(not m["content"] for m in out):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.tool_calls is not None:
+            if m.role != "assistant":
+                raise BadRequest(f"`messages[{i}].tool_calls` is only for assistant messages")
+            msg["tool_calls"] = [dict(c, function=dict(c["function"])) if isinstance(c.get("function"), dict) else c
+                                 for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    if all(not m["content"] and not m.get("tool_calls") for m in out):
         raise BadRequest("`messages` has no content")
-    return out
+    return template_messages(out)
 
 
 async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     tm = request.app[TM_KEY]
     req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)
-    if req.tools:
-        raise BadRequest("`tools` is not supported by this server")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise BadRequest("`response_format` other than text is not supported by this server")
     if req.top_logprobs is not None:
         check_top_logprobs(tm, req.top_logprobs, "top_logprobs", top_logprobs_cap(tm))
         if req.top_logprobs and not req.logprobs:
             raise BadRequest("`top_logprobs` needs `logprobs: true`")
-    ids = await tm.apply_chat_template(_chat_messages(req))
-    [fields] = item_fields(tm.args, req, 1, False)
-    treq = _treq(tm, req, fields, ids, default_max=None, prompt_field="messages", logprobs=req.logprobs,
-                 top_n=req.top_logprobs or 0)
-    states, notify = tm.submit([treq], endpoint="chat_completions")
-    st = states[0]
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tm.chat_template)
+    ids = await tm.apply_chat_template(chat_messages(req.messages), plan.tools, req.chat_template_kwargs)
+    treqs = _treqs(tm, req, [ids], False, default_max=None, prompt_field="messages", logprobs=req.logprobs,
+                   top_n=req.top_logprobs or 0, grammar=plan.grammar)
+    states, notify = tm.submit(treqs, endpoint="chat_completions")
     cid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
     model = model_name(request, req)
 
-    def body():
+    def choice(i: int, st: ReqState) -> dict[str, Any]:
         lp = _chat_logprobs(tm, st, 0, len(st.output_logprobs)) if req.logprobs else None
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": st.text},
-                             "logprobs": lp, "finish_reason": _finish_reason(st)}],
-                "usage": _usage(states)}
+        content, calls = parse_answer(plan, st.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        finish = _finish_reason(st)
+        if calls:
+            message["tool_calls"] = calls
+            finish = "tool_calls" if finish == "stop" else finish
+        return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
 
-    stream = (lambda resp: _stream_chat(resp, tm, req, st, notify, cid, created, model)) if req.stream else None
+    def body():
+        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+                "system_fingerprint": None, "choices": [choice(i, st) for i, st in enumerate(states)],
+                "usage": _usage(states, req.n)}
+
+    stream = ((lambda resp: _stream_chat(resp, tm, req, plan, states, notify, cid, created, model))
+              if req.stream else None)
     return await respond(request, tm, states, notify, stream, body, error_of=_abort_error)
 
 
-async def _stream_chat(resp, tm, req, st, notify, cid, created, model) -> None:
+async def _stream_chat(resp, tm, req, plan, states, notify, cid, created, model) -> None:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def chunk(delta, finish=None, logprobs=None):
+    def chunk(i, delta, finish=None, logprobs=None):
         c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
              "system_fingerprint": None,
-             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+             "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if include_usage:
             c["usage"] = None
         return c
 
-    await sse_send(resp, chunk({"role": "assistant", "content": ""}))
-    sent_text = sent_lp = 0
-    while True:
-        await tm.wait([st], notify)
-        err = _abort_error(st)
-        if err:
-            await sse_send(resp, error_body(*err))
-            break
-        delta = st.text[sent_text:]
-        n_lp = len(st.output_logprobs)
-        if delta or (req.logprobs and n_lp > sent_lp):
-            lp = _chat_logprobs(tm, st, sent_lp, n_lp) if req.logprobs else None
-            await sse_send(resp, chunk({"content": delta}, None, lp))
-            sent_text, sent_lp = len(st.text), n_lp
-        if st.finished:
-            await sse_send(resp, chunk({}, _finish_reason(st)))
-            if include_usage:
-                await sse_send(resp, {"id": cid, "object": "chat.completion.chunk", "created": created,
-                                      "model": model, "system_fingerprint": None, "choices": [],
-                                      "usage": _usage([st])})
-            break
+    for i in range(len(states)):
+        await sse_send(resp, chunk(i, {"role": "assistant", "content": ""}))
+    splits = [ToolStream(plan) for _ in states]
+    sent_lp = [0] * len(states)
+    done = [False] * len(states)
+    while not all(done):
+        await tm.wait(states, notify)
+        for i, st in enumerate(states):
+            if done[i]:
+                continue
+            err = _abort_error(st)
+            if err:
+                await sse_send(resp, error_body(*err))
+                done[i] = True
+                continue
+            text, calls = splits[i].feed(st.text, st.finished)
+            n_lp = len(st.output_logprobs)
+            if text or (req.logprobs and n_lp > sent_lp[i]):
+                lp = _chat_logprobs(tm, st, sent_lp[i], n_lp) if req.logprobs else None
+                await sse_send(resp, chunk(i, {"content": text}, None, lp))
+                sent_lp[i] = n_lp
+            first = splits[i].calls - len(calls)  # the index of this step's first call in the answer
+            for j, call in enumerate(calls):
+                await sse_send(resp, chunk(i, {"tool_calls": [dict(call, index=first + j)]}))
+            if st.finished:
+                finish = _finish_reason(st)
+                if splits[i].calls and finish == "stop":
+                    finish = "tool_calls"
+                await sse_send(resp, chunk(i, {}, finish))
+                done[i] = True
+    if include_usage:
+        await sse_send(resp, {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                              "system_fingerprint": None, "choices": [], "usage": _usage(states, req.n)})
     await sse_done(resp)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +55,10 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params has no max
 # inputs up to this many characters are tokenized on the event loop: ~0.1-1 ms there, while a hop to
 # the thread pool and back costs ~0.15 ms; longer ones go to the pool (10 MB of text take ~9 s)
 INLINE_TOKENIZE_CHARS = 2048
+# keyword arguments the server passes to the chat template itself (`chat_template_kwargs` may not)
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "add_generation_prompt",
+                                      "tokenize", "return_dict", "return_tensors", "chat_template", "padding",
+                                      "truncation", "max_length", "continue_final_message"})
 # updates of up to this many tokens are detokenized on the event loop (the incremental window is a few
 # tokens); a longer one (the whole answer of a long non-streamed request) goes to the pool
 INLINE_DETOKENIZE_TOKENS = 512
@@ -396,19 +401,32 @@ class TokenizerManager:
                 raise BadRequest(f"`{field_name}[{i}]` = {t} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    async def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Chat messages → prompt ids (the model's chat template with the generation prompt); rendered
-        and tokenized off the event loop when the messages are large."""
+    async def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                                  kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True) -> list[int]:
+        """Chat messages (and the tools shown to the model) → prompt ids: the model's chat template with
+        the generation prompt and the client's `chat_template_kwargs`; rendered and tokenized off the
+        event loop when the messages are large."""
         size = sum(len(m.get("content") or "") for m in messages)
-        return await self.run_sized(size, INLINE_TOKENIZE_CHARS, self._render_chat, messages)
+        return await self.run_sized(size, INLINE_TOKENIZE_CHARS, self._render_chat, messages, tools, kwargs or {},
+                                    add_generation_prompt)
 
-    def _render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    @property
+    def chat_template(self) -> str | None:
+        t = getattr(self.tokenizer, "chat_template", None)
+        return t if isinstance(t, str) or t is None else json.dumps(t)
+
+    def _render_chat(self, messages: list[dict[str, Any]], tools, kwargs: dict[str, Any],
+                     add_generation_prompt: bool = True) -> list[int]:
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise BadRequest("`messages`: this model has no chat template; start the node with --chat-template FILE, "
                              "or send the prompt to /v1/completions")
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise BadRequest(f"`chat_template_kwargs.{reserved[0]}` is set by the server and cannot be given")
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                           **kwargs)
         except Exception as e:  # jinja raises for messages a template refuses
             raise BadRequest(f"`messages` cannot be rendered by the model's chat template: {e}") from None
         self._check_text_length(len(text), "messages")
@@ -429,7 +447,15 @@ class TokenizerManager:
             sp.max_new_tokens = self.room(prompt_len, DEFAULT_MAX_NEW_TOKENS)
         sp.verify(where)
         self.check_fits(sp, prompt_len, max_field=f"{where}.max_new_tokens", prompt_field=prompt_field)
+        self.check_token_ids(sp, where)
         return sp
+
+    def check_token_ids(self, sp: SamplingParams, where: str) -> None:
+        """Token ids in the sampling parameters must be in the vocabulary."""
+        for t, _ in sp.logit_bias_items() if sp.logit_bias else ():
+            if t >= self.vocab_size:
+                name = f"{where}.logit_bias.{t}" if where else f"logit_bias.{t}"
+                raise BadRequest(f"`{name}` is outside the vocabulary [0, {self.vocab_size})")
 
     def room(self, prompt_len: int, limit: int | None = None) -> int:
         """How many tokens may follow the prompt in the context (at most `limit`)."""

@@ -82,7 +82,7 @@ def _problem(case, resp) -> str | None:
     if status >= 400:
         try:
             err = resp.json()["error"]
-            ok = err["code"] == status and isinstance(err["message"], str) and isinstance(err["type"], str)
+            ok = isinstance(err["code"], str | None) and "param" in err and isinstance(err["message"], str) and isinstance(err["type"], str)
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:

@@ -115,6 +115,24 @@ def test_logprobs_travel_with_the_first_token(pair, colocated, pd_tok, restored)
         [[t for _, t, _ in row] for row in ref["output_top_logprobs"]]
 
 
+def test_grammar_answers_match_colocated(pair, colocated, pd_tok, restored):
+    # the prefill node samples the first token under the grammar; the decode node's matcher (on every TP
+    # rank: 2 -> 1 and 1 -> 2 layouts too) accepts it and goes on: the same valid answer as one engine
+    prompt = make_prompts(pd_tok, 1, seed=5, lo=20, hi=21)[0]
+    schema = {"type": "object", "required": ["a"], "additionalProperties": False,
+              "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    for sp in ({"json_schema": json.dumps(schema), "temperature": 0}, {"regex": "[xyz]{3}-[0-9]{2}",
+                                                                       "temperature": 1.2, "seed": 9}):
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 24, **sp}}
+        status, raw = http_post(colocated.url + "/generate", body)
+        assert status == 200, raw
+        want = json.loads(raw)
+        (ps, pb), (ds, db) = pair.generate(body)
+        assert ps == 200 and ds == 200, (pb, db)
+        assert db["output_ids"] == want["output_ids"] and db["text"] == want["text"]
+        assert db["meta_info"]["finish_reason"]["type"] == "stop"
+
+
 # nixl's setup has a decode pool too small for 32 requests at once: its concurrent test is the
 # retraction one below
 @on("mooncake", "ucx")

@@ -53,7 +53,7 @@ def test_concurrency_limit_queue_and_429(workers, make_router):
         if status == 429:
             assert int(headers["retry-after"]) >= 1
             err = json.loads(body)["error"]
-            assert err["code"] == 429 and "--max-concurrent-requests 2" in err["message"]
+            assert err["code"] == "rate_limit_exceeded" and "--max-concurrent-requests 2" in err["message"]
             assert "--queue-size 2" in err["message"]
     assert len(d.requests()) == 4  # the refused never reached a worker
     info = _admission(r)

@@ -154,7 +154,8 @@ class Recorder:
             if cfg["err_type"] is not None:
                 headers["X-PD-Error-Type"] = cfg["err_type"]
             return web.json_response({"error": {"message": f"{self.name} says {status}", "type": "worker_error",
-                                                "code": status}}, status=status, headers=headers)
+                                                "param": None, "code": {429: "rate_limit_exceeded"}.get(status)}},
+                                     status=status, headers=headers)
         if not body.get("stream"):
             entry["done"] = True
             if isinstance(body.get("text"), list):

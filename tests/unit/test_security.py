@@ -74,7 +74,9 @@ def test_per_item_hosts_name_the_index():
     ("bootstrap_port", 0), ("bootstrap_port", -1), ("bootstrap_port", True), ("bootstrap_host", "x" * 300),
 ])
 def test_ranges_checked_at_decode(type_, field, value):
-    body = {"text": "hi", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], field: value}
+    body = {{GenerateRequest: "text", CompletionRequest: "prompt"}.get(type_, "messages"): "hi", field: value}
+    if type_ is ChatCompletionRequest:
+        body["messages"] = [{"role": "user", "content": "hi"}]
     with pytest.raises(BadRequest, match=rf"`\$\.{field}`"):
         decode_json(json.dumps(body).encode(), type_)
 

@@ -29,9 +29,12 @@ def post(node, path, body, status, *fields, headers=AUTH):
     code, raw = http_post(node.url + path, body, headers=headers)
     assert code == status, raw
     err = json.loads(raw)["error"]
-    assert set(err) >= {"message", "type", "code"} and err["code"] == status
+    assert set(err) >= {"message", "type", "param", "code"} and isinstance(err["code"], str | None)
     for f in fields:
         assert f in err["message"], (f, err["message"])
+    named = [f.strip("`") for f in fields if f.startswith("`") and f.endswith("`") and f.count("`") == 2]
+    if status == 400 and named:  # OpenAI's `param`: the field the message names first
+        assert err["param"] == named[0], (err, named)
     return err["message"]
 
 
@@ -68,7 +71,10 @@ def ok(node):
     ({"text": "hi", "sampling_params": {"top_k": 0}}, ["top_k"]),
     ({"text": "hi", "sampling_params": {"min_p": 2}}, ["min_p"]),
     ({"text": "hi", "sampling_params": {"stop": [""]}}, ["stop"]),
-    ({"text": "hi", "sampling_params": {"regex": "a+"}}, ["regex"]),
+    ({"text": "hi", "sampling_params": {"regex": "(a"}}, ["`regex`", "cannot be compiled"]),
+    ({"text": "hi", "sampling_params": {"json_schema": "{oops"}}, ["`json_schema`", "cannot be compiled"]),
+    ({"text": "hi", "sampling_params": {"n": 2}, "stream": True, "image_data": "x"}, ["`image_data`"]),
+    ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, ["`sampling_params[1].n`"]),
     ({"text": ["a", "b"], "sampling_params": [{}]}, ["sampling_params", "1 entries", "batch of 2"]),
     ({"text": "a", "sampling_params": [{}]}, ["sampling_params"]),
     ({"text": "a", "top_logprobs_num": -1}, ["top_logprobs_num"]),
@@ -93,10 +99,19 @@ def test_generate_bad_input(node, body, fields):
     ({"prompt": [list(range(1, CONTEXT + 5))]}, ["`prompt[0]`", str(CONTEXT + 4)]),
     ({"prompt": "hi", "temperature": -1}, ["`temperature`"]),
     ({"prompt": "hi", "top_p": 2}, ["`top_p`"]),
-    ({"prompt": "hi", "n": 2}, ["`n`"]),
+    ({"prompt": "hi", "n": 0}, ["`n`"]),
+    ({"prompt": "hi", "n": 65}, ["`n`", "64"]),
+    ({"prompt": "hi", "n": 9}, ["`n`", "--max-queued-requests"]),
     ({"prompt": "hi", "logprobs": 99}, ["`logprobs`"]),
     ({"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, ["min_tokens"]),
-    ({"prompt": "hi", "logit_bias": {"1": 5}}, ["logit_bias"]),
+    ({"prompt": "hi", "logit_bias": {"1": 500}}, ["`logit_bias.1`", "[-100, 100]"]),
+    ({"prompt": "hi", "logit_bias": {"one": 5}}, ["`logit_bias.one`", "token id"]),
+    ({"prompt": "hi", "logit_bias": {"999999": 5}}, ["`logit_bias.999999`", "vocabulary"]),
+    ({"prompt": "hi", "stop_regex": "("}, ["`stop_regex`", "regular expression"]),
+    ({"prompt": "hi", "stop_regex": "a*"}, ["`stop_regex`", "empty string"]),
+    ({"prompt": "hi", "regex": "a", "ebnf": "root ::= \"a\""}, ["`ebnf`", "`regex`"]),
+    ({"prompt": "hi", "lora_path": "x"}, ["`lora_path`", "not a field"]),
+    ({"prompt": "hi", "best_of": 2}, ["`best_of`"]),
     ({"prompt": "hi", "suffix": "x"}, ["suffix"]),
     ({"prompt": "hi", "stream_options": {"include_usage": "x"}}, ["stream_options.include_usage"]),
     ({"prompt": ["a", "b"], "rid": ["x"]}, ["`rid`", "1 entries", "batch of 2"]),
