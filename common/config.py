@@ -115,6 +115,9 @@ class ServerArgs:
     min_new_token_ratio: float = _f(0.1, "lowest value new_token_ratio decays to")
     new_token_ratio_decay_steps: int = _f(600, "decode steps for new_token_ratio to decay from init to min")
     stream_interval: int = _f(1, "stream an update every N decoded tokens")
+    stream_keepalive_secs: float = _f(5.0, "a stream that sent nothing for this long sends an SSE comment "
+                                      "(`: keep-alive`), so a router or client tells a waiting stream from a silent "
+                                      "peer; 0: never")
     # liveness
     request_timeout: float | None = _f(
         None, "seconds a request may take from arrival to its last token; past it the request is aborted "
@@ -238,6 +241,8 @@ class ServerArgs:
             raise bad("init-new-token-ratio", "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
         if self.context_length is not None and self.context_length < 1:
             raise bad("context-length", "must be >= 1")
+        if self.stream_keepalive_secs < 0:
+            raise ValueError("--stream-keepalive-secs must be >= 0")
         if self.stream_interval < 1:
             raise bad("stream-interval", "must be >= 1")
         for name in ("port", "disaggregation_bootstrap_port"):

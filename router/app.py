@@ -300,7 +300,10 @@ class RouterApp:
                     **self.registry.auth, "Content-Type": "application/json",
                     "X-Request-ID": request["request_id"]},
                     timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_secs)) as r:
-                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+                body = await r.read()
+                if r.content_type != "application/json":  # not a pdserve node's answer (an older one: 404)
+                    return error_response(502, f"{workers[0].url} answered {r.status} to {request.path}")
+                return web.Response(body=body, status=r.status, content_type="application/json")
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             return error_response(502, f"tokenizing on {workers[0].url} failed: {e}")
 

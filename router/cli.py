@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--disable-circuit-breaker", action="store_true", help="no circuit breakers")
     a("--request-timeout-secs", type=float, default=d.request_timeout_secs,
       help="longest a request may take end to end through the router; then 504")
+    a("--stream-idle-timeout-secs", type=float, default=d.stream_idle_timeout_secs,
+      help="a decode stream silent for this long (no event, no keep-alive) fails: the client gets an error "
+      "(before the first byte the request is retried elsewhere) and both legs are aborted; 0: wait as long as "
+      "--request-timeout-secs")
     a("--request-id-headers", nargs="*", default=None,
       help="headers a client request id is read from, in order (default: x-request-id, x-correlation-id, x-trace-id, request-id)")
     a("--api-key", default=None, help="client key as a value (sglang-router's flag; shows in `ps`): clients "
@@ -192,6 +196,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     kwargs = {k: v for k, v in vars(ns).items()
               if k in fields and k not in ("prefill", "decode", "prefill_selector", "decode_selector")}
     cfg = RouterConfig(**kwargs)
+    if cfg.stream_idle_timeout_secs < 0:
+        raise ValueError("--stream-idle-timeout-secs must be >= 0 (0: no idle limit)")
     cfg.prefill = [parse_prefill(v) for v in ns.prefill]
     cfg.decode = [check_worker_url(u.rstrip("/"), "--decode") for u in ns.decode]
     cfg.keys = Keys.load(api_key=ns.api_key, api_key_file=ns.api_key_file, admin_api_key_file=ns.admin_api_key_file,

@@ -301,6 +301,11 @@ class Dispatcher:
             resp.close()
             raise
 
+    async def _idle_bound(self, aw):
+        """`aw`, failing with TimeoutError when the worker sends nothing for --stream-idle-timeout-secs."""
+        idle = self.cfg.stream_idle_timeout_secs
+        return await (asyncio.wait_for(aw, idle) if idle > 0 else aw)
+
     @staticmethod
     def _failure(task: asyncio.Task, w: Worker, leg: str) -> Failure | None:
         exc = task.exception()
@@ -424,7 +429,7 @@ class Dispatcher:
         p_task = self._start_leg(p, self._fetch(p, path, payload, headers))
         d.active += 1
         d.requests += 1
-        d_task = asyncio.get_running_loop().create_task(self._open_stream(d, path, payload, headers))
+        d_task = asyncio.get_running_loop().create_task(self._idle_bound(self._open_stream(d, path, payload, headers)))
         resp = None
         clean = False
         upstream_broken = False
@@ -540,7 +545,10 @@ class Dispatcher:
                     except ConnectionError:
                         return "client"
                 try:
-                    data = await resp.readany()
+                    data = await self._idle_bound(resp.readany())
+                except TimeoutError:
+                    return (f"decode worker sent nothing for {self.cfg.stream_idle_timeout_secs:g}s "
+                            "(--stream-idle-timeout-secs): presumed gone")
                 except _UPSTREAM_ERRORS as e:
                     return f"decode leg failed mid-stream: {e!r}"
             if merger is not None and merger.buf:

@@ -43,6 +43,7 @@ from common.server.http import (
     respond,
     sse_done,
     sse_send,
+    stream_wait,
 )
 from common.server.metrics import CONTENT_TYPE
 from common.server.openapi import Route, access_of, access_table, add_routes, with_openapi
@@ -234,7 +235,7 @@ async def _stream_generate(tm: TokenizerManager, states: list[ReqState], notify,
                            batch: bool) -> None:
     sent = [-1] * len(states)  # number of output ids at the last chunk of each item (-2: done)
     while True:
-        await tm.wait(states, notify)
+        await stream_wait(resp, tm, states, notify)
         for i, st in enumerate(states):
             if sent[i] == -2:
                 continue

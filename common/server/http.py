@@ -6,6 +6,7 @@ submitted requests (`respond`). `app.py` (SGLang-native endpoints) and `openai_a
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import uuid
@@ -63,6 +64,19 @@ async def sse_start(request: web.Request) -> web.StreamResponse:
 
 async def sse_send(resp: web.StreamResponse, obj: Any) -> None:
     await resp.write(b"data: " + dumps(obj).encode() + b"\n\n")
+
+
+async def stream_wait(resp: web.StreamResponse, tm: TokenizerManager, states: list[ReqState], notify) -> None:
+    """`tm.wait` for a stream: while nothing happens, an SSE comment every --stream-keepalive-secs (clients
+    skip comments; a router's idle timeout sees the node is alive while its request waits in a queue)."""
+    every = tm.args.stream_keepalive_secs
+    while True:
+        if not every:
+            return await tm.wait(states, notify)
+        try:
+            return await asyncio.wait_for(tm.wait(states, notify), every)
+        except TimeoutError:
+            await resp.write(b": keep-alive\n\n")
 
 
 async def sse_done(resp: web.StreamResponse) -> None:

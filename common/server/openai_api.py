@@ -38,6 +38,7 @@ from common.server.http import (
     respond,
     sse_done,
     sse_send,
+    stream_wait,
 )
 from common.server.tokenizer_manager import ReqState, TokenizerManager
 from common.server.tool_calls import ToolStream, parse_answer, plan_tools, template_messages
@@ -207,7 +208,7 @@ async def _stream_completions(resp, tm, req, states, notify, cid, created, model
         return c
 
     while not all(done):
-        await tm.wait(states, notify)
+        await stream_wait(resp, tm, states, notify)
         for i, st in enumerate(states):
             if done[i]:
                 continue
@@ -321,7 +322,7 @@ async def _stream_chat(resp, tm, req, plan, states, notify, cid, created, model)
     sent_lp = [0] * len(states)
     done = [False] * len(states)
     while not all(done):
-        await tm.wait(states, notify)
+        await stream_wait(resp, tm, states, notify)
         for i, st in enumerate(states):
             if done[i]:
                 continue

@@ -54,7 +54,9 @@ def post(node, path: str, body, timeout: float = 120.0) -> tuple[int, dict, dict
 def assert_error(status: int, body: dict, want: int, *words: str) -> str:
     assert status == want, (status, body)
     err = body["error"]
-    assert err["code"] == {429: "rate_limit_exceeded"}.get(want) and err["type"] and err["message"], body
+    codes = {429: ("rate_limit_exceeded",), 400: ("invalid_value", "context_length_exceeded")}.get(want, (None,))
+    assert err["code"] in codes and err["param"] is not None or want != 400, body
+    assert err["type"] and err["message"], body
     for w in words:
         assert w in err["message"], (w, err["message"])
     return err["message"]

@@ -64,6 +64,22 @@ class Recorder:
         return web.json_response({"object": "list", "data": [{"id": "test-model", "object": "model",
                                                               "owned_by": self.name}]})
 
+    async def tokenize(self, request):
+        """/tokenize: one id per character; /detokenize: the characters back (a 400 for a body without a list)."""
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if request.path.endswith("/tokenize") and isinstance(body, dict) and isinstance(body.get("prompt"), str):
+            ids = [ord(c) for c in body["prompt"]]
+            return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 4096})
+        if isinstance(body, dict) and isinstance(body.get("tokens"), list) \
+                and all(isinstance(t, int) and 0 <= t < 0x110000 for t in body["tokens"]):
+            text = "".join(map(chr, body["tokens"]))
+            return web.json_response({"prompt": text, "text": text})
+        return web.json_response({"error": {"message": "`tokens` or `prompt` is missing", "type": "invalid_request_error",
+                                            "param": None, "code": None}}, status=400)
+
     async def get_load(self, request):
         return web.json_response([{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0,
                                    "num_tokens": self.cfg["load"]}])
@@ -191,6 +207,8 @@ class Recorder:
             r.add_get(p, self.model_info)
         r.add_get("/v1/models", self.models)
         r.add_get("/get_load", self.get_load)
+        for p in ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize"):
+            r.add_post(p, self.tokenize)
         r.add_post("/abort_request", self.abort)
         r.add_get("/metrics", self.metrics)
         r.add_post("/flush_cache", self.health)
