@@ -83,8 +83,13 @@ class ServerProcess:
     ready_path = "/health"
 
     def __init__(self, name: str, *, port: int | None = None, env: dict | None = None,
-                 log_path: str | Path | None = None, startup_timeout: float = 300.0):
+                 log_path: str | Path | None = None, startup_timeout: float = 300.0,
+                 netns: str | None = None, host: str = "127.0.0.1"):
         self.name = name
+        # a server on a host of its own: run inside network namespace `netns`, listening on `host`
+        # (tests/hosts/netns.py makes them)
+        self.netns = netns
+        self.host = host
         self.role = name
         self.port = port or free_port()
         self._own_port = port is None  # only a port we picked may be replaced after a port race
@@ -108,13 +113,14 @@ class ServerProcess:
     # ------------------------------------------------------------------ lifecycle
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def spawn(self) -> ServerProcess:
         """Start the process and return at once (`wait_ready` waits for it)."""
         pdeathsig = _PRCTL is not None and threading.current_thread() is threading.main_thread()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=self.env, stdout=log,
+            prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
+            self.proc = subprocess.Popen(prefix + self.command(), cwd=ROOT, env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True,
                                          preexec_fn=_die_with_parent if pdeathsig else None)
@@ -228,9 +234,10 @@ class NodeProcess(ServerProcess):
 
     def __init__(self, model: str, *, startup_timeout: float = 300.0, env: dict | None = None,
                  log_path: str | Path | None = None, name: str = "node", **settings):
+        netns = settings.pop("netns", None)
         super().__init__(name, port=settings.pop("port", None), env=env, log_path=log_path,
-                         startup_timeout=startup_timeout)
-        self.settings = {"model": model, "host": "127.0.0.1", "port": self.port, "log_level": "info", **settings}
+                         startup_timeout=startup_timeout, netns=netns, host=settings.get("host", "127.0.0.1"))
+        self.settings = {"model": model, "host": self.host, "port": self.port, "log_level": "info", **settings}
 
     def new_ports(self) -> None:
         super().new_ports()
@@ -277,7 +284,7 @@ class RouterProcess(ServerProcess):
         self.prefill, self.decode, self.args, self.ports = list(prefill), list(decode), list(args), ports or {}
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "router", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "router", "--pd-disaggregation", "--host", self.host, "--port", str(self.port)]
         for w in self.prefill:
             port = self.ports.get(w, w.bootstrap_port)
             cmd += ["--prefill", w.url] + ([] if port is None else [str(port)])

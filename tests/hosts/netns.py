@@ -1,0 +1,94 @@
+"""Hosts of their own on one machine: N network namespaces joined by a Linux bridge, each with one
+address in 10.77.<net>.0/24 (the bridge, in the test's namespace, is 10.77.<net>.1, so the test reaches
+every host). Names carry the test process's pid, so parallel runs cannot collide; `close()` removes every
+namespace, veth and the bridge it made, whatever state the test left them in.
+
+Faults on a host's link: `cut(i)` / `mend(i)` take its veth down and up (a partition: packets vanish,
+no connection is reset), `netem(i, "delay 20ms loss 1%")` shapes its traffic with `tc netem`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+SUBNET = "10.77"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def usable() -> str | None:
+    """None when this process may make namespaces, else why not."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"pdsprobe{os.getpid()}"
+    r = _ip("netns", "add", probe, check=False)
+    if r.returncode != 0:
+        return f"`ip netns add` failed: {r.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+class Hosts:
+    def __init__(self, n: int, net: int = 0) -> None:
+        """n hosts in 10.77.`net`.0/24 (several sets at once: different `net`)."""
+        tag = f"{os.getpid() % 100000}n{net}"
+        self.bridge = f"pdb{tag}"
+        self.names = [f"pds{tag}h{i}" for i in range(n)]
+        self.veths = [f"pdv{tag}h{i}" for i in range(n)]
+        subnet = f"{SUBNET}.{net}"
+        self.addrs = [f"{subnet}.{i + 2}" for i in range(n)]
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{subnet}.1/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for name, veth, addr in zip(self.names, self.veths, self.addrs, strict=True):
+                _ip("netns", "add", name)
+                _ip("link", "add", veth, "type", "veth", "peer", "name", veth + "n")
+                _ip("link", "set", veth + "n", "netns", name)
+                _ip("link", "set", veth, "master", self.bridge, "up")
+                self.run(name, "ip", "addr", "add", f"{addr}/24", "dev", veth + "n")
+                self.run(name, "ip", "link", "set", veth + "n", "up")
+                self.run(name, "ip", "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def run(name: str, *cmd: str) -> str:
+        return subprocess.run(["ip", "netns", "exec", name, *cmd], capture_output=True, text=True,
+                              check=True).stdout
+
+    def listeners(self, i: int) -> list[str]:
+        """Local addresses of the TCP sockets listening in host i (`ss -ltnH`)."""
+        return [line.split()[3] for line in self.run(self.names[i], "ss", "-ltnH").splitlines() if line.strip()]
+
+    def cut(self, i: int) -> None:
+        _ip("link", "set", self.veths[i], "down")
+
+    def mend(self, i: int) -> None:
+        _ip("link", "set", self.veths[i], "up")
+
+    def netem(self, i: int, spec: str | None) -> None:
+        """`tc netem` on host i's side of its link (both directions shaped by one qdisc each way)."""
+        for dev, ns in ((self.veths[i], None), (self.veths[i] + "n", self.names[i])):
+            prefix = ["ip", "netns", "exec", ns] if ns else []
+            subprocess.run(prefix + ["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            if spec:
+                subprocess.run(prefix + ["tc", "qdisc", "add", "dev", dev, "root", "netem", *spec.split()],
+                               capture_output=True, text=True, check=True)
+
+    def close(self) -> None:
+        for name in self.names:
+            _ip("netns", "del", name, check=False)  # takes its veth end, and so the pair, with it
+        for veth in self.veths:
+            _ip("link", "del", veth, check=False)
+        _ip("link", "del", self.bridge, check=False)
+
+    def left_behind(self) -> list[str]:
+        """Namespaces or links of this run that still exist."""
+        ns = _ip("netns", "list", check=False).stdout
+        links = _ip("-o", "link", "show", check=False).stdout
+        return [x for x in (*self.names, *self.veths, self.bridge) if x in ns or f" {x}:" in links or f" {x}@" in links]
