@@ -53,6 +53,8 @@ def validation_message(e: msgspec.ValidationError, where: str = "") -> str:
         return f"`{path}` is not a field this server knows or supports"
     if where:
         return message.replace("- at `$", f"- at `{where}") if " - at `$" in message else f"{message} - at `{where}`"
+    if message.startswith("`") and message.endswith(" - at `$`"):  # our own check, naming its field
+        return message[:-len(" - at `$`")]
     return message if " - at `$" in message else f"request body: {message} - at `$`"
 
 
@@ -100,6 +102,8 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     if status == 400:
         if "is not a field this server knows" in message:
             code = "unknown_parameter"
+        elif "is not supported by this server" in message:
+            code = "unsupported_value"
         elif "context length" in message or "context window" in message:
             code = "context_length_exceeded"
         else:
@@ -325,12 +329,32 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 # HTTP: SGLang native /generate
 
 
+# Fields of SGLang's request objects that sglang-router (and SGLang clients) send with their default
+# value on every request. At that value they ask for nothing, so they are accepted; any other value asks
+# for what this server does not do and is a 400 naming the field.
+DEFAULT_ONLY = {"log_metrics": True, "return_hidden_states": False, "background": False, "no_logs": False,
+                "return_bytes": False, "return_entropy": False}
+
+
+def _check_defaults(req) -> None:
+    for name, default in DEFAULT_ONLY.items():
+        value = getattr(req, name, default)
+        if value != default:
+            raise ValueError(f"`{name}` = {json_value(value)} is not supported by this server (only "
+                             f"{json_value(default)}, SGLang's default)")
+
+
+def json_value(v: Any) -> str:
+    return "true" if v is True else "false" if v is False else repr(v)
+
+
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """SGLang's GenerateReqInput: the fields this server honours. Strict: any other field (image_data,
     lora_path, return_hidden_states, ...) is a 400 naming it, never dropped."""
 
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None
+    model: str | None = None  # sglang-router sends it (null); one model is served
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     return_logprob: bool | list[bool] = False
@@ -342,6 +366,16 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=
     bootstrap_port: BootstrapPort | list[BootstrapPort] | None = None
     bootstrap_room: BootstrapRoom | list[BootstrapRoom] | None = None
     priority: Priority | list[Priority] | None = None
+    # sent by sglang-router with their defaults (DEFAULT_ONLY)
+    log_metrics: bool = True
+    return_hidden_states: bool = False
+    background: bool = False
+    no_logs: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
+
+    def __post_init__(self) -> None:
+        _check_defaults(self)
 
 
 def item_rids(rid: str, n: int) -> list[str]:
@@ -417,6 +451,10 @@ class _OpenAICommon(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     bootstrap_port: BootstrapPort | list[BootstrapPort] | None = None
     bootstrap_room: BootstrapRoom | list[BootstrapRoom] | None = None
     priority: Priority | None = None
+    return_hidden_states: bool = False  # sent by sglang-router with its default (DEFAULT_ONLY)
+
+    def __post_init__(self) -> None:
+        _check_defaults(self)
 
 
 class CompletionRequest(_OpenAICommon, kw_only=True):
@@ -436,6 +474,12 @@ class ChatCompletionRequest(_OpenAICommon, kw_only=True):
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # the last message is the start of the answer: the template continues it (no new turn)
+    continue_final_message: bool = False
+    # SGLang splits reasoning out of answers only with a reasoning parser, which this server does not
+    # have: either value gives the same answer (sglang-router sends both as true)
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class AbortHTTPRequest(msgspec.Struct):

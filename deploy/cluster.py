@@ -20,6 +20,10 @@ the number of cores given unless the node flags already set it. Flags that are n
 are passed to every node unchanged (checked against the node parser first); `--router-args "..."`
 adds router flags.
 
+`--hosts` puts the router and every node on a host of its own: a network namespace with its own address
+(deploy/netns.py, 10.77.N.0/24 on a bridge; needs root), as on separate machines; the namespaces go with
+the cluster.
+
 `Cluster` is the same launcher as a library (the integration tests and `pdserve bench compare` use it).
 
 Everything listens on `--host` (127.0.0.1 by default) and nowhere else: node HTTP, bootstrap servers,
@@ -70,6 +74,8 @@ class Child:
     log_path: str
     bootstrap_port: int | None = None
     cores: list[int] | None = None
+    host: str = "127.0.0.1"  # the address it listens on
+    netns: str | None = None  # its network namespace (--hosts)
     proc: subprocess.Popen | None = None
     exit_reported: bool = False
     port_retries: int = 0
@@ -84,7 +90,7 @@ class Child:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -99,7 +105,7 @@ class Child:
 
     def describe(self) -> dict:
         return {"name": self.name, "role": self.role, "url": self.url, "port": self.port,
-                "bootstrap_port": self.bootstrap_port, "cores": self.cores, "log": self.log_path,
+                "bootstrap_port": self.bootstrap_port, "cores": self.cores, "log": self.log_path, "netns": self.netns,
                 "pid": self.proc.pid if self.proc else None, "cmd": self.cmd}
 
 
@@ -111,6 +117,8 @@ class Cluster:
     transfer_backend: str = "nixl"  # confinable to `host` (mooncake is not)
     port: int | None = None  # router port; None: a free one
     host: str = "127.0.0.1"  # address everything binds to
+    # every process on a host of its own: a network namespace with its own address (deploy/netns.py)
+    hosts: bool = False
     log_dir: str | None = None
     cpu_affinity: dict[str, list[int]] = field(default_factory=dict)
     node_args: list[str] = field(default_factory=list)  # extra ServerArgs flags for every node
@@ -165,9 +173,10 @@ class Cluster:
         if not self.quiet:
             print(msg, flush=True)
 
-    def _node_cmd(self, role: str, port: int, bootstrap_port: int, cores: list[int] | None) -> list[str]:
+    def _node_cmd(self, role: str, port: int, bootstrap_port: int, cores: list[int] | None,
+                  host: str | None = None) -> list[str]:
         module = "prefill_node" if role == "prefill" else "decode_node"
-        cmd = [sys.executable, "-m", module, "--model", self.model, "--host", self.host, "--port", str(port),
+        cmd = [sys.executable, "-m", module, "--model", self.model, "--host", host or self.host, "--port", str(port),
                "--transfer-backend", self.transfer_backend]
         if role == "prefill":
             cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
@@ -176,8 +185,8 @@ class Cluster:
             cmd += ["--num-threads", str(len(cores))]
         return cmd + extra
 
-    def _router_cmd(self, port: int) -> list[str]:
-        cmd = [sys.executable, "-m", "router", "--pd-disaggregation", "--host", self.host, "--port", str(port)]
+    def _router_cmd(self, port: int, host: str | None = None) -> list[str]:
+        cmd = [sys.executable, "-m", "router", "--pd-disaggregation", "--host", host or self.host, "--port", str(port)]
         for p in self.prefills:
             cmd += ["--prefill", p.url, str(p.bootstrap_port)]
         for d in self.decodes:
@@ -203,10 +212,11 @@ class Cluster:
             if cores:
                 os.sched_setaffinity(0, cores)
 
+        cmd = (["ip", "netns", "exec", child.netns] if child.netns else []) + child.cmd
         with open(child.log_path, "ab") as log:
-            log.write(f"$ {shlex.join(child.cmd)}\n".encode())
+            log.write(f"$ {shlex.join(cmd)}\n".encode())
             log.flush()
-            child.proc = subprocess.Popen(child.cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            child.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True,
                                           preexec_fn=pin)
         child.exit_reported = False
@@ -227,8 +237,8 @@ class Cluster:
         c.port = free_port(self.host, used)
         if c.role == "prefill":
             c.bootstrap_port = free_port(self.host, used)
-        c.cmd = self._router_cmd(c.port) if c.role == "router" else \
-            self._node_cmd(c.role, c.port, c.bootstrap_port or 0, c.cores)
+        c.cmd = self._router_cmd(c.port, c.host) if c.role == "router" else \
+            self._node_cmd(c.role, c.port, c.bootstrap_port or 0, c.cores, c.host)
         self._say(f"  {c.name}: a port was taken while it started; retrying on port {c.port}")
         self._spawn(c)
         self.write_manifest()
@@ -257,6 +267,7 @@ class Cluster:
     def __post_init__(self) -> None:
         self._stopping = False
         self._supervisor: threading.Thread | None = None
+        self.net = None  # with --hosts, a deploy.netns.Hosts: host 0 is the router, then the nodes
 
     def start(self) -> Cluster:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -270,14 +281,16 @@ class Cluster:
         router_port = self.port or free_port(self.host, used)
         used.add(router_port)
         self.children = []
+        places = self._places()
         for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(n):
                 port = free_port(self.host, used)
                 bport = free_port(self.host, used) if role == "prefill" else None
                 cores = self.cpu_affinity.get(role)
                 name = f"{role}-{i}"
-                self.children.append(Child(name, role, self._node_cmd(role, port, bport or 0, cores), port,
-                                           os.path.join(self.log_dir, f"{name}.log"), bport, cores))
+                host, netns = places[len(self.children) + 1]
+                self.children.append(Child(name, role, self._node_cmd(role, port, bport or 0, cores, host), port,
+                                           os.path.join(self.log_dir, f"{name}.log"), bport, cores, host, netns))
         self._say(f"starting {self.num_prefill} prefill + {self.num_decode} decode nodes "
                   f"({self.transfer_backend} backend, model {self.model}); logs in {self.log_dir}")
         deadline = time.time() + self.startup_timeout
@@ -288,9 +301,9 @@ class Cluster:
             self._wait_healthy(list(self.children), "/health", deadline)
             rcores = self.cpu_affinity.get("router")
             router = Child("router", "router", [], router_port, os.path.join(self.log_dir, "router.log"),
-                           cores=rcores)
+                           cores=rcores, host=places[0][0], netns=places[0][1])
             self.children.append(router)
-            router.cmd = self._router_cmd(router_port)
+            router.cmd = self._router_cmd(router_port, router.host)
             self._spawn(router)
             self._wait_healthy([router], "/readiness", deadline)
         except BaseException:
@@ -298,6 +311,22 @@ class Cluster:
             raise
         self.write_manifest()
         return self
+
+    def _places(self) -> list[tuple[str, str | None]]:
+        """(address, network namespace) of the router, then of each node: all on --host, or with --hosts
+        each in a namespace of its own (made now, removed by `stop`)."""
+        n = 1 + self.num_prefill + self.num_decode
+        if not self.hosts:
+            return [(self.host, None)] * n
+        from deploy.netns import Hosts, usable
+
+        why = usable()
+        if why is not None:
+            raise ClusterError(f"--hosts: {why}")
+        self.net = Hosts(n, net=os.getpid() % 200 + 20)
+        self._say(f"hosts: router {self.net.addrs[0]} ({self.net.names[0]}), nodes "
+                  f"{', '.join(self.net.addrs[1:])}, on bridge {self.net.bridge}")
+        return list(zip(self.net.addrs, self.net.names, strict=True))
 
     def write_manifest(self) -> None:
         routers = [c for c in self.children if c.role == "router"]
@@ -422,6 +451,9 @@ class Cluster:
         routers = [c for c in self.children if c.role == "router"]
         self.stop_children(routers)
         self.stop_children([c for c in self.children if c.role != "router"])
+        if self.net is not None:
+            self.net.close()
+            self.net = None
 
     def kill(self, name: str) -> None:
         """SIGKILL a child and its whole process group (a crash, for failure tests)."""
@@ -458,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
            ".gguf file or 'default'")
     a("--port", type=int, default=30000, help="router port (0: a free one)")
     a("--host", default="127.0.0.1", help="address every process binds to")
+    a("--hosts", action="store_true", help="each process on a host of its own: a network namespace with its own "
+      "address in 10.77.N.0/24 on a bridge, as on separate machines (needs root; removed on exit)")
     a("--tp", type=int, default=None, help="tensor parallel size of every node")
     a("--page-size", type=int, default=None, help="KV page size of every node (default: the node's)")
     a("--chunked-prefill-size", type=int, default=None,
@@ -529,7 +563,8 @@ def cluster_from_args(argv: list[str]) -> Cluster:
         parser.error(f"--model: no such model directory or file, and not a Hugging Face Hub id (owner/name): "
                      f"{ns.model!r}")
     return Cluster(num_prefill=ns.prefill, num_decode=ns.decode, model=ns.model,
-                   transfer_backend=ns.transfer_backend, port=ns.port or None, host=ns.host, log_dir=ns.log_dir,
+                   transfer_backend=ns.transfer_backend, port=ns.port or None, host=ns.host, hosts=ns.hosts,
+                   log_dir=ns.log_dir,
                    cpu_affinity=affinity, node_args=node_args, prefill_args=prefill_args,
                    decode_args=decode_args, router_args=router_args, startup_timeout=ns.startup_timeout,
                    grace_period=ns.grace_period, cluster_secret_file=ns.cluster_secret_file,

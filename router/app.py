@@ -91,6 +91,7 @@ class RouterApp:
             self.registry.on_admit = self._admit_prefill
         self.dispatcher = Dispatcher(cfg, self.registry, session, self.metrics, self.prefill_policy,
                                      self.decode_policy)
+        self.registry.on_unhealthy = self.dispatcher.cut_off
         self.keys = cfg.resolved_keys
         self.routes = self._routes()
         self.access = access_table(self.routes)

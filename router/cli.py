@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="a decode stream silent for this long (no event, no keep-alive) fails: the client gets an error "
       "(before the first byte the request is retried elsewhere) and both legs are aborted; 0: wait as long as "
       "--request-timeout-secs")
+    a("--worker-connect-timeout-secs", type=float, default=d.worker_connect_timeout_secs,
+      help="a connection to a worker that is not made within this time fails (a worker cut off the network "
+      "drops it silently); the request is retried on another pair")
     a("--request-id-headers", nargs="*", default=None,
       help="headers a client request id is read from, in order (default: x-request-id, x-correlation-id, x-trace-id, request-id)")
     a("--api-key", default=None, help="client key as a value (sglang-router's flag; shows in `ps`): clients "
@@ -196,6 +199,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     kwargs = {k: v for k, v in vars(ns).items()
               if k in fields and k not in ("prefill", "decode", "prefill_selector", "decode_selector")}
     cfg = RouterConfig(**kwargs)
+    if cfg.worker_connect_timeout_secs <= 0:
+        raise ValueError("--worker-connect-timeout-secs must be > 0")
     if cfg.stream_idle_timeout_secs < 0:
         raise ValueError("--stream-idle-timeout-secs must be >= 0 (0: no idle limit)")
     cfg.prefill = [parse_prefill(v) for v in ns.prefill]

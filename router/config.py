@@ -81,6 +81,7 @@ class RouterConfig:
     # a decode stream that sends no byte for this long is a silent peer (nodes send an SSE keep-alive
     # every --stream-keepalive-secs, 5 s by default): its request fails, both legs are aborted
     stream_idle_timeout_secs: float = 30.0
+    worker_connect_timeout_secs: float = 10.0  # a connection to a worker not made by then fails
     request_id_headers: tuple[str, ...] = DEFAULT_REQUEST_ID_HEADERS
     api_key: str | None = field(default=None, repr=False)  # --api-key VALUE (sglang-router's flag)
     # admission (router/limits.py), sglang-router's flags and defaults; -1: no concurrency limit

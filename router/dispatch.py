@@ -48,6 +48,11 @@ _ERR_TYPE = ERR_TYPE_HEADER.lower()  # router.upstream keeps header names lower-
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
+def _only_comments(data: bytes) -> bool:
+    """Whether a read of an SSE stream holds only comment lines (a node's `: keep-alive`)."""
+    return all(not line or line.startswith(b":") for line in data.split(b"\n"))
+
+
 def _header_value(value: str) -> bytes:
     return value.replace("\r", " ").replace("\n", " ").encode("latin-1", "replace")
 
@@ -272,8 +277,17 @@ class Dispatcher:
             if w.url.startswith("https://") and self.ssl_context is None:
                 self.ssl_context = client_ssl_context(self.cfg.ssl_ca_certs)
             pool = self.pools[w.url] = Pool(w.url, self.cfg.request_timeout_secs, bearer_header(self.node_key),
-                                            ssl_context=self.ssl_context)
+                                            ssl_context=self.ssl_context,
+                                            connect_timeout=self.cfg.worker_connect_timeout_secs)
         return pool
+
+    def cut_off(self, w: Worker) -> None:
+        """`w` failed its health checks: break its connections, so the requests it holds fail now (and are
+        retried where nothing reached the client yet) instead of waiting on a peer that is gone."""
+        pool = self.pools.get(w.url)
+        n = pool.abort_all() if pool is not None else 0
+        if n:
+            log.warning("%d requests on %s cut off: it failed its health checks", n, w.url)
 
     def forget(self, urls: set[str]) -> None:
         """Close the connection pools of workers that are no longer registered."""
@@ -292,11 +306,17 @@ class Dispatcher:
                          resp.headers.get(_ERR_TYPE))
 
     async def _open_stream(self, w: Worker, path: str, payload: bytes, headers: bytes):
-        resp = await self._pool(w).request(path, payload, headers)
+        """The decode leg's status and first event. Keep-alive comments before it are skipped: until an
+        event comes nothing is sent to the client, so a failure is still retried on another pair; each
+        read is bounded by --stream-idle-timeout-secs."""
+        resp = await self._idle_bound(self._pool(w).request(path, payload, headers))
         try:
             if resp.status >= 300:
                 return resp.status, resp, None, await resp.read()
-            return resp.status, resp, await resp.readany(), None
+            first = await self._idle_bound(resp.readany())
+            while first and _only_comments(first):
+                first = await self._idle_bound(resp.readany())
+            return resp.status, resp, first, None
         except BaseException:
             resp.close()
             raise
@@ -369,7 +389,9 @@ class Dispatcher:
                 log.warning("request %s attempt %d failed: %s", request_id, attempt + 1, failure.message)
             if not retry:
                 break
-            exclude = (failure.worker,) if failure.worker is not None else ()
+            # the next attempt goes to another pair where there is one: a failed KV transfer may be either
+            # node's (or their link's) doing, and a worker that failed its leg is best avoided at once
+            exclude = (p, d)
         trace.status = failure.status
         if failure.status in OVERLOAD and failure.body is not None:
             self.metrics.overload_passed += 1
@@ -429,7 +451,7 @@ class Dispatcher:
         p_task = self._start_leg(p, self._fetch(p, path, payload, headers))
         d.active += 1
         d.requests += 1
-        d_task = asyncio.get_running_loop().create_task(self._idle_bound(self._open_stream(d, path, payload, headers)))
+        d_task = asyncio.get_running_loop().create_task(self._open_stream(d, path, payload, headers))
         resp = None
         clean = False
         upstream_broken = False

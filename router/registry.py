@@ -183,6 +183,7 @@ class Registry:
         # async on_admit(worker): a prefill worker was registered, or came back healthy with its
         # /server_info read again (--kv-events subscribes to what it names)
         self.on_admit = None
+        self.on_unhealthy = None  # on_unhealthy(worker): it just failed its health checks
         self.auth = bearer_header(cfg.resolved_keys.outgoing())  # the node key (health, info, load polls)
         self._tasks: list[asyncio.Task] = []
 
@@ -349,6 +350,8 @@ class Registry:
                 if w.healthy and w.fail_streak >= self.cfg.health_failure_threshold:
                     w.healthy = False
                     log.warning("worker %s marked unhealthy after %d failed health checks", w.url, w.fail_streak)
+                    if self.on_unhealthy is not None:
+                        self.on_unhealthy(w)
 
     async def _health_loop(self) -> None:
         while True:

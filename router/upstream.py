@@ -50,6 +50,7 @@ class _Conn(asyncio.Protocol):
 
     def close(self):
         self.closed = True
+        self.pool.busy.discard(self)
         if self.transport is not None:
             self.transport.abort()
 
@@ -267,7 +268,7 @@ class Pool:
     """Keep-alive connections to one worker."""
 
     def __init__(self, url: str, timeout: float, extra_headers: dict[str, str],
-                 ssl_context: ssl.SSLContext | None = None):
+                 ssl_context: ssl.SSLContext | None = None, connect_timeout: float = 10.0):
         u = urlsplit(url)
         if u.scheme not in ("http", "https"):
             raise ValueError(f"the upstream client speaks http and https, not {u.scheme}")
@@ -277,13 +278,16 @@ class Pool:
         self.host = u.hostname or "localhost"
         self.port = u.port or (443 if self.ssl else 80)
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         host_header = f"{u.hostname}:{self.port}" if ":" not in (u.hostname or "") else f"[{u.hostname}]:{self.port}"
         extra = "".join(f"{k}: {v}\r\n" for k, v in extra_headers.items())
         self._head_tail = f"Host: {host_header}\r\nContent-Type: application/json\r\n{extra}".encode("latin-1")
         self.idle: collections.deque[_Conn] = collections.deque()
+        self.busy: set[_Conn] = set()  # connections carrying a request now
         self.closed = False
 
     def _put(self, conn: _Conn) -> None:
+        self.busy.discard(conn)
         if self.closed:
             conn.close()
         else:
@@ -297,10 +301,14 @@ class Pool:
                 return conn
         loop = asyncio.get_running_loop()
         if self.ssl is None:
-            _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port)
+            connect = loop.create_connection(lambda: _Conn(self), self.host, self.port)
         else:  # TLS: certificate and host name checked against the context's CAs
-            _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port, ssl=self.ssl,
-                                                   server_hostname=self.host)
+            connect = loop.create_connection(lambda: _Conn(self), self.host, self.port, ssl=self.ssl,
+                                             server_hostname=self.host)
+        try:  # a worker cut off the network drops the SYN: do not wait for the kernel's ~2 minutes
+            _, conn = await asyncio.wait_for(connect, self.connect_timeout)
+        except TimeoutError:
+            raise OSError(f"no answer within {self.connect_timeout:g}s") from None
         return conn
 
     async def request(self, path: str, body: bytes, headers: bytes = b"") -> Response:
@@ -312,6 +320,7 @@ class Pool:
         loop = asyncio.get_running_loop()
         resp = Response(conn, loop)
         conn.resp = resp
+        self.busy.add(conn)
         resp._timer = loop.call_later(self.timeout, resp._timeout)
         conn.transport.write(b"".join((b"POST ", path.encode(), b" HTTP/1.1\r\n", self._head_tail, headers,
                                        b"Content-Length: ", str(len(body)).encode(), b"\r\n\r\n", body)))
@@ -321,6 +330,16 @@ class Pool:
             resp.close()
             raise
         return resp
+
+    def abort_all(self) -> int:
+        """Break every connection, those carrying a request included (their readers get an
+        UpstreamError at once): the worker stopped answering; returns how many requests were cut."""
+        busy = list(self.busy)
+        for conn in busy:
+            conn.close()
+        while self.idle:
+            self.idle.pop().close()
+        return len(busy)
 
     def close(self) -> None:
         self.closed = True

@@ -132,6 +132,26 @@ def _chat_logprobs(tm: TokenizerManager, st: ReqState, start: int, end: int) -> 
     return {"content": content}
 
 
+async def _stream_items(resp, tm: TokenizerManager, states: list[ReqState], notify):
+    """The items of a stream with news, as (index, state, finished) after each wake-up, until every one
+    has ended; `finished` is read once, before the caller sends what it has. An item that failed gets
+    its error event here and is done."""
+    done = [False] * len(states)
+    while not all(done):
+        await stream_wait(resp, tm, states, notify)
+        for i, st in enumerate(states):
+            if done[i]:
+                continue
+            err = _abort_error(st)
+            if err:
+                await sse_send(resp, error_body(*err))
+                done[i] = True
+                continue
+            finished = st.finished
+            yield i, st, finished
+            done[i] = finished
+
+
 # ---------------------------------------------------------------------------------------------- /v1/completions
 async def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[list[int]], bool]:
     """The prompts' ids, and whether `prompt` is a batch (a list of strings or of id lists)."""
@@ -199,7 +219,6 @@ async def _stream_completions(resp, tm, req, states, notify, cid, created, model
     want_lp = req.logprobs is not None
     sent_text = [0] * len(states)
     sent_lp = [0] * len(states)
-    done = [False] * len(states)
 
     def chunk(choices):
         c = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
@@ -207,28 +226,18 @@ async def _stream_completions(resp, tm, req, states, notify, cid, created, model
             c["usage"] = None
         return c
 
-    while not all(done):
-        await stream_wait(resp, tm, states, notify)
-        for i, st in enumerate(states):
-            if done[i]:
-                continue
-            err = _abort_error(st)
-            if err:
-                await sse_send(resp, error_body(*err))
-                done[i] = True
-                continue
-            delta = st.text[sent_text[i]:]
-            if sent_text[i] == 0 and echo[i]:
-                delta = echo[i] + delta
-            n_lp = len(st.output_logprobs)
-            if not delta and not st.finished and (not want_lp or n_lp == sent_lp[i]):
-                continue
-            lp = _completion_logprobs(tm, st, sent_lp[i], n_lp, 0) if want_lp else None
-            await sse_send(resp, chunk([{"index": i, "text": delta, "logprobs": lp,
-                                         "finish_reason": _finish_reason(st)}]))
-            sent_text[i] = len(st.text)
-            sent_lp[i] = n_lp
-            done[i] = st.finished
+    async for i, st, finished in _stream_items(resp, tm, states, notify):
+        delta = st.text[sent_text[i]:]
+        if sent_text[i] == 0 and echo[i]:
+            delta = echo[i] + delta
+        n_lp = len(st.output_logprobs)
+        if not delta and not finished and (not want_lp or n_lp == sent_lp[i]):
+            continue
+        lp = _completion_logprobs(tm, st, sent_lp[i], n_lp, 0) if want_lp else None
+        await sse_send(resp, chunk([{"index": i, "text": delta, "logprobs": lp,
+                                     "finish_reason": _finish_reason(st) if finished else None}]))
+        sent_text[i] = len(st.text)
+        sent_lp[i] = n_lp
     if include_usage:
         await sse_send(resp, {"id": cid, "object": "text_completion", "created": created, "model": model,
                               "choices": [], "usage": _usage(states, req.n)})
@@ -277,7 +286,10 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
         if req.top_logprobs and not req.logprobs:
             raise BadRequest("`top_logprobs` needs `logprobs: true`")
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tm.chat_template)
-    ids = await tm.apply_chat_template(chat_messages(req.messages), plan.tools, req.chat_template_kwargs)
+    if req.continue_final_message and req.messages and req.messages[-1].role != "assistant":
+        raise BadRequest("`continue_final_message` needs the last message to be the assistant's")
+    ids = await tm.apply_chat_template(chat_messages(req.messages), plan.tools, req.chat_template_kwargs,
+                                       continue_final_message=req.continue_final_message)
     treqs = _treqs(tm, req, [ids], False, default_max=None, prompt_field="messages", logprobs=req.logprobs,
                    top_n=req.top_logprobs or 0, grammar=plan.grammar)
     states, notify = tm.submit(treqs, endpoint="chat_completions")
@@ -320,32 +332,21 @@ async def _stream_chat(resp, tm, req, plan, states, notify, cid, created, model)
         await sse_send(resp, chunk(i, {"role": "assistant", "content": ""}))
     splits = [ToolStream(plan) for _ in states]
     sent_lp = [0] * len(states)
-    done = [False] * len(states)
-    while not all(done):
-        await stream_wait(resp, tm, states, notify)
-        for i, st in enumerate(states):
-            if done[i]:
-                continue
-            err = _abort_error(st)
-            if err:
-                await sse_send(resp, error_body(*err))
-                done[i] = True
-                continue
-            text, calls = splits[i].feed(st.text, st.finished)
-            n_lp = len(st.output_logprobs)
-            if text or (req.logprobs and n_lp > sent_lp[i]):
-                lp = _chat_logprobs(tm, st, sent_lp[i], n_lp) if req.logprobs else None
-                await sse_send(resp, chunk(i, {"content": text}, None, lp))
-                sent_lp[i] = n_lp
-            first = splits[i].calls - len(calls)  # the index of this step's first call in the answer
-            for j, call in enumerate(calls):
-                await sse_send(resp, chunk(i, {"tool_calls": [dict(call, index=first + j)]}))
-            if st.finished:
-                finish = _finish_reason(st)
-                if splits[i].calls and finish == "stop":
-                    finish = "tool_calls"
-                await sse_send(resp, chunk(i, {}, finish))
-                done[i] = True
+    async for i, st, finished in _stream_items(resp, tm, states, notify):
+        text, calls = splits[i].feed(st.text, finished)
+        n_lp = len(st.output_logprobs)
+        if text or (req.logprobs and n_lp > sent_lp[i]):
+            lp = _chat_logprobs(tm, st, sent_lp[i], n_lp) if req.logprobs else None
+            await sse_send(resp, chunk(i, {"content": text}, None, lp))
+            sent_lp[i] = n_lp
+        first = splits[i].calls - len(calls)  # the index of this step's first call in the answer
+        for j, call in enumerate(calls):
+            await sse_send(resp, chunk(i, {"tool_calls": [dict(call, index=first + j)]}))
+        if finished:
+            finish = _finish_reason(st)
+            if splits[i].calls and finish == "stop":
+                finish = "tool_calls"
+            await sse_send(resp, chunk(i, {}, finish))
     if include_usage:
         await sse_send(resp, {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                               "system_fingerprint": None, "choices": [], "usage": _usage(states, req.n)})

@@ -87,7 +87,7 @@ class ServerProcess:
                  netns: str | None = None, host: str = "127.0.0.1"):
         self.name = name
         # a server on a host of its own: run inside network namespace `netns`, listening on `host`
-        # (tests/hosts/netns.py makes them)
+        # (deploy/netns.py makes them)
         self.netns = netns
         self.host = host
         self.role = name

@@ -1,20 +1,21 @@
 """The cluster across hosts: router, prefill and decode nodes each in a network namespace of its own (own
-address, joined by a bridge; tests/hosts/netns.py), each listening on its own address only. Through the
+address, joined by a bridge; deploy/netns.py), each listening on its own address only. Through the
 router, greedy answers equal a colocated node's (mooncake over TCP moving the KV between hosts, 2 prefill
 + 2 decode), and a partition of the decode host mid-stream ends the stream with an error within the
 router's idle window, after which the healed host frees what it held."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 
 import pytest
 
+from deploy.netns import Hosts, usable
 from tests.harness.client import http_json, stream
 from tests.harness.cluster import NODE_SETTINGS, ROUTER_ARGS, cluster_pools, wait_pools
 from tests.harness.nodes import RoleNode, RouterProcess, free_port, start_together, stop_all
-from tests.hosts.netns import Hosts, usable
 
 why = usable()
 pytestmark = pytest.mark.skipif(why is not None, reason=why or "")
@@ -66,17 +67,33 @@ def colocated(tiny_model_dir, module_launcher):
 @pytest.fixture(scope="module")
 def mooncake_hosts(tiny_model_dir, tmp_path_factory):
     c = HostCluster(tiny_model_dir, tmp_path_factory.mktemp("hosts"), 1, "mooncake", 2, 2,
-                    env={"PDSERVE_TRANSFER_PROTOCOL": "tcp"})
+                    env={"PDSERVE_TRANSFER_PROTOCOL": "tcp"},
+                    router_args=["--health-check-timeout-secs", "2", "--worker-connect-timeout-secs", "3"])
     yield c
     c.close()
 
 
 @pytest.fixture(scope="module")
 def fake_hosts(tiny_model_dir, tmp_path_factory):
-    c = HostCluster(tiny_model_dir, tmp_path_factory.mktemp("hosts"), 2, "fake", 1, 1,
-                    router_args=["--stream-idle-timeout-secs", "3"], settings={"stream_keepalive_secs": 0.5})
-    yield c
-    c.close()
+    """`pdserve cluster --hosts`: the launcher's own multi-host cluster (fake backend)."""
+    from deploy.cluster import cluster_from_args
+
+    c = cluster_from_args(["--hosts", "--prefill", "1", "--decode", "1", "--transfer-backend", "fake",
+                           "--model", tiny_model_dir, "--log-dir", str(tmp_path_factory.mktemp("launcher")),
+                           "--page-size", "16", "--max-total-tokens", "8192", "--num-threads", "1",
+                           "--stream-keepalive-secs", "0.5", "--router-args", "--stream-idle-timeout-secs 3"])
+    c.quiet = True
+    try:
+        c.start()
+        c.nodes = [x for x in c.children if x.role != "router"]  # what tests.harness.cluster reads
+        c.hosts = c.net
+        assert c.router.url.startswith("http://10.77.") and len({x.netns for x in c.children}) == 3
+        c.baseline = cluster_pools(c)
+        yield c
+    finally:
+        net = c.net
+        c.stop()
+        assert net is None or not net.left_behind()
 
 
 def greedy(url: str, prompt: str) -> str:
@@ -93,6 +110,52 @@ def test_answers_across_hosts_equal_a_colocated_node(mooncake_hosts, colocated):
     for n in mooncake_hosts.nodes:  # each decode met the prefill hosts at their own addresses
         assert n.role == "prefill" or "bootstrap 10.77.1." in n.log_path.read_text(), n.name
     wait_pools(mooncake_hosts, mooncake_hosts.baseline)
+
+
+@pytest.mark.parametrize("qdisc", ["netem delay 20ms loss 1%", "tbf rate 20mbit burst 64kb latency 500ms"])
+def test_answers_stay_exact_over_a_slow_link(mooncake_hosts, colocated, qdisc):
+    """20 ms each way and 1 % loss (netem), or a 20 Mbit/s cap (tbf), on both decode hosts' links: the KV
+    still arrives whole; the decode nodes report what they received."""
+    c = mooncake_hosts
+    if not c.hosts.has_qdisc(qdisc):
+        pytest.skip(f"this kernel has no {qdisc.split()[0]} qdisc")
+    decodes = [k + 1 for k, n in enumerate(c.nodes) if n.role == "decode"]
+    before = {n.name: n.stats().get("transfer_bytes", 0) for n in c.nodes if n.role == "decode"}
+    t0 = time.monotonic()
+    for k in decodes:
+        c.hosts.shape(k, qdisc)
+    try:
+        for p in PROMPTS:
+            assert greedy(c.url, p) == greedy(colocated.url, p), p
+    finally:
+        for k in decodes:
+            c.hosts.shape(k, None)
+    moved = sum(n.stats().get("transfer_bytes", 0) - before[n.name] for n in c.nodes if n.role == "decode")
+    print(f"{qdisc}: {moved} KV bytes in {time.monotonic() - t0:.2f}s over {len(PROMPTS)} requests")
+    assert moved > 0
+    wait_pools(c, c.baseline)
+
+
+def test_a_prefill_host_cut_off_from_the_router(mooncake_hosts):
+    """The router's packets to one prefill host vanish (the decode hosts still reach it): new connections
+    time out, requests on kept-alive ones are cut when its health checks fail, and every request is
+    answered by the other prefill host."""
+    c = mooncake_hosts
+    target = c.child("prefill-0")
+    c.hosts.drop(0, target.host)
+    t0 = time.monotonic()
+    try:
+        def one(i: int) -> bool:
+            if i % 2:
+                return stream(c.url + "/v1/completions", {"prompt": f"p{i}", "max_tokens": 4, "stream": True}).ok
+            return bool(greedy(c.url, f"q{i}"))
+
+        with concurrent.futures.ThreadPoolExecutor(6) as ex:
+            assert all(ex.map(one, range(6)))
+        assert time.monotonic() - t0 < 60
+    finally:
+        c.hosts.drop(0, target.host, undo=True)
+    wait_pools(c, c.baseline)
 
 
 def test_every_listener_is_on_its_hosts_address(fake_hosts):
@@ -127,3 +190,4 @@ def test_a_partitioned_decode_host_ends_its_stream_and_comes_back(fake_hosts):
         hosts.mend(k)
     wait_pools(fake_hosts, fake_hosts.baseline)  # the healed host freed the aborted request
     assert greedy(fake_hosts.url, "again")
+

@@ -40,7 +40,7 @@ from tests.harness.nodes import NodeProcess, RouterProcess, ServerProcess, start
 from tests.integration.test_trust_edge import key_env  # noqa: E402
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "8"))
-SECONDS = float(os.environ.get("PDSERVE_FUZZ_SECONDS", "50"))
+SECONDS = float(os.environ.get("PDSERVE_FUZZ_SECONDS", "35"))
 KEYS = {"client": "fuzz-client-3b9d", "admin": "fuzz-admin-3b9d", "node": "fuzz-node-3b9d"}
 PROBES_503 = {"/readiness", "/health_generate", "/health"}
 NAMES_SOMETHING = re.compile(r"`[^`]+`|request body|JSON")

@@ -192,13 +192,11 @@ def test_tool_turns_render_and_tool_choice_none(node):
     status, text = http_json("POST", node.url + "/detokenize", {"tokens": tok["tokens"]})
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"' in text["text"]
     assert "<tool_response>-3 C</tool_response>" in text["prompt"]
-
-
-def test_tools_need_a_template_that_takes_them(tiny_model_dir, module_launcher):
-    plain = module_launcher.colocated(tiny_model_dir, **NODE_SETTINGS)  # SmolLM2's template: no tools
-    with pytest.raises(openai.BadRequestError) as e:
-        client(plain.url).chat.completions.create(model="m", messages=ASK, tools=[WEATHER])
-    assert e.value.body["param"] == "tools"
+    # an assistant turn to continue: the template renders no new turn after it
+    partial = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1 2 3"}]
+    cont = c.chat.completions.create(model="m", messages=partial, max_tokens=2, extra_body={"continue_final_message": True})
+    fresh = c.chat.completions.create(model="m", messages=partial, max_tokens=2)
+    assert cont.usage.prompt_tokens < fresh.usage.prompt_tokens
 
 
 # ---------------------------------------------------------------------------------------------- tokenize, ids, strict fields
@@ -226,9 +224,15 @@ def test_request_id_is_the_rid_on_every_process(cluster):
 
 def test_unknown_fields_are_refused_by_name(node, cluster):
     for url in (node.url, cluster.url):
-        for extra, name in (({"image_data": "x"}, "image_data"), ({"lora_path": "a"}, "lora_path"),
-                            ({"return_hidden_states": True}, "return_hidden_states")):
+        for extra, name, code in (({"image_data": "x"}, "image_data", "unknown_parameter"),
+                                  ({"lora_path": "a"}, "lora_path", "unknown_parameter"),
+                                  ({"return_hidden_states": True}, "return_hidden_states", "unsupported_value")):
             with pytest.raises(openai.BadRequestError) as e:
                 client(url).chat.completions.create(model="m", messages=ASK, max_tokens=2, extra_body=extra)
             err = e.value.body
-            assert err["param"] == name and err["code"] == "unknown_parameter", err
+            assert err["param"] == name and err["code"] == code, err
+        # sglang-router sends these with their defaults on every request: accepted
+        out = client(url).chat.completions.create(model="m", messages=ASK, max_tokens=2, extra_body={
+            "return_hidden_states": False, "separate_reasoning": True, "stream_reasoning": True,
+            "continue_final_message": False})
+        assert out.choices[0].finish_reason

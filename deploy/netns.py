@@ -4,7 +4,9 @@ every host). Names carry the test process's pid, so parallel runs cannot collide
 namespace, veth and the bridge it made, whatever state the test left them in.
 
 Faults on a host's link: `cut(i)` / `mend(i)` take its veth down and up (a partition: packets vanish,
-no connection is reset), `netem(i, "delay 20ms loss 1%")` shapes its traffic with `tc netem`.
+no connection is reset), `drop(i, addr)` loses only host i's packets to one address (a partition between
+two hosts), `shape(i, qdisc)` puts a `tc` qdisc on its link (`netem` delay and loss where the kernel has
+it, `tbf` to cap the bandwidth).
 """
 
 from __future__ import annotations
@@ -71,14 +73,33 @@ class Hosts:
     def mend(self, i: int) -> None:
         _ip("link", "set", self.veths[i], "up")
 
-    def netem(self, i: int, spec: str | None) -> None:
-        """`tc netem` on host i's side of its link (both directions shaped by one qdisc each way)."""
+    def drop(self, i: int, dst: str | None, undo: bool = False) -> None:
+        """Host i's packets to address `dst` vanish (`undo`: deliver them again): a partition between two
+        hosts only, every other link unaffected. Done with a permanent neighbour entry naming a MAC no
+        host owns, so it needs no packet classifier in the kernel."""
+        dev, ns = self.veths[i] + "n", self.names[i]
+        if undo:
+            subprocess.run(["ip", "netns", "exec", ns, "ip", "neigh", "del", dst, "dev", dev], capture_output=True)
+        else:
+            self.run(ns, "ip", "neigh", "replace", dst, "lladdr", "02:00:00:00:77:77", "dev", dev, "nud", "permanent")
+
+    def shape(self, i: int, qdisc: str | None) -> None:
+        """A root qdisc on both ends of host i's link (e.g. "netem delay 20ms loss 1%", or "tbf rate
+        20mbit burst 64kb latency 200ms" to cap its bandwidth); None removes it."""
         for dev, ns in ((self.veths[i], None), (self.veths[i] + "n", self.names[i])):
             prefix = ["ip", "netns", "exec", ns] if ns else []
             subprocess.run(prefix + ["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
-            if spec:
-                subprocess.run(prefix + ["tc", "qdisc", "add", "dev", dev, "root", "netem", *spec.split()],
+            if qdisc:
+                subprocess.run(prefix + ["tc", "qdisc", "add", "dev", dev, "root", *qdisc.split()],
                                capture_output=True, text=True, check=True)
+
+    def has_qdisc(self, qdisc: str) -> bool:
+        """Whether the kernel takes this qdisc (netem is a module some kernels lack)."""
+        dev = self.veths[0]
+        ok = subprocess.run(["tc", "qdisc", "add", "dev", dev, "root", *qdisc.split()],
+                            capture_output=True).returncode == 0
+        subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+        return ok
 
     def close(self) -> None:
         for name in self.names:
