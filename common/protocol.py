@@ -53,8 +53,8 @@ def validation_message(e: msgspec.ValidationError, where: str = "") -> str:
         return f"`{path}` is not a field this server knows or supports"
     if where:
         return message.replace("- at `$", f"- at `{where}") if " - at `$" in message else f"{message} - at `{where}`"
-    if message.startswith("`") and message.endswith(" - at `$`"):  # our own check, naming its field
-        return message[:-len(" - at `$`")]
+    if message.startswith("`"):  # our own check (`__post_init__`), naming its field
+        return message.removesuffix(" - at `$`")
     return message if " - at `$" in message else f"request body: {message} - at `$`"
 
 
