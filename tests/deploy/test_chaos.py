@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(420)
 def test_short_chaos_soak_no_hang_no_leak(tiny_model_dir, tmp_path):
     out = tmp_path / "chaos.json"
-    cmd = [sys.executable, "-m", "deploy.cli", "bench", "chaos", "--model", tiny_model_dir, "--duration", "15",
+    cmd = [sys.executable, "-m", "deploy.cli", "bench", "chaos", "--model", tiny_model_dir, "--duration", "10",
            "--concurrency", "4", "--abort-prob", "0.03", "--burst-every", "5", "--burst-size", "60", "--kills",
            "decode-1@0.1,prefill-1@0.3", "--after-heal", "4", "--warmup", "8", "--hang-wait", "30", "--drain-timeout", "60",
            "--peer-idle-timeout", "8", "--progress-every", "5", "--log-dir", str(tmp_path / "logs"),

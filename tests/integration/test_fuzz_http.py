@@ -39,7 +39,7 @@ from tests.harness.client import free_port, http_get, http_post  # noqa: E402
 from tests.harness.nodes import NodeProcess, RouterProcess, ServerProcess, start_together  # noqa: E402
 from tests.integration.test_trust_edge import key_env  # noqa: E402
 
-EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "8"))
+EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "6"))
 SECONDS = float(os.environ.get("PDSERVE_FUZZ_SECONDS", "35"))
 KEYS = {"client": "fuzz-client-3b9d", "admin": "fuzz-admin-3b9d", "node": "fuzz-node-3b9d"}
 PROBES_503 = {"/readiness", "/health_generate", "/health"}

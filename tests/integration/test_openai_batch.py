@@ -12,24 +12,11 @@ from __future__ import annotations
 import pytest
 
 from tests.harness.client import http_json, stream
-from tests.harness.cluster import PAGE_SIZE, cluster_pools, wait_pools
+from tests.harness.cluster import wait_pools
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "1 2 3 4 5 6 7 8"]
 IDS = [list(range(100, 140)), list(range(300, 310))]  # token-id prompts; the first spans two chunks
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def colocated(tiny_model_dir, module_launcher):
-    return module_launcher.colocated(tiny_model_dir, max_total_tokens=4096, page_size=PAGE_SIZE, num_threads=1)
-
-
-@pytest.fixture(scope="module")
-def mooncake_cluster(tiny_model_dir, module_launcher):
-    c = module_launcher.cluster(tiny_model_dir, backend="mooncake", prefill=1, decode=1,
-                                role_env={r: {"PDSERVE_TRANSFER_PROTOCOL": "tcp"} for r in ("prefill", "decode")})
-    c.baseline = cluster_pools(c)
-    return c
 
 
 def complete(url: str, prompt, **kw) -> dict:

@@ -22,10 +22,8 @@ import openai
 import pytest
 
 from tests.harness.client import http_json, stream
-from tests.harness.cluster import NODE_SETTINGS, cluster_pools, wait_pools
+from tests.harness.cluster import wait_pools
 
-TEMPLATE = str(Path(__file__).resolve().parent.parent / "data" / "chatml_tools.jinja")
-SETTINGS = {**NODE_SETTINGS, "chat_template": TEMPLATE}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "member"],
           "properties": {"name": {"type": "string", "maxLength": 6},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -41,17 +39,14 @@ ASK = [{"role": "user", "content": "Tell me about a person."}]
 
 
 @pytest.fixture(scope="module")
-def node(tiny_model_dir, module_launcher):
-    return module_launcher.colocated(tiny_model_dir, **SETTINGS)
+def node(colocated):
+    return colocated
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, module_launcher):
-    c = module_launcher.cluster(tiny_model_dir, backend="mooncake", prefill=1, decode=1, node_settings=SETTINGS,
-                                role_env={r: {"PDSERVE_TRANSFER_PROTOCOL": "tcp"} for r in ("prefill", "decode")})
-    c.baseline = cluster_pools(c)
-    yield c
-    wait_pools(c, c.baseline)  # every room, page and slot came back
+def cluster(mooncake_cluster):
+    yield mooncake_cluster
+    wait_pools(mooncake_cluster, mooncake_cluster.baseline)  # every room, page and slot came back
 
 
 def client(url: str) -> openai.OpenAI:
