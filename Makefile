@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 # mooncake's runtime libraries, and a C compiler for the native decode-attention kernel
-APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200 gcc libc6-dev chromium chromium-driver iproute2
+APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200 gcc libc6-dev chromium chromium-driver iproute2 nftables
 PORT ?= 30000
 
 .PHONY: setup run test test-fast bench lint clean

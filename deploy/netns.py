@@ -6,12 +6,14 @@ namespace, veth and the bridge it made, whatever state the test left them in.
 Faults on a host's link: `cut(i)` / `mend(i)` take its veth down and up (a partition: packets vanish,
 no connection is reset), `drop(i, addr)` loses only host i's packets to one address (a partition between
 two hosts), `shape(i, qdisc)` puts a `tc` qdisc on its link (`netem` delay and loss where the kernel has
-it, `tbf` to cap the bandwidth).
+it, `tbf` to cap the bandwidth), `lose(i, percent)` drops that share of its packets at random both ways
+(nftables, for kernels without `netem`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 SUBNET = "10.77"
@@ -92,6 +94,34 @@ class Hosts:
             if qdisc:
                 subprocess.run(prefix + ["tc", "qdisc", "add", "dev", dev, "root", *qdisc.split()],
                                capture_output=True, text=True, check=True)
+
+    def lose(self, i: int, percent: float | None) -> None:
+        """Drop `percent` % of host i's packets at random, sent and received (None: stop). A random-number
+        rule in the host's own nftables, so it needs no `netem`; `can_lose()` says whether nft works."""
+        ns = self.names[i]
+        subprocess.run(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "pdloss"], capture_output=True)
+        if percent:
+            # numgen gives 0..9999: drop below percent x 100
+            rules = "\n".join(f"add chain inet pdloss {hook} {{ type filter hook {hook} priority 0; }}\n"
+                              f"add rule inet pdloss {hook} numgen random mod 10000 < {round(percent * 100)} "
+                              "counter drop"
+                              for hook in ("input", "output"))
+            subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input="add table inet pdloss\n" + rules,
+                           capture_output=True, text=True, check=True)
+
+    def lost(self, i: int) -> int:
+        """Packets `lose` has dropped on host i so far (0 when it is not losing any)."""
+        out = subprocess.run(["ip", "netns", "exec", self.names[i], "nft", "list", "table", "inet", "pdloss"],
+                             capture_output=True, text=True).stdout
+        return sum(int(w) for w in re.findall(r"counter packets (\d+)", out))
+
+    def can_lose(self) -> bool:
+        try:
+            self.lose(0, 1.0)
+        except (OSError, subprocess.CalledProcessError):
+            return False
+        self.lose(0, None)
+        return True
 
     def has_qdisc(self, qdisc: str) -> bool:
         """Whether the kernel takes this qdisc (netem is a module some kernels lack)."""

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from deploy.netns import Hosts, usable
+from tests.harness.backends import backend_params
 from tests.harness.client import http_json, stream
 from tests.harness.cluster import NODE_SETTINGS, ROUTER_ARGS, cluster_pools, wait_pools
 from tests.harness.nodes import RoleNode, RouterProcess, free_port, start_together, stop_all
@@ -27,7 +28,9 @@ class HostCluster:
     """A router on host 0, then `prefill` prefill hosts and `decode` decode hosts."""
 
     def __init__(self, model: str, log_dir, net: int, backend: str, prefill: int, decode: int,
-                 router_args: list[str] = (), env: dict | None = None, settings: dict | None = None):
+                 router_args: list[str] = (), env: dict | None = None, settings: dict | None = None,
+                 tp: dict[str, int] | None = None):
+        """`tp` gives a node (by name, e.g. "prefill-0") its TP size; the others run TP 1."""
         self.hosts = Hosts(1 + prefill + decode, net)
         self.nodes: list[RoleNode] = []
         try:
@@ -37,6 +40,7 @@ class HostCluster:
                 self.nodes.append(RoleNode(role, model, name=f"{role}-{k}", netns=self.hosts.names[k + 1],
                                            host=self.hosts.addrs[k + 1], transfer_backend=backend, env=env,
                                            log_path=log_dir / f"{net}-{role}-{k}.log",
+                                           tp=(tp or {}).get(f"{role}-{k}", 1),
                                            **{**NODE_SETTINGS, **(settings or {})}, **extra))
             self.router = RouterProcess([n for n in self.nodes if n.role == "prefill"],
                                         [n for n in self.nodes if n.role == "decode"], *ROUTER_ARGS, *router_args,
@@ -69,6 +73,19 @@ def mooncake_hosts(tiny_model_dir, tmp_path_factory):
     c = HostCluster(tiny_model_dir, tmp_path_factory.mktemp("hosts"), 1, "mooncake", 2, 2,
                     env={"PDSERVE_TRANSFER_PROTOCOL": "tcp"},
                     router_args=["--health-check-timeout-secs", "2", "--worker-connect-timeout-secs", "3"])
+    yield c
+    c.close()
+
+
+# nixl with a TP-2 prefill host beside a TP-1 one (so both decode hosts meet TP 2 -> TP 1 and 1 -> 1), ucx
+# with a TP-2 decode host (1 -> 2 and 1 -> 1); each engine keeps to its host's interface (transfer/engine.py)
+LAYOUTS = {"nixl": {"prefill-0": 2}, "ucx": {"decode-3": 2}}
+
+
+@pytest.fixture(scope="module", params=backend_params(*LAYOUTS))
+def ucx_family_hosts(request, tiny_model_dir, tmp_path_factory):
+    c = HostCluster(tiny_model_dir, tmp_path_factory.mktemp("hosts"), 2, request.param, 2, 2,
+                    tp=LAYOUTS[request.param])
     yield c
     c.close()
 
@@ -112,6 +129,18 @@ def test_answers_across_hosts_equal_a_colocated_node(mooncake_hosts, colocated):
     wait_pools(mooncake_hosts, mooncake_hosts.baseline)
 
 
+def test_nixl_and_ucx_across_hosts_with_tp(ucx_family_hosts, colocated):
+    c = ucx_family_hosts
+    for _ in range(2):
+        for p in PROMPTS:
+            assert greedy(c.url, p) == greedy(colocated.url, p), p
+    for n in c.nodes:  # KV arrived at every decode host, from the prefill hosts' own addresses
+        if n.role == "decode":
+            assert n.stats().get("transfer_bytes", 0) > 0, n.name
+            assert "bootstrap 10.77.2." in n.log_path.read_text(), n.name
+    wait_pools(c, c.baseline)
+
+
 @pytest.mark.parametrize("qdisc", ["netem delay 20ms loss 1%", "tbf rate 20mbit burst 64kb latency 500ms"])
 def test_answers_stay_exact_over_a_slow_link(mooncake_hosts, colocated, qdisc):
     """20 ms each way and 1 % loss (netem), or a 20 Mbit/s cap (tbf), on both decode hosts' links: the KV
@@ -133,6 +162,27 @@ def test_answers_stay_exact_over_a_slow_link(mooncake_hosts, colocated, qdisc):
     moved = sum(n.stats().get("transfer_bytes", 0) - before[n.name] for n in c.nodes if n.role == "decode")
     print(f"{qdisc}: {moved} KV bytes in {time.monotonic() - t0:.2f}s over {len(PROMPTS)} requests")
     assert moved > 0
+    wait_pools(c, c.baseline)
+
+
+def test_answers_stay_exact_over_a_lossy_link(mooncake_hosts, colocated):
+    """1 % of every decode host's packets lost both ways (nftables, where the kernel has no netem): TCP
+    retransmits, the KV arrives whole."""
+    c = mooncake_hosts
+    if not c.hosts.can_lose():
+        pytest.skip("nft cannot add rules here (package nftables, kernel nf_tables)")
+    decodes = [k + 1 for k, n in enumerate(c.nodes) if n.role == "decode"]
+    for k in decodes:
+        c.hosts.lose(k, 1.0)
+    try:
+        for _ in range(3):
+            for p in PROMPTS:
+                assert greedy(c.url, p) == greedy(colocated.url, p), p
+        lost = sum(c.hosts.lost(k) for k in decodes)
+    finally:
+        for k in decodes:
+            c.hosts.lose(k, None)
+    print(f"1 % loss: {lost} packets dropped")
     wait_pools(c, c.baseline)
 
 
