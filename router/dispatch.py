@@ -561,11 +561,16 @@ class Dispatcher:
                     # the quote before `error` is never escaped; the tail covers a key split across reads)
                     if b'"error":' in tail + data:
                         trace.decode_failed = True
-                    tail = data[-8:]
+                    # the [DONE] event (at an event's start: JSON escapes newlines, so no text can fake it)
+                    finished = (b"\n\n" + tail + data if not tail else tail + data).find(b"\n\ndata: [DONE]") >= 0
+                    tail = data[-16:]
                     try:
                         await out.write(data)
                     except ConnectionError:
                         return "client"
+                    if finished:  # the client has the whole answer and may hang up now; the connection goes back
+                        # to the pool by itself when the worker's last chunk arrives
+                        return None
                 try:
                     data = await self._idle_bound(resp.readany())
                 except TimeoutError:

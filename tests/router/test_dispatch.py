@@ -101,6 +101,27 @@ def test_stream_starts_before_prefill_completes(workers, make_router):
     conn.close()
 
 
+def test_a_client_that_hangs_up_after_done_was_served(workers, make_router):
+    """[DONE] ends the relay: a client closing right after it is a 200, not a disconnect, and the worker's
+    request is not aborted; a text that spells `data: [DONE]` does not end the stream early."""
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin")
+    d.config(chunks=3, text="\n\ndata: [DONE]\n\n{i}", eof_delay=0.5)
+    for k in range(5):
+        conn, resp = _stream(r.url, "/generate", {"text": "hi", "stream": True, "rid": f"hangup-{k}"})
+        events = []
+        while (line := resp.readline()) != b"data: [DONE]\n":
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[6:]))
+        conn.close()  # before the chunked body's end
+        assert [e["text"] for e in events] == [f"\n\ndata: [DONE]\n\n{i}" for i in range(3)]
+    wait_until(lambda: r.log_path.read_text().count("/generate status=") == 5, timeout=10)
+    log = r.log_path.read_text()
+    assert all(f"rid=hangup-{k} /generate status=200" in log for k in range(5)), log
+    assert "pdserve_router_client_disconnects_total 0" in http("GET", r.url + "/metrics")[2].decode()
+    assert d.aborts() == []
+
+
 def test_logprobs_merged(workers, make_router):
     p, d = workers["p"][0], workers["d"][0]
     r = make_router([p], [d], "--policy", "round_robin")

@@ -18,6 +18,8 @@ every abort, and its behaviour is set at runtime through `POST /debug/config`:
   error_event  a streamed answer ends with an SSE error event after its chunks (as a node whose request
                failed after its stream began), then [DONE]
   info         extra fields of /server_info (e.g. a kv_events_endpoint)
+  text         the text of answer i, formatted with {i} (default " out{i}")
+  eof_delay    seconds between a stream's [DONE] and the end of its body
 
 `GET /debug/received` returns {"requests": [...], "aborts": [...]}; `POST /debug/reset` clears them.
 Run: python workers.py --port P --role prefill|decode [--bootstrap-port N] [--no-record] [--host 127.x.y.z]
@@ -34,7 +36,7 @@ from aiohttp import web
 
 DEFAULTS = {"status": 200, "health": 200, "hold": 0, "delay": 0.0, "chunks": 3, "chunk_delay": 0.0,
             "break_after": -1, "load": 0, "retry_after": None, "err_type": None,
-            "error_event": False, "info": {}}
+            "error_event": False, "info": {}, "text": " out{i}", "eof_delay": 0.0}
 
 
 class Recorder:
@@ -120,6 +122,7 @@ class Recorder:
     # ------------------------------------------------------------------ generation
 
     def _answer(self, path: str, body: dict, rid, i: int = 0) -> dict:
+        text = self.cfg["text"].format(i=i)
         if path == "/generate":
             meta = {"id": rid, "worker": self.name, "finish_reason": {"type": "length", "length": 4},
                     "prompt_tokens": 2, "completion_tokens": 4}
@@ -127,12 +130,12 @@ class Recorder:
                 meta["input_token_logprobs"] = ([[-1.0, 11, None], [-1.5, 12, None]] if self.role == "prefill"
                                                 else [[-2.0, 13, None]])
                 meta["output_token_logprobs"] = [[-0.5, 21, None]]
-            return {"text": f" out{i}", "meta_info": meta}
+            return {"text": text, "meta_info": meta}
         if path == "/v1/completions":
             return {"id": rid, "object": "text_completion", "model": "test-model", "worker": self.name,
-                    "choices": [{"index": 0, "text": f" out{i}", "finish_reason": None}]}
+                    "choices": [{"index": 0, "text": text, "finish_reason": None}]}
         return {"id": rid, "object": "chat.completion.chunk", "model": "test-model", "worker": self.name,
-                "choices": [{"index": 0, "delta": {"content": f" out{i}"}, "finish_reason": None}]}
+                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
 
     async def generate(self, request: web.Request):
         raw = await request.read()
@@ -193,6 +196,8 @@ class Recorder:
                              b'"code": 500}}\n\n')
         await resp.write(b"data: [DONE]\n\n")
         entry["done"] = True
+        if cfg["eof_delay"]:
+            await asyncio.sleep(cfg["eof_delay"])
         await resp.write_eof()
         return resp
 
