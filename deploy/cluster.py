@@ -318,12 +318,12 @@ class Cluster:
         n = 1 + self.num_prefill + self.num_decode
         if not self.hosts:
             return [(self.host, None)] * n
-        from deploy.netns import Hosts, usable
+        from deploy.netns import Hosts, free_net, usable
 
         why = usable()
         if why is not None:
             raise ClusterError(f"--hosts: {why}")
-        self.net = Hosts(n, net=os.getpid() % 200 + 20)
+        self.net = Hosts(n, net=free_net())
         self._say(f"hosts: router {self.net.addrs[0]} ({self.net.names[0]}), nodes "
                   f"{', '.join(self.net.addrs[1:])}, on bridge {self.net.bridge}")
         return list(zip(self.net.addrs, self.net.names, strict=True))

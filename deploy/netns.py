@@ -1,7 +1,9 @@
 """Hosts of their own on one machine: N network namespaces joined by a Linux bridge, each with one
 address in 10.77.<net>.0/24 (the bridge, in the test's namespace, is 10.77.<net>.1, so the test reaches
 every host). Names carry the test process's pid, so parallel runs cannot collide; `close()` removes every
-namespace, veth and the bridge it made, whatever state the test left them in.
+namespace, veth and the bridge it made, whatever state the test left them in, and a new `Hosts` first
+removes what a killed process (its pid no longer alive) left behind. `free_net()` finds a subnet no
+bridge on this machine uses yet.
 
 Faults on a host's link: `cut(i)` / `mend(i)` take its veth down and up (a partition: packets vanish,
 no connection is reset), `drop(i, addr)` loses only host i's packets to one address (a partition between
@@ -35,9 +37,40 @@ def usable() -> str | None:
     return None
 
 
+def _addrs_in_use() -> str:
+    return _ip("-o", "-4", "addr", "show", check=False).stdout
+
+
+def free_net(first: int = 20, last: int = 250) -> int:
+    """The first `net` in first..last whose 10.77.`net`.0/24 no interface here has an address in."""
+    used = _addrs_in_use()
+    for net in range(first, last + 1):
+        if f" {SUBNET}.{net}." not in used:
+            return net
+    raise RuntimeError(f"every subnet {SUBNET}.{first}..{last}.0/24 is in use")
+
+
+def sweep_stale() -> list[str]:
+    """Remove the namespaces, veths and bridges of runs whose process is gone (killed before `close()`);
+    returns their names."""
+    alive = {int(p) % 100000 for p in os.listdir("/proc") if p.isdigit()}
+    names = _ip("netns", "list", check=False).stdout.split()
+    links = re.findall(r"^\d+: ([^:@]+)", _ip("-o", "link", "show", check=False).stdout, re.M)
+    gone = []
+    for kind, name in [("netns", x) for x in names] + [("link", x) for x in links]:
+        m = re.fullmatch(r"pd[sbv](\d+)n\d+(h\d+)?", name)
+        if m and int(m.group(1)) not in alive:
+            _ip(kind, "del", name, check=False)
+            gone.append(name)
+    return gone
+
+
 class Hosts:
     def __init__(self, n: int, net: int = 0) -> None:
         """n hosts in 10.77.`net`.0/24 (several sets at once: different `net`)."""
+        sweep_stale()
+        if f" {SUBNET}.{net}.1/" in _addrs_in_use():
+            raise RuntimeError(f"subnet {SUBNET}.{net}.0/24 is already in use on this machine (see free_net())")
         tag = f"{os.getpid() % 100000}n{net}"
         self.bridge = f"pdb{tag}"
         self.names = [f"pds{tag}h{i}" for i in range(n)]
