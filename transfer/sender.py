@@ -231,6 +231,15 @@ class PrefillKVManager(KVManager):
             except RuntimeError:  # closing: the engine's close() drops every peer
                 pass
 
+    def _forget_broken_peer(self, addr: str, handle, reason: str) -> None:
+        """Under the lock: a write to this decode rank failed. Its connection may be broken for good (nixl
+        keeps a disconnected endpoint after a partition heals), so its registration and engine peer go:
+        its next room finds it unregistered, it registers again and the engine connects afresh."""
+        peer = self._decode_peers.get(addr)
+        if peer is not None and peer.handle == handle:
+            logger.warning("decode peer %s: a write failed (%s); forgotten until it registers again", addr, reason)
+            self._drop_decode_peer(addr)
+
     def _remove_engine_peer(self, addr: str, handle) -> None:
         try:
             self.engine.remove_peer(handle)
@@ -583,6 +592,7 @@ class KVSender(KVRoom):
     # ------------------------------------------------------------------ on a worker thread
     def _run_chunk(self, chunk: _Chunk) -> None:
         mgr = self.mgr
+        info, handle = None, None
         try:
             if self._status in TERMINAL:
                 return
@@ -596,6 +606,8 @@ class KVSender(KVRoom):
         except TransferError as e:
             with mgr._lock:
                 self._fail(f"transfer failed: {e}")
+                if info is not None:
+                    mgr._forget_broken_peer(info.src, handle, str(e))
         except Exception as e:
             logger.exception("room %d: chunk job crashed", self.room)
             with mgr._lock:
