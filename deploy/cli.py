@@ -62,6 +62,7 @@ BENCHES = {
     "kv_routing": "bench.kv_routing",
     "retract": "bench.retract",
     "chaos": "bench.chaos",
+    "netfaults": "bench.netfaults",
 }
 
 
