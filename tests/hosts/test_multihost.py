@@ -1,7 +1,8 @@
 """The cluster across hosts: router, prefill and decode nodes each in a network namespace of its own (own
 address, joined by a bridge; deploy/netns.py), each listening on its own address only. Through the
-router, greedy answers equal a colocated node's (mooncake over TCP moving the KV between hosts, 2 prefill
-+ 2 decode), and a partition of the decode host mid-stream ends the stream with an error within the
+router, greedy answers equal a colocated node's (2 prefill + 2 decode hosts on mooncake over TCP, and on nixl
+and ucx with a TP-2 host among them: prompts across chunk and page boundaries, a shared prefix through the
+prefill radix cache, streamed and chat answers), faults on the links keep them exact, and a partition of the decode host mid-stream ends the stream with an error within the
 router's idle window, after which the healed host frees what it held."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from deploy.netns import Hosts, usable
 from tests.harness.backends import backend_params
 from tests.harness.client import http_json, stream
-from tests.harness.cluster import NODE_SETTINGS, ROUTER_ARGS, cluster_pools, wait_pools
+from tests.harness.cluster import CHUNK, NODE_SETTINGS, PAGE_SIZE, ROUTER_ARGS, cluster_pools, wait_pools
 from tests.harness.nodes import RoleNode, RouterProcess, free_port, start_together, stop_all
 
 why = usable()
@@ -129,14 +130,48 @@ def test_answers_across_hosts_equal_a_colocated_node(mooncake_hosts, colocated):
     wait_pools(mooncake_hosts, mooncake_hosts.baseline)
 
 
+def id_prompts() -> list[list[int]]:
+    """Token-id prompts within one chunk, across chunk and page boundaries, and two sharing a 4-page prefix
+    (the second takes it from the prefill host's radix cache)."""
+    out = [[200 + (31 * n + 7 * j) % 15000 for j in range(n)] for n in (5, CHUNK + 8, 3 * CHUNK + PAGE_SIZE + 1, 300)]
+    shared = [500 + (13 * j) % 9000 for j in range(4 * PAGE_SIZE)]
+    return out + [shared + [42, 43, 44], shared + [7000 + j for j in range(CHUNK + 3)]]
+
+
+def generate(url: str, ids: list[int], streamed: bool = False) -> list[int]:
+    body = {"input_ids": ids, "stream": streamed,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
+    if streamed:
+        res = stream(url + "/generate", body)
+        assert res.ok, res.error
+        return res.events[-1]["output_ids"]  # cumulative in every event, as in SGLang
+    status, out = http_json("POST", url + "/generate", body)
+    assert status == 200, out
+    return out["output_ids"]
+
+
+def chat(url: str) -> str:
+    status, out = http_json("POST", url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 10,
+        "temperature": 0, "ignore_eos": True})
+    assert status == 200, out
+    return out["choices"][0]["message"]["content"]
+
+
 def test_nixl_and_ucx_across_hosts_with_tp(ucx_family_hosts, colocated):
     c = ucx_family_hosts
-    for _ in range(2):
+    want = [generate(colocated.url, ids) for ids in id_prompts()]
+    for _ in range(2):  # round robin: every prompt through both prefill and both decode hosts
+        for ids, w in zip(id_prompts(), want, strict=True):
+            assert generate(c.url, ids) == w, len(ids)
         for p in PROMPTS:
             assert greedy(c.url, p) == greedy(colocated.url, p), p
-    for n in c.nodes:  # KV arrived at every decode host, from the prefill hosts' own addresses
+    for ids, w in list(zip(id_prompts(), want, strict=True))[:3]:
+        assert generate(c.url, ids, streamed=True) == w, len(ids)
+    assert chat(c.url) == chat(colocated.url)
+    for n in c.nodes:  # KV really moved, and reached every decode host from the prefill hosts' own addresses
+        assert n.stats().get("transfer_successes", 0) > 0 and n.stats().get("transfer_bytes", 0) > 0, n.name
         if n.role == "decode":
-            assert n.stats().get("transfer_bytes", 0) > 0, n.name
             assert "bootstrap 10.77.2." in n.log_path.read_text(), n.name
     wait_pools(c, c.baseline)
 

@@ -50,7 +50,8 @@ def raw_events(url: str, body: dict, n_data: int) -> list[str]:
 def test_a_stream_waiting_in_a_queue_sends_keepalives(tiny_model_dir, module_launcher):
     node = module_launcher.colocated(tiny_model_dir, **{**NODE_SETTINGS, "max_running_requests": 1,
                                                         "stream_keepalive_secs": 0.2})
-    first = threading.Thread(target=stream, args=(node.url + "/v1/completions", {"prompt": "a", **LONG}))
+    first = threading.Thread(target=stream, args=(node.url + "/v1/completions",
+                                                  {"prompt": "a", **LONG, "max_tokens": 800}))
     first.start()  # runs alone (one running slot) for a few seconds
     time.sleep(0.5)
     lines = raw_events(node.url + "/generate", {"text": "b", "stream": True,

@@ -5,7 +5,8 @@
 * a bootstrap server answering garbage fails that request with a reason, never the decode's resolver;
 * a metadata row whose first token is outside the vocabulary fails the request on the decode node
   instead of its forward; an exception inside a role hook fails that request only;
-* the late write, end to end (mooncake and nixl): a request is aborted on the decode node while the
+* the late write, end to end (mooncake; tests/transfer/test_late_writes.py has it on mooncake and nixl
+  inside one process): a request is aborted on the decode node while the
   prefill node is held inside the engine's write of its KV, another request is run at once into the
   memory the decode node hands out next, then the write is let go; that request's greedy tokens are
   exactly those of an idle colocated node.
@@ -34,7 +35,7 @@ from tests.transfer.inproc_pair import Garbage
 HOOKS = str(Path(__file__).resolve().parent / "node_hooks")
 
 
-@pytest.fixture(scope="module", params=backend_params("mooncake", "nixl"))
+@pytest.fixture(scope="module", params=backend_params("mooncake"))
 def backend(request) -> str:
     return request.param
 
@@ -62,11 +63,6 @@ def restored(pair):
     assert pair.decode.stats()["kv_quarantined_pages"] == 0
 
 
-def mooncake_only(backend):
-    if backend != "mooncake":
-        pytest.skip("a node-level check that does not depend on the backend: mooncake only")
-
-
 def serves_normally(pair, colocated, pd_tok, seed: int) -> None:
     prompt = make_prompts(pd_tok, 1, seed=seed, lo=30, hi=50)[0]
     want = colocated_tokens(colocated, [prompt])[0]
@@ -90,7 +86,6 @@ def error_of(raw: bytes) -> str:
 ])
 def test_bootstrap_values_that_cannot_be_carried_are_400s(pair, backend, colocated, pd_tok, restored, field, value,
                                                            word):
-    mooncake_only(backend)
     body = pair.body({"input_ids": list(range(100, 130)), "sampling_params": greedy()})
     body[field] = value
     for node in (pair.prefill, pair.decode):
@@ -101,7 +96,6 @@ def test_bootstrap_values_that_cannot_be_carried_are_400s(pair, backend, colocat
 
 
 def test_a_host_that_is_no_host_name_is_a_400_on_the_decode_node(pair, backend, colocated, pd_tok, restored):
-    mooncake_only(backend)
     body = pair.body({"input_ids": list(range(100, 130)), "sampling_params": greedy()})
     body["bootstrap_host"] = "a b"
     status, raw = http_post(pair.decode.url + "/generate", body)
@@ -116,7 +110,6 @@ def test_a_host_that_is_no_host_name_is_a_400_on_the_decode_node(pair, backend, 
                                         (b"[1, 2, 3]", "application/json")], ids=["html", "wrong-types", "list"])
 def test_a_bootstrap_server_answering_garbage_fails_the_request_not_the_resolver(pair, backend, colocated, pd_tok,
                                                                                  restored, body, ctype):
-    mooncake_only(backend)
     server = Garbage(lambda path: (ctype, body))
     try:
         req = {"input_ids": list(range(100, 130)), "sampling_params": greedy(), "bootstrap_host": "127.0.0.1",
@@ -132,7 +125,6 @@ def test_a_bootstrap_server_answering_garbage_fails_the_request_not_the_resolver
 # ---------------------------------------------------------------------------------------------- the rows
 def test_a_first_token_outside_the_vocabulary_fails_the_request_not_the_decode(pair, backend, colocated, pd_tok,
                                                                                restored, control_dir):
-    mooncake_only(backend)
     (control_dir / "bad_token").write_text(str(len(pd_tok) + 1000))
     (ps, pb), (ds, db) = pair.generate({"input_ids": list(range(200, 240)), "sampling_params": greedy()})
     assert ds == 500 and "first_token_id" in db["error"]["message"], db
@@ -142,7 +134,6 @@ def test_a_first_token_outside_the_vocabulary_fails_the_request_not_the_decode(p
 
 def test_an_exception_in_a_role_hook_fails_that_request_only(pair, backend, colocated, pd_tok, restored,
                                                             control_dir):
-    mooncake_only(backend)
     (control_dir / "raise").write_text("")
     (ps, pb), (ds, db) = pair.generate({"input_ids": list(range(300, 340)), "sampling_params": greedy()})
     assert ps == 500 and "on_prefill_done" in pb["error"]["message"], pb
