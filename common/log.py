@@ -20,3 +20,12 @@ def setup_logging(role: str, level: str = "info") -> logging.Logger:
     for noisy in ("aiohttp.access", "urllib3", "httpx", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return logging.getLogger(role)
+
+
+def exit_now(code: int) -> None:
+    """End a process that has closed what it owns: logs and stdio flushed, the interpreter's teardown of
+    torch and the other native modules skipped (up to a second, on every stop of a node)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

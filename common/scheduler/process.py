@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from common.config import ServerArgs
-from common.log import setup_logging
+from common.log import exit_now, setup_logging
 from common.protocol import BatchOut, ReqUpdate, ToScheduler
 from common.scheduler.watchdog import Watchdog
 
@@ -208,5 +208,4 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: I
         except Exception:
             pass
         logger.info("stopped")
-    if code:
-        raise SystemExit(code)
+    exit_now(code)  # everything is closed: no interpreter teardown of torch and the engines' modules

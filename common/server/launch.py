@@ -27,7 +27,7 @@ import time
 
 from aiohttp import web
 
-from common.log import setup_logging
+from common.log import exit_now, setup_logging
 from common.models.hub import HubError, is_hub_id
 from common.scheduler.watchdog import describe_exit
 
@@ -225,8 +225,9 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def serve_main(argv: list[str], mode: str = "null", scheduler_cls: str | None = None) -> int:
-    """Parse node flags (`ServerArgs`) from `argv` and run a node in `mode` ("null" = colocated)."""
+def serve_main(argv: list[str], mode: str = "null", scheduler_cls: str | None = None) -> None:
+    """Parse node flags (`ServerArgs`) from `argv` and run a node in `mode` ("null" = colocated); the process
+    ends with it (`exit_now`)."""
     import argparse
 
     from common.config import ConfigError, ServerArgs
@@ -242,4 +243,4 @@ def serve_main(argv: list[str], mode: str = "null", scheduler_cls: str | None = 
     except ConfigError as e:
         parser.error(str(e))
     launch_server(args, scheduler_cls)
-    return 0
+    exit_now(0)

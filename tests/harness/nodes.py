@@ -39,10 +39,12 @@ ROOT = Path(__file__).resolve().parents[2]
 _SERVE_SCRIPT = (
     "import json, sys\n"
     "from common.config import ServerArgs\n"
+    "from common.log import exit_now\n"
     "from common.server.launch import launch_server\n"
     "args = ServerArgs(**json.loads(sys.argv[1]))\n"
     "args.validate()\n"
     "launch_server(args)\n"
+    "exit_now(0)\n"
 )
 
 
@@ -504,5 +506,16 @@ class Launcher:
                          for s in self.servers())
 
     def close(self) -> None:
-        while self._started:
-            self._started.pop().stop()
+        """Stop everything at once (routers first): a clean exit takes each server a second or two, and
+        one after another those seconds add up over a suite."""
+        things, self._started = self._started[::-1], []
+        servers = []
+        for thing in things:
+            if hasattr(thing, "servers"):
+                servers += thing.servers()
+            elif isinstance(thing, ServerProcess):
+                servers.append(thing)
+            else:
+                thing.stop()
+        stop_all([s for s in servers if isinstance(s, RouterProcess)])
+        stop_all([s for s in servers if not isinstance(s, RouterProcess)])
