@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from bench.report import machine_info
+from bench.report import machine_info, save_json
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven tired engineers watch the cluster heal "
          "itself after every crash and count each page twice before they go home").split()
@@ -433,11 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             f"RSS growth max {f['rss_growth_max']}")
     print(line, flush=True)
     report["summary"] = line
-    if ns.json:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
-        with open(ns.json, "w") as fh:
-            json.dump(report, fh, indent=2)
-        print(f"wrote {ns.json}", flush=True)
+    save_json(ns.json, report)
     return 0 if ok else 1
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shlex
 import signal
@@ -39,7 +38,7 @@ import time
 from collections import Counter
 
 from bench.chaos import ROUTER_ARGS, Driver, counters, leak_report, normalize
-from bench.report import HelpFormatter, machine_info
+from bench.report import HelpFormatter, machine_info, save_json
 
 BACKENDS = ("mooncake", "nixl", "ucx")
 NODE_SETTINGS = ["--page-size", "16", "--chunked-prefill-size", "64", "--max-total-tokens", "8192",
@@ -377,11 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"netfaults: {r['backend']}: {'OK' if r['ok'] else 'FAILED'} {r['completed']}/{r['requests']} "
               f"completed, hung {r['hung']}, leaked nodes {sum(1 for v in r['nodes'].values() if v['leaks'])}, "
               f"probes differing {sum(p['probes'].get('different', 0) for p in r['phases'])}", flush=True)
-    if ns.json:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
-        with open(ns.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {ns.json}", flush=True)
+    save_json(ns.json, report)
     return 0 if ok else 1
 
 

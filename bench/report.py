@@ -51,11 +51,18 @@ def write_report(path: str | None, bench: str, figures: dict, ratios: dict[str, 
     print(f"\n{bench}: ratios (ours / reference, higher is better)")
     for name, value in report["ratios"].items():
         print(f"  {name:<{width}}  {value:.3f}")
-    if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {path}")
+    save_json(path, report)
     return report
+
+
+def save_json(path: str | None, report: dict) -> None:
+    """Write a bench's report (its directory made first) and say where; nothing without a path."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {path}", flush=True)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
