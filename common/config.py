@@ -106,6 +106,12 @@ class ServerArgs:
         10, "with --enable-priority-preemption: a request preempts only running requests whose priority is "
         "lower than its own by more than this (SGLang's default, 10)")
     disable_radix_cache: bool = _f(False, "do not reuse cached prefixes")
+    enable_overlap_schedule: bool = _f(
+        False, "overlap scheduling: while decode step n's forward runs on a worker thread, the loop receives "
+        "requests, builds step n+1 and processes step n's result (tokens identical). Off by default: on this "
+        "CPU engine it does not pay yet, because the forward's OpenMP threads and the loop share the cores and "
+        "the loop's Python holds the GIL the forward needs between its kernels (README, Benchmarks: "
+        "`overlap_b1`). Never at --tp-size > 1")
     kv_events_config: str | None = _f(
         None, "publish the prefix cache's blocks as KV events (vLLM's ZMQ wire format), a JSON object: "
         "{\"publisher\": \"zmq\", \"endpoint\": \"tcp://HOST:5557\", \"replay_endpoint\": ..., \"topic\": \"\", "

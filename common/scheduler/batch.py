@@ -45,8 +45,13 @@ class ScheduleBatch:
     def is_empty(self) -> bool:
         return not self.reqs
 
-    def copy_empty(self) -> ScheduleBatch:
-        return ScheduleBatch([], self.req_to_token_pool, self.allocator, self.kv_pool, self.tree_cache)
+    def snapshot(self) -> ScheduleBatch:
+        """The prepared forward of this batch with its own list of requests (the running batch's list
+        changes while an overlapped forward of it is in flight)."""
+        snap = ScheduleBatch(list(self.reqs), self.req_to_token_pool, self.allocator, self.kv_pool,
+                             self.tree_cache, self.mode)
+        snap.extend_info, snap.forward_batch = self.extend_info, self.forward_batch
+        return snap
 
     # ------------------------------------------------------------------ memory
     def ensure_free_pages(self, pages: int) -> None:
@@ -134,8 +139,10 @@ class ScheduleBatch:
         evictable_pages = self.allocator.full_pages(self.tree_cache.evictable_size())
         return pages <= self.allocator.available_pages() + evictable_pages
 
-    def prepare_for_decode(self) -> ForwardBatch:
-        """One new token per request: the last output token goes in, its KV slot is allocated."""
+    def prepare_for_decode(self, pending_token=None) -> ForwardBatch:
+        """One new token per request: the last output token goes in, its KV slot is allocated.
+        `pending_token(req)` (overlap scheduling): the placeholder of a last token a forward in flight
+        is still sampling, or None."""
         self.mode = ForwardMode.DECODE
         ps = self.allocator.page_size
         reqs = self.reqs
@@ -154,7 +161,10 @@ class ScheduleBatch:
         r2t[rows_t, pos_t] = slots
         for r in reqs:
             r.kv_len += 1
-        input_ids = [r.output_ids[-1] for r in reqs]
+        if pending_token is None:
+            input_ids = [r.output_ids[-1] for r in reqs]
+        else:
+            input_ids = [r.output_ids[-1] if (p := pending_token(r)) is None else p for r in reqs]
         seq_lens = [p + 1 for p in positions]
         b = len(self.reqs)
         fb = ForwardBatch(

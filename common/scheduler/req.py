@@ -82,6 +82,10 @@ class Req:
         self.fill_ids: list[int] = list(self.origin_input_ids)
         self.extend_input_len = 0
         self.stage = Stage.NEW
+        # overlap scheduling (common/scheduler/overlap.py): the last launched forward this request is
+        # in, and the FutureMap row its token from that forward goes to (None: a prefill batch)
+        self.inflight_seq = 0
+        self.future_row: int | None = None
         # tracing (--enable-trace): the front end's span context, and when the request entered each stage
         self.traceparent: str | None = None
         self.marks: list[tuple[str, float]] = []

@@ -14,7 +14,9 @@ Contract
 * `get_request_counts() -> (running, waiting)`, `has_unfinished_requests()`.
 
 One engine step: `out = schedule()`, `result = runner.run(out.batch)` (`common/runner.py`: forward,
-sampling, logprobs), `emit(update_from_output(out, result))`. Around it `event_loop` receives the front
+sampling, logprobs), `emit(update_from_output(out, result))`. With overlap scheduling
+(`--enable-overlap-schedule`, TP 1) a decode step's forward runs on a worker thread and the loop goes on: it receives requests and builds the next step, then
+processes this step's result (`common/scheduler/overlap.py` says what waits for what). Around it `event_loop` receives the front
 end's messages: new requests (validated; refused with error_status 400 when they cannot fit), aborts,
 stats queries, cache flushes. Without a communicator (`comm=None`) the scheduler is driven in
 process: `process_input_requests([...])`, `step()`, and `send_fn` receives what it sends.
@@ -55,6 +57,7 @@ from common.scheduler.hooks import SchedulerHooks
 from common.scheduler.intake import Admission, check_request, load_stop_decoder, make_req
 from common.scheduler.offload import make_host_store, offload_victim, restore
 from common.scheduler.output import OutputBatcher
+from common.scheduler.overlap import OverlapRunner, overlap_choice
 from common.scheduler.policy import NewTokenRatio, SchedulePolicy
 from common.scheduler.prefill_adder import AddResult, PrefillAdder
 from common.scheduler.priority import PriorityScheduling
@@ -127,6 +130,12 @@ class Scheduler:
         self.grammar_queue = GrammarQueue(lambda: GrammarCompiler(lambda: _hf_tokenizer(tok_path), self.vocab_size,
                                                                   self.eos_token_ids), tp_size)
 
+        # decode forwards on a worker thread (None: in sequence); common/scheduler/overlap.py
+        overlap, why = overlap_choice(args, tp_size)
+        self.overlap = OverlapRunner(runner, args.max_running_requests + 8) if overlap else None
+        if tp_rank == 0:
+            logger.info("overlap scheduling %s", why)
+
         self.send_fn = send_fn
         self.comm = comm
         self.stopping = False
@@ -192,6 +201,8 @@ class Scheduler:
         except Exception:
             logger.exception("before_schedule hook failed; the loop goes on")
         self.grammar_queue.poll(self._start_request, self._grammar_failed)
+        if self.overlap is not None:
+            self.overlap.before_building(self)
         out = SchedulerOutput()
         out.batch = self._prefill_batch()
         if out.batch is None and self.running_batch.reqs:
@@ -350,7 +361,10 @@ class Scheduler:
 
     # ================================================================== scheduling
     def num_running_slots_used(self) -> int:
-        return len(self.running_batch.reqs) + (1 if self.chunked_req is not None else 0)
+        """The running batch, the request being chunked, and ended requests whose memory waits for a
+        forward in flight (overlap scheduling)."""
+        held = self.overlap.num_deferred() if self.overlap is not None else 0
+        return len(self.running_batch.reqs) + (1 if self.chunked_req is not None else 0) + held
 
     def _prefill_batch(self) -> ScheduleBatch | None:
         if self.chunked_req is None and not self.waiting_queue:
@@ -461,7 +475,12 @@ class Scheduler:
                 return None
         else:
             self.new_token_ratio.decay()
-        batch.prepare_for_decode()
+        if self.overlap is None:
+            batch.prepare_for_decode()
+            return batch
+        batch = self.overlap.decode_batch_ahead(batch)
+        if batch is not None:
+            batch.prepare_for_decode(self.overlap.pending_token)
         return batch
 
     # ================================================================== results
@@ -552,7 +571,18 @@ class Scheduler:
                     len(req.origin_input_ids), len(req.output_ids), req.cached_tokens)
 
     def _release(self, req: Req) -> None:
-        """Free (or cache) an ended request's memory, the role's share first, and forget it."""
+        """Free (or cache) an ended request's memory, the role's share first, and forget it. Memory
+        a forward in flight still writes is freed once that forward is done."""
+        if self.overlap is not None and self.overlap.in_flight(req):
+            self.overlap.defer(req, self._free_memory)
+        else:
+            self._free_memory(req)
+        self.total_cached_tokens += req.cached_tokens if req.scheduled_once else 0
+        self.live_reqs.pop(req.rid, None)
+        if self.tracer is not None and req.traceparent:
+            export_stage_spans(self.tracer, req)
+
+    def _free_memory(self, req: Req) -> None:
         try:
             self.hooks.on_release(req)
         except Exception:
@@ -563,10 +593,6 @@ class Scheduler:
             req.last_node = None
         if self.host_store is not None:
             self.host_store.discard(req.rid)
-        self.total_cached_tokens += req.cached_tokens if req.scheduled_once else 0
-        self.live_reqs.pop(req.rid, None)
-        if self.tracer is not None and req.traceparent:
-            export_stage_spans(self.tracer, req)
 
     def _report(self, req: Req) -> None:
         """Record the request's news for this iteration's BatchOut (a held request's end waits)."""
@@ -587,14 +613,17 @@ class Scheduler:
             self.send_fn(msg)
 
     def step(self) -> bool:
-        """One engine step (after the input); returns whether a forward ran."""
+        """One engine step (after the input); returns whether a forward ran (or was launched)."""
+        if self.overlap is not None:
+            return self.overlap.step(self)
         out = self.schedule()
         result = self.runner.run(out.batch) if out.batch is not None else None
         self.emit(self.update_from_output(out, result))
         return out.batch is not None
 
     def has_work(self) -> bool:
-        return self.has_unfinished_requests() or self.hooks.has_work() or bool(self.grammar_queue)
+        return (self.has_unfinished_requests() or self.hooks.has_work() or bool(self.grammar_queue)
+                or (self.overlap is not None and self.overlap.busy()))
 
     def recv_requests(self, timeout_ms: int) -> list:
         return self.comm.recv(timeout_ms) if self.comm is not None else []
@@ -611,7 +640,8 @@ class Scheduler:
                 # wait a little instead of spinning on the CPU the forwards need
                 if not self.has_work():
                     timeout = self.idle_poll_ms
-                elif ran and (self.has_unfinished_requests() or self.hooks.has_ready_work()):
+                elif ran and (self.has_unfinished_requests() or self.hooks.has_ready_work()
+                              or (self.overlap is not None and self.overlap.busy())):
                     timeout = 0
                 else:
                     timeout = self.busy_poll_ms
@@ -627,6 +657,8 @@ class Scheduler:
                 if self.kv_events is not None:
                     self.kv_events.flush()
         finally:
+            if self.overlap is not None:
+                self.overlap.close()
             self.hooks.close()
             self.grammar_queue.close()
             if self.kv_events is not None:

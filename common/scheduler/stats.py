@@ -49,6 +49,8 @@ def scheduler_stats(sched) -> dict[str, Any]:
         "queue_time_hist": sched.queue_time.as_stats(),
         **(sched.host_store.stats() if sched.host_store is not None else HostKVStore.off_stats()),
         "forward_ct": sched.forward_ct,
+        "overlap_schedule": sched.overlap is not None,
+        "num_overlapped_steps": sched.overlap.overlapped if sched.overlap is not None else 0,
         "total_generated_tokens": sched.total_generated_tokens,
         "radix_cache": sched.tree_cache.enabled,
         "radix_cache_tokens": sched.tree_cache.total_size(),

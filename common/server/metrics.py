@@ -38,6 +38,8 @@ STAT_METRICS = {
     "req_slots_free": ("gauge", "free request slots"),
     "req_slots_total": ("gauge", "request slots"),
     "num_retractions": ("counter", "decode requests retracted when KV memory ran out"),
+    "num_overlapped_steps": ("counter", "decode steps built while the step before was still computing (overlap "
+                                        "scheduling)"),
     "num_prealloc_tokens": ("gauge", "decode: KV tokens preallocated for requests still being transferred"),
     "metadata_slots_free": ("gauge", "free MetadataBuffers slots"),
     "metadata_slots_total": ("gauge", "MetadataBuffers slots"),

@@ -15,9 +15,10 @@ import time
 
 from tests.harness.client import http_post
 
-# settings every node of the suite shares (prefill and decode must agree on page size)
+# settings every node of the suite shares (prefill and decode must agree on page size); the PD
+# suite runs overlap scheduling (its answers are compared with a colocated node's, which overlaps too)
 BASE = {"page_size": 4, "chunked_prefill_size": 32, "max_total_tokens": 2048, "max_running_requests": 16,
-        "context_length": 256}
+        "context_length": 256, "enable_overlap_schedule": True}
 FAST_ENV = {"PDSERVE_HEARTBEAT_INTERVAL": "0.3", "PDSERVE_HEARTBEAT_MAX_FAILURES": "4",
             "PDSERVE_TRANSFER_WORKERS": "2", "OMP_NUM_THREADS": "1"}
 

@@ -150,10 +150,11 @@ def test_32_concurrent_requests(pair, colocated, pd_tok, restored):
 @on("nixl")
 def test_retracted_requests_finish_with_the_same_tokens(pair, colocated, pd_tok, restored):
     prompts = make_prompts(pd_tok, 6, seed=12, lo=20, hi=40)
-    want = colocated_tokens(colocated, prompts, n=40)
+    # 100 tokens each: two requests decoding at once outgrow the pool, however the six arrive
+    want = colocated_tokens(colocated, prompts, n=100)
     before = pair.decode.stats()["num_retractions"]
     with concurrent.futures.ThreadPoolExecutor(6) as ex:
-        got = list(ex.map(lambda p: pair.generate({"input_ids": p, "sampling_params": greedy(40)}), prompts))
+        got = list(ex.map(lambda p: pair.generate({"input_ids": p, "sampling_params": greedy(100)}), prompts))
     for (ps, pb), (ds, db) in got:
         assert ps == 200 and ds == 200, (pb, db)
     after = pair.decode.stats()
