@@ -7,6 +7,9 @@ Measured (fp32, CPU, greedy):
   allocating KV slots, the forward and the sampler). HF runs `generate(do_sample=False,
   max_new_tokens=N, min_new_tokens=N)` on a left-padded batch; the time of the same call with N=1
   (prefill + first token) is subtracted, so both sides count per-token decode only.
+* the decode step through the real scheduler loop with overlap scheduling on and off, at batch 1
+  and 16 (`bench/overlap.py`); ratio `overlap_b<B>` = step time off / on (higher is better), and
+  `overlap_free_core_b<B>` the same at one torch thread fewer when the bench's take every core.
 * prefill tokens/s for one `--prompt-len`-token prompt: ours one EXTEND forward; HF one forward
   with `logits_to_keep=1` (what HF's own `generate` does on prefill; ours also projects only the
   last position).
@@ -337,6 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     if agreement:
         figures["greedy_token_agreement_with_hf"] = agreement
 
+    # ---- decode through the scheduler loop, overlap on and off
+    from bench.overlap import measure as measure_overlap
+
+    log("decode through the scheduler loop, overlap scheduling on and off")
+    loop_figures, loop_ratios = measure_overlap(
+        ours.runner, model_dir, {b: _prompts(b, args.decode_prompt_len, vocab, seed=b) for b in BATCHES}, n - 1,
+        args.repeats, log)
+    figures.update(loop_figures)
+
     # ---- prefill
     ours_t, hf_t = [], []
     for rep in range(args.repeats):
@@ -373,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         figures["compute"]["hf_b16_step_over_bound"] = figures["hf_decode_b16"]["step_ms_best"] / cbound_ms
 
     ratios = {"bandwidth_bound": bound_ms / our_step_ms,
-              "compute_bound_b16": cbound_ms / figures["ours_decode_b16"]["step_ms_best"]}
+              "compute_bound_b16": cbound_ms / figures["ours_decode_b16"]["step_ms_best"], **loop_ratios}
     if hf is not None:
         ratios = {"decode_b1": figures["ours_decode_b1"]["tok_s_best"] / figures["hf_decode_b1"]["tok_s_best"],
                   "decode_b16": figures["ours_decode_b16"]["tok_s_best"] / figures["hf_decode_b16"]["tok_s_best"],
@@ -407,6 +419,11 @@ def print_table(figures: dict, ratios: dict, with_hf: bool) -> None:
             h = figures[f"hf_decode_b{bsz}"]
             line += f"; HF {h['step_ms_best']:.2f} wall, {h['cpu_step_ms_best']:.2f} CPU"
         print(line)
+    for key, o in figures.items():
+        if key.startswith("loop_decode_"):
+            r = ratios["overlap_" + key.removeprefix("loop_decode_")]
+            print(f"  scheduler loop {key.removeprefix('loop_decode_')} at {o['torch_threads']} threads, ms/step "
+                  f"(best): {o['step_ms_overlap']:.2f} overlapped, {o['step_ms_sequential']:.2f} in sequence (x{r:.2f})")
     b = figures["bandwidth"]
     print(f"  memory: memcpy {b['memcpy_gbps']:.1f} GB/s copied ({b['memcpy_traffic_gbps']:.1f} GB/s traffic), "
           f"read {b['read_gbps']:.1f} GB/s; weights {b['weight_bytes_per_step'] / 2**20:.1f} MiB/step "

@@ -1,0 +1,98 @@
+"""The decode step through the real scheduler loop, with overlap scheduling on and off (part of
+`pdserve bench engine`).
+
+Each run builds a `Scheduler` over one shared `ModelRunner` (radix cache off, so each run leaves the
+pools as it found them), submits `batch` streaming greedy requests that ignore EOS, runs the loop
+until every prompt is prefilled, then times the loop (`process_input_requests`, `step`, each
+iteration's `BatchOut` encoded with msgpack as the scheduler process sends it) until every request
+has its tokens. Step time = that time / the decode steps. Tokens must be identical on and off.
+On a CPU the forward's OpenMP threads and the loop share the cores, so the runs are repeated with one
+torch thread fewer when the bench's threads take every core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import msgspec
+import torch
+
+from common.protocol import SamplingParams, TokenizedRequest
+from common.runner import ModelRunner
+from common.scheduler.scheduler import Scheduler
+
+
+def decode_loop_run(runner: ModelRunner, model_dir: str, prompts: list[list[int]], steps: int,
+                    overlap: bool) -> tuple[float, float, dict[str, list[int]]]:
+    """(wall seconds, CPU seconds of this process, tokens by rid) of `steps` decode steps of `prompts`."""
+    encoder = msgspec.msgpack.Encoder()
+    tokens: dict[str, list[int]] = {}
+
+    def send(msg) -> None:
+        encoder.encode(msg)
+        for u in getattr(msg, "updates", ()):
+            tokens.setdefault(u.rid, []).extend(u.new_token_ids)
+
+    args = dataclasses.replace(runner.args, disable_radix_cache=True,
+                               enable_overlap_schedule=overlap)
+    sched = Scheduler(args, model_dir, runner=runner, send_fn=send)
+    sp = SamplingParams(max_new_tokens=steps + 1, temperature=0, ignore_eos=True)
+    sched.process_input_requests([TokenizedRequest(rid=f"r{i}", input_ids=p, sampling=sp, stream=True)
+                                  for i, p in enumerate(prompts)])
+    while len(tokens) < len(prompts) or any(not t for t in tokens.values()):  # every prompt prefilled
+        sched.step()
+    c0, t0 = time.process_time(), time.perf_counter()
+    while sched.has_work():
+        sched.process_input_requests([])
+        sched.step()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if sched.overlap is not None:
+        sched.overlap.close()
+    return wall, cpu, tokens
+
+
+def measure(runner: ModelRunner, model_dir: str, prompts_by_batch: dict[int, list[list[int]]], steps: int,
+            repeats: int, log) -> tuple[dict, dict]:
+    """Figures and ratios per batch size: `overlap_b<B>` = step time in sequence / overlapped at the
+    bench's torch threads (higher is better); when those take every core, also at one thread fewer
+    (`overlap_free_core_b<B>`, the setting where overlap is on by default)."""
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    settings = [("", threads)] + ([("free_core_", cores - 1)] if threads >= cores > 1 else [])
+    figures, ratios = {}, {}
+    try:
+        for tag, t in settings:
+            torch.set_num_threads(t)
+            for b, prompts in prompts_by_batch.items():
+                fig = _measure_one(runner, model_dir, prompts, steps, repeats, log, f"b{b}, {t} threads")
+                figures[f"loop_decode_{tag}b{b}"] = {"torch_threads": t, **fig}
+                ratios[f"overlap_{tag}b{b}"] = fig["step_ms_sequential"] / fig["step_ms_overlap"]
+    finally:
+        torch.set_num_threads(threads)
+    return figures, ratios
+
+
+def _measure_one(runner, model_dir, prompts, steps, repeats, log, label) -> dict:
+    for overlap in (True, False):  # warm both paths
+        decode_loop_run(runner, model_dir, prompts, 4, overlap)
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    same = True
+    for rep in range(repeats):
+        got = {}
+        for overlap in (True, False):
+            wall, cpu, toks = decode_loop_run(runner, model_dir, prompts, steps, overlap)
+            times[overlap].append((wall, cpu))
+            got[overlap] = toks
+        same = same and got[True] == got[False]
+        on, off = times[True][-1][0], times[False][-1][0]
+        log(f"scheduler loop {label}, run {rep + 1}/{repeats}: step {1e3 * on / steps:6.2f} ms overlapped, "
+            f"{1e3 * off / steps:6.2f} ms in sequence")
+    if not same:
+        raise SystemExit(f"{label}: tokens differ with overlap on and off")
+    return {"step_ms_overlap": 1e3 * min(w for w, _ in times[True]) / steps,
+            "step_ms_sequential": 1e3 * min(w for w, _ in times[False]) / steps,
+            "cpu_step_ms_overlap": 1e3 * min(c for _, c in times[True]) / steps,
+            "cpu_step_ms_sequential": 1e3 * min(c for _, c in times[False]) / steps,
+            "tokens_identical": same}

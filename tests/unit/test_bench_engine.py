@@ -1,0 +1,22 @@
+"""`pdserve bench engine` end to end on a tiny model (short runs, no HF): it exits 0 and reports the
+decode step through the scheduler loop with overlap on and off, with identical tokens."""
+
+from __future__ import annotations
+
+import json
+
+from bench.engine import main
+from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
+
+
+def test_bench_engine_reports_the_overlap_ratios(tiny_model_dir, tmp_path):
+    out = tmp_path / "engine.json"
+    rc = main(["--model", tiny_model_dir, "--skip-hf", "--decode-steps", "6", "--decode-prompt-len", "8",
+               "--prompt-len", "16", "--repeats", "1", "--threads", "1", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    for b in (1, 16):
+        loop = report["figures"][f"loop_decode_b{b}"]
+        assert loop["tokens_identical"] is True
+        assert loop["step_ms_overlap"] > 0 and loop["step_ms_sequential"] > 0
+        assert report["ratios"][f"overlap_b{b}"] > 0
