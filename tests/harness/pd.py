@@ -15,10 +15,9 @@ import time
 
 from tests.harness.client import http_post
 
-# settings every node of the suite shares (prefill and decode must agree on page size); the PD
-# suite runs overlap scheduling (its answers are compared with a colocated node's, which overlaps too)
+# settings every node of the suite shares (prefill and decode must agree on page size)
 BASE = {"page_size": 4, "chunked_prefill_size": 32, "max_total_tokens": 2048, "max_running_requests": 16,
-        "context_length": 256, "enable_overlap_schedule": True}
+        "context_length": 256}
 FAST_ENV = {"PDSERVE_HEARTBEAT_INTERVAL": "0.3", "PDSERVE_HEARTBEAT_MAX_FAILURES": "4",
             "PDSERVE_TRANSFER_WORKERS": "2", "OMP_NUM_THREADS": "1"}
 

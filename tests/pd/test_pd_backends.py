@@ -34,12 +34,14 @@ from tests.harness.pd import (
     wait_stage,
 )
 
+# the TP-1 decode nodes run overlap scheduling (--enable-overlap-schedule): their answers are
+# compared with a colocated node's, which runs every step in sequence
 SETUPS = {
-    "mooncake": {},
+    "mooncake": {"decode_settings": {"enable_overlap_schedule": True}},
     # the decode's host KV store is off: its retracted requests re-prefill (tests/pd/test_pd_offload.py
     # has the store on)
     "nixl": {"prefill_tp": 2, "decode_settings": {"max_total_tokens": 256, "num_reserved_decode_tokens": 4,
-                                                  "decode_offload_size": 0}},
+                                                  "decode_offload_size": 0, "enable_overlap_schedule": True}},
     "ucx": {"decode_tp": 2},
 }
 
@@ -160,6 +162,7 @@ def test_retracted_requests_finish_with_the_same_tokens(pair, colocated, pd_tok,
     after = pair.decode.stats()
     assert after["num_retractions"] > before
     assert after["num_retract_recomputed"] > 0 and after["num_retract_restored"] == 0  # the store is off here
+    assert after["overlap_schedule"] and after["num_overlapped_steps"] > 0
     assert [db["output_ids"] for _, (_, db) in got] == want
 
 
