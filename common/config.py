@@ -65,7 +65,7 @@ class ServerArgs:
     # parallelism
     tp: int = _f(1, "tensor parallel size (one scheduler process per rank)", ("--tp", "--tp-size"))
     dist_port: int | None = _f(None, "port of the torch.distributed rendezvous (default: a free port)")
-    num_threads: int | None = _f(None, "torch threads per rank (default: cores / tp)")
+    num_threads: int | None = _f(None, "torch threads per rank (default: the cores this process may run on / tp)")
     # memory
     page_size: int = _f(16, "tokens per KV page (prefill and decode must agree)")
     max_total_tokens: int = _f(32768, "KV cache size in tokens")

@@ -59,6 +59,7 @@ BENCHES = {
     "router": "bench.router",
     "serve": "bench.serve",
     "compare": "bench.compare",
+    "placement": "bench.placement",
     "kv_routing": "bench.kv_routing",
     "retract": "bench.retract",
     "chaos": "bench.chaos",

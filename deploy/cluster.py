@@ -14,9 +14,12 @@ Each child runs in its own session (process group) with its stdout+stderr in `<l
 command, ports and pid. A child that dies during start-up stops the launch with an error naming it
 and the tail of its log.
 
-`--cpu-affinity "prefill=0;decode=1"` pins every process of a role (its scheduler processes inherit
-the mask) to those cores (`0-3,6` lists work; `router=` is accepted too), and sets `--num-threads` to
-the number of cores given unless the node flags already set it. Flags that are not the launcher's own
+By default (`--cpu-affinity auto`) every node gets cores of its own and as many torch threads, so the
+prefill and decode nodes do not fight over cores (deploy/placement.py says how it splits them); the
+launcher prints what it chose. `--cpu-affinity "prefill=0;decode=1"` pins every process of a role to
+those cores instead (`0-3,6` lists work; `router=` is accepted too), `--cpu-affinity none` pins
+nothing. A pinned process's scheduler processes inherit the mask, and a node's torch threads default
+to the cores it may run on divided by its TP size. Flags that are not the launcher's own
 are passed to every node unchanged (checked against the node parser first); `--router-args "..."`
 adds router flags.
 
@@ -50,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.models.hub import is_hub_id
+from deploy.placement import Placement, plan
 from deploy.procs import (
     ClusterError,
     die_with_parent,
@@ -120,7 +124,8 @@ class Cluster:
     # every process on a host of its own: a network namespace with its own address (deploy/netns.py)
     hosts: bool = False
     log_dir: str | None = None
-    cpu_affinity: dict[str, list[int]] = field(default_factory=dict)
+    cpu_affinity: dict[str, list[int]] = field(default_factory=dict)  # cores per role, given
+    auto_placement: bool = False  # cores per node chosen by deploy.placement (overrides cpu_affinity)
     node_args: list[str] = field(default_factory=list)  # extra ServerArgs flags for every node
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
@@ -173,17 +178,13 @@ class Cluster:
         if not self.quiet:
             print(msg, flush=True)
 
-    def _node_cmd(self, role: str, port: int, bootstrap_port: int, cores: list[int] | None,
-                  host: str | None = None) -> list[str]:
+    def _node_cmd(self, role: str, port: int, bootstrap_port: int, host: str | None = None) -> list[str]:
         module = "prefill_node" if role == "prefill" else "decode_node"
         cmd = [sys.executable, "-m", module, "--model", self.model, "--host", host or self.host, "--port", str(port),
                "--transfer-backend", self.transfer_backend]
         if role == "prefill":
             cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
-        extra = self.node_args + (self.prefill_args if role == "prefill" else self.decode_args)
-        if cores and not any(a == "--num-threads" or a.startswith("--num-threads=") for a in extra):
-            cmd += ["--num-threads", str(len(cores))]
-        return cmd + extra
+        return cmd + self.node_args + (self.prefill_args if role == "prefill" else self.decode_args)
 
     def _router_cmd(self, port: int, host: str | None = None) -> list[str]:
         cmd = [sys.executable, "-m", "router", "--pd-disaggregation", "--host", host or self.host, "--port", str(port)]
@@ -203,7 +204,7 @@ class Cluster:
     # ------------------------------------------------------------------------------------ processes
     def _spawn(self, child: Child) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: self.cluster_secret_file, **self.env,
-               **self.role_env.get(child.role, {})}
+               **(self.placement.env if child.role != "router" else {}), **self.role_env.get(child.role, {})}
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cores = child.cores
 
@@ -238,7 +239,7 @@ class Cluster:
         if c.role == "prefill":
             c.bootstrap_port = free_port(self.host, used)
         c.cmd = self._router_cmd(c.port, c.host) if c.role == "router" else \
-            self._node_cmd(c.role, c.port, c.bootstrap_port or 0, c.cores, c.host)
+            self._node_cmd(c.role, c.port, c.bootstrap_port or 0, c.host)
         self._say(f"  {c.name}: a port was taken while it started; retrying on port {c.port}")
         self._spawn(c)
         self.write_manifest()
@@ -268,6 +269,7 @@ class Cluster:
         self._stopping = False
         self._supervisor: threading.Thread | None = None
         self.net = None  # with --hosts, a deploy.netns.Hosts: host 0 is the router, then the nodes
+        self.placement = Placement()  # the automatic placement, once started with auto_placement
 
     def start(self) -> Cluster:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -282,14 +284,17 @@ class Cluster:
         used.add(router_port)
         self.children = []
         places = self._places()
+        if self.auto_placement:
+            self.placement = plan(self.num_prefill, self.num_decode, sorted(os.sched_getaffinity(0)))
+            self._say(self.placement.describe())
         for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(n):
                 port = free_port(self.host, used)
                 bport = free_port(self.host, used) if role == "prefill" else None
-                cores = self.cpu_affinity.get(role)
                 name = f"{role}-{i}"
+                cores = self.placement.cores[name] if self.auto_placement else self.cpu_affinity.get(role)
                 host, netns = places[len(self.children) + 1]
-                self.children.append(Child(name, role, self._node_cmd(role, port, bport or 0, cores, host), port,
+                self.children.append(Child(name, role, self._node_cmd(role, port, bport or 0, host), port,
                                            os.path.join(self.log_dir, f"{name}.log"), bport, cores, host, netns))
         self._say(f"starting {self.num_prefill} prefill + {self.num_decode} decode nodes "
                   f"({self.transfer_backend} backend, model {self.model}); logs in {self.log_dir}")
@@ -496,8 +501,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--page-size", type=int, default=None, help="KV page size of every node (default: the node's)")
     a("--chunked-prefill-size", type=int, default=None,
       help="chunked prefill size of every node (default: the node's)")
-    a("--cpu-affinity", default=None, metavar="SPEC",
-      help='pin roles to cores, e.g. "prefill=0;decode=1" or "prefill=0-1;decode=2-3;router=0"')
+    a("--cpu-affinity", default="auto", metavar="SPEC",
+      help='"auto": cores of its own for every node, as many torch threads (shared round-robin, one thread '
+           'each, when there are fewer cores than nodes); "none": no pinning; or pin roles to cores, e.g. '
+           '"prefill=0;decode=1" or "prefill=0-1;decode=2-3;router=0"')
     a("--policy", default=None, help="router policy (random, round_robin, cache_aware, power_of_two)")
     a("--router-args", default="", help='more router flags, one string: --router-args="--policy random"')
     a("--prefill-args", default="", help='more flags for prefill nodes only: --prefill-args="--tp 2"')
@@ -556,7 +563,7 @@ def cluster_from_args(argv: list[str]) -> Cluster:
         for flags in (node_args, prefill_args, decode_args):
             check_node_flags(flags)
         check_router_flags(router_args)
-        affinity = parse_affinity(ns.cpu_affinity)
+        affinity = {} if ns.cpu_affinity in ("auto", "none") else parse_affinity(ns.cpu_affinity)
     except ValueError as e:
         parser.error(str(e))
     if ns.model != "default" and not os.path.exists(ns.model) and not is_hub_id(ns.model):
@@ -565,7 +572,8 @@ def cluster_from_args(argv: list[str]) -> Cluster:
     return Cluster(num_prefill=ns.prefill, num_decode=ns.decode, model=ns.model,
                    transfer_backend=ns.transfer_backend, port=ns.port or None, host=ns.host, hosts=ns.hosts,
                    log_dir=ns.log_dir,
-                   cpu_affinity=affinity, node_args=node_args, prefill_args=prefill_args,
+                   cpu_affinity=affinity, auto_placement=ns.cpu_affinity == "auto", node_args=node_args,
+                   prefill_args=prefill_args,
                    decode_args=decode_args, router_args=router_args, startup_timeout=ns.startup_timeout,
                    grace_period=ns.grace_period, cluster_secret_file=ns.cluster_secret_file,
                    restart=ns.max_restarts > 0, max_restarts=max(ns.max_restarts, 0),

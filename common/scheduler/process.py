@@ -140,7 +140,10 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: I
 
         module, _, name = scheduler_cls.partition(":")
         scheduler_cls = getattr(importlib.import_module(module), name)
-    torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 1) // args.tp))
+    cores = sorted(os.sched_getaffinity(0))  # the cores this process may run on (a launcher may pin it)
+    torch.set_num_threads(args.num_threads or max(1, len(cores) // args.tp))
+    logger.info("tp rank %d: %d torch threads on cores %s (OMP_WAIT_POLICY=%s)", tp_rank, torch.get_num_threads(),
+                cores, os.environ.get("OMP_WAIT_POLICY", "unset"))
     comm = None
     scheduler = None
 

@@ -6,6 +6,8 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from common.memory.host_store import HostKVStore
 
 logger = logging.getLogger("scheduler")
@@ -38,6 +40,7 @@ def scheduler_stats(sched) -> dict[str, Any]:
         "req_slots_total": sched.req_to_token_pool.size,
         "cache_hit_rate": sched.total_cached_tokens / sched.total_prompt_tokens if sched.total_prompt_tokens else 0.0,
         "num_tokens_used": total - free - evictable,
+        "torch_threads": torch.get_num_threads(),
         "gen_throughput": gen,
         "new_token_ratio": sched.new_token_ratio.value,
         "num_retractions": sched.num_retractions,

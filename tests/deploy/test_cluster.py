@@ -16,6 +16,7 @@ import pytest
 
 from deploy import cluster as cl
 from deploy import procs
+from deploy.placement import plan
 from tests.harness.client import http_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,18 +42,18 @@ def read_until(proc: subprocess.Popen, marker: str, timeout: float = 600) -> lis
 
 
 def test_cluster_command_serves_pins_and_stops_on_ctrl_c(tiny_model_dir, tmp_path):
-    pin = len(os.sched_getaffinity(0)) >= 2
+    """With no --cpu-affinity every node gets cores of its own (deploy/placement.py) and as many torch threads."""
     cores = sorted(os.sched_getaffinity(0))
+    want = plan(1, 1, cores)
     args = ["--prefill", "1", "--decode", "1", "--transfer-backend", "fake", "--model", tiny_model_dir,
-            "--max-total-tokens", "2048", "--num-threads", "1"]
-    if pin:
-        args += ["--cpu-affinity", f"prefill={cores[0]};decode={cores[1]}"]
+            "--max-total-tokens", "2048"]
     proc = launch(args, tmp_path)
     try:
         out = read_until(proc, "Ctrl-C stops every process")
         text = "".join(out)
         url = next(line.split()[1] for line in out if line.startswith("router:"))
         assert url.startswith("http://127.0.0.1:") and "curl -s " + url + "/v1/chat/completions" in text
+        assert want.describe() in text  # it says what it chose
         manifest = json.loads((tmp_path / "cluster.json").read_text())
         assert manifest["router"] == url
         children = {c["name"]: c for c in manifest["children"]}
@@ -66,13 +67,19 @@ def test_cluster_command_serves_pins_and_stops_on_ctrl_c(tiny_model_dir, tmp_pat
         assert status == 200, body
         assert body["usage"]["completion_tokens"] == 5
 
-        if pin:  # every process of a role, its scheduler processes too, runs on that role's core
-            for name, core in (("prefill-0", cores[0]), ("decode-0", cores[1])):
-                node = psutil.Process(children[name]["pid"])
-                procs = [node, *node.children(recursive=True)]
-                assert len(procs) >= 2
-                for p in procs:
-                    assert p.cpu_affinity() == [core], (name, p.pid, p.cmdline()[:3])
+        for name in ("prefill-0", "decode-0"):  # every process of a node, its scheduler too, on its cores
+            assert children[name]["cores"] == want.cores[name]
+            node = psutil.Process(children[name]["pid"])
+            procs = [node, *node.children(recursive=True)]
+            assert len(procs) >= 2
+            for p in procs:
+                assert p.cpu_affinity() == want.cores[name], (name, p.pid, p.cmdline()[:3])
+                assert p.environ().get("OMP_WAIT_POLICY") == want.env.get("OMP_WAIT_POLICY",
+                                                                          os.environ.get("OMP_WAIT_POLICY"))
+            status, info = http_json("GET", children[name]["url"] + "/server_info")
+            assert status == 200 and info["stats"]["torch_threads"] == len(want.cores[name]), info.get("stats")
+        if len(cores) >= 2:
+            assert not set(want.cores["prefill-0"]) & set(want.cores["decode-0"])
         pids = [c["pid"] for c in manifest["children"]]
         descendants = [q.pid for pid in pids for q in psutil.Process(pid).children(recursive=True)]
 
@@ -140,8 +147,11 @@ def test_cluster_args_reach_every_node(tiny_model_dir):
     assert c.node_args == ["--max-running-requests", "7", "--tp", "1", "--page-size", "32",
                            "--chunked-prefill-size", "64"]
     assert c.decode_args == ["--max-total-tokens", "4096"] and c.router_args == ["--policy", "power_of_two"]
-    cmd = c._node_cmd("prefill", 1234, 5678, None)
+    assert c.auto_placement and not c.cpu_affinity  # the default: deploy/placement.py picks the cores
+    cmd = c._node_cmd("prefill", 1234, 5678)
     assert cmd[1:3] == ["-m", "prefill_node"]
     assert cmd[cmd.index("--disaggregation-bootstrap-port") + 1] == "5678"
     assert "--max-total-tokens" not in cmd and "--max-running-requests" in cmd
-    assert "--num-threads" in c._node_cmd("decode", 1, 0, [0, 1])
+    # the node sizes its torch threads from the cores it is pinned to
+    assert "--num-threads" not in c._node_cmd("decode", 1, 0)
+    assert not cl.cluster_from_args(["--model", tiny_model_dir, "--cpu-affinity", "none"]).auto_placement

@@ -1,0 +1,155 @@
+"""`pdserve bench placement`: `pdserve cluster` as it starts by default against one `pdserve serve`
+node on the same machine, and against the cluster started unpinned (`--cpu-affinity none`, the old
+default), one after the other in one run, under the same serving workload.
+
+Workload: the shape of SGLang's `bench_serving` run that first showed the unpinned cluster losing (40
+random requests, 128-256 prompt tokens, 16-32 output tokens, at most 8 in flight, all sent at once);
+`--num-prompts` and the length flags change it. Every setup uses every core this process may run on
+and its own defaults (the colocated node: one scheduler with every core's torch threads).
+
+`--json` has every setup's summary (TTFT/TPOT/ITL/E2E, throughput) and the ratios, higher = the
+default cluster did better:
+  cluster_output_throughput   default cluster / colocated output tokens per second
+  cluster_itl_p99             colocated / default cluster ITL p99
+  placement_output_throughput default cluster / unpinned cluster output tokens per second
+  placement_itl_p99           unpinned cluster / default cluster ITL p99
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import shlex
+import signal
+import sys
+import time
+
+from bench.compare import start_colocated, stop_proc
+from bench.report import HelpFormatter, write_report
+from bench.serve import (
+    PromptMaker,
+    fetch_model_info,
+    format_summary,
+    random_dataset,
+    result_rows,
+    run_benchmark,
+    summarize,
+)
+from deploy.cluster import Cluster
+
+SETUPS = ("colocated", "cluster", "cluster_unpinned")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench placement", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    a = p.add_argument
+    a("--model", default="default", help="model of every setup ('default' or a directory)")
+    a("--transfer-backend", default="nixl", choices=("mooncake", "nixl", "ucx", "fake"),
+      help="KV transfer engine of the clusters (nixl: `make run`'s)")
+    a("--num-prompts", type=int, default=40, help="requests per setup")
+    a("--random-input-len", type=int, default=256, help="longest prompt (tokens)")
+    a("--random-output-len", type=int, default=32, help="longest output (tokens)")
+    a("--random-range-ratio", type=float, default=0.5, help="lengths drawn from [len * ratio, len]")
+    a("--max-concurrency", type=int, default=8, help="most requests in flight")
+    a("--warmup-requests", type=int, default=2, help="requests sent and discarded before each measured run")
+    a("--node-args", default="", help="flags for every node of every setup, one string")
+    a("--setups", default=",".join(SETUPS), help=f"which setups to run, comma-separated, of {SETUPS}")
+    a("--seed", type=int, default=1, help="seed of prompts")
+    a("--startup-timeout", type=float, default=900.0, help="seconds for every node to become healthy")
+    a("--log-dir", default=None, help="children's logs (default ./logs/placement-<timestamp>)")
+    a("--disable-tqdm", action="store_true", help="no progress bar")
+    a("--json", default=None, help="write the report here")
+    return p
+
+
+def compute_ratios(s: dict[str, dict]) -> dict[str, float]:
+    def r(num, den):
+        return num / den if num is not None and den else None
+
+    def tput(name):
+        return s[name]["output_throughput"] if name in s else None
+
+    def itl(name):
+        return s[name]["itl_ms"]["p99"] if name in s else None
+
+    pairs = {"cluster_output_throughput": r(tput("cluster"), tput("colocated")),
+             "cluster_itl_p99": r(itl("colocated"), itl("cluster")),
+             "placement_output_throughput": r(tput("cluster"), tput("cluster_unpinned")),
+             "placement_itl_p99": r(itl("cluster_unpinned"), itl("cluster"))}
+    return {k: v for k, v in pairs.items() if v is not None and math.isfinite(v)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ns = build_parser().parse_args(argv)
+    setups = [x for x in ns.setups.split(",") if x]
+    if not setups or set(setups) - set(SETUPS) or ns.num_prompts < 1:
+        print(f"--setups must name some of {SETUPS}; --num-prompts must be >= 1", file=sys.stderr)
+        return 2
+    from common.models.default_model import resolve_model_path
+
+    model_dir = resolve_model_path(ns.model)
+    cores = sorted(os.sched_getaffinity(0))
+    log_dir = ns.log_dir or os.path.join(os.getcwd(), "logs", time.strftime("placement-%Y%m%d-%H%M%S"))
+    os.makedirs(log_dir, exist_ok=True)
+    requests = random_dataset(PromptMaker(model_dir, ns.seed), ns.num_prompts, ns.random_input_len,
+                              ns.random_output_len, ns.random_range_ratio, "completions")
+    node_args = shlex.split(ns.node_args)
+    # start_colocated reads these: the colocated node as `pdserve serve` starts it (every core's threads)
+    ns.colocated_threads, ns.omp_wait_policy = None, ""
+    ns.node_args = shlex.join(node_args)
+    old_handler = signal.signal(signal.SIGTERM, _terminate)  # the children are stopped on SIGTERM too
+    try:
+        load, runs = _run_setups(setups, ns, cores, log_dir, requests, node_args)
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
+    summaries = {name: run["summary"] for name, run in runs.items()}
+    for name, s in summaries.items():
+        print(format_summary(name, s))
+    ratios = compute_ratios(summaries)
+    figures = {"config": {**vars(ns), "argv": argv, "cores": cores}, "runs": runs, "load_average_1m": load,
+               "log_dir": log_dir}
+    write_report(ns.json, "placement", figures, ratios)
+    return 0 if all(s["completed"] == ns.num_prompts for s in summaries.values()) else 1
+
+
+def _run_setups(setups, ns, cores, log_dir, requests, node_args) -> tuple[dict, dict]:
+    load = {"start": round(os.getloadavg()[0], 2)}
+    runs = {}
+    for name in setups:
+        print(f"\n[{name}] on cores {cores}", file=sys.stderr, flush=True)
+        if name == "colocated":
+            proc, url = start_colocated(ns, cores, log_dir)
+            try:
+                runs[name] = _run(name, url, requests, ns)
+            finally:
+                stop_proc(proc)
+            continue
+        cluster = Cluster(num_prefill=1, num_decode=1, model=ns.model, transfer_backend=ns.transfer_backend,
+                          log_dir=os.path.join(log_dir, name), auto_placement=name == "cluster",
+                          node_args=node_args, startup_timeout=ns.startup_timeout)
+        with cluster:
+            runs[name] = _run(name, cluster.url, requests, ns)
+            runs[name]["placement"] = {c.name: c.cores for c in cluster.children}
+    load["end"] = round(os.getloadavg()[0], 2)
+    return load, runs
+
+
+def _run(name: str, url: str, requests, ns) -> dict:
+    model = asyncio.run(fetch_model_info(url))[0]
+    print(f"[{name}] {len(requests)} requests against {url}", file=sys.stderr, flush=True)
+    results, duration = asyncio.run(run_benchmark(url, requests, model=model, max_concurrency=ns.max_concurrency,
+                                                  warmup=ns.warmup_requests, seed=ns.seed,
+                                                  progress=not ns.disable_tqdm))
+    return {"summary": summarize(results, duration), "requests": result_rows(results)}
+
+
+def _terminate(signum, _frame) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())
