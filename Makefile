@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(VENV)/bin/pdserve bench transfer --backend all --json bench/results/transfer.json
 	$(VENV)/bin/pdserve bench router --json bench/results/router.json
 	$(VENV)/bin/pdserve bench compare --json bench/results/compare.json --markdown bench/results/compare.md
+	$(VENV)/bin/pdserve bench placement --disable-tqdm --json bench/results/placement.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
