@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 class OurEngine:
     """Drives `common.runner.ModelRunner` the way the scheduler does, minus the scheduling policy."""
 
-    def __init__(self, model_dir: str, max_tokens_per_req: int, max_batch: int) -> None:
+    def __init__(self, model_dir: str, max_tokens_per_req: int, max_batch: int,
+                 quantization: str | None = None) -> None:
         from common.config import ServerArgs
         from common.runner import ModelRunner
 
@@ -80,7 +81,7 @@ class OurEngine:
         per_req = -(-max_tokens_per_req // page) * page + page
         args = ServerArgs(model=model_dir, max_total_tokens=per_req * max_batch + 4 * page,
                           max_running_requests=max_batch, page_size=page,
-                          context_length=max_tokens_per_req + page)
+                          context_length=max_tokens_per_req + page, torchao_config=quantization or "")
         self.runner = ModelRunner(args, model_dir)
         gc.collect()
         gc.freeze()  # as the scheduler process does before its loop
@@ -166,21 +167,27 @@ class OurEngine:
         return dt, dc, outputs
 
     def weight_bytes(self) -> int:
-        """Bytes of every distinct parameter a decode step reads (a tied lm_head counts once; the
+        """Bytes of every weight a decode step reads: the packed copies of the linear layers (int8 and
+        their scales with `--torchao-config int8wo`), the other parameters, and the lm_head once (the
         embedding is read only at the batch's rows, so it is not counted unless it is the lm_head)."""
+        from common.layers.linear import Panels
+
+        def nbytes(t) -> int:
+            if isinstance(t, Panels):
+                return nbytes(t.weight) + nbytes(t.scale)
+            return 0 if t is None or t.device.type == "meta" else t.numel() * t.element_size()
+
         model = self.runner.model
+        emb, lm = model.model.embed_tokens.weight, model.lm_head_weight
+        lm_packed = getattr(model, "lm_head_packed", None)
+        total = sum(nbytes(m.packed) for m in model.modules() if getattr(m, "packed", None) is not None)
         seen: set[int] = set()
-        total = 0
-        emb = model.model.embed_tokens.weight
-        lm = model.lm_head_weight
-        for p in model.parameters():
-            if id(p) in seen:  # packed layers keep a meta parameter: no data_ptr
+        for p in model.parameters():  # packed layers keep a meta parameter: 0 bytes here
+            if id(p) in seen or (p is emb and (lm is not emb or lm_packed is not None)):
                 continue
             seen.add(id(p))
-            if p is emb and lm is not emb:
-                continue
-            total += p.numel() * p.element_size()
-        return total
+            total += nbytes(p)
+        return total + nbytes(lm_packed)
 
 
 # ---------------------------------------------------------------------------------------------- HF

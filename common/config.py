@@ -42,6 +42,10 @@ class ServerArgs:
     dtype: str = _f("auto", "compute dtype: auto, float32 or float (all float32, the one this CPU build "
                     "computes fast); bfloat16/float16/half are refused (no fast half-precision matmul on CPU)",
                     choices=("auto", "float32", "float", "bfloat16", "float16", "half"))
+    torchao_config: str = _f("", "weight quantization, as SGLang spells it: 'int8wo' stores every linear weight "
+                             "(and a tied lm_head) as per-channel int8 and computes in float32 (a decode step "
+                             "reads a quarter of the bytes); '' keeps float32. Needs the native kernels (AVX2)",
+                             choices=("", "int8wo"))
     # serving
     host: str = _f("127.0.0.1", "HTTP host")
     port: int = _f(30000, "HTTP port")

@@ -53,7 +53,8 @@ class ModelRunner:
         self.tp_group = tp_group
         self.dtype = torch.float32
         self.model, self.model_config = load_model(model_dir, tp_rank=tp_rank, tp_size=tp_size,
-                                                   tp_group=tp_group, dtype=self.dtype)
+                                                   tp_group=tp_group, dtype=self.dtype,
+                                                   quantization=args.torchao_config or None)
         self.model.eval()
         cfg = self.model_config
         self.context_length = min(args.context_length or cfg.context_length, cfg.context_length)

@@ -98,10 +98,93 @@ void packed_gemm(const float *x, int64_t ldx, const float *w, const float *bias,
     }
 }
 
+
+// The same product with an int8 weight (`--torchao-config int8wo`): panels of [K][16] int8 and one
+// float32 scale per output column, y = (x @ Wq^T) * scale + bias. Each weight byte is widened to
+// float32 in registers as it streams in, so a decode step, bound by memory bandwidth, reads a quarter
+// of the bytes; each output sums over k in order from zero and is scaled once at the end, whatever the
+// row-tile height, so a row gets the same bits in any batch. A 64-byte line holds 4 k-steps of a
+// panel, so the next panel's prefetch is spread over 4x the steps. (At larger batches the widening
+// costs what the smaller weight saves: float32 compute is the bound there, not bytes.)
+#define STEP_I8                                                                                    \
+    {                                                                                              \
+        const __m128i q = _mm_loadu_si128((const __m128i *)(wq + k * NR));                         \
+        const __m256 b0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));                             \
+        const __m256 b1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q)));      \
+        ROWS(FMA)                                                                                  \
+    }
+#define DECLARE_ZERO(i) __m256 c##i##a = _mm256_setzero_ps(), c##i##b = _mm256_setzero_ps();
+#define STORE_SCALED(i)                                                                            \
+    if (MR > i) {                                                                                  \
+        _mm256_maskstore_ps(y + (i) * ldy, m0, _mm256_fmadd_ps(c##i##a, s0, init0));               \
+        _mm256_maskstore_ps(y + (i) * ldy + 8, m1, _mm256_fmadd_ps(c##i##b, s1, init1));           \
+    }
+
+static inline __attribute__((always_inline)) void tile_i8(const int MR, int64_t K, const float *x, int64_t ldx,
+                                                          const int8_t *wq, const float *scale, const float *bias,
+                                                          float *y, int64_t ldy, int nv, const char *pf,
+                                                          int64_t every) {
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota);
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv - 8), iota);
+    const __m256 init0 = bias ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
+    const __m256 init1 = bias ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps();
+    const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+    ROWS(DECLARE_ZERO)
+    int64_t cnt = every;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; k++) {
+        STEP_I8
+        if (pf && --cnt == 0) {
+            _mm_prefetch(pf, _MM_HINT_T1);
+            pf += 64;
+            cnt = every;
+        }
+    }
+    ROWS(STORE_SCALED)
+}
+
+static void tile_rows_i8(int mr, int64_t K, const float *x, int64_t ldx, const int8_t *wq, const float *scale,
+                         const float *bias, float *y, int64_t ldy, int nv, const char *pf, int64_t every) {
+    switch (mr) {
+    case 6: tile_i8(6, K, x, ldx, wq, scale, bias, y, ldy, nv, pf, every); break;
+    case 5: tile_i8(5, K, x, ldx, wq, scale, bias, y, ldy, nv, pf, every); break;
+    case 4: tile_i8(4, K, x, ldx, wq, scale, bias, y, ldy, nv, pf, every); break;
+    case 3: tile_i8(3, K, x, ldx, wq, scale, bias, y, ldy, nv, pf, every); break;
+    case 2: tile_i8(2, K, x, ldx, wq, scale, bias, y, ldy, nv, pf, every); break;
+    default: tile_i8(1, K, x, ldx, wq, scale, bias, y, ldy, nv, pf, every); break;
+    }
+}
+
+// scale: one float per output column, padded to whole panels (ceil(N / 16) * 16).
+void packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
+                    int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    const int64_t panels = (N + NR - 1) / NR;
+    const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
+    const int64_t lines = (K * NR + 63) / 64;  // 64-byte lines per panel
+    // block j prefetches lines [j lines / blocks, (j + 1) lines / blocks) of the next panel, one every
+    // `every` of its K steps
+    const int64_t every = blocks > 1 ? (K * blocks + lines - 1) / lines : 1;
+#pragma omp parallel for schedule(static) if (M * N * K >= 32768)
+    for (int64_t p = 0; p < panels; p++) {
+        const int nv = N - p * NR < NR ? (int)(N - p * NR) : NR;
+        const int8_t *wp = wq + p * K * NR;
+        const float *b = bias ? bias + p * NR : 0;
+        for (int64_t j = 0; j < blocks; j++) {
+            const int64_t m = j * MR_MAX;
+            const int mr = M - m < MR_MAX ? (int)(M - m) : MR_MAX;
+            const char *pf = blocks > 1 && p + 1 < panels ? (const char *)(wp + K * NR) + (lines * j / blocks) * 64 : 0;
+            tile_rows_i8(mr, K, x + m * ldx, ldx, wp, scale + p * NR, b, y + m * ldy + p * NR, ldy, nv, pf, every);
+        }
+    }
+}
+
 #else
 // Without AVX2 + FMA the caller keeps oneDNN's packed weights (or F.linear) instead.
 int packed_gemm_supported(void) { return 0; }
 
 void packed_gemm(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy, int64_t M,
                  int64_t N, int64_t K) {}
+void packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
+                    int64_t ldy, int64_t M, int64_t N, int64_t K) {}
 #endif

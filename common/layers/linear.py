@@ -20,11 +20,20 @@ whatever the batch; without them it goes to oneDNN's blocked layout
 streaming from DRAM, the panel GEMM does a batch-16 step's matmuls at ~100 GFLOPS against oneDNN's
 ~75 and F.linear's ~40 (`bench/engine.py` measures the whole step). `PDSERVE_PACKED_LINEAR=onednn`
 picks oneDNN, `PDSERVE_PACKED_LINEAR=0` keeps the plain `F.linear` path.
+
+Int8 weights (`--torchao-config int8wo`, SGLang's name for torchao's int8 weight-only scheme): each
+output row is quantized symmetrically at load, `scale = max|w| / 127`, `q = round(w / scale)`, into
+int8 panels of the same layout, and `gemm.c` widens each byte to float32 in registers, so activations
+and accumulation stay float32 while a decode step, bound by memory bandwidth, streams a quarter of the
+bytes. A tied lm_head is quantized too (the embedding keeps its float32 copy). It needs the native
+kernels; the checks against transformers stay on float32, and `pdserve bench quant` measures what
+int8 costs in perplexity and greedy agreement.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +44,16 @@ from common.layers import native
 from common.memory.huge_pages import huge_zeros
 
 PANEL = 16  # output columns per panel of the native GEMM's weight layout
+QUANTIZATIONS = ("int8wo",)  # --torchao-config values
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A weight in the native GEMM's layout, `[ceil(out / 16), in, 16]`: float32, or int8 with one
+    float32 `scale` per output column (padded to whole panels)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -58,21 +77,41 @@ def panel_numel(weight: torch.Tensor) -> int:
     return -(-out // PANEL) * PANEL * inp
 
 
-def pack_weight(weight: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The packed copy of an `[out, in]` weight: `[panels, in, 16]` for the native GEMM (written into
-    `into`, `panel_numel(weight)` floats, when given), else oneDNN's blocked layout; None where the
-    plain path is used (not fp32 on CPU, or `PDSERVE_PACKED_LINEAR=0`)."""
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-row symmetric int8: (q [out, in] int8, scale [out] float32), weight ~ q * scale."""
+    w = weight.detach().to(torch.float32)
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def pack_weight(weight: torch.Tensor, into: torch.Tensor | None = None,
+                quantization: str | None = None) -> Panels | torch.Tensor | None:
+    """The packed copy of an `[out, in]` weight: `Panels` for the native GEMM (written into `into`,
+    `panel_numel(weight)` elements of the panels' dtype, when given; int8 with `quantization="int8wo"`),
+    else oneDNN's blocked layout; None where the plain path is used (not fp32 on CPU, or
+    `PDSERVE_PACKED_LINEAR=0`)."""
     how = _packing(weight)
+    if quantization is not None and how != "panels":
+        raise ValueError(f"--torchao-config {quantization} needs the native kernels (AVX2 + FMA and a C compiler) "
+                         "and PDSERVE_PACKED_LINEAR unset")
     weight = weight.detach()
     if how == "panels":
         out, inp = weight.shape
         panels = -(-out // PANEL)
+        scale = None
+        if quantization == "int8wo":
+            weight, row_scale = quantize_int8(weight)
+            scale = torch.ones(panels * PANEL)
+            scale[:out] = row_scale
+        elif quantization is not None:
+            raise ValueError(f"--torchao-config: {quantization!r} is not one of {QUANTIZATIONS}")
         padded = weight.new_zeros(panels * PANEL, inp)
         padded[:out] = weight
-        dst = torch.empty(panel_numel(weight)) if into is None else into
+        dst = torch.empty(panel_numel(weight), dtype=weight.dtype) if into is None else into
         dst = dst.view(panels, inp, PANEL)
         dst.copy_(padded.view(panels, PANEL, inp).transpose(1, 2))
-        return dst
+        return Panels(dst, scale)
     if how == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight)
     return None
@@ -83,20 +122,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     """`x @ weight.T + bias` on whichever copy `pack_weight` made (`weight` gives the output size)."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if packed.dim() == 3:
+    if isinstance(packed, Panels):
         return _panel_linear(x, packed, weight.shape[0], bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _panel_linear(x: torch.Tensor, packed: torch.Tensor, out: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _panel_linear(x: torch.Tensor, packed: Panels, out: int, bias: torch.Tensor | None) -> torch.Tensor:
     # called ~120 times per decode step: keep the Python side to the minimum
-    inp = packed.shape[1]
+    w = packed.weight
+    inp = w.shape[1]
     rows = x if x.dim() == 2 else x.reshape(-1, inp)
     if rows.stride(1) != 1 or rows.dtype != torch.float32:
         rows = rows.to(torch.float32).contiguous()
     y = torch.empty(rows.shape[0], out)
-    native.packed_gemm()(rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                         y.data_ptr(), out, rows.shape[0], out, inp)
+    b = None if bias is None else bias.data_ptr()
+    if packed.scale is None:
+        native.packed_gemm()(rows.data_ptr(), rows.stride(0), w.data_ptr(), b, y.data_ptr(), out, rows.shape[0], out,
+                             inp)
+    else:
+        native.packed_gemm_i8()(rows.data_ptr(), rows.stride(0), w.data_ptr(), packed.scale.data_ptr(), b,
+                                y.data_ptr(), out, rows.shape[0], out, inp)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
 
 
@@ -107,10 +152,10 @@ def _packed_weight_loader(param, loaded, shard_id=None) -> None:
 class PackableLinear(nn.Module):
     """A linear layer whose `weight` may be swapped for oneDNN's packed copy (`pack()`)."""
 
-    packed: torch.Tensor | None = None
+    packed: Panels | torch.Tensor | None = None
 
-    def pack(self, into: torch.Tensor | None = None) -> None:
-        packed = pack_weight(self.weight, into)
+    def pack(self, into: torch.Tensor | None = None, quantization: str | None = None) -> None:
+        packed = pack_weight(self.weight, into, quantization)
         if packed is None:
             return
         self.packed = packed
@@ -124,23 +169,26 @@ class PackableLinear(nn.Module):
         return linear(x, self.weight, self.packed, bias)
 
 
-def pack_linears(model: nn.Module) -> None:
+def pack_linears(model: nn.Module, quantization: str | None = None) -> None:
     """Pack every linear layer of a loaded model, and a tied lm_head (kept plain for the embedding,
-    packed as `model.lm_head_packed`). Panel-packed weights share one huge-page allocation, in forward
-    order, so a decode step streams them as one sequential run."""
+    packed as `model.lm_head_packed`), as int8 with `quantization="int8wo"`. Panel-packed weights share
+    one huge-page allocation, in forward order, so a decode step streams them as one sequential run."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"--torchao-config: {quantization!r} is not one of {QUANTIZATIONS}")
     layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
     tied = getattr(model, "lm_head", False) is None
     weights = [m.weight for m in layers] + ([model.lm_head_weight] if tied else [])
     sizes = [panel_numel(w) if _packing(w) == "panels" else 0 for w in weights]
-    arena = huge_zeros(sum(sizes)) if sum(sizes) else None
+    dtype = torch.int8 if quantization == "int8wo" else torch.float32
+    arena = huge_zeros(sum(sizes), dtype) if sum(sizes) else None
     views, offset = [], 0
     for n in sizes:
         views.append(arena[offset:offset + n] if n else None)
         offset += n
     for m, into in zip(layers, views[:len(layers)], strict=True):
-        m.pack(into)
+        m.pack(into, quantization)
     if tied:
-        model.lm_head_packed = pack_weight(model.lm_head_weight, views[-1])
+        model.lm_head_packed = pack_weight(model.lm_head_weight, views[-1], quantization)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

@@ -2,7 +2,7 @@
 
 `paged_decode_attention()` (`paged_attention.c`), `add_rms_norm()` (`rms_norm.c`),
 `rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`), `argmax_rows()` (`argmax.c`),
-`packed_gemm()` (`gemm.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
+`packed_gemm()` and `packed_gemm_i8()` (`gemm.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
 a decode step of a whole Llama-family stack) return the loaded C function, or None when it cannot be
 used (no C compiler, a failed build, no AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers
 then take the torch paths, which compute the same thing. The GEMM reads each weight once per matmul
@@ -107,6 +107,7 @@ _SIGNATURES = {
     "rotary_apply": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64], None),
     "packed_gemm": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], None),
     "packed_gemm_supported": ([], ctypes.c_int),
+    "packed_gemm_i8": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], None),
     "silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64], None),
     "argmax_rows": ([_PTR, _I64, _I64, _I64, _PTR], None),
     "decoder_stack": ([_PTR, _I64, _PTR, _PTR, _PTR], ctypes.c_int),
@@ -165,6 +166,11 @@ def silu_and_mul():
 def packed_gemm():
     lib = _library()
     return lib.packed_gemm if lib is not None and lib.packed_gemm_supported() else None
+
+
+def packed_gemm_i8():
+    """The panel GEMM over int8 weights with a float32 scale per output column (`--torchao-config int8wo`)."""
+    return _kernel("packed_gemm_i8") if packed_gemm() is not None else None
 
 
 if __name__ == "__main__":

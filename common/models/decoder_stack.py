@@ -7,7 +7,8 @@ kernels in the same order (so the logits are the same), and leaves `h` and `resi
 loop would, for `final_logits`.
 
 A model qualifies when: the native kernels are built, one TP rank (no all-reduce between layers), no
-per-head q/k norm, every projection panel-packed (`common/layers/linear.py`), float32 norms, and the
+per-head q/k norm, every projection panel-packed (`common/layers/linear.py`; float32 or int8 panels),
+float32 norms, and the
 plain attention backend (not a sliding-window one). A batch qualifies when it is a decode batch on
 the native attention path (`TorchAttentionMetadata.rows`). Everything else runs the modules.
 `PDSERVE_DECODER_STACK=0` turns it off.
@@ -23,13 +24,18 @@ import torch
 from common.forward_batch import ForwardBatch, ForwardMode
 from common.layers import native
 from common.layers.attention import TorchAttentionBackend
+from common.layers.linear import Panels
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
-                                       "gate_up_bias", "down", "down_bias")] + [("kv_offset", _I64)]
+    _fields_ = ([(name, _P) for name in ("input_norm", "post_norm", *PROJECTIONS)]
+                + [(p + "_bias", _P) for p in PROJECTIONS] + [(p + "_scale", _P) for p in PROJECTIONS]
+                + [("kv_offset", _I64)])
 
 
 class _Step(ctypes.Structure):
@@ -61,11 +67,11 @@ class DecoderStack:
         self._offsets_for = None  # the KV pool the layer offsets were filled for
         for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
+            projs = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
             self.layers[i] = _Layer(
                 _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                _ptr(a.qkv_proj.packed), _ptr(a.qkv_proj.bias), _ptr(a.o_proj.packed), _ptr(a.o_proj.bias),
-                _ptr(m.gate_up_proj.packed), _ptr(m.gate_up_proj.bias), _ptr(m.down_proj.packed),
-                _ptr(m.down_proj.bias), 0)
+                *(_ptr(p.packed.weight) for p in projs), *(_ptr(p.bias) for p in projs),
+                *(_ptr(p.packed.scale) for p in projs), 0)
 
     @classmethod
     def for_model(cls, model) -> DecoderStack | None:
@@ -80,7 +86,7 @@ class DecoderStack:
         for layer in layers:
             projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj)
-            if any(p.packed is None or p.packed.dim() != 3 for p in projections):
+            if any(not isinstance(p.packed, Panels) for p in projections):
                 return None
             if any(n.weight.dtype != torch.float32 for n in (layer.input_layernorm, layer.post_attention_layernorm)):
                 return None

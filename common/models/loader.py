@@ -83,8 +83,10 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-               dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, ModelConfig]:
-    """Build the model for `config.json["architectures"][0]` and fill it from the safetensors."""
+               dtype: torch.dtype = torch.float32,
+               quantization: str | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+    """Build the model for `config.json["architectures"][0]` and fill it from the safetensors; its
+    linear weights packed (`common/layers/linear.py`), as int8 with `quantization="int8wo"`."""
     config = ModelConfig.from_pretrained(model_dir)
     cls = get_model_class(config.architecture)
     if config.sliding_window and config.architecture in SLIDING_WINDOW_ARCHITECTURES:
@@ -99,7 +101,7 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {shown}")
     model.eval()
-    pack_linears(model)
-    logger.info("loaded %s (%s, %d layers) tp %d/%d", config.name, config.architecture, config.num_layers,
-                tp_rank, tp_size)
+    pack_linears(model, quantization)
+    logger.info("loaded %s (%s, %d layers) tp %d/%d%s", config.name, config.architecture, config.num_layers,
+                tp_rank, tp_size, f", weights {quantization}" if quantization else "")
     return model, config

@@ -27,13 +27,15 @@ def decode_logits(model, cfg, prompts: list[list[int]], steps: int) -> list[torc
     return out
 
 
-@pytest.mark.parametrize("arch,overrides", [
-    ("llama", {}),
-    ("qwen2", {}),  # q/k/v bias
-    ("llama", {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+@pytest.mark.parametrize("arch,overrides,quantization", [
+    ("llama", {}, None),
+    ("qwen2", {}, None),  # q/k/v bias
+    ("llama", {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
+     None),
+    ("qwen2", {"tie_word_embeddings": True}, "int8wo"),  # int8 panels, a quantized tied lm_head
 ])
-def test_stack_matches_the_layer_modules(make_tiny_model, arch, overrides):
-    model, cfg = load_model(make_tiny_model(arch, **overrides))
+def test_stack_matches_the_layer_modules(make_tiny_model, arch, overrides, quantization):
+    model, cfg = load_model(make_tiny_model(arch, **overrides), quantization=quantization)
     prompts = [list(range(5, 5 + n)) for n in (3, 9, 17)]
     calls = []
     kernel = native.decoder_stack()

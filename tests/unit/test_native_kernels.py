@@ -101,7 +101,7 @@ def test_panel_gemm_matches_float64(rows, out_features, in_features):
     weight = torch.randn(out_features, in_features, generator=g)
     bias = torch.randn(out_features, generator=g)
     packed = pack_weight(weight)
-    assert packed is not None and packed.shape == (-(-out_features // PANEL), in_features, PANEL)
+    assert packed.scale is None and packed.weight.shape == (-(-out_features // PANEL), in_features, PANEL)
     wide = torch.randn(rows, in_features + 9, generator=g)
     x = wide[:, 3:3 + in_features]
     for b in (None, bias):
@@ -110,6 +110,50 @@ def test_panel_gemm_matches_float64(rows, out_features, in_features):
         assert out.shape == (rows, out_features) and out.dtype == torch.float32
         if rows:
             assert (out.double() - ref).abs().max().item() < 1e-5 * in_features ** 0.5 * 4
+
+
+@pytest.mark.parametrize("out_features,in_features", [(1, 8), (17, 37), (100, 576), (3072, 64)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 7, 16, 33])
+def test_int8_panel_gemm_matches_the_dequantized_weight(rows, out_features, in_features):
+    """`--torchao-config int8wo`: int8 panels with a scale per output column give x @ (q * scale)^T + b
+    in float32 (every row-tile height, panels that end inside, bias or not, a strided activation), stay
+    within int8's rounding of the float32 product, and give each row the same bits whatever the batch
+    (every row tile sums from zero in k order and scales once)."""
+    from common.layers.linear import PANEL, linear, pack_weight, quantize_int8
+
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + 1)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    packed = pack_weight(weight, quantization="int8wo")
+    panels = -(-out_features // PANEL)
+    assert packed.weight.dtype == torch.int8 and packed.weight.shape == (panels, in_features, PANEL)
+    assert packed.scale.shape == (panels * PANEL,)
+    q, scale = quantize_int8(weight)
+    assert q.abs().max() <= 127 and torch.allclose(q.float() * scale[:, None], weight, atol=scale.max().item() / 2 + 1e-7)
+    wide = torch.randn(rows, in_features + 9, generator=g)
+    x = wide[:, 3:3 + in_features]
+    for b in (None, bias):
+        out = linear(x, weight, packed, b)
+        assert out.shape == (rows, out_features)
+        if not rows:
+            continue
+        deq = x.double() @ (q.double() * scale.double()[:, None]).T + (0 if b is None else b.double())
+        exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+        assert (out.double() - deq).abs().max().item() < 1e-5 * in_features ** 0.5 * 4
+        # int8 rounding: each weight within half a step, so the error grows like sqrt(K) * step * |x|
+        assert (out.double() - exact).abs().max().item() < 0.05 * in_features ** 0.5
+        assert torch.equal(linear(x[-1:], weight, packed, b), out[-1:])  # batch-invariant
+
+
+def test_int8_needs_the_panels(monkeypatch):
+    from common.layers.linear import pack_weight
+
+    monkeypatch.setenv("PDSERVE_PACKED_LINEAR", "onednn")
+    with pytest.raises(ValueError, match="int8wo needs the native kernels"):
+        pack_weight(torch.randn(8, 8), quantization="int8wo")
+    monkeypatch.delenv("PDSERVE_PACKED_LINEAR")
+    with pytest.raises(ValueError, match="int4wo"):
+        pack_weight(torch.randn(8, 8), quantization="int4wo")
 
 
 def test_panel_gemm_keeps_leading_dims_and_uses_threads():
@@ -134,7 +178,7 @@ def test_linear_fallbacks(mode, monkeypatch):
     packed = pack_weight(weight)
     assert (packed is None) == (mode == "0")
     if packed is not None:
-        assert packed.dim() == 2  # oneDNN's layout, not panels
+        assert isinstance(packed, torch.Tensor) and packed.dim() == 2  # oneDNN's layout, not panels
     x = torch.randn(6, 24, generator=g)
     assert torch.allclose(linear(x, weight, packed, bias), F.linear(x, weight, bias), atol=1e-5)
 
