@@ -7,12 +7,19 @@ answer: "decodes") that keep the decode batch busy, and long prompts arriving am
 `--long-interval` seconds. In a colocated engine each long prefill stalls every running decode (TPOT
 spikes); with PD the prefill runs on its own cores and the decodes keep their pace.
 
+Then, on the same running setups, SLO attainment over a sweep of Poisson request rates (`--rates`,
+bench/slo.py): `--sweep-requests` requests of `--sweep-input-len` / `--sweep-output-len` tokens
+(lengths drawn from [len * 0.5, len]) per rate, and the highest rate at which 90 % of them meet both
+`--slo-rate-ttft-ms` and `--slo-rate-tpot-ms`. Those SLOs were fixed before any run: first token
+within 2 s, then 10 tokens per second (interactive chat on a CPU, about twice reading speed).
+
 Reports, for each setup and for each class of request, TTFT/TPOT/ITL/E2E (mean, p50, p90, p99),
 throughput and goodput (requests meeting `--slo-ttft-ms` and `--slo-tpot-ms`), a markdown table of the
 ratios (`--markdown`), latency CDFs (`--plot`), and `--json` with `"ratios"`:
   tpot_p99  colocated / disaggregated TPOT p99 of the decode requests (higher = PD better)
   ttft_p99  colocated / disaggregated TTFT p99 over all requests
   goodput   disaggregated / colocated goodput over all requests
+  slo_rate  disaggregated / colocated highest rate with 90 % SLO attainment (when both are > 0)
 """
 
 from __future__ import annotations
@@ -34,10 +41,12 @@ from bench.serve import (
     RequestResult,
     format_summary,
     plot_cdfs,
+    random_dataset,
     result_rows,
     run_benchmark,
     summarize,
 )
+from bench.slo import max_rate, sweep
 from deploy.cluster import ROOT, Cluster
 from deploy.procs import ClusterError, die_with_parent, free_port, http_status, parse_cores
 
@@ -142,7 +151,8 @@ def _fmt(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.3f}" if v < 10 else f"{v:.1f}"
 
 
-def markdown_table(dis: dict, col: dict, ns: argparse.Namespace, commands: list[str]) -> str:
+def markdown_table(dis: dict, col: dict, ns: argparse.Namespace, commands: list[str],
+                   sweeps: dict[str, list[dict]] | None = None) -> str:
     rows = [
         ("TPOT p99, decode requests (ms)", ("decode", "tpot_ms", "p99"), "col/dis"),
         ("TPOT p50, decode requests (ms)", ("decode", "tpot_ms", "p50"), "col/dis"),
@@ -170,6 +180,15 @@ def markdown_table(dis: dict, col: dict, ns: argparse.Namespace, commands: list[
         a, b = get(dis, path), get(col, path)
         r = ratio(b, a) if kind == "col/dis" else ratio(a, b)
         lines.append(f"| {label} | {_fmt(a)} | {_fmt(b)} | {_fmt(r) + 'x' if r is not None else 'n/a'} |")
+    if sweeps and len(sweeps) == 2:
+        best = {name: max_rate([(p["rate"], p["attainment"]) for p in pts]) for name, pts in sweeps.items()}
+        r = ratio(best["disaggregated"], best["colocated"])
+        lines.append(f"| highest rate with 90 % within TTFT {ns.slo_rate_ttft_ms:.0f} ms and TPOT "
+                     f"{ns.slo_rate_tpot_ms:.0f} ms (req/s) | {_fmt(best['disaggregated'])} | "
+                     f"{_fmt(best['colocated'])} | {_fmt(r) + 'x' if r is not None else 'n/a'} |")
+        for name in ("disaggregated", "colocated"):
+            pts = ", ".join(f"{p['rate']:g}: {p['attainment']:.0%}" for p in sweeps[name])
+            lines.append(f"| SLO attainment by rate, {name} | {pts} | | |")
     slo = f"SLO: TTFT <= {ns.slo_ttft_ms:.0f} ms, TPOT <= {ns.slo_tpot_ms:.0f} ms"
     work = (f"{ns.num_decodes} decode requests ({ns.decode_input_len} prompt / {ns.decode_output_len} output "
             f"tokens, {ns.decode_rate}/s) + {ns.num_long} long prompts ({ns.long_input_len} tokens, "
@@ -177,7 +196,7 @@ def markdown_table(dis: dict, col: dict, ns: argparse.Namespace, commands: list[
     head = [f"# pdserve bench compare: disaggregated vs colocated ({ns.model_label})", "",
             f"- workload: {work}", f"- {slo}",
             f"- (a) 1 prefill node on cores {ns.prefill_cores_list} + 1 decode node on cores "
-            f"{ns.decode_cores_list} ({ns.transfer_backend} backend) + router",
+            f"{ns.decode_cores_list} ({ns.transfer_backend} backend{', decode node flags `' + ns.decode_args + '`' if ns.decode_args else ''}) + router",
             f"- (b) one `pdserve serve` on cores {ns.prefill_cores_list + ns.decode_cores_list} with "
             f"{ns.colocated_threads or len(ns.prefill_cores_list + ns.decode_cores_list)} torch threads",
             f"- every node: OMP_WAIT_POLICY={ns.omp_wait_policy or '(default)'}; node flags `{ns.node_args}`",
@@ -211,6 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--long-interval", type=float, default=8.0, help="seconds between long prompts")
     a("--slo-ttft-ms", type=float, default=30000.0, help="goodput: TTFT limit")
     a("--slo-tpot-ms", type=float, default=1500.0, help="goodput: TPOT limit")
+    a("--rates", default="0.25,0.5,1,1.5,2", help="request rates (req/s) of the SLO sweep, comma-separated "
+      "('' skips it)")
+    a("--sweep-requests", type=int, default=24, help="requests per rate of the sweep")
+    a("--sweep-input-len", type=int, default=256, help="longest prompt of the sweep's requests (tokens)")
+    a("--sweep-output-len", type=int, default=64, help="longest output of the sweep's requests (tokens)")
+    a("--slo-rate-ttft-ms", type=float, default=2000.0, help="the sweep's TTFT SLO (fixed before any run)")
+    a("--slo-rate-tpot-ms", type=float, default=100.0, help="the sweep's TPOT SLO (fixed before any run)")
+    a("--decode-args", default="", help="more flags for the disaggregated setup's decode node, one string (e.g. "
+      "\"--torchao-config int8wo\")")
     a("--warmup-requests", type=int, default=2, help="requests sent and discarded before each measured run")
     a("--seed", type=int, default=1, help="seed of prompts")
     a("--startup-timeout", type=float, default=900.0, help="seconds for every node to become healthy")
@@ -248,21 +276,35 @@ def main(argv: list[str] | None = None) -> int:
     load_start = round(os.getloadavg()[0], 2)
     signal.signal(signal.SIGTERM, _terminate)  # clean up the children on SIGTERM too
     results: dict[str, tuple[list[RequestResult], float]] = {}
+    sweeps: dict[str, list[dict]] = {}
+    rates = [float(r) for r in ns.rates.split(",") if r.strip()]
+
+    def sweep_requests(rate: float) -> list[BenchRequest]:  # the same requests at every rate and setup
+        return random_dataset(PromptMaker(model_dir, ns.seed), ns.sweep_requests, ns.sweep_input_len,
+                              ns.sweep_output_len, 0.5)
+
+    def measure(name: str, url: str, model: str) -> None:
+        results[name] = run_setup(name, url, requests, ns, model)
+        if rates:
+            sweeps[name] = sweep(url, model, sweep_requests, rates, ns.slo_rate_ttft_ms, ns.slo_rate_tpot_ms,
+                                 ns.seed, name)
+
     served_name = None
     if ns.only in ("both", "disaggregated"):
         cluster = Cluster(num_prefill=1, num_decode=1, model=ns.model, transfer_backend=ns.transfer_backend,
                           log_dir=os.path.join(log_dir, "disaggregated"),
                           cpu_affinity={"prefill": ns.prefill_cores_list, "decode": ns.decode_cores_list},
-                          node_args=node_args, router_args=["--policy", "round_robin"],
-                          env=child_env(ns), startup_timeout=ns.startup_timeout)
+                          node_args=node_args, decode_args=shlex.split(ns.decode_args),
+                          router_args=["--policy", "round_robin"], env=child_env(ns),
+                          startup_timeout=ns.startup_timeout)
         with cluster:
             served_name = served_name or _served_name(cluster.url)
-            results["disaggregated"] = run_setup("disaggregated", cluster.url, requests, ns, served_name)
+            measure("disaggregated", cluster.url, served_name)
     if ns.only in ("both", "colocated"):
         proc, url = start_colocated(ns, all_cores, log_dir)
         try:
             served_name = served_name or _served_name(url)
-            results["colocated"] = run_setup("colocated", url, requests, ns, served_name)
+            measure("colocated", url, served_name)
         finally:
             stop_proc(proc)
 
@@ -274,12 +316,18 @@ def main(argv: list[str] | None = None) -> int:
     if len(summaries) == 2:
         dis, col = summaries["disaggregated"], summaries["colocated"]
         ratios = compute_ratios(dis, col)
+        best = {name: max_rate([(p["rate"], p["attainment"]) for p in pts]) for name, pts in sweeps.items()}
+        if len(best) == 2 and best["colocated"] > 0 and best["disaggregated"] > 0:
+            ratios["slo_rate"] = best["disaggregated"] / best["colocated"]
+        elif len(best) == 2:
+            print(f"note: no slo_rate: highest rates with 90 % attainment {best} (a zero in one setup)",
+                  file=sys.stderr)
         missing = sorted({"tpot_p99", "ttft_p99", "goodput"} - set(ratios))
         if missing:
             print(f"note: no ratio for {missing} (a zero or missing figure in one setup)", file=sys.stderr)
         ns.load_note = f"{load_start} / {round(os.getloadavg()[0], 2)}"
         commands = ["pdserve bench compare " + shlex.join(argv)]
-        table = markdown_table(dis, col, ns, commands)
+        table = markdown_table(dis, col, ns, commands, sweeps)
         print("\n" + table)
         if ns.markdown:
             with open(ns.markdown, "w") as f:
@@ -293,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: v for k, v in vars(ns).items()}
     config["argv"] = argv
     figures = {"config": config, "summaries": summaries, "log_dir": log_dir,
+               "slo_sweep": {name: {"max_rate_90": max_rate([(p["rate"], p["attainment"]) for p in pts]),
+                                    "points": pts} for name, pts in sweeps.items()},
                "requests": {name: result_rows(res) for name, (res, _) in results.items()},
                "load_average_1m": {"start": load_start, "end": round(os.getloadavg()[0], 2)}}
     write_report(ns.json, "compare", figures, ratios)

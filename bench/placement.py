@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-concurrency", type=int, default=8, help="most requests in flight")
     a("--warmup-requests", type=int, default=2, help="requests sent and discarded before each measured run")
     a("--node-args", default="", help="flags for every node of every setup, one string")
+    a("--prefill-args", default="", help="more flags for the clusters' prefill nodes, one string")
+    a("--decode-args", default="", help="more flags for the clusters' decode nodes, one string (e.g. "
+      "\"--torchao-config int8wo\": int8 weights where steps are bound by memory bandwidth)")
     a("--setups", default=",".join(SETUPS), help=f"which setups to run, comma-separated, of {SETUPS}")
     a("--seed", type=int, default=1, help="seed of prompts")
     a("--startup-timeout", type=float, default=900.0, help="seconds for every node to become healthy")
@@ -130,7 +133,8 @@ def _run_setups(setups, ns, cores, log_dir, requests, node_args) -> tuple[dict, 
             continue
         cluster = Cluster(num_prefill=1, num_decode=1, model=ns.model, transfer_backend=ns.transfer_backend,
                           log_dir=os.path.join(log_dir, name), auto_placement=name == "cluster",
-                          node_args=node_args, startup_timeout=ns.startup_timeout)
+                          node_args=node_args, prefill_args=shlex.split(ns.prefill_args),
+                          decode_args=shlex.split(ns.decode_args), startup_timeout=ns.startup_timeout)
         with cluster:
             runs[name] = _run(name, cluster.url, requests, ns)
             runs[name]["placement"] = {c.name: c.cores for c in cluster.children}
