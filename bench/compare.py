@@ -9,7 +9,8 @@ spikes); with PD the prefill runs on its own cores and the decodes keep their pa
 
 Then, on the same running setups, SLO attainment over a sweep of Poisson request rates (`--rates`,
 bench/slo.py): `--sweep-requests` requests of `--sweep-input-len` / `--sweep-output-len` tokens
-(lengths drawn from [len * 0.5, len]) per rate, and the highest rate at which 90 % of them meet both
+(lengths drawn from [len * 0.5, len]; other prompts at each rate, the same for both setups, which
+the workload above has warmed) per rate, and the highest rate at which 90 % of them meet both
 `--slo-rate-ttft-ms` and `--slo-rate-tpot-ms`. Those SLOs were fixed before any run: first token
 within 2 s, then 10 tokens per second (interactive chat on a CPU, about twice reading speed).
 
@@ -230,9 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--long-interval", type=float, default=8.0, help="seconds between long prompts")
     a("--slo-ttft-ms", type=float, default=30000.0, help="goodput: TTFT limit")
     a("--slo-tpot-ms", type=float, default=1500.0, help="goodput: TPOT limit")
-    a("--rates", default="0.25,0.5,1,1.5,2", help="request rates (req/s) of the SLO sweep, comma-separated "
+    a("--rates", default="0.5,1,1.5,2,2.5,3,4", help="request rates (req/s) of the SLO sweep, comma-separated "
       "('' skips it)")
-    a("--sweep-requests", type=int, default=24, help="requests per rate of the sweep")
+    a("--sweep-requests", type=int, default=32, help="requests per rate of the sweep")
     a("--sweep-input-len", type=int, default=256, help="longest prompt of the sweep's requests (tokens)")
     a("--sweep-output-len", type=int, default=64, help="longest output of the sweep's requests (tokens)")
     a("--slo-rate-ttft-ms", type=float, default=2000.0, help="the sweep's TTFT SLO (fixed before any run)")
@@ -279,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     sweeps: dict[str, list[dict]] = {}
     rates = [float(r) for r in ns.rates.split(",") if r.strip()]
 
-    def sweep_requests(rate: float) -> list[BenchRequest]:  # the same requests at every rate and setup
-        return random_dataset(PromptMaker(model_dir, ns.seed), ns.sweep_requests, ns.sweep_input_len,
-                              ns.sweep_output_len, 0.5)
+    def sweep_requests(rate: float) -> list[BenchRequest]:
+        # the same requests for both setups, other prompts at each rate (no prefix cache hit across rates)
+        return random_dataset(PromptMaker(model_dir, ns.seed + round(1000 * rate)), ns.sweep_requests,
+                              ns.sweep_input_len, ns.sweep_output_len, 0.5)
 
     def measure(name: str, url: str, model: str) -> None:
         results[name] = run_setup(name, url, requests, ns, model)
