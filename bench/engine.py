@@ -21,6 +21,9 @@ Measured (fp32, CPU, greedy):
   attention over the average context) / the best measured fp32 matmul rate (a 1024^3 and 2048^3
   `torch.mm`, more than a 16-row matmul can reach). Ratio `compute_bound_b16` = bound step / our b16
   step. HF's b16 step / the bound is the most any engine could gain over HF here.
+* the compute bound of a `--prompt-len` prefill: every weight but the lm_head twice per prompt token,
+  the lm_head once (only the last position's logits), causal attention (2 x layers x heads x
+  head_dim x len^2), at the same matmul rate. Ratio `prefill_compute_bound` = bound / our prefill.
 
 Every measurement is warmed up, repeated `--repeats` times interleaving ours and HF, and the best
 (min time) is used for the ratios; medians are reported too. Ratios are ours / HF tokens/s.
@@ -386,13 +389,21 @@ def main(argv: list[str] | None = None) -> int:
     ctx = args.decode_prompt_len + n / 2
     flops_tok = 2 * wbytes / 4 + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
     cbound_ms = 16 * flops_tok / (peak * 1e9) * 1e3
+    # prefill: every weight but the lm_head on every prompt token, the lm_head on the last, causal attention
+    p_len, lm = args.prompt_len, cfg.vocab_size * cfg.hidden_size
+    prefill_flops = (2 * (wbytes / 4 - lm) * p_len + 2 * lm
+                     + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * p_len * p_len)
+    pbound_s = prefill_flops / (peak * 1e9)
     figures["compute"] = {"matmul_peak_gflops": peak, "flops_per_token": flops_tok, "bound_b16_step_ms": cbound_ms,
-                          "ours_b16_step_ms": figures["ours_decode_b16"]["step_ms_best"]}
+                          "ours_b16_step_ms": figures["ours_decode_b16"]["step_ms_best"],
+                          "prefill_flops": prefill_flops, "bound_prefill_s": pbound_s,
+                          "ours_prefill_s": figures["ours_prefill"]["best_s"]}
     if hf is not None:
         figures["compute"]["hf_b16_step_over_bound"] = figures["hf_decode_b16"]["step_ms_best"] / cbound_ms
 
     ratios = {"bandwidth_bound": bound_ms / our_step_ms,
-              "compute_bound_b16": cbound_ms / figures["ours_decode_b16"]["step_ms_best"], **loop_ratios}
+              "compute_bound_b16": cbound_ms / figures["ours_decode_b16"]["step_ms_best"],
+              "prefill_compute_bound": pbound_s / figures["ours_prefill"]["best_s"], **loop_ratios}
     if hf is not None:
         ratios = {"decode_b1": figures["ours_decode_b1"]["tok_s_best"] / figures["hf_decode_b1"]["tok_s_best"],
                   "decode_b16": figures["ours_decode_b16"]["tok_s_best"] / figures["hf_decode_b16"]["tok_s_best"],
@@ -438,7 +449,8 @@ def print_table(figures: dict, ratios: dict, with_hf: bool) -> None:
           f"({b['ours_b1_effective_gbps']:.1f} GB/s effective)")
     c = figures["compute"]
     line = (f"  compute: matmul peak {c['matmul_peak_gflops']:.0f} GFLOPS; {c['flops_per_token'] / 1e6:.0f} MFLOP/token "
-            f"-> b16 bound {c['bound_b16_step_ms']:.2f} ms/step; ours b16 {c['ours_b16_step_ms']:.2f} ms/step")
+            f"-> b16 bound {c['bound_b16_step_ms']:.2f} ms/step; ours b16 {c['ours_b16_step_ms']:.2f} ms/step; "
+            f"prefill bound {c['bound_prefill_s']:.3f} s, ours {c['ours_prefill_s']:.3f} s")
     if "hf_b16_step_over_bound" in c:
         line += f"; HF b16 step / bound = {c['hf_b16_step_over_bound']:.2f} (the most any engine could gain)"
     print(line)

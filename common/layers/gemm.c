@@ -1,15 +1,22 @@
-// Matrix product with a weight packed in 16-column panels (CPU, float32, AVX2 + FMA). Built and loaded
-// by common/layers/native.py; common/layers/linear.py packs the weights and falls back to oneDNN or
+// Matrix product with a weight packed in 16-column panels (CPU, AVX2 + FMA). Built and loaded by
+// common/layers/native.py; common/layers/linear.py packs the weights and falls back to oneDNN or
 // F.linear without it.
 //
 // y[M, N] = x[M, K] @ W^T (+ bias), W given as panels: panel p holds output columns 16p..16p+15 as
-// [K][16] floats (columns past N are zero). One thread owns a run of panels; for each panel a register
+// [K][16] weights (columns past N are zero). One thread owns a run of panels; for each panel a register
 // tile of 6 rows x 16 columns walks the whole K, one row block after another, so each weight is read
 // from memory once and every later row block finds the panel in L2. With more than one row block
 // (decode batches above 6), the first block alone would wait on DRAM while the others only compute, so
 // each block also prefetches its share of the next panel into L2: the weight stream then overlaps all
 // the arithmetic (batch 16, weights from DRAM: ~15-20% faster). Each output sums over k in order, in
 // float32 with FMA.
+//
+// `packed_gemm` takes float32 panels. `packed_gemm_i8` takes int8 panels and one float32 scale per
+// output column (`--torchao-config int8wo`): y = (x @ Wq^T) * scale + bias. Each weight byte is widened
+// to float32 in registers as it streams in, so a decode step, bound by memory bandwidth, reads a quarter
+// of the bytes; each output sums from zero in k order and is scaled once at the end, whatever the tile
+// height, so a row gets the same bits in any batch. (At larger batches the widening costs what the
+// smaller weight saves: float32 compute is the bound there, not bytes.)
 #include <stdint.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -21,7 +28,7 @@ int packed_gemm_supported(void) { return 1; }
 #define MR_MAX 6
 
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-#define DECLARE(i) __m256 c##i##a = init0, c##i##b = init1;
+#define DECLARE(i) __m256 c##i##a = acc0, c##i##b = acc1;
 #define FMA(i)                                                         \
     if (MR > i) {                                                      \
         const __m256 a = _mm256_broadcast_ss(x + (i) * ldx + k);        \
@@ -34,28 +41,43 @@ int packed_gemm_supported(void) { return 1; }
         const __m256 b1 = _mm256_loadu_ps(w + k * NR + 8);             \
         ROWS(FMA)                                                      \
     }
-#define STORE(i)                                                       \
-    if (MR > i) {                                                      \
-        _mm256_maskstore_ps(y + (i) * ldy, m0, c##i##a);               \
-        _mm256_maskstore_ps(y + (i) * ldy + 8, m1, c##i##b);           \
+#define STEP_I8                                                                               \
+    {                                                                                         \
+        const __m128i q = _mm_loadu_si128((const __m128i *)(wq + k * NR));                    \
+        const __m256 b0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));                        \
+        const __m256 b1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q))); \
+        ROWS(FMA)                                                                             \
+    }
+#define STORE(i)                                                                                      \
+    if (MR > i) {                                                                                     \
+        _mm256_maskstore_ps(y + (i) * ldy, m0, Q ? _mm256_fmadd_ps(c##i##a, s0, init0) : c##i##a);     \
+        _mm256_maskstore_ps(y + (i) * ldy + 8, m1, Q ? _mm256_fmadd_ps(c##i##b, s1, init1) : c##i##b); \
     }
 
-// One MR x 16 tile over the whole K; `nv` of the 16 columns are stored. Every `every` steps the next
-// line at `pf` (if not NULL) is prefetched.
-static inline __attribute__((always_inline)) void tile(const int MR, int64_t K, const float *x, int64_t ldx,
-                                                       const float *w, const float *bias, float *y, int64_t ldy,
-                                                       int nv, const char *pf, int64_t every) {
+// One MR x 16 tile over the whole K (Q: int8 weights with `scale`, else float32); `nv` of the 16
+// columns are stored. Every `every` steps the next line at `pf` (if not NULL) is prefetched.
+static inline __attribute__((always_inline)) void tile(const int MR, const int Q, int64_t K, const float *x,
+                                                       int64_t ldx, const void *wv, const float *scale,
+                                                       const float *bias, float *y, int64_t ldy, int nv,
+                                                       const char *pf, int64_t every) {
+    const float *w = (const float *)wv;
+    const int8_t *wq = (const int8_t *)wv;
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota);
     const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv - 8), iota);
     const __m256 init0 = bias ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
     const __m256 init1 = bias ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps();
+    const __m256 s0 = Q ? _mm256_loadu_ps(scale) : init0, s1 = Q ? _mm256_loadu_ps(scale + 8) : init1;
+    const __m256 acc0 = Q ? _mm256_setzero_ps() : init0, acc1 = Q ? _mm256_setzero_ps() : init1;
     ROWS(DECLARE)
     // unrolled 4x: the loop's own address and counter updates otherwise crowd the 12 FMAs per step
     int64_t cnt = every;
 #pragma GCC unroll 4
     for (int64_t k = 0; k < K; k++) {
-        STEP
+        if (Q)
+            STEP_I8
+        else
+            STEP
         if (pf && --cnt == 0) {
             _mm_prefetch(pf, _MM_HINT_T1);
             pf += 64;
@@ -65,118 +87,60 @@ static inline __attribute__((always_inline)) void tile(const int MR, int64_t K, 
     ROWS(STORE)
 }
 
-static void tile_rows(int mr, int64_t K, const float *x, int64_t ldx, const float *w, const float *bias, float *y,
-                      int64_t ldy, int nv, const char *pf, int64_t every) {
-    switch (mr) {
-    case 6: tile(6, K, x, ldx, w, bias, y, ldy, nv, pf, every); break;
-    case 5: tile(5, K, x, ldx, w, bias, y, ldy, nv, pf, every); break;
-    case 4: tile(4, K, x, ldx, w, bias, y, ldy, nv, pf, every); break;
-    case 3: tile(3, K, x, ldx, w, bias, y, ldy, nv, pf, every); break;
-    case 2: tile(2, K, x, ldx, w, bias, y, ldy, nv, pf, every); break;
-    default: tile(1, K, x, ldx, w, bias, y, ldy, nv, pf, every); break;
+// `tile(MR, Q, ...)` with MR and Q compile-time constants, so each variant is its own unrolled loop.
+#define BY_HEIGHT(mr, Q, ...)                        \
+    switch (mr) {                                    \
+    case 6: tile(6, Q, __VA_ARGS__); break;          \
+    case 5: tile(5, Q, __VA_ARGS__); break;          \
+    case 4: tile(4, Q, __VA_ARGS__); break;          \
+    case 3: tile(3, Q, __VA_ARGS__); break;          \
+    case 2: tile(2, Q, __VA_ARGS__); break;          \
+    default: tile(1, Q, __VA_ARGS__); break;         \
+    }
+
+static void tile_rows(int mr, int q, int64_t K, const float *x, int64_t ldx, const void *w, const float *scale,
+                      const float *bias, float *y, int64_t ldy, int nv, const char *pf, int64_t every) {
+    if (q) {
+        BY_HEIGHT(mr, 1, K, x, ldx, w, scale, bias, y, ldy, nv, pf, every)
+    } else {
+        BY_HEIGHT(mr, 0, K, x, ldx, w, scale, bias, y, ldy, nv, pf, every)
     }
 }
 
-// x rows at x + m * ldx, y rows at y + m * ldy; bias may be NULL.
-void packed_gemm(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy, int64_t M,
-                 int64_t N, int64_t K) {
+// x rows at x + m * ldx, y rows at y + m * ldy; bias may be NULL; q: int8 weights (scale: one float per
+// output column, padded to whole panels), else float32.
+static void gemm_panels(int q, const float *x, int64_t ldx, const void *w, const float *scale, const float *bias,
+                        float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     const int64_t panels = (N + NR - 1) / NR;
     const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
-#pragma omp parallel for schedule(static) if (M * N * K >= 32768)
-    for (int64_t p = 0; p < panels; p++) {
-        const int nv = N - p * NR < NR ? (int)(N - p * NR) : NR;
-        const float *wp = w + p * K * NR;
-        const float *b = bias ? bias + p * NR : 0;
-        for (int64_t j = 0; j < blocks; j++) {
-            const int64_t m = j * MR_MAX;
-            const int mr = M - m < MR_MAX ? (int)(M - m) : MR_MAX;
-            // block j prefetches lines [j K / blocks, (j + 1) K / blocks) of the next panel (one line per
-            // k), one every `blocks` steps: the whole next panel is requested evenly over this one's compute
-            const char *pf = blocks > 1 && p + 1 < panels ? (const char *)(wp + K * NR) + (K * j / blocks) * 64 : 0;
-            tile_rows(mr, K, x + m * ldx, ldx, wp, b, y + m * ldy + p * NR, ldy, nv, pf, blocks);
-        }
-    }
-}
-
-
-// The same product with an int8 weight (`--torchao-config int8wo`): panels of [K][16] int8 and one
-// float32 scale per output column, y = (x @ Wq^T) * scale + bias. Each weight byte is widened to
-// float32 in registers as it streams in, so a decode step, bound by memory bandwidth, reads a quarter
-// of the bytes; each output sums over k in order from zero and is scaled once at the end, whatever the
-// row-tile height, so a row gets the same bits in any batch. A 64-byte line holds 4 k-steps of a
-// panel, so the next panel's prefetch is spread over 4x the steps. (At larger batches the widening
-// costs what the smaller weight saves: float32 compute is the bound there, not bytes.)
-#define STEP_I8                                                                                    \
-    {                                                                                              \
-        const __m128i q = _mm_loadu_si128((const __m128i *)(wq + k * NR));                         \
-        const __m256 b0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));                             \
-        const __m256 b1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q)));      \
-        ROWS(FMA)                                                                                  \
-    }
-#define DECLARE_ZERO(i) __m256 c##i##a = _mm256_setzero_ps(), c##i##b = _mm256_setzero_ps();
-#define STORE_SCALED(i)                                                                            \
-    if (MR > i) {                                                                                  \
-        _mm256_maskstore_ps(y + (i) * ldy, m0, _mm256_fmadd_ps(c##i##a, s0, init0));               \
-        _mm256_maskstore_ps(y + (i) * ldy + 8, m1, _mm256_fmadd_ps(c##i##b, s1, init1));           \
-    }
-
-static inline __attribute__((always_inline)) void tile_i8(const int MR, int64_t K, const float *x, int64_t ldx,
-                                                          const int8_t *wq, const float *scale, const float *bias,
-                                                          float *y, int64_t ldy, int nv, const char *pf,
-                                                          int64_t every) {
-    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota);
-    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv - 8), iota);
-    const __m256 init0 = bias ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
-    const __m256 init1 = bias ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps();
-    const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
-    ROWS(DECLARE_ZERO)
-    int64_t cnt = every;
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < K; k++) {
-        STEP_I8
-        if (pf && --cnt == 0) {
-            _mm_prefetch(pf, _MM_HINT_T1);
-            pf += 64;
-            cnt = every;
-        }
-    }
-    ROWS(STORE_SCALED)
-}
-
-static void tile_rows_i8(int mr, int64_t K, const float *x, int64_t ldx, const int8_t *wq, const float *scale,
-                         const float *bias, float *y, int64_t ldy, int nv, const char *pf, int64_t every) {
-    switch (mr) {
-    case 6: tile_i8(6, K, x, ldx, wq, scale, bias, y, ldy, nv, pf, every); break;
-    case 5: tile_i8(5, K, x, ldx, wq, scale, bias, y, ldy, nv, pf, every); break;
-    case 4: tile_i8(4, K, x, ldx, wq, scale, bias, y, ldy, nv, pf, every); break;
-    case 3: tile_i8(3, K, x, ldx, wq, scale, bias, y, ldy, nv, pf, every); break;
-    case 2: tile_i8(2, K, x, ldx, wq, scale, bias, y, ldy, nv, pf, every); break;
-    default: tile_i8(1, K, x, ldx, wq, scale, bias, y, ldy, nv, pf, every); break;
-    }
-}
-
-// scale: one float per output column, padded to whole panels (ceil(N / 16) * 16).
-void packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
-                    int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    const int64_t panels = (N + NR - 1) / NR;
-    const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
-    const int64_t lines = (K * NR + 63) / 64;  // 64-byte lines per panel
+    const int64_t panel_bytes = K * NR * (q ? 1 : 4);
+    const int64_t lines = (panel_bytes + 63) / 64;
     // block j prefetches lines [j lines / blocks, (j + 1) lines / blocks) of the next panel, one every
-    // `every` of its K steps
+    // `every` of its K steps: the whole next panel is requested evenly over this one's compute
     const int64_t every = blocks > 1 ? (K * blocks + lines - 1) / lines : 1;
 #pragma omp parallel for schedule(static) if (M * N * K >= 32768)
     for (int64_t p = 0; p < panels; p++) {
         const int nv = N - p * NR < NR ? (int)(N - p * NR) : NR;
-        const int8_t *wp = wq + p * K * NR;
+        const char *wp = (const char *)w + p * panel_bytes;
         const float *b = bias ? bias + p * NR : 0;
+        const float *s = q ? scale + p * NR : 0;
         for (int64_t j = 0; j < blocks; j++) {
             const int64_t m = j * MR_MAX;
             const int mr = M - m < MR_MAX ? (int)(M - m) : MR_MAX;
-            const char *pf = blocks > 1 && p + 1 < panels ? (const char *)(wp + K * NR) + (lines * j / blocks) * 64 : 0;
-            tile_rows_i8(mr, K, x + m * ldx, ldx, wp, scale + p * NR, b, y + m * ldy + p * NR, ldy, nv, pf, every);
+            const char *pf = blocks > 1 && p + 1 < panels ? wp + panel_bytes + (lines * j / blocks) * 64 : 0;
+            tile_rows(mr, q, K, x + m * ldx, ldx, wp, s, b, y + m * ldy + p * NR, ldy, nv, pf, every);
         }
     }
+}
+
+void packed_gemm(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy, int64_t M,
+                 int64_t N, int64_t K) {
+    gemm_panels(0, x, ldx, w, 0, bias, y, ldy, M, N, K);
+}
+
+void packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
+                    int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    gemm_panels(1, x, ldx, wq, scale, bias, y, ldy, M, N, K);
 }
 
 #else

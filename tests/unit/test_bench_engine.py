@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.engine import main
 from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
@@ -20,3 +22,7 @@ def test_bench_engine_reports_the_overlap_ratios(tiny_model_dir, tmp_path):
         assert loop["tokens_identical"] is True
         assert loop["step_ms_overlap"] > 0 and loop["step_ms_sequential"] > 0
         assert report["ratios"][f"overlap_b{b}"] > 0
+    c = report["figures"]["compute"]  # the 16-token prefill against the matmul peak
+    assert c["bound_prefill_s"] == c["prefill_flops"] / (c["matmul_peak_gflops"] * 1e9) > 0
+    assert report["ratios"]["prefill_compute_bound"] == pytest.approx(c["bound_prefill_s"] / c["ours_prefill_s"],
+                                                                      rel=1e-3)
