@@ -54,6 +54,8 @@ def _compile_flags() -> list[str]:
     cpu = _cpu_flags()
     if {"avx2", "fma"} <= cpu:
         flags += ["-mavx2", "-mfma"]
+        if "avx512f" in cpu:  # the GEMM's 16-column panels then fit one register (gemm.c)
+            flags.append("-mavx512f")
     return flags
 
 
