@@ -26,6 +26,34 @@ int packed_gemm_supported(void) { return 1; }
 
 #define NR 16
 
+// The walk over K shared by both tiles (STEP / STEP_I8 are each width's): unrolled 4x, since the
+// loop's own address and counter updates otherwise crowd the FMAs; every `every` steps the next line
+// at `pf` (if not NULL) is prefetched.
+#define K_LOOP                                      \
+    int64_t cnt = every;                            \
+    _Pragma("GCC unroll 4")                         \
+    for (int64_t k = 0; k < K; k++) {               \
+        if (Q)                                      \
+            STEP_I8                                 \
+        else                                        \
+            STEP                                    \
+        if (pf && --cnt == 0) {                     \
+            _mm_prefetch(pf, _MM_HINT_T1);          \
+            pf += 64;                               \
+            cnt = every;                            \
+        }                                           \
+    }
+
+// `tile(MR, Q, ...)` with MR and Q compile-time constants, so each variant is its own unrolled loop
+// (BY_HEIGHT, per width, adds the heights above 6 where registers allow).
+#define LOW_HEIGHTS(Q, ...)                          \
+    case 6: tile(6, Q, __VA_ARGS__); break;          \
+    case 5: tile(5, Q, __VA_ARGS__); break;          \
+    case 4: tile(4, Q, __VA_ARGS__); break;          \
+    case 3: tile(3, Q, __VA_ARGS__); break;          \
+    case 2: tile(2, Q, __VA_ARGS__); break;          \
+    default: tile(1, Q, __VA_ARGS__); break;
+
 #if defined(__AVX512F__)
 // One zmm holds a panel's 16 columns: a tile is up to 12 rows x 16 columns, one accumulator per row.
 // Every output gets the same fused multiply-adds in the same order as in the AVX2 tile below, so
@@ -60,19 +88,7 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int Q
     const __m512 s = Q ? _mm512_loadu_ps(scale) : init;
     const __m512 acc = Q ? _mm512_setzero_ps() : init;
     ROWS(DECLARE)
-    int64_t cnt = every;
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < K; k++) {
-        if (Q)
-            STEP_I8
-        else
-            STEP
-        if (pf && --cnt == 0) {
-            _mm_prefetch(pf, _MM_HINT_T1);
-            pf += 64;
-            cnt = every;
-        }
-    }
+    K_LOOP
     ROWS(STORE)
 }
 
@@ -84,12 +100,7 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int Q
     case 9: tile(9, Q, __VA_ARGS__); break;          \
     case 8: tile(8, Q, __VA_ARGS__); break;          \
     case 7: tile(7, Q, __VA_ARGS__); break;          \
-    case 6: tile(6, Q, __VA_ARGS__); break;          \
-    case 5: tile(5, Q, __VA_ARGS__); break;          \
-    case 4: tile(4, Q, __VA_ARGS__); break;          \
-    case 3: tile(3, Q, __VA_ARGS__); break;          \
-    case 2: tile(2, Q, __VA_ARGS__); break;          \
-    default: tile(1, Q, __VA_ARGS__); break;         \
+    LOW_HEIGHTS(Q, __VA_ARGS__)                      \
     }
 
 #else
@@ -138,32 +149,13 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int Q
     const __m256 s0 = Q ? _mm256_loadu_ps(scale) : init0, s1 = Q ? _mm256_loadu_ps(scale + 8) : init1;
     const __m256 acc0 = Q ? _mm256_setzero_ps() : init0, acc1 = Q ? _mm256_setzero_ps() : init1;
     ROWS(DECLARE)
-    // unrolled 4x: the loop's own address and counter updates otherwise crowd the 12 FMAs per step
-    int64_t cnt = every;
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < K; k++) {
-        if (Q)
-            STEP_I8
-        else
-            STEP
-        if (pf && --cnt == 0) {
-            _mm_prefetch(pf, _MM_HINT_T1);
-            pf += 64;
-            cnt = every;
-        }
-    }
+    K_LOOP
     ROWS(STORE)
 }
 
-// `tile(MR, Q, ...)` with MR and Q compile-time constants, so each variant is its own unrolled loop.
 #define BY_HEIGHT(mr, Q, ...)                        \
     switch (mr) {                                    \
-    case 6: tile(6, Q, __VA_ARGS__); break;          \
-    case 5: tile(5, Q, __VA_ARGS__); break;          \
-    case 4: tile(4, Q, __VA_ARGS__); break;          \
-    case 3: tile(3, Q, __VA_ARGS__); break;          \
-    case 2: tile(2, Q, __VA_ARGS__); break;          \
-    default: tile(1, Q, __VA_ARGS__); break;         \
+    LOW_HEIGHTS(Q, __VA_ARGS__)                      \
     }
 
 #endif  // __AVX512F__

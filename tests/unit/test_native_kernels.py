@@ -228,3 +228,36 @@ def test_argmax_matches_torch():
     assert out[:7].tolist()[1:] == [7, 1001, 0, 500, 1002, 0]
     big = torch.randn(40, 49152, generator=g)  # the OpenMP path
     assert torch.equal(argmax(big), torch.argmax(big, dim=-1))
+
+
+def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
+    """Where the CPU has AVX-512 the GEMM tile is 16 columns wide in one register (gemm.c); each output
+    still gets the same fused multiply-adds in the same order as the AVX2 tile, so a prefill node and a
+    decode node on different CPUs agree. Built here both ways and compared bit for bit."""
+    import ctypes
+
+    from common.layers.linear import pack_weight
+
+    if "avx512f" not in native._cpu_flags() or native.packed_gemm() is None:
+        pytest.skip("this CPU has no AVX-512: only the AVX2 build exists here")
+    flags = native._cpu_flags()
+    monkeypatch.setattr(native, "_cpu_flags", lambda: flags - {"avx512f"})
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    avx2 = ctypes.CDLL(str(native.build()))
+    default = native._library()
+    g = torch.Generator().manual_seed(11)
+    for rows, out, inp in ((1, 100, 576), (16, 1536, 64), (37, 49, 200)):
+        w, b, x = torch.randn(out, inp, generator=g), torch.randn(out, generator=g), torch.randn(rows, inp, generator=g)
+        for quant in (None, "int8wo"):
+            p = pack_weight(w, quantization=quant)
+            ys = []
+            for lib in (avx2, default):
+                y = torch.empty(rows, out)
+                args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(inp), ctypes.c_void_p(p.weight.data_ptr())]
+                if quant:
+                    args.append(ctypes.c_void_p(p.scale.data_ptr()))
+                args += [ctypes.c_void_p(b.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(out),
+                         ctypes.c_int64(rows), ctypes.c_int64(out), ctypes.c_int64(inp)]
+                (lib.packed_gemm_i8 if quant else lib.packed_gemm)(*args)
+                ys.append(y)
+            assert torch.equal(ys[0], ys[1]), (rows, out, inp, quant)
