@@ -25,4 +25,4 @@ def test_bench_engine_reports_the_overlap_ratios(tiny_model_dir, tmp_path):
     c = report["figures"]["compute"]  # the 16-token prefill against the matmul peak
     assert c["bound_prefill_s"] == c["prefill_flops"] / (c["matmul_peak_gflops"] * 1e9) > 0
     assert report["ratios"]["prefill_compute_bound"] == pytest.approx(c["bound_prefill_s"] / c["ours_prefill_s"],
-                                                                      rel=1e-3)
+                                                                      abs=1e-4)  # ratios keep 4 decimals
