@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import math
 import os
 import shlex
@@ -280,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     sweeps: dict[str, list[dict]] = {}
     rates = [float(r) for r in ns.rates.split(",") if r.strip()]
 
+    @functools.cache  # both setups send the same requests: the tokenizer is loaded once per rate
     def sweep_requests(rate: float) -> list[BenchRequest]:
         # the same requests for both setups, other prompts at each rate (no prefix cache hit across rates)
         return random_dataset(PromptMaker(model_dir, ns.seed + round(1000 * rate)), ns.sweep_requests,

@@ -103,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     node_args = shlex.split(ns.node_args)
     # start_colocated reads these: the colocated node as `pdserve serve` starts it (every core's threads)
     ns.colocated_threads, ns.omp_wait_policy = None, ""
-    ns.node_args = shlex.join(node_args)
     old_handler = signal.signal(signal.SIGTERM, _terminate)  # the children are stopped on SIGTERM too
     try:
         load, runs = _run_setups(setups, ns, cores, log_dir, requests, node_args)

@@ -15,7 +15,7 @@ from router.registry import check_worker_url
 POLICIES = ["random", "round_robin", "cache_aware", "power_of_two"]
 
 # sglang-router flags this router does not implement: parsed so the refusal names them, then refused
-_NO_EFFECT = ("dp_aware", "enable_igw", "mini_lb", "cors_allowed_origins", "shutdown_grace_period_secs",
+_NOT_IMPLEMENTED = ("dp_aware", "enable_igw", "mini_lb", "cors_allowed_origins", "shutdown_grace_period_secs",
               "prometheus_duration_buckets",
               "chat_template", "bucket_adjust_interval_secs", "max_idle_secs",
               "assignment_mode")
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
       "default localhost:4318)")
     a("--log-level", choices=["debug", "info", "warn", "error"], default=d.log_level, help="log level")
     a("--log-dir", default=None, help="also write the log to a file in this folder")
-    # sglang-router flags not implemented here: parsed so the refusal names them (_NO_EFFECT)
+    # sglang-router flags not implemented here: parsed so the refusal names them (_NOT_IMPLEMENTED)
     a("--dp-aware", action="store_true", help="sglang-router flag not implemented here (refused)")
     a("--enable-igw", action="store_true", help="sglang-router flag not implemented here (refused)")
     a("--cors-allowed-origins", nargs="*", default=[], help="sglang-router flag not implemented here (refused)")
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("model_path", "tokenizer_path"):
         if getattr(ns, name, None) and not cfg.kv_events:
             parser.error(f"--{name.replace('_', '-')} is used only with --kv-events")
-    for name in _NO_EFFECT:
+    for name in _NOT_IMPLEMENTED:
         if getattr(ns, name, None) not in (None, False, []):
             parser.error(f"--{name.replace('_', '-')} is an sglang-router flag this router does not implement")
     if cfg.max_concurrent_requests <= 0 and cfg.rate_limit_tokens_per_second is None:
