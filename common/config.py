@@ -116,6 +116,18 @@ class ServerArgs:
         "CPU engine it does not pay yet, because the forward's OpenMP threads and the loop share the cores and "
         "the loop's Python holds the GIL the forward needs between its kernels (README, Benchmarks: "
         "`overlap_b1`). Never at --tp-size > 1")
+    speculative_algorithm: str | None = _f(
+        None, "speculative decoding: NGRAM drafts tokens from each request's own history (the tokens that "
+        "followed the latest earlier occurrence of its longest repeated suffix) and verifies them in one "
+        "forward; greedy output is unchanged, sampled output keeps its distribution "
+        "(common/scheduler/speculative.py). Colocated and decode nodes; not with --enable-overlap-schedule")
+    speculative_num_draft_tokens: int | None = _f(
+        None, "with --speculative-algorithm: tokens one verify forward checks per request, the last output "
+        "token included (so this - 1 drafts). Default: 4")
+    speculative_ngram_min_match_window_size: int = _f(
+        1, "with NGRAM: shortest suffix of a request's tokens looked up in its history")
+    speculative_ngram_max_match_window_size: int = _f(
+        12, "with NGRAM: longest suffix looked up (the longest one found wins)")
     kv_events_config: str | None = _f(
         None, "publish the prefix cache's blocks as KV events (vLLM's ZMQ wire format), a JSON object: "
         "{\"publisher\": \"zmq\", \"endpoint\": \"tcp://HOST:5557\", \"replay_endpoint\": ..., \"topic\": \"\", "
@@ -274,12 +286,44 @@ class ServerArgs:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise bad(name.replace("_", "-"), f"must be > 0 seconds, got {v}")
+        self._validate_speculative(bad)
         try:  # read once here; the scheduler processes get it with the pickled args
             self._cluster_secret = load_configured(self.cluster_secret_file)
         except ClusterSecretError as e:
             raise bad("cluster-secret-file", str(e)) from None
         if self._cluster_secret is None and self.disaggregation_mode != "null":
             warn_unauthenticated(logging.getLogger("server"), "this node's bootstrap and control-plane traffic")
+
+    def _validate_speculative(self, bad) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+                         "speculative_ngram_max_match_window_size"):
+                if getattr(self, name) != ServerArgs.__dataclass_fields__[name].default:
+                    raise bad(name.replace("_", "-"), "needs --speculative-algorithm")
+            return
+        if algo.upper() in ("EAGLE", "EAGLE3", "MTP", "NEXTN", "STANDALONE"):
+            raise bad("speculative-algorithm", f"{algo} (a draft model or draft layers) is not implemented; "
+                      "NGRAM is")
+        if algo.upper() != "NGRAM":
+            raise bad("speculative-algorithm", f"unknown algorithm {algo!r}; choose NGRAM")
+        self.speculative_algorithm = "NGRAM"
+        if self.disaggregation_mode == "prefill":
+            raise bad("speculative-algorithm", "a prefill node only samples the first token, so it has nothing "
+                      "to draft; give it to the decode node")
+        if self.enable_overlap_schedule:
+            raise bad("speculative-algorithm", "cannot be combined with --enable-overlap-schedule (a verify "
+                      "step's output decides the next step's input)")
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = 4
+        if self.speculative_num_draft_tokens < 2:
+            raise bad("speculative-num-draft-tokens", f"must be >= 2 (the last token and a draft), got "
+                      f"{self.speculative_num_draft_tokens}")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if lo < 1:
+            raise bad("speculative-ngram-min-match-window-size", f"must be >= 1, got {lo}")
+        if hi < lo:
+            raise bad("speculative-ngram-max-match-window-size", f"must be >= the min window size ({lo}), got {hi}")
 
     @property
     def cluster_secret(self) -> ClusterSecret | None:

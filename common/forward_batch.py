@@ -14,6 +14,9 @@ from common.memory.kv_pool import KVPool
 class ForwardMode(enum.IntEnum):
     EXTEND = 1  # prefill of new tokens, possibly on top of a cached prefix (chunked prefill too)
     DECODE = 2  # one new token per request
+    # speculative decoding: per request its last token + draft tokens on top of its KV, logits of every
+    # new token (attention runs it as an extend; common/scheduler/speculative.py)
+    VERIFY = 3
 
 
 @dataclass

@@ -118,6 +118,9 @@ class ModelRunner:
         reqs = batch.reqs
         b = len(reqs)
         out = RunnerOutput([None] * b, [None] * b, [None] * b)
+        if fb.mode == ForwardMode.VERIFY:
+            self._sample_verify(reqs, batch.drafts, logits, out)
+            return out
         if fb.mode == ForwardMode.DECODE:
             sample_idx = rows = list(range(b))
         else:
@@ -128,35 +131,52 @@ class ModelRunner:
                     sample_idx.append(i)
                     rows.append(off + count - 1)
         if sample_idx:
-            self._sample_rows(reqs, sample_idx, rows, logits, fb.mode == ForwardMode.DECODE, out)
+            sreqs = [reqs[i] for i in sample_idx]
+            if fb.mode == ForwardMode.DECODE and rows == list(range(logits.shape[0])):
+                picked = logits  # every row, in order: no copy (logits are not used after sampling)
+            else:
+                picked = logits[torch.tensor(rows, dtype=torch.int64)]
+            ids, lp, tops = self._draw(sreqs, [r.output_ids for r in sreqs], picked)
+            for j, i in enumerate(sample_idx):
+                out.next_token_ids[i] = ids[j]
+                if lp is not None and reqs[i].return_logprob:
+                    out.token_logprobs[i] = lp[j]
+                    out.top_logprobs[i] = tops[j] if tops is not None else None
         if fb.mode == ForwardMode.EXTEND:
             self._input_logprobs(batch, logits, out)
         return out
 
-    def _sample_rows(self, reqs, sample_idx: list[int], rows: list[int], logits: torch.Tensor, decode: bool,
-                     out: RunnerOutput) -> None:
-        sreqs = [reqs[i] for i in sample_idx]
-        info = SamplingBatchInfo.build([r.sampling for r in sreqs], [r.output_ids for r in sreqs],
-                                       logits.shape[-1], [r.generator for r in sreqs], self.eos_token_ids,
-                                       prompt_ids=[r.origin_input_ids for r in sreqs])
-        want_lp = any(r.return_logprob for r in sreqs)
-        nums = [r.top_logprobs_num if r.return_logprob else 0 for r in sreqs] if want_lp else None
-        if decode and rows == list(range(logits.shape[0])):
-            picked = logits  # every row, in order: no copy (logits are not used after sampling)
-        else:
-            picked = logits[torch.tensor(rows, dtype=torch.int64)]
-        grammars = [r.grammar for r in sreqs]
+    def _draw(self, reqs, outputs: list[list[int]], logits: torch.Tensor):
+        """Sample one token per logits row; row j belongs to `reqs[j]` with `outputs[j]` produced so far.
+        Returns (token ids, their logprobs or None, their top logprobs or None)."""
+        info = SamplingBatchInfo.build([r.sampling for r in reqs], outputs, logits.shape[-1],
+                                       [r.generator for r in reqs], self.eos_token_ids,
+                                       prompt_ids=[r.origin_input_ids for r in reqs])
+        want_lp = any(r.return_logprob for r in reqs)
+        nums = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs] if want_lp else None
+        grammars = [r.grammar for r in reqs]
         if any(g is not None for g in grammars):
-            apply_grammars(picked, grammars)  # only what each grammar allows next can be drawn
-        s = self.sample(picked, info, nums, return_logprob=want_lp)
-        ids = s.next_token_ids.tolist()
+            apply_grammars(logits, grammars)  # only what each grammar allows next can be drawn
+        s = self.sample(logits, info, nums, return_logprob=want_lp)
         lp = s.logprobs.tolist() if s.logprobs is not None else None
-        for j, i in enumerate(sample_idx):
-            out.next_token_ids[i] = ids[j]
+        return s.next_token_ids.tolist(), lp, s.top_logprobs
+
+    def _sample_verify(self, reqs, drafts: list[list[int]], logits: torch.Tensor, out: RunnerOutput) -> None:
+        """Speculative decoding: a target token for every row, row j of request i drawn as if its drafts
+        d1..dj were already output. Each request gets the list of its 1 + len(drafts) targets (and their
+        logprobs); the scheduler keeps the confirmed run (common/scheduler/speculative.py)."""
+        row_reqs, outputs, spans = [], [], []
+        for r, d in zip(reqs, drafts, strict=True):
+            spans.append((len(row_reqs), len(d) + 1))
+            for j in range(len(d) + 1):
+                row_reqs.append(r)
+                outputs.append(r.output_ids + d[:j])
+        ids, lp, tops = self._draw(row_reqs, outputs, logits)
+        for i, (a, n) in enumerate(spans):
+            out.next_token_ids[i] = ids[a:a + n]
             if lp is not None and reqs[i].return_logprob:
-                out.token_logprobs[i] = lp[j]
-                if s.top_logprobs is not None:
-                    out.top_logprobs[i] = s.top_logprobs[j]
+                out.token_logprobs[i] = lp[a:a + n]
+                out.top_logprobs[i] = tops[a:a + n] if tops is not None else [None] * n
 
     @staticmethod
     def _input_logprobs(batch, logits: torch.Tensor | None, out: RunnerOutput) -> None:

@@ -38,6 +38,7 @@ class ScheduleBatch:
         self.mode = mode
         self.extend_info: ExtendInfo | None = None
         self.forward_batch: ForwardBatch | None = None
+        self.drafts: list[list[int]] | None = None  # VERIFY: each request's draft tokens
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -50,7 +51,7 @@ class ScheduleBatch:
         changes while an overlapped forward of it is in flight)."""
         snap = ScheduleBatch(list(self.reqs), self.req_to_token_pool, self.allocator, self.kv_pool,
                              self.tree_cache, self.mode)
-        snap.extend_info, snap.forward_batch = self.extend_info, self.forward_batch
+        snap.extend_info, snap.forward_batch, snap.drafts = self.extend_info, self.forward_batch, self.drafts
         return snap
 
     # ------------------------------------------------------------------ memory
@@ -181,6 +182,50 @@ class ScheduleBatch:
             logits_indices=torch.arange(b, dtype=torch.int64),
         )
         self.extend_info = None
+        self.drafts = None
+        self.forward_batch = fb
+        return fb
+
+    def verify_pages_needed(self, drafts: list[list[int]]) -> int:
+        return sum(self.allocator.pages_needed(r.kv_len, 1 + len(d)) for r, d in zip(self.reqs, drafts, strict=True))
+
+    def prepare_for_verify(self, drafts: list[list[int]]) -> ForwardBatch:
+        """Speculative decoding: each request's last output token and its drafts go in at its next
+        1 + len(drafts) positions, with KV slots for all of them and a logits row for each.
+        `common/scheduler/speculative.py` keeps the confirmed ones and rolls the rest back."""
+        self.mode = ForwardMode.VERIFY
+        self.ensure_free_pages(self.verify_pages_needed(drafts))
+        r2t = self.req_to_token_pool.req_to_token
+        input_ids: list[int] = []
+        positions, out_locs, seq_lens, prefix_lens, extend_lens = [], [], [], [], []
+        for r, d in zip(self.reqs, drafts, strict=True):
+            pre, n = r.kv_len, 1 + len(d)
+            last_slot = int(r2t[r.req_pool_idx, pre - 1]) if pre else 0
+            slots = self.allocator.alloc_extend(pre, last_slot, n)
+            r2t[r.req_pool_idx, pre:pre + n] = slots
+            r.kv_len = pre + n
+            input_ids.append(r.output_ids[-1])
+            input_ids.extend(d)
+            positions.append(torch.arange(pre, pre + n, dtype=torch.int64))
+            out_locs.append(slots)
+            seq_lens.append(pre + n)
+            prefix_lens.append(pre)
+            extend_lens.append(n)
+        fb = ForwardBatch(
+            mode=ForwardMode.VERIFY,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.cat(positions),
+            out_cache_loc=torch.cat(out_locs),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
+            seq_lens=seq_lens,
+            extend_prefix_lens=prefix_lens,
+            extend_seq_lens=extend_lens,
+            kv_pool=self.kv_pool,
+            req_to_token=r2t,
+            logits_indices=torch.arange(len(input_ids), dtype=torch.int64),
+        )
+        self.extend_info = None
+        self.drafts = drafts
         self.forward_batch = fb
         return fb
 

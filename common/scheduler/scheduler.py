@@ -62,6 +62,7 @@ from common.scheduler.policy import NewTokenRatio, SchedulePolicy
 from common.scheduler.prefill_adder import AddResult, PrefillAdder
 from common.scheduler.priority import PriorityScheduling
 from common.scheduler.req import FinishStatus, Req, Stage
+from common.scheduler.speculative import NgramDrafter, accepted_run, rollback
 from common.scheduler.stats import scheduler_stats
 from common.scheduler.trace import export_stage_spans, make_tracer
 
@@ -135,6 +136,16 @@ class Scheduler:
         self.overlap = OverlapRunner(runner, args.max_running_requests + 8) if overlap else None
         if tp_rank == 0:
             logger.info("overlap scheduling %s", why)
+
+        # --speculative-algorithm NGRAM: decode steps verify drafts (common/scheduler/speculative.py)
+        self.drafter = None
+        if args.speculative_algorithm:
+            if getattr(runner, "hybrid", None) is not None and runner.hybrid.has_state:
+                raise ValueError(f"--speculative-algorithm: {self.model_config.name} keeps recurrent state, which "
+                                 "a rejected draft cannot roll back; speculative decoding is not supported for it")
+            self.drafter = NgramDrafter(args.speculative_num_draft_tokens,
+                                        args.speculative_ngram_min_match_window_size,
+                                        args.speculative_ngram_max_match_window_size)
 
         self.send_fn = send_fn
         self.comm = comm
@@ -476,6 +487,12 @@ class Scheduler:
         else:
             self.new_token_ratio.decay()
         if self.overlap is None:
+            if self.drafter is not None:
+                drafts = self.drafter.drafts_for(batch.reqs, self.context_length)
+                # drafts only take free pages: a short pool decodes plainly rather than evict or retract
+                if any(drafts) and batch.verify_pages_needed(drafts) <= self.allocator.available_pages():
+                    batch.prepare_for_verify(drafts)
+                    return batch
             batch.prepare_for_decode()
             return batch
         batch = self.overlap.decode_batch_ahead(batch)
@@ -484,15 +501,14 @@ class Scheduler:
         return batch
 
     # ================================================================== results
-    def _append_token(self, req: Req, i: int, result: RunnerOutput) -> None:
-        tok = result.next_token_ids[i]
+    def _append_token(self, req: Req, tok: int, logprob: float | None = None, top=None) -> None:
         req.output_ids.append(tok)
         if req.grammar is not None:
             req.accept_grammar(tok)
         if req.return_logprob:
-            req.output_logprobs.append((result.token_logprobs[i], tok))
+            req.output_logprobs.append((logprob, tok))
             if req.top_logprobs_num > 0:
-                req.output_top_logprobs.append(result.top_logprobs[i] or [])
+                req.output_top_logprobs.append(top or [])
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         self.total_generated_tokens += 1
@@ -517,7 +533,7 @@ class Scheduler:
             if req.finished():  # ended while this batch ran
                 continue
             if result.next_token_ids[i] is not None:
-                self._append_token(req, i, result)
+                self._append_token(req, result.next_token_ids[i], result.token_logprobs[i], result.top_logprobs[i])
             req.check_finished()
             try:
                 self.hooks.on_prefill_done(req)
@@ -533,15 +549,18 @@ class Scheduler:
             self._report(req)
 
     def _update_decode(self, batch: ScheduleBatch, result: RunnerOutput) -> None:
-        now = time.monotonic()
-        self._gen_window.append((now, len(batch.reqs)))
-        for i, req in enumerate(batch.reqs):
-            if req.finished():
-                continue
-            self._append_token(req, i, result)
-            if req.check_finished():
-                self._finish(req)
-            self._report(req)
+        before = self.total_generated_tokens
+        if batch.mode == ForwardMode.VERIFY:
+            self._update_verify(batch, result)
+        else:
+            for i, req in enumerate(batch.reqs):
+                if req.finished():
+                    continue
+                self._append_token(req, result.next_token_ids[i], result.token_logprobs[i], result.top_logprobs[i])
+                if req.check_finished():
+                    self._finish(req)
+                self._report(req)
+        self._gen_window.append((time.monotonic(), self.total_generated_tokens - before))
         self.running_batch.filter(lambda r: not r.finished())
         if self.forward_ct % 200 == 0:
             s = self.get_stats()
@@ -549,6 +568,33 @@ class Scheduler:
                         "new_token_ratio %.3f", s["num_running_reqs"], s["num_waiting_reqs"],
                         s["num_tokens_used"], s["kv_total_tokens"], s["kv_evictable_tokens"],
                         s["gen_throughput"], self.new_token_ratio.value)
+
+    def _update_verify(self, batch: ScheduleBatch, result: RunnerOutput) -> None:
+        """Keep each request's confirmed drafts and its own next token, up to where it finishes, and give
+        back the KV slots of the rest."""
+        kept = []
+        r2t = self.req_to_token_pool.req_to_token
+        for i, (req, drafts) in enumerate(zip(batch.reqs, batch.drafts, strict=True)):
+            if req.finished():
+                kept.append(0)
+                continue
+            reserved = req.kv_len
+            base = reserved - 1 - len(drafts)  # KV length before this step
+            targets = result.next_token_ids[i]
+            lps, tops = result.token_logprobs[i], result.top_logprobs[i]
+            n = 0
+            for j in range(accepted_run(drafts, targets) + 1):
+                self._append_token(req, targets[j], lps[j] if lps else None, tops[j] if tops else None)
+                n += 1
+                if req.check_finished():
+                    break
+            req.kv_len = base + n
+            rollback(req, self.allocator, r2t, reserved)
+            kept.append(n)
+            if req.finished():
+                self._finish(req)
+            self._report(req)
+        self.drafter.record(batch.drafts, kept)
 
     def _finish(self, req: Req) -> None:
         """A request ended normally: the role may hold it; else release its memory (into the cache)."""

@@ -55,6 +55,8 @@ def scheduler_stats(sched) -> dict[str, Any]:
         "overlap_schedule": sched.overlap is not None,
         "num_overlapped_steps": sched.overlap.overlapped if sched.overlap is not None else 0,
         "total_generated_tokens": sched.total_generated_tokens,
+        "speculative_algorithm": sched.args.speculative_algorithm,
+        **(sched.drafter.stats.as_dict() if sched.drafter is not None else {}),
         "radix_cache": sched.tree_cache.enabled,
         "radix_cache_tokens": sched.tree_cache.total_size(),
         **(sched.kv_events.stats() if sched.kv_events is not None else {}),

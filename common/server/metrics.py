@@ -29,6 +29,8 @@ SGLANG_GAUGES = {
     "sglang:cache_hit_rate": ("cache_hit_rate", "share of prompt tokens served from the prefix cache"),
     "sglang:gen_throughput": ("gen_throughput", "decode throughput (tokens/s, last 10 s)"),
     "sglang:max_running_requests": ("max_running_requests", "most requests in the running batch"),
+    "sglang:spec_accept_length": ("spec_accept_length", "speculative decoding: tokens a request gets per verify "
+                                                        "forward, since start (1: no draft accepted)"),
 }
 
 # scheduler stats without an SGLang name: pdserve_<key>; "counter" ones only grow
@@ -38,6 +40,9 @@ STAT_METRICS = {
     "req_slots_free": ("gauge", "free request slots"),
     "req_slots_total": ("gauge", "request slots"),
     "num_retractions": ("counter", "decode requests retracted when KV memory ran out"),
+    "spec_verify_steps": ("counter", "speculative decoding: forwards that verified drafts"),
+    "spec_draft_tokens": ("counter", "speculative decoding: draft tokens proposed"),
+    "spec_accepted_tokens": ("counter", "speculative decoding: draft tokens the model confirmed"),
     "num_overlapped_steps": ("counter", "decode steps built while the step before was still computing (overlap "
                                         "scheduling)"),
     "num_prealloc_tokens": ("gauge", "decode: KV tokens preallocated for requests still being transferred"),

@@ -163,3 +163,23 @@ def test_abort_mid_prefill_and_mid_decode_frees_state(qwen35_dir):
     assert eng.run()["after"] == hf_greedy(hf, p, 8)
     eng.assert_restored()
 
+
+
+def test_ngram_speculation_over_a_sliding_window_matches_hf(swa_dir):
+    """Verify forwards run as extends over the window: drafts past the window's edge still give HF's tokens."""
+    path, hf = swa_dir
+    prompts = [random_prompt(6, 31) * 6, random_prompt(45, 32)]  # a repetitive one drafts, past the window
+    eng = Engine(path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    for i, p in enumerate(prompts):
+        eng.submit(f"r{i}", p, max_new=30)
+    got = eng.run()
+    assert eng.sched.drafter.stats.accepted > 0
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(hf, p, 30), f"request {i}"
+    eng.assert_restored()
+
+
+def test_ngram_speculation_is_refused_for_recurrent_state(qwen35_dir):
+    path, _ = qwen35_dir
+    with pytest.raises(ValueError, match="recurrent state"):
+        Engine(path, speculative_algorithm="NGRAM")

@@ -42,7 +42,8 @@ SETUPS = {
     # has the store on)
     "nixl": {"prefill_tp": 2, "decode_settings": {"max_total_tokens": 256, "num_reserved_decode_tokens": 4,
                                                   "decode_offload_size": 0, "enable_overlap_schedule": True}},
-    "ucx": {"decode_tp": 2},
+    # the TP-2 decode node speculates (--speculative-algorithm NGRAM): greedy answers stay the colocated ones
+    "ucx": {"decode_tp": 2, "decode_settings": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}},
 }
 
 
@@ -83,6 +84,7 @@ def test_greedy_matches_colocated(pair, colocated, pd_tok, restored):
         assert db["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
 
 
+@on("mooncake", "nixl")  # ucx's decode node speculates: it keeps the distribution, not a seed's exact draws
 def test_seeded_sampling_matches_colocated(pair, colocated, pd_tok, restored):
     # the decode node continues the seeded generator past the draw the prefill node made
     prompt = make_prompts(pd_tok, 1, seed=3, lo=40, hi=41)[0]
@@ -137,6 +139,25 @@ def test_grammar_answers_match_colocated(pair, colocated, pd_tok, restored):
 
 # nixl's setup has a decode pool too small for 32 requests at once: its concurrent test is the
 # retraction one below
+@on("ucx")
+def test_speculative_decode_node_matches_colocated(pair, colocated, pd_tok, restored):
+    # repetitive prompts: the decode node's n-gram drafts are accepted, and the answers are a colocated
+    # node's (which does not speculate), on both decode TP ranks
+    prompts = [p * 6 for p in make_prompts(pd_tok, 4, seed=21, lo=3, hi=9)]
+    sp = greedy(32)
+    want = colocated_tokens(colocated, prompts, 32)
+    before = json.loads(http_get(pair.decode.url + "/server_info")[1])["stats"]
+    for p, w in zip(prompts, want, strict=True):
+        (ps, pb), (ds, db) = pair.generate({"input_ids": p, "sampling_params": sp})
+        assert ps == 200 and ds == 200, (pb, db)
+        assert db["output_ids"] == w
+    stats = json.loads(http_get(pair.decode.url + "/server_info")[1])["stats"]
+    assert stats["speculative_algorithm"] == "NGRAM"
+    assert stats["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    status, text = http_get(pair.decode.url + "/metrics")
+    assert status == 200 and b"sglang:spec_accept_length" in text
+
+
 @on("mooncake", "ucx")
 def test_32_concurrent_requests(pair, colocated, pd_tok, restored):
     prompts = make_prompts(pd_tok, 32, seed=2, lo=3, hi=90)

@@ -1,0 +1,136 @@
+"""N-gram speculative decoding (`--speculative-algorithm NGRAM`, reference 003 §5.5).
+
+Each decode step, a request drafts up to `--speculative-num-draft-tokens - 1` tokens from its own
+history: the longest suffix of its tokens (prompt + output, between
+`--speculative-ngram-min-match-window-size` and `--speculative-ngram-max-match-window-size` tokens)
+that occurred before, and the tokens that followed its latest earlier occurrence. No draft model.
+
+One forward verifies every draft chain (`ScheduleBatch.prepare_for_verify`, `ForwardMode.VERIFY`):
+request i puts in its last output token and its drafts d1..dk at the next k+1 positions and gets
+k+1 logits rows. The sampler draws a target token t_j from row j as if d1..dj were already output
+(penalties, `min_new_tokens` and logprobs see them), so t_j is exactly what step j of plain decoding
+would draw after those tokens. The request keeps t_0, and t_j while d_j == t_(j-1): the longest run
+of drafts the model agrees with, plus one token of its own. Greedy output is token-identical to no
+speculation. For sampling, keeping t_j only when it equals a one-token draft is rejection sampling
+with a one-hot draft distribution (accept d with probability p(d), else draw from p without d), so
+every output token still follows the target distribution; seeded requests draw more uniforms than
+without speculation, so their exact tokens differ from a run without it.
+
+A request gets no drafts when it has a grammar (its matcher would have to roll back), when fewer than
+two new tokens remain, or when the step's KV pages for the drafts are not free; a step where no
+request drafts anything is a plain decode step. KV slots of rejected drafts are given back
+(`rollback`); the pages past the request's new length return to the allocator.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import torch
+
+from common.scheduler.req import Req
+
+ALGORITHMS = ("NGRAM",)
+_ITEM = 4  # bytes per token in a request's draft history (int32)
+
+
+@dataclass
+class SpecStats:
+    """Counters since start: verify steps, drafts proposed and accepted, tokens output by verify steps."""
+
+    verify_steps: int = 0
+    requests_verified: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    output_tokens: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        n = self.requests_verified
+        return {"spec_verify_steps": self.verify_steps, "spec_draft_tokens": self.drafted,
+                "spec_accepted_tokens": self.accepted,
+                # tokens a request gets per verify forward (1 = nothing accepted)
+                "spec_accept_length": round(self.output_tokens / n, 3) if n else 0.0,
+                "spec_accept_rate": round(self.accepted / self.drafted, 3) if self.drafted else 0.0}
+
+
+class NgramDrafter:
+    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int) -> None:
+        # ranges: ServerArgs.validate
+        self.max_drafts = num_draft_tokens - 1
+        self.min_window = min_window
+        self.max_window = max_window
+        self.stats = SpecStats()
+
+    @staticmethod
+    def _history(req: Req) -> bytes:
+        """The request's tokens as int32 bytes, kept on the request and extended as it grows."""
+        hist = getattr(req, "draft_history", None)
+        have = len(hist) // _ITEM if hist is not None else 0
+        n = req.seqlen
+        if hist is None or have > n:  # a request that was reset: start over
+            hist = req.draft_history = bytearray()
+            have = 0
+        if have < n:
+            new = req.origin_input_ids[have:] if have < len(req.origin_input_ids) else []
+            tail = req.output_ids[max(have - len(req.origin_input_ids), 0):]
+            hist.extend(array("i", new + tail).tobytes())
+        return hist
+
+    def propose(self, tokens: bytes, limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix."""
+        n = len(tokens) // _ITEM
+        if limit <= 0 or n < 2:
+            return []
+        for w in range(min(self.max_window, n - 1), self.min_window - 1, -1):
+            key = tokens[(n - w) * _ITEM:]
+            end = (n - 1) * _ITEM  # an occurrence must end before the last token
+            while True:
+                pos = tokens.rfind(key, 0, end)
+                if pos < 0:
+                    break
+                if pos % _ITEM == 0:  # aligned on a token boundary
+                    start = pos + w * _ITEM
+                    follow = tokens[start:start + limit * _ITEM]
+                    return array("i", follow).tolist()
+                end = pos + len(key) - 1
+        return []
+
+    def drafts_for(self, reqs: list[Req], context_length: int) -> list[list[int]]:
+        """Each request's draft chain for this step (empty where it may not or cannot draft)."""
+        out = []
+        for r in reqs:
+            room = min(self.max_drafts, r.max_new_tokens - len(r.output_ids) - 1,
+                       context_length - r.kv_len - 1)
+            if r.grammar is not None or room <= 0:
+                out.append([])
+                continue
+            out.append(self.propose(bytes(self._history(r)), room))
+        return out
+
+    def record(self, drafts: list[list[int]], kept: list[int]) -> None:
+        """A verify step: per request its drafts and the tokens it kept."""
+        s = self.stats
+        s.verify_steps += 1
+        s.requests_verified += len(drafts)
+        s.drafted += sum(len(d) for d in drafts)
+        s.accepted += sum(max(k - 1, 0) for k in kept)
+        s.output_tokens += sum(kept)
+
+
+def accepted_run(drafts: list[int], targets: list[int]) -> int:
+    """How many drafts the target tokens confirm: d_j is kept while it equals t_(j-1)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return n
+
+
+def rollback(req: Req, allocator, req_to_token: torch.Tensor, reserved_len: int) -> None:
+    """Give back the slots of rejected drafts: pages wholly past `req.kv_len` (the request had
+    `reserved_len` positions' slots) return to the allocator; the rest of its last page stays its own
+    (the next token's slot follows the last kept one)."""
+    ps = allocator.page_size
+    keep_to = -(-req.kv_len // ps) * ps
+    if reserved_len > keep_to:
+        allocator.free_slots(req_to_token[req.req_pool_idx, keep_to:reserved_len])
