@@ -24,6 +24,9 @@ Measured (fp32, CPU, greedy):
 * the compute bound of a `--prompt-len` prefill: every weight but the lm_head twice per prompt token,
   the lm_head once (only the last position's logits), causal attention (2 x layers x heads x
   head_dim x len^2), at the same matmul rate. Ratio `prefill_compute_bound` = bound / our prefill.
+* n-gram speculative decoding on a repetitive workload (README passages given twice), through the
+  scheduler loop with `--speculative-algorithm NGRAM` on and off (`bench/speculative.py`): ratio
+  `spec_ngram` = decode tokens/s on / off at batch 1, `spec_ngram_b16` at 16, with the accept length.
 
 Every measurement is warmed up, repeated `--repeats` times interleaving ours and HF, and the best
 (min time) is used for the ratios; medians are reported too. Ratios are ours / HF tokens/s.
@@ -41,8 +44,10 @@ import time
 import torch
 
 from bench.report import write_report
+from common.scheduler.speculative import DEFAULT_NUM_DRAFT_TOKENS
 
 BATCHES = (1, 16)
+SPEC_PASSAGE_TOKENS = 120  # the speculation workload's prompts: a README passage of this many tokens, twice
 
 
 def log(msg: str) -> None:
@@ -61,6 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5,
                    help="timed repeats of each measurement (this VM's speed drifts by up to 1.5x over seconds)")
     p.add_argument("--skip-hf", action="store_true", help="measure only our engine (no ratios vs HF)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
+                   help="tokens per verify forward of the n-gram speculation measurement")
     args = p.parse_args(argv)
     if args.decode_steps < 2:
         p.error("--decode-steps must be >= 2")
@@ -287,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     n = args.decode_steps
     log(f"model {model_dir}, torch threads {torch.get_num_threads()}, decode steps {n}, "
         f"decode prompt {args.decode_prompt_len}, prefill prompt {args.prompt_len}")
-    ours = OurEngine(model_dir, max(args.prompt_len, args.decode_prompt_len + n) + 1, max(BATCHES))
+    ours = OurEngine(model_dir, max(args.prompt_len, args.decode_prompt_len + n, 2 * SPEC_PASSAGE_TOKENS + n) + 1,
+                     max(BATCHES))
     log(f"ours loaded: {ours.cfg.name} ({ours.cfg.architecture}), {ours.weight_bytes() / 2**20:.1f} MiB of weights "
         f"read per decode step")
     hf = None if args.skip_hf else HFEngine(model_dir)
@@ -359,6 +367,16 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, log)
     figures.update(loop_figures)
 
+    # ---- n-gram speculative decoding on a repetitive workload
+    from bench.speculative import measure as measure_spec
+    from bench.speculative import repetitive_prompts
+
+    log("n-gram speculative decoding through the scheduler loop, on and off")
+    spec_prompts = {b: repetitive_prompts(model_dir, b, SPEC_PASSAGE_TOKENS) for b in BATCHES}
+    spec_figures, spec_ratios = measure_spec(ours.runner, model_dir, spec_prompts, n, args.speculative_num_draft_tokens,
+                                             args.repeats, log)
+    figures.update(spec_figures)
+
     # ---- prefill
     ours_t, hf_t = [], []
     for rep in range(args.repeats):
@@ -403,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ratios = {"bandwidth_bound": bound_ms / our_step_ms,
               "compute_bound_b16": cbound_ms / figures["ours_decode_b16"]["step_ms_best"],
-              "prefill_compute_bound": pbound_s / figures["ours_prefill"]["best_s"], **loop_ratios}
+              "prefill_compute_bound": pbound_s / figures["ours_prefill"]["best_s"], **loop_ratios, **spec_ratios}
     if hf is not None:
         ratios = {"decode_b1": figures["ours_decode_b1"]["tok_s_best"] / figures["hf_decode_b1"]["tok_s_best"],
                   "decode_b16": figures["ours_decode_b16"]["tok_s_best"] / figures["hf_decode_b16"]["tok_s_best"],
@@ -442,6 +460,11 @@ def print_table(figures: dict, ratios: dict, with_hf: bool) -> None:
             r = ratios["overlap_" + key.removeprefix("loop_decode_")]
             print(f"  scheduler loop {key.removeprefix('loop_decode_')} at {o['torch_threads']} threads, ms/step "
                   f"(best): {o['step_ms_overlap']:.2f} overlapped, {o['step_ms_sequential']:.2f} in sequence (x{r:.2f})")
+    for bsz in BATCHES:
+        o = figures[f"spec_ngram_b{bsz}"]
+        r = ratios["spec_ngram" if bsz == 1 else f"spec_ngram_b{bsz}"]
+        print(f"  n-gram speculation b{bsz} ({o['draft_tokens']} tokens per verify, repetitive prompts): "
+              f"{o['tok_s_plain']:.1f} -> {o['tok_s_spec']:.1f} tok/s (x{r:.2f}), accept length {o['spec_accept_length']:.2f}")
     b = figures["bandwidth"]
     print(f"  memory: memcpy {b['memcpy_gbps']:.1f} GB/s copied ({b['memcpy_traffic_gbps']:.1f} GB/s traffic), "
           f"read {b['read_gbps']:.1f} GB/s; weights {b['weight_bytes_per_step'] / 2**20:.1f} MiB/step "

@@ -11,7 +11,9 @@ directly in the `[B, kv_heads, L, head_dim]` layout attention wants.
 
 Decode runs the native kernel (`paged_attention.c` via `common/layers/native.py`) when it could be
 built: it reads each request's K and V rows in place, without the gather copy, one (request, KV
-head) per OpenMP task. Otherwise, and for every extend, the torch path below runs.
+head) per OpenMP task. A speculative verify step runs it too, each new token a query of its own over
+its request's tokens up to itself (the kernel stores every new K/V before it reads any). Otherwise,
+and for every extend, the torch path below runs.
 
 GQA: query head `h` uses KV head `h // group`. Decode reshapes queries to `[kv_heads, group, ...]`;
 extend uses SDPA with `enable_gqa=True` (same grouping), so K/V are never repeated.
@@ -70,10 +72,17 @@ class TorchAttentionBackend:
     def init_forward_metadata(self, fb: ForwardBatch) -> TorchAttentionMetadata:
         pool = fb.kv_pool
         write_rows = pool.flat_rows(fb.out_cache_loc)
-        if fb.mode == ForwardMode.DECODE:
-            lens = torch.tensor(fb.seq_lens, dtype=torch.int64)
+        verify_native = fb.mode == ForwardMode.VERIFY and self.native is not None and pool.dtype == torch.float32
+        if fb.mode == ForwardMode.DECODE or verify_native:
             lmax = int(max(fb.seq_lens))
-            slots = fb.req_to_token[fb.req_pool_indices, :lmax]
+            if fb.mode == ForwardMode.VERIFY:
+                # each new token is a query of its own over its request's tokens up to itself
+                lens = fb.positions + 1
+                req_rows = torch.repeat_interleave(fb.req_pool_indices, torch.tensor(fb.extend_seq_lens))
+            else:
+                lens = torch.tensor(fb.seq_lens, dtype=torch.int64)
+                req_rows = fb.req_pool_indices
+            slots = fb.req_to_token[req_rows, :lmax]
             md = TorchAttentionMetadata(mode=fb.mode, max_len=lmax)
             if self.native is not None and pool.dtype == torch.float32:
                 md.rows = pool.token_rows(slots).contiguous()  # rows past a request's length are not read

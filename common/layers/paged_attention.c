@@ -13,7 +13,8 @@
 // one request to the next; out is [B, H, G, D] contiguous.
 // When write_rows is given, each request's new K and V (k_new / v_new: [B, H, D] with k_stride /
 // v_stride floats from one request to the next) are first stored at flat row write_rows[b * H + h]
-// (+ the layer's offsets), so the step needs no separate scatter.
+// (+ the layer's offsets), so the step needs no separate scatter; all of them before any is read, so a
+// "request" may be one token of a speculative verify step that attends to the tokens before it.
 // Request b attends to its first lens[b] tokens. One (b, h) pair per task: each K and V row is
 // read once for the G query heads that share it.
 #include <math.h>
@@ -211,13 +212,12 @@ int paged_decode_attention(const float *q, int64_t q_stride, float *pool, const 
 #pragma omp atomic write
             failed = 1;
         }
+        // every query token's K and V go into the pool first (the loop's barrier ends this): a token of
+        // a speculative verify step reads the K/V of the tokens before it in the same step
+        if (write_rows) {
 #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < B * H; bh++) {
-            if (!scores) continue;
-            const int64_t b = bh / H, h = bh % H;
-            int64_t len = lens[b];
-            if (len > Lmax) len = Lmax;
-            if (write_rows) {  // this step's token of (b, h) goes into the pool before it is read
+            for (int64_t bh = 0; bh < B * H; bh++) {
+                const int64_t b = bh / H, h = bh % H;
                 float *kd = pool + (write_rows[bh] + k_off) * D, *vd = kd + v_off * D;
                 const float *ks = k_new + b * k_stride + h * D, *vs = v_new + b * v_stride + h * D;
                 for (int64_t i = 0; i < D; i++) {
@@ -225,6 +225,13 @@ int paged_decode_attention(const float *q, int64_t q_stride, float *pool, const 
                     vd[i] = vs[i];
                 }
             }
+        }
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * H; bh++) {
+            if (!scores) continue;
+            const int64_t b = bh / H, h = bh % H;
+            int64_t len = lens[b];
+            if (len > Lmax) len = Lmax;
             const float *qb = q + b * q_stride + h * G * D;
             float *ob = out + bh * G * D;
             const int64_t *rb = rows + bh * Lmax;

@@ -10,7 +10,8 @@ A model qualifies when: the native kernels are built, one TP rank (no all-reduce
 per-head q/k norm, every projection panel-packed (`common/layers/linear.py`; float32 or int8 panels),
 float32 norms, and the
 plain attention backend (not a sliding-window one). A batch qualifies when it is a decode batch on
-the native attention path (`TorchAttentionMetadata.rows`). Everything else runs the modules.
+the native attention path (`TorchAttentionMetadata.rows`), or a speculative verify batch on it (each
+token a query of its own). Everything else runs the modules.
 `PDSERVE_DECODER_STACK=0` turns it off.
 """
 
@@ -94,7 +95,8 @@ class DecoderStack:
 
     def accepts(self, fb: ForwardBatch) -> bool:
         md = fb.attn_metadata
-        return fb.mode == ForwardMode.DECODE and md is not None and md.rows is not None and fb.input_ids.numel() > 0
+        return (fb.mode in (ForwardMode.DECODE, ForwardMode.VERIFY) and md is not None and md.rows is not None
+                and fb.input_ids.numel() > 0)
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Every layer over `h` (`[T, hidden]`, updated in place); returns the residual."""

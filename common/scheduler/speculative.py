@@ -31,7 +31,7 @@ import torch
 
 from common.scheduler.req import Req
 
-ALGORITHMS = ("NGRAM",)
+DEFAULT_NUM_DRAFT_TOKENS = 4  # --speculative-num-draft-tokens when not given
 _ITEM = 4  # bytes per token in a request's draft history (int32)
 
 

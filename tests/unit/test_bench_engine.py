@@ -1,5 +1,6 @@
 """`pdserve bench engine` end to end on a tiny model (short runs, no HF): it exits 0 and reports the
-decode step through the scheduler loop with overlap on and off, with identical tokens."""
+decode step through the scheduler loop with overlap on and off, and with n-gram speculation on and off,
+with identical tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from bench.engine import main
 from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 
-def test_bench_engine_reports_the_overlap_ratios(tiny_model_dir, tmp_path):
+def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir, tmp_path):
     out = tmp_path / "engine.json"
     rc = main(["--model", tiny_model_dir, "--skip-hf", "--decode-steps", "6", "--decode-prompt-len", "8",
                "--prompt-len", "16", "--repeats", "1", "--threads", "1", "--json", str(out)])
@@ -26,3 +27,7 @@ def test_bench_engine_reports_the_overlap_ratios(tiny_model_dir, tmp_path):
     assert c["bound_prefill_s"] == c["prefill_flops"] / (c["matmul_peak_gflops"] * 1e9) > 0
     assert report["ratios"]["prefill_compute_bound"] == pytest.approx(c["bound_prefill_s"] / c["ours_prefill_s"],
                                                                       abs=1e-4)  # ratios keep 4 decimals
+    spec = report["figures"]["spec_ngram_b1"]  # (a random tiny model need not copy the passage: no accept figures)
+    assert spec["tokens_identical"] is True and spec["decoded_tokens"] == 5 and spec["draft_tokens"] == 4
+    assert report["ratios"]["spec_ngram"] == pytest.approx(spec["tok_s_spec"] / spec["tok_s_plain"], rel=1e-3)
+    assert report["ratios"]["spec_ngram_b16"] > 0

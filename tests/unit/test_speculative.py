@@ -21,7 +21,8 @@ from tests.unit.test_engine_correctness import Engine, hf_greedy, prompts_of
 hf_model = pytest.fixture(scope="module")(engine_tests.hf_model.__wrapped__)
 vocab = pytest.fixture(scope="module")(engine_tests.vocab.__wrapped__)
 
-SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+# the shortest window drafts most often: more drafts, more rejections to get right
+SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5, speculative_ngram_min_match_window_size=1)
 
 
 def _bytes(tokens: list[int]) -> bytes:
@@ -187,3 +188,4 @@ def test_ngram_lowercase_is_accepted_with_defaults():
     a = ServerArgs(speculative_algorithm="ngram")
     a.validate()
     assert a.speculative_algorithm == "NGRAM" and a.speculative_num_draft_tokens == 4
+    assert a.speculative_ngram_min_match_window_size == 3

@@ -1,0 +1,95 @@
+"""N-gram speculative decoding through the real scheduler loop (part of `pdserve bench engine`).
+
+Workload (repetitive, where n-gram drafts pay): each prompt is a passage of this project's README
+given twice, so the model's greedy continuation copies it a third time, as in editing or quoting
+text the prompt already holds. Each run builds a `Scheduler` over the shared `ModelRunner` (radix
+cache off), submits the prompts as greedy streaming requests, runs the loop until all are
+prefilled, then times the loop until every request has its tokens. Runs with and without
+`--speculative-algorithm NGRAM` alternate; tokens must be identical. Ratio `spec_ngram` = decode
+tokens/s with speculation / without at batch 1 (`spec_ngram_b16` at 16), with the accept length
+(tokens a request gets per verify forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from common.protocol import SamplingParams, TokenizedRequest
+from common.runner import ModelRunner
+from common.scheduler.scheduler import Scheduler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def repetitive_prompts(tokenizer_dir: str, n: int, passage_tokens: int) -> list[list[int]]:
+    """`n` prompts, each a different README passage of `passage_tokens` tokens given twice."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        ids = tok(f.read())["input_ids"]
+    need = n * passage_tokens
+    if len(ids) < need:
+        ids = (ids * (need // max(len(ids), 1) + 1))[:need]
+    return [ids[i * passage_tokens:(i + 1) * passage_tokens] * 2 for i in range(n)]
+
+
+def loop_run(runner: ModelRunner, model_dir: str, prompts: list[list[int]], new_tokens: int,
+             spec: dict | None) -> tuple[float, dict[str, list[int]], dict]:
+    """(seconds of the decode phase, tokens by rid, the scheduler's spec stats) for one run."""
+    tokens: dict[str, list[int]] = {}
+
+    def send(msg) -> None:
+        for u in getattr(msg, "updates", ()):
+            tokens.setdefault(u.rid, []).extend(u.new_token_ids)
+
+    plain = {"speculative_algorithm": None, "speculative_num_draft_tokens": None}
+    args = dataclasses.replace(runner.args, disable_radix_cache=True, enable_overlap_schedule=False,
+                               **{**plain, **(spec or {})})
+    args.validate()
+    sched = Scheduler(args, model_dir, runner=runner, send_fn=send)
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    sched.process_input_requests([TokenizedRequest(rid=f"r{i}", input_ids=p, sampling=sp, stream=True)
+                                  for i, p in enumerate(prompts)])
+    while (len(tokens) < len(prompts) or any(not t for t in tokens.values())) and sched.has_work():
+        sched.step()  # until every prompt is prefilled
+    first = sum(len(t) for t in tokens.values())
+    t0 = time.perf_counter()
+    while sched.has_work():
+        sched.process_input_requests([])
+        sched.step()
+    wall = time.perf_counter() - t0
+    if len(tokens) < len(prompts) or any(not t for t in tokens.values()):
+        raise SystemExit("a request of the speculation bench ended without a token (see the log)")
+    stats = sched.drafter.stats.as_dict() if sched.drafter is not None else {}
+    stats["decoded_tokens"] = sum(len(t) for t in tokens.values()) - first
+    return wall, tokens, stats
+
+
+def measure(runner: ModelRunner, model_dir: str, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int,
+            draft_tokens: int, repeats: int, log) -> tuple[dict, dict]:
+    spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": draft_tokens}
+    figures, ratios = {}, {}
+    for b, prompts in prompts_by_batch.items():
+        for s in (None, spec):  # warm both paths
+            loop_run(runner, model_dir, prompts, 8, s)
+        best = {False: float("inf"), True: float("inf")}
+        out, stats, decoded = {}, {}, 0
+        for rep in range(repeats):
+            for on in (False, True):
+                wall, toks, st = loop_run(runner, model_dir, prompts, new_tokens, spec if on else None)
+                best[on] = min(best[on], wall)
+                out[on], decoded = toks, st["decoded_tokens"]
+                if on:
+                    stats = st
+            log(f"n-gram speculation b{b} run {rep + 1}/{repeats}: {decoded / best[False]:7.1f} tok/s plain, "
+                f"{decoded / best[True]:7.1f} tok/s speculating (accept length {stats['spec_accept_length']:.2f})")
+            if out[True] != out[False]:
+                raise SystemExit(f"b{b}: greedy tokens differ with speculation on and off")
+        figures[f"spec_ngram_b{b}"] = {"draft_tokens": draft_tokens, "decoded_tokens": decoded,
+                                       "tok_s_plain": decoded / best[False], "tok_s_spec": decoded / best[True],
+                                       "tokens_identical": True, **stats}
+        ratios["spec_ngram" if b == 1 else f"spec_ngram_b{b}"] = best[False] / best[True]
+    return figures, ratios
