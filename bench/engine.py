@@ -24,9 +24,10 @@ Measured (fp32, CPU, greedy):
 * the compute bound of a `--prompt-len` prefill: every weight but the lm_head twice per prompt token,
   the lm_head once (only the last position's logits), causal attention (2 x layers x heads x
   head_dim x len^2), at the same matmul rate. Ratio `prefill_compute_bound` = bound / our prefill.
-* n-gram speculative decoding on a repetitive workload (README passages given twice), through the
-  scheduler loop with `--speculative-algorithm NGRAM` on and off (`bench/speculative.py`): ratio
-  `spec_ngram` = decode tokens/s on / off at batch 1, `spec_ngram_b16` at 16, with the accept length.
+* n-gram speculative decoding through the scheduler loop with `--speculative-algorithm NGRAM` on and
+  off (`bench/speculative.py`), on a repetitive workload (README passages given twice) and on chat
+  questions: ratio `spec_ngram` = decode tokens/s on / off, repetitive, batch 1; `spec_ngram_b16`
+  at 16; `spec_ngram_chat`, `spec_ngram_chat_b16` on chat; each with its accept length.
 
 Every measurement is warmed up, repeated `--repeats` times interleaving ours and HF, and the best
 (min time) is used for the ratios; medians are reported too. Ratios are ours / HF tokens/s.
@@ -367,12 +368,13 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, log)
     figures.update(loop_figures)
 
-    # ---- n-gram speculative decoding on a repetitive workload
+    # ---- n-gram speculative decoding, repetitive and chat workloads
+    from bench.speculative import chat_prompts, repetitive_prompts
     from bench.speculative import measure as measure_spec
-    from bench.speculative import repetitive_prompts
 
     log("n-gram speculative decoding through the scheduler loop, on and off")
-    spec_prompts = {b: repetitive_prompts(model_dir, b, SPEC_PASSAGE_TOKENS) for b in BATCHES}
+    spec_prompts = {"repetitive": {b: repetitive_prompts(model_dir, b, SPEC_PASSAGE_TOKENS) for b in BATCHES},
+                    "chat": {b: chat_prompts(model_dir, b) for b in BATCHES}}
     spec_figures, spec_ratios = measure_spec(ours.runner, model_dir, spec_prompts, n, args.speculative_num_draft_tokens,
                                              args.repeats, log)
     figures.update(spec_figures)
@@ -460,11 +462,13 @@ def print_table(figures: dict, ratios: dict, with_hf: bool) -> None:
             r = ratios["overlap_" + key.removeprefix("loop_decode_")]
             print(f"  scheduler loop {key.removeprefix('loop_decode_')} at {o['torch_threads']} threads, ms/step "
                   f"(best): {o['step_ms_overlap']:.2f} overlapped, {o['step_ms_sequential']:.2f} in sequence (x{r:.2f})")
-    for bsz in BATCHES:
-        o = figures[f"spec_ngram_b{bsz}"]
-        r = ratios["spec_ngram" if bsz == 1 else f"spec_ngram_b{bsz}"]
-        print(f"  n-gram speculation b{bsz} ({o['draft_tokens']} tokens per verify, repetitive prompts): "
-              f"{o['tok_s_plain']:.1f} -> {o['tok_s_spec']:.1f} tok/s (x{r:.2f}), accept length {o['spec_accept_length']:.2f}")
+    for tag, label in (("", "repetitive"), ("_chat", "chat")):
+        for bsz in BATCHES:
+            o = figures[f"spec_ngram{tag}_b{bsz}"]
+            r = ratios[f"spec_ngram{tag}" if bsz == 1 else f"spec_ngram{tag}_b{bsz}"]
+            print(f"  n-gram speculation {label} b{bsz} ({o['draft_tokens']} tokens per verify): "
+                  f"{o['tok_s_plain']:.1f} -> {o['tok_s_spec']:.1f} tok/s (x{r:.2f}), "
+                  f"accept length {o['spec_accept_length']:.2f}")
     b = figures["bandwidth"]
     print(f"  memory: memcpy {b['memcpy_gbps']:.1f} GB/s copied ({b['memcpy_traffic_gbps']:.1f} GB/s traffic), "
           f"read {b['read_gbps']:.1f} GB/s; weights {b['weight_bytes_per_step'] / 2**20:.1f} MiB/step "

@@ -1,13 +1,15 @@
 """N-gram speculative decoding through the real scheduler loop (part of `pdserve bench engine`).
 
-Workload (repetitive, where n-gram drafts pay): each prompt is a passage of this project's README
-given twice, so the model's greedy continuation copies it a third time, as in editing or quoting
-text the prompt already holds. Each run builds a `Scheduler` over the shared `ModelRunner` (radix
+Two workloads: `repetitive`, where n-gram drafts pay (each prompt is a passage of this project's
+README given twice, so the model's greedy continuation copies it a third time, as in editing or
+quoting text the prompt already holds), and `chat` (short questions in the model's chat template:
+natural answers, where drafts are right less often and a wrong one costs a wider forward). Each run builds a `Scheduler` over the shared `ModelRunner` (radix
 cache off), submits the prompts as greedy streaming requests, runs the loop until all are
 prefilled, then times the loop until every request has its tokens. Runs with and without
 `--speculative-algorithm NGRAM` alternate; tokens must be identical. Ratio `spec_ngram` = decode
-tokens/s with speculation / without at batch 1 (`spec_ngram_b16` at 16), with the accept length
-(tokens a request gets per verify forward).
+tokens/s with speculation / without on the repetitive workload at batch 1 (`spec_ngram_b16` at 16;
+`spec_ngram_chat`, `spec_ngram_chat_b16` on chat), with the accept length (tokens a request gets per
+verify forward).
 """
 
 from __future__ import annotations
@@ -34,6 +36,20 @@ def repetitive_prompts(tokenizer_dir: str, n: int, passage_tokens: int) -> list[
     if len(ids) < need:
         ids = (ids * (need // max(len(ids), 1) + 1))[:need]
     return [ids[i * passage_tokens:(i + 1) * passage_tokens] * 2 for i in range(n)]
+
+
+QUESTIONS = ["Write a short story about a robot learning to paint.", "Explain how a refrigerator works.",
+             "List ten ideas for a birthday party.", "What are the benefits of exercise? Answer in detail."]
+
+
+def chat_prompts(tokenizer_dir: str, n: int) -> list[list[int]]:
+    """`n` chat prompts (the questions above in turn) in the model's chat template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return [list(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                                         add_generation_prompt=True, tokenize=True, return_dict=False))
+            for i in range(n)]
 
 
 def loop_run(runner: ModelRunner, model_dir: str, prompts: list[list[int]], new_tokens: int,
@@ -68,8 +84,21 @@ def loop_run(runner: ModelRunner, model_dir: str, prompts: list[list[int]], new_
     return wall, tokens, stats
 
 
-def measure(runner: ModelRunner, model_dir: str, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int,
+def measure(runner: ModelRunner, model_dir: str, workloads: dict[str, dict[int, list[list[int]]]], new_tokens: int,
             draft_tokens: int, repeats: int, log) -> tuple[dict, dict]:
+    """`workloads`: name -> batch size -> prompts. Figures `spec_ngram[_<name>]_b<B>`, ratios
+    `spec_ngram[_<name>][_b<B>]` (the repetitive workload and batch 1 carry no suffix)."""
+    figures, ratios = {}, {}
+    for name, by_batch in workloads.items():
+        tag = "" if name == "repetitive" else f"_{name}"
+        f, r = _measure_workload(runner, model_dir, by_batch, new_tokens, draft_tokens, repeats,
+                                 lambda m, name=name: log(f"{name} {m}"))
+        figures.update({k.replace("spec_ngram", "spec_ngram" + tag, 1): v for k, v in f.items()})
+        ratios.update({k.replace("spec_ngram", "spec_ngram" + tag, 1): v for k, v in r.items()})
+    return figures, ratios
+
+
+def _measure_workload(runner, model_dir, prompts_by_batch, new_tokens, draft_tokens, repeats, log):
     spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": draft_tokens}
     figures, ratios = {}, {}
     for b, prompts in prompts_by_batch.items():

@@ -594,7 +594,7 @@ class Scheduler:
             if req.finished():
                 self._finish(req)
             self._report(req)
-        self.drafter.record(batch.drafts, kept)
+        self.drafter.record(batch.reqs, batch.drafts, kept)
 
     def _finish(self, req: Req) -> None:
         """A request ended normally: the role may hold it; else release its memory (into the cache)."""

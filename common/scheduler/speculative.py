@@ -16,7 +16,8 @@ with a one-hot draft distribution (accept d with probability p(d), else draw fro
 every output token still follows the target distribution; seeded requests draw more uniforms than
 without speculation, so their exact tokens differ from a run without it.
 
-A request gets no drafts when it has a grammar (its matcher would have to roll back), when fewer than
+A request's chain is at most one longer than its last confirmed run (`record`), so drafts that keep
+failing cost one token per step. A request gets no drafts when it has a grammar (its matcher would have to roll back), when fewer than
 two new tokens remain, or when the step's KV pages for the drafts are not free; a step where no
 request drafts anything is a plain decode step. KV slots of rejected drafts are given back
 (`rollback`); the pages past the request's new length return to the allocator.
@@ -100,7 +101,7 @@ class NgramDrafter:
         """Each request's draft chain for this step (empty where it may not or cannot draft)."""
         out = []
         for r in reqs:
-            room = min(self.max_drafts, r.max_new_tokens - len(r.output_ids) - 1,
+            room = min(getattr(r, "draft_budget", self.max_drafts), r.max_new_tokens - len(r.output_ids) - 1,
                        context_length - r.kv_len - 1)
             if r.grammar is not None or room <= 0:
                 out.append([])
@@ -108,8 +109,13 @@ class NgramDrafter:
             out.append(self.propose(bytes(self._history(r)), room))
         return out
 
-    def record(self, drafts: list[list[int]], kept: list[int]) -> None:
-        """A verify step: per request its drafts and the tokens it kept."""
+    def record(self, reqs: list[Req], drafts: list[list[int]], kept: list[int]) -> None:
+        """A verify step: per request its drafts and the tokens it kept. A request's next chain is one
+        longer than the run it just had confirmed (at most the maximum): one whose drafts keep failing
+        drafts one token a step, so a wrong guess costs little of a wide forward."""
+        for r, d, k in zip(reqs, drafts, kept, strict=True):
+            if d:
+                r.draft_budget = min(self.max_drafts, max(k - 1, 0) + 1)
         s = self.stats
         s.verify_steps += 1
         s.requests_verified += len(drafts)
