@@ -124,6 +124,9 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = _f(
         None, "with --speculative-algorithm: tokens one verify forward checks per request, the last output "
         "token included (so this - 1 drafts). Default: 4")
+    speculative_disable_by_batch_size: int | None = _f(
+        None, "with --speculative-algorithm: decode steps of more running requests than this do not speculate "
+        "(vLLM's flag): a wide batch is compute-bound, where wrong drafts cost most (default: always speculate)")
     speculative_ngram_min_match_window_size: int = _f(
         3, "with NGRAM: shortest suffix of a request's tokens looked up in its history (shorter matches draft "
         "more often and are right less often: at batch 16 on natural text, 1 cost a third of the decode "
@@ -300,7 +303,7 @@ class ServerArgs:
         algo = self.speculative_algorithm
         if algo is None:
             for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
-                         "speculative_ngram_max_match_window_size"):
+                         "speculative_ngram_max_match_window_size", "speculative_disable_by_batch_size"):
                 if getattr(self, name) != ServerArgs.__dataclass_fields__[name].default:
                     raise bad(name.replace("_", "-"), "needs --speculative-algorithm")
             return
@@ -323,6 +326,8 @@ class ServerArgs:
         if self.speculative_num_draft_tokens < 2:
             raise bad("speculative-num-draft-tokens", f"must be >= 2 (the last token and a draft), got "
                       f"{self.speculative_num_draft_tokens}")
+        if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
+            raise bad("speculative-disable-by-batch-size", f"must be >= 1, got {self.speculative_disable_by_batch_size}")
         lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
         if lo < 1:
             raise bad("speculative-ngram-min-match-window-size", f"must be >= 1, got {lo}")

@@ -487,7 +487,8 @@ class Scheduler:
         else:
             self.new_token_ratio.decay()
         if self.overlap is None:
-            if self.drafter is not None:
+            limit = self.args.speculative_disable_by_batch_size
+            if self.drafter is not None and (limit is None or len(batch.reqs) <= limit):
                 drafts = self.drafter.drafts_for(batch.reqs, self.context_length)
                 # drafts only take free pages: a short pool decodes plainly rather than evict or retract
                 if any(drafts) and batch.verify_pages_needed(drafts) <= self.allocator.available_pages():

@@ -168,11 +168,23 @@ def test_sampled_tokens_keep_their_distribution(tiny_model_dir, vocab):
         assert tv < 0.12, (j, {k: (xa.count(k), xb.count(k)) for k in keys})
 
 
+def test_wide_batches_do_not_speculate_past_the_limit(tiny_model_dir, vocab):
+    prompts = _repetitive(vocab, 13)[:1] * 3
+    sp = lambda i: SamplingParams(max_new_tokens=16 + 8 * (i == 0), temperature=0, ignore_eos=True)  # noqa: E731
+    eng, got, _ = _run(tiny_model_dir, prompts, True, sp, speculative_disable_by_batch_size=1)
+    # three requests decode together until the two short ones end; then the last one speculates alone
+    assert eng.sched.drafter.stats.requests_verified == eng.sched.drafter.stats.verify_steps > 0
+    _, plain, _ = _run(tiny_model_dir, prompts, False, sp)
+    assert got == plain
+
+
 @pytest.mark.parametrize("flags, message", [
     (dict(speculative_algorithm="EAGLE"), "not implemented"),
     (dict(speculative_algorithm="MEDUSA"), "unknown algorithm"),
     (dict(speculative_num_draft_tokens=4), "needs --speculative-algorithm"),
     (dict(speculative_ngram_max_match_window_size=3), "needs --speculative-algorithm"),
+    (dict(speculative_disable_by_batch_size=4), "needs --speculative-algorithm"),
+    (dict(speculative_algorithm="NGRAM", speculative_disable_by_batch_size=0), "disable-by-batch-size"),
     (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1), "speculative-num-draft-tokens"),
     (dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=4,
           speculative_ngram_max_match_window_size=2), "max-match-window-size"),
