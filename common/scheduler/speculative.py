@@ -92,8 +92,13 @@ class NgramDrafter:
                     break
                 if pos % _ITEM == 0:  # aligned on a token boundary
                     start = pos + w * _ITEM
-                    follow = tokens[start:start + limit * _ITEM]
-                    return array("i", follow).tolist()
+                    follow = array("i", tokens[start:start + limit * _ITEM]).tolist()
+                    # a match that overlaps the suffix ends where the history ends: the text repeats
+                    # with this period, so the draft goes on repeating it
+                    period = len(follow)
+                    while len(follow) < limit:
+                        follow.append(follow[len(follow) - period])
+                    return follow
                 end = pos + len(key) - 1
         return []
 
