@@ -1,9 +1,9 @@
 """The decode step through the real scheduler loop, with overlap scheduling on and off (part of
 `pdserve bench engine`).
 
-Each run builds a `Scheduler` over one shared `ModelRunner` (radix cache off, so each run leaves the
-pools as it found them), submits `batch` streaming greedy requests that ignore EOS, runs the loop
-until every prompt is prefilled, then times the loop (`process_input_requests`, `step`, each
+Each run (`decode_loop_run`, which `bench/speculative.py` uses too) builds a `Scheduler` over one shared
+`ModelRunner` (radix cache off, so each run leaves the pools as it found them), submits `batch` streaming
+greedy requests that ignore EOS, runs the loop until every prompt is prefilled, then times the loop (`process_input_requests`, `step`, each
 iteration's `BatchOut` encoded with msgpack as the scheduler process sends it) until every request
 has its tokens. Step time = that time / the decode steps. Tokens must be identical on and off.
 On a CPU the forward's OpenMP threads and the loop share the cores, so the runs are repeated with one
@@ -25,8 +25,10 @@ from common.scheduler.scheduler import Scheduler
 
 
 def decode_loop_run(runner: ModelRunner, model_dir: str, prompts: list[list[int]], steps: int,
-                    overlap: bool) -> tuple[float, float, dict[str, list[int]]]:
-    """(wall seconds, CPU seconds of this process, tokens by rid) of `steps` decode steps of `prompts`."""
+                    **overrides) -> tuple[float, float, dict[str, list[int]], Scheduler]:
+    """(wall seconds, CPU seconds of this process, tokens by rid, the scheduler) of decoding `prompts` to
+    `steps` + 1 tokens each, timed from when every prompt is prefilled. `overrides`: server args of this
+    run (overlap scheduling, speculation); the radix cache is off, so each run leaves the pools as it found them."""
     encoder = msgspec.msgpack.Encoder()
     tokens: dict[str, list[int]] = {}
 
@@ -35,14 +37,17 @@ def decode_loop_run(runner: ModelRunner, model_dir: str, prompts: list[list[int]
         for u in getattr(msg, "updates", ()):
             tokens.setdefault(u.rid, []).extend(u.new_token_ids)
 
-    args = dataclasses.replace(runner.args, disable_radix_cache=True,
-                               enable_overlap_schedule=overlap)
+    args = dataclasses.replace(runner.args, **{"disable_radix_cache": True, "enable_overlap_schedule": False,
+                                               **overrides})
+    args.validate()
     sched = Scheduler(args, model_dir, runner=runner, send_fn=send)
     sp = SamplingParams(max_new_tokens=steps + 1, temperature=0, ignore_eos=True)
     sched.process_input_requests([TokenizedRequest(rid=f"r{i}", input_ids=p, sampling=sp, stream=True)
                                   for i, p in enumerate(prompts)])
-    while len(tokens) < len(prompts) or any(not t for t in tokens.values()):  # every prompt prefilled
-        sched.step()
+    while (len(tokens) < len(prompts) or any(not t for t in tokens.values())) and sched.has_work():
+        sched.step()  # until every prompt is prefilled
+    if len(tokens) < len(prompts) or any(not t for t in tokens.values()):
+        raise SystemExit("a request of the scheduler-loop bench ended without a token (see the log)")
     c0, t0 = time.process_time(), time.perf_counter()
     while sched.has_work():
         sched.process_input_requests([])
@@ -50,7 +55,7 @@ def decode_loop_run(runner: ModelRunner, model_dir: str, prompts: list[list[int]
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     if sched.overlap is not None:
         sched.overlap.close()
-    return wall, cpu, tokens
+    return wall, cpu, tokens, sched
 
 
 def measure(runner: ModelRunner, model_dir: str, prompts_by_batch: dict[int, list[list[int]]], steps: int,
@@ -76,13 +81,13 @@ def measure(runner: ModelRunner, model_dir: str, prompts_by_batch: dict[int, lis
 
 def _measure_one(runner, model_dir, prompts, steps, repeats, log, label) -> dict:
     for overlap in (True, False):  # warm both paths
-        decode_loop_run(runner, model_dir, prompts, 4, overlap)
+        decode_loop_run(runner, model_dir, prompts, 4, enable_overlap_schedule=overlap)
     times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     same = True
     for rep in range(repeats):
         got = {}
         for overlap in (True, False):
-            wall, cpu, toks = decode_loop_run(runner, model_dir, prompts, steps, overlap)
+            wall, cpu, toks, _ = decode_loop_run(runner, model_dir, prompts, steps, enable_overlap_schedule=overlap)
             times[overlap].append((wall, cpu))
             got[overlap] = toks
         same = same and got[True] == got[False]

@@ -3,9 +3,10 @@
 Two workloads: `repetitive`, where n-gram drafts pay (each prompt is a passage of this project's
 README given twice, so the model's greedy continuation copies it a third time, as in editing or
 quoting text the prompt already holds), and `chat` (short questions in the model's chat template:
-natural answers, where drafts are right less often and a wrong one costs a wider forward). Each run builds a `Scheduler` over the shared `ModelRunner` (radix
-cache off), submits the prompts as greedy streaming requests, runs the loop until all are
-prefilled, then times the loop until every request has its tokens. Runs with and without
+natural answers, where drafts are right less often and a wrong one costs a wider forward). Each run
+is `bench/overlap.py`'s `decode_loop_run`: a `Scheduler` over the shared `ModelRunner`, the prompts
+as greedy streaming requests, timed from when all are prefilled until every request has its tokens.
+Runs with and without
 `--speculative-algorithm NGRAM` alternate; tokens must be identical. Ratio `spec_ngram` = decode
 tokens/s with speculation / without on the repetitive workload at batch 1 (`spec_ngram_b16` at 16;
 `spec_ngram_chat`, `spec_ngram_chat_b16` on chat), with the accept length (tokens a request gets per
@@ -14,13 +15,10 @@ verify forward).
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import time
 
-from common.protocol import SamplingParams, TokenizedRequest
+from bench.overlap import decode_loop_run
 from common.runner import ModelRunner
-from common.scheduler.scheduler import Scheduler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,32 +53,10 @@ def chat_prompts(tokenizer_dir: str, n: int) -> list[list[int]]:
 def loop_run(runner: ModelRunner, model_dir: str, prompts: list[list[int]], new_tokens: int,
              spec: dict | None) -> tuple[float, dict[str, list[int]], dict]:
     """(seconds of the decode phase, tokens by rid, the scheduler's spec stats) for one run."""
-    tokens: dict[str, list[int]] = {}
-
-    def send(msg) -> None:
-        for u in getattr(msg, "updates", ()):
-            tokens.setdefault(u.rid, []).extend(u.new_token_ids)
-
     plain = {"speculative_algorithm": None, "speculative_num_draft_tokens": None}
-    args = dataclasses.replace(runner.args, disable_radix_cache=True, enable_overlap_schedule=False,
-                               **{**plain, **(spec or {})})
-    args.validate()
-    sched = Scheduler(args, model_dir, runner=runner, send_fn=send)
-    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
-    sched.process_input_requests([TokenizedRequest(rid=f"r{i}", input_ids=p, sampling=sp, stream=True)
-                                  for i, p in enumerate(prompts)])
-    while (len(tokens) < len(prompts) or any(not t for t in tokens.values())) and sched.has_work():
-        sched.step()  # until every prompt is prefilled
-    first = sum(len(t) for t in tokens.values())
-    t0 = time.perf_counter()
-    while sched.has_work():
-        sched.process_input_requests([])
-        sched.step()
-    wall = time.perf_counter() - t0
-    if len(tokens) < len(prompts) or any(not t for t in tokens.values()):
-        raise SystemExit("a request of the speculation bench ended without a token (see the log)")
+    wall, _, tokens, sched = decode_loop_run(runner, model_dir, prompts, new_tokens - 1, **{**plain, **(spec or {})})
     stats = sched.drafter.stats.as_dict() if sched.drafter is not None else {}
-    stats["decoded_tokens"] = sum(len(t) for t in tokens.values()) - first
+    stats["decoded_tokens"] = sum(len(t) for t in tokens.values()) - len(prompts)  # less each prefill's token
     return wall, tokens, stats
 
 

@@ -90,6 +90,10 @@ class Req:
         self.traceparent: str | None = None
         self.marks: list[tuple[str, float]] = []
         self.trace_links: dict[str, str] = {}  # stage -> the peer's traceparent (PD transfer)
+        # speculative decoding (common/scheduler/speculative.py): the tokens as int32 bytes, searched for
+        # drafts, and the longest chain the next step may draft (None: the configured maximum)
+        self.draft_history = bytearray()
+        self.draft_budget: int | None = None
         self.is_retracted = False
         self.retract_count = 0
         self.scheduled_once = False

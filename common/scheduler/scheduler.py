@@ -145,7 +145,8 @@ class Scheduler:
                                  "a rejected draft cannot roll back; speculative decoding is not supported for it")
             self.drafter = NgramDrafter(args.speculative_num_draft_tokens,
                                         args.speculative_ngram_min_match_window_size,
-                                        args.speculative_ngram_max_match_window_size)
+                                        args.speculative_ngram_max_match_window_size,
+                                        args.speculative_disable_by_batch_size)
 
         self.send_fn = send_fn
         self.comm = comm
@@ -487,8 +488,7 @@ class Scheduler:
         else:
             self.new_token_ratio.decay()
         if self.overlap is None:
-            limit = self.args.speculative_disable_by_batch_size
-            if self.drafter is not None and (limit is None or len(batch.reqs) <= limit):
+            if self.drafter is not None:
                 drafts = self.drafter.drafts_for(batch.reqs, self.context_length)
                 # drafts only take free pages: a short pool decodes plainly rather than evict or retract
                 if any(drafts) and batch.verify_pages_needed(drafts) <= self.allocator.available_pages():

@@ -56,29 +56,30 @@ class SpecStats:
 
 
 class NgramDrafter:
-    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int) -> None:
+    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int,
+                 disable_by_batch_size: int | None = None) -> None:
         # ranges: ServerArgs.validate
         self.max_drafts = num_draft_tokens - 1
         self.min_window = min_window
         self.max_window = max_window
+        self.disable_by_batch_size = disable_by_batch_size
         self.stats = SpecStats()
 
     @staticmethod
-    def _history(req: Req) -> bytes:
-        """The request's tokens as int32 bytes, kept on the request and extended as it grows."""
-        hist = getattr(req, "draft_history", None)
-        have = len(hist) // _ITEM if hist is not None else 0
-        n = req.seqlen
-        if hist is None or have > n:  # a request that was reset: start over
-            hist = req.draft_history = bytearray()
-            have = 0
-        if have < n:
-            new = req.origin_input_ids[have:] if have < len(req.origin_input_ids) else []
-            tail = req.output_ids[max(have - len(req.origin_input_ids), 0):]
-            hist.extend(array("i", new + tail).tobytes())
+    def _history(req: Req) -> bytearray:
+        """The request's tokens as int32 bytes, kept on the request and extended as it grows (its
+        tokens only ever grow: a retracted request keeps its output)."""
+        hist = req.draft_history
+        have = len(hist) // _ITEM
+        prompt = len(req.origin_input_ids)
+        if have < prompt:
+            hist.extend(array("i", req.origin_input_ids[have:]).tobytes())
+            have = prompt
+        if have < req.seqlen:
+            hist.extend(array("i", req.output_ids[have - prompt:]).tobytes())
         return hist
 
-    def propose(self, tokens: bytes, limit: int) -> list[int]:
+    def propose(self, tokens: bytes | bytearray, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix."""
         n = len(tokens) // _ITEM
         if limit <= 0 or n < 2:
@@ -103,15 +104,15 @@ class NgramDrafter:
         return []
 
     def drafts_for(self, reqs: list[Req], context_length: int) -> list[list[int]]:
-        """Each request's draft chain for this step (empty where it may not or cannot draft)."""
+        """Each request's draft chain for this step (empty where it may not or cannot draft; all empty
+        while more requests run than --speculative-disable-by-batch-size)."""
+        if self.disable_by_batch_size is not None and len(reqs) > self.disable_by_batch_size:
+            return [[] for _ in reqs]
         out = []
         for r in reqs:
-            room = min(getattr(r, "draft_budget", self.max_drafts), r.max_new_tokens - len(r.output_ids) - 1,
-                       context_length - r.kv_len - 1)
-            if r.grammar is not None or room <= 0:
-                out.append([])
-                continue
-            out.append(self.propose(bytes(self._history(r)), room))
+            budget = self.max_drafts if r.draft_budget is None else r.draft_budget
+            room = min(budget, r.max_new_tokens - len(r.output_ids) - 1, context_length - r.kv_len - 1)
+            out.append(self.propose(self._history(r), room) if r.grammar is None and room > 0 else [])
         return out
 
     def record(self, reqs: list[Req], drafts: list[list[int]], kept: list[int]) -> None:

@@ -28,8 +28,8 @@ def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir,
     assert report["ratios"]["prefill_compute_bound"] == pytest.approx(c["bound_prefill_s"] / c["ours_prefill_s"],
                                                                       abs=1e-4)  # ratios keep 4 decimals
     spec = report["figures"]["spec_ngram_b1"]  # (a random tiny model need not copy the passage: no accept figures)
-    assert spec["tokens_identical"] is True and spec["decoded_tokens"] == 5 and spec["draft_tokens"] == 4
+    assert spec["decoded_tokens"] == 5 and spec["draft_tokens"] == 4  # (differing tokens end the bench: exit 1)
     assert report["ratios"]["spec_ngram"] == pytest.approx(spec["tok_s_spec"] / spec["tok_s_plain"], rel=1e-3)
     for key in ("spec_ngram_b16", "spec_ngram_chat", "spec_ngram_chat_b16"):
         assert report["ratios"][key] > 0
-    assert report["figures"]["spec_ngram_chat_b16"]["tokens_identical"] is True
+    assert report["figures"]["spec_ngram_chat_b16"]["decoded_tokens"] == 16 * 5

@@ -73,22 +73,6 @@ def prompts_of(lengths, vocab, seed=0, lo=3):
     return [torch.randint(lo, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    m.eval()
-    m.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like ignore_eos
-    m.generation_config.pad_token_id = 0
-    return m
-
-
-@pytest.fixture(scope="module")
-def vocab(hf_model):
-    return hf_model.config.vocab_size
-
-
 _ref_cache: dict[tuple, list[int]] = {}
 
 

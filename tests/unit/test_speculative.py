@@ -15,11 +15,7 @@ from common.protocol import SamplingParams
 from common.scheduler.req import Req
 from common.scheduler.speculative import NgramDrafter, accepted_run
 from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
-from tests.unit import test_engine_correctness as engine_tests
 from tests.unit.test_engine_correctness import Engine, hf_greedy, prompts_of
-
-hf_model = pytest.fixture(scope="module")(engine_tests.hf_model.__wrapped__)
-vocab = pytest.fixture(scope="module")(engine_tests.vocab.__wrapped__)
 
 # the shortest window drafts most often: more drafts, more rejections to get right
 SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5, speculative_ngram_min_match_window_size=1)
