@@ -17,6 +17,7 @@ from common.cluster_secret import ClusterSecret, ClusterSecretError, load_config
 from common.models.hub import is_hub_id
 
 DEFAULT_OTLP_ENDPOINT = "localhost:4318"
+MAX_DP_SIZE = 64
 
 
 class ConfigError(ValueError):
@@ -68,8 +69,15 @@ class ServerArgs:
                                           "default localhost:4318, the collector's OTLP/HTTP port)")
     # parallelism
     tp: int = _f(1, "tensor parallel size (one scheduler process per rank)", ("--tp", "--tp-size"))
+    dp_size: int = _f(
+        1, "data parallel size: this many scheduler groups (each of --tp-size ranks, with its own KV pool of "
+        "--max-total-tokens and its own --max-running-requests) behind one HTTP front end. A request carrying a "
+        "PD rendezvous goes to group (bootstrap_room mod dp-size); one carrying `data_parallel_rank` to that group; "
+        "any other to the group with the fewest live requests. The cores this node may run on are split between "
+        "the groups. Any node role: a prefill node's groups register with its one bootstrap server, and a decode "
+        "node reads a room from the prefill group (room mod the prefill's dp-size)", ("--dp-size", "--dp"))
     dist_port: int | None = _f(None, "port of the torch.distributed rendezvous (default: a free port)")
-    num_threads: int | None = _f(None, "torch threads per rank (default: the cores this process may run on / tp)")
+    num_threads: int | None = _f(None, "torch threads per rank (default: the cores of its DP group / tp)")
     # memory
     page_size: int = _f(16, "tokens per KV page (prefill and decode must agree)")
     max_total_tokens: int = _f(32768, "KV cache size in tokens")
@@ -234,11 +242,12 @@ class ServerArgs:
                       f"must be >= 0, got {self.priority_scheduling_preemption_threshold}")
         if self.max_prefill_tokens < 1:
             raise bad("max-prefill-tokens", "must be >= 1")
+        self._validate_dp(bad)
         if self.kv_events_config is not None:
             from common.kv_events import KVEventsConfig
 
             try:
-                KVEventsConfig.parse(self.kv_events_config, self.host)
+                KVEventsConfig.parse(self.kv_events_config, self.host, self.dp_size)
             except ValueError as e:
                 raise bad("kv-events-config", str(e)) from None
         if self.otlp_traces_endpoint is not None and not self.enable_trace:
@@ -298,6 +307,12 @@ class ServerArgs:
             raise bad("cluster-secret-file", str(e)) from None
         if self._cluster_secret is None and self.disaggregation_mode != "null":
             warn_unauthenticated(logging.getLogger("server"), "this node's bootstrap and control-plane traffic")
+
+    def _validate_dp(self, bad) -> None:
+        if not 1 <= self.dp_size <= MAX_DP_SIZE:
+            raise bad("dp-size", f"must be in 1..{MAX_DP_SIZE}, got {self.dp_size}")
+        if self.dp_size > 1 and self.dist_port:
+            raise bad("dist-port", "cannot be combined with --dp-size > 1 (each DP group has its own rendezvous)")
 
     def _validate_speculative(self, bad) -> None:
         algo = self.speculative_algorithm

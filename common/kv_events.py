@@ -4,7 +4,9 @@ Wire format (the one vLLM's ZMQ event publisher speaks, so the consumers written
 and llm-d's KV indexers, SGLang's router — read ours):
 
 * a PUB socket sends three frames per batch: topic, an 8-byte big-endian sequence number (0, 1, ...),
-  and the msgpack of a `KVEventBatch`: an array `[ts, events]` whose events are tagged arrays
+  and the msgpack of a `KVEventBatch`: an array `[ts, events, data_parallel_rank]` (the rank is nil
+  unless the node has several DP groups; a consumer that knows only the first two ignores it) whose
+  events are tagged arrays
   `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]`,
   `["BlockRemoved", block_hashes, medium]` and `["AllBlocksCleared"]`;
 * a ROUTER socket answers a replay request (one frame after the delimiter: the first wanted sequence
@@ -21,11 +23,17 @@ write `tcp://*:5557` to serve every interface), `replay_endpoint` (default: the 
 `topic` (""), `buffer_steps` (batches kept for replay, 10000), `hwm` (100000), `max_queue_size`
 (batches waiting for the publisher thread, 100000: past it a batch is dropped and counted, the
 scheduler never waits). Only TP rank 0 publishes; the ranks' caches are identical.
+
+With --dp-size N every DP group has its own cache and publishes on its own sockets, as vLLM numbers
+them: group k's endpoint is the configured port + k (an ipc path gets `_dp<k>`), its batches carry
+`data_parallel_rank` k. The default replay port is then the endpoint's port + N (+ k for group k),
+so no group's replay socket takes another's endpoint.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import logging
@@ -66,6 +74,7 @@ class AllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None  # the publishing DP group with --dp-size > 1 (absent otherwise)
 
 
 def block_hash(parent: int | None, token_ids) -> int:
@@ -96,8 +105,9 @@ class KVEventsConfig:
     enable_kv_cache_events: bool = True
 
     @classmethod
-    def parse(cls, raw: str, host: str) -> KVEventsConfig:
-        """From the `--kv-events-config` JSON; raises ValueError naming the key."""
+    def parse(cls, raw: str, host: str, dp_size: int = 1) -> KVEventsConfig:
+        """From the `--kv-events-config` JSON (of a node with `dp_size` groups); raises ValueError naming
+        the key."""
         try:
             data = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -127,12 +137,32 @@ class KVEventsConfig:
             base, _, port = cfg.endpoint.rpartition(":")
             if not port.isdigit():
                 raise ValueError(f"endpoint needs a port, got {cfg.endpoint!r}")
-            cfg.replay_endpoint = f"{base}:{int(port) + 1}"
+            cfg.replay_endpoint = f"{base}:{int(port) + dp_size}"
+        for key in ("endpoint", "replay_endpoint"):  # every group's port must exist
+            if getattr(cfg, key):
+                offset_endpoint(getattr(cfg, key), dp_size - 1)
         return cfg
+
+    def for_dp_rank(self, dp_rank: int) -> KVEventsConfig:
+        """The sockets of DP group `dp_rank`."""
+        return dataclasses.replace(self, endpoint=offset_endpoint(self.endpoint, dp_rank),
+                                   replay_endpoint=offset_endpoint(self.replay_endpoint, dp_rank))
 
     @property
     def enabled(self) -> bool:
         return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+def offset_endpoint(endpoint: str, dp_rank: int) -> str:
+    """`endpoint` of DP group `dp_rank`: a tcp port + dp_rank, an ipc path + `_dp<rank>` (vLLM's numbering)."""
+    if not endpoint or dp_rank == 0:
+        return endpoint
+    if endpoint.startswith("ipc://"):
+        return f"{endpoint}_dp{dp_rank}"
+    base, _, port = endpoint.rpartition(":")
+    if not port.isdigit() or int(port) + dp_rank > 65535:
+        raise ValueError(f"{endpoint!r} has no port for DP rank {dp_rank} (port + rank must be <= 65535)")
+    return f"{base}:{int(port) + dp_rank}"
 
 
 def _bracket(host: str) -> str:
@@ -144,9 +174,10 @@ class KVEventPublisher:
     """Collects a scheduler step's events (`stored`, `removed`, `cleared`, called by the radix
     cache) and, at `flush()`, hands them as one batch to a thread that owns the sockets."""
 
-    def __init__(self, cfg: KVEventsConfig, page_size: int) -> None:
+    def __init__(self, cfg: KVEventsConfig, page_size: int, dp_rank: int | None = None) -> None:
         self.cfg = cfg
         self.page_size = page_size
+        self.dp_rank = dp_rank  # set with --dp-size > 1: every batch names its group
         self.pending: list = []
         self.batches_published = 0
         self.batches_dropped = 0
@@ -181,7 +212,7 @@ class KVEventPublisher:
         """Publish what this step recorded, as one batch (never blocks: a full queue drops it)."""
         if not self.pending:
             return
-        payload = self._encoder.encode(KVEventBatch(time.time(), self.pending))
+        payload = self._encoder.encode(KVEventBatch(time.time(), self.pending, self.dp_rank))
         self.pending = []
         try:
             self._queue.put_nowait(payload)

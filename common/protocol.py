@@ -136,6 +136,8 @@ RequestId = Annotated[str, msgspec.Meta(max_length=MAX_RID_LENGTH, pattern=r"^[^
 MAX_PRIORITY = 2**31 - 1
 Priority = Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY,
                                        description="scheduling priority, -(2**31-1)..2**31-1")]
+# the DP group of a node with --dp-size that runs the request (SGLang's field; a dp-aware router sets it)
+DataParallelRank = Annotated[int, msgspec.Meta(ge=0, le=1023, description="DP group of the node, 0..dp_size-1")]
 
 
 def check_rid(rid: str, where: str = "rid") -> None:
@@ -366,6 +368,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=
     bootstrap_port: BootstrapPort | list[BootstrapPort] | None = None
     bootstrap_room: BootstrapRoom | list[BootstrapRoom] | None = None
     priority: Priority | list[Priority] | None = None
+    data_parallel_rank: DataParallelRank | None = None
     # sent by sglang-router with their defaults (DEFAULT_ONLY)
     log_metrics: bool = True
     return_hidden_states: bool = False
@@ -451,6 +454,7 @@ class _OpenAICommon(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     bootstrap_port: BootstrapPort | list[BootstrapPort] | None = None
     bootstrap_room: BootstrapRoom | list[BootstrapRoom] | None = None
     priority: Priority | None = None
+    data_parallel_rank: DataParallelRank | None = None
     return_hidden_states: bool = False  # sent by sglang-router with its default (DEFAULT_ONLY)
 
     def __post_init__(self) -> None:
@@ -509,6 +513,7 @@ class TokenizedRequest(msgspec.Struct, tag=True, omit_defaults=True):
     batch_size: int = 1
     batch_index: int = 0
     traceparent: str | None = None  # W3C trace context of the front end's span (--enable-trace)
+    data_parallel_rank: int | None = None  # the DP group it must run on (None: the front end chooses)
 
 
 class AbortRequest(msgspec.Struct, tag=True):

@@ -66,7 +66,8 @@ class DecodeRole(PDRole):
         self.alloc = sched.allocator
         self.num_reserved_decode_tokens = args.num_reserved_decode_tokens
         self.metadata = MetadataBuffers(self.num_metadata_slots, max_top_logprobs=MAX_TOP_LOGPROBS)
-        self.kv_manager = build_kv_manager(args, sched.runner, self.metadata, tp_rank, tp_size, "decode")
+        self.kv_manager = build_kv_manager(args, sched.runner, self.metadata, tp_rank, tp_size, "decode",
+                                           dp_rank=sched.dp_rank)
         self.bytes_per_page = sched.kv_pool.page_stride  # every layer's K and V of one page
         self.prealloc = PreallocQueue()
         self.transfer = TransferQueue()

@@ -62,19 +62,21 @@ class PrefillRole(PDRole):
         self.num_metadata_slots = 2 * sched.req_to_token_pool.size + sched.max_running_requests
         super().__init__(sched, MetadataAllocator(self.num_metadata_slots))
         self.metadata = MetadataBuffers(self.num_metadata_slots, max_top_logprobs=MAX_TOP_LOGPROBS)
-        self.bootstrap_server = start_bootstrap_server(args) if tp_rank == 0 else None
+        # one bootstrap server per node, in DP group 0's rank 0: every group's ranks register with it
+        self.bootstrap_server = start_bootstrap_server(args) if tp_rank == 0 and sched.dp_rank == 0 else None
         self.bootstrap_addr = f"{advertised_host(args.host)}:{args.disaggregation_bootstrap_port}"
         try:
             self.kv_manager = build_kv_manager(args, sched.runner, self.metadata, tp_rank, tp_size, "prefill",
-                                               bootstrap_addr=self.bootstrap_addr)
+                                               bootstrap_addr=self.bootstrap_addr, dp_rank=sched.dp_rank)
         except Exception:
             if self.bootstrap_server is not None:
                 self.bootstrap_server.stop()
             raise
         self.bootstrap = BootstrapQueue(self.metadata_alloc)
         self.inflight = InflightQueue()
-        logger.info("prefill rank %d/%d ready: bootstrap %s, backend %s, decode tp %s", tp_rank, tp_size,
-                    self.bootstrap_addr, args.transfer_backend, args.disaggregation_decode_tp or "any")
+        logger.info("prefill rank %d/%d of dp group %d ready: bootstrap %s, backend %s, decode tp %s", tp_rank,
+                    tp_size, sched.dp_rank, self.bootstrap_addr, args.transfer_backend,
+                    args.disaggregation_decode_tp or "any")
 
     def queue_of(self, t: PrefillRequest):
         return {PrefillStage.BOOTSTRAP: self.bootstrap, PrefillStage.INFLIGHT: self.inflight}.get(t.stage)

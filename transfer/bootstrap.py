@@ -67,6 +67,9 @@ def _field_problem(body: dict) -> str | None:
             return f"{k} must be a string of at most 256 characters"
     if not 0 < body["rank_port"] < 65536:
         return f"rank_port must be a TCP port (1-65535), got {body['rank_port']}"
+    for kind in ("tp", "dp", "pp"):
+        if not body[f"{kind}_rank"] < body[f"{kind}_size"]:
+            return f"{kind}_rank {body[f'{kind}_rank']} is not below {kind}_size {body[f'{kind}_size']}"
     return None
 
 

@@ -4,8 +4,9 @@ Resolving. A receiver names the prefill node's bootstrap server ("host:port", fr
 The manager's resolver thread asks it for the node's layout, checks it against this rank's (page
 size, model, KV layout, kv head count; hybrid state and prefill pp > 1 do not mix) and looks up
 the prefill ranks this rank reads from: every tp rank whose kv heads overlap this rank's, in every
-pp stage. The one that writes the metadata row is the lowest of them in the last pp stage. Lookups
-are grouped per (bootstrap server, dp rank) and cached by the bootstrap client. A server that
+pp stage, of the prefill DP group that holds the room (room mod the layout's dp_size, unless the
+receiver was given one). The one that writes the metadata row is the lowest of them in the last pp
+stage. Lookups are grouped per bootstrap server, then per dp group, and cached by the bootstrap client. A server that
 refuses connections for a whole heartbeat window fails its rooms at once (the prefill node is
 gone); one that answers without the ranks yet (404) is retried until `bootstrap_timeout`. Its
 answers are peer values like any other: an address that is not host:port, an answer that is not
@@ -85,7 +86,7 @@ class DecodeKVManager(KVManager):
             raise ValueError("decode ranks must run pipeline parallel size 1")
         super().__init__(args, backend, settings, host, **overrides)
 
-    def create_receiver(self, bootstrap_addr: str, room: int, prefill_dp_rank: int = 0) -> KVReceiver:
+    def create_receiver(self, bootstrap_addr: str, room: int, prefill_dp_rank: int | None = None) -> KVReceiver:
         return KVReceiver(self, bootstrap_addr, room, prefill_dp_rank)
 
     # ------------------------------------------------------------------ side hooks
@@ -238,34 +239,43 @@ class DecodeKVManager(KVManager):
                 time.sleep(0.05)
 
     def _resolve_pending(self) -> bool:
-        """One pass over the rooms still resolving, grouped per (bootstrap server, dp rank)."""
+        """One pass over the rooms still resolving, grouped per bootstrap server, then per prefill dp group."""
         with self._lock:
             todo = [r for r in self._receivers.values() if r._status == KVPoll.Bootstrapping and r._targets is None]
-        groups: dict[tuple[str, int], list[KVReceiver]] = {}
+        servers: dict[str, list[KVReceiver]] = {}
         for receiver in todo:
-            groups.setdefault((receiver.bootstrap_addr, receiver._dp_rank), []).append(receiver)
-        for (addr, dp), rooms in groups.items():
+            servers.setdefault(receiver.bootstrap_addr, []).append(receiver)
+        for addr, rooms in servers.items():
             try:
-                targets, problem, fatal = self._resolve(addr, dp)
+                layout, problem, fatal = self._layout(addr)
+                if layout is None:
+                    outcomes = [((None, problem, fatal), rooms)]
+                else:
+                    by_dp: dict[int, list[KVReceiver]] = {}
+                    for receiver in rooms:
+                        dp = receiver._dp_rank if receiver._dp_rank is not None else receiver.room % layout["dp_size"]
+                        by_dp.setdefault(dp, []).append(receiver)
+                    outcomes = [(self._targets(addr, layout, dp), group) for dp, group in by_dp.items()]
             except Exception as e:  # whatever the server answered, only its rooms fail
                 logger.warning("bootstrap server %s: lookup failed: %s: %s", addr, type(e).__name__, e)
-                targets, problem, fatal = None, f"bootstrap server {addr} lookup failed: {type(e).__name__}: {e}", True
-            if fatal:
-                self.bootstrap.invalidate(addr)
-            with self._lock:
-                for receiver in rooms:
-                    if receiver._status in TERMINAL:
-                        continue
-                    if fatal:
-                        receiver._fail(problem)
-                    elif targets is None:
-                        receiver._problem = problem
-                    else:
-                        receiver._resolved(targets)
+                outcomes = [((None, f"bootstrap server {addr} lookup failed: {type(e).__name__}: {e}", True), rooms)]
+            for (targets, problem, fatal), group in outcomes:
+                if fatal:
+                    self.bootstrap.invalidate(addr)
+                with self._lock:
+                    for receiver in group:
+                        if receiver._status in TERMINAL:
+                            continue
+                        if fatal:
+                            receiver._fail(problem)
+                        elif targets is None:
+                            receiver._problem = problem
+                        else:
+                            receiver._resolved(targets)
         return bool(todo)
 
-    def _resolve(self, addr: str, dp: int) -> tuple[list[_Target] | None, str, bool]:
-        """(targets, problem, fatal) for this decode rank against the prefill node at `addr`."""
+    def _layout(self, addr: str) -> tuple[dict | None, str, bool]:
+        """(layout, problem, fatal): the prefill node's layout at `addr` when it matches this rank's."""
         a = self.args
         bad = check_bootstrap_addr(addr)
         if bad:
@@ -281,7 +291,7 @@ class DecodeKVManager(KVManager):
                 # for a whole heartbeat window mean it is gone, not starting
                 return None, f"bootstrap server {addr} unreachable for {down:.1f}s: prefill node down", True
             return None, f"bootstrap server {addr} has no registered prefill rank or is unreachable", False
-        bad = check_layout(layout, dp)
+        bad = check_layout(layout, 0)
         if bad:
             return None, f"bootstrap server {addr}: {bad}", True
         if layout["page_size"] != a.page_size:
@@ -297,6 +307,15 @@ class DecodeKVManager(KVManager):
             return None, f"{total} kv heads cannot be split over prefill tp {ptp}", True
         if a.state_data_ptrs and layout["pp_size"] > 1:
             return None, "hybrid state transfer with prefill pipeline parallelism is not supported", True
+        return layout, "", False
+
+    def _targets(self, addr: str, layout: dict, dp: int) -> tuple[list[_Target] | None, str, bool]:
+        """(targets, problem, fatal): the ranks of prefill dp group `dp` this decode rank reads from."""
+        a = self.args
+        bad = check_layout(layout, dp)
+        if bad:
+            return None, f"bootstrap server {addr}: {bad}", True
+        total, ptp = layout["kv_heads_total"], layout["tp_size"]
         lo = a.engine_rank * a.kv_head_num
         ranks = ranks_overlapping(lo, lo + a.kv_head_num, total, ptp)
         last_pp = layout["pp_size"] - 1
@@ -328,12 +347,12 @@ class KVReceiver(KVRoom):
 
     mgr: DecodeKVManager
 
-    def __init__(self, mgr: DecodeKVManager, bootstrap_addr: str, room: int, prefill_dp_rank: int = 0) -> None:
+    def __init__(self, mgr: DecodeKVManager, bootstrap_addr: str, room: int, prefill_dp_rank: int | None = None) -> None:
         if not isinstance(mgr, DecodeKVManager):
             raise ValueError("KVReceiver needs a DecodeKVManager")
         super().__init__(mgr, room)
         self.bootstrap_addr = bootstrap_addr
-        self._dp_rank = prefill_dp_rank
+        self._dp_rank = prefill_dp_rank  # None: room mod the prefill node's dp_size
         self._problem = "bootstrap server not answering yet"  # why it is not resolved yet
         self._targets: list[_Target] | None = None
         self._params: tuple[list[int], int, list[int]] | None = None  # pages, metadata slot, state slots

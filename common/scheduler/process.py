@@ -1,10 +1,14 @@
-"""The scheduler process of one TP rank.
+"""The scheduler process of one TP rank (of one DP group).
 
 Rank 0 talks to the front end over ZMQ (it connects a PULL to `to_scheduler` and a PUSH to
 `from_scheduler`; the front end binds both) and broadcasts every batch of received messages to the
 other ranks over the consensus group, so all ranks schedule identically; only rank 0 sends
 `BatchOut` / `StatsReport`. SIGTERM (or SIGINT) ends the loop cleanly: rank 0 broadcasts the stop
 so the other ranks leave too.
+
+With --dp-size N the node runs N such groups, each with its own `IpcConfig` (its own `to_scheduler`
+socket and rendezvous; `from_scheduler` is shared) and its own share of the node's cores
+(`group_cores`).
 """
 
 from __future__ import annotations
@@ -124,13 +128,24 @@ def _ready_info(scheduler) -> dict:
     }
 
 
+def group_cores(cores: list[int], dp_rank: int, dp_size: int) -> list[int]:
+    """The cores DP group `dp_rank` of `dp_size` runs on: a contiguous share of `cores` (all of them when
+    there are fewer cores than groups)."""
+    if dp_size <= 1 or len(cores) < dp_size:
+        return cores
+    per, extra = divmod(len(cores), dp_size)
+    start = dp_rank * per + min(dp_rank, extra)
+    return cores[start:start + per + (dp_rank < extra)]
+
+
 def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: IpcConfig, ready_conn,
-                          scheduler_cls=None) -> None:
+                          scheduler_cls=None, dp_rank: int = 0) -> None:
     """Entry point of a scheduler process (multiprocessing "spawn" target).
 
     `scheduler_cls` (a Scheduler subclass, or its import path "package.module:Class") lets the PD
     roles reuse this entry point."""
-    setup_logging(f"scheduler-tp{tp_rank}", args.log_level)
+    name = f"scheduler-dp{dp_rank}-tp{tp_rank}" if args.dp_size > 1 else f"scheduler-tp{tp_rank}"
+    setup_logging(name, args.log_level)
     if scheduler_cls is None:
         from common.scheduler.scheduler import Scheduler
 
@@ -141,9 +156,12 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: I
         module, _, name = scheduler_cls.partition(":")
         scheduler_cls = getattr(importlib.import_module(module), name)
     cores = sorted(os.sched_getaffinity(0))  # the cores this process may run on (a launcher may pin it)
-    torch.set_num_threads(args.num_threads or max(1, len(cores) // args.tp))
-    logger.info("tp rank %d: %d torch threads on cores %s (OMP_WAIT_POLICY=%s)", tp_rank, torch.get_num_threads(),
-                cores, os.environ.get("OMP_WAIT_POLICY", "unset"))
+    share = group_cores(cores, dp_rank, args.dp_size)
+    if share != cores:
+        os.sched_setaffinity(0, share)
+    torch.set_num_threads(args.num_threads or max(1, len(share) // args.tp))
+    logger.info("dp rank %d tp rank %d: %d torch threads on cores %s (OMP_WAIT_POLICY=%s)", dp_rank, tp_rank,
+                torch.get_num_threads(), share, os.environ.get("OMP_WAIT_POLICY", "unset"))
     comm = None
     scheduler = None
 
@@ -165,11 +183,11 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: I
 
         comm = SchedulerComm(ipc, tp_rank, args.tp, consensus_group)
         scheduler = scheduler_cls(args, model_dir, tp_rank, args.tp, get_tp_group(),
-                                  send_fn=comm.send if tp_rank == 0 else None, comm=comm)
+                                  send_fn=comm.send if tp_rank == 0 else None, comm=comm, dp_rank=dp_rank)
     except Exception as e:
         logger.error("start-up failed: %s\n%s", e, traceback.format_exc())
         try:
-            ready_conn.send({"status": "error", "message": f"scheduler rank {tp_rank}: {type(e).__name__}: {e}"})
+            ready_conn.send({"status": "error", "message": f"{name}: {type(e).__name__}: {e}"})
         finally:
             if comm is not None:
                 comm.close()
@@ -183,7 +201,7 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: I
     gc.collect()
     gc.freeze()
     code = 0
-    watchdog = Watchdog(args.watchdog_timeout, f"scheduler-tp{tp_rank}").start()
+    watchdog = Watchdog(args.watchdog_timeout, name).start()
     try:
         scheduler.event_loop(beat=watchdog.beat)
     except Exception as e:

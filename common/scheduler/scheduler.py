@@ -80,9 +80,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, args: ServerArgs, model_dir: str, tp_rank: int = 0, tp_size: int = 1,
                  tp_group=None, *, runner=None, tokenizer: Any = None,
-                 send_fn: Callable[[Any], None] | None = None, comm=None) -> None:
+                 send_fn: Callable[[Any], None] | None = None, comm=None, dp_rank: int = 0) -> None:
         self.args = args
         self.model_dir = model_dir
+        self.dp_rank = dp_rank  # the DP group this scheduler is (--dp-size)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         if runner is None:
@@ -105,9 +106,10 @@ class Scheduler:
         self.queue_time = BucketCounts()  # arrival to first prefill (the role's queues included)
         self.kv_events = None  # publishes the prefix cache's blocks (rank 0 only: the ranks' caches are equal)
         if getattr(args, "kv_events_config", None) and self.tree_cache.enabled and tp_rank == 0:
-            cfg = KVEventsConfig.parse(args.kv_events_config, args.host)
+            cfg = KVEventsConfig.parse(args.kv_events_config, args.host, args.dp_size).for_dp_rank(dp_rank)
             if cfg.enabled:
-                self.kv_events = self.tree_cache.events = KVEventPublisher(cfg, self.page_size)
+                self.kv_events = self.tree_cache.events = KVEventPublisher(
+                    cfg, self.page_size, dp_rank if args.dp_size > 1 else None)
         self.tokenizer = tokenizer if tokenizer is not None else load_stop_decoder(args.tokenizer or model_dir)
         self.priority = PriorityScheduling(args)  # --schedule-policy priority: order, preemption, full queue
         self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache, self.priority)

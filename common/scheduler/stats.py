@@ -27,6 +27,7 @@ def scheduler_stats(sched) -> dict[str, Any]:
     else:
         gen = 0.0
     return {
+        "dp_rank": sched.dp_rank,
         "num_running_reqs": sched.num_running_slots_used(),
         "num_waiting_reqs": len(sched.waiting_queue),
         "num_queue_reqs": sched.queue_counts(),

@@ -283,29 +283,34 @@ async def handle_health_generate(request: web.Request) -> web.Response:
         await tm.stats(timeout=20)
         return web.Response(status=200, text="")
     sp = tm.make_sampling({"max_new_tokens": 1, "temperature": 0.0}, 1)
-    treq = TokenizedRequest(rid="health-" + uuid.uuid4().hex, input_ids=[0], sampling=sp)
+    # one token on every DP group
+    treqs = [TokenizedRequest(rid="health-" + uuid.uuid4().hex, input_ids=[0], sampling=copy_of(sp, 0),
+                              data_parallel_rank=rank if tm.groups.size > 1 else None)
+             for rank in range(tm.groups.size)]
     try:
-        states, notify = tm.submit([treq], endpoint="health_generate")
+        states, notify = tm.submit(treqs, endpoint="health_generate")
     except QueueFull as e:  # the scheduler has not taken in what was sent to it yet
         return error_response(503, f"health generation not admitted: {e}")
-    st = states[0]
     try:
         deadline = time.time() + 60
-        while not st.finished and time.time() < deadline:
+        while not all(st.finished for st in states) and time.time() < deadline:
             try:
                 await asyncio.wait_for(tm.wait(states, notify), max(deadline - time.time(), 0.001))
             except TimeoutError:
                 break
-        if not st.finished:
-            tm.abort(st.rid, "health check timed out")
-            return error_response(503, "health generation did not finish within 60s")
-        if st.error_status == 429:  # the queue is full: the scheduler answered, so it is alive
-            return web.Response(status=200, text="")
-        if failed(st) or (st.finish_reason or {}).get("type") == "abort":
-            return error_response(503, f"health generation failed: {st.finish_reason}")
+        for st in states:
+            where = f" (DP group {st.dp_rank})" if tm.groups.size > 1 else ""
+            if not st.finished:
+                tm.abort(st.rid, "health check timed out")
+                return error_response(503, f"health generation did not finish within 60s{where}")
+            if st.error_status == 429:  # the queue is full: the scheduler answered, so it is alive
+                continue
+            if failed(st) or (st.finish_reason or {}).get("type") == "abort":
+                return error_response(503, f"health generation failed{where}: {st.finish_reason}")
         return web.Response(status=200, text="")
     finally:
-        tm.release(st, 200)
+        for st in states:
+            tm.release(st, 200)
 
 
 async def handle_models(request: web.Request) -> web.Response:
@@ -352,12 +357,16 @@ async def handle_server_info(request: web.Request) -> web.Response:
     if "kv_events_published" in stats:  # a KV event publisher runs (radix cache on): where routers subscribe
         from common.kv_events import KVEventsConfig
 
-        kv = KVEventsConfig.parse(args.kv_events_config, args.host)
+        kv = KVEventsConfig.parse(args.kv_events_config, args.host, args.dp_size)
         out.update(kv_events_endpoint=kv.endpoint, kv_events_replay_endpoint=kv.replay_endpoint or None,
                    kv_events_topic=kv.topic)
+        if args.dp_size > 1:  # each group publishes its own cache (`kv_events_endpoint` is group 0's)
+            groups = [kv.for_dp_rank(k) for k in range(args.dp_size)]
+            out.update(kv_events_endpoints=[g.endpoint for g in groups],
+                       kv_events_replay_endpoints=[g.replay_endpoint or None for g in groups])
     out.update(queue_figures(tm, stats))
     out["stats"] = stats
-    out["internal_states"] = [stats]
+    out["internal_states"] = stats.get("dp") or [stats]
     return web.json_response(out, dumps=dumps)
 
 
@@ -373,18 +382,21 @@ def queue_figures(tm: TokenizerManager, stats: dict[str, Any]) -> dict[str, int]
 
 
 async def handle_get_load(request: web.Request) -> web.Response:
+    """One entry per DP group (SGLang's shape): its requests (running, waiting in any queue, and on a
+    prefill node sending their KV), waiting ones, KV tokens in use and queue limit."""
     tm = request.app[TM_KEY]
     s = await tm.stats()
+    return web.json_response([_group_load(g, rank) for rank, g in enumerate(s.get("dp") or [s])])
+
+
+def _group_load(s: dict[str, Any], rank: int) -> dict[str, int]:
     running = int(s.get("num_running_reqs", 0))
     queues = s.get("num_queue_reqs") or {}
     held = int(queues.get("inflight", 0)) if isinstance(queues, dict) else 0  # prefill: sending its KV
-    q = queue_figures(tm, s)
-    waiting = q["num_queued_reqs"]  # every stage before running, the role's queues included
-    return web.json_response([{"dp_rank": 0, "num_reqs": running + waiting + held,
-                               "num_waiting_reqs": waiting,
-                               "num_tokens": int(s.get("num_tokens_used", 0)),
-                               "num_queued_reqs": waiting,
-                               "max_queued_requests": q["max_queued_requests"]}])
+    waiting = int(s.get("num_queued_reqs", 0))  # every stage before running, the role's queues included
+    return {"dp_rank": rank, "num_reqs": running + waiting + held, "num_waiting_reqs": waiting,
+            "num_tokens": int(s.get("num_tokens_used", 0)), "num_queued_reqs": waiting,
+            "max_queued_requests": int(s.get("max_queued_requests", 0))}
 
 
 async def handle_version(request: web.Request) -> web.Response:

@@ -150,12 +150,31 @@ def item_fields(args, req, n: int, batch: bool) -> list[dict[str, Any]]:
         check_role(args, host, port, room)
     if n > 1 and args.disaggregation_mode != "null" and not isinstance(req.bootstrap_room, list):
         raise BadRequest(f"`bootstrap_room` must be a list with one room per item for a batch of {n}")
+    dp_ranks = data_parallel_ranks(args, req.data_parallel_rank, rooms)
     prios = per_item(req.priority, n, "priority", batch)
     if req.priority is not None and args.schedule_policy != "priority":
         raise BadRequest("`priority` needs a node started with --schedule-policy priority; this node schedules "
                          f"by {args.schedule_policy} (leave `priority` out)")
-    return [{"rid": r, "bootstrap_host": h, "bootstrap_port": p, "bootstrap_room": room, "priority": prio or 0}
-            for r, h, p, room, prio in zip(rids, hosts, ports, rooms, prios, strict=True)]
+    return [{"rid": r, "bootstrap_host": h, "bootstrap_port": p, "bootstrap_room": room, "priority": prio or 0,
+             "data_parallel_rank": dp}
+            for r, h, p, room, prio, dp in zip(rids, hosts, ports, rooms, prios, dp_ranks, strict=True)]
+
+
+def data_parallel_ranks(args, rank: int | None, rooms: list[int | None]) -> list[int | None]:
+    """The DP group each item must run on: the request's `data_parallel_rank`, else (bootstrap_room mod
+    --dp-size) for an item with a PD rendezvous, as both sides of a transfer agree on it; None lets the
+    front end choose. A rank outside the node's groups, or one that contradicts the room, is refused."""
+    size = getattr(args, "dp_size", 1)
+    if rank is not None and rank >= size:
+        raise BadRequest(f"`data_parallel_rank` = {rank}, but this node has --dp-size {size} (ranks 0..{size - 1})")
+    out = []
+    for room in rooms:
+        by_room = room % size if room is not None else None
+        if rank is not None and by_room is not None and by_room != rank:
+            raise BadRequest(f"`data_parallel_rank` = {rank} contradicts `bootstrap_room` {room}: a PD request runs "
+                             f"on DP group bootstrap_room mod {size} = {by_room}")
+        out.append(rank if rank is not None else by_room)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- answering

@@ -1,10 +1,13 @@
-"""`launch_server(args)`: one node = this HTTP front-end process + one scheduler process per TP rank.
+"""`launch_server(args)`: one node = this HTTP front-end process + one scheduler process per TP rank
+of each DP group (--dp-size groups of --tp-size ranks).
 
 1. resolve the model directory (the default model is converted once into the cache);
-2. bind the ZMQ sockets, spawn `args.tp` scheduler processes (multiprocessing "spawn"), wait until
-   every rank reports ready (or exit with its error);
+2. bind the ZMQ sockets (one `to_scheduler` per DP group, one shared `from_scheduler`), spawn
+   `dp_size * tp` scheduler processes (multiprocessing "spawn"), wait until every rank reports ready
+   (or exit with its error);
 3. serve HTTP until SIGINT/SIGTERM: then abort running requests, stop the schedulers, exit 0.
-A scheduler process that dies while serving turns `/health` into 503 and fails live requests.
+A scheduler process that dies while serving turns `/health` into 503 and fails live requests (with
+several DP groups too: a node serves whole or not at all).
 
 Nothing between the front end and its ranks listens on the network: the two ZMQ ipc sockets and the
 torch.distributed rendezvous (a `file://` store) live in a run directory only this user can enter
@@ -56,15 +59,15 @@ def dist_init_method(run_dir: str, dist_port: int | None) -> str:
     return f"file://{run_dir}/dist_store"
 
 
-def _wait_ready(procs: list, conns: list, timeout: float) -> list[dict]:
+def _wait_ready(procs: list, conns: list, timeout: float, names: list[str]) -> list[dict]:
     """Wait for a ready message from every rank; raise LaunchError naming the rank that failed."""
     ready: dict[int, dict] = {}
     deadline = time.time() + timeout
     while len(ready) < len(procs):
         left = deadline - time.time()
         if left <= 0:
-            missing = [r for r in range(len(procs)) if r not in ready]
-            raise LaunchError(f"scheduler rank(s) {missing} not ready after {timeout:.0f}s")
+            missing = [names[r] for r in range(len(procs)) if r not in ready]
+            raise LaunchError(f"{', '.join(missing)} not ready after {timeout:.0f}s")
         waitables = []
         for r, (p, c) in enumerate(zip(procs, conns, strict=True)):
             if r not in ready:
@@ -79,13 +82,13 @@ def _wait_ready(procs: list, conns: list, timeout: float) -> list[dict]:
                 except EOFError:
                     msg = None
                 if not isinstance(msg, dict):
-                    raise LaunchError(f"scheduler rank {r} closed its ready pipe without a status")
+                    raise LaunchError(f"{names[r]} closed its ready pipe without a status")
                 if msg.get("status") != "ready":
-                    raise LaunchError(f"scheduler rank {r} failed to start: {msg.get('message', msg)}")
+                    raise LaunchError(f"{names[r]} failed to start: {msg.get('message', msg)}")
                 ready[r] = msg
-                logger.info("scheduler rank %d ready (pid %d)", r, p.pid)
+                logger.info("%s ready (pid %d)", names[r], p.pid)
             elif not p.is_alive():
-                raise LaunchError(f"scheduler rank {r} (pid {p.pid}) exited with code {p.exitcode} "
+                raise LaunchError(f"{names[r]} (pid {p.pid}) exited with code {p.exitcode} "
                                   "before it was ready; see its log above")
     return [ready[r] for r in range(len(procs))]
 
@@ -104,7 +107,7 @@ def _stop_procs(procs: list, grace: float = 10.0) -> None:
             p.join(5)
 
 
-async def _serve(args, tm, procs, model_dir: str, keys, ssl_context) -> None:
+async def _serve(args, tm, procs, names, model_dir: str, keys, ssl_context) -> None:
     from common.server.app import create_app
 
     loop = asyncio.get_running_loop()
@@ -119,15 +122,15 @@ async def _serve(args, tm, procs, model_dir: str, keys, ssl_context) -> None:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, ssl_context=ssl_context)
     await site.start()
-    logger.info("serving on %s://%s:%d (model %s, tp %d, mode %s, %r)", "https" if ssl_context else "http",
-                args.host, args.port, model_dir, args.tp, args.disaggregation_mode, keys)
+    logger.info("serving on %s://%s:%d (model %s, tp %d, dp %d, mode %s, %r)", "https" if ssl_context else "http",
+                args.host, args.port, model_dir, args.tp, args.dp_size, args.disaggregation_mode, keys)
 
     async def watch() -> None:
         while True:
             for r, p in enumerate(procs):
                 if not p.is_alive():
                     why = describe_exit(p.exitcode, args.watchdog_timeout) or f"exited with code {p.exitcode}"
-                    reason = f"scheduler rank {r} (pid {p.pid}) {why}"
+                    reason = f"{names[r]} (pid {p.pid}) {why}"
                     if tm.healthy:
                         logger.error("%s; /health now answers 503", reason)
                         tm.mark_dead(reason)
@@ -179,8 +182,10 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
         logger.error("%s", e)
         sys.exit(2)
     tmp = private_run_dir()
-    ipc = IpcConfig(to_scheduler=f"ipc://{tmp}/to_scheduler", from_scheduler=f"ipc://{tmp}/from_scheduler",
-                    dist_init_method=dist_init_method(tmp, args.dist_port))
+    ipcs = [IpcConfig(to_scheduler=f"ipc://{tmp}/to_scheduler{dp}", from_scheduler=f"ipc://{tmp}/from_scheduler",
+                      dist_init_method=dist_init_method(tmp, args.dist_port) if args.dp_size == 1
+                      else f"file://{tmp}/dist_store{dp}")
+            for dp in range(args.dp_size)]
     procs: list = []
     tm = None
     # a signal before we serve: stop cleanly too
@@ -192,23 +197,27 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
 
     old = {s: signal.signal(s, early) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        tm = TokenizerManager(args, model_dir, ipc.to_scheduler, ipc.from_scheduler)
+        tm = TokenizerManager(args, model_dir, [ipc.to_scheduler for ipc in ipcs], ipcs[0].from_scheduler)
         tm.tracer = make_tracer(args)
         ctx = mp.get_context("spawn")
-        conns = []
-        for rank in range(args.tp):
-            parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=run_scheduler_process, args=(args, model_dir, rank, ipc, child, scheduler_cls),
-                            name=f"pdserve-scheduler-{rank}", daemon=False)
-            p.start()
-            child.close()
-            procs.append(p)
-            conns.append(parent)
-            logger.info("started scheduler rank %d (pid %d)", rank, p.pid)
-        infos = _wait_ready(procs, conns, READY_TIMEOUT)
-        tm.configure(infos[0])
+        conns, names = [], []
+        for dp, ipc in enumerate(ipcs):
+            for rank in range(args.tp):
+                name = f"scheduler dp {dp} tp {rank}" if args.dp_size > 1 else f"scheduler rank {rank}"
+                parent, child = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=run_scheduler_process,
+                                args=(args, model_dir, rank, ipc, child, scheduler_cls, dp),
+                                name=f"pdserve-scheduler-{dp}-{rank}", daemon=False)
+                p.start()
+                child.close()
+                procs.append(p)
+                conns.append(parent)
+                names.append(name)
+                logger.info("started %s (pid %d)", name, p.pid)
+        infos = _wait_ready(procs, conns, READY_TIMEOUT, names)
+        tm.configure(infos[0], groups=infos[::args.tp])
         # the early handler stays until the event loop installs its own (no unguarded window)
-        asyncio.run(_serve(args, tm, procs, model_dir, keys, ssl_context))
+        asyncio.run(_serve(args, tm, procs, names, model_dir, keys, ssl_context))
         logger.info("stopped")
     except LaunchError as e:
         logger.error("%s", e)

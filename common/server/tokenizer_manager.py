@@ -5,15 +5,18 @@
   tokenized (and chat templates rendered, long outputs detokenized) on a thread pool, never on the
   event loop, so `/health` and other streams keep answering; a text too long to fit the context in
   any case is refused before it is tokenized;
-* `submit` registers the request states and sends them to scheduler rank 0 (ZMQ PUSH). It refuses
+* `submit` registers the request states and sends them to scheduler rank 0 (ZMQ PUSH) of the DP group
+  each is for (`common/server/data_parallel.py`; one group unless --dp-size). It refuses
   (`QueueFull`, HTTP 429) requests that would bring what is in the pipe to the scheduler and not yet
   admitted by it past --max-queued-requests; the scheduler admits or refuses (429) each request
   against its queues (`common/scheduler/intake.py: Admission`) and names the rids it admitted;
-* a background task reads `BatchOut`/`StatsReport` (ZMQ PULL) and updates the states: output ids,
+* a background task reads `BatchOut`/`StatsReport` (ZMQ PULL, shared by the groups) and updates the
+  states: output ids,
   incremental text, logprobs, finish reason; every state of one HTTP request shares one
   `asyncio.Event`, so a handler can wait for "something changed" across a batch;
 * `release` ends a request's life in the front end: a request that has not finished (its HTTP
   client went away, the handler failed) is aborted in the scheduler so its memory is freed.
+* queries (`stats`, `flush_cache`) go to every group; their answers are merged into one.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from common.protocol import (
     ToScheduler,
     convert,
 )
+from common.server.data_parallel import DPGroups, merge_stats
 from common.server.detokenizer import IncrementalDetokenizer, special_token_ids, token_texts
 from common.server.metrics import Metrics
 from common.tracing import incoming_traceparent
@@ -124,6 +128,7 @@ class ReqState:
     admitted: bool = False  # the scheduler took it in (its queue had room)
     detok_busy: bool = False  # a long update is being detokenized on the pool
     span: Any = None  # its span (--enable-trace), ended on release
+    dp_rank: int = 0  # the DP group running it
 
     @property
     def text(self) -> str:
@@ -135,8 +140,9 @@ class ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, args, model_dir: str, to_scheduler: str, from_scheduler: str,
+    def __init__(self, args, model_dir: str, to_scheduler: str | list[str], from_scheduler: str,
                  metrics: Metrics | None = None, tokenizer=None):
+        """`to_scheduler`: the address of each DP group's rank 0 (one string for a single group)."""
         self.args = args
         self.model_dir = model_dir
         self.tokenizer_path = args.tokenizer or model_dir
@@ -154,7 +160,9 @@ class TokenizerManager:
         self.node_info: dict[str, Any] = {}
         self.context_length = args.context_length or 0
         self.vocab_size = len(tokenizer)
-        self.queue_limit = args.queued_requests_limit  # --max-queued-requests
+        addrs = [to_scheduler] if isinstance(to_scheduler, str) else list(to_scheduler)
+        self.groups = DPGroups(len(addrs))
+        self.queue_limit = args.queued_requests_limit * len(addrs)  # --max-queued-requests per group
         self.max_token_chars = max_chars_per_token(tokenizer)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenizer")
         self.pending: set[str] = set()  # rids sent to the scheduler, neither admitted nor finished yet
@@ -162,10 +170,13 @@ class TokenizerManager:
         self.tracer = None  # common.tracing.Tracer with --enable-trace (set by launch)
         # ZMQ: a plain PUSH (sends never wait: NOBLOCK, unbounded queue) and an asyncio PULL
         self._ctx = zmq.Context()
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.bind(to_scheduler)
+        self._pushes = []
+        for addr in addrs:
+            push = self._ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.setsockopt(zmq.LINGER, 0)
+            push.bind(addr)
+            self._pushes.append(push)
         self._actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
         self._pull = self._actx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
@@ -178,7 +189,6 @@ class TokenizerManager:
         self._qids = itertools.count(1)
         self._recv_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
-        self.last_stats: dict[str, Any] = {}
         self._token_text_cache: dict[int, str] = {}
         # aborts of rids not (yet) here: a router abandons a leg whose request may still be on its way
         # (in the socket, or being tokenized); that request is ended on arrival instead of waiting out
@@ -187,8 +197,13 @@ class TokenizerManager:
         self.early_aborts_applied = 0
 
     # ------------------------------------------------------------------ lifecycle
-    def configure(self, ready: dict[str, Any]) -> None:
+    def configure(self, ready: dict[str, Any], groups: list[dict[str, Any]] | None = None) -> None:
+        """From rank 0's ready message (and with several DP groups, each group's rank 0's: the node's KV
+        tokens and running requests are their sums)."""
         self.node_info = dict(ready)
+        if groups and len(groups) > 1:
+            for key in ("max_total_tokens", "max_running_requests"):
+                self.node_info[key] = sum(int(g.get(key) or 0) for g in groups)
         self.context_length = int(ready.get("context_length") or self.context_length)
         mc = ready.get("model_config") or {}
         if mc.get("vocab_size"):
@@ -211,7 +226,8 @@ class TokenizerManager:
         if self._ctx.closed:
             return
         self._pull.close(0)
-        self._push.close(0)
+        for push in self._pushes:
+            push.close(0)
         self._ctx.term()
 
     @property
@@ -232,11 +248,11 @@ class TokenizerManager:
                 fut.set_exception(ServiceUnavailable(reason))
 
     # ------------------------------------------------------------------ ZMQ
-    def _send(self, msg: ToScheduler) -> None:
+    def _send(self, msg: ToScheduler, dp_rank: int = 0) -> None:
         if self.dead_reason is not None:
             raise ServiceUnavailable(self.dead_reason)
         try:
-            self._push.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+            self._pushes[dp_rank].send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
         except zmq.Again:
             raise ServiceUnavailable("the scheduler is not connected") from None
 
@@ -274,7 +290,6 @@ class TokenizerManager:
                                 self._finish(st, {"type": "abort", "message": "internal error in the front end"},
                                              500)
             elif isinstance(msg, StatsReport):
-                self.last_stats = msg.stats
                 fut = self._queries.pop(msg.qid, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg.stats)
@@ -499,8 +514,8 @@ class TokenizerManager:
         notify = asyncio.Event()
         states = []
         now = time.time()
-        for i, r in enumerate(reqs):
-            r.batch_size, r.batch_index = n, i
+        ranks = self._place(reqs)
+        for r, rank in zip(reqs, ranks, strict=True):
             sp = r.sampling
             detok = IncrementalDetokenizer(
                 self.tokenizer, r.input_ids, skip_special_tokens=sp.skip_special_tokens,
@@ -510,7 +525,7 @@ class TokenizerManager:
             st = ReqState(rid=r.rid, input_ids=r.input_ids, sampling=sp, detok=detok, notify=notify,
                           stream=r.stream, return_logprob=r.return_logprob, top_logprobs_num=r.top_logprobs_num,
                           return_text_in_logprobs=return_text_in_logprobs, endpoint=endpoint, created=now,
-                          prompt_tokens=len(r.input_ids))
+                          prompt_tokens=len(r.input_ids), dp_rank=rank)
             if self.tracer is not None:
                 st.span = self.tracer.start("request", incoming_traceparent.get(),
                                             {"pdserve.rid": r.rid, "pdserve.endpoint": endpoint}, start_time=now)
@@ -519,18 +534,18 @@ class TokenizerManager:
         early = self._take_early_abort(rids)
         if early is not None:  # aborted before it arrived: it ends here, the scheduler never sees it
             for st in states:
-                self.states[st.rid] = st
+                self._register(st)
                 self._finish(st, {"type": "abort", "message": early})
             logger.info("rid=%s aborted before it arrived (%s)", rids[0], early)
             return states, notify
         for st, r in zip(states, reqs, strict=True):
-            self.states[st.rid] = st
+            self._register(st)
             self.pending.add(st.rid)
             try:
-                self._send(r)
+                self._send(r, st.dp_rank)
             except ServiceUnavailable:
                 for s in states:
-                    self.states.pop(s.rid, None)
+                    self._unregister(s)
                     self.pending.discard(s.rid)
                 raise
         timeout = getattr(self.args, "request_timeout", None)
@@ -540,6 +555,25 @@ class TokenizerManager:
                 st.deadline = loop.call_later(timeout, self._expire, st, timeout)
         return states, notify
 
+    def _place(self, reqs: list[TokenizedRequest]) -> list[int]:
+        """The DP group of each request of one HTTP call; numbers the items each group gets as a batch
+        of its own (a group admits its items of the call together)."""
+        ranks = [self.groups.choose(r.data_parallel_rank) for r in reqs]
+        counts = collections.Counter(ranks)
+        seen: collections.Counter[int] = collections.Counter()
+        for r, rank in zip(reqs, ranks, strict=True):
+            r.batch_size, r.batch_index = counts[rank], seen[rank]
+            seen[rank] += 1
+        return ranks
+
+    def _register(self, st: ReqState) -> None:
+        self.states[st.rid] = st
+        self.groups.started(st.dp_rank)
+
+    def _unregister(self, st: ReqState) -> None:
+        if self.states.pop(st.rid, None) is not None:
+            self.groups.ended(st.dp_rank)
+
     def _expire(self, st: ReqState, timeout: float) -> None:
         """--request-timeout passed: abort the request in the scheduler and answer 504 now, whether or
         not the scheduler still answers (its later updates for this rid are ignored)."""
@@ -548,7 +582,7 @@ class TokenizerManager:
         message = f"request timed out after {timeout:g}s (--request-timeout)"
         logger.warning("rid=%s %s", st.rid, message)
         try:
-            self._send(AbortRequest(rid=st.rid, message=message))
+            self._send(AbortRequest(rid=st.rid, message=message), st.dp_rank)
         except ServiceUnavailable:
             pass
         self._finish(st, {"type": "abort", "message": message}, 504)
@@ -571,7 +605,7 @@ class TokenizerManager:
         if st.finished:
             return False
         try:
-            self._send(AbortRequest(rid=rid, message=message))
+            self._send(AbortRequest(rid=rid, message=message), st.dp_rank)
         except ServiceUnavailable:
             self._finish(st, {"type": "abort", "message": message})
         return True
@@ -605,12 +639,12 @@ class TokenizerManager:
             st.deadline.cancel()
         if not st.finished:
             try:
-                self._send(AbortRequest(rid=st.rid, message="client disconnected"))
+                self._send(AbortRequest(rid=st.rid, message="client disconnected"), st.dp_rank)
             except ServiceUnavailable:
                 pass
             self._finish(st, {"type": "abort", "message": "client disconnected"})
             status = 499
-        self.states.pop(st.rid, None)
+        self._unregister(st)
         self.pending.discard(st.rid)
         m = self.metrics
         m.requests.inc(endpoint=st.endpoint, status=str(status))
@@ -634,25 +668,33 @@ class TokenizerManager:
                     st.completion_tokens, st.cached_tokens, st.e2e_latency, fr.get("type"))
 
     # ------------------------------------------------------------------ queries
-    async def _query(self, msg_type, timeout: float) -> dict[str, Any]:
-        qid = next(self._qids)
-        fut = asyncio.get_running_loop().create_future()
-        self._queries[qid] = fut
+    async def _query(self, msg_type, timeout: float) -> list[dict[str, Any]]:
+        """Every DP group's answer to one query, in rank order."""
+        loop = asyncio.get_running_loop()
+        qids = [next(self._qids) for _ in self._pushes]
+        futs = [loop.create_future() for _ in qids]
+        self._queries.update(zip(qids, futs, strict=True))
         try:
-            self._send(msg_type(qid=qid))
-            return await asyncio.wait_for(fut, timeout)
+            for rank, qid in enumerate(qids):
+                self._send(msg_type(qid=qid), rank)
+            return list(await asyncio.wait_for(asyncio.gather(*futs), timeout))
         except TimeoutError:
-            raise ServiceUnavailable(f"the scheduler did not answer within {timeout:.0f}s") from None
+            late = [rank for rank, f in enumerate(futs) if not f.done()]
+            who = "the scheduler" if len(futs) == 1 else f"DP group(s) {late}"
+            raise ServiceUnavailable(f"{who} did not answer within {timeout:.0f}s") from None
         finally:
-            self._queries.pop(qid, None)
+            for qid in qids:
+                self._queries.pop(qid, None)
 
     async def stats(self, timeout: float = 10.0) -> dict[str, Any]:
-        stats = await self._query(StatsQuery, timeout)
+        stats = merge_stats(await self._query(StatsQuery, timeout))
         self.metrics.set_stats(stats)
         return stats
 
     async def flush_cache(self, timeout: float = 30.0) -> dict[str, Any]:
-        return await self._query(FlushCacheRequest, timeout)
+        """Flush every group's prefix cache; `flushed` only when each one did."""
+        answers = await self._query(FlushCacheRequest, timeout)
+        return {**merge_stats(answers), "flushed": all(a.get("flushed", True) for a in answers)}
 
     # ------------------------------------------------------------------ output helpers
     def token_texts(self, ids: list[int]) -> list[str]:

@@ -322,9 +322,11 @@ class PDPair:
         return {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port,
                 "bootstrap_room": next(_rooms) if room is None else room}
 
-    def generate(self, body: dict, timeout: float = 120.0) -> tuple[tuple[int, dict], tuple[int, dict]]:
-        """(prefill status, json), (decode status, json) of one request sent to both at once."""
-        full = self.body(body)
+    def generate(self, body: dict, timeout: float = 120.0,
+                 room: int | None = None) -> tuple[tuple[int, dict], tuple[int, dict]]:
+        """(prefill status, json), (decode status, json) of one request sent to both at once (with
+        `room`, else a fresh one)."""
+        full = self.body(body, room)
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
             fp = ex.submit(http_post, self.prefill.url + "/generate", full, None, timeout)
             fd = ex.submit(http_post, self.decode.url + "/generate", full, None, timeout)

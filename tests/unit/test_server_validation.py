@@ -229,8 +229,10 @@ def test_item_fields_of_a_batch():
     # what a PD router sends: a list of rooms, shared host and port, one rid for the batch
     req = CompletionRequest(prompt=["a", "b"], rid="r", bootstrap_host="h", bootstrap_port=1, bootstrap_room=[5, 6])
     assert item_fields(decode, req, 2, True) == [
-        {"rid": "r-0", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 5, "priority": 0},
-        {"rid": "r-1", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 6, "priority": 0}]
+        {"rid": "r-0", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 5, "priority": 0,
+         "data_parallel_rank": 0},
+        {"rid": "r-1", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 6, "priority": 0,
+         "data_parallel_rank": 0}]
     req.rid, req.bootstrap_host, req.bootstrap_port = ["x", "y"], ["h0", "h1"], [1, 2]
     assert [(f["rid"], f["bootstrap_host"], f["bootstrap_port"]) for f in item_fields(decode, req, 2, True)] == [
         ("x", "h0", 1), ("y", "h1", 2)]
