@@ -18,25 +18,15 @@ default cluster did better:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import os
 import shlex
 import signal
 import sys
-import time
 
 from bench.compare import start_colocated, stop_proc
 from bench.report import HelpFormatter, write_report
-from bench.serve import (
-    PromptMaker,
-    fetch_model_info,
-    format_summary,
-    random_dataset,
-    result_rows,
-    run_benchmark,
-    summarize,
-)
+from bench.serve import format_summary, measure_setup, setup_workload
 from deploy.cluster import Cluster
 
 SETUPS = ("colocated", "cluster", "cluster_unpinned")
@@ -92,14 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if not setups or set(setups) - set(SETUPS) or ns.num_prompts < 1:
         print(f"--setups must name some of {SETUPS}; --num-prompts must be >= 1", file=sys.stderr)
         return 2
-    from common.models.default_model import resolve_model_path
-
-    model_dir = resolve_model_path(ns.model)
-    cores = sorted(os.sched_getaffinity(0))
-    log_dir = ns.log_dir or os.path.join(os.getcwd(), "logs", time.strftime("placement-%Y%m%d-%H%M%S"))
-    os.makedirs(log_dir, exist_ok=True)
-    requests = random_dataset(PromptMaker(model_dir, ns.seed), ns.num_prompts, ns.random_input_len,
-                              ns.random_output_len, ns.random_range_ratio, "completions")
+    cores, log_dir, requests = setup_workload(ns, "placement")
     node_args = shlex.split(ns.node_args)
     # start_colocated reads these: the colocated node as `pdserve serve` starts it (every core's threads)
     ns.colocated_threads, ns.omp_wait_policy = None, ""
@@ -126,7 +109,7 @@ def _run_setups(setups, ns, cores, log_dir, requests, node_args) -> tuple[dict, 
         if name == "colocated":
             proc, url = start_colocated(ns, cores, log_dir)
             try:
-                runs[name] = _run(name, url, requests, ns)
+                runs[name] = measure_setup(name, url, requests, ns)
             finally:
                 stop_proc(proc)
             continue
@@ -135,19 +118,10 @@ def _run_setups(setups, ns, cores, log_dir, requests, node_args) -> tuple[dict, 
                           node_args=node_args, prefill_args=shlex.split(ns.prefill_args),
                           decode_args=shlex.split(ns.decode_args), startup_timeout=ns.startup_timeout)
         with cluster:
-            runs[name] = _run(name, cluster.url, requests, ns)
+            runs[name] = measure_setup(name, cluster.url, requests, ns)
             runs[name]["placement"] = {c.name: c.cores for c in cluster.children}
     load["end"] = round(os.getloadavg()[0], 2)
     return load, runs
-
-
-def _run(name: str, url: str, requests, ns) -> dict:
-    model = asyncio.run(fetch_model_info(url))[0]
-    print(f"[{name}] {len(requests)} requests against {url}", file=sys.stderr, flush=True)
-    results, duration = asyncio.run(run_benchmark(url, requests, model=model, max_concurrency=ns.max_concurrency,
-                                                  warmup=ns.warmup_requests, seed=ns.seed,
-                                                  progress=not ns.disable_tqdm))
-    return {"summary": summarize(results, duration), "requests": result_rows(results)}
 
 
 def _terminate(signum, _frame) -> None:

@@ -409,6 +409,34 @@ def result_rows(results: list[RequestResult]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+def setup_workload(ns: argparse.Namespace, bench: str) -> tuple[list[int], str, list[BenchRequest]]:
+    """What a bench that runs server setups one after the other starts with: the cores this process may
+    run on, its log folder (`--log-dir`, else ./logs/<bench>-<timestamp>) and `--num-prompts` random
+    completions of ns' lengths."""
+    import os
+
+    from common.models.default_model import resolve_model_path
+
+    model_dir = resolve_model_path(ns.model)
+    cores = sorted(os.sched_getaffinity(0))
+    log_dir = ns.log_dir or os.path.join(os.getcwd(), "logs", time.strftime(f"{bench}-%Y%m%d-%H%M%S"))
+    os.makedirs(log_dir, exist_ok=True)
+    requests = random_dataset(PromptMaker(model_dir, ns.seed), ns.num_prompts, ns.random_input_len,
+                              ns.random_output_len, ns.random_range_ratio, "completions")
+    return cores, log_dir, requests
+
+
+def measure_setup(name: str, url: str, requests: list[BenchRequest], ns: argparse.Namespace) -> dict:
+    """One setup's run of `requests` at `url` (ns: max_concurrency, warmup_requests, seed, disable_tqdm):
+    its summary and per-request rows."""
+    model = asyncio.run(fetch_model_info(url))[0]
+    print(f"[{name}] {len(requests)} requests against {url}", file=sys.stderr, flush=True)
+    results, duration = asyncio.run(run_benchmark(url, requests, model=model, max_concurrency=ns.max_concurrency,
+                                                  warmup=ns.warmup_requests, seed=ns.seed,
+                                                  progress=not ns.disable_tqdm))
+    return {"summary": summarize(results, duration), "requests": result_rows(results)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)

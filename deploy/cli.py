@@ -60,6 +60,7 @@ BENCHES = {
     "serve": "bench.serve",
     "compare": "bench.compare",
     "placement": "bench.placement",
+    "dp": "bench.dp",
     "quant": "bench.quant",
     "kv_routing": "bench.kv_routing",
     "retract": "bench.retract",

@@ -210,6 +210,10 @@ class RouterApp:
             except BadRequest as e:
                 trace.status = status = 400
                 return error_response(400, str(e))
+            if req.dp_rank is not None and not self.cfg.dp_aware:
+                trace.status = status = 400
+                return error_response(400, "`data_parallel_rank` needs a router started with --dp-aware (without "
+                                      "it a decode node places a request by its bootstrap_room)")
             if isinstance(req.client_rid, str):  # the body's rid names the request on every process
                 rid = request["request_id"] = req.client_rid
             resp = await self.dispatcher.handle(request, req, rid, trace)

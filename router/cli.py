@@ -15,7 +15,7 @@ from router.registry import check_worker_url
 POLICIES = ["random", "round_robin", "cache_aware", "power_of_two"]
 
 # sglang-router flags this router does not implement: parsed so the refusal names them, then refused
-_NOT_IMPLEMENTED = ("dp_aware", "enable_igw", "mini_lb", "cors_allowed_origins", "shutdown_grace_period_secs",
+_NOT_IMPLEMENTED = ("enable_igw", "mini_lb", "cors_allowed_origins", "shutdown_grace_period_secs",
               "prometheus_duration_buckets",
               "chat_template", "bucket_adjust_interval_secs", "max_idle_secs",
               "assignment_mode")
@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
       "--kv-events-config) and picks the one holding the longest prefix of the prompt's pages; workers without "
       "events keep the approximate tree. Needs the model's tokenizer (--tokenizer-path, --model-path, or the "
       "worker's /model_info tokenizer_path when that directory exists here)")
+    a("--dp-aware", action="store_true",
+      help="pick the DP group of each request on its decode worker (a node started with --dp-size): the group "
+      "with the fewest of this router's requests in flight, or the client's `data_parallel_rank`; the router "
+      "chooses the bootstrap_room so that (room mod dp_size) is that group and sends `data_parallel_rank` to the "
+      "decode leg. Without it the decode node places each request by its random room, and a client's "
+      "`data_parallel_rank` is refused")
     a("--kv-events-max-blocks", type=int, default=d.kv_events_max_blocks,
       help="most block hashes kept per worker (default: twice the worker's KV capacity in pages); a view that "
       "outgrows it is cleared and rebuilt from later events")
@@ -153,7 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--log-level", choices=["debug", "info", "warn", "error"], default=d.log_level, help="log level")
     a("--log-dir", default=None, help="also write the log to a file in this folder")
     # sglang-router flags not implemented here: parsed so the refusal names them (_NOT_IMPLEMENTED)
-    a("--dp-aware", action="store_true", help="sglang-router flag not implemented here (refused)")
     a("--enable-igw", action="store_true", help="sglang-router flag not implemented here (refused)")
     a("--cors-allowed-origins", nargs="*", default=[], help="sglang-router flag not implemented here (refused)")
     a("--shutdown-grace-period-secs", type=float, default=None,

@@ -368,12 +368,22 @@ class Dispatcher:
                 failure = Failure(503, str(e))
                 continue
             trace.prefill, trace.decode = p.url, d.url
+            if req.dp_rank is not None and req.dp_rank >= d.dp_size:
+                failure = Failure(400, f"`data_parallel_rank` = {req.dp_rank}, but decode worker {d.url} has "
+                                       f"{d.dp_size} DP group(s)")
+                break
             rids = new_rids(req, attempt, request_id)
-            payload, _ = inject(req, p, rids)
-            if req.stream:
-                result = await self._attempt_stream(request, req, p, d, payload, headers, rids, request_id, trace)
-            else:
-                result = await self._attempt_full(req, p, d, payload, headers, rids, request_id)
+            dp = (d.dp_start(req.dp_rank), d.dp_size) if self.cfg.dp_aware else None
+            payloads = inject(req, p, rids, dp)[:2]
+            try:
+                if req.stream:
+                    result = await self._attempt_stream(request, req, p, d, payloads, headers, rids, request_id,
+                                                        trace)
+                else:
+                    result = await self._attempt_full(req, p, d, payloads, headers, rids, request_id)
+            finally:
+                if dp is not None:
+                    d.dp_end(dp[0])
             if not isinstance(result, Failure):
                 trace.status = result.status
                 return result
@@ -406,10 +416,10 @@ class Dispatcher:
 
     # ------------------------------------------------------------------------------ non-streaming
 
-    async def _attempt_full(self, req, p, d, payload, headers, rids, request_id):
+    async def _attempt_full(self, req, p, d, payloads, headers, rids, request_id):
         path = req.path
-        p_task = self._start_leg(p, self._fetch(p, path, payload, headers))
-        d_task = self._start_leg(d, self._fetch(d, path, payload, headers))
+        p_task = self._start_leg(p, self._fetch(p, path, payloads[0], headers))
+        d_task = self._start_leg(d, self._fetch(d, path, payloads[1], headers))
         ids = rid_list(req, rids)
         try:
             done, _ = await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
@@ -445,13 +455,13 @@ class Dispatcher:
 
     # ------------------------------------------------------------------------------ streaming
 
-    async def _attempt_stream(self, request, req, p, d, payload, headers, rids, request_id, trace):
+    async def _attempt_stream(self, request, req, p, d, payloads, headers, rids, request_id, trace):
         path = req.path
         ids = rid_list(req, rids)
-        p_task = self._start_leg(p, self._fetch(p, path, payload, headers))
+        p_task = self._start_leg(p, self._fetch(p, path, payloads[0], headers))
         d.active += 1
         d.requests += 1
-        d_task = asyncio.get_running_loop().create_task(self._open_stream(d, path, payload, headers))
+        d_task = asyncio.get_running_loop().create_task(self._open_stream(d, path, payloads[1], headers))
         resp = None
         clean = False
         upstream_broken = False

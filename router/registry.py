@@ -120,9 +120,13 @@ def worker_id(url: str) -> str:
     return hashlib.sha1(url.encode()).hexdigest()[:12]
 
 
+MAX_DP_SIZE = 1024  # the largest dp_size a worker may report (as `data_parallel_rank` is bounded)
+
+
 class Worker:
     __slots__ = ("id", "url", "kind", "bootstrap_host", "bootstrap_port", "healthy", "breaker", "active",
-                 "load", "server_info", "model_info", "fail_streak", "ok_streak", "requests", "errors")
+                 "load", "server_info", "model_info", "fail_streak", "ok_streak", "requests", "errors", "dp_active",
+                 "dp_next")
 
     def __init__(self, url: str, kind: str, bootstrap_port: int | None, cfg: RouterConfig):
         self.id = worker_id(url)
@@ -140,10 +144,35 @@ class Worker:
         self.ok_streak = 0
         self.requests = 0
         self.errors = 0
+        self.dp_active: list[int] = []  # --dp-aware: requests in flight per DP group of a decode worker
+        self.dp_next = 0  # where the search for the least busy group starts (ties go round the groups)
 
     @property
     def available(self) -> bool:
         return self.healthy and self.breaker.allow()
+
+    @property
+    def dp_size(self) -> int:
+        """The worker's DP groups (its /server_info `dp_size`; 1 when it names none or a value out of range)."""
+        n = self.server_info.get("dp_size", 1)
+        return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_DP_SIZE else 1
+
+    def dp_start(self, rank: int | None) -> int:
+        """--dp-aware: the DP group a request goes to (`rank` when the client named one, else the group
+        with the fewest of this router's requests in flight, ties in turn), counted until `dp_end`."""
+        n = self.dp_size
+        if len(self.dp_active) != n:  # first use, or the worker restarted with another dp_size
+            self.dp_active = [0] * n
+        if rank is None:
+            order = [(self.dp_next + i) % n for i in range(n)]
+            rank = min(order, key=self.dp_active.__getitem__)
+            self.dp_next = (rank + 1) % n
+        self.dp_active[rank] += 1
+        return rank
+
+    def dp_end(self, rank: int) -> None:
+        if rank < len(self.dp_active):
+            self.dp_active[rank] -= 1
 
     def describe(self) -> dict:
         return {"id": self.id, "url": self.url, "worker_type": self.kind, "bootstrap_port": self.bootstrap_port,
@@ -151,7 +180,8 @@ class Worker:
                 "circuit_breaker": self.breaker.state, "active_requests": self.active, "load": self.load,
                 "requests": self.requests, "errors": self.errors,
                 "model_path": self.model_info.get("model_path") or self.server_info.get("model_path"),
-                "disaggregation_mode": self.server_info.get("disaggregation_mode")}
+                "disaggregation_mode": self.server_info.get("disaggregation_mode"), "dp_size": self.dp_size,
+                **({"dp_active_requests": list(self.dp_active)} if self.dp_active else {})}
 
 
 class RegistryError(Exception):

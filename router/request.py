@@ -27,7 +27,7 @@ from router.registry import Worker
 
 _TYPES = {"/generate": GenerateRequest, "/v1/completions": CompletionRequest,
           "/v1/chat/completions": ChatCompletionRequest}
-_INJECTED = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+_INJECTED = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank")
 _NO_LIMIT = 2**31 - 1  # max_new_tokens checked here when the client set none (the node knows the context)
 _encode = msgspec.json.encode
 
@@ -42,6 +42,7 @@ class ParsedRequest:
     batch: int | None  # number of inputs when the request is a batch
     client_rid: str | list[str] | None
     text: str | None  # for cache_aware
+    dp_rank: int | None = None  # the client's `data_parallel_rank` (with --dp-aware: the decode group)
 
 
 def _ids_text(ids) -> str:
@@ -125,7 +126,8 @@ def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
         batch = (batch or 1) * n
     if isinstance(req.rid, list) and len(req.rid) != (batch or 1):
         raise BadRequest(f"`rid` list has {len(req.rid)} entries for a batch of {batch or 1}")
-    return ParsedRequest(path, body, obj, req.stream, bool(return_logprob), batch, req.rid, text)
+    return ParsedRequest(path, body, obj, req.stream, bool(return_logprob), batch, req.rid, text,
+                         req.data_parallel_rank)
 
 
 def new_rids(req: ParsedRequest, attempt: int = 0, request_id: str | None = None) -> str | list[str]:
@@ -148,22 +150,34 @@ def rid_list(req: ParsedRequest, rids: str | list[str]) -> list[str]:
     return [rids] if req.batch is None else item_rids(rids, req.batch)
 
 
-def _rooms(n: int) -> list[int]:
-    rooms = {random.getrandbits(63) for _ in range(n)}
+def _room(dp: tuple[int, int] | None) -> int:
+    """A random room; with `dp` = (rank, size), one the decode node places on DP group `rank` (room mod size)."""
+    if dp is None:
+        return random.getrandbits(63)
+    rank, size = dp
+    room = random.getrandbits(62)
+    return room - room % size + rank
+
+
+def _rooms(n: int, dp: tuple[int, int] | None) -> list[int]:
+    rooms = {_room(dp) for _ in range(n)}
     while len(rooms) < n:
-        rooms.add(random.getrandbits(63))
+        rooms.add(_room(dp))
     return list(rooms)
 
 
-def inject(req: ParsedRequest, prefill: Worker, rids: str | list[str]) -> tuple[bytes, int | list[int]]:
-    """The client's JSON with bootstrap_host/port/room and rid set; returns (bytes, room(s))."""
+def inject(req: ParsedRequest, prefill: Worker, rids: str | list[str],
+           dp: tuple[int, int] | None = None) -> tuple[bytes, bytes, int | list[int]]:
+    """The client's JSON with bootstrap_host/port/room and rid set: (the prefill leg's bytes, the decode
+    leg's, the room(s)). With `dp` = (rank, size) (--dp-aware) the rooms fall on the decode node's DP
+    group `rank` and the decode leg names it in `data_parallel_rank`; the prefill leg never carries one."""
     n = req.batch
     if n is None:
-        room = random.getrandbits(63)
+        room = _room(dp)
         extra = {"bootstrap_host": prefill.bootstrap_host, "bootstrap_port": prefill.bootstrap_port,
                  "bootstrap_room": room}
     else:
-        room = _rooms(n)
+        room = _rooms(n, dp)
         extra = {"bootstrap_host": [prefill.bootstrap_host] * n, "bootstrap_port": [prefill.bootstrap_port] * n,
                  "bootstrap_room": room}
     obj = req.obj
@@ -171,11 +185,13 @@ def inject(req: ParsedRequest, prefill: Worker, rids: str | list[str]) -> tuple[
         extra["rid"] = rids
     if any(k in obj for k in _INJECTED) or ("rid" in extra and "rid" in obj):
         merged = dict(obj)
+        merged.pop("data_parallel_rank", None)
         merged.update(extra)
-        return _encode(merged), room
-    # splice the fields in before the closing brace: no re-encoding of a possibly large prompt
-    body = req.body.rstrip()
-    tail = _encode(extra)
-    if obj:
-        return b"".join((body[:-1], b",", tail[1:])), room
-    return tail, room
+        payload = _encode(merged)
+    elif obj:  # splice the fields in before the closing brace: no re-encoding of a possibly large prompt
+        payload = b"".join((req.body.rstrip()[:-1], b",", _encode(extra)[1:]))
+    else:
+        payload = _encode(extra)
+    if dp is None:
+        return payload, payload, room
+    return payload, b"".join((payload[:-1], b',"data_parallel_rank":', str(dp[0]).encode(), b"}")), room

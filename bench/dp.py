@@ -1,0 +1,104 @@
+"""`pdserve bench dp`: one `pdserve serve` node with --dp-size N against the same node with one scheduler
+group, on the same cores, one after the other in one run, under the same serving workload.
+
+Workload: the 16-concurrent shape of issue 19's side-by-side runs (random prompts of 128-256 tokens, 64
+output tokens, at most 16 in flight; `--num-prompts` and the length flags change it). The one-group node
+runs as `pdserve serve` starts it (every core's torch threads in one scheduler); the DP node splits the
+cores between its groups (`common/scheduler/process.py: group_cores`), one group's threads per share.
+
+`--json` has each setup's summary (TTFT/TPOT/ITL/E2E, throughput) and the ratios, DP ÷ one group,
+higher = DP did better:
+  dp_output_throughput   output tokens per second
+  dp_tpot_p50            one group's median TPOT / DP's
+  dp_ttft_p99            one group's TTFT p99 / DP's
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from bench.compare import start_colocated, stop_proc
+from bench.report import HelpFormatter, write_report
+from bench.serve import format_summary, measure_setup, setup_workload
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench dp", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    a = p.add_argument
+    a("--model", default="default", help="model of both setups ('default' or a directory)")
+    a("--dp-size", type=int, default=2, help="scheduler groups of the DP setup")
+    a("--num-prompts", type=int, default=48, help="requests per setup")
+    a("--random-input-len", type=int, default=256, help="longest prompt (tokens)")
+    a("--random-output-len", type=int, default=64, help="output tokens of every request")
+    a("--random-range-ratio", type=float, default=0.5, help="prompt lengths drawn from [len * ratio, len]")
+    a("--max-concurrency", type=int, default=16, help="most requests in flight")
+    a("--warmup-requests", type=int, default=2, help="requests sent and discarded before each measured run")
+    a("--node-args", default="", help="flags for both nodes, one string")
+    a("--setups", default="dp1,dpN", help="which setups to run, comma-separated: dp1 (one group), dpN (--dp-size)")
+    a("--seed", type=int, default=1, help="seed of prompts")
+    a("--startup-timeout", type=float, default=900.0, help="seconds for a node to become healthy")
+    a("--log-dir", default=None, help="the nodes' logs (default ./logs/dp-<timestamp>)")
+    a("--disable-tqdm", action="store_true", help="no progress bar")
+    a("--json", default=None, help="write the report here")
+    return p
+
+
+def compute_ratios(s: dict[str, dict], dp: str) -> dict[str, float]:
+    one, many = s.get("dp1"), s.get(dp)
+    if not one or not many:
+        return {}
+    pairs = {"dp_output_throughput": (many["output_throughput"], one["output_throughput"]),
+             "dp_tpot_p50": (one["tpot_ms"]["p50"], many["tpot_ms"]["p50"]),
+             "dp_ttft_p99": (one["ttft_ms"]["p99"], many["ttft_ms"]["p99"])}
+    out = {}
+    for key, (num, den) in pairs.items():
+        if num is not None and den and math.isfinite(num / den):
+            out[key] = num / den
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ns = build_parser().parse_args(argv)
+    setups = [x for x in ns.setups.split(",") if x]
+    if ns.dp_size < 2 or ns.num_prompts < 1 or not setups or set(setups) - {"dp1", "dpN"}:
+        print("--dp-size must be >= 2, --num-prompts >= 1 and --setups some of dp1,dpN", file=sys.stderr)
+        return 2
+    cores, log_dir, requests = setup_workload(ns, "dp")
+    for r in requests:  # every request decodes the same number of tokens: the setups' work is equal
+        r.output_len = ns.random_output_len
+    dp = f"dp{ns.dp_size}"
+    base_args = ns.node_args
+    runs = {}
+    for name, size in (("dp1", 1), (dp, ns.dp_size)):
+        if ("dp1" if size == 1 else "dpN") not in setups:
+            continue
+        setup = argparse.Namespace(**vars(ns))
+        setup.node_args = f"{base_args} --dp-size {size}"
+        # threads per rank: every core in the one group; a core share per group with DP
+        setup.colocated_threads = max(1, len(cores) // size)
+        setup.omp_wait_policy = ""
+        print(f"\n[{name}] on cores {cores}, {setup.colocated_threads} torch threads per group", file=sys.stderr,
+              flush=True)
+        os.makedirs(os.path.join(log_dir, name), exist_ok=True)
+        proc, url = start_colocated(setup, cores, os.path.join(log_dir, name))
+        try:
+            runs[name] = measure_setup(name, url, requests, ns)
+        finally:
+            stop_proc(proc)
+    summaries = {name: run["summary"] for name, run in runs.items()}
+    for name, s in summaries.items():
+        print(format_summary(name, s))
+    ratios = compute_ratios(summaries, dp)
+    figures = {"config": {**vars(ns), "argv": argv, "cores": cores}, "runs": runs, "log_dir": log_dir,
+               "load_average_1m": round(os.getloadavg()[0], 2)}
+    write_report(ns.json, "dp", figures, ratios)
+    return 0 if all(s["completed"] == ns.num_prompts for s in summaries.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""--dp-size 2: a colocated node and a decode node with two scheduler groups behind one front end, and the
+router's --dp-aware in front of the decode node.
+
+* colocated: greedy answers equal a one-group node's; requests spread over both groups (or go to the
+  one `data_parallel_rank` names); /get_load, /server_info, /health_generate and /flush_cache cover both
+  groups; each group publishes its own KV events (its own port, its rank in every batch);
+* PD, prefill and decode both --dp-size 2: a request runs on group bootstrap_room mod 2 of each node
+  (the decode group reads from the prefill group of the same room), answers as colocated, and every
+  group ends with the pages and slots it started with;
+* router: with --dp-aware the router balances the decode groups itself (and honours a client's
+  `data_parallel_rank`); without it a client's `data_parallel_rank` is refused.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import msgspec
+import pytest
+import zmq
+
+from common.kv_events import KVEventBatch
+from tests.harness.client import error_message, free_port, http_get, http_post, wait_until
+from tests.harness.pd import BASE, FAST_ENV, assert_restored, colocated_tokens, greedy, make_prompts
+
+
+def group_stat(node, key: str) -> list:
+    return [g[key] for g in node.stats()["dp"]]
+
+
+def generate(url: str, body: dict) -> tuple[int, dict]:
+    code, raw = http_post(url + "/generate", body)
+    return code, json.loads(raw)
+
+
+@pytest.fixture(scope="module")
+def dp_node(pd_model_dir, module_launcher):
+    port = free_port()
+    return module_launcher.colocated(pd_model_dir, env=FAST_ENV, dp_size=2, kv_events_config=json.dumps(
+        {"endpoint": f"tcp://127.0.0.1:{port}"}), **BASE)
+
+
+def test_colocated_groups_answer_as_one_node(dp_node, colocated, pd_tok):
+    prompts = make_prompts(pd_tok, 8, seed=5, lo=3, hi=80)
+    want = colocated_tokens(colocated, prompts)
+    before = group_stat(dp_node, "total_prompt_tokens")
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        answers = list(ex.map(lambda p: generate(dp_node.url, {"input_ids": p, "sampling_params": greedy()}), prompts))
+    for (code, body), w in zip(answers, want, strict=True):
+        assert code == 200, body
+        assert body["output_ids"] == w
+    after = group_stat(dp_node, "total_prompt_tokens")
+    assert all(a > b for a, b in zip(after, before, strict=True)), f"both groups prefill: {before} -> {after}"
+    assert sum(after) - sum(before) == sum(map(len, prompts))
+
+
+def test_data_parallel_rank_picks_the_group(dp_node):
+    before = group_stat(dp_node, "total_prompt_tokens")
+    code, body = generate(dp_node.url, {"input_ids": [5, 6, 7], "data_parallel_rank": 1,
+                                        "sampling_params": greedy(3)})
+    assert code == 200, body
+    after = group_stat(dp_node, "total_prompt_tokens")
+    assert (after[0] - before[0], after[1] - before[1]) == (0, 3)
+    code, raw = http_post(dp_node.url + "/v1/completions", {"prompt": [5, 6], "max_tokens": 2,
+                                                             "data_parallel_rank": 2})
+    assert code == 400 and "`data_parallel_rank` = 2" in error_message(raw), raw
+
+
+def test_node_routes_cover_every_group(dp_node):
+    code, raw = http_get(dp_node.url + "/get_load")
+    assert code == 200
+    assert [e["dp_rank"] for e in json.loads(raw)] == [0, 1]
+    code, raw = http_get(dp_node.url + "/server_info")
+    info = json.loads(raw)
+    assert info["dp_size"] == 2 and len(info["internal_states"]) == 2
+    assert info["max_total_num_tokens"] == 2 * BASE["max_total_tokens"]
+    assert len(info["kv_events_endpoints"]) == 2
+    forwards = group_stat(dp_node, "forward_ct")
+    code, _ = http_get(dp_node.url + "/health_generate")
+    assert code == 200
+    assert all(a > b for a, b in zip(group_stat(dp_node, "forward_ct"), forwards, strict=True))
+    code, raw = http_post(dp_node.url + "/flush_cache", b"")
+    assert code == 200 and json.loads(raw)["flushed"] is True, raw
+    assert group_stat(dp_node, "radix_cache_tokens") == [0, 0]
+
+
+def test_each_group_publishes_its_own_kv_events(dp_node):
+    info = json.loads(http_get(dp_node.url + "/server_info")[1])
+    ctx = zmq.Context()
+    subs = []
+    try:
+        for endpoint in info["kv_events_endpoints"]:
+            s = ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.connect(endpoint)
+            subs.append(s)
+        seen: dict[int, set] = {0: set(), 1: set()}
+        decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+
+        def drain() -> bool:
+            for k, s in enumerate(subs):
+                while s.poll(0):
+                    _, _, payload = s.recv_multipart()
+                    seen[k].add(decode(payload).data_parallel_rank)
+            return bool(seen[0] and seen[1])
+
+        def poke() -> bool:  # the subscriptions take a moment to join: send until each group's batch arrives
+            for rank in (0, 1):
+                generate(dp_node.url, {"input_ids": list(range(40 + rank, 60 + rank)), "data_parallel_rank": rank,
+                                       "sampling_params": greedy(2)})
+            return drain()
+
+        wait_until(poke, timeout=30, what="a KV event batch from each group", interval=0.2)
+        assert seen == {0: {0}, 1: {1}}
+    finally:
+        for s in subs:
+            s.close(0)
+        ctx.term()
+
+
+# ---------------------------------------------------------------------------------------------- PD
+@pytest.fixture(scope="module")
+def dp_pair(pd_model_dir, module_launcher):
+    return module_launcher.pair(pd_model_dir, "mooncake", settings={**BASE, "dp_size": 2})
+
+
+def test_groups_take_rooms_mod_two_on_both_sides(dp_pair, colocated, pd_tok):
+    start = dp_pair.start_counts()
+    prompts = make_prompts(pd_tok, 6, seed=7, lo=3, hi=70)
+    want = colocated_tokens(colocated, prompts)
+    rooms = [1001, 1003, 1005, 1007, 2000, 2002]  # four on group 1, two on group 0
+    prefilled = group_stat(dp_pair.prefill, "total_prompt_tokens")
+    decoded = group_stat(dp_pair.decode, "total_generated_tokens")
+    for p, w, room in zip(prompts, want, rooms, strict=True):
+        (ps, pb), (ds, db) = dp_pair.generate({"input_ids": p, "sampling_params": greedy()}, room=room)
+        assert ps == 200 and ds == 200, (pb, db)
+        assert db["output_ids"] == w
+    for node, key, before, per_request in ((dp_pair.prefill, "total_prompt_tokens", prefilled, list(map(len, prompts))),
+                                           (dp_pair.decode, "total_generated_tokens", decoded,
+                                            [len(w) - 1 for w in want])):
+        after = group_stat(node, key)
+        assert [after[k] - before[k] for k in (0, 1)] == [sum(per_request[4:]), sum(per_request[:4])], node.role
+    bad = dp_pair.body({"input_ids": [1, 2, 3], "data_parallel_rank": 0, "sampling_params": greedy(2)}, room=7)
+    code, raw = http_post(dp_pair.decode.url + "/generate", bad)
+    assert code == 400 and "contradicts `bootstrap_room` 7" in error_message(raw), raw
+    assert_restored((dp_pair.prefill, start[0]), (dp_pair.decode, start[1]))
+
+
+def test_dp_aware_router_balances_the_decode_groups(dp_pair, module_launcher, pd_tok):
+    router = module_launcher.router([dp_pair.prefill], [dp_pair.decode], "--dp-aware")
+    before = group_stat(dp_pair.decode, "total_generated_tokens")
+    prompts = make_prompts(pd_tok, 8, seed=9, lo=3, hi=40)
+    for p in prompts:  # one at a time: the groups take turns
+        code, _, raw = router.post("/generate", {"input_ids": p, "sampling_params": greedy(4)})
+        assert code == 200, raw
+    after = group_stat(dp_pair.decode, "total_generated_tokens")
+    assert [a - b for a, b in zip(after, before, strict=True)] == [12, 12]  # 4 requests x 3 decoded tokens each
+    code, _, raw = router.post("/generate", {"input_ids": [3, 4, 5], "data_parallel_rank": 1,
+                                          "sampling_params": greedy(4)})
+    assert code == 200, raw
+    assert group_stat(dp_pair.decode, "total_generated_tokens")[1] == after[1] + 3
+    code, _, raw = router.post("/generate", {"input_ids": [3, 4, 5], "data_parallel_rank": 2})
+    assert code == 400 and "`data_parallel_rank` = 2" in error_message(raw), raw
+    plain = module_launcher.router([dp_pair.prefill], [dp_pair.decode])
+    code, _, raw = plain.post("/generate", {"input_ids": [3, 4, 5], "data_parallel_rank": 1})
+    assert code == 400 and "--dp-aware" in error_message(raw), raw
+
+
+# ---------------------------------------------------------------------------------------------- bench
+def test_bench_dp_ratios_are_dp_over_one_group():
+    from bench import dp
+
+    one = {"output_throughput": 40.0, "tpot_ms": {"p50": 90.0}, "ttft_ms": {"p99": 800.0}}
+    two = {"output_throughput": 60.0, "tpot_ms": {"p50": 60.0}, "ttft_ms": {"p99": 1000.0}}
+    assert dp.compute_ratios({"dp1": one, "dp2": two}, "dp2") == {
+        "dp_output_throughput": 1.5, "dp_tpot_p50": 1.5, "dp_ttft_p99": 0.8}
+    assert dp.compute_ratios({"dp2": two}, "dp2") == {}
+    assert dp.main(["--dp-size", "1"]) == 2 and dp.main(["--setups", "dp3"]) == 2
+
+
+def test_bench_dp_runs_the_dp_setup(pd_model_dir, tmp_path):
+    """The DP setup end to end (the one-group setup is `pdserve serve` as every other bench starts it)."""
+    from bench import dp
+
+    out = tmp_path / "dp.json"
+    rc = dp.main(["--model", pd_model_dir, "--num-prompts", "4", "--random-input-len", "24", "--random-output-len",
+                  "5", "--max-concurrency", "4", "--warmup-requests", "0", "--disable-tqdm", "--setups", "dpN",
+                  "--node-args", "--max-total-tokens 2048 --page-size 4", "--log-dir", str(tmp_path / "logs"),
+                  "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    s = report["figures"]["runs"]["dp2"]["summary"]
+    assert (s["completed"], s["failed"], s["total_output_tokens"]) == (4, 0, 20)
