@@ -56,8 +56,8 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [random_prompt(5 + (17 * i + seed) % 71, seed * 100 + i) for i in range(n)]
 
 
-def _pair(launcher: Launcher, model: str, backend: str, prefill_tp: int = 1) -> PDPair:
-    settings = {"chunked_prefill_size": CHUNK}
+def _pair(launcher: Launcher, model: str, backend: str, prefill_tp: int = 1, dp_size: int = 1) -> PDPair:
+    settings = {"chunked_prefill_size": CHUNK, "dp_size": dp_size}
     return launcher.pair(model, backend, prefill_tp=prefill_tp, decode_tp=1, prefill_settings=settings,
                          decode_settings=settings)
 
@@ -77,7 +77,8 @@ def _check_greedy(pair: PDPair, hf, ps: list[list[int]], n: int = 8) -> None:
 
 @pytest.fixture(scope="module", params=backend_params("mooncake", "nixl", "ucx"))
 def qwen35_pair(request, qwen35, module_launcher):
-    pair = _pair(module_launcher, qwen35[0], request.param)
+    # ucx: both nodes with two DP groups (consecutive rooms alternate between them)
+    pair = _pair(module_launcher, qwen35[0], request.param, dp_size=2 if request.param == "ucx" else 1)
     yield pair
     pair.stop()  # now, not at the end of the module: one backend's pair at a time
 

@@ -2,12 +2,15 @@
 (many prompts, several chunks, concurrent requests, seeded sampling, logprobs), the PD stats, aborts at
 every stage, retraction on a decode node short of KV, a killed peer, and the real sglang-router in front.
 
-Each backend runs with its own TP layout, so between them the three cover 1->1, 2->1 and 1->2:
+Each backend runs with its own TP and DP layout, so between them the three cover 1->1, 2->1 and 1->2,
+and data parallelism on each side:
 
-    mooncake  prefill tp 1 -> decode tp 1
+    mooncake  prefill tp 1 -> decode tp 1, the decode node with two DP groups (--dp-size 2)
     nixl      prefill tp 2 -> decode tp 1, a decode KV pool of 256 tokens with almost no decode
               headroom (concurrent requests must retract)
-    ucx       prefill tp 1 -> decode tp 2
+    ucx       prefill tp 1 with two DP groups -> decode tp 2
+
+(The pair sends consecutive rooms, so consecutive requests alternate between the DP groups.)
 
 Every test runs on all three unless its `@on(...)` says otherwise, and why. One pair per backend is
 shared by the module; after every test that does not kill a node both nodes are back at their starting
@@ -37,13 +40,14 @@ from tests.harness.pd import (
 # the TP-1 decode nodes run overlap scheduling (--enable-overlap-schedule): their answers are
 # compared with a colocated node's, which runs every step in sequence
 SETUPS = {
-    "mooncake": {"decode_settings": {"enable_overlap_schedule": True}},
+    "mooncake": {"decode_settings": {"enable_overlap_schedule": True, "dp_size": 2}},
     # the decode's host KV store is off: its retracted requests re-prefill (tests/pd/test_pd_offload.py
     # has the store on)
     "nixl": {"prefill_tp": 2, "decode_settings": {"max_total_tokens": 256, "num_reserved_decode_tokens": 4,
                                                   "decode_offload_size": 0, "enable_overlap_schedule": True}},
     # the TP-2 decode node speculates (--speculative-algorithm NGRAM): greedy answers stay the colocated ones
-    "ucx": {"decode_tp": 2, "decode_settings": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}},
+    "ucx": {"decode_tp": 2, "prefill_settings": {"dp_size": 2},
+            "decode_settings": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}},
 }
 
 
@@ -82,6 +86,8 @@ def test_greedy_matches_colocated(pair, colocated, pd_tok, restored):
         assert pb["output_ids"] == w[:1]  # the prefill's answer: its first token
         assert db["output_ids"] == w, len(p)
         assert db["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    for node in pair.servers():  # a node with DP groups ran these requests on every group
+        assert all(g["forward_ct"] > 0 for g in node.stats().get("dp", [])), node.role
 
 
 @on("mooncake", "nixl")  # ucx's decode node speculates: it keeps the distribution, not a seed's exact draws
