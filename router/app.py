@@ -109,14 +109,13 @@ class RouterApp:
                     policy.forget(url)
         if self.kv_index is not None:
             prefill = {w.url for w in self.registry.prefill}
-            for url in list(self.kv_index.views):
-                if url not in prefill:
-                    self.kv_index.unsubscribe(url)
+            for url in self.kv_index.urls() - prefill:
+                self.kv_index.unsubscribe(url)
 
     async def _admit_prefill(self, w) -> None:
         """--kv-events: follow the worker's events (when it names an endpoint); load the tokenizer once."""
-        view = self.kv_index.subscribe(w.url, w.server_info)
-        if view is None:
+        views = self.kv_index.subscribe(w.url, w.server_info)
+        if not views:
             log.warning("prefill worker %s publishes no KV events (start it with --kv-events-config): it is "
                         "routed by the approximate tree", w.url)
             return
@@ -244,9 +243,11 @@ class RouterApp:
 
     def _describe(self, w) -> dict:
         d = w.describe()
-        view = self.kv_index.view(w.url) if self.kv_index is not None else None
-        if view is not None:
-            d["kv_events"] = view.describe()
+        views = self.kv_index.views_of(w.url) if self.kv_index is not None else []
+        if len(views) == 1:
+            d["kv_events"] = views[0].describe()
+        elif views:  # a view per DP group
+            d["kv_events"] = [v.describe() for v in views]
         return d
 
     async def add_worker(self, request):

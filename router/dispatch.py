@@ -22,7 +22,7 @@ from router.config import RouterConfig
 from router.metrics import Metrics
 from router.policies import Policy
 from router.registry import Registry, Worker
-from router.request import ParsedRequest, inject, new_rids, rid_list
+from router.request import ParsedRequest, combine, inject, new_rids, rid_list
 from router.upstream import Pool
 
 log = logging.getLogger("router.dispatch")
@@ -373,8 +373,8 @@ class Dispatcher:
                                        f"{d.dp_size} DP group(s)")
                 break
             rids = new_rids(req, attempt, request_id)
-            dp = (d.dp_start(req.dp_rank), d.dp_size) if self.cfg.dp_aware else None
-            payloads = inject(req, p, rids, dp)[:2]
+            congruences, decode_rank = self._groups(req, key, p, d)
+            payloads = inject(req, p, rids, congruences, decode_rank)[:2]
             try:
                 if req.stream:
                     result = await self._attempt_stream(request, req, p, d, payloads, headers, rids, request_id,
@@ -382,8 +382,8 @@ class Dispatcher:
                 else:
                     result = await self._attempt_full(req, p, d, payloads, headers, rids, request_id)
             finally:
-                if dp is not None:
-                    d.dp_end(dp[0])
+                if decode_rank is not None:
+                    d.dp_end(decode_rank)
             if not isinstance(result, Failure):
                 trace.status = result.status
                 return result
@@ -406,6 +406,24 @@ class Dispatcher:
         if failure.status in OVERLOAD and failure.body is not None:
             self.metrics.overload_passed += 1
         return failure.response(request_id)
+
+    def _groups(self, req, key, p: Worker, d: Worker) -> tuple[list[tuple[int, int]], int | None]:
+        """The DP groups a request goes to, as the (group, dp_size) pairs its room must meet, and the
+        decode group with --dp-aware (counted in flight until `dp_end`): the prefill group whose cache
+        holds the prompt (`--kv-events`), and the decode group --dp-aware picks among those a room can
+        reach together with it (the client's `data_parallel_rank` wins over the cache)."""
+        congruences = []
+        group = getattr(key, "group", None)
+        if group is not None and p.dp_size > 1 and group < p.dp_size:
+            congruences.append((group, p.dp_size))
+        if not self.cfg.dp_aware:
+            return congruences, None
+        n = d.dp_size
+        allowed = [g for g in range(n) if combine([*congruences, (g, n)]) is not None]
+        if req.dp_rank is not None and req.dp_rank not in allowed:
+            congruences, allowed = [], list(range(n))
+        rank = d.dp_start(req.dp_rank, allowed)
+        return [*congruences, (rank, n)], rank
 
     def _other_available(self, w: Worker | None) -> bool:
         """Whether a worker of `w`'s kind other than `w` can take a request."""

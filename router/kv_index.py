@@ -2,7 +2,9 @@
 
 A worker whose `/server_info` names a `kv_events_endpoint` (a node started with `--kv-events-config`,
 common/kv_events.py) gets a `WorkerView`: a SUB socket on that endpoint and, when a replay is needed, a
-DEALER on its `kv_events_replay_endpoint`. One thread ("kv-events") owns every socket, so nothing here
+DEALER on its `kv_events_replay_endpoint`. A worker with DP groups (`kv_events_endpoints`, one per
+group: each group has its own cache) gets a view per group, keyed `<url>#dp<k>`; `views_of(url)` lists
+a worker's views in group order. One thread ("kv-events") owns every socket, so nothing here
 ever waits on the router's event loop; the loop only reads `WorkerView.blocks` (set membership) and
 `page_size` when it routes, and sends commands (`add`, `remove`, `resync`) through a queue.
 
@@ -39,6 +41,7 @@ from common.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStore
 
 log = logging.getLogger("router.kv_events")
 
+MAX_GROUPS = 64  # DP groups of one worker followed at most (a larger list is a bad answer: its first endpoint only)
 REPLAY_TIMEOUT = 3.0  # seconds without a replay message before the replay is given up
 MAX_FRAME = 64 * 2**20  # a larger event frame is dropped by ZMQ (MAXMSGSIZE) before it is read
 MAX_PENDING = 10_000  # live batches kept while a replay runs; past it (or MAX_PENDING_BYTES) they are dropped
@@ -66,8 +69,10 @@ class WorkerView:
     """One worker's cached blocks and the state of its event stream."""
 
     def __init__(self, url: str, endpoint: str, replay_endpoint: str | None, topic: str, page_size: int,
-                 max_blocks: int):
+                 max_blocks: int, dp_rank: int = 0, dp_size: int = 1):
         self.url = url
+        self.dp_rank = dp_rank  # the worker's DP group whose cache this is (of dp_size)
+        self.key = url if dp_size == 1 else f"{url}#dp{dp_rank}"
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
@@ -101,7 +106,8 @@ class WorkerView:
         return n
 
     def describe(self) -> dict:
-        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "page_size": self.page_size,
+        return {"dp_rank": self.dp_rank, "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
+                "page_size": self.page_size,
                 "blocks": len(self.blocks), "max_blocks": self.max_blocks, "complete": self.complete,
                 "synced": self.synced, "next_seq": self.next_seq, **dict(self.counters)}
 
@@ -121,16 +127,29 @@ class KVEventIndex:
         self._thread.start()
 
     # ------------------------------------------------------------------ the event loop's side
-    def view(self, url: str) -> WorkerView | None:
-        return self.views.get(url)
+    def views_of(self, url: str) -> list[WorkerView]:
+        """A worker's views, one per DP group in group order (none when it publishes no events)."""
+        return sorted((v for v in list(self.views.values()) if v.url == url), key=lambda v: v.dp_rank)
 
-    def subscribe(self, url: str, server_info: dict) -> WorkerView | None:
-        """Follow a worker's events if its server_info names an endpoint (replacing a previous view)."""
-        endpoint = server_info.get("kv_events_endpoint")
-        if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://")):
-            self.unsubscribe(url)
-            return None
-        replay = server_info.get("kv_events_replay_endpoint")
+    def urls(self) -> set[str]:
+        return {v.url for v in list(self.views.values())}
+
+    def subscribe(self, url: str, server_info: dict) -> list[WorkerView]:
+        """Follow a worker's events if its server_info names an endpoint (one per DP group when it lists
+        `kv_events_endpoints`), replacing its previous views."""
+        self.unsubscribe(url)
+        endpoints = server_info.get("kv_events_endpoints")
+        replays = server_info.get("kv_events_replay_endpoints")
+        if not (isinstance(endpoints, list) and 1 < len(endpoints) <= MAX_GROUPS):
+            endpoints, replays = [server_info.get("kv_events_endpoint")], [server_info.get("kv_events_replay_endpoint")]
+        if not isinstance(replays, list) or len(replays) != len(endpoints):
+            replays = [None] * len(endpoints)
+        if not all(isinstance(e, str) and e.startswith(("tcp://", "ipc://")) for e in endpoints):
+            return []
+        return [self._add(url, server_info, e, r, k, len(endpoints))
+                for k, (e, r) in enumerate(zip(endpoints, replays, strict=True))]
+
+    def _add(self, url: str, server_info: dict, endpoint: str, replay, dp_rank: int, dp_size: int) -> WorkerView:
         replay = resolve_endpoint(replay, url) if isinstance(replay, str) and replay else None
         topic = server_info.get("kv_events_topic")
         page_size = server_info.get("page_size")
@@ -141,21 +160,20 @@ class KVEventIndex:
             # a radix cache holds at most every page of the pool (slack for a view ahead of evictions)
             limit = 2 * (total // page_size) + 1024 if isinstance(total, int) and total > 0 else 1 << 22
         view = WorkerView(url, resolve_endpoint(endpoint, url), replay, topic if isinstance(topic, str) else "",
-                          page_size, limit)
-        self.views[url] = view
+                          page_size, limit, dp_rank, dp_size)
+        self.views[view.key] = view
         self._commands.put(("add", view))
-        log.info("following the KV events of %s at %s (replay %s, page size %d, at most %d blocks)", url,
+        log.info("following the KV events of %s at %s (replay %s, page size %d, at most %d blocks)", view.key,
                  view.endpoint, replay or "none", page_size, limit)
         return view
 
     def unsubscribe(self, url: str) -> None:
-        view = self.views.pop(url, None)
-        if view is not None:
+        for view in self.views_of(url):
+            self.views.pop(view.key, None)
             self._commands.put(("remove", view))
 
     def resync(self, url: str) -> None:
-        view = self.views.get(url)
-        if view is not None:
+        for view in self.views_of(url):
             self._commands.put(("resync", view))
 
     def close(self) -> None:
@@ -204,7 +222,7 @@ class KVEventIndex:
             except queue.Empty:
                 return
             if cmd == "add":
-                for old in [v for v in self._owner.values() if v.url == view.url and v is not view]:
+                for old in [v for v in self._owner.values() if v.key == view.key and v is not view]:
                     self._close_view(old)
                 sub = self._ctx.socket(zmq.SUB)
                 sub.setsockopt(zmq.LINGER, 0)

@@ -149,10 +149,10 @@ class _Collector:
         if m.kv_index is not None:
             views = list(m.kv_index.views.values())
             yield _family("gauge", "pdserve_router_kv_event_blocks", "blocks the router knows a worker caches",
-                          ("worker",), [((v.url,), len(v.blocks)) for v in views])
+                          ("worker",), [((v.key,), len(v.blocks)) for v in views])
             kinds = list(views[0].counters) if views else []  # the same kinds on every view
             yield _family("counter", "pdserve_router_kv_events", "KV events received", ("worker", "kind"),
-                          [((v.url, k), v.counters[k]) for k in kinds for v in views])
+                          [((v.key, k), v.counters[k]) for k in kinds for v in views])
         if m.route_counts is not None:
             yield _family("counter", "pdserve_router_prefill_routes", "prefill choices of the exact cache_aware "
                           "policy", ("by",), [((k,), n) for k, n in m.route_counts.items()])

@@ -132,12 +132,14 @@ class CacheAwarePolicy(Policy):
 
 class RouteKey:
     """What the exact policy routes one request by: its text (for the approximate fallback), the ids the
-    prefill node will compute, and their chained page hashes per page size."""
+    prefill node will compute, and their chained page hashes per page size. `select` notes in `group`
+    the chosen worker's DP group holding the prefix (None: any group), for the dispatcher's room."""
 
-    __slots__ = ("text", "ids", "hashes")
+    __slots__ = ("text", "ids", "hashes", "group")
 
     def __init__(self, text: str | None, ids: list[int] | None, hashes: dict[int, list[int]]):
         self.text, self.ids, self.hashes = text, ids, hashes
+        self.group: int | None = None
 
 
 # prompts up to this many characters (or ids) are tokenized and hashed on the event loop (well under a
@@ -152,8 +154,11 @@ class KVEventsCacheAwarePolicy(CacheAwarePolicy):
     reported, plus the pages of requests routed to it in the last `--kv-events-pending-secs` seconds that
     its events have not confirmed yet (their prefill may still run). The load rules stay sglang-router's:
     imbalanced loads take the least loaded worker; no match takes the least loaded one, then the one with
-    the fewest cached blocks. Workers without events (no endpoint in their /server_info, or no tokenizer
-    in the router) are routed by the approximate tree, as plain cache_aware."""
+    the fewest cached blocks. A worker with DP groups has a view per group (each group caches on its
+    own): its best group counts, and the request is pinned to it (`RouteKey.group`; with no match, to
+    the group routed the fewest pages lately). Workers without
+    events (no endpoint in their /server_info, or no tokenizer in the router) are routed by the
+    approximate tree, as plain cache_aware."""
 
     name = "cache_aware"
     prepares = True
@@ -190,31 +195,39 @@ class KVEventsCacheAwarePolicy(CacheAwarePolicy):
             return work()
         return await asyncio.get_running_loop().run_in_executor(self.pool, work)
 
-    def _recent(self, url: str) -> dict[int, float]:
-        r = self.recent.get(url)
+    def _recent(self, view_key: str) -> dict[int, float]:
+        r = self.recent.get(view_key)
         if r is None:
-            r = self.recent[url] = {}
+            r = self.recent[view_key] = {}
         return r
+
+    def _matched_tokens(self, key: RouteKey, view, now: float) -> int:
+        hashes = self._hashes(key, view.page_size)
+        recent = self.recent.get(view.key)
+        live = {h for h in hashes if recent.get(h, 0.0) > now} if recent else None
+        return view.matched_blocks(hashes, live) * view.page_size
+
+    def _best_view(self, key: RouteKey, views, now: float):
+        """(tokens, view) of the group of one worker holding the longest prefix (the first on a tie)."""
+        return max(((self._matched_tokens(key, v, now), v) for v in views), key=lambda tv: tv[0])
 
     def select(self, workers, key):
         if not isinstance(key, RouteKey):
             return super().select(workers, key)
-        views = [self.index.view(w.url) for w in workers]
-        if key.ids is None or any(v is None for v in views):
+        key.group = None
+        views = [self.index.views_of(w.url) for w in workers]
+        if key.ids is None or not all(views):
             self.counts["approximate"] += 1
             return super().select(workers, key.text)
+        now = time.monotonic()
         if len(workers) == 1:
             chosen = workers[0]
         else:
             chosen = self.imbalanced(workers)
             if chosen is None:
-                now = time.monotonic()
                 best, best_tokens = None, 0
-                for w, v in zip(workers, views, strict=True):
-                    hashes = self._hashes(key, v.page_size)
-                    recent = self.recent.get(w.url)
-                    live = {h for h in hashes if recent.get(h, 0.0) > now} if recent else None
-                    tokens = v.matched_blocks(hashes, live) * v.page_size
+                for w, vs in zip(workers, views, strict=True):
+                    tokens = self._best_view(key, vs, now)[0]
                     if tokens > best_tokens or (tokens == best_tokens and best is not None
                                                 and tokens and w.active < best.active):
                         best, best_tokens = w, tokens
@@ -222,15 +235,20 @@ class KVEventsCacheAwarePolicy(CacheAwarePolicy):
                     chosen = best
                     self.counts["exact_hits"] += 1
                 else:
-                    chosen = min(workers, key=lambda w: (w.active, len(self.index.view(w.url).blocks)
-                                                         + len(self.recent.get(w.url, ()))))
+                    chosen = min(workers, key=lambda w: (w.active, sum(len(v.blocks) + len(self.recent.get(v.key, ()))
+                                                                       for v in self.index.views_of(w.url))))
             else:
                 self.counts["load"] += 1
         self.counts["exact"] += 1
-        view = self.index.view(chosen.url)
-        if view is not None and self.pending_secs > 0:
-            until = time.monotonic() + self.pending_secs
-            recent = self._recent(chosen.url)
+        chosen_views = self.index.views_of(chosen.url)
+        tokens, view = self._best_view(key, chosen_views, now)
+        if len(chosen_views) > 1:  # the group holding the prefix, else the one routed the fewest pages lately
+            if not tokens:
+                view = min(chosen_views, key=lambda v: len(self.recent.get(v.key, ())))
+            key.group = view.dp_rank
+        if self.pending_secs > 0:
+            until = now + self.pending_secs
+            recent = self._recent(view.key)
             if len(recent) > view.max_blocks:
                 recent.clear()
             for h in self._hashes(key, view.page_size):
@@ -248,7 +266,8 @@ class KVEventsCacheAwarePolicy(CacheAwarePolicy):
 
     def forget(self, url):
         super().forget(url)
-        self.recent.pop(url, None)
+        for view_key in [k for k in self.recent if k == url or k.startswith(url + "#dp")]:
+            del self.recent[view_key]
 
     def evict(self):
         super().evict()

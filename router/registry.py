@@ -157,14 +157,16 @@ class Worker:
         n = self.server_info.get("dp_size", 1)
         return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_DP_SIZE else 1
 
-    def dp_start(self, rank: int | None) -> int:
-        """--dp-aware: the DP group a request goes to (`rank` when the client named one, else the group
-        with the fewest of this router's requests in flight, ties in turn), counted until `dp_end`."""
+    def dp_start(self, rank: int | None, allowed: list[int] | None = None) -> int:
+        """--dp-aware: the DP group a request goes to (`rank` when the client named one, else the group of
+        `allowed` (default: all) with the fewest of this router's requests in flight, ties in turn),
+        counted until `dp_end`."""
         n = self.dp_size
         if len(self.dp_active) != n:  # first use, or the worker restarted with another dp_size
             self.dp_active = [0] * n
         if rank is None:
-            order = [(self.dp_next + i) % n for i in range(n)]
+            ok = set(range(n) if allowed is None else allowed)
+            order = [g for g in ((self.dp_next + i) % n for i in range(n)) if g in ok]
             rank = min(order, key=self.dp_active.__getitem__)
             self.dp_next = (rank + 1) % n
         self.dp_active[rank] += 1

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import uuid
 from dataclasses import dataclass
@@ -150,34 +151,45 @@ def rid_list(req: ParsedRequest, rids: str | list[str]) -> list[str]:
     return [rids] if req.batch is None else item_rids(rids, req.batch)
 
 
-def _room(dp: tuple[int, int] | None) -> int:
-    """A random room; with `dp` = (rank, size), one the decode node places on DP group `rank` (room mod size)."""
-    if dp is None:
-        return random.getrandbits(63)
-    rank, size = dp
-    room = random.getrandbits(62)
-    return room - room % size + rank
+def combine(congruences) -> tuple[int, int] | None:
+    """The rooms x with x = a (mod n) for every (a, n) of `congruences`, as (r, m): x = r (mod m); None
+    when they contradict each other (a node places room x on DP group x mod its dp_size)."""
+    r, m = 0, 1
+    for a, n in congruences:
+        g = math.gcd(m, n)
+        if (a - r) % g:
+            return None
+        t = (a - r) // g * pow(m // g, -1, n // g) % (n // g)
+        r, m = (r + m * t) % (m // g * n), m // g * n
+    return r, m
 
 
-def _rooms(n: int, dp: tuple[int, int] | None) -> list[int]:
-    rooms = {_room(dp) for _ in range(n)}
+def _room(congruences) -> int:
+    """A random room (0..2**63-1) meeting `congruences` (which `combine`)."""
+    r, m = combine(congruences)
+    return r + random.getrandbits(62) // m * m
+
+
+def _rooms(n: int, congruences) -> list[int]:
+    rooms = {_room(congruences) for _ in range(n)}
     while len(rooms) < n:
-        rooms.add(_room(dp))
+        rooms.add(_room(congruences))
     return list(rooms)
 
 
-def inject(req: ParsedRequest, prefill: Worker, rids: str | list[str],
-           dp: tuple[int, int] | None = None) -> tuple[bytes, bytes, int | list[int]]:
+def inject(req: ParsedRequest, prefill: Worker, rids: str | list[str], congruences=(),
+           decode_rank: int | None = None) -> tuple[bytes, bytes, int | list[int]]:
     """The client's JSON with bootstrap_host/port/room and rid set: (the prefill leg's bytes, the decode
-    leg's, the room(s)). With `dp` = (rank, size) (--dp-aware) the rooms fall on the decode node's DP
-    group `rank` and the decode leg names it in `data_parallel_rank`; the prefill leg never carries one."""
+    leg's, the room(s)). The rooms meet `congruences`, (group, dp_size) pairs that put the request on
+    chosen DP groups of the nodes; with `decode_rank` (--dp-aware) the decode leg names its group in
+    `data_parallel_rank` too. The prefill leg never carries one."""
     n = req.batch
     if n is None:
-        room = _room(dp)
+        room = _room(congruences)
         extra = {"bootstrap_host": prefill.bootstrap_host, "bootstrap_port": prefill.bootstrap_port,
                  "bootstrap_room": room}
     else:
-        room = _rooms(n, dp)
+        room = _rooms(n, congruences)
         extra = {"bootstrap_host": [prefill.bootstrap_host] * n, "bootstrap_port": [prefill.bootstrap_port] * n,
                  "bootstrap_room": room}
     obj = req.obj
@@ -192,6 +204,6 @@ def inject(req: ParsedRequest, prefill: Worker, rids: str | list[str],
         payload = b"".join((req.body.rstrip()[:-1], b",", _encode(extra)[1:]))
     else:
         payload = _encode(extra)
-    if dp is None:
+    if decode_rank is None:
         return payload, payload, room
-    return payload, b"".join((payload[:-1], b',"data_parallel_rank":', str(dp[0]).encode(), b"}")), room
+    return payload, b"".join((payload[:-1], b',"data_parallel_rank":', str(decode_rank).encode(), b"}")), room

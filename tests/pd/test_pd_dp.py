@@ -8,7 +8,8 @@ router's --dp-aware in front of the decode node.
   (the decode group reads from the prefill group of the same room), answers as colocated, and every
   group ends with the pages and slots it started with;
 * router: with --dp-aware the router balances the decode groups itself (and honours a client's
-  `data_parallel_rank`); without it a client's `data_parallel_rank` is refused.
+  `data_parallel_rank`); without it a client's `data_parallel_rank` is refused. With --kv-events it
+  follows each prefill group's cache and sends a prompt back to the group that holds it.
 """
 
 from __future__ import annotations
@@ -121,8 +122,11 @@ def test_each_group_publishes_its_own_kv_events(dp_node):
 
 # ---------------------------------------------------------------------------------------------- PD
 @pytest.fixture(scope="module")
-def dp_pair(pd_model_dir, module_launcher):
-    return module_launcher.pair(pd_model_dir, "mooncake", settings={**BASE, "dp_size": 2})
+def dp_pair(pd_model_dir, module_launcher, tmp_path_factory):
+    events = tmp_path_factory.mktemp("dp-events")  # ipc endpoints: group k adds `_dp<k>` to each path
+    kv = json.dumps({"endpoint": f"ipc://{events}/pub", "replay_endpoint": f"ipc://{events}/replay"})
+    return module_launcher.pair(pd_model_dir, "mooncake", settings={**BASE, "dp_size": 2},
+                                prefill_settings={"kv_events_config": kv})
 
 
 def test_groups_take_rooms_mod_two_on_both_sides(dp_pair, colocated, pd_tok):
@@ -192,3 +196,25 @@ def test_bench_dp_runs_the_dp_setup(pd_model_dir, tmp_path):
     report = json.loads(out.read_text())
     s = report["figures"]["runs"]["dp2"]["summary"]
     assert (s["completed"], s["failed"], s["total_output_tokens"]) == (4, 0, 20)
+
+
+def test_exact_routing_returns_a_prompt_to_the_prefill_group_that_cached_it(dp_pair, module_launcher, pd_tok):
+    """--kv-events with a DP prefill node: a view per group; a prompt sent again goes to the group holding
+    its pages (the room is chosen for it, and --dp-aware picks a decode group that room can reach), so
+    every repeat is a prefix-cache hit."""
+    router = module_launcher.router([dp_pair.prefill], [dp_pair.decode], "--dp-aware", "--kv-events")
+    workers = json.loads(http_get(router.url + "/workers")[1])["workers"]
+    views = next(w["kv_events"] for w in workers if w["worker_type"] == "prefill")
+    assert [v["dp_rank"] for v in views] == [0, 1]
+    # five: --dp-aware alone would send the second round to the other groups (its turns go 0, 1, 0, ...)
+    prompts = make_prompts(pd_tok, 5, seed=11, lo=40, hi=60)
+    for p in prompts:
+        code, _, raw = router.post("/generate", {"input_ids": p, "sampling_params": greedy(2)})
+        assert code == 200, raw
+    for p in prompts:
+        code, _, raw = router.post("/generate", {"input_ids": p, "sampling_params": greedy(2)})
+        assert code == 200, raw
+        cached = json.loads(raw)["meta_info"]["cached_tokens"]
+        assert cached >= (len(p) - 1) // BASE["page_size"] * BASE["page_size"] - BASE["page_size"], (len(p), cached)
+    used = group_stat(dp_pair.prefill, "total_prompt_tokens")
+    assert all(u > 0 for u in used), used  # both groups took prompts

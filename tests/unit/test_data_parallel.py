@@ -17,7 +17,7 @@ from common.scheduler.process import group_cores
 from common.server.data_parallel import DPGroups, merge_stats
 from common.server.http import data_parallel_ranks
 from router.registry import Worker
-from router.request import inject, parse
+from router.request import combine, inject, parse
 
 
 def test_choose_takes_the_named_group_else_the_least_busy_in_turn():
@@ -133,14 +133,14 @@ def test_router_rooms_fall_on_the_chosen_decode_group():
     assert req.dp_rank == 1
     prefill = SimpleNamespace(bootstrap_host="127.0.0.1", bootstrap_port=8998)
     for _ in range(50):
-        p_body, d_body, room = inject(req, prefill, "r1", (2, 3))
+        p_body, d_body, room = inject(req, prefill, "r1", [(2, 3)], 2)
         assert room % 3 == 2 and 0 <= room < 2**63
         p, d = json.loads(p_body), json.loads(d_body)
         assert "data_parallel_rank" not in p  # the prefill node has groups of its own (or none)
         assert d["data_parallel_rank"] == 2 and d["bootstrap_room"] == p["bootstrap_room"] == room
     batch = parse("/generate", b'{"text": ["a", "b", "c"]}', False)
-    _, d_body, rooms = inject(batch, prefill, ["x", "y", "z"], (1, 2))
-    assert all(r % 2 == 1 for r in rooms) and len(set(rooms)) == 3
+    _, d_body, rooms = inject(batch, prefill, ["x", "y", "z"], [(1, 2), (2, 3)], 1)
+    assert all(r % 2 == 1 and r % 3 == 2 for r in rooms) and len(set(rooms)) == 3
     p_body, d_body, _ = inject(batch, prefill, ["x", "y", "z"])
     assert p_body == d_body  # without --dp-aware both legs get the same bytes
 
@@ -158,3 +158,46 @@ def test_router_worker_counts_requests_per_group():
     for bad in (0, -1, "2", True, 5000):  # a value out of range counts as one group
         w.server_info = {"dp_size": bad}
         assert w.dp_size == 1
+
+
+def test_rooms_meeting_several_groups():
+    assert combine([]) == (0, 1)
+    assert combine([(1, 2), (2, 3)]) == (5, 6)
+    assert combine([(1, 4), (3, 6)]) == (9, 12)  # gcd 2: compatible residues
+    assert combine([(1, 4), (2, 6)]) is None  # odd and even at once
+    for cong in ([(3, 4)], [(1, 4), (3, 6)], [(0, 5), (4, 7), (1, 2)]):
+        r, m = combine(cong)
+        assert all(r % n == a for a, n in cong) and 0 <= r < m
+
+
+def test_exact_policy_pins_the_dp_group_holding_the_prefix():
+    """A prefill worker with two DP groups has a view per group: the request goes to that worker and is
+    pinned to the group whose cache holds its pages; with no match, to the group routed the least."""
+    from common.kv_events import chain_hashes
+    from router.config import RouterConfig
+    from router.kv_index import WorkerView
+    from router.policies import KVEventsCacheAwarePolicy, RouteKey
+
+    class Index:
+        def __init__(self, views):
+            self.views = {v.key: v for v in views}
+
+        def views_of(self, url):
+            return sorted((v for v in self.views.values() if v.url == url), key=lambda v: v.dp_rank)
+
+    a0, a1 = (WorkerView("http://a", "tcp://x:1", None, "", 4, 1000, k, 2) for k in (0, 1))
+    b = WorkerView("http://b", "tcp://y:1", None, "", 4, 1000)
+    ids = list(range(100, 116))
+    hashes = chain_hashes(None, ids, 4)
+    a1.blocks.update(hashes[:3])
+    b.blocks.update(hashes[:1])
+    policy = KVEventsCacheAwarePolicy(RouterConfig(), Index([a0, a1, b]), lambda: None)
+    workers = [Worker("http://a", "prefill", 1, RouterConfig()), Worker("http://b", "prefill", 1, RouterConfig())]
+    key = RouteKey(None, ids, {4: hashes})
+    assert policy.select(workers, key).url == "http://a" and key.group == 1
+    assert set(policy.recent) == {"http://a#dp1"}  # the pages routed there count as cached in that group
+    other = list(range(500, 516))
+    key = RouteKey(None, other, {4: chain_hashes(None, other, 4)})
+    assert policy.select(workers[:1], key).url == "http://a" and key.group == 0
+    policy.forget("http://a")
+    assert not policy.recent
