@@ -76,6 +76,11 @@ class ServerArgs:
         "any other to the group with the fewest live requests. The cores this node may run on are split between "
         "the groups. Any node role: a prefill node's groups register with its one bootstrap server, and a decode "
         "node reads a room from the prefill group (room mod the prefill's dp-size)", ("--dp-size", "--dp"))
+    pp_size: int = _f(
+        1, "pipeline parallel size: the model's layers split into this many consecutive stages, each run by "
+        "--tp-size ranks of its own; a forward passes the hidden states from stage to stage, the last stage "
+        "samples and every rank learns the tokens. Colocated and prefill nodes (a prefill node's stages each "
+        "send their own layers' KV to the decode ranks); Llama-family models", ("--pp-size", "--pp"))
     dist_port: int | None = _f(None, "port of the torch.distributed rendezvous (default: a free port)")
     num_threads: int | None = _f(None, "torch threads per rank (default: the cores of its DP group / tp)")
     # memory
@@ -311,6 +316,16 @@ class ServerArgs:
     def _validate_dp(self, bad) -> None:
         if not 1 <= self.dp_size <= MAX_DP_SIZE:
             raise bad("dp-size", f"must be in 1..{MAX_DP_SIZE}, got {self.dp_size}")
+        if not 1 <= self.pp_size <= MAX_DP_SIZE:
+            raise bad("pp-size", f"must be in 1..{MAX_DP_SIZE}, got {self.pp_size}")
+        if self.pp_size > 1:
+            if self.disaggregation_mode == "decode":
+                raise bad("pp-size", "a decode node runs one token per request per step, which would cross every "
+                          "stage in turn with nothing to overlap; scale decode with --tp-size or --dp-size")
+            if self.enable_overlap_schedule:
+                raise bad("pp-size", "cannot be combined with --enable-overlap-schedule")
+            if self.speculative_algorithm:
+                raise bad("pp-size", "cannot be combined with --speculative-algorithm")
         if self.dp_size > 1 and self.dist_port:
             raise bad("dist-port", "cannot be combined with --dp-size > 1 (each DP group has its own rendezvous)")
 

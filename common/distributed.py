@@ -1,10 +1,13 @@
-"""Tensor-parallel process groups over torch.distributed (gloo on CPU).
+"""Tensor- and pipeline-parallel process groups over torch.distributed (gloo on CPU).
 
-`init_distributed` joins the default process group (one per node: every TP rank of the node) and
-creates two groups spanning the same ranks: `tp_group` for the model's collectives (all-reduce
-after row-parallel layers) and `consensus_group` for control-plane agreement (scheduler input
-broadcast, transfer poll MIN-reduce), so the two kinds of traffic never interleave on one group.
-A world of 1 works too: the groups exist, and the collective helpers skip the call.
+`init_distributed` joins the default process group (one per DP group of a node: its `pp * tp` ranks,
+rank = pp_rank * tp + tp_rank) and creates `tp_group` (the ranks of this rank's pipeline stage) for
+the model's collectives (all-reduce after row-parallel layers) and `consensus_group` (every rank) for
+control-plane agreement (scheduler input broadcast, transfer poll MIN-reduce, the sampled tokens of a
+pipelined forward), so the two kinds of traffic never interleave on one group. Hidden states go from
+stage to stage point to point on the default group (`pp_send` / `pp_recv`: TP rank t of stage s to
+TP rank t of stage s + 1). A world of 1 works too: the groups exist, and the collective helpers skip
+the call.
 
 The ranks of one node always run on one machine, so their gloo connections stay on loopback:
 `init_distributed` points gloo at the loopback interface (`GLOO_SOCKET_IFNAME`), whatever the
@@ -28,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 _TP_GROUP: dist.ProcessGroup | None = None
 _CONSENSUS_GROUP: dist.ProcessGroup | None = None
+_TP_SIZE = 1
 
 
 def loopback_interface() -> str:
@@ -38,10 +42,11 @@ def loopback_interface() -> str:
     return "lo"
 
 
-def init_distributed(rank: int, world_size: int, init_method: str,
-                     timeout_s: float = 600.0) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """Join the node's gloo world and return `(tp_group, consensus_group)`."""
-    global _TP_GROUP, _CONSENSUS_GROUP
+def init_distributed(rank: int, world_size: int, init_method: str, timeout_s: float = 600.0,
+                     tp_size: int | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Join the node's gloo world of `world_size` = pp * `tp_size` ranks (default: all one stage) and
+    return `(tp_group, consensus_group)`."""
+    global _TP_GROUP, _CONSENSUS_GROUP, _TP_SIZE
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
     if not dist.is_initialized():
@@ -52,9 +57,15 @@ def init_distributed(rank: int, world_size: int, init_method: str,
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise RuntimeError(f"torch.distributed is already initialized as rank {dist.get_rank()} of "
                            f"{dist.get_world_size()}, asked for rank {rank} of {world_size}")
-    ranks = list(range(world_size))
-    _TP_GROUP = dist.new_group(ranks, backend="gloo")
-    _CONSENSUS_GROUP = dist.new_group(ranks, backend="gloo")
+    tp = tp_size or world_size
+    if world_size % tp:
+        raise ValueError(f"a world of {world_size} ranks is not whole stages of {tp}")
+    _TP_SIZE = tp
+    for stage in range(world_size // tp):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), backend="gloo")
+        if stage == rank // tp:
+            _TP_GROUP = group
+    _CONSENSUS_GROUP = dist.new_group(list(range(world_size)), backend="gloo")
     logger.info("distributed ready: rank %d of %d (%s)", rank, world_size, init_method)
     return _TP_GROUP, _CONSENSUS_GROUP
 
@@ -95,6 +106,27 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, group: dist.ProcessGroup |
     parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
+
+
+def pp_send(tensors: list[torch.Tensor], stage: int) -> None:
+    """Send `tensors` (in order) to this TP rank's peer in pipeline stage `stage`."""
+    dst = stage * _TP_SIZE + dist.get_rank() % _TP_SIZE
+    for t in tensors:
+        dist.send(t.contiguous(), dst)
+
+
+def pp_recv(tensors: list[torch.Tensor], stage: int) -> None:
+    """Receive into `tensors` (in order) from this TP rank's peer in pipeline stage `stage`."""
+    src = stage * _TP_SIZE + dist.get_rank() % _TP_SIZE
+    for t in tensors:
+        dist.recv(t, src)
+
+
+def broadcast_from_stage(obj, stage: int):
+    """`obj` of TP rank 0 of pipeline stage `stage`, on every rank of the world (pickled)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=stage * _TP_SIZE, group=_CONSENSUS_GROUP)
+    return box[0]
 
 
 def destroy_distributed() -> None:

@@ -7,6 +7,11 @@ Pools: the KV pool holds `max_total_tokens` tokens in pages of `page_size` (plus
 page 0) with this rank's share of the KV heads; the req pool has `max_running_requests +
 REQ_POOL_HEADROOM` rows (room for requests being prefilled, or preallocated by a decode node,
 while the running batch is full) of `context_length` columns.
+
+Pipeline parallelism (`pp_rank` of `--pp-size`): the model and the KV pool hold this stage's layers
+only; every stage runs the same forward (each its layers, the hidden state passed on in
+`LlamaForCausalLM.forward`), the last stage samples, and `run` hands its `RunnerOutput` to every
+rank of the group, so all schedulers go on with the same tokens.
 """
 
 from __future__ import annotations
@@ -44,17 +49,19 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_dir: str, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group=None) -> None:
+                 tp_group=None, pp_rank: int = 0) -> None:
         from common.models.loader import load_model
 
         self.args = args
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.tp_group = tp_group
+        self.pp_rank, self.pp_size = pp_rank, getattr(args, "pp_size", 1)
         self.dtype = torch.float32
         self.model, self.model_config = load_model(model_dir, tp_rank=tp_rank, tp_size=tp_size,
                                                    tp_group=tp_group, dtype=self.dtype,
-                                                   quantization=args.torchao_config or None)
+                                                   quantization=args.torchao_config or None, pp_rank=pp_rank,
+                                                   pp_size=self.pp_size)
         self.model.eval()
         cfg = self.model_config
         self.context_length = min(args.context_length or cfg.context_length, cfg.context_length)
@@ -66,8 +73,10 @@ class ModelRunner:
         # hybrid models keep KV only for their attention layers (cfg.kv_layer_ids), and a state slot
         # per request row for the others (common/hybrid.py)
         self.hybrid = HybridSupport(self.model, self.dtype)
+        # a pipeline stage keeps the KV of its own layers
+        layer_ids = list(range(*self.model.layer_range)) if self.pp_size > 1 else cfg.kv_layer_ids or None
         self.kv_pool = KVPool(num_pages, self.page_size, cfg.num_layers, cfg.local_kv_heads(tp_size),
-                              cfg.head_dim, dtype=self.dtype, layer_ids=cfg.kv_layer_ids or None)
+                              cfg.head_dim, dtype=self.dtype, layer_ids=layer_ids)
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + REQ_POOL_HEADROOM,
                                                 self.context_length + self.page_size)
         self.sampler = Sampler(seed=args.seed)
@@ -106,7 +115,19 @@ class ModelRunner:
         return self.sampler(logits, info, top_logprobs_nums, return_logprob=return_logprob)
 
     def run(self, batch) -> RunnerOutput:
-        """Forward a prepared `ScheduleBatch`, sample its next tokens and gather the logprobs."""
+        """Forward a prepared `ScheduleBatch`, sample its next tokens and gather the logprobs (with
+        pipeline stages: the last stage's, on every rank)."""
+        if self.pp_size == 1:
+            return self._run(batch)
+        from common.distributed import broadcast_from_stage
+
+        last = self.pp_size - 1
+        if self.pp_rank < last:
+            self.forward(batch.forward_batch)  # this stage's layers; the hidden state goes on
+            return broadcast_from_stage(None, last)
+        return broadcast_from_stage(self._run(batch), last)
+
+    def _run(self, batch) -> RunnerOutput:
         fb = batch.forward_batch
         if fb.logits_indices.numel():
             logits = self.forward(fb)

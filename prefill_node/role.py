@@ -62,8 +62,10 @@ class PrefillRole(PDRole):
         self.num_metadata_slots = 2 * sched.req_to_token_pool.size + sched.max_running_requests
         super().__init__(sched, MetadataAllocator(self.num_metadata_slots))
         self.metadata = MetadataBuffers(self.num_metadata_slots, max_top_logprobs=MAX_TOP_LOGPROBS)
-        # one bootstrap server per node, in DP group 0's rank 0: every group's ranks register with it
-        self.bootstrap_server = start_bootstrap_server(args) if tp_rank == 0 and sched.dp_rank == 0 else None
+        # one bootstrap server per node, in DP group 0's first rank: every rank of every group and stage
+        # registers with it
+        first = tp_rank == 0 and sched.dp_rank == 0 and sched.pp_rank == 0
+        self.bootstrap_server = start_bootstrap_server(args) if first else None
         self.bootstrap_addr = f"{advertised_host(args.host)}:{args.disaggregation_bootstrap_port}"
         try:
             self.kv_manager = build_kv_manager(args, sched.runner, self.metadata, tp_rank, tp_size, "prefill",

@@ -58,11 +58,14 @@ def advertised_host(host: str) -> str:
 
 def build_kv_manager(args, runner, metadata: MetadataBuffers, tp_rank: int, tp_size: int, role: str,
                      bootstrap_addr: str | None = None, dp_rank: int = 0) -> KVManager:
-    """The `role`'s KV manager for this rank's share of the KV heads (and hybrid state) in DP group
-    `dp_rank`, with the node's timeouts (flags win over the environment); a prefill rank passes its
+    """The `role`'s KV manager for this rank's share of the KV heads (and hybrid state) of its pipeline
+    stage's layers in DP group `dp_rank`, with the node's timeouts (flags win over the environment); a prefill rank passes its
     `bootstrap_addr`."""
+    stage = {}
+    if getattr(runner, "pp_size", 1) > 1:  # a pipeline stage sends its own layers, at their place in the model
+        stage = {"pp_rank": runner.pp_rank, "pp_size": runner.pp_size, "start_layer": runner.model.layer_range[0]}
     kv_args = KVArgs.from_runner(runner, metadata, engine_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
-                                 dp_size=getattr(args, "dp_size", 1))
+                                 dp_size=getattr(args, "dp_size", 1), **stage)
     if role == "prefill":
         kv_args.decode_tp = getattr(args, "disaggregation_decode_tp", None) or 0
     where = {"bootstrap_addr": bootstrap_addr} if bootstrap_addr else {}

@@ -6,7 +6,8 @@ model qualifies, `DecoderStack.run` hands the whole stack to the C driver, which
 kernels in the same order (so the logits are the same), and leaves `h` and `residual` where the layer
 loop would, for `final_logits`.
 
-A model qualifies when: the native kernels are built, one TP rank (no all-reduce between layers), no
+A model qualifies when: the native kernels are built, one TP rank (no all-reduce between layers) and
+one pipeline stage, no
 per-head q/k norm, every projection panel-packed (`common/layers/linear.py`; float32 or int8 panels),
 float32 norms, and the
 plain attention backend (not a sliding-window one). A batch qualifies when it is a decode batch on
@@ -81,7 +82,7 @@ class DecoderStack:
             return None
         cfg = model.config
         layers = list(model.model.layers)
-        if (model.tp_size != 1 or cfg.qk_norm or not layers
+        if (model.tp_size != 1 or getattr(model, "pp_size", 1) != 1 or cfg.qk_norm or not layers
                 or type(model.attn_backend) is not TorchAttentionBackend):  # e.g. sliding-window backends
             return None
         for layer in layers:

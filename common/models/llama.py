@@ -7,6 +7,12 @@ identical full-vocab logits.
 
 `forward(fb)` runs the attention backend's `init_forward_metadata(fb)` itself when
 `fb.attn_metadata` is None (callers that build metadata ahead of time may do so; it is reused).
+
+Pipeline parallelism (`pp_rank` of `pp_size`): the stage holds the consecutive layers
+`layer_range(num_layers, pp_rank, pp_size)` (the others are parameterless `MissingLayer`s, so their
+checkpoint tensors have no place and are skipped); the first stage embeds, the others receive the
+hidden state and residual from the previous stage; every stage but the last sends them on and
+returns None, the last returns the logits. Embedding, final norm and lm_head exist on every stage.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.distributed import pp_recv, pp_send
 from common.forward_batch import ForwardBatch, ForwardMode
 from common.layers.activation import silu_and_mul
 from common.layers.attention import TorchAttentionBackend
@@ -115,15 +122,31 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The layers [start, end) of pipeline stage `pp_rank`: consecutive, the first stages one longer when
+    they do not divide evenly."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"{num_layers} layers cannot be split into {pp_size} pipeline stages")
+    per, extra = divmod(num_layers, pp_size)
+    start = pp_rank * per + min(pp_rank, extra)
+    return start, start + per + (pp_rank < extra)
+
+
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage runs: no parameters here."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, tp_rank: int, tp_size: int,
-                 tp_group, dtype: torch.dtype) -> None:
+                 tp_group, dtype: torch.dtype, layers: tuple[int, int] | None = None) -> None:
         super().__init__()
+        start, end = layers or (0, cfg.num_layers)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_tokens.weight.weight_loader = default_weight_loader
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, backend, tp_rank, tp_size, tp_group, dtype) for i in range(cfg.num_layers))
+            LlamaDecoderLayer(cfg, i, backend, tp_rank, tp_size, tp_group, dtype) if start <= i < end
+            else MissingLayer() for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -142,15 +165,17 @@ class LlamaForCausalLM(nn.Module):
     )
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, pp_rank: int = 0, pp_size: int = 1) -> None:
         super().__init__()
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.layer_range = layer_range(config.num_layers, pp_rank, pp_size)
         local_heads = config.num_heads // tp_size
         self.attn_backend = TorchAttentionBackend(local_heads, config.local_kv_heads(tp_size), config.head_dim)
         self.rotary = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta,
                                       config.rope_type, config.rope_scaling, dtype)
-        self.model = LlamaModel(config, self.attn_backend, tp_rank, tp_size, tp_group, dtype)
+        self.model = LlamaModel(config, self.attn_backend, tp_rank, tp_size, tp_group, dtype, self.layer_range)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -164,16 +189,26 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         if fb.attn_metadata is None:
             self.attn_backend.init_forward_metadata(fb)
-        h = F.embedding(fb.input_ids, self.model.embed_tokens.weight)
         cos, sin = self.rotary.cos_sin(fb.positions)
-        if self.decoder_stack is _UNSET:  # decided once, after the weights were packed
-            self.decoder_stack = DecoderStack.for_model(self)
-        if self.decoder_stack is not None and self.decoder_stack.accepts(fb):
-            residual = self.decoder_stack.run(h, cos, sin, fb)
-            return final_logits(self, h, residual, fb)
-        residual = None
-        for layer in self.model.layers:
+        if self.pp_rank > 0:  # the previous stage's hidden state and residual
+            weight = self.model.embed_tokens.weight
+            h = torch.empty(fb.input_ids.numel(), weight.shape[1], dtype=weight.dtype)
+            residual = torch.empty_like(h)
+            pp_recv([h, residual], self.pp_rank - 1)
+        else:
+            h = F.embedding(fb.input_ids, self.model.embed_tokens.weight)
+            residual = None
+            if self.decoder_stack is _UNSET:  # decided once, after the weights were packed
+                self.decoder_stack = DecoderStack.for_model(self)
+            if self.decoder_stack is not None and self.decoder_stack.accepts(fb):
+                residual = self.decoder_stack.run(h, cos, sin, fb)
+                return final_logits(self, h, residual, fb)
+        start, end = self.layer_range
+        for layer in self.model.layers[start:end]:
             h, residual = layer(h, residual, cos, sin, fb)
+        if self.pp_rank < self.pp_size - 1:
+            pp_send([h, residual], self.pp_rank + 1)
+            return None
         return final_logits(self, h, residual, fb)
 
     # ------------------------------------------------------------------ weights

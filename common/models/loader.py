@@ -83,10 +83,11 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-               dtype: torch.dtype = torch.float32,
-               quantization: str | None = None) -> tuple[torch.nn.Module, ModelConfig]:
-    """Build the model for `config.json["architectures"][0]` and fill it from the safetensors; its
-    linear weights packed (`common/layers/linear.py`), as int8 with `quantization="int8wo"`."""
+               dtype: torch.dtype = torch.float32, quantization: str | None = None, pp_rank: int = 0,
+               pp_size: int = 1) -> tuple[torch.nn.Module, ModelConfig]:
+    """Build the model for `config.json["architectures"][0]` (pipeline stage `pp_rank` of `pp_size`: its
+    layers only) and fill it from the safetensors; its linear weights packed (`common/layers/linear.py`),
+    as int8 with `quantization="int8wo"`."""
     config = ModelConfig.from_pretrained(model_dir)
     cls = get_model_class(config.architecture)
     if config.sliding_window and config.architecture in SLIDING_WINDOW_ARCHITECTURES:
@@ -94,7 +95,16 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
         cls = SLIDING_WINDOW_ARCHITECTURES[config.architecture]
     config.local_kv_heads(tp_size)  # validates the head split
     files = safetensors_files(model_dir)
-    model = cls(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype)
+    stage = {}
+    if pp_size > 1:
+        if cls not in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
+            raise ModelLoadError(f"--pp-size: pipeline parallelism supports Llama-family models without sliding "
+                                 f"windows or recurrent state, not {config.architecture}"
+                                 + (" with a sliding window" if config.sliding_window else ""))
+        if pp_size > config.num_layers:
+            raise ModelLoadError(f"--pp-size {pp_size}: {config.name} has only {config.num_layers} layers")
+        stage = {"pp_rank": pp_rank, "pp_size": pp_size}
+    model = cls(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, **stage)
     loaded = model.load_weights(iter_safetensors(files))
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
     if missing:
@@ -102,6 +112,7 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
         raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {shown}")
     model.eval()
     pack_linears(model, quantization)
-    logger.info("loaded %s (%s, %d layers) tp %d/%d%s", config.name, config.architecture, config.num_layers,
-                tp_rank, tp_size, f", weights {quantization}" if quantization else "")
+    logger.info("loaded %s (%s, %d layers%s) tp %d/%d%s", config.name, config.architecture, config.num_layers,
+                f", stage {pp_rank}/{pp_size}: layers {model.layer_range[0]}..{model.layer_range[1] - 1}"
+                if pp_size > 1 else "", tp_rank, tp_size, f", weights {quantization}" if quantization else "")
     return model, config

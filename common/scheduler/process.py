@@ -40,11 +40,12 @@ class IpcConfig:
 
 
 class SchedulerComm:
-    """Receive (rank 0: ZMQ, then broadcast; other ranks: the broadcast) and send (rank 0 only)."""
+    """Receive (rank 0: ZMQ, then broadcast; other ranks: the broadcast) and send (rank 0 only); the
+    ranks are every rank of the DP group (all TP ranks of all pipeline stages)."""
 
     def __init__(self, ipc: IpcConfig, tp_rank: int, tp_size: int, group=None) -> None:
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
+        self.tp_rank = tp_rank  # the rank in the DP group's world
+        self.tp_size = tp_size  # that world's size
         self.group = group
         self.stop_requested = False
         self.parent_pid = os.getppid()  # the front end: when it dies, this rank stops
@@ -138,13 +139,16 @@ def group_cores(cores: list[int], dp_rank: int, dp_size: int) -> list[int]:
     return cores[start:start + per + (dp_rank < extra)]
 
 
-def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: IpcConfig, ready_conn,
+def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcConfig, ready_conn,
                           scheduler_cls=None, dp_rank: int = 0) -> None:
-    """Entry point of a scheduler process (multiprocessing "spawn" target).
+    """Entry point of a scheduler process (multiprocessing "spawn" target): rank `rank` of its DP
+    group's `pp_size * tp` ranks (pipeline stage rank // tp, TP rank rank % tp).
 
     `scheduler_cls` (a Scheduler subclass, or its import path "package.module:Class") lets the PD
     roles reuse this entry point."""
-    name = f"scheduler-dp{dp_rank}-tp{tp_rank}" if args.dp_size > 1 else f"scheduler-tp{tp_rank}"
+    tp_rank, pp_rank = rank % args.tp, rank // args.tp
+    name = "scheduler" + (f"-dp{dp_rank}" if args.dp_size > 1 else "") + (f"-pp{pp_rank}" if args.pp_size > 1
+                                                                         else "") + f"-tp{tp_rank}"
     setup_logging(name, args.log_level)
     if scheduler_cls is None:
         from common.scheduler.scheduler import Scheduler
@@ -153,15 +157,15 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: I
     elif isinstance(scheduler_cls, str):
         import importlib
 
-        module, _, name = scheduler_cls.partition(":")
-        scheduler_cls = getattr(importlib.import_module(module), name)
+        module, _, cls_name = scheduler_cls.partition(":")
+        scheduler_cls = getattr(importlib.import_module(module), cls_name)
     cores = sorted(os.sched_getaffinity(0))  # the cores this process may run on (a launcher may pin it)
     share = group_cores(cores, dp_rank, args.dp_size)
     if share != cores:
         os.sched_setaffinity(0, share)
-    torch.set_num_threads(args.num_threads or max(1, len(share) // args.tp))
-    logger.info("dp rank %d tp rank %d: %d torch threads on cores %s (OMP_WAIT_POLICY=%s)", dp_rank, tp_rank,
-                torch.get_num_threads(), share, os.environ.get("OMP_WAIT_POLICY", "unset"))
+    torch.set_num_threads(args.num_threads or max(1, len(share) // (args.tp * args.pp_size)))
+    logger.info("dp rank %d pp rank %d tp rank %d: %d torch threads on cores %s (OMP_WAIT_POLICY=%s)", dp_rank,
+                pp_rank, tp_rank, torch.get_num_threads(), share, os.environ.get("OMP_WAIT_POLICY", "unset"))
     comm = None
     scheduler = None
 
@@ -178,12 +182,14 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, tp_rank: int, ipc: I
     try:
         from common.distributed import init_distributed
 
-        _, consensus_group = init_distributed(tp_rank, args.tp, ipc.dist_init_method)
+        world = args.tp * args.pp_size
+        _, consensus_group = init_distributed(rank, world, ipc.dist_init_method, tp_size=args.tp)
         from common.distributed import get_tp_group
 
-        comm = SchedulerComm(ipc, tp_rank, args.tp, consensus_group)
+        comm = SchedulerComm(ipc, rank, world, consensus_group)
         scheduler = scheduler_cls(args, model_dir, tp_rank, args.tp, get_tp_group(),
-                                  send_fn=comm.send if tp_rank == 0 else None, comm=comm, dp_rank=dp_rank)
+                                  send_fn=comm.send if rank == 0 else None, comm=comm, dp_rank=dp_rank,
+                                  pp_rank=pp_rank)
     except Exception as e:
         logger.error("start-up failed: %s\n%s", e, traceback.format_exc())
         try:

@@ -80,16 +80,19 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, args: ServerArgs, model_dir: str, tp_rank: int = 0, tp_size: int = 1,
                  tp_group=None, *, runner=None, tokenizer: Any = None,
-                 send_fn: Callable[[Any], None] | None = None, comm=None, dp_rank: int = 0) -> None:
+                 send_fn: Callable[[Any], None] | None = None, comm=None, dp_rank: int = 0,
+                 pp_rank: int = 0) -> None:
         self.args = args
         self.model_dir = model_dir
         self.dp_rank = dp_rank  # the DP group this scheduler is (--dp-size)
+        self.pp_rank = pp_rank  # its pipeline stage (--pp-size): every stage schedules alike
+        first = tp_rank == 0 and pp_rank == 0  # the rank that speaks for the group
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         if runner is None:
             from common.runner import ModelRunner
 
-            runner = ModelRunner(args, model_dir, tp_rank, tp_size, tp_group)
+            runner = ModelRunner(args, model_dir, tp_rank, tp_size, tp_group, pp_rank=pp_rank)
         self.runner = runner
         self.model_config = runner.model_config
         self.vocab_size = self.model_config.vocab_size
@@ -102,10 +105,10 @@ class Scheduler:
         # models with recurrent state (hybrid) cannot reuse a cached prefix: see common/hybrid.py
         self.tree_cache = make_tree_cache(args.radix_cache_enabled and getattr(runner, "supports_radix_cache", True),
                                           self.req_to_token_pool, self.allocator, self.page_size)
-        self.tracer = make_tracer(args) if tp_rank == 0 else None  # stage spans of released requests
+        self.tracer = make_tracer(args) if first else None  # stage spans of released requests
         self.queue_time = BucketCounts()  # arrival to first prefill (the role's queues included)
         self.kv_events = None  # publishes the prefix cache's blocks (rank 0 only: the ranks' caches are equal)
-        if getattr(args, "kv_events_config", None) and self.tree_cache.enabled and tp_rank == 0:
+        if getattr(args, "kv_events_config", None) and self.tree_cache.enabled and first:
             cfg = KVEventsConfig.parse(args.kv_events_config, args.host, args.dp_size).for_dp_rank(dp_rank)
             if cfg.enabled:
                 self.kv_events = self.tree_cache.events = KVEventPublisher(
@@ -131,7 +134,8 @@ class Scheduler:
         # requests whose grammar compiles (Stage.NEW, admitted when it is ready)
         tok_path = args.tokenizer or model_dir
         self.grammar_queue = GrammarQueue(lambda: GrammarCompiler(lambda: _hf_tokenizer(tok_path), self.vocab_size,
-                                                                  self.eos_token_ids), tp_size)
+                                                                  self.eos_token_ids),
+                                          tp_size * getattr(args, "pp_size", 1))
 
         # decode forwards on a worker thread (None: in sequence); common/scheduler/overlap.py
         overlap, why = overlap_choice(args, tp_size)

@@ -3,7 +3,7 @@ of each DP group (--dp-size groups of --tp-size ranks).
 
 1. resolve the model directory (the default model is converted once into the cache);
 2. bind the ZMQ sockets (one `to_scheduler` per DP group, one shared `from_scheduler`), spawn
-   `dp_size * tp` scheduler processes (multiprocessing "spawn"), wait until every rank reports ready
+   `dp_size * pp_size * tp` scheduler processes (multiprocessing "spawn"), wait until every rank reports ready
    (or exit with its error);
 3. serve HTTP until SIGINT/SIGTERM: then abort running requests, stop the schedulers, exit 0.
 A scheduler process that dies while serving turns `/health` into 503 and fails live requests (with
@@ -202,8 +202,9 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
         ctx = mp.get_context("spawn")
         conns, names = [], []
         for dp, ipc in enumerate(ipcs):
-            for rank in range(args.tp):
-                name = f"scheduler dp {dp} tp {rank}" if args.dp_size > 1 else f"scheduler rank {rank}"
+            for rank in range(args.tp * args.pp_size):  # pipeline stage rank // tp, TP rank rank % tp
+                name = ("scheduler " + (f"dp {dp} " if args.dp_size > 1 else "")
+                        + (f"pp {rank // args.tp} tp {rank % args.tp}" if args.pp_size > 1 else f"rank {rank}"))
                 parent, child = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=run_scheduler_process,
                                 args=(args, model_dir, rank, ipc, child, scheduler_cls, dp),
@@ -215,7 +216,7 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
                 names.append(name)
                 logger.info("started %s (pid %d)", name, p.pid)
         infos = _wait_ready(procs, conns, READY_TIMEOUT, names)
-        tm.configure(infos[0], groups=infos[::args.tp])
+        tm.configure(infos[0], groups=infos[::args.tp * args.pp_size])
         # the early handler stays until the event loop installs its own (no unguarded window)
         asyncio.run(_serve(args, tm, procs, names, model_dir, keys, ssl_context))
         logger.info("stopped")
