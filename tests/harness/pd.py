@@ -87,3 +87,21 @@ def colocated_tokens(node, prompts: list[list[int]], n: int = 8) -> list[list[in
 
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         return list(ex.map(one, prompts))
+
+
+def hf_model(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # exactly max_new_tokens, like ignore_eos
+    return hf
+
+
+def hf_greedy(hf, prompt: list[int], n: int = 8) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()

@@ -58,7 +58,10 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 def _pair(launcher: Launcher, model: str, backend: str, prefill_tp: int = 1, dp_size: int = 1) -> PDPair:
     settings = {"chunked_prefill_size": CHUNK, "dp_size": dp_size}
-    return launcher.pair(model, backend, prefill_tp=prefill_tp, decode_tp=1, prefill_settings=settings,
+    # two groups per node put four scheduler processes and their engines on the test machine's cores: a
+    # heartbeat window of 3 s (not the fast suite's 1.2 s) so a busy moment is not a dead peer
+    env = {"PDSERVE_HEARTBEAT_MAX_FAILURES": "10"} if dp_size > 1 else None
+    return launcher.pair(model, backend, prefill_tp=prefill_tp, decode_tp=1, env=env, prefill_settings=settings,
                          decode_settings=settings)
 
 

@@ -14,7 +14,7 @@ node key, which a node accepts on every route. The router sits in front of recor
 Worker URLs in `POST /workers` bodies are pointed at 127.0.0.1 before sending, so the router never
 reaches past this machine.
 
-Budget: `PDSERVE_FUZZ_EXAMPLES` examples per route and mode (default 8) within
+Budget: `PDSERVE_FUZZ_EXAMPLES` examples per route and mode (default 6) within
 `PDSERVE_FUZZ_SECONDS` per target (default 50); the seed is fixed (derandomized). A longer run:
 `PDSERVE_FUZZ_EXAMPLES=200 PDSERVE_FUZZ_SECONDS=1800 pytest tests/integration/test_fuzz_http.py`.
 """

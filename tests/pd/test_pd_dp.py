@@ -1,9 +1,11 @@
 """--dp-size 2: a colocated node and a decode node with two scheduler groups behind one front end, and the
 router's --dp-aware in front of the decode node.
 
-* colocated: greedy answers equal a one-group node's; requests spread over both groups (or go to the
-  one `data_parallel_rank` names); /get_load, /server_info, /health_generate and /flush_cache cover both
-  groups; each group publishes its own KV events (its own port, its rank in every batch);
+* colocated, a tiny Qwen3 (q/k norms) with two DP groups of two pipeline stages each (--pp-size 2,
+  four scheduler processes): greedy answers and prompt logprobs equal transformers'; requests spread
+  over both groups (or go to the one `data_parallel_rank` names); /get_load, /server_info,
+  /health_generate and /flush_cache cover both groups; each group publishes its own KV events (its own
+  endpoint, its rank in every batch);
 * PD, prefill and decode both --dp-size 2: a request runs on group bootstrap_room mod 2 of each node
   (the decode group reads from the prefill group of the same room), answers as colocated, and every
   group ends with the pages and slots it started with;
@@ -22,8 +24,17 @@ import pytest
 import zmq
 
 from common.kv_events import KVEventBatch
-from tests.harness.client import error_message, free_port, http_get, http_post, wait_until
-from tests.harness.pd import BASE, FAST_ENV, assert_restored, colocated_tokens, greedy, make_prompts
+from tests.harness.client import error_message, http_get, http_post, wait_until
+from tests.harness.pd import (
+    BASE,
+    FAST_ENV,
+    assert_restored,
+    colocated_tokens,
+    greedy,
+    hf_greedy,
+    hf_model,
+    make_prompts,
+)
 
 
 def group_stat(node, key: str) -> list:
@@ -36,15 +47,23 @@ def generate(url: str, body: dict) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def dp_node(pd_model_dir, module_launcher):
-    port = free_port()
-    return module_launcher.colocated(pd_model_dir, env=FAST_ENV, dp_size=2, kv_events_config=json.dumps(
-        {"endpoint": f"tcp://127.0.0.1:{port}"}), **BASE)
+def qwen3_dir(make_tiny_model) -> str:
+    return make_tiny_model("qwen3")
 
 
-def test_colocated_groups_answer_as_one_node(dp_node, colocated, pd_tok):
-    prompts = make_prompts(pd_tok, 8, seed=5, lo=3, hi=80)
-    want = colocated_tokens(colocated, prompts)
+@pytest.fixture(scope="module")
+def dp_node(qwen3_dir, module_launcher, tmp_path_factory):
+    events = tmp_path_factory.mktemp("dp-node-events")  # ipc endpoints: group k adds `_dp<k>` to the path
+    return module_launcher.colocated(qwen3_dir, env=FAST_ENV, dp_size=2, pp_size=2, kv_events_config=json.dumps(
+        {"endpoint": f"ipc://{events}/pub"}), **BASE)
+
+
+def test_colocated_groups_of_stages_answer_as_transformers(dp_node, qwen3_dir, pd_tok):
+    import torch
+
+    hf = hf_model(qwen3_dir)
+    prompts = make_prompts(pd_tok, 6, seed=5, lo=3, hi=110)  # up to four 32-token chunks
+    want = [hf_greedy(hf, p) for p in prompts]
     before = group_stat(dp_node, "total_prompt_tokens")
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         answers = list(ex.map(lambda p: generate(dp_node.url, {"input_ids": p, "sampling_params": greedy()}), prompts))
@@ -54,6 +73,15 @@ def test_colocated_groups_answer_as_one_node(dp_node, colocated, pd_tok):
     after = group_stat(dp_node, "total_prompt_tokens")
     assert all(a > b for a, b in zip(after, before, strict=True)), f"both groups prefill: {before} -> {after}"
     assert sum(after) - sum(before) == sum(map(len, prompts))
+    # prompt logprobs, computed by the last stage
+    body = {"input_ids": prompts[0], "return_logprob": True, "logprob_start_len": 0, "sampling_params": greedy(1)}
+    meta = generate(dp_node.url, body)[1]["meta_info"]
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([prompts[0]])).logits[0].float(), dim=-1)
+    hf_lp = logp[:-1].gather(1, torch.tensor(prompts[0][1:])[:, None]).squeeze(1).tolist()
+    got = [v for v, *_ in meta["input_token_logprobs"]]
+    assert got[0] is None and got[1:] == pytest.approx(hf_lp, abs=1e-4)
+    assert meta["output_token_logprobs"][0][0] == pytest.approx(logp[-1].max().item(), abs=1e-4)
 
 
 def test_data_parallel_rank_picks_the_group(dp_node):
@@ -181,40 +209,3 @@ def test_bench_dp_ratios_are_dp_over_one_group():
         "dp_output_throughput": 1.5, "dp_tpot_p50": 1.5, "dp_ttft_p99": 0.8}
     assert dp.compute_ratios({"dp2": two}, "dp2") == {}
     assert dp.main(["--dp-size", "1"]) == 2 and dp.main(["--setups", "dp3"]) == 2
-
-
-def test_bench_dp_runs_the_dp_setup(pd_model_dir, tmp_path):
-    """The DP setup end to end (the one-group setup is `pdserve serve` as every other bench starts it)."""
-    from bench import dp
-
-    out = tmp_path / "dp.json"
-    rc = dp.main(["--model", pd_model_dir, "--num-prompts", "4", "--random-input-len", "24", "--random-output-len",
-                  "5", "--max-concurrency", "4", "--warmup-requests", "0", "--disable-tqdm", "--setups", "dpN",
-                  "--node-args", "--max-total-tokens 2048 --page-size 4", "--log-dir", str(tmp_path / "logs"),
-                  "--json", str(out)])
-    assert rc == 0
-    report = json.loads(out.read_text())
-    s = report["figures"]["runs"]["dp2"]["summary"]
-    assert (s["completed"], s["failed"], s["total_output_tokens"]) == (4, 0, 20)
-
-
-def test_exact_routing_returns_a_prompt_to_the_prefill_group_that_cached_it(dp_pair, module_launcher, pd_tok):
-    """--kv-events with a DP prefill node: a view per group; a prompt sent again goes to the group holding
-    its pages (the room is chosen for it, and --dp-aware picks a decode group that room can reach), so
-    every repeat is a prefix-cache hit."""
-    router = module_launcher.router([dp_pair.prefill], [dp_pair.decode], "--dp-aware", "--kv-events")
-    workers = json.loads(http_get(router.url + "/workers")[1])["workers"]
-    views = next(w["kv_events"] for w in workers if w["worker_type"] == "prefill")
-    assert [v["dp_rank"] for v in views] == [0, 1]
-    # five: --dp-aware alone would send the second round to the other groups (its turns go 0, 1, 0, ...)
-    prompts = make_prompts(pd_tok, 5, seed=11, lo=40, hi=60)
-    for p in prompts:
-        code, _, raw = router.post("/generate", {"input_ids": p, "sampling_params": greedy(2)})
-        assert code == 200, raw
-    for p in prompts:
-        code, _, raw = router.post("/generate", {"input_ids": p, "sampling_params": greedy(2)})
-        assert code == 200, raw
-        cached = json.loads(raw)["meta_info"]["cached_tokens"]
-        assert cached >= (len(p) - 1) // BASE["page_size"] * BASE["page_size"] - BASE["page_size"], (len(p), cached)
-    used = group_stat(dp_pair.prefill, "total_prompt_tokens")
-    assert all(u > 0 for u in used), used  # both groups took prompts
