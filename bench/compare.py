@@ -57,7 +57,8 @@ def child_env(ns: argparse.Namespace) -> dict[str, str]:
     """Environment of every node of both setups. OpenMP threads that spin while waiting (the default)
     collapse when the machine is shared (a 2-thread node measured 8x slower per token at load 10 than
     with OMP_WAIT_POLICY=PASSIVE); both setups get the same policy."""
-    return {"OMP_WAIT_POLICY": ns.omp_wait_policy} if ns.omp_wait_policy else {}
+    env = {"OMP_WAIT_POLICY": ns.omp_wait_policy} if ns.omp_wait_policy else {}
+    return {**env, **getattr(ns, "node_env", {})}
 
 
 def build_workload(maker: PromptMaker, ns: argparse.Namespace) -> list[BenchRequest]:
@@ -104,6 +105,29 @@ def start_colocated(ns: argparse.Namespace, cores: list[int], log_dir: str) -> t
             raise ClusterError(f"colocated node did not start (log {log_path}):\n{tail}")
         time.sleep(0.25)
     return proc, url
+
+
+def run_colocated_setups(ns: argparse.Namespace, setups: list[tuple[str, str, int, dict]], cores: list[int],
+                         log_dir: str, requests: list[BenchRequest]) -> dict[str, dict]:
+    """Each setup (name, node flags, torch threads per rank, environment) as one `pdserve serve` node on
+    `cores`, started, measured with `requests` (`bench.serve.measure_setup`) and stopped, one after the
+    other."""
+    from bench.serve import measure_setup
+
+    runs = {}
+    for name, node_args, threads, env in setups:
+        setup = argparse.Namespace(**vars(ns))
+        setup.node_args, setup.colocated_threads, setup.node_env = node_args, threads, env
+        setup.omp_wait_policy = getattr(ns, "omp_wait_policy", "")
+        print(f"\n[{name}] on cores {cores}: {node_args.strip() or 'defaults'}, {threads} torch threads per rank"
+              + (f", {env}" if env else ""), file=sys.stderr, flush=True)
+        os.makedirs(os.path.join(log_dir, name), exist_ok=True)
+        proc, url = start_colocated(setup, cores, os.path.join(log_dir, name))
+        try:
+            runs[name] = measure_setup(name, url, requests, ns)
+        finally:
+            stop_proc(proc)
+    return runs
 
 
 def stop_proc(proc: subprocess.Popen, grace: float = 20.0) -> None:

@@ -20,30 +20,18 @@ import math
 import os
 import sys
 
-from bench.compare import start_colocated, stop_proc
+from bench.compare import run_colocated_setups
 from bench.report import HelpFormatter, write_report
-from bench.serve import format_summary, measure_setup, setup_workload
+from bench.serve import add_setup_flags, format_summary, setup_workload
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench dp", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
+    add_setup_flags(p, "dp", num_prompts=48, input_len=256, output_len=64, concurrency=16)
     a = p.add_argument
-    a("--model", default="default", help="model of both setups ('default' or a directory)")
     a("--dp-size", type=int, default=2, help="scheduler groups of the DP setup")
-    a("--num-prompts", type=int, default=48, help="requests per setup")
-    a("--random-input-len", type=int, default=256, help="longest prompt (tokens)")
-    a("--random-output-len", type=int, default=64, help="output tokens of every request")
-    a("--random-range-ratio", type=float, default=0.5, help="prompt lengths drawn from [len * ratio, len]")
-    a("--max-concurrency", type=int, default=16, help="most requests in flight")
-    a("--warmup-requests", type=int, default=2, help="requests sent and discarded before each measured run")
-    a("--node-args", default="", help="flags for both nodes, one string")
     a("--setups", default="dp1,dpN", help="which setups to run, comma-separated: dp1 (one group), dpN (--dp-size)")
-    a("--seed", type=int, default=1, help="seed of prompts")
-    a("--startup-timeout", type=float, default=900.0, help="seconds for a node to become healthy")
-    a("--log-dir", default=None, help="the nodes' logs (default ./logs/dp-<timestamp>)")
-    a("--disable-tqdm", action="store_true", help="no progress bar")
-    a("--json", default=None, help="write the report here")
     return p
 
 
@@ -72,24 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in requests:  # every request decodes the same number of tokens: the setups' work is equal
         r.output_len = ns.random_output_len
     dp = f"dp{ns.dp_size}"
-    base_args = ns.node_args
-    runs = {}
-    for name, size in (("dp1", 1), (dp, ns.dp_size)):
-        if ("dp1" if size == 1 else "dpN") not in setups:
-            continue
-        setup = argparse.Namespace(**vars(ns))
-        setup.node_args = f"{base_args} --dp-size {size}"
-        # threads per rank: every core in the one group; a core share per group with DP
-        setup.colocated_threads = max(1, len(cores) // size)
-        setup.omp_wait_policy = ""
-        print(f"\n[{name}] on cores {cores}, {setup.colocated_threads} torch threads per group", file=sys.stderr,
-              flush=True)
-        os.makedirs(os.path.join(log_dir, name), exist_ok=True)
-        proc, url = start_colocated(setup, cores, os.path.join(log_dir, name))
-        try:
-            runs[name] = measure_setup(name, url, requests, ns)
-        finally:
-            stop_proc(proc)
+    # threads per rank: every core in the one group; a core share per group with DP
+    runs = run_colocated_setups(ns, [(name, f"{ns.node_args} --dp-size {size}", max(1, len(cores) // size), {})
+                                     for name, size, key in (("dp1", 1, "dp1"), (dp, ns.dp_size, "dpN"))
+                                     if key in setups], cores, log_dir, requests)
     summaries = {name: run["summary"] for name, run in runs.items()}
     for name, s in summaries.items():
         print(format_summary(name, s))

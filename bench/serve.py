@@ -409,6 +409,26 @@ def result_rows(results: list[RequestResult]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+def add_setup_flags(p: argparse.ArgumentParser, bench: str, *, num_prompts: int, input_len: int, output_len: int,
+                    concurrency: int) -> None:
+    """The flags of a bench that runs `pdserve serve` setups one after the other on one workload of random
+    completions (`setup_workload`, `bench.compare.run_colocated_setups`), with this bench's defaults."""
+    a = p.add_argument
+    a("--model", default="default", help="model of every setup ('default' or a directory)")
+    a("--num-prompts", type=int, default=num_prompts, help="requests per setup")
+    a("--random-input-len", type=int, default=input_len, help="longest prompt (tokens)")
+    a("--random-output-len", type=int, default=output_len, help="output tokens of every request")
+    a("--random-range-ratio", type=float, default=0.5, help="prompt lengths drawn from [len * ratio, len]")
+    a("--max-concurrency", type=int, default=concurrency, help="most requests in flight")
+    a("--warmup-requests", type=int, default=2, help="requests sent and discarded before each measured run")
+    a("--node-args", default="", help="flags for every node, one string")
+    a("--seed", type=int, default=1, help="seed of prompts")
+    a("--startup-timeout", type=float, default=900.0, help="seconds for a node to become healthy")
+    a("--log-dir", default=None, help=f"the nodes' logs (default ./logs/{bench}-<timestamp>)")
+    a("--disable-tqdm", action="store_true", help="no progress bar")
+    a("--json", default=None, help="write the report here")
+
+
 def setup_workload(ns: argparse.Namespace, bench: str) -> tuple[list[int], str, list[BenchRequest]]:
     """What a bench that runs server setups one after the other starts with: the cores this process may
     run on, its log folder (`--log-dir`, else ./logs/<bench>-<timestamp>) and `--num-prompts` random

@@ -5,7 +5,7 @@ rank = pp_rank * tp + tp_rank) and creates `tp_group` (the ranks of this rank's 
 the model's collectives (all-reduce after row-parallel layers) and `consensus_group` (every rank) for
 control-plane agreement (scheduler input broadcast, transfer poll MIN-reduce, the sampled tokens of a
 pipelined forward), so the two kinds of traffic never interleave on one group. Hidden states go from
-stage to stage point to point on the default group (`pp_send` / `pp_recv`: TP rank t of stage s to
+stage to stage point to point on the default group (`pp_isend` / `pp_recv`: TP rank t of stage s to
 TP rank t of stage s + 1). A world of 1 works too: the groups exist, and the collective helpers skip
 the call.
 
@@ -108,11 +108,23 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, group: dist.ProcessGroup |
     return torch.cat(parts, dim=dim)
 
 
-def pp_send(tensors: list[torch.Tensor], stage: int) -> None:
-    """Send `tensors` (in order) to this TP rank's peer in pipeline stage `stage`."""
+class PendingSend:
+    """Sends in flight (`pp_isend`): `wait()` before the tensors may change."""
+
+    def __init__(self, works: list, tensors: list[torch.Tensor]) -> None:
+        self.works, self.tensors = works, tensors
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works, self.tensors = [], []
+
+
+def pp_isend(tensors: list[torch.Tensor], stage: int) -> PendingSend:
+    """Start sending `tensors` (in order) to this TP rank's peer in pipeline stage `stage`."""
     dst = stage * _TP_SIZE + dist.get_rank() % _TP_SIZE
-    for t in tensors:
-        dist.send(t.contiguous(), dst)
+    tensors = [t.contiguous() for t in tensors]
+    return PendingSend([dist.isend(t, dst) for t in tensors], tensors)
 
 
 def pp_recv(tensors: list[torch.Tensor], stage: int) -> None:

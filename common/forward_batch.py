@@ -47,3 +47,31 @@ class ForwardBatch:
     def last_token_indices(self) -> torch.Tensor:
         ends = torch.tensor(self.extend_seq_lens, dtype=torch.int64).cumsum(0)
         return ends - 1
+
+    def token_slices(self, n: int) -> list[ForwardBatch]:
+        """An EXTEND batch as `n` consecutive ranges of its new tokens, to run one after the other (a
+        pipeline stage hands each on while it runs the next). A request cut between two ranges goes on
+        in the next with the first part as its prefix: its KV is in the pool by then. Each range keeps
+        the `logits_indices` inside it (local), so the ranges' logits, concatenated, are the batch's;
+        they must be in increasing order (the scheduler's are)."""
+        total = self.input_ids.numel()
+        bounds = [round(i * total / n) for i in range(n + 1)]
+        starts = [0]
+        for m in self.extend_seq_lens:
+            starts.append(starts[-1] + m)
+        idx = self.logits_indices
+        out = []
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            rows, prefix, lens = [], [], []
+            for i, (s, p) in enumerate(zip(starts, self.extend_prefix_lens, strict=False)):
+                a, b = max(s, lo), min(starts[i + 1], hi)
+                if a < b:
+                    rows.append(i)
+                    prefix.append(p + a - s)
+                    lens.append(b - a)
+            local = None if idx is None else idx[(idx >= lo) & (idx < hi)] - lo
+            out.append(ForwardBatch(
+                self.mode, self.input_ids[lo:hi], self.positions[lo:hi], self.out_cache_loc[lo:hi],
+                self.req_pool_indices[rows], [p + m for p, m in zip(prefix, lens, strict=True)], prefix, lens,
+                self.kv_pool, self.req_to_token, logits_indices=local))
+        return out

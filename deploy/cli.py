@@ -61,6 +61,7 @@ BENCHES = {
     "compare": "bench.compare",
     "placement": "bench.placement",
     "dp": "bench.dp",
+    "pp": "bench.pp",
     "quant": "bench.quant",
     "kv_routing": "bench.kv_routing",
     "retract": "bench.retract",

@@ -12,19 +12,22 @@ Pipeline parallelism (`pp_rank` of `pp_size`): the stage holds the consecutive l
 `layer_range(num_layers, pp_rank, pp_size)` (the others are parameterless `MissingLayer`s, so their
 checkpoint tensors have no place and are skipped); the first stage embeds, the others receive the
 hidden state and residual from the previous stage; every stage but the last sends them on and
-returns None, the last returns the logits. Embedding, final norm and lm_head exist on every stage.
+returns None, the last returns the logits. Embedding, final norm and lm_head exist on every stage. An
+extend batch runs as micro-batches of consecutive tokens (`micro_batches`): a stage sends one on
+without waiting and starts the next, so while stage 1 runs micro-batch 1, stage 0 runs micro-batch 2.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.distributed import pp_recv, pp_send
+from common.distributed import pp_isend, pp_recv
 from common.forward_batch import ForwardBatch, ForwardMode
 from common.layers.activation import silu_and_mul
 from common.layers.attention import TorchAttentionBackend
@@ -122,6 +125,23 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+# tokens of one micro-batch at least when a pipeline stage splits an extend batch
+# (PDSERVE_PP_MICRO_TOKENS); at most MAX_MICRO_BATCHES per forward
+PP_MICRO_TOKENS = int(os.environ.get("PDSERVE_PP_MICRO_TOKENS", "64"))
+MAX_MICRO_BATCHES = 8
+
+
+def micro_batches(fb: ForwardBatch, pp_size: int) -> int:
+    """How many micro-batches a pipelined forward of `fb` runs: extend batches of at least two micro-batches'
+    tokens, whose logits rows are in increasing order; 1 otherwise."""
+    if fb.mode != ForwardMode.EXTEND or pp_size == 1:
+        return 1
+    idx = fb.logits_indices
+    if idx is not None and idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        return 1
+    return max(1, min(MAX_MICRO_BATCHES, fb.input_ids.numel() // max(PP_MICRO_TOKENS, 1)))
+
+
 def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
     """The layers [start, end) of pipeline stage `pp_rank`: consecutive, the first stages one longer when
     they do not divide evenly."""
@@ -171,6 +191,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.layer_range = layer_range(config.num_layers, pp_rank, pp_size)
+        self.micro_batches = 0  # run by pipelined forwards (in forwards cut into more than one)
         local_heads = config.num_heads // tp_size
         self.attn_backend = TorchAttentionBackend(local_heads, config.local_kv_heads(tp_size), config.head_dim)
         self.rotary = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta,
@@ -186,30 +207,59 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
+        if self.pp_size > 1:
+            return self._forward_stage(fb)
         if fb.attn_metadata is None:
             self.attn_backend.init_forward_metadata(fb)
+        h = F.embedding(fb.input_ids, self.model.embed_tokens.weight)
         cos, sin = self.rotary.cos_sin(fb.positions)
-        if self.pp_rank > 0:  # the previous stage's hidden state and residual
-            weight = self.model.embed_tokens.weight
-            h = torch.empty(fb.input_ids.numel(), weight.shape[1], dtype=weight.dtype)
-            residual = torch.empty_like(h)
-            pp_recv([h, residual], self.pp_rank - 1)
-        else:
-            h = F.embedding(fb.input_ids, self.model.embed_tokens.weight)
-            residual = None
-            if self.decoder_stack is _UNSET:  # decided once, after the weights were packed
-                self.decoder_stack = DecoderStack.for_model(self)
-            if self.decoder_stack is not None and self.decoder_stack.accepts(fb):
-                residual = self.decoder_stack.run(h, cos, sin, fb)
-                return final_logits(self, h, residual, fb)
-        start, end = self.layer_range
-        for layer in self.model.layers[start:end]:
+        if self.decoder_stack is _UNSET:  # decided once, after the weights were packed
+            self.decoder_stack = DecoderStack.for_model(self)
+        if self.decoder_stack is not None and self.decoder_stack.accepts(fb):
+            residual = self.decoder_stack.run(h, cos, sin, fb)
+            return final_logits(self, h, residual, fb)
+        residual = None
+        for layer in self.model.layers:
             h, residual = layer(h, residual, cos, sin, fb)
-        if self.pp_rank < self.pp_size - 1:
-            pp_send([h, residual], self.pp_rank + 1)
-            return None
         return final_logits(self, h, residual, fb)
+
+    def _forward_stage(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """This pipeline stage's part of a forward: an extend batch runs as micro-batches (consecutive
+        token ranges, `ForwardBatch.token_slices`), each handed to the next stage without waiting, so the
+        stages work on different micro-batches at once; the last stage returns the logits."""
+        if fb.mode == ForwardMode.EXTEND and fb.logits_indices is None:
+            fb.logits_indices = fb.last_token_indices()
+        parts = [fb]
+        n = micro_batches(fb, self.pp_size)
+        if n > 1:
+            parts = fb.token_slices(n)
+            self.micro_batches += n
+        last = self.pp_rank == self.pp_size - 1
+        start, end = self.layer_range
+        weight = self.model.embed_tokens.weight
+        sent, logits = [], []
+        for part in parts:
+            if part.attn_metadata is None:
+                self.attn_backend.init_forward_metadata(part)
+            cos, sin = self.rotary.cos_sin(part.positions)
+            if self.pp_rank == 0:
+                h, residual = F.embedding(part.input_ids, weight), None
+            else:  # the previous stage's hidden state and residual
+                h = torch.empty(part.input_ids.numel(), weight.shape[1], dtype=weight.dtype)
+                residual = torch.empty_like(h)
+                pp_recv([h, residual], self.pp_rank - 1)
+            for layer in self.model.layers[start:end]:
+                h, residual = layer(h, residual, cos, sin, part)
+            if not last:
+                sent.append(pp_isend([h, residual], self.pp_rank + 1))
+            elif part.logits_indices is None or part.logits_indices.numel():
+                logits.append(final_logits(self, h, residual, part))
+        for pending in sent:
+            pending.wait()
+        if not last:
+            return None
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

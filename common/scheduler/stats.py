@@ -64,6 +64,8 @@ def scheduler_stats(sched) -> dict[str, Any]:
         "page_size": sched.page_size,
         "context_length": sched.context_length,
         "max_running_requests": sched.max_running_requests,
+        **({"pp_size": sched.runner.pp_size, "pp_micro_batches": sched.runner.model.micro_batches}
+           if getattr(sched.runner, "pp_size", 1) > 1 else {}),
         **(sched.runner.hybrid.stats() if hasattr(sched.runner, "hybrid") else {}),
         **sched.priority.stats(),
         **sched.grammar_queue.stats(),

@@ -1,9 +1,11 @@
 """--pp-size: the model's layers split into pipeline stages, each run by processes of its own (a
 colocated node with stages and DP groups: tests/pd/test_pd_dp.py).
 
-* a prefill node with two stages of two TP ranks each (a tiny Qwen2: q/k/v biases): every (stage, TP)
-  rank registers with the bootstrap server and sends its own layers' share of heads to the decode
-  node, which answers as transformers does; both nodes end with the pages and slots they started with;
+* a prefill node with two stages of two TP ranks each (a tiny Qwen2: q/k/v biases; chunks run as
+  micro-batches of 8 tokens): every (stage, TP) rank registers with the bootstrap server and sends its
+  own layers' share of heads to a decode node of two DP groups, which answers as transformers does
+  (the cluster of issue 18's "done means": PP prefill, DP decode); both nodes end with the pages and
+  slots they started with;
 * the flag's refusals name it.
 """
 
@@ -34,7 +36,8 @@ def test_pp_size_refusals_name_the_flag():
 
 def test_prefill_stages_send_their_own_layers(make_tiny_model, module_launcher, pd_tok):
     model_dir = make_tiny_model("qwen2")
-    pair = module_launcher.pair(model_dir, "mooncake", prefill_tp=2, prefill_settings={"pp_size": 2})
+    pair = module_launcher.pair(model_dir, "mooncake", prefill_tp=2, env={"PDSERVE_PP_MICRO_TOKENS": "8"},
+                                prefill_settings={"pp_size": 2}, decode_settings={"dp_size": 2})
     start = pair.start_counts()
     hf = hf_model(model_dir)
     for p in make_prompts(pd_tok, 5, seed=22, lo=3, hi=110):
@@ -42,4 +45,27 @@ def test_prefill_stages_send_their_own_layers(make_tiny_model, module_launcher, 
         (ps, pb), (ds, db) = pair.generate({"input_ids": p, "sampling_params": greedy()})
         assert ps == 200 and ds == 200, (pb, db)
         assert pb["output_ids"] == want[:1] and db["output_ids"] == want, len(p)
+    assert all(g["forward_ct"] > 0 for g in pair.decode.stats()["dp"])  # consecutive rooms: both groups
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
+
+
+@pytest.mark.parametrize("make, words", [("qwen3_5", "Qwen3_5ForCausalLM"), ("mistral_swa", "sliding window")])
+def test_models_without_stages_are_refused_at_load(tmp_path, make, words):
+    from common.models.loader import ModelLoadError, load_model
+    from tests.hybrid import hybrid_harness
+
+    getattr(hybrid_harness, f"make_{make}")(str(tmp_path))
+    with pytest.raises(ModelLoadError, match=f"--pp-size: pipeline parallelism supports .*{words}"):
+        load_model(str(tmp_path), pp_rank=0, pp_size=2)
+
+
+def test_bench_pp_ratios_and_refusals():
+    from bench import pp
+
+    one = {"ttft_ms": {"p50": 2400.0}, "input_throughput": 720.0}
+    two = {"ttft_ms": {"p50": 3000.0}, "input_throughput": 576.0}
+    seq = {"ttft_ms": {"p50": 4500.0}, "input_throughput": 380.0}
+    assert pp.compute_ratios({"pp1": one, "pp2": two, "pp2_sequential": seq}, "pp2") == {
+        "pp_ttft_p50": 0.8, "pp_input_throughput": 0.8, "pp_microbatch_ttft_p50": 1.5}
+    assert pp.compute_ratios({"pp2": two}, "pp2") == {}
+    assert pp.main(["--pp-size", "1"]) == 2 and pp.main(["--setups", "pp9"]) == 2

@@ -201,3 +201,20 @@ def test_exact_policy_pins_the_dp_group_holding_the_prefix():
     assert policy.select(workers[:1], key).url == "http://a" and key.group == 0
     policy.forget("http://a")
     assert not policy.recent
+
+
+def test_token_slices_cut_requests_into_consecutive_ranges():
+    """Two requests (5 new tokens on a 3-token prefix, then 3 new) cut into 3 ranges of the 8 tokens."""
+    import torch
+
+    from common.forward_batch import ForwardBatch, ForwardMode
+
+    fb = ForwardBatch(ForwardMode.EXTEND, torch.arange(100, 108), torch.tensor([3, 4, 5, 6, 7, 0, 1, 2]),
+                      torch.arange(40, 48), torch.tensor([7, 9]), [8, 3], [3, 0], [5, 3], None, None,
+                      logits_indices=torch.tensor([4, 7]))
+    parts = fb.token_slices(3)  # tokens [0, 3), [3, 5), [5, 8)
+    assert [p.input_ids.tolist() for p in parts] == [[100, 101, 102], [103, 104], [105, 106, 107]]
+    assert [(p.req_pool_indices.tolist(), p.extend_prefix_lens, p.extend_seq_lens, p.seq_lens) for p in parts] == [
+        ([7], [3], [3], [6]), ([7], [6], [2], [8]), ([9], [0], [3], [3])]
+    assert [p.logits_indices.tolist() for p in parts] == [[], [1], [2]]  # each range's own rows
+    assert [p.positions.tolist() for p in parts][1] == [6, 7] and parts[2].out_cache_loc.tolist() == [45, 46, 47]
