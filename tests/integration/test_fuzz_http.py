@@ -14,7 +14,7 @@ node key, which a node accepts on every route. The router sits in front of recor
 Worker URLs in `POST /workers` bodies are pointed at 127.0.0.1 before sending, so the router never
 reaches past this machine.
 
-Budget: `PDSERVE_FUZZ_EXAMPLES` examples per route and mode (default 6) within
+Budget: `PDSERVE_FUZZ_EXAMPLES` examples per route and mode (default 4) within
 `PDSERVE_FUZZ_SECONDS` per target (default 50); the seed is fixed (derandomized). A longer run:
 `PDSERVE_FUZZ_EXAMPLES=200 PDSERVE_FUZZ_SECONDS=1800 pytest tests/integration/test_fuzz_http.py`.
 """
@@ -39,7 +39,7 @@ from tests.harness.client import free_port, http_get, http_post  # noqa: E402
 from tests.harness.nodes import NodeProcess, RouterProcess, ServerProcess, start_together  # noqa: E402
 from tests.integration.test_trust_edge import key_env  # noqa: E402
 
-EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "4"))
 SECONDS = float(os.environ.get("PDSERVE_FUZZ_SECONDS", "35"))
 KEYS = {"client": "fuzz-client-3b9d", "admin": "fuzz-admin-3b9d", "node": "fuzz-node-3b9d"}
 PROBES_503 = {"/readiness", "/health_generate", "/health"}
