@@ -2,7 +2,8 @@
 
 `build_tiny_model(out_dir, arch, tokenizer_dir, overrides)` saves a Hugging Face model (hidden 64,
 4 layers, 4 heads, 2 KV heads, head_dim 16, intermediate 128, 2048 positions) with seeded random fp32
-weights and the tokenizer's vocabulary and files, so real text works. `tiny_model_dir()` builds one
+weights and the tokenizer's vocabulary and files, so real text works; with `mtp_num_hidden_layers=1`
+also random draft layers (`mtp.*`, for EAGLE / MTP speculation). `tiny_model_dir()` builds one
 over the default model's tokenizer once per machine, in `${PDSERVE_CACHE:-~/.cache/pdserve}/tiny-*`,
 and returns its directory (the chaos bench's default model). `tests/conftest.py` builds its
 `make_tiny_model` fixture on the same function.
@@ -57,10 +58,31 @@ def build_tiny_model(out_dir: str, arch: str, tokenizer_dir: str, overrides: dic
     model = getattr(transformers, model_name)(config).to(torch.float32).eval()
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
+    if kw.get("mtp_num_hidden_layers"):
+        add_draft_layers(out_dir, model.state_dict(), kw["hidden_size"])
     for name in TOKENIZER_FILES:
         src = os.path.join(tokenizer_dir, name)
         if os.path.isfile(src):
             shutil.copy(src, os.path.join(out_dir, name))
+
+
+def add_draft_layers(out_dir: str, state: dict, hidden: int) -> None:
+    """Seeded random `mtp.*` draft layers (common/models/mtp.py) next to the model's weights: layer 0's
+    tensors with noise as the draft decoder layer, a random `fc`, unit norms."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(1)
+    for name, t in state.items():
+        if name.startswith("model.layers.0."):
+            noise = 0.02 * torch.randn(t.shape, generator=gen) if t.dim() > 1 else 0
+            tensors["mtp.layers.0." + name[len("model.layers.0."):]] = (t + noise).contiguous()
+    tensors["mtp.fc.weight"] = 0.05 * torch.randn(hidden, 2 * hidden, generator=gen)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.ones(hidden)
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def tiny_model_dir(arch: str = "llama", **overrides) -> str:

@@ -131,12 +131,19 @@ class ServerArgs:
         "`overlap_b1`). Never at --tp-size > 1")
     speculative_algorithm: str | None = _f(
         None, "speculative decoding: NGRAM drafts tokens from each request's own history (the tokens that "
-        "followed the latest earlier occurrence of its longest repeated suffix) and verifies them in one "
-        "forward; greedy output is unchanged, sampled output keeps its distribution "
-        "(common/scheduler/speculative.py). Colocated and decode nodes; not with --enable-overlap-schedule")
+        "followed the latest earlier occurrence of its longest repeated suffix); EAGLE or MTP (the same here) "
+        "drafts a chain with the checkpoint's own draft layers (`mtp.*`, common/draft_layers.py). One forward "
+        "verifies the drafts; greedy output is unchanged, sampled output keeps its distribution "
+        "(common/scheduler/speculative.py). NGRAM: colocated and decode nodes; EAGLE/MTP: prefill nodes too "
+        "(they send the first draft with the first token; give both sides the flag). Not with "
+        "--enable-overlap-schedule")
     speculative_num_draft_tokens: int | None = _f(
         None, "with --speculative-algorithm: tokens one verify forward checks per request, the last output "
-        "token included (so this - 1 drafts). Default: 4")
+        "token included (so this - 1 drafts). Default: 4 (NGRAM), --speculative-num-steps + 1 (EAGLE/MTP)")
+    speculative_num_steps: int | None = _f(
+        None, "with EAGLE/MTP: draft steps per verify, the length of the chain (default 3)")
+    speculative_eagle_topk: int | None = _f(
+        None, "with EAGLE/MTP: candidates per draft step; 1, a chain (a tree of several is not implemented)")
     speculative_disable_by_batch_size: int | None = _f(
         None, "with --speculative-algorithm: decode steps of more running requests than this do not speculate "
         "(vLLM's flag): a wide batch is compute-bound, where wrong drafts cost most (default: always speculate)")
@@ -332,18 +339,25 @@ class ServerArgs:
     def _validate_speculative(self, bad) -> None:
         algo = self.speculative_algorithm
         if algo is None:
-            for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+            for name in ("speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
+                         "speculative_ngram_min_match_window_size",
                          "speculative_ngram_max_match_window_size", "speculative_disable_by_batch_size"):
                 if getattr(self, name) != ServerArgs.__dataclass_fields__[name].default:
                     raise bad(name.replace("_", "-"), "needs --speculative-algorithm")
             return
-        if algo.upper() in ("EAGLE", "EAGLE3", "MTP", "NEXTN", "STANDALONE"):
-            raise bad("speculative-algorithm", f"{algo} (a draft model or draft layers) is not implemented; "
-                      "NGRAM is")
-        if algo.upper() != "NGRAM":
-            raise bad("speculative-algorithm", f"unknown algorithm {algo!r}; choose NGRAM")
-        self.speculative_algorithm = "NGRAM"
-        if self.disaggregation_mode == "prefill":
+        if algo.upper() in ("EAGLE3", "STANDALONE"):
+            raise bad("speculative-algorithm", f"{algo} (a separate draft model) is not implemented; NGRAM, and "
+                      "EAGLE / MTP with a checkpoint's own draft layers, are")
+        if algo.upper() not in ("NGRAM", "EAGLE", "MTP", "NEXTN"):
+            raise bad("speculative-algorithm", f"unknown algorithm {algo!r}; choose NGRAM, EAGLE or MTP")
+        self.speculative_algorithm = algo = "MTP" if algo.upper() == "NEXTN" else algo.upper()
+        if algo != "NGRAM":
+            self._validate_draft_layers(bad)
+        else:
+            for name in ("speculative_num_steps", "speculative_eagle_topk"):
+                if getattr(self, name) is not None:
+                    raise bad(name.replace("_", "-"), "is for EAGLE/MTP, not NGRAM")
+        if self.disaggregation_mode == "prefill" and algo == "NGRAM":
             raise bad("speculative-algorithm", "a prefill node only samples the first token, so it has nothing "
                       "to draft; give it to the decode node")
         if self.enable_overlap_schedule:
@@ -363,6 +377,30 @@ class ServerArgs:
             raise bad("speculative-ngram-min-match-window-size", f"must be >= 1, got {lo}")
         if hi < lo:
             raise bad("speculative-ngram-max-match-window-size", f"must be >= the min window size ({lo}), got {hi}")
+
+    def _validate_draft_layers(self, bad) -> None:
+        for name in ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size"):
+            if getattr(self, name) != ServerArgs.__dataclass_fields__[name].default:
+                raise bad(name.replace("_", "-"), f"is for NGRAM, not {self.speculative_algorithm}")
+        if self.speculative_eagle_topk is None:
+            self.speculative_eagle_topk = 1
+        if self.speculative_eagle_topk != 1:
+            raise bad("speculative-eagle-topk", f"only 1 (a chain of drafts) is implemented, got "
+                      f"{self.speculative_eagle_topk}")
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if steps is None:
+            steps = 3 if tokens is None else tokens - 1
+        if steps < 1:
+            raise bad("speculative-num-steps", f"must be >= 1, got {steps}")
+        if tokens is not None and tokens != steps + 1:
+            raise bad("speculative-num-draft-tokens", f"must be --speculative-num-steps + 1 = {steps + 1} with "
+                      f"--speculative-eagle-topk 1 (a chain), got {tokens}")
+        self.speculative_num_steps, self.speculative_num_draft_tokens = steps, steps + 1
+
+    @property
+    def draft_layers(self) -> bool:
+        """EAGLE / MTP: the model runs its checkpoint's draft layers (common/draft_layers.py)."""
+        return self.speculative_algorithm in ("EAGLE", "MTP")
 
     @property
     def cluster_secret(self) -> ClusterSecret | None:

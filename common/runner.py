@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import ServerArgs
+from common.draft_layers import DraftLayers
 from common.forward_batch import ForwardBatch, ForwardMode
 from common.grammar import apply_grammars
 from common.hybrid import HybridSupport
@@ -61,7 +62,7 @@ class ModelRunner:
         self.model, self.model_config = load_model(model_dir, tp_rank=tp_rank, tp_size=tp_size,
                                                    tp_group=tp_group, dtype=self.dtype,
                                                    quantization=args.torchao_config or None, pp_rank=pp_rank,
-                                                   pp_size=self.pp_size)
+                                                   pp_size=self.pp_size, draft_layers=args.draft_layers)
         self.model.eval()
         cfg = self.model_config
         self.context_length = min(args.context_length or cfg.context_length, cfg.context_length)
@@ -75,6 +76,11 @@ class ModelRunner:
         self.hybrid = HybridSupport(self.model, self.dtype)
         # a pipeline stage keeps the KV of its own layers
         layer_ids = list(range(*self.model.layer_range)) if self.pp_size > 1 else cfg.kv_layer_ids or None
+        # EAGLE / MTP: the draft layer keeps its KV as one more layer (id num_layers) of the same pages
+        self.draft = None
+        if args.draft_layers:
+            self.draft = DraftLayers(self.model)
+            layer_ids = list(range(cfg.num_layers + 1))
         self.kv_pool = KVPool(num_pages, self.page_size, cfg.num_layers, cfg.local_kv_heads(tp_size),
                               cfg.head_dim, dtype=self.dtype, layer_ids=layer_ids)
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + REQ_POOL_HEADROOM,
@@ -128,6 +134,17 @@ class ModelRunner:
         return broadcast_from_stage(self._run(batch), last)
 
     def _run(self, batch) -> RunnerOutput:
+        fb = batch.forward_batch
+        if self.draft is not None:
+            self.draft.prepare(fb)
+            if fb.mode == ForwardMode.VERIFY:
+                self.draft.chain(batch)  # the rest of each chain, drafted into the batch
+        out = self._forward_and_sample(batch)
+        if self.draft is not None:
+            self.draft.follow(batch, out)  # the draft layers' KV, and each request's next d1
+        return out
+
+    def _forward_and_sample(self, batch) -> RunnerOutput:
         fb = batch.forward_batch
         if fb.logits_indices.numel():
             logits = self.forward(fb)

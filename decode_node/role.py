@@ -65,7 +65,9 @@ class DecodeRole(PDRole):
         self.pool: DecodeReqToTokenPool = sched.req_to_token_pool
         self.alloc = sched.allocator
         self.num_reserved_decode_tokens = args.num_reserved_decode_tokens
-        self.metadata = MetadataBuffers(self.num_metadata_slots, max_top_logprobs=MAX_TOP_LOGPROBS)
+        self.metadata = MetadataBuffers(self.num_metadata_slots, max_top_logprobs=MAX_TOP_LOGPROBS,
+                                        hidden_size=sched.model_config.hidden_size if args.draft_layers else 0)
+        self.draft_layers = args.draft_layers
         self.kv_manager = build_kv_manager(args, sched.runner, self.metadata, tp_rank, tp_size, "decode",
                                            dp_rank=sched.dp_rank)
         self.bytes_per_page = sched.kv_pool.page_stride  # every layer's K and V of one page
@@ -113,7 +115,8 @@ class DecodeRole(PDRole):
     def _check_metadata(self, req: Req, slot: int) -> str | None:
         """The received metadata row's problem for `req`, if any (called by the receiver before Success)."""
         return self.metadata.check_row(slot, self.sched.vocab_size, len(req.origin_input_ids),
-                                       logprob=req.return_logprob, top_k=req.top_logprobs_num)
+                                       logprob=req.return_logprob, top_k=req.top_logprobs_num,
+                                       draft=self.draft_layers)
 
     # ================================================================== memory budget
     def _headroom(self, r: Req) -> int:
@@ -217,6 +220,8 @@ class DecodeRole(PDRole):
         t.row, t.pages = None, None
         first = meta["first_token_id"]
         req.cached_tokens = meta["cached_tokens"]
+        if self.draft_layers and float(meta["topk_p"][0]) > 0:  # the prefill node's first draft
+            req.draft_token, req.draft_hidden = int(meta["topk_index"][0]), meta["hidden_state"]
         off_grammar = None
         if req.max_new_tokens > 0:
             req.output_ids = [first]

@@ -53,6 +53,14 @@ def start_bootstrap_server(args) -> BootstrapServer:
     return server
 
 
+def draft_fields(req: Req) -> dict:
+    """EAGLE / MTP: the request's first draft (topk_p 1 says there is one) and the draft layers' hidden
+    state, from which the decode node drafts the rest of its first chain (common/draft_layers.py)."""
+    if req.draft_token is None:
+        return {}
+    return {"topk_index": [req.draft_token], "topk_p": [1.0], "hidden_state": req.draft_hidden}
+
+
 class PrefillRole(PDRole):
     role = "prefill"
     logger = logger
@@ -61,7 +69,9 @@ class PrefillRole(PDRole):
         # one metadata row per request between bootstrap and the end of its transfer
         self.num_metadata_slots = 2 * sched.req_to_token_pool.size + sched.max_running_requests
         super().__init__(sched, MetadataAllocator(self.num_metadata_slots))
-        self.metadata = MetadataBuffers(self.num_metadata_slots, max_top_logprobs=MAX_TOP_LOGPROBS)
+        # EAGLE / MTP: the first draft and the draft layers' hidden state go with the first token
+        self.metadata = MetadataBuffers(self.num_metadata_slots, max_top_logprobs=MAX_TOP_LOGPROBS,
+                                        hidden_size=sched.model_config.hidden_size if args.draft_layers else 0)
         # one bootstrap server per node, in DP group 0's first rank: every rank of every group and stage
         # registers with it
         first = tp_rank == 0 and sched.dp_rank == 0 and sched.pp_rank == 0
@@ -163,7 +173,7 @@ class PrefillRole(PDRole):
                               logprob_idx=tok,
                               top_vals=torch.tensor([v for v, _ in tops], dtype=torch.float32) if tops else None,
                               top_idxs=torch.tensor([i for _, i in tops], dtype=torch.int32) if tops else None,
-                              room=t.room)
+                              room=t.room, **draft_fields(req))
         # hybrid models: the request's state slot goes with the last chunk
         pool = self.sched.req_to_token_pool
         states = [int(pool.row_state[req.req_pool_idx])] if self.sched.runner.hybrid.has_state else None

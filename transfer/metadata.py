@@ -120,10 +120,11 @@ class MetadataBuffers:
         return int(self._tensors["bootstrap_room"][slot, 0])
 
     def check_row(self, slot: int, vocab_size: int, prompt_len: int, logprob: bool = False,
-                  top_k: int = 0) -> str | None:
+                  top_k: int = 0, draft: bool = False) -> str | None:
         """None if the row's fields a decode uses are in range: the first token id within the
         vocabulary, cached tokens within the prompt, and when asked the logprob and the first `top_k`
-        top logprobs (ids within the vocabulary, values finite or -inf)."""
+        top logprobs (ids within the vocabulary, values finite or -inf), and with `draft` a first draft
+        (`topk_p` > 0) within the vocabulary with a finite hidden state."""
         t = self._tensors
         first = int(t["output_ids"][slot, 0])
         if not 0 <= first < vocab_size:
@@ -143,6 +144,12 @@ class MetadataBuffers:
         for name, v in values:
             if math.isnan(v) or v == math.inf:
                 return f"metadata {name} = {v}, expected a finite logprob or -inf"
+        if draft and float(t["topk_p"][slot, 0]) > 0:
+            d = int(t["topk_index"][slot, 0])
+            if not 0 <= d < vocab_size:
+                return f"metadata topk_index[0] = {d}, expected 0..{vocab_size - 1} (the vocabulary)"
+            if not bool(torch.isfinite(t["hidden_states"][slot, : self.hidden_size]).all()):
+                return "metadata hidden_states has a value that is not finite"
         return None
 
 

@@ -131,7 +131,8 @@ def _check_kv(a: KVArgs, reg: RegisterPeer) -> str | None:
 def _check_aux_state(a: KVArgs, reg: RegisterPeer) -> str | None:
     m = "RegisterPeer"
     if len(reg.aux_ptrs) != len(a.aux_data_ptrs) or list(reg.aux_item_lens) != list(a.aux_item_lens):
-        return "metadata buffer layout differs between prefill and decode"
+        return ("metadata buffer layout differs between prefill and decode (is --speculative-algorithm EAGLE/MTP "
+                "given to one side only?)")
     if reg.aux_ptrs and not 1 <= reg.aux_num_rows <= MAX_ITEMS:
         return _want(m, "aux_num_rows", reg.aux_num_rows, f"1..{MAX_ITEMS}")
     for i, (p, ln) in enumerate(zip(reg.aux_ptrs, reg.aux_item_lens, strict=True)):

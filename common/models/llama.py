@@ -42,6 +42,7 @@ from common.layers.norm import RMSNorm, default_weight_loader
 from common.layers.rotary import RotaryEmbedding
 from common.models.config import ModelConfig
 from common.models.decoder_stack import DecoderStack
+from common.models.mtp import MtpHead
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +186,8 @@ class LlamaForCausalLM(nn.Module):
     )
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-                 dtype: torch.dtype = torch.float32, pp_rank: int = 0, pp_size: int = 1) -> None:
+                 dtype: torch.dtype = torch.float32, pp_rank: int = 0, pp_size: int = 1,
+                 draft_layers: bool = False) -> None:
         super().__init__()
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -201,6 +203,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, dtype=dtype)
+        # the checkpoint's draft layers (`mtp.*`, common/models/mtp.py) for EAGLE / MTP speculation
+        self.mtp = MtpHead(config, LlamaDecoderLayer(config, config.num_layers, self.attn_backend, tp_rank,
+                                                     tp_size, tp_group, dtype), dtype) if draft_layers else None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -270,14 +275,20 @@ class LlamaForCausalLM(nn.Module):
 
 def final_logits(model: nn.Module, h: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
     """Final norm + lm_head on the rows whose logits are wanted (`fb.logits_indices`; by default the
-    last new token of each request, every row in decode)."""
+    last new token of each request, every row in decode). With `fb.extras["keep_hidden"]` every row's
+    normed hidden state is kept in `fb.extras["hidden"]` (the draft layers read it)."""
     idx = fb.logits_indices
     if idx is None and fb.mode != ForwardMode.DECODE:
         idx = fb.last_token_indices()
-    if idx is not None:
-        h = h[idx]
-        residual = residual[idx]
-    h, _ = model.model.norm(h, residual)
+    if fb.extras.get("keep_hidden"):
+        h, _ = model.model.norm(h, residual)
+        fb.extras["hidden"] = h
+        if idx is not None:
+            h = h[idx]
+    else:
+        if idx is not None:
+            h, residual = h[idx], residual[idx]
+        h, _ = model.model.norm(h, residual)
     if model.lm_head is not None:
         return model.lm_head(h)
     return linear(h, model.lm_head_weight, getattr(model, "lm_head_packed", None))

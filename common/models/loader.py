@@ -26,6 +26,7 @@ from common.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from common.models.mtp import draft_layer_count
 from common.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 from common.models.sliding_window import SLIDING_WINDOW_ARCHITECTURES
 
@@ -84,10 +85,11 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                dtype: torch.dtype = torch.float32, quantization: str | None = None, pp_rank: int = 0,
-               pp_size: int = 1) -> tuple[torch.nn.Module, ModelConfig]:
+               pp_size: int = 1, draft_layers: bool = False) -> tuple[torch.nn.Module, ModelConfig]:
     """Build the model for `config.json["architectures"][0]` (pipeline stage `pp_rank` of `pp_size`: its
     layers only) and fill it from the safetensors; its linear weights packed (`common/layers/linear.py`),
-    as int8 with `quantization="int8wo"`."""
+    as int8 with `quantization="int8wo"`. `draft_layers`: the checkpoint's `mtp.*` draft layers too
+    (common/models/mtp.py), for EAGLE / MTP speculation."""
     config = ModelConfig.from_pretrained(model_dir)
     cls = get_model_class(config.architecture)
     if config.sliding_window and config.architecture in SLIDING_WINDOW_ARCHITECTURES:
@@ -104,6 +106,16 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
         if pp_size > config.num_layers:
             raise ModelLoadError(f"--pp-size {pp_size}: {config.name} has only {config.num_layers} layers")
         stage = {"pp_rank": pp_rank, "pp_size": pp_size}
+    if draft_layers:
+        if cls not in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
+            raise ModelLoadError(f"--speculative-algorithm EAGLE/MTP: draft layers are supported on Llama-family "
+                                 f"models without sliding windows or recurrent state, not {config.architecture}"
+                                 + (" with a sliding window" if config.sliding_window else ""))
+        if not draft_layer_count(config.raw):
+            raise ModelLoadError(f"--speculative-algorithm EAGLE/MTP: {config.name} carries no draft layers (its "
+                                 "config.json has no mtp_num_hidden_layers / num_nextn_predict_layers); NGRAM "
+                                 "needs none")
+        stage["draft_layers"] = True
     model = cls(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, **stage)
     loaded = model.load_weights(iter_safetensors(files))
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)

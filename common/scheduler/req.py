@@ -94,6 +94,10 @@ class Req:
         # drafts, and the longest chain the next step may draft (None: the configured maximum)
         self.draft_history = bytearray()
         self.draft_budget: int | None = None
+        # EAGLE / MTP (common/draft_layers.py): the draft layers' next token and hidden state at the last
+        # position (None until a forward or the prefill node gave them)
+        self.draft_token: int | None = None
+        self.draft_hidden = None
         self.is_retracted = False
         self.retract_count = 0
         self.scheduled_once = False
@@ -187,6 +191,7 @@ class Req:
         """After its KV was released: prefill prompt + output so far again, then keep decoding."""
         self.fill_ids = self.all_token_ids()
         self.extend_input_len = 0
+        self.draft_token = self.draft_hidden = None  # the prefill again gives new ones
         self.stage = Stage.WAITING
         self.is_retracted = True
         self.retract_count += 1

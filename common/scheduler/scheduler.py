@@ -62,7 +62,7 @@ from common.scheduler.policy import NewTokenRatio, SchedulePolicy
 from common.scheduler.prefill_adder import AddResult, PrefillAdder
 from common.scheduler.priority import PriorityScheduling
 from common.scheduler.req import FinishStatus, Req, Stage
-from common.scheduler.speculative import NgramDrafter, accepted_run, rollback
+from common.scheduler.speculative import DraftLayerDrafter, NgramDrafter, accepted_run, rollback
 from common.scheduler.stats import scheduler_stats
 from common.scheduler.trace import export_stage_spans, make_tracer
 
@@ -149,10 +149,14 @@ class Scheduler:
             if getattr(runner, "hybrid", None) is not None and runner.hybrid.has_state:
                 raise ValueError(f"--speculative-algorithm: {self.model_config.name} keeps recurrent state, which "
                                  "a rejected draft cannot roll back; speculative decoding is not supported for it")
-            self.drafter = NgramDrafter(args.speculative_num_draft_tokens,
-                                        args.speculative_ngram_min_match_window_size,
-                                        args.speculative_ngram_max_match_window_size,
-                                        args.speculative_disable_by_batch_size)
+            if args.draft_layers:  # EAGLE / MTP: the runner drafts with the checkpoint's draft layers
+                self.drafter = DraftLayerDrafter(args.speculative_num_draft_tokens,
+                                                 args.speculative_disable_by_batch_size)
+            else:
+                self.drafter = NgramDrafter(args.speculative_num_draft_tokens,
+                                            args.speculative_ngram_min_match_window_size,
+                                            args.speculative_ngram_max_match_window_size,
+                                            args.speculative_disable_by_batch_size)
 
         self.send_fn = send_fn
         self.comm = comm

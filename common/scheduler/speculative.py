@@ -1,4 +1,7 @@
-"""N-gram speculative decoding (`--speculative-algorithm NGRAM`, reference 003 §5.5).
+"""Speculative decoding: the verify step both algorithms share, and n-gram drafting
+(`--speculative-algorithm NGRAM`, reference 003 §5.5). EAGLE / MTP chains come from the checkpoint's
+draft layers, which the model runner runs (common/draft_layers.py; `DraftLayerDrafter` here only asks for
+a chain of the right length starting at the request's first draft).
 
 Each decode step, a request drafts up to `--speculative-num-draft-tokens - 1` tokens from its own
 history: the longest suffix of its tokens (prompt + output, between
@@ -55,15 +58,64 @@ class SpecStats:
                 "spec_accept_rate": round(self.accepted / self.drafted, 3) if self.drafted else 0.0}
 
 
-class NgramDrafter:
+class Drafter:
+    """What NGRAM and EAGLE / MTP share: each step's chain lengths (`drafts_for`) and the budget and
+    counters updated after a verify step (`record`)."""
+
+    def __init__(self, num_draft_tokens: int, disable_by_batch_size: int | None = None) -> None:
+        self.max_drafts = num_draft_tokens - 1
+        self.disable_by_batch_size = disable_by_batch_size
+        self.stats = SpecStats()
+
+    def chain_for(self, req: Req, limit: int) -> list[int]:
+        raise NotImplementedError
+
+    def drafts_for(self, reqs: list[Req], context_length: int) -> list[list[int]]:
+        """Each request's draft chain for this step (empty where it may not or cannot draft; all empty
+        while more requests run than --speculative-disable-by-batch-size)."""
+        if self.disable_by_batch_size is not None and len(reqs) > self.disable_by_batch_size:
+            return [[] for _ in reqs]
+        out = []
+        for r in reqs:
+            budget = self.max_drafts if r.draft_budget is None else r.draft_budget
+            room = min(budget, r.max_new_tokens - len(r.output_ids) - 1, context_length - r.kv_len - 1)
+            out.append(self.chain_for(r, room) if r.grammar is None and room > 0 else [])
+        return out
+
+    def record(self, reqs: list[Req], drafts: list[list[int]], kept: list[int]) -> None:
+        """A verify step: per request its drafts and the tokens it kept. A request's next chain is one
+        longer than the run it just had confirmed (at most the maximum): one whose drafts keep failing
+        drafts one token a step, so a wrong guess costs little of a wide forward."""
+        for r, d, k in zip(reqs, drafts, kept, strict=True):
+            if d:
+                r.draft_budget = min(self.max_drafts, max(k - 1, 0) + 1)
+        s = self.stats
+        s.verify_steps += 1
+        s.requests_verified += len(drafts)
+        s.drafted += sum(len(d) for d in drafts)
+        s.accepted += sum(max(k - 1, 0) for k in kept)
+        s.output_tokens += sum(kept)
+
+
+class DraftLayerDrafter(Drafter):
+    """EAGLE / MTP: a chain starts from the request's d1 (left by the draft layers after its last
+    forward, or sent by the prefill node); the model runner drafts the rest of it right before the verify
+    forward (common/draft_layers.py), so here the chain is d1 and placeholders."""
+
+    def chain_for(self, req: Req, limit: int) -> list[int]:
+        return [] if req.draft_token is None else [req.draft_token] * limit
+
+
+class NgramDrafter(Drafter):
     def __init__(self, num_draft_tokens: int, min_window: int, max_window: int,
                  disable_by_batch_size: int | None = None) -> None:
         # ranges: ServerArgs.validate
-        self.max_drafts = num_draft_tokens - 1
+        super().__init__(num_draft_tokens, disable_by_batch_size)
         self.min_window = min_window
         self.max_window = max_window
-        self.disable_by_batch_size = disable_by_batch_size
-        self.stats = SpecStats()
+
+    def chain_for(self, req: Req, limit: int) -> list[int]:
+        return self.propose(self._history(req), limit)
 
     @staticmethod
     def _history(req: Req) -> bytearray:
@@ -102,32 +154,6 @@ class NgramDrafter:
                     return follow
                 end = pos + len(key) - 1
         return []
-
-    def drafts_for(self, reqs: list[Req], context_length: int) -> list[list[int]]:
-        """Each request's draft chain for this step (empty where it may not or cannot draft; all empty
-        while more requests run than --speculative-disable-by-batch-size)."""
-        if self.disable_by_batch_size is not None and len(reqs) > self.disable_by_batch_size:
-            return [[] for _ in reqs]
-        out = []
-        for r in reqs:
-            budget = self.max_drafts if r.draft_budget is None else r.draft_budget
-            room = min(budget, r.max_new_tokens - len(r.output_ids) - 1, context_length - r.kv_len - 1)
-            out.append(self.propose(self._history(r), room) if r.grammar is None and room > 0 else [])
-        return out
-
-    def record(self, reqs: list[Req], drafts: list[list[int]], kept: list[int]) -> None:
-        """A verify step: per request its drafts and the tokens it kept. A request's next chain is one
-        longer than the run it just had confirmed (at most the maximum): one whose drafts keep failing
-        drafts one token a step, so a wrong guess costs little of a wide forward."""
-        for r, d, k in zip(reqs, drafts, kept, strict=True):
-            if d:
-                r.draft_budget = min(self.max_drafts, max(k - 1, 0) + 1)
-        s = self.stats
-        s.verify_steps += 1
-        s.requests_verified += len(drafts)
-        s.drafted += sum(len(d) for d in drafts)
-        s.accepted += sum(max(k - 1, 0) for k in kept)
-        s.output_tokens += sum(kept)
 
 
 def accepted_run(drafts: list[int], targets: list[int]) -> int:

@@ -179,7 +179,11 @@ def test_ngram_speculation_over_a_sliding_window_matches_hf(swa_dir):
     eng.assert_restored()
 
 
-def test_ngram_speculation_is_refused_for_recurrent_state(qwen35_dir):
+def test_speculation_is_refused_for_recurrent_state(qwen35_dir):
+    from common.models.llama import ModelLoadError
+
     path, _ = qwen35_dir
     with pytest.raises(ValueError, match="recurrent state"):
         Engine(path, speculative_algorithm="NGRAM")
+    with pytest.raises(ModelLoadError, match="draft layers are supported on Llama-family .*Qwen3_5"):
+        Engine(path, speculative_algorithm="MTP")

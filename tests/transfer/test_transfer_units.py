@@ -51,6 +51,19 @@ def test_metadata_rows_round_trip_and_are_64_bytes():
         meta.set_buf(0, 1, top_vals=[0.0] * 4)
 
 
+def test_a_received_first_draft_is_checked():
+    meta = MetadataBuffers(2, hidden_size=4)
+    meta.set_buf(0, 7, topk_index=[9], topk_p=[1.0], hidden_state=[0.5, 1, 2, 3])
+    assert meta.check_row(0, 100, 10, draft=True) is None
+    meta.set_buf(0, 7, topk_index=[100], topk_p=[1.0], hidden_state=[0.5, 1, 2, 3])
+    assert "topk_index[0] = 100" in meta.check_row(0, 100, 10, draft=True)
+    assert meta.check_row(0, 100, 10) is None  # a node without draft layers never reads it
+    meta.set_buf(0, 7, topk_index=[9], topk_p=[1.0], hidden_state=[0.5, float("nan"), 2, 3])
+    assert "hidden_states" in meta.check_row(0, 100, 10, draft=True)
+    meta.set_buf(1, 7, topk_index=[12345], hidden_state=[float("inf")] * 4)  # topk_p 0: no draft sent
+    assert meta.check_row(1, 100, 10, draft=True) is None
+
+
 def test_metadata_allocator():
     alloc = MetadataAllocator(2)
     a, b = alloc.alloc(), alloc.alloc()

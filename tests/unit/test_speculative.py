@@ -181,7 +181,6 @@ def test_wide_batches_do_not_speculate_past_the_limit(tiny_model_dir, vocab):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (dict(speculative_algorithm="EAGLE"), "not implemented"),
     (dict(speculative_algorithm="MEDUSA"), "unknown algorithm"),
     (dict(speculative_num_draft_tokens=4), "needs --speculative-algorithm"),
     (dict(speculative_ngram_max_match_window_size=3), "needs --speculative-algorithm"),
