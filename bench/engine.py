@@ -28,6 +28,9 @@ Measured (fp32, CPU, greedy):
   off (`bench/speculative.py`), on a repetitive workload (README passages given twice) and on chat
   questions: ratio `spec_ngram` = decode tokens/s on / off, repetitive, batch 1; `spec_ngram_b16`
   at 16; `spec_ngram_chat`, `spec_ngram_chat_b16` on chat; each with its accept length.
+* EAGLE / MTP speculation with draft layers (`bench/draft_layers.py`) at both ends of the accept
+  length, on the bench's model at full size: `spec_mtp_exact` (every draft accepted) and
+  `spec_mtp_random` (random draft layers) = decode tokens/s on / off at batch 1, `_b16` at 16.
 
 Every measurement is warmed up, repeated `--repeats` times interleaving ours and HF, and the best
 (min time) is used for the ratios; medians are reported too. Ratios are ours / HF tokens/s.
@@ -69,6 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="measure only our engine (no ratios vs HF)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
                    help="tokens per verify forward of the n-gram speculation measurement")
+    p.add_argument("--speculative-num-steps", type=int, default=3,
+                   help="draft steps per verify of the EAGLE / MTP measurement")
     args = p.parse_args(argv)
     if args.decode_steps < 2:
         p.error("--decode-steps must be >= 2")
@@ -379,6 +384,15 @@ def main(argv: list[str] | None = None) -> int:
                                              args.repeats, log)
     figures.update(spec_figures)
 
+    # ---- EAGLE / MTP draft layers, at both ends of the accept length
+    from bench.draft_layers import measure as measure_draft_layers
+
+    log("EAGLE / MTP draft layers through the scheduler loop, on and off")
+    draft_figures, draft_ratios = measure_draft_layers(
+        ours.runner.args, model_dir, {b: _prompts(b, args.decode_prompt_len, vocab, seed=b) for b in BATCHES}, n,
+        args.speculative_num_steps, args.repeats, log)
+    figures.update(draft_figures)
+
     # ---- prefill
     ours_t, hf_t = [], []
     for rep in range(args.repeats):
@@ -423,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ratios = {"bandwidth_bound": bound_ms / our_step_ms,
               "compute_bound_b16": cbound_ms / figures["ours_decode_b16"]["step_ms_best"],
-              "prefill_compute_bound": pbound_s / figures["ours_prefill"]["best_s"], **loop_ratios, **spec_ratios}
+              "prefill_compute_bound": pbound_s / figures["ours_prefill"]["best_s"], **loop_ratios, **spec_ratios,
+              **draft_ratios}
     if hf is not None:
         ratios = {"decode_b1": figures["ours_decode_b1"]["tok_s_best"] / figures["hf_decode_b1"]["tok_s_best"],
                   "decode_b16": figures["ours_decode_b16"]["tok_s_best"] / figures["hf_decode_b16"]["tok_s_best"],
@@ -469,6 +484,12 @@ def print_table(figures: dict, ratios: dict, with_hf: bool) -> None:
             print(f"  n-gram speculation {label} b{bsz} ({o['draft_tokens']} tokens per verify): "
                   f"{o['tok_s_plain']:.1f} -> {o['tok_s_spec']:.1f} tok/s (x{r:.2f}), "
                   f"accept length {o['spec_accept_length']:.2f}")
+    for variant in ("exact", "random"):
+        for bsz in BATCHES:
+            o = figures[f"spec_mtp_{variant}_b{bsz}"]
+            r = ratios[f"spec_mtp_{variant}" + ("" if bsz == 1 else f"_b{bsz}")]
+            print(f"  MTP draft layers ({variant}) b{bsz} ({o['num_steps']} steps): {o['tok_s_plain']:.1f} -> "
+                  f"{o['tok_s_spec']:.1f} tok/s (x{r:.2f}), accept length {o['spec_accept_length']:.2f}")
     b = figures["bandwidth"]
     print(f"  memory: memcpy {b['memcpy_gbps']:.1f} GB/s copied ({b['memcpy_traffic_gbps']:.1f} GB/s traffic), "
           f"read {b['read_gbps']:.1f} GB/s; weights {b['weight_bytes_per_step'] / 2**20:.1f} MiB/step "

@@ -12,7 +12,8 @@ from bench.engine import main
 from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 
-def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir, tmp_path):
+def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))  # the draft-layer checkpoints
     out = tmp_path / "engine.json"
     rc = main(["--model", tiny_model_dir, "--skip-hf", "--decode-steps", "6", "--decode-prompt-len", "8",
                "--prompt-len", "16", "--repeats", "1", "--threads", "1", "--json", str(out)])
@@ -33,3 +34,7 @@ def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir,
     for key in ("spec_ngram_b16", "spec_ngram_chat", "spec_ngram_chat_b16"):
         assert report["ratios"][key] > 0
     assert report["figures"]["spec_ngram_chat_b16"]["decoded_tokens"] == 16 * 5
+    exact = report["figures"]["spec_mtp_exact_b16"]  # every draft accepted: chains of 3 + the target's own
+    assert exact["decoded_tokens"] == 16 * 5 and exact["spec_accept_rate"] == 1.0
+    assert report["ratios"]["spec_mtp_exact_b16"] == pytest.approx(exact["tok_s_spec"] / exact["tok_s_plain"], rel=1e-3)
+    assert report["ratios"]["spec_mtp_random"] > 0 and report["figures"]["spec_mtp_random_b1"]["spec_draft_tokens"] > 0
