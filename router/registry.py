@@ -15,6 +15,7 @@ import aiohttp
 import msgspec
 
 from common.protocol import BadRequest, normalize_host
+from common.server.data_parallel import DPGroups
 from common.server.security import bearer_header
 from router.config import RouterConfig
 
@@ -125,8 +126,7 @@ MAX_DP_SIZE = 1024  # the largest dp_size a worker may report (as `data_parallel
 
 class Worker:
     __slots__ = ("id", "url", "kind", "bootstrap_host", "bootstrap_port", "healthy", "breaker", "active",
-                 "load", "server_info", "model_info", "fail_streak", "ok_streak", "requests", "errors", "dp_active",
-                 "dp_next")
+                 "load", "server_info", "model_info", "fail_streak", "ok_streak", "requests", "errors", "dp_groups")
 
     def __init__(self, url: str, kind: str, bootstrap_port: int | None, cfg: RouterConfig):
         self.id = worker_id(url)
@@ -144,8 +144,7 @@ class Worker:
         self.ok_streak = 0
         self.requests = 0
         self.errors = 0
-        self.dp_active: list[int] = []  # --dp-aware: requests in flight per DP group of a decode worker
-        self.dp_next = 0  # where the search for the least busy group starts (ties go round the groups)
+        self.dp_groups = DPGroups(1)  # --dp-aware: this router's requests in flight per DP group
 
     @property
     def available(self) -> bool:
@@ -161,20 +160,15 @@ class Worker:
         """--dp-aware: the DP group a request goes to (`rank` when the client named one, else the group of
         `allowed` (default: all) with the fewest of this router's requests in flight, ties in turn),
         counted until `dp_end`."""
-        n = self.dp_size
-        if len(self.dp_active) != n:  # first use, or the worker restarted with another dp_size
-            self.dp_active = [0] * n
-        if rank is None:
-            ok = set(range(n) if allowed is None else allowed)
-            order = [g for g in ((self.dp_next + i) % n for i in range(n)) if g in ok]
-            rank = min(order, key=self.dp_active.__getitem__)
-            self.dp_next = (rank + 1) % n
-        self.dp_active[rank] += 1
+        if self.dp_groups.size != self.dp_size:  # first use, or the worker restarted with another dp_size
+            self.dp_groups = DPGroups(self.dp_size)
+        rank = self.dp_groups.choose(rank, allowed)
+        self.dp_groups.started(rank)
         return rank
 
     def dp_end(self, rank: int) -> None:
-        if rank < len(self.dp_active):
-            self.dp_active[rank] -= 1
+        if rank < self.dp_groups.size:
+            self.dp_groups.ended(rank)
 
     def describe(self) -> dict:
         return {"id": self.id, "url": self.url, "worker_type": self.kind, "bootstrap_port": self.bootstrap_port,

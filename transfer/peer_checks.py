@@ -13,7 +13,7 @@ both values ("TransferInfo.metadata_index = 99, expected 0..15 (the decode's met
 * `check_info(reg, info)`: a `TransferInfo` against the registration of the rank that sent it:
   its TP place, destination pages within 1 .. pages - 1 without duplicates, the metadata row and
   the state slots within the decode's rows and slots.
-* `check_layout(layout, dp_rank)` / `check_rank(info)`: the bootstrap server's answers (JSON of
+* `check_layout(layout)` / `check_rank(info)`: the bootstrap server's answers (JSON of
   the right shape and types, ports 1..65535, ranks in range, strings where strings belong).
 * `check_bootstrap_addr(addr)`: a "host:port" the decode side can ask at all.
 
@@ -231,8 +231,8 @@ _LAYOUT_INTS = {"page_size": MAX_ITEMS, "kv_heads_total": MAX_ITEMS, "tp_size": 
                 "pp_size": MAX_TP}
 
 
-def check_layout(layout, dp_rank: int) -> str | None:
-    """None if the bootstrap server's layout answer has the right shape (and `dp_rank` exists there)."""
+def check_layout(layout) -> str | None:
+    """None if the bootstrap server's layout answer has the right shape."""
     if not isinstance(layout, dict):
         return f"layout answer is a {type(layout).__name__}, expected a JSON object"
     for key, hi in _LAYOUT_INTS.items():
@@ -244,8 +244,6 @@ def check_layout(layout, dp_rank: int) -> str | None:
             return f"layout {key} = {layout[key]!r}, expected a string"
     if "model" not in layout:
         return "layout has no model"
-    if not 0 <= dp_rank < layout["dp_size"]:
-        return f"prefill dp rank {dp_rank} requested, the layout has dp_size {layout['dp_size']}"
     return None
 
 

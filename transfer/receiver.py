@@ -291,7 +291,7 @@ class DecodeKVManager(KVManager):
                 # for a whole heartbeat window mean it is gone, not starting
                 return None, f"bootstrap server {addr} unreachable for {down:.1f}s: prefill node down", True
             return None, f"bootstrap server {addr} has no registered prefill rank or is unreachable", False
-        bad = check_layout(layout, 0)
+        bad = check_layout(layout)
         if bad:
             return None, f"bootstrap server {addr}: {bad}", True
         if layout["page_size"] != a.page_size:
@@ -312,9 +312,9 @@ class DecodeKVManager(KVManager):
     def _targets(self, addr: str, layout: dict, dp: int) -> tuple[list[_Target] | None, str, bool]:
         """(targets, problem, fatal): the ranks of prefill dp group `dp` this decode rank reads from."""
         a = self.args
-        bad = check_layout(layout, dp)
-        if bad:
-            return None, f"bootstrap server {addr}: {bad}", True
+        if not 0 <= dp < layout["dp_size"]:  # a rank the request named
+            return None, f"bootstrap server {addr}: prefill dp rank {dp} requested, the layout has dp_size " \
+                         f"{layout['dp_size']}", True
         total, ptp = layout["kv_heads_total"], layout["tp_size"]
         lo = a.engine_rank * a.kv_head_num
         ranks = ranks_overlapping(lo, lo + a.kv_head_num, total, ptp)

@@ -1,10 +1,11 @@
 """The front end's view of its DP groups (--dp-size N): which group a request goes to, and one node's
 figures out of the groups' stats.
 
-* `DPGroups.choose(rank)`: the group of a request: `rank` when the request names one (its
+* `DPGroups.choose(rank, allowed)`: the group of a request: `rank` when the request names one (its
   `data_parallel_rank`, or `bootstrap_room mod N` for a PD request; `common/server/http.py` checks
-  both), else the group with the fewest live requests in this front end (ties go round the groups,
-  so an idle node spreads single requests too). `started` / `ended` keep those counts.
+  both), else the group (of `allowed`, default all) with the fewest live requests (ties go round the
+  groups, so an idle node spreads single requests too). `started` / `ended` keep those counts. The
+  router's `--dp-aware` keeps one per decode worker, counting its own requests in flight.
 * `merge_stats(groups)`: counts, token figures, rates and histograms add up; ratios and averages
   (`*_rate`, `*_ratio`, `*_avg_s`, ...) are the groups' mean; settings every group shares (page size,
   context length) and strings are group 0's. The groups' own stats stay under `"dp"`, in rank order.
@@ -25,13 +26,15 @@ class DPGroups:
         self.live = [0] * size  # requests of this front end in each group, from submit to release
         self._cursor = 0
 
-    def choose(self, rank: int | None) -> int:
+    def choose(self, rank: int | None, allowed: list[int] | None = None) -> int:
+        """`rank` if given, else the group of `allowed` (default: all) with the fewest live requests."""
         if rank is not None:
             return rank
         if self.size == 1:
             return 0
-        order = [(self._cursor + i) % self.size for i in range(self.size)]
-        best = min(order, key=lambda k: self.live[k])
+        ok = set(range(self.size) if allowed is None else allowed)
+        order = [k for k in ((self._cursor + i) % self.size for i in range(self.size)) if k in ok]
+        best = min(order, key=self.live.__getitem__)
         self._cursor = (best + 1) % self.size
         return best
 

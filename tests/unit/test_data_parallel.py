@@ -152,7 +152,7 @@ def test_router_worker_counts_requests_per_group():
     assert w.dp_size == 1
     w.server_info = {"dp_size": 2}
     assert [w.dp_start(None), w.dp_start(None), w.dp_start(None)] == [0, 1, 0]
-    assert w.dp_start(1) == 1 and w.dp_active == [2, 2]
+    assert w.dp_start(1) == 1 and w.dp_groups.live == [2, 2]
     w.dp_end(0)
     assert w.dp_start(None) == 0
     for bad in (0, -1, "2", True, 5000):  # a value out of range counts as one group

@@ -56,14 +56,13 @@ def _prompts(vocab, seed):
     return [a[0] * 12, a[1] * 5 + a[0]] + prompts_of([5, 40, 70], vocab, seed=seed + 1)
 
 
-@pytest.mark.parametrize("page_size", [4, 16])
-def test_greedy_tokens_equal_no_speculation_and_hf(mtp_model, page_size):
+def test_greedy_tokens_equal_no_speculation_and_hf(mtp_model):
     d, hf = mtp_model
-    prompts = _prompts(hf.config.vocab_size, page_size)
-    eng, got, _ = _run(d, prompts, page_size=page_size)
+    prompts = _prompts(hf.config.vocab_size, 4)
+    eng, got, _ = _run(d, prompts)
     s = eng.sched.get_stats()
     assert s["spec_verify_steps"] > 0 and s["spec_draft_tokens"] > 0
-    _, plain, _ = _run(d, prompts, spec=False, page_size=page_size)
+    _, plain, _ = _run(d, prompts, spec=False)
     assert got == plain
     for i, p in enumerate(prompts):
         assert got[f"r{i}"] == hf_greedy(hf, p, 24), f"prompt {i}"
@@ -95,27 +94,25 @@ def dense_draft(model_dir, hf, tokens: list[int]) -> tuple[int, torch.Tensor]:
         return int((g @ hf.lm_head.weight.T).argmax()), g
 
 
-@pytest.mark.parametrize("chunk", [16, 512])
-def test_the_draft_layers_kv_equals_a_dense_run(mtp_model, chunk):
+def test_the_draft_layers_kv_equals_a_dense_run(mtp_model):
     """After prefill chunks, decode and verify steps (drafts rejected, slots rolled back) and a retraction,
     each request's last draft and hidden state equal a dense run over its tokens: the draft layer's KV
     was written at every position with the right inputs."""
     d, hf = mtp_model
-    prompts = prompts_of([5, 37, 61, 9], hf.config.vocab_size, seed=chunk)
+    prompts = prompts_of([5, 37, 61, 9], hf.config.vocab_size, seed=16)
     sampling = SamplingParams(max_new_tokens=17, temperature=0, ignore_eos=True)
-    eng, _, ends = _run(d, prompts, sampling=sampling, chunked_prefill_size=chunk, disable_radix_cache=True,
-                        max_total_tokens=160 if chunk == 16 else 4096, init_new_token_ratio=0.05,
-                        min_new_token_ratio=0.01, decode_offload_size=0)
-    if chunk == 16:
-        assert eng.sched.num_retractions > 0, "the pool was meant to run out"
+    eng, _, ends = _run(d, prompts, sampling=sampling, chunked_prefill_size=16, disable_radix_cache=True,
+                        max_total_tokens=160, init_new_token_ratio=0.05, min_new_token_ratio=0.01,
+                        decode_offload_size=0)
+    assert eng.sched.num_retractions > 0, "the pool was meant to run out"
     for rid, (tok, g, tokens) in ends.items():
         want_tok, want_g = dense_draft(d, hf, tokens)
         assert torch.allclose(g, want_g, atol=1e-4), rid
         assert tok == want_tok, rid
 
 
-def test_retraction_through_the_host_store_keeps_the_tokens(mtp_model):
-    d, hf = mtp_model
+def test_retraction_through_the_host_store_keeps_the_tokens(make_tiny_model, hf_model):
+    d, hf = make_tiny_model("llama", mtp_num_hidden_layers=1), hf_model  # the same target weights
     prompts = _prompts(hf.config.vocab_size, 9)
     sampling = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
     eng, got, _ = _run(d, prompts, sampling=sampling, max_total_tokens=224, init_new_token_ratio=0.05,
@@ -159,9 +156,9 @@ def test_exact_draft_layers_have_every_draft_accepted(make_tiny_model, tmp_path,
     assert got == plain
 
 
-def test_sampling_runs_and_gives_everything_back(mtp_model):
-    d, hf = mtp_model
-    prompts = _prompts(hf.config.vocab_size, 4)
+def test_sampling_runs_and_gives_everything_back(make_tiny_model, vocab):
+    d = make_tiny_model("llama", mtp_num_hidden_layers=1)
+    prompts = _prompts(vocab, 4)
     sampling = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
     _, got, _ = _run(d, prompts, sampling=sampling)
     assert all(len(v) == 20 for v in got.values())
