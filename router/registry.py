@@ -177,7 +177,7 @@ class Worker:
                 "requests": self.requests, "errors": self.errors,
                 "model_path": self.model_info.get("model_path") or self.server_info.get("model_path"),
                 "disaggregation_mode": self.server_info.get("disaggregation_mode"), "dp_size": self.dp_size,
-                **({"dp_active_requests": list(self.dp_active)} if self.dp_active else {})}
+                **({"dp_active_requests": list(self.dp_groups.live)} if self.dp_groups.size > 1 else {})}
 
 
 class RegistryError(Exception):
