@@ -21,7 +21,6 @@ import traceback
 from dataclasses import dataclass
 
 import msgspec
-import torch
 import zmq
 
 from common.config import ServerArgs
@@ -159,6 +158,8 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
 
         module, _, cls_name = scheduler_cls.partition(":")
         scheduler_cls = getattr(importlib.import_module(module), cls_name)
+    import torch  # here, not at the top: the front end imports this module to spawn the ranks
+
     cores = sorted(os.sched_getaffinity(0))  # the cores this process may run on (a launcher may pin it)
     share = group_cores(cores, dp_rank, args.dp_size)
     if share != cores:

@@ -4,8 +4,10 @@ to its release, under the front end's span of the request."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from common.scheduler.req import Req
+if TYPE_CHECKING:  # the front end imports make_tracer, and need not import torch for it
+    from common.scheduler.req import Req
 
 
 def make_tracer(args):

@@ -2,9 +2,9 @@
 of each DP group (--dp-size groups of --tp-size ranks).
 
 1. resolve the model directory (the default model is converted once into the cache);
-2. bind the ZMQ sockets (one `to_scheduler` per DP group, one shared `from_scheduler`), spawn
-   `dp_size * pp_size * tp` scheduler processes (multiprocessing "spawn"), wait until every rank reports ready
-   (or exit with its error);
+2. spawn `dp_size * pp_size * tp` scheduler processes (multiprocessing "spawn"); while they load the
+   model, load the tokenizer and bind the ZMQ sockets they connect to (one `to_scheduler` per DP
+   group, one shared `from_scheduler`); wait until every rank reports ready (or exit with its error);
 3. serve HTTP until SIGINT/SIGTERM: then abort running requests, stop the schedulers, exit 0.
 A scheduler process that dies while serving turns `/health` into 503 and fails live requests (with
 several DP groups too: a node serves whole or not at all).
@@ -37,6 +37,7 @@ from common.scheduler.watchdog import describe_exit
 logger = logging.getLogger("server")
 
 READY_TIMEOUT = float(os.environ.get("PDSERVE_READY_TIMEOUT", "900"))
+CONNECT_TIMEOUT = 30.0  # seconds for ready ranks to connect to the sockets the front end bound after spawning them
 
 
 class LaunchError(RuntimeError):
@@ -197,8 +198,6 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
 
     old = {s: signal.signal(s, early) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        tm = TokenizerManager(args, model_dir, [ipc.to_scheduler for ipc in ipcs], ipcs[0].from_scheduler)
-        tm.tracer = make_tracer(args)
         ctx = mp.get_context("spawn")
         conns, names = [], []
         for dp, ipc in enumerate(ipcs):
@@ -215,7 +214,13 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
                 conns.append(parent)
                 names.append(name)
                 logger.info("started %s (pid %d)", name, p.pid)
+        # the tokenizer loads while the ranks load the model (they connect to sockets it binds: ZMQ waits)
+        tm = TokenizerManager(args, model_dir, [ipc.to_scheduler for ipc in ipcs], ipcs[0].from_scheduler)
+        tm.tracer = make_tracer(args)
         infos = _wait_ready(procs, conns, READY_TIMEOUT, names)
+        if not tm.wait_connected(CONNECT_TIMEOUT):
+            raise LaunchError(f"the scheduler ranks did not connect to the front end's sockets within "
+                              f"{CONNECT_TIMEOUT:.0f}s")
         tm.configure(infos[0], groups=infos[::args.tp * args.pp_size])
         # the early handler stays until the event loop installs its own (no unguarded window)
         asyncio.run(_serve(args, tm, procs, names, model_dir, keys, ssl_context))

@@ -209,6 +209,16 @@ class TokenizerManager:
         if mc.get("vocab_size"):
             self.vocab_size = int(mc["vocab_size"])
 
+    def wait_connected(self, timeout: float) -> bool:
+        """True once every DP group's first rank has connected to its `to_scheduler` socket (the ranks start
+        before the front end binds, and ZMQ connects them on its next retry; a send before that finds no
+        peer)."""
+        deadline = time.monotonic() + timeout
+        for push in self._pushes:
+            if not push.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
+                return False
+        return True
+
     async def start(self) -> None:
         self._recv_task = asyncio.create_task(self._recv_loop(), name="tokenizer-manager-recv")
 
