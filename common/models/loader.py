@@ -49,6 +49,9 @@ class UnsupportedArchitecture(ModelConfigError):
     pass
 
 
+LLAMA_FAMILY = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+
+
 def get_model_class(architecture: str) -> type[torch.nn.Module]:
     cls = ARCHITECTURES.get(architecture)
     if cls is None:
@@ -99,15 +102,14 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
     files = safetensors_files(model_dir)
     stage = {}
     if pp_size > 1:
-        if cls not in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
-            raise ModelLoadError(f"--pp-size: pipeline parallelism supports Llama-family models without sliding "
-                                 f"windows or recurrent state, not {config.architecture}"
-                                 + (" with a sliding window" if config.sliding_window else ""))
+        if cls not in LLAMA_FAMILY and cls not in SLIDING_WINDOW_ARCHITECTURES.values():
+            raise ModelLoadError(f"--pp-size: pipeline parallelism supports Llama-family models (sliding windows "
+                                 f"included), not {config.architecture} (recurrent state)")
         if pp_size > config.num_layers:
             raise ModelLoadError(f"--pp-size {pp_size}: {config.name} has only {config.num_layers} layers")
         stage = {"pp_rank": pp_rank, "pp_size": pp_size}
     if draft_layers:
-        if cls not in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
+        if cls not in LLAMA_FAMILY:
             raise ModelLoadError(f"--speculative-algorithm EAGLE/MTP: draft layers are supported on Llama-family "
                                  f"models without sliding windows or recurrent state, not {config.architecture}"
                                  + (" with a sliding window" if config.sliding_window else ""))

@@ -6,7 +6,8 @@ They are the llama-family models with the attention backend swapped for
 `SlidingWindowAttentionBackend`, so contexts longer than the window are served exactly (keys older
 than the window are masked, and not even gathered). `kv_window()` is the window when every layer is
 windowed: then a request only ever reads the KV of its last `window` tokens, which is all a
-prefill node has to send to a decode node (transfer `state_type` "swa").
+prefill node has to send to a decode node (transfer `state_type` "swa"). Pipeline stages
+(`--pp-size`) work as for the plain models: each stage's layers keep their own kind of attention.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class _SlidingWindowMixin:
                                                 cfg.num_layers)
         self.attn_backend = backend
         for layer in self.model.layers:
-            layer.self_attn.backend = backend
+            if hasattr(layer, "self_attn"):  # not a pipeline stage's MissingLayer
+                layer.self_attn.backend = backend
 
     def kv_window(self) -> int | None:
         """The window if every KV layer is windowed (older tokens' KV is never read again), else None."""
@@ -58,23 +60,20 @@ class _SlidingWindowMixin:
 
 
 class SlidingWindowMistralForCausalLM(_SlidingWindowMixin, MistralForCausalLM):
-    def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-                 dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype)
+    def __init__(self, config: ModelConfig, **kw) -> None:
+        super().__init__(config, **kw)
         self._install_sliding_window()
 
 
 class SlidingWindowQwen2ForCausalLM(_SlidingWindowMixin, Qwen2ForCausalLM):
-    def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-                 dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype)
+    def __init__(self, config: ModelConfig, **kw) -> None:
+        super().__init__(config, **kw)
         self._install_sliding_window()
 
 
 class SlidingWindowQwen3ForCausalLM(_SlidingWindowMixin, Qwen3ForCausalLM):
-    def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-                 dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype)
+    def __init__(self, config: ModelConfig, **kw) -> None:
+        super().__init__(config, **kw)
         self._install_sliding_window()
 
 

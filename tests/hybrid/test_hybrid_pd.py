@@ -2,7 +2,8 @@
 127.0.0.1 (real processes, real transfer engines). Greedy tokens equal transformers' `generate` for
 prompts spanning several chunks (and longer than the window); the hybrid model's conv and recurrent
 state travel with the last chunk (mooncake, nixl, ucx; prefill tp 2 -> decode tp 1 slices the state by
-heads), the sliding-window model's transfer carries only the window's pages. After every test both
+heads), the sliding-window model's transfer carries only the window's pages (from a prefill node of two
+pipeline stages too, each sending its own layer's window). After every test both
 nodes are back at their starting free KV pages, request rows, metadata slots and state slots."""
 
 from __future__ import annotations
@@ -56,13 +57,14 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [random_prompt(5 + (17 * i + seed) % 71, seed * 100 + i) for i in range(n)]
 
 
-def _pair(launcher: Launcher, model: str, backend: str, prefill_tp: int = 1, dp_size: int = 1) -> PDPair:
+def _pair(launcher: Launcher, model: str, backend: str, prefill_tp: int = 1, dp_size: int = 1,
+          prefill_pp: int = 1) -> PDPair:
     settings = {"chunked_prefill_size": CHUNK, "dp_size": dp_size}
     # two groups per node put four scheduler processes and their engines on the test machine's cores: a
     # heartbeat window of 3 s (not the fast suite's 1.2 s) so a busy moment is not a dead peer
     env = {"PDSERVE_HEARTBEAT_MAX_FAILURES": "10"} if dp_size > 1 else None
-    return launcher.pair(model, backend, prefill_tp=prefill_tp, decode_tp=1, env=env, prefill_settings=settings,
-                         decode_settings=settings)
+    return launcher.pair(model, backend, prefill_tp=prefill_tp, decode_tp=1, env=env,
+                         prefill_settings={**settings, "pp_size": prefill_pp}, decode_settings=settings)
 
 
 def _state_free(pair: PDPair) -> tuple[int, int]:
@@ -141,19 +143,20 @@ def test_qwen35_prefill_tp2_to_decode_tp1(qwen35, launcher):
     assert _state_free(pair) == states
 
 
-# every backend once; nixl with prefill tp 2 (each rank sends its half of the heads)
-@pytest.mark.parametrize("backend,prefill_tp", [
-    pytest.param(b, tp, marks=pytest.mark.backend(b), id=f"{b}-{tp}") for b, tp in (("mooncake", 1), ("nixl", 2),
-                                                                                      ("ucx", 1))])
-def test_sliding_window_sends_only_the_window(swa, launcher, backend, prefill_tp):
-    pair = _pair(launcher, swa[0], backend, prefill_tp=prefill_tp)
+# every backend once; nixl with prefill tp 2 (each rank sends its half of the heads), mooncake with two
+# pipeline stages on the prefill node (each sends its own layer's window)
+@pytest.mark.parametrize("backend,prefill_tp,prefill_pp", [
+    pytest.param(b, tp, pp, marks=pytest.mark.backend(b), id=f"{b}-tp{tp}-pp{pp}")
+    for b, tp, pp in (("mooncake", 1, 2), ("nixl", 2, 1), ("ucx", 1, 1))])
+def test_sliding_window_sends_only_the_window(swa, launcher, backend, prefill_tp, prefill_pp):
+    pair = _pair(launcher, swa[0], backend, prefill_tp=prefill_tp, prefill_pp=prefill_pp)
     start = pair.start_counts()
     long = random_prompt(100, 4)  # 25 pages of 4; the window (24 tokens) spans pages 19..24
     before = pair.prefill.stats()["transfer_bytes"]
     _check_greedy(pair, swa[1], [long])
     sent = pair.prefill.stats()["transfer_bytes"] - before
-    # rank 0's sends: K+V x 2 layers x its KV heads x 4 tokens x 16 dims x fp32 per page
-    page_bytes = 2 * 2 * (2 // prefill_tp) * 4 * 16 * 4
+    # rank 0's sends: K+V x its layers x its KV heads x 4 tokens x 16 dims x fp32 per page
+    page_bytes = 2 * (2 // prefill_pp) * (2 // prefill_tp) * 4 * 16 * 4
     assert 6 * page_bytes <= sent < 10 * page_bytes, sent
     _check_greedy(pair, swa[1], prompts(3, seed=5))
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))

@@ -49,8 +49,9 @@ def test_prefill_stages_send_their_own_layers(make_tiny_model, module_launcher, 
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
 
 
-@pytest.mark.parametrize("make, words", [("qwen3_5", "Qwen3_5ForCausalLM")])  # sliding windows: the same check
+@pytest.mark.parametrize("make, words", [("qwen3_5", "Qwen3_5ForCausalLM")])
 def test_models_without_stages_are_refused_at_load(tmp_path, make, words):
+    # sliding-window models run stages: tests/hybrid/test_hybrid_pd.py (mooncake, prefill pp 2)
     from common.models.loader import ModelLoadError, load_model
     from tests.hybrid import hybrid_harness
 
