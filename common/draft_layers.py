@@ -7,7 +7,7 @@ its last position. Two calls per forward, both from `ModelRunner.run`:
   positions and KV slots as the forward (its `ForwardBatch` reused, attention metadata and all), fed
   with each position's *next* token and the target's hidden state there, so the draft layer's KV keeps
   pace with the target's. The row at each request's last kept position gives its new d1 and g
-  (greedy over the draft logits). Extend: the next token is the following prompt token, at the end
+  (greedy over the draft logits; not for a request backing off from drafting, `Drafter`). Extend: the next token is the following prompt token, at the end
   the sampled one. Decode: the sampled token. Verify: the target tokens t_0..t_k; only the rows up to
   the accepted run matter (the rest are rolled back with their slots).
 * `chain(batch)`, before a verify forward: the scheduler placed [x_L, d1, ?, ...] at positions L.. and
@@ -76,17 +76,17 @@ class DraftLayers:
             tok = out.next_token_ids[i]
             if fb.mode == ForwardMode.VERIFY:
                 nxt.extend(tok)
-                picks.append((i, starts[i] + accepted_run(batch.drafts[i], tok)))
-                continue
-            if fb.mode == ForwardMode.DECODE:
-                following = []
+                row = starts[i] + accepted_run(batch.drafts[i], tok)
             else:
-                following = r.fill_ids[p + 1:p + n + 1]
-            if len(following) < n:  # the last position's next token: the sampled one
-                following.append(tok if tok is not None else r.fill_ids[p + n - 1])
-            nxt.extend(following)
-            if tok is not None:
-                picks.append((i, starts[i] + n - 1))
+                following = [] if fb.mode == ForwardMode.DECODE else r.fill_ids[p + 1:p + n + 1]
+                if len(following) < n:  # the last position's next token: the sampled one
+                    following.append(tok if tok is not None else r.fill_ids[p + n - 1])
+                nxt.extend(following)
+                row = None if tok is None else starts[i] + n - 1
+            if row is not None and r.draft_skip == 0:  # a request backing off drafts nothing next step
+                picks.append((i, row))
+            else:
+                r.draft_token = None
         g = self.head(self.model, dataclasses.replace(fb, input_ids=torch.tensor(nxt, dtype=torch.int64),
                                                       extras={}), hidden)
         if not picks:

@@ -94,6 +94,9 @@ class Req:
         # drafts, and the longest chain the next step may draft (None: the configured maximum)
         self.draft_history = bytearray()
         self.draft_budget: int | None = None
+        # verify steps in a row whose drafts were all rejected, and decode steps left without drafts
+        self.draft_fails = 0
+        self.draft_skip = 0
         # EAGLE / MTP (common/draft_layers.py): the draft layers' next token and hidden state at the last
         # position (None until a forward or the prefill node gave them)
         self.draft_token: int | None = None

@@ -58,9 +58,17 @@ class SpecStats:
                 "spec_accept_rate": round(self.accepted / self.drafted, 3) if self.drafted else 0.0}
 
 
+MAX_DRAFT_SKIP = 15  # decode steps a request goes without drafts at most after failures in a row
+
+
 class Drafter:
     """What NGRAM and EAGLE / MTP share: each step's chain lengths (`drafts_for`) and the budget and
-    counters updated after a verify step (`record`)."""
+    counters updated after a verify step (`record`).
+
+    Back-off: a request whose drafts were all rejected in `n` verify steps in a row drafts nothing for
+    the next 2**(n-1) - 1 decode steps (0, 1, 3, 7, at most 15); one accepted draft ends it. Drafts that
+    keep failing then cost little more than plain decoding: the verify is no wider, and the draft layers
+    (EAGLE / MTP) skip the lm_head for a request that will not draft next step."""
 
     def __init__(self, num_draft_tokens: int, disable_by_batch_size: int | None = None) -> None:
         self.max_drafts = num_draft_tokens - 1
@@ -77,6 +85,10 @@ class Drafter:
             return [[] for _ in reqs]
         out = []
         for r in reqs:
+            if r.draft_skip > 0:
+                r.draft_skip -= 1
+                out.append([])
+                continue
             budget = self.max_drafts if r.draft_budget is None else r.draft_budget
             room = min(budget, r.max_new_tokens - len(r.output_ids) - 1, context_length - r.kv_len - 1)
             out.append(self.chain_for(r, room) if r.grammar is None and room > 0 else [])
@@ -89,6 +101,8 @@ class Drafter:
         for r, d, k in zip(reqs, drafts, kept, strict=True):
             if d:
                 r.draft_budget = min(self.max_drafts, max(k - 1, 0) + 1)
+                r.draft_fails = 0 if k > 1 else r.draft_fails + 1
+                r.draft_skip = min(2 ** max(r.draft_fails - 1, 0) - 1, MAX_DRAFT_SKIP)
         s = self.stats
         s.verify_steps += 1
         s.requests_verified += len(drafts)

@@ -94,10 +94,11 @@ def dense_draft(model_dir, hf, tokens: list[int]) -> tuple[int, torch.Tensor]:
         return int((g @ hf.lm_head.weight.T).argmax()), g
 
 
-def test_the_draft_layers_kv_equals_a_dense_run(mtp_model):
+def test_the_draft_layers_kv_equals_a_dense_run(mtp_model, monkeypatch):
     """After prefill chunks, decode and verify steps (drafts rejected, slots rolled back) and a retraction,
     each request's last draft and hidden state equal a dense run over its tokens: the draft layer's KV
     was written at every position with the right inputs."""
+    monkeypatch.setattr("common.scheduler.speculative.MAX_DRAFT_SKIP", 0)  # a d1 at every step, to compare
     d, hf = mtp_model
     prompts = prompts_of([5, 37, 61, 9], hf.config.vocab_size, seed=16)
     sampling = SamplingParams(max_new_tokens=17, temperature=0, ignore_eos=True)

@@ -57,6 +57,28 @@ def test_drafts_respect_the_token_budget_and_grammar():
     assert d.drafts_for([r], 2048) == [[]]
 
 
+def test_drafts_that_keep_failing_back_off():
+    d = NgramDrafter(4, 1, 3)
+    r = Req("a", [1, 2, 3] * 3, SamplingParams(max_new_tokens=100, temperature=0))
+    r.kv_len = 9
+
+    def steps_until_a_draft() -> int:
+        n = 0
+        while not (drafts := d.drafts_for([r], 2048))[0]:
+            n += 1
+        return n, drafts
+
+    pauses = []
+    for _ in range(6):  # every draft rejected: 0, 1, 3, 7, 15, 15 steps without drafts before the next
+        n, drafts = steps_until_a_draft()
+        pauses.append(n)
+        d.record([r], drafts, [1])
+    n, drafts = steps_until_a_draft()
+    assert pauses + [n] == [0, 0, 1, 3, 7, 15, 15]
+    d.record([r], drafts, [2])  # one accepted: drafting every step again
+    assert steps_until_a_draft()[0] == 0 and r.draft_fails == 0
+
+
 def test_accepted_run():
     assert accepted_run([5, 6, 7], [5, 6, 8, 1]) == 2
     assert accepted_run([5, 6, 7], [4, 6, 7, 1]) == 0
