@@ -147,9 +147,9 @@ class TokenizerManager:
         self.model_dir = model_dir
         self.tokenizer_path = args.tokenizer or model_dir
         if tokenizer is None:
-            from transformers import AutoTokenizer
+            from common.server.tokenizer_load import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            tokenizer = load_tokenizer(self.tokenizer_path)
         if getattr(args, "chat_template", None):
             with open(args.chat_template, encoding="utf-8") as f:
                 tokenizer.chat_template = f.read()
