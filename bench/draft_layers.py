@@ -26,7 +26,7 @@ import shutil
 
 import torch
 
-from bench.speculative import loop_run
+from bench.speculative import compare_on_off
 from common.config import ServerArgs
 from common.runner import ModelRunner
 
@@ -104,21 +104,8 @@ def measure(base_args: ServerArgs, model_dir: str, prompts_by_batch: dict[int, l
         spec_args.validate()
         drafting = ModelRunner(spec_args, d)
         for b, prompts in prompts_by_batch.items():
-            for runner, s in ((plain, None), (drafting, spec)):  # warm both paths
-                loop_run(runner, d, prompts, 8, s)
-            best = {False: float("inf"), True: float("inf")}
-            out, stats, decoded = {}, {}, 0
-            for rep in range(repeats):
-                for on in (False, True):
-                    wall, toks, st = loop_run(drafting if on else plain, d, prompts, new_tokens, spec if on else None)
-                    best[on] = min(best[on], wall)
-                    out[on], decoded = toks, st["decoded_tokens"]
-                    if on:
-                        stats = st
-                log(f"draft layers ({variant}) b{b} run {rep + 1}/{repeats}: {decoded / best[False]:7.1f} tok/s plain, "
-                    f"{decoded / best[True]:7.1f} tok/s speculating (accept length {stats['spec_accept_length']:.2f})")
-                if out[True] != out[False]:
-                    raise SystemExit(f"draft layers ({variant}) b{b}: greedy tokens differ with speculation on and off")
+            best, decoded, stats = compare_on_off(plain, drafting, d, prompts, new_tokens, spec, repeats, log,
+                                                  f"draft layers ({variant}) b{b}")
             figures[f"spec_mtp_{variant}_b{b}"] = {"num_steps": num_steps, "decoded_tokens": decoded,
                                                    "tok_s_plain": decoded / best[False],
                                                    "tok_s_spec": decoded / best[True], "tokens_identical": True,

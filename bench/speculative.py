@@ -74,25 +74,36 @@ def measure(runner: ModelRunner, model_dir: str, workloads: dict[str, dict[int, 
     return figures, ratios
 
 
+def compare_on_off(plain: ModelRunner, drafting: ModelRunner, model_dir: str, prompts: list[list[int]],
+                   new_tokens: int, spec: dict, repeats: int, log, label: str) -> tuple[dict, int, dict]:
+    """Decode `prompts` without speculation (on `plain`) and with `spec` (on `drafting`; may be the same
+    runner), alternating, `repeats` times after a warm-up of each: the best seconds of each side
+    ({False: plain, True: speculating}), the decoded tokens and the speculating run's stats. The tokens
+    must be identical (else the bench ends)."""
+    for runner, s in ((plain, None), (drafting, spec)):  # warm both paths
+        loop_run(runner, model_dir, prompts, 8, s)
+    best = {False: float("inf"), True: float("inf")}
+    out, stats, decoded = {}, {}, 0
+    for rep in range(repeats):
+        for on in (False, True):
+            wall, toks, st = loop_run(drafting if on else plain, model_dir, prompts, new_tokens, spec if on else None)
+            best[on] = min(best[on], wall)
+            out[on], decoded = toks, st["decoded_tokens"]
+            if on:
+                stats = st
+        log(f"{label} run {rep + 1}/{repeats}: {decoded / best[False]:7.1f} tok/s plain, "
+            f"{decoded / best[True]:7.1f} tok/s speculating (accept length {stats['spec_accept_length']:.2f})")
+        if out[True] != out[False]:
+            raise SystemExit(f"{label}: greedy tokens differ with speculation on and off")
+    return best, decoded, stats
+
+
 def _measure_workload(runner, model_dir, prompts_by_batch, new_tokens, draft_tokens, repeats, log):
     spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": draft_tokens}
     figures, ratios = {}, {}
     for b, prompts in prompts_by_batch.items():
-        for s in (None, spec):  # warm both paths
-            loop_run(runner, model_dir, prompts, 8, s)
-        best = {False: float("inf"), True: float("inf")}
-        out, stats, decoded = {}, {}, 0
-        for rep in range(repeats):
-            for on in (False, True):
-                wall, toks, st = loop_run(runner, model_dir, prompts, new_tokens, spec if on else None)
-                best[on] = min(best[on], wall)
-                out[on], decoded = toks, st["decoded_tokens"]
-                if on:
-                    stats = st
-            log(f"n-gram speculation b{b} run {rep + 1}/{repeats}: {decoded / best[False]:7.1f} tok/s plain, "
-                f"{decoded / best[True]:7.1f} tok/s speculating (accept length {stats['spec_accept_length']:.2f})")
-            if out[True] != out[False]:
-                raise SystemExit(f"b{b}: greedy tokens differ with speculation on and off")
+        best, decoded, stats = compare_on_off(runner, runner, model_dir, prompts, new_tokens, spec, repeats, log,
+                                              f"n-gram speculation b{b}")
         figures[f"spec_ngram_b{b}"] = {"draft_tokens": draft_tokens, "decoded_tokens": decoded,
                                        "tok_s_plain": decoded / best[False], "tok_s_spec": decoded / best[True],
                                        "tokens_identical": True, **stats}

@@ -17,7 +17,7 @@ from tests.harness.pd import assert_restored, free_counts, greedy, make_prompts
 @pytest.fixture(scope="module")
 def pair(pd_model_dir, module_launcher):
     return module_launcher.pair(pd_model_dir, "fake", env={"DISAGGREGATION_TEST_FAILURE_PROB": "0.3"},
-                                prefill_settings={"disaggregation_bootstrap_timeout": 10})
+                                prefill_settings={"disaggregation_bootstrap_timeout": 5})
 
 
 def test_lifecycle_with_injected_failures(pair: PDPair, pd_tok):
@@ -44,7 +44,7 @@ def test_lifecycle_with_injected_failures(pair: PDPair, pd_tok):
 
 def test_bootstrap_timeout_frees_the_prefill_request(pair: PDPair):
     start = free_counts(pair.prefill)
-    # no decode leg ever comes; the prefill node gives the room up after its bootstrap timeout (10 s here)
+    # no decode leg ever comes; the prefill node gives the room up after its bootstrap timeout (5 s here)
     body = pair.body({"input_ids": list(range(400, 420)), "sampling_params": greedy()})
     status, headers, raw = http("POST", pair.prefill.url + "/generate", body, timeout=60)
     assert status == 500, raw
