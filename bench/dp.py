@@ -21,18 +21,14 @@ import os
 import sys
 
 from bench.compare import run_colocated_setups
-from bench.report import HelpFormatter, write_report
-from bench.serve import add_setup_flags, format_summary, setup_workload
+from bench.report import write_report
+from bench.serve import format_summary, setup_bench_parser, setup_workload
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve bench dp", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    add_setup_flags(p, "dp", num_prompts=48, input_len=256, output_len=64, concurrency=16)
-    a = p.add_argument
-    a("--dp-size", type=int, default=2, help="scheduler groups of the DP setup")
-    a("--setups", default="dp1,dpN", help="which setups to run, comma-separated: dp1 (one group), dpN (--dp-size)")
-    return p
+    return setup_bench_parser("dp", __doc__, "scheduler groups of the DP setup", "dp1,dpN",
+                              "which setups to run, comma-separated: dp1 (one group), dpN (--dp-size)",
+                              num_prompts=48, input_len=256, output_len=64, concurrency=16)
 
 
 def compute_ratios(s: dict[str, dict], dp: str) -> dict[str, float]:

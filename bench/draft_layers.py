@@ -27,6 +27,7 @@ import shutil
 import torch
 
 from bench.speculative import compare_on_off
+from bench.tiny_model import exact_draft_head, random_draft_head
 from common.config import ServerArgs
 from common.runner import ModelRunner
 
@@ -54,27 +55,12 @@ def checkpoints(model_dir: str) -> dict[str, str]:
     w: dict[str, torch.Tensor] = {}
     for f in safetensors_files(model_dir):
         w.update(load_file(f))
-    layer0 = {k[len("model.layers.0."):]: v for k, v in w.items() if k.startswith("model.layers.0.")}
-    for k in list(w):
-        if k.endswith(("o_proj.weight", "down_proj.weight")):
-            w[k] = torch.zeros_like(w[k])
-    save_file(w, os.path.join(tmp, "target.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     hidden = int(config["hidden_size"])
-    gen = torch.Generator().manual_seed(0)
-    norm = w["model.norm.weight"]
-    heads = {
-        # the draft layer adds nothing; fc passes the token's embedding; the same final norm as the target
-        "exact": {**{f"mtp.layers.0.{k}": (torch.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight"))
-                                            else v.clone()) for k, v in layer0.items()},
-                  "mtp.fc.weight": torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1),
-                  "mtp.norm.weight": norm.clone()},
-        "random": {**{f"mtp.layers.0.{k}": v + (0.02 * torch.randn(v.shape, generator=gen) if v.dim() > 1 else 0)
-                      for k, v in layer0.items()},
-                   "mtp.fc.weight": 0.05 * torch.randn(hidden, 2 * hidden, generator=gen),
-                   "mtp.norm.weight": torch.ones(hidden)},
-    }
+    random_head = random_draft_head(w, hidden, seed=0)  # before the exact head zeroes the projections
+    heads = {"exact": exact_draft_head(w, hidden), "random": random_head}
+    save_file(w, os.path.join(tmp, "target.safetensors"), metadata={"format": "pt"})
     for name, head in heads.items():
         d = os.path.join(tmp, name)
         os.makedirs(d)
@@ -85,7 +71,6 @@ def checkpoints(model_dir: str) -> dict[str, str]:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump({**config, "mtp_num_hidden_layers": 1}, f, indent=1)
         os.symlink("../target.safetensors", os.path.join(d, "model.safetensors"))
-        head.update({f"mtp.{n}.weight": torch.ones(hidden) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden")})
         save_file({k: v.contiguous() for k, v in head.items()}, os.path.join(d, "mtp.safetensors"),
                   metadata={"format": "pt"})
     shutil.rmtree(root, ignore_errors=True)

@@ -21,20 +21,16 @@ import math
 import sys
 
 from bench.compare import run_colocated_setups
-from bench.report import HelpFormatter, write_report
-from bench.serve import add_setup_flags, format_summary, setup_workload
+from bench.report import write_report
+from bench.serve import format_summary, setup_bench_parser, setup_workload
 
 SEQUENTIAL = {"PDSERVE_PP_MICRO_TOKENS": str(1 << 30)}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve bench pp", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    add_setup_flags(p, "pp", num_prompts=12, input_len=2000, output_len=1, concurrency=1)
-    a = p.add_argument
-    a("--pp-size", type=int, default=2, help="pipeline stages of the PP setups")
-    a("--setups", default="pp1,ppN,ppN_sequential", help="which setups to run, comma-separated")
-    return p
+    return setup_bench_parser("pp", __doc__, "pipeline stages of the PP setups", "pp1,ppN,ppN_sequential",
+                              "which setups to run, comma-separated", num_prompts=12, input_len=2000, output_len=1,
+                              concurrency=1)
 
 
 def compute_ratios(s: dict[str, dict], pp: str) -> dict[str, float]:

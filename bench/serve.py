@@ -409,6 +409,20 @@ def result_rows(results: list[RequestResult]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+def setup_bench_parser(bench: str, doc: str, size_help: str, setups: str, setups_help: str,
+                       **defaults) -> argparse.ArgumentParser:
+    """The parser of `pdserve bench <bench>` (dp, pp): the setup flags (`add_setup_flags`, with `defaults`),
+    `--<bench>-size` (default 2) and `--setups`."""
+    from bench.report import HelpFormatter
+
+    p = argparse.ArgumentParser(prog=f"pdserve bench {bench}", description=doc.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    add_setup_flags(p, bench, **defaults)
+    p.add_argument(f"--{bench}-size", type=int, default=2, help=size_help)
+    p.add_argument("--setups", default=setups, help=setups_help)
+    return p
+
+
 def add_setup_flags(p: argparse.ArgumentParser, bench: str, *, num_prompts: int, input_len: int, output_len: int,
                     concurrency: int) -> None:
     """The flags of a bench that runs `pdserve serve` setups one after the other on one workload of random

@@ -67,22 +67,55 @@ def build_tiny_model(out_dir: str, arch: str, tokenizer_dir: str, overrides: dic
 
 
 def add_draft_layers(out_dir: str, state: dict, hidden: int) -> None:
-    """Seeded random `mtp.*` draft layers (common/models/mtp.py) next to the model's weights: layer 0's
-    tensors with noise as the draft decoder layer, a random `fc`, unit norms."""
-    import torch
+    """Seeded random `mtp.*` draft layers (`random_draft_head`) next to the model's weights."""
     from safetensors.torch import load_file, save_file
 
     path = os.path.join(out_dir, "model.safetensors")
     tensors = load_file(path)
-    gen = torch.Generator().manual_seed(1)
-    for name, t in state.items():
-        if name.startswith("model.layers.0."):
-            noise = 0.02 * torch.randn(t.shape, generator=gen) if t.dim() > 1 else 0
-            tensors["mtp.layers.0." + name[len("model.layers.0."):]] = (t + noise).contiguous()
-    tensors["mtp.fc.weight"] = 0.05 * torch.randn(hidden, 2 * hidden, generator=gen)
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        tensors[f"mtp.{norm}.weight"] = torch.ones(hidden)
+    tensors.update(random_draft_head(state, hidden, seed=1))
     save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _layer0(weights: dict) -> dict:
+    return {k[len("model.layers.0."):]: v for k, v in weights.items() if k.startswith("model.layers.0.")}
+
+
+def _unit_norms(hidden: int, names=("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")) -> dict:
+    import torch
+
+    return {f"mtp.{n}.weight": torch.ones(hidden) for n in names}
+
+
+def random_draft_head(weights: dict, hidden: int, seed: int) -> dict:
+    """Seeded random `mtp.*` draft layers (common/models/mtp.py) for a checkpoint's tensors (HF names):
+    layer 0's tensors with noise as the draft decoder layer, a random `fc`, unit norms. Their drafts are
+    almost never the target's tokens."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    head = {f"mtp.layers.0.{k}": (v + 0.02 * torch.randn(v.shape, generator=gen) if v.dim() > 1 else v.clone())
+            .contiguous() for k, v in _layer0(weights).items()}
+    head["mtp.fc.weight"] = 0.05 * torch.randn(hidden, 2 * hidden, generator=gen)
+    return {**head, **_unit_norms(hidden)}
+
+
+def exact_draft_head(weights: dict, hidden: int, draft_attention: float = 0.0) -> dict:
+    """Zero every layer's output projections in `weights` (in place: the target then predicts the next
+    token from the current one alone) and return `mtp.*` draft layers that compute the same function of
+    their input token (the layer adds nothing, `fc` passes the embedding through, the target's final
+    norm), so every draft is the target's token. `draft_attention` scales layer 0's attention output back
+    into the draft layer: its drafts then depend on its KV, and some are wrong."""
+    import torch
+
+    layer0 = _layer0(weights)
+    for k in [k for k in weights if k.startswith("model.") and k.endswith(("o_proj.weight", "down_proj.weight"))]:
+        weights[k] = torch.zeros_like(weights[k])
+    head = {f"mtp.layers.0.{k}": v.clone() for k, v in layer0.items()}
+    head["mtp.layers.0.self_attn.o_proj.weight"] = layer0["self_attn.o_proj.weight"] * draft_attention
+    head["mtp.layers.0.mlp.down_proj.weight"] = torch.zeros_like(layer0["mlp.down_proj.weight"])
+    head["mtp.fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1)
+    head["mtp.norm.weight"] = weights["model.norm.weight"].clone()
+    return {**head, **_unit_norms(hidden, ("pre_fc_norm_embedding", "pre_fc_norm_hidden"))}
 
 
 def tiny_model_dir(arch: str = "llama", **overrides) -> str:

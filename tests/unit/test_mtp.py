@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench.tiny_model import exact_draft_head
 from common.config import ConfigError, ServerArgs
 from common.models.llama import ModelLoadError
 from common.protocol import SamplingParams
@@ -124,22 +125,15 @@ def test_retraction_through_the_host_store_keeps_the_tokens(make_tiny_model, hf_
 
 
 def bigram_checkpoint(model_dir: str, out_dir, draft_attention: float = 0.0) -> str:
-    """The checkpoint with its layers' output projections zeroed (the target predicts the next token from
-    the current one alone) and draft layers that pass the embedding through to the same final norm: the
-    draft of the token after next is exactly the target's. `draft_attention` scales the draft layer's
-    attention output back in, so drafts depend on its KV and some are wrong."""
+    """The checkpoint with draft layers that predict it exactly (`bench.tiny_model.exact_draft_head`: its
+    layers' output projections zeroed, so it predicts the next token from the current one alone);
+    `draft_attention` > 0 makes some drafts wrong."""
     import shutil
 
     shutil.copytree(model_dir, out_dir)
     path = f"{out_dir}/model.safetensors"
-    w = load_file(path)
-    hidden = w["mtp.fc.weight"].shape[0]
-    for k in list(w):
-        if k.endswith(("o_proj.weight", "down_proj.weight")):
-            scale = draft_attention if k == "mtp.layers.0.self_attn.o_proj.weight" else 0.0
-            w[k] = w[k] * scale
-    w["mtp.fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1)
-    w["mtp.norm.weight"] = w["model.norm.weight"].clone()
+    w = {k: v for k, v in load_file(path).items() if not k.startswith("mtp.")}
+    w.update(exact_draft_head(w, w["model.norm.weight"].shape[0], draft_attention))
     save_file(w, path, metadata={"format": "pt"})
     return str(out_dir)
 
