@@ -97,7 +97,9 @@ class OurEngine:
         per_req = -(-max_tokens_per_req // page) * page + page
         args = ServerArgs(model=model_dir, max_total_tokens=per_req * max_batch + 4 * page,
                           max_running_requests=max_batch, page_size=page,
-                          context_length=max_tokens_per_req + page, torchao_config=quantization or "")
+                          context_length=max_tokens_per_req + page,
+                          torchao_config=quantization if quantization == "int8wo" else "",
+                          quantization=quantization if quantization == "w8a8_int8" else "")
         self.runner = ModelRunner(args, model_dir)
         gc.collect()
         gc.freeze()  # as the scheduler process does before its loop

@@ -1,5 +1,6 @@
-"""`pdserve bench quant`: what int8 weights (`--torchao-config int8wo`) cost in quality and buy in
-speed, against float32 on the same model in the same run.
+"""`pdserve bench quant`: what int8 weights (`--torchao-config int8wo`) and int8 weights with int8
+activations (`--quantization w8a8_int8`) cost in quality and buy in speed, against float32 on the same
+model in the same run.
 
 * quality: perplexity of a fixed text (this project's README.md, the first `--ppl-tokens` tokens, in
   windows of `--ppl-window` tokens scored in one prefill each), and greedy agreement: of `--prompts`
@@ -9,9 +10,10 @@ speed, against float32 on the same model in the same run.
 * speed: the decode step at batch 1 and 16 and a 512-token prefill, as `pdserve bench engine` drives
   the runner, best of `--repeats` rounds that time both in turn.
 
-Ratios (higher is better): `int8_ppl` = float32 perplexity / int8 perplexity (the issue's bar: within
-2 %, i.e. >= 0.98), `int8_greedy_agreement`, `int8_decode_b1` and `int8_decode_b16` = float32 step
-time / int8 step time, `int8_prefill_512` = float32 prefill time / int8's.
+Ratios (higher is better), for int8wo (`int8_*`) and w8a8_int8 (`w8a8_*`): `*_ppl` = float32
+perplexity / the scheme's (the issue's bar: within 2 %, i.e. >= 0.98), `*_greedy_agreement`,
+`*_decode_b1` and `*_decode_b16` = float32 step time / the scheme's, `*_prefill_512` = float32 prefill
+time / the scheme's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from bench.engine import OurEngine, _prompts
 from bench.report import HelpFormatter, write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEMES = {"int8wo": "int8", "w8a8_int8": "w8a8"}  # each scheme measured, and its ratios' prefix
 
 
 def log(msg: str) -> None:
@@ -126,21 +129,26 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(tok.vocab_size) for _ in range(32)] for _ in range(ns.prompts)]
     size = max(ns.ppl_window + 1, 512, 64 + ns.greedy_tokens + ns.decode_steps) + 1
-    engines = {(q or "float32"): OurEngine(model_dir, size, 16, quantization=q) for q in (None, "int8wo")}
+    engines = {(q or "float32"): OurEngine(model_dir, size, 16, quantization=q) for q in (None, *SCHEMES)}
     runs = {label: quality(eng, label, ns, text_ids, prompts) for label, eng in engines.items()}
     for label, fig in speed(engines, ns).items():
         runs[label].update(fig)
-    ref, q8 = runs["float32"], runs["int8wo"]
-    agree, identical = agreement(ref.pop("greedy"), q8.pop("greedy"))
-    ratios = {"int8_ppl": ref["perplexity"] / q8["perplexity"], "int8_greedy_agreement": agree,
-              "int8_decode_b1": ref["decode_b1_ms"] / q8["decode_b1_ms"],
-              "int8_decode_b16": ref["decode_b16_ms"] / q8["decode_b16_ms"],
-              "int8_prefill_512": ref["prefill_512_s"] / q8["prefill_512_s"]}
+    ref = runs["float32"]
+    greedy = ref.pop("greedy")
+    ratios, identical = {}, {}
+    for scheme, key in SCHEMES.items():
+        q8 = runs[scheme]
+        agree, identical[scheme] = agreement(greedy, q8.pop("greedy"))
+        ratios.update({f"{key}_ppl": ref["perplexity"] / q8["perplexity"], f"{key}_greedy_agreement": agree,
+                       f"{key}_decode_b1": ref["decode_b1_ms"] / q8["decode_b1_ms"],
+                       f"{key}_decode_b16": ref["decode_b16_ms"] / q8["decode_b16_ms"],
+                       f"{key}_prefill_512": ref["prefill_512_s"] / q8["prefill_512_s"]})
+        log(f"{scheme}: perplexity {q8['perplexity']:.4f} (float32 {ref['perplexity']:.4f}); greedy agreement "
+            f"{agree:.3f}, {identical[scheme]}/{ns.prompts} prompts identical")
     figures = {"model_dir": model_dir, "text": os.path.relpath(ns.text, ROOT), "ppl_tokens": len(text_ids),
-               "threads": torch.get_num_threads(), "greedy_identical": f"{identical}/{ns.prompts}",
+               "threads": torch.get_num_threads(),
+               "greedy_identical": {s: f"{n}/{ns.prompts}" for s, n in identical.items()},
                "config": {**vars(ns), "argv": argv if argv is not None else sys.argv[1:]}, **runs}
-    log(f"perplexity float32 {ref['perplexity']:.4f}, int8 {q8['perplexity']:.4f}; greedy agreement {agree:.3f}, "
-        f"{identical}/{ns.prompts} prompts identical")
     write_report(ns.json, "quant", figures, ratios)
     return 0
 

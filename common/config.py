@@ -47,6 +47,12 @@ class ServerArgs:
                              "(and a tied lm_head) as per-channel int8 and computes in float32 (a decode step "
                              "reads a quarter of the bytes); '' keeps float32. Needs the native kernels (AVX2)",
                              choices=("", "int8wo"))
+    quantization: str = _f("", "weight and activation quantization, as SGLang spells it: 'w8a8_int8' stores every "
+                           "linear weight as per-channel int8 (converted at load) and quantizes each token's "
+                           "activations to int8 as they enter a matmul, which sums the products in int32 "
+                           "(AVX2 integer multiply-adds); the lm_head stays weight-only int8, so logits see "
+                           "float32 activations. '' keeps float32. Needs the native kernels (AVX2); not with "
+                           "--torchao-config", choices=("", "w8a8_int8"))
     # serving
     host: str = _f("127.0.0.1", "HTTP host")
     port: int = _f(30000, "HTTP port")
@@ -254,6 +260,9 @@ class ServerArgs:
                       f"must be >= 0, got {self.priority_scheduling_preemption_threshold}")
         if self.max_prefill_tokens < 1:
             raise bad("max-prefill-tokens", "must be >= 1")
+        if self.quantization and self.torchao_config:
+            raise bad("quantization", f"{self.quantization} quantizes the weights itself; drop --torchao-config "
+                      f"{self.torchao_config}")
         self._validate_dp(bad)
         if self.kv_events_config is not None:
             from common.kv_events import KVEventsConfig
@@ -396,6 +405,11 @@ class ServerArgs:
             raise bad("speculative-num-draft-tokens", f"must be --speculative-num-steps + 1 = {steps + 1} with "
                       f"--speculative-eagle-topk 1 (a chain), got {tokens}")
         self.speculative_num_steps, self.speculative_num_draft_tokens = steps, steps + 1
+
+    @property
+    def weight_quantization(self) -> str | None:
+        """How the linear weights are stored: "int8wo", "w8a8_int8" or None (float32)."""
+        return self.quantization or self.torchao_config or None
 
     @property
     def draft_layers(self) -> bool:

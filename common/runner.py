@@ -61,7 +61,7 @@ class ModelRunner:
         self.dtype = torch.float32
         self.model, self.model_config = load_model(model_dir, tp_rank=tp_rank, tp_size=tp_size,
                                                    tp_group=tp_group, dtype=self.dtype,
-                                                   quantization=args.torchao_config or None, pp_rank=pp_rank,
+                                                   quantization=args.weight_quantization, pp_rank=pp_rank,
                                                    pp_size=self.pp_size, draft_layers=args.draft_layers)
         self.model.eval()
         cfg = self.model_config

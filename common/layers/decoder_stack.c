@@ -11,6 +11,8 @@ void packed_gemm(const float *x, int64_t ldx, const float *w, const float *bias,
                  int64_t N, int64_t K);
 void packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
                     int64_t ldy, int64_t M, int64_t N, int64_t K);
+int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
+                     int64_t ldy, int64_t M, int64_t N, int64_t K);
 void add_rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t res_stride, float *res_out,
                   const float *w, float *out, int64_t rows, int64_t n, float eps);
 void rotary_apply(const float *x, int64_t x_stride, const float *cos, const float *sin, float *out, int64_t T,
@@ -22,21 +24,27 @@ int paged_decode_attention(const float *q, int64_t q_stride, float *pool, const 
 void silu_and_mul(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t n);
 
 // One layer's weights (panel-packed projections; biases and the KV offset may be 0 / NULL). A projection
-// with a scale is int8 (`packed_gemm_i8`), one without is float32.
+// with a scale is int8: with int8 activations too when `int8_activations` (`packed_gemm_w8a8`), else
+// weight-only (`packed_gemm_i8`); one without a scale is float32.
 typedef struct {
     const float *input_norm, *post_norm;
     const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
     int64_t kv_offset;  // the layer's K rows = token rows + kv_offset
+    int64_t int8_activations;
 } DecoderLayer;
 
-static void gemm(const float *x, int64_t ldx, const void *w, const float *scale, const float *bias, float *y,
-                 int64_t ldy, int64_t M, int64_t N, int64_t K) {
+// Returns 0, or -2 when the w8a8 matmul found no memory for its quantized activations.
+static int gemm(const DecoderLayer *L, const float *x, int64_t ldx, const void *w, const float *scale,
+                const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    if (scale && L->int8_activations)
+        return packed_gemm_w8a8(x, ldx, (const int8_t *)w, scale, bias, y, ldy, M, N, K) ? -2 : 0;
     if (scale)
         packed_gemm_i8(x, ldx, (const int8_t *)w, scale, bias, y, ldy, M, N, K);
     else
         packed_gemm(x, ldx, (const float *)w, bias, y, ldy, M, N, K);
+    return 0;
 }
 
 // The shapes every layer shares, and this step's batch.
@@ -55,7 +63,7 @@ typedef struct {
 
 // h [T, hidden]: the embeddings in, the last layer's MLP output out. residual [T, hidden]: out only (the
 // running sum before the last layer's MLP), as the modules leave them for the final norm.
-// Returns 0, or the attention kernel's error.
+// Returns 0, the attention kernel's error, or -2 (no memory for a w8a8 matmul's activations).
 int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep *s, float *h, float *residual) {
     const int64_t T = s->tokens, E = s->hidden, D = s->head_dim, H = s->heads, K = s->kv_heads;
     const int64_t q_size = H * D, kv_size = K * D, qkv_w = q_size + 2 * kv_size, qk_w = q_size + kv_size;
@@ -67,17 +75,22 @@ int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep
         } else {
             add_rms_norm(h, E, residual, E, residual, L->input_norm, s->x, T, E, s->eps);
         }
-        gemm(s->x, E, L->qkv, L->qkv_scale, L->qkv_bias, s->qkv, qkv_w, T, qkv_w, E);
-        rotary_apply(s->qkv, qkv_w, s->cos, s->sin, s->qk, T, H + K, D);
-        const int rc = paged_decode_attention(s->qk, qk_w, s->pool, s->rows, s->lens, T, K, H / K, D, s->max_len,
-                                              L->kv_offset, s->v_offset, s->scale, s->attn, s->qk + q_size, qk_w,
-                                              s->qkv + qk_w, qkv_w, s->write_rows);
+        int rc = gemm(L, s->x, E, L->qkv, L->qkv_scale, L->qkv_bias, s->qkv, qkv_w, T, qkv_w, E);
         if (rc != 0) return rc;
-        gemm(s->attn, q_size, L->o, L->o_scale, L->o_bias, h, E, T, E, q_size);
+        rotary_apply(s->qkv, qkv_w, s->cos, s->sin, s->qk, T, H + K, D);
+        rc = paged_decode_attention(s->qk, qk_w, s->pool, s->rows, s->lens, T, K, H / K, D, s->max_len, L->kv_offset,
+                                    s->v_offset, s->scale, s->attn, s->qk + q_size, qk_w, s->qkv + qk_w, qkv_w,
+                                    s->write_rows);
+        if (rc != 0) return rc;
+        rc = gemm(L, s->attn, q_size, L->o, L->o_scale, L->o_bias, h, E, T, E, q_size);
+        if (rc != 0) return rc;
         add_rms_norm(h, E, residual, E, residual, L->post_norm, s->x, T, E, s->eps);
-        gemm(s->x, E, L->gate_up, L->gate_up_scale, L->gate_up_bias, s->gate_up, 2 * s->inter, T, 2 * s->inter, E);
+        rc = gemm(L, s->x, E, L->gate_up, L->gate_up_scale, L->gate_up_bias, s->gate_up, 2 * s->inter, T,
+                  2 * s->inter, E);
+        if (rc != 0) return rc;
         silu_and_mul(s->gate_up, 2 * s->inter, s->act, T, s->inter);
-        gemm(s->act, s->inter, L->down, L->down_scale, L->down_bias, h, E, T, E, s->inter);
+        rc = gemm(L, s->act, s->inter, L->down, L->down_scale, L->down_bias, h, E, T, E, s->inter);
+        if (rc != 0) return rc;
     }
     return 0;
 }

@@ -28,6 +28,13 @@ and accumulation stay float32 while a decode step, bound by memory bandwidth, st
 bytes. A tied lm_head is quantized too (the embedding keeps its float32 copy). It needs the native
 kernels; the checks against transformers stay on float32, and `pdserve bench quant` measures what
 int8 costs in perplexity and greedy agreement.
+
+Int8 weights and activations (`--quantization w8a8_int8`, SGLang's name): the weights are quantized as
+above but laid out in groups of k (`w8a8_panels`: g = 2 for AVX2's `madd_epi16`, 4 for AVX-512 VNNI's
+`dpbusd`), and each row of activations is quantized as it enters the matmul, per token and per block of
+64 input channels, so the products are exact int32 sums, scaled once per block (the same bits from either
+build; `gemm_w8a8.c`). The lm_head stays weight-only
+int8 (the path above): its activations remain float32, so the logits see no activation rounding.
 """
 
 from __future__ import annotations
@@ -44,16 +51,19 @@ from common.layers import native
 from common.memory.huge_pages import huge_zeros
 
 PANEL = 16  # output columns per panel of the native GEMM's weight layout
-QUANTIZATIONS = ("int8wo",)  # --torchao-config values
+QUANTIZATIONS = ("int8wo", "w8a8_int8")  # --torchao-config int8wo, --quantization w8a8_int8
+W8A8 = "w8a8_int8"
 
 
 @dataclass(frozen=True)
 class Panels:
     """A weight in the native GEMM's layout, `[ceil(out / 16), in, 16]`: float32, or int8 with one
-    float32 `scale` per output column (padded to whole panels)."""
+    float32 `scale` per output column (padded to whole panels); with `int8_activations`, int8 in groups
+    of k (`w8a8_panels`), for `gemm_w8a8.c`."""
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None
+    int8_activations: bool = False
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -72,9 +82,16 @@ def _packing(weight: torch.Tensor) -> str | None:
     return "onednn" if torch.backends.mkldnn.is_available() else None
 
 
-def panel_numel(weight: torch.Tensor) -> int:
+def panel_numel(weight: torch.Tensor, quantization: str | None = None) -> int:
     out, inp = weight.shape
+    if quantization == W8A8:
+        block = native.w8a8_layout()[1]
+        inp = -(-inp // block) * block
     return -(-out // PANEL) * PANEL * inp
+
+
+def _flag(quantization: str) -> str:
+    return f"--quantization {quantization}" if quantization == W8A8 else f"--torchao-config {quantization}"
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,30 +108,47 @@ def pack_weight(weight: torch.Tensor, into: torch.Tensor | None = None,
     `panel_numel(weight)` elements of the panels' dtype, when given; int8 with `quantization="int8wo"`),
     else oneDNN's blocked layout; None where the plain path is used (not fp32 on CPU, or
     `PDSERVE_PACKED_LINEAR=0`)."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"weight quantization {quantization!r} is not one of {QUANTIZATIONS}")
     how = _packing(weight)
     if quantization is not None and how != "panels":
-        raise ValueError(f"--torchao-config {quantization} needs the native kernels (AVX2 + FMA and a C compiler) "
+        raise ValueError(f"{_flag(quantization)} needs the native kernels (AVX2 + FMA and a C compiler) "
                          "and PDSERVE_PACKED_LINEAR unset")
     weight = weight.detach()
     if how == "panels":
         out, inp = weight.shape
         panels = -(-out // PANEL)
         scale = None
-        if quantization == "int8wo":
+        if quantization is not None:
             weight, row_scale = quantize_int8(weight)
             scale = torch.ones(panels * PANEL)
             scale[:out] = row_scale
-        elif quantization is not None:
-            raise ValueError(f"--torchao-config: {quantization!r} is not one of {QUANTIZATIONS}")
+        dst = torch.empty(panel_numel(weight, quantization), dtype=weight.dtype) if into is None else into
+        if quantization == W8A8:
+            return Panels(w8a8_panels(weight, native.w8a8_layout(), dst), scale, int8_activations=True)
         padded = weight.new_zeros(panels * PANEL, inp)
         padded[:out] = weight
-        dst = torch.empty(panel_numel(weight), dtype=weight.dtype) if into is None else into
         dst = dst.view(panels, inp, PANEL)
         dst.copy_(padded.view(panels, PANEL, inp).transpose(1, 2))
         return Panels(dst, scale)
     if how == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight)
     return None
+
+
+def w8a8_panels(q: torch.Tensor, layout: tuple[int, int], into: torch.Tensor | None = None) -> torch.Tensor:
+    """Int8 `[out, in]` as `[ceil(out / 16), in' / group, 16, group]` for `layout` = (group, block)
+    (`native.w8a8_layout()`): `group` steps of k of 16 columns per line, the input padded with zeros to
+    `in'`, whole blocks of the activation scales, as `gemm_w8a8.c` reads it."""
+    group, block = layout
+    out, inp = q.shape
+    panels, groups = -(-out // PANEL), -(-inp // block) * block // group
+    padded = q.new_zeros(panels * PANEL, groups * group)
+    padded[:out, :inp] = q
+    dst = torch.empty(padded.numel(), dtype=q.dtype) if into is None else into
+    dst = dst.view(panels, groups, PANEL, group)
+    dst.copy_(padded.view(panels, PANEL, groups, group).transpose(1, 2))
+    return dst
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
@@ -130,7 +164,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
 def _panel_linear(x: torch.Tensor, packed: Panels, out: int, bias: torch.Tensor | None) -> torch.Tensor:
     # called ~120 times per decode step: keep the Python side to the minimum
     w = packed.weight
-    inp = w.shape[1]
+    inp = x.shape[-1]
     rows = x if x.dim() == 2 else x.reshape(-1, inp)
     if rows.stride(1) != 1 or rows.dtype != torch.float32:
         rows = rows.to(torch.float32).contiguous()
@@ -139,6 +173,10 @@ def _panel_linear(x: torch.Tensor, packed: Panels, out: int, bias: torch.Tensor 
     if packed.scale is None:
         native.packed_gemm()(rows.data_ptr(), rows.stride(0), w.data_ptr(), b, y.data_ptr(), out, rows.shape[0], out,
                              inp)
+    elif packed.int8_activations:
+        if native.packed_gemm_w8a8()(rows.data_ptr(), rows.stride(0), w.data_ptr(), packed.scale.data_ptr(), b,
+                                     y.data_ptr(), out, rows.shape[0], out, inp):
+            raise MemoryError(f"w8a8 matmul: no memory for {rows.shape[0]} x {inp} quantized activations")
     else:
         native.packed_gemm_i8()(rows.data_ptr(), rows.stride(0), w.data_ptr(), packed.scale.data_ptr(), b,
                                 y.data_ptr(), out, rows.shape[0], out, inp)
@@ -171,24 +209,28 @@ class PackableLinear(nn.Module):
 
 def pack_linears(model: nn.Module, quantization: str | None = None) -> None:
     """Pack every linear layer of a loaded model, and a tied lm_head (kept plain for the embedding,
-    packed as `model.lm_head_packed`), as int8 with `quantization="int8wo"`. Panel-packed weights share
-    one huge-page allocation, in forward order, so a decode step streams them as one sequential run."""
+    packed as `model.lm_head_packed`), as int8 with `quantization` ("int8wo" or "w8a8_int8"; the lm_head
+    is weight-only int8 with either). Panel-packed weights share one huge-page allocation, in forward
+    order, so a decode step streams them as one sequential run."""
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"--torchao-config: {quantization!r} is not one of {QUANTIZATIONS}")
+        raise ValueError(f"weight quantization {quantization!r} is not one of {QUANTIZATIONS}")
     layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
-    tied = getattr(model, "lm_head", False) is None
+    head = getattr(model, "lm_head", False)
+    tied = head is None
+    head_quantization = "int8wo" if quantization else None
+    schemes = [head_quantization if m is head else quantization for m in layers] + ([head_quantization] if tied else [])
     weights = [m.weight for m in layers] + ([model.lm_head_weight] if tied else [])
-    sizes = [panel_numel(w) if _packing(w) == "panels" else 0 for w in weights]
-    dtype = torch.int8 if quantization == "int8wo" else torch.float32
+    sizes = [panel_numel(w, q) if _packing(w) == "panels" else 0 for w, q in zip(weights, schemes, strict=True)]
+    dtype = torch.int8 if quantization else torch.float32
     arena = huge_zeros(sum(sizes), dtype) if sum(sizes) else None
     views, offset = [], 0
     for n in sizes:
         views.append(arena[offset:offset + n] if n else None)
         offset += n
-    for m, into in zip(layers, views[:len(layers)], strict=True):
-        m.pack(into, quantization)
+    for m, into, q in zip(layers, views, schemes, strict=False):
+        m.pack(into, q)
     if tied:
-        model.lm_head_packed = pack_weight(model.lm_head_weight, views[-1], quantization)
+        model.lm_head_packed = pack_weight(model.lm_head_weight, views[-1], head_quantization)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

@@ -2,7 +2,7 @@
 
 `paged_decode_attention()` (`paged_attention.c`), `add_rms_norm()` (`rms_norm.c`),
 `rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`), `argmax_rows()` (`argmax.c`),
-`packed_gemm()` and `packed_gemm_i8()` (`gemm.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
+`packed_gemm()` and `packed_gemm_i8()` (`gemm.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
 a decode step of a whole Llama-family stack) return the loaded C function, or None when it cannot be
 used (no C compiler, a failed build, no AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers
 then take the torch paths, which compute the same thing. The GEMM reads each weight once per matmul
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 HEADERS = [Path(__file__).with_name("vec_math.h")]
 SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c",
-                                                 "activation.c", "argmax.c", "decoder_stack.c")]
+                                                 "gemm_w8a8.c", "activation.c", "argmax.c", "decoder_stack.c")]
 
 
 def _cpu_flags() -> set[str]:
@@ -56,6 +56,8 @@ def _compile_flags() -> list[str]:
         flags += ["-mavx2", "-mfma"]
         if "avx512f" in cpu:  # the GEMM's 16-column panels then fit one register (gemm.c)
             flags.append("-mavx512f")
+            if {"avx512bw", "avx512_vnni"} <= cpu:  # byte dot products for w8a8 (gemm_w8a8.c)
+                flags += ["-mavx512bw", "-mavx512vnni"]
     return flags
 
 
@@ -110,6 +112,9 @@ _SIGNATURES = {
     "packed_gemm": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], None),
     "packed_gemm_supported": ([], ctypes.c_int),
     "packed_gemm_i8": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], None),
+    "packed_gemm_w8a8": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
+    "packed_gemm_w8a8_group": ([], ctypes.c_int),
+    "packed_gemm_w8a8_block": ([], ctypes.c_int),
     "silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64], None),
     "argmax_rows": ([_PTR, _I64, _I64, _I64, _PTR], None),
     "decoder_stack": ([_PTR, _I64, _PTR, _PTR, _PTR], ctypes.c_int),
@@ -173,6 +178,19 @@ def packed_gemm():
 def packed_gemm_i8():
     """The panel GEMM over int8 weights with a float32 scale per output column (`--torchao-config int8wo`)."""
     return _kernel("packed_gemm_i8") if packed_gemm() is not None else None
+
+
+def packed_gemm_w8a8():
+    """Int8 weights times per-token int8 activations, summed in int32 (`--quantization w8a8_int8`)."""
+    return _kernel("packed_gemm_w8a8") if packed_gemm() is not None else None
+
+
+@functools.cache
+def w8a8_layout() -> tuple[int, int]:
+    """The w8a8 panels this build reads: (steps of k per weight group: 2 with AVX2, 4 with AVX-512 VNNI;
+    input channels per activation scale, to which K is padded)."""
+    lib = _library()
+    return (lib.packed_gemm_w8a8_group(), lib.packed_gemm_w8a8_block()) if lib is not None else (0, 0)
 
 
 if __name__ == "__main__":

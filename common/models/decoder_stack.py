@@ -8,7 +8,8 @@ loop would, for `final_logits`.
 
 A model qualifies when: the native kernels are built, one TP rank (no all-reduce between layers) and
 one pipeline stage, no
-per-head q/k norm, every projection panel-packed (`common/layers/linear.py`; float32 or int8 panels),
+per-head q/k norm, every projection panel-packed (`common/layers/linear.py`; float32 or int8 panels, the same kind
+throughout a layer),
 float32 norms, and the
 plain attention backend (not a sliding-window one). A batch qualifies when it is a decode batch on
 the native attention path (`TorchAttentionMetadata.rows`), or a speculative verify batch on it (each
@@ -37,7 +38,7 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 class _Layer(ctypes.Structure):
     _fields_ = ([(name, _P) for name in ("input_norm", "post_norm", *PROJECTIONS)]
                 + [(p + "_bias", _P) for p in PROJECTIONS] + [(p + "_scale", _P) for p in PROJECTIONS]
-                + [("kv_offset", _I64)])
+                + [("kv_offset", _I64), ("int8_activations", _I64)])
 
 
 class _Step(ctypes.Structure):
@@ -73,7 +74,7 @@ class DecoderStack:
             self.layers[i] = _Layer(
                 _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
                 *(_ptr(p.packed.weight) for p in projs), *(_ptr(p.bias) for p in projs),
-                *(_ptr(p.packed.scale) for p in projs), 0)
+                *(_ptr(p.packed.scale) for p in projs), 0, int(a.qkv_proj.packed.int8_activations))
 
     @classmethod
     def for_model(cls, model) -> DecoderStack | None:
@@ -89,6 +90,8 @@ class DecoderStack:
             projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj)
             if any(not isinstance(p.packed, Panels) for p in projections):
+                return None
+            if len({(p.packed.scale is None, p.packed.int8_activations) for p in projections}) != 1:
                 return None
             if any(n.weight.dtype != torch.float32 for n in (layer.input_layernorm, layer.post_attention_layernorm)):
                 return None

@@ -91,7 +91,7 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
                pp_size: int = 1, draft_layers: bool = False) -> tuple[torch.nn.Module, ModelConfig]:
     """Build the model for `config.json["architectures"][0]` (pipeline stage `pp_rank` of `pp_size`: its
     layers only) and fill it from the safetensors; its linear weights packed (`common/layers/linear.py`),
-    as int8 with `quantization="int8wo"`. `draft_layers`: the checkpoint's `mtp.*` draft layers too
+    as int8 with `quantization` ("int8wo" weight-only, "w8a8_int8" with int8 activations). `draft_layers`: the checkpoint's `mtp.*` draft layers too
     (common/models/mtp.py), for EAGLE / MTP speculation."""
     config = ModelConfig.from_pretrained(model_dir)
     cls = get_model_class(config.architecture)

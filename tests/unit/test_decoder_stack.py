@@ -33,6 +33,7 @@ def decode_logits(model, cfg, prompts: list[list[int]], steps: int) -> list[torc
     ("llama", {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
      None),
     ("qwen2", {"tie_word_embeddings": True}, "int8wo"),  # int8 panels, a quantized tied lm_head
+    ("llama", {"mlp_bias": True}, "w8a8_int8"),  # int8 activations too
 ])
 def test_stack_matches_the_layer_modules(make_tiny_model, arch, overrides, quantization):
     model, cfg = load_model(make_tiny_model(arch, **overrides), quantization=quantization)

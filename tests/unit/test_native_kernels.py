@@ -145,12 +145,73 @@ def test_int8_panel_gemm_matches_the_dequantized_weight(rows, out_features, in_f
         assert torch.equal(linear(x[-1:], weight, packed, b), out[-1:])  # batch-invariant
 
 
+def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias, block: int):
+    """What `gemm_w8a8.c` computes, in float64: each row quantized per token and per block of input
+    channels (scale max|x| / 127 over the block), exact integer products per block, then the scales and
+    the bias. Also the error one activation rounded the other way at a tie may add."""
+    rows, k = x.shape
+    kp = -(-k // block) * block
+    xb = torch.nn.functional.pad(x, (0, kp - k)).view(rows, kp // block, block)
+    qb = torch.nn.functional.pad(q, (0, kp - k)).view(q.shape[0], kp // block, block).double()
+    amax = xb.abs().amax(dim=2, keepdim=True)
+    xq = torch.where(amax > 0, torch.round(xb * (127 / amax.clamp_min(1e-30))), torch.zeros_like(xb))
+    sums = torch.einsum("mbk,nbk->mbn", xq.double(), qb)
+    ref = (sums * (amax.double() / 127)).sum(1) * scale.double() + (0 if bias is None else bias.double())
+    return ref, (amax.double() / 127).amax(1) * scale.double() * 127
+
+
+@pytest.mark.parametrize("out_features,in_features", [(1, 8), (17, 37), (100, 576), (3072, 64), (40, 150)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 7, 16, 33])
+def test_w8a8_gemm_sums_int8_products_exactly(rows, out_features, in_features):
+    """`--quantization w8a8_int8`: int8 weights in groups of k times int8 activations with a scale per
+    token and block of input channels, summed in int32 and scaled once per block (every tile height,
+    panels that end inside, K inside one block, across several and ending inside one, bias or not, a
+    strided activation): equal to the integer products of the quantized operands, within int8's rounding
+    of the float32 product, and the same bits for a row whatever the batch."""
+    from common.layers.linear import PANEL, linear, pack_weight, quantize_int8
+
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + 2)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    packed = pack_weight(weight, quantization="w8a8_int8")
+    group, block = native.w8a8_layout()
+    panels, groups = -(-out_features // PANEL), -(-in_features // block) * block // group
+    assert packed.int8_activations and packed.weight.dtype == torch.int8
+    assert packed.weight.shape == (panels, groups, PANEL, group)
+    q, scale = quantize_int8(weight)
+    assert torch.equal(packed.weight[0, 0, :min(PANEL, out_features), 0], q[:PANEL, 0])
+    wide = torch.randn(rows, in_features + 9, generator=g)
+    x = wide[:, 3:3 + in_features]
+    for b in (None, bias):
+        out = linear(x, weight, packed, b)
+        assert out.shape == (rows, out_features)
+        if not rows:
+            continue
+        ref, step = w8a8_reference(x, q, scale, b, block)
+        # the kernel's reciprocals may round an activation at a tie the other way: one step of one product
+        assert ((out.double() - ref).abs() <= 1e-5 * ref.abs() + step + 1e-6).all()
+        exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+        assert (out.double() - exact).abs().max().item() < 0.1 * in_features ** 0.5
+        assert torch.equal(linear(x[-1:], weight, packed, b), out[-1:])  # batch-invariant
+
+
+def test_w8a8_gemm_keeps_a_non_finite_row_to_itself():
+    from common.layers.linear import linear, pack_weight
+
+    weight, x = torch.randn(40, 24), torch.randn(3, 24)
+    x[1, 5], x[2, 7] = float("nan"), float("inf")
+    out = linear(x, weight, pack_weight(weight, quantization="w8a8_int8"))
+    assert out[0].isfinite().all() and out[1:].isnan().all()
+
+
 def test_int8_needs_the_panels(monkeypatch):
     from common.layers.linear import pack_weight
 
     monkeypatch.setenv("PDSERVE_PACKED_LINEAR", "onednn")
     with pytest.raises(ValueError, match="int8wo needs the native kernels"):
         pack_weight(torch.randn(8, 8), quantization="int8wo")
+    with pytest.raises(ValueError, match="--quantization w8a8_int8 needs the native kernels"):
+        pack_weight(torch.randn(8, 8), quantization="w8a8_int8")
     monkeypatch.delenv("PDSERVE_PACKED_LINEAR")
     with pytest.raises(ValueError, match="int4wo"):
         pack_weight(torch.randn(8, 8), quantization="int4wo")
@@ -233,10 +294,11 @@ def test_argmax_matches_torch():
 def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
     """Where the CPU has AVX-512 the GEMM tile is 16 columns wide in one register (gemm.c); each output
     still gets the same fused multiply-adds in the same order as the AVX2 tile, so a prefill node and a
-    decode node on different CPUs agree. Built here both ways and compared bit for bit."""
+    decode node on different CPUs agree. The w8a8 GEMM sums exact integers either way (VNNI's byte dot
+    products or AVX2's int16 pairs, gemm_w8a8.c). Built here both ways and compared bit for bit."""
     import ctypes
 
-    from common.layers.linear import pack_weight
+    from common.layers.linear import pack_weight, quantize_int8, w8a8_panels
 
     if "avx512f" not in native._cpu_flags() or native.packed_gemm() is None:
         pytest.skip("this CPU has no AVX-512: only the AVX2 build exists here")
@@ -245,19 +307,25 @@ def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     avx2 = ctypes.CDLL(str(native.build()))
     default = native._library()
+    assert avx2.packed_gemm_w8a8_group() == 2
+    assert default.packed_gemm_w8a8_group() == (4 if {"avx512bw", "avx512_vnni"} <= flags else 2)
     g = torch.Generator().manual_seed(11)
     for rows, out, inp in ((1, 100, 576), (16, 1536, 64), (37, 49, 200)):
         w, b, x = torch.randn(out, inp, generator=g), torch.randn(out, generator=g), torch.randn(rows, inp, generator=g)
-        for quant in (None, "int8wo"):
+        for quant in (None, "int8wo", "w8a8_int8"):
             p = pack_weight(w, quantization=quant)
             ys = []
             for lib in (avx2, default):
                 y = torch.empty(rows, out)
-                args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(inp), ctypes.c_void_p(p.weight.data_ptr())]
+                weight = p.weight
+                if quant == "w8a8_int8":  # each build reads its own grouping of k (AVX2 2, VNNI 4)
+                    layout = (lib.packed_gemm_w8a8_group(), lib.packed_gemm_w8a8_block())
+                    weight = w8a8_panels(quantize_int8(w)[0], layout)
+                args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(inp), ctypes.c_void_p(weight.data_ptr())]
                 if quant:
                     args.append(ctypes.c_void_p(p.scale.data_ptr()))
                 args += [ctypes.c_void_p(b.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(out),
                          ctypes.c_int64(rows), ctypes.c_int64(out), ctypes.c_int64(inp)]
-                (lib.packed_gemm_i8 if quant else lib.packed_gemm)(*args)
+                {None: lib.packed_gemm, "int8wo": lib.packed_gemm_i8, "w8a8_int8": lib.packed_gemm_w8a8}[quant](*args)
                 ys.append(y)
             assert torch.equal(ys[0], ys[1]), (rows, out, inp, quant)

@@ -1,5 +1,6 @@
-"""Int8 weights (`--torchao-config int8wo`, common/layers/linear.py): what is quantized, how close the
-model stays to float32, a scheduler serving with them, the flag's checks, and `pdserve bench quant`."""
+"""Int8 weights (`--torchao-config int8wo`) and int8 weights with int8 activations (`--quantization
+w8a8_int8`), common/layers/linear.py: what is quantized, how close the model stays to float32, a scheduler
+serving with them, the flags' checks, and `pdserve bench quant`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from bench import quant
-from common.config import ServerArgs
+from common.config import ConfigError, ServerArgs
 from common.layers.linear import Panels
 from common.models.loader import load_model
 from tests.model_harness import (
@@ -27,14 +28,18 @@ def prefill_logits(model, cfg, prompt: list[int]) -> torch.Tensor:
     return model(fb)
 
 
-def test_int8_model_quantizes_every_projection_and_the_tied_lm_head(make_tiny_model):
-    path = make_tiny_model("llama", tie_word_embeddings=True)
+@pytest.mark.parametrize("quantization,tied", [("int8wo", True), ("w8a8_int8", True), ("w8a8_int8", False)])
+def test_int8_model_quantizes_every_projection_and_the_lm_head(make_tiny_model, quantization, tied):
+    path = make_tiny_model("llama", tie_word_embeddings=tied)
     ref, cfg = load_model(path)
-    q8, _ = load_model(path, quantization="int8wo")
-    projections = [m for m in q8.modules() if getattr(m, "packed", None) is not None]
+    q8, _ = load_model(path, quantization=quantization)
+    head = q8.lm_head_packed if tied else q8.lm_head.packed
+    projections = [m for m in q8.modules() if getattr(m, "packed", None) is not None and m is not q8.lm_head]
     assert projections and all(isinstance(m.packed, Panels) and m.packed.weight.dtype == torch.int8
                                for m in projections)
-    assert q8.lm_head_packed.weight.dtype == torch.int8 and q8.lm_head_packed.scale is not None
+    assert all(m.packed.int8_activations == (quantization == "w8a8_int8") for m in projections)
+    # the lm_head is weight-only int8 with either scheme: the logits see float32 activations
+    assert head.weight.dtype == torch.int8 and head.scale is not None and not head.int8_activations
     assert q8.model.embed_tokens.weight.dtype == torch.float32  # the embedding keeps its float32 copy
     assert torch.equal(q8.model.embed_tokens.weight, ref.model.embed_tokens.weight)
     prompt = list(range(3, 40))
@@ -45,10 +50,12 @@ def test_int8_model_quantizes_every_projection_and_the_tied_lm_head(make_tiny_mo
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.8
 
 
-def test_a_scheduler_serves_with_int8_weights(tiny_model_dir):
-    eng = Engine(tiny_model_dir, torchao_config="int8wo")
+@pytest.mark.parametrize("flags", [{"torchao_config": "int8wo"}, {"quantization": "w8a8_int8"}])
+def test_a_scheduler_serves_with_int8_weights(tiny_model_dir, flags):
+    eng = Engine(tiny_model_dir, **flags)
     vocab = eng.sched.runner.vocab_size
-    assert isinstance(eng.sched.runner.model.model.layers[0].mlp.down_proj.packed, Panels)
+    packed = eng.sched.runner.model.model.layers[0].mlp.down_proj.packed
+    assert isinstance(packed, Panels) and packed.int8_activations == ("quantization" in flags)
     for i, n in enumerate((5, 19, 33)):
         eng.submit(f"r{i}", [(7 * j + i) % vocab for j in range(n)], max_new=9)
     out = eng.run()
@@ -63,6 +70,15 @@ def test_the_flag_names_what_it_accepts():
     assert parser.parse_args([]).torchao_config == ""
     with pytest.raises(SystemExit):
         parser.parse_args(["--torchao-config", "int4wo-128"])  # argparse names the flag and its choices
+    assert parser.parse_args(["--quantization", "w8a8_int8"]).quantization == "w8a8_int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "fp8"])
+    both = ServerArgs(model="default", quantization="w8a8_int8", torchao_config="int8wo")
+    with pytest.raises(ConfigError, match="--quantization: w8a8_int8 quantizes the weights itself"):
+        both.validate()
+    assert ServerArgs(model="default", quantization="w8a8_int8").weight_quantization == "w8a8_int8"
+    assert ServerArgs(model="default", torchao_config="int8wo").weight_quantization == "int8wo"
+    assert ServerArgs(model="default").weight_quantization is None
 
 
 def test_bench_quant_runs_and_reports_quality_and_speed(tiny_model_dir, tmp_path):
@@ -71,9 +87,11 @@ def test_bench_quant_runs_and_reports_quality_and_speed(tiny_model_dir, tmp_path
                        "--greedy-tokens", "5", "--decode-steps", "2", "--repeats", "1", "--threads", "1",
                        "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report["ratios"]) == {"int8_ppl", "int8_greedy_agreement", "int8_decode_b1", "int8_decode_b16",
-                                     "int8_prefill_512"}
+    assert set(report["ratios"]) == {f"{p}_{k}" for p in ("int8", "w8a8") for k in (
+        "ppl", "greedy_agreement", "decode_b1", "decode_b16", "prefill_512")}
     f = report["figures"]
-    assert f["ppl_tokens"] == 96 and f["int8wo"]["weight_mib"] < f["float32"]["weight_mib"] / 2
-    assert 0 < report["ratios"]["int8_ppl"] and 0 <= report["ratios"]["int8_greedy_agreement"] <= 1
+    assert f["ppl_tokens"] == 96 and f["greedy_identical"].keys() == {"int8wo", "w8a8_int8"}
+    for scheme, key in (("int8wo", "int8"), ("w8a8_int8", "w8a8")):
+        assert f[scheme]["weight_mib"] < f["float32"]["weight_mib"] / 2
+        assert 0 < report["ratios"][f"{key}_ppl"] and 0 <= report["ratios"][f"{key}_greedy_agreement"] <= 1
     assert quant.agreement([[1, 2, 3], [4, 5, 6]], [[1, 9, 3], [4, 5, 6]]) == (4 / 6, 1)
