@@ -7,10 +7,10 @@
 #include <stdint.h>
 #include <string.h>
 
-void packed_gemm(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy, int64_t M,
-                 int64_t N, int64_t K);
-void packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
-                    int64_t ldy, int64_t M, int64_t N, int64_t K);
+int packed_gemm(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy, int64_t M,
+                int64_t N, int64_t K);
+int packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
+                   int64_t ldy, int64_t M, int64_t N, int64_t K);
 int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
                      int64_t ldy, int64_t M, int64_t N, int64_t K);
 void add_rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t res_stride, float *res_out,
@@ -35,16 +35,17 @@ typedef struct {
     int64_t int8_activations;
 } DecoderLayer;
 
-// Returns 0, or -2 when the w8a8 matmul found no memory for its quantized activations.
+// Returns 0, or -2 when the matmul found no memory for its packed or quantized activations.
 static int gemm(const DecoderLayer *L, const float *x, int64_t ldx, const void *w, const float *scale,
                 const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    int rc;
     if (scale && L->int8_activations)
-        return packed_gemm_w8a8(x, ldx, (const int8_t *)w, scale, bias, y, ldy, M, N, K) ? -2 : 0;
-    if (scale)
-        packed_gemm_i8(x, ldx, (const int8_t *)w, scale, bias, y, ldy, M, N, K);
+        rc = packed_gemm_w8a8(x, ldx, (const int8_t *)w, scale, bias, y, ldy, M, N, K);
+    else if (scale)
+        rc = packed_gemm_i8(x, ldx, (const int8_t *)w, scale, bias, y, ldy, M, N, K);
     else
-        packed_gemm(x, ldx, (const float *)w, bias, y, ldy, M, N, K);
-    return 0;
+        rc = packed_gemm(x, ldx, (const float *)w, bias, y, ldy, M, N, K);
+    return rc ? -2 : 0;
 }
 
 // The shapes every layer shares, and this step's batch.
@@ -63,7 +64,7 @@ typedef struct {
 
 // h [T, hidden]: the embeddings in, the last layer's MLP output out. residual [T, hidden]: out only (the
 // running sum before the last layer's MLP), as the modules leave them for the final norm.
-// Returns 0, the attention kernel's error, or -2 (no memory for a w8a8 matmul's activations).
+// Returns 0, the attention kernel's error, or -2 (no memory for a matmul's activations).
 int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep *s, float *h, float *residual) {
     const int64_t T = s->tokens, E = s->hidden, D = s->head_dim, H = s->heads, K = s->kv_heads;
     const int64_t q_size = H * D, kv_size = K * D, qkv_w = q_size + 2 * kv_size, qk_w = q_size + kv_size;

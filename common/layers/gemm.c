@@ -5,7 +5,12 @@
 // y[M, N] = x[M, K] @ W^T (+ bias), W given as panels: panel p holds output columns 16p..16p+15 as
 // [K][16] weights (columns past N are zero). One thread owns a run of panels; for each panel a register
 // tile of 6 rows x 16 columns walks the whole K, one row block after another, so each weight is read
-// from memory once and every later row block finds the panel in L2. With more than one row block
+// from memory once and every later row block finds the panel in L2. The rows of x are first copied
+// k-major per row block (`pack_rows`), so a tile's broadcasts sit at fixed offsets from one pointer:
+// read in place, each row needed its own address register, more than x86 has for a 12-row tile, and
+// the spills left 512-row matmuls of SmolLM2's shapes 10-45 % slower. The copy goes to a per-thread
+// buffer that grows to the largest x seen (3 MiB for a 512-token chunk of SmolLM2's MLP); a single row
+// is read in place. With more than one row block
 // (decode batches above 6), the first block alone would wait on DRAM while the others only compute, so
 // each block also prefetches its share of the next panel into L2: the weight stream then overlaps all
 // the arithmetic (batch 16, weights from DRAM: ~15-20% faster). Each output sums over k in order, in
@@ -18,6 +23,7 @@
 // height, so a row gets the same bits in any batch. (At larger batches the widening costs what the
 // smaller weight saves: float32 compute is the bound there, not bytes.)
 #include <stdint.h>
+#include <stdlib.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -62,7 +68,7 @@ int packed_gemm_supported(void) { return 1; }
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 #define DECLARE(i) __m512 c##i = acc;
 #define FMA(i)                                                                      \
-    if (MR > i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(x[(i) * ldx + k]), b, c##i);
+    if (MR > i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(x[k * MR + (i)]), b, c##i);
 #define STEP                                                                        \
     {                                                                               \
         const __m512 b = _mm512_loadu_ps(w + k * NR);                              \
@@ -78,7 +84,7 @@ int packed_gemm_supported(void) { return 1; }
     if (MR > i) _mm512_mask_storeu_ps(y + (i) * ldy, m, Q ? _mm512_fmadd_ps(c##i, s, init) : c##i);
 
 static inline __attribute__((always_inline)) void tile(const int MR, const int Q, int64_t K, const float *x,
-                                                       int64_t ldx, const void *wv, const float *scale,
+                                                       const void *wv, const float *scale,
                                                        const float *bias, float *y, int64_t ldy, int nv,
                                                        const char *pf, int64_t every) {
     const float *w = (const float *)wv;
@@ -110,7 +116,7 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int Q
 #define DECLARE(i) __m256 c##i##a = acc0, c##i##b = acc1;
 #define FMA(i)                                                         \
     if (MR > i) {                                                      \
-        const __m256 a = _mm256_broadcast_ss(x + (i) * ldx + k);        \
+        const __m256 a = _mm256_broadcast_ss(x + k * MR + (i));          \
         c##i##a = _mm256_fmadd_ps(a, b0, c##i##a);                     \
         c##i##b = _mm256_fmadd_ps(a, b1, c##i##b);                     \
     }
@@ -136,7 +142,7 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int Q
 // One MR x 16 tile over the whole K (Q: int8 weights with `scale`, else float32); `nv` of the 16
 // columns are stored. Every `every` steps the next line at `pf` (if not NULL) is prefetched.
 static inline __attribute__((always_inline)) void tile(const int MR, const int Q, int64_t K, const float *x,
-                                                       int64_t ldx, const void *wv, const float *scale,
+                                                       const void *wv, const float *scale,
                                                        const float *bias, float *y, int64_t ldy, int nv,
                                                        const char *pf, int64_t every) {
     const float *w = (const float *)wv;
@@ -160,19 +166,50 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int Q
 
 #endif  // __AVX512F__
 
-static void tile_rows(int mr, int q, int64_t K, const float *x, int64_t ldx, const void *w, const float *scale,
+static void tile_rows(int mr, int q, int64_t K, const float *x, const void *w, const float *scale,
                       const float *bias, float *y, int64_t ldy, int nv, const char *pf, int64_t every) {
     if (q) {
-        BY_HEIGHT(mr, 1, K, x, ldx, w, scale, bias, y, ldy, nv, pf, every)
+        BY_HEIGHT(mr, 1, K, x, w, scale, bias, y, ldy, nv, pf, every)
     } else {
-        BY_HEIGHT(mr, 0, K, x, ldx, w, scale, bias, y, ldy, nv, pf, every)
+        BY_HEIGHT(mr, 0, K, x, w, scale, bias, y, ldy, nv, pf, every)
     }
+}
+
+// The rows of x as the tiles read them: each block of MR_MAX rows (the last one's height mr) k-major,
+// [K][mr] at xp + m * K, so a tile's broadcasts sit at fixed offsets from one pointer walking k. In a
+// per-thread buffer that grows to the largest x seen (one row is its own layout: no copy). NULL when
+// the buffer cannot grow.
+static const float *pack_rows(const float *x, int64_t ldx, int64_t M, int64_t K) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (M == 1)
+        return x;
+    const size_t need = (size_t)(M * K);
+    if (need > cap) {
+        float *grown = realloc(buf, need * sizeof(float));
+        if (!grown)
+            return 0;
+        buf = grown;
+        cap = need;
+    }
+    float *out = buf;
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+        const int64_t mr = M - m0 < MR_MAX ? M - m0 : MR_MAX;
+        float *dst = out + m0 * K;
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t i = 0; i < mr; i++)
+                dst[k * mr + i] = x[(m0 + i) * ldx + k];
+    }
+    return out;
 }
 
 // x rows at x + m * ldx, y rows at y + m * ldy; bias may be NULL; q: int8 weights (scale: one float per
 // output column, padded to whole panels), else float32.
-static void gemm_panels(int q, const float *x, int64_t ldx, const void *w, const float *scale, const float *bias,
-                        float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+static int gemm_panels(int q, const float *x, int64_t ldx, const void *w, const float *scale, const float *bias,
+                       float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    if (M <= 0 || N <= 0)
+        return 0;
     const int64_t panels = (N + NR - 1) / NR;
     const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
     const int64_t panel_bytes = K * NR * (q ? 1 : 4);
@@ -180,6 +217,9 @@ static void gemm_panels(int q, const float *x, int64_t ldx, const void *w, const
     // block j prefetches lines [j lines / blocks, (j + 1) lines / blocks) of the next panel, one every
     // `every` of its K steps: the whole next panel is requested evenly over this one's compute
     const int64_t every = blocks > 1 ? (K * blocks + lines - 1) / lines : 1;
+    const float *xp = pack_rows(x, ldx, M, K);
+    if (!xp)
+        return -1;
 #pragma omp parallel for schedule(static) if (M * N * K >= 32768)
     for (int64_t p = 0; p < panels; p++) {
         const int nv = N - p * NR < NR ? (int)(N - p * NR) : NR;
@@ -190,27 +230,33 @@ static void gemm_panels(int q, const float *x, int64_t ldx, const void *w, const
             const int64_t m = j * MR_MAX;
             const int mr = M - m < MR_MAX ? (int)(M - m) : MR_MAX;
             const char *pf = blocks > 1 && p + 1 < panels ? wp + panel_bytes + (lines * j / blocks) * 64 : 0;
-            tile_rows(mr, q, K, x + m * ldx, ldx, wp, s, b, y + m * ldy + p * NR, ldy, nv, pf, every);
+            tile_rows(mr, q, K, xp + m * K, wp, s, b, y + m * ldy + p * NR, ldy, nv, pf, every);
         }
     }
+    return 0;
 }
 
-void packed_gemm(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy, int64_t M,
-                 int64_t N, int64_t K) {
-    gemm_panels(0, x, ldx, w, 0, bias, y, ldy, M, N, K);
+// Both return 0, or -1 when the buffer of packed rows cannot grow (y is then not written).
+int packed_gemm(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy, int64_t M,
+                int64_t N, int64_t K) {
+    return gemm_panels(0, x, ldx, w, 0, bias, y, ldy, M, N, K);
 }
 
-void packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
-                    int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    gemm_panels(1, x, ldx, wq, scale, bias, y, ldy, M, N, K);
+int packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
+                   int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    return gemm_panels(1, x, ldx, wq, scale, bias, y, ldy, M, N, K);
 }
 
 #else
 // Without AVX2 + FMA the caller keeps oneDNN's packed weights (or F.linear) instead.
 int packed_gemm_supported(void) { return 0; }
 
-void packed_gemm(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy, int64_t M,
-                 int64_t N, int64_t K) {}
-void packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
-                    int64_t ldy, int64_t M, int64_t N, int64_t K) {}
+int packed_gemm(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy, int64_t M,
+                int64_t N, int64_t K) {
+    return -1;
+}
+int packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
+                   int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    return -1;
+}
 #endif

@@ -85,6 +85,14 @@ static inline int32_t load_group(const ACT *p) {  // GROUP activations (4 bytes)
     return v;
 }
 
+// Every `every` steps of the walk over k, the next line at `pf` (if not NULL) is prefetched.
+#define PREFETCH_STEP                   \
+    if (pf && --cnt == 0) {             \
+        _mm_prefetch(pf, _MM_HINT_T1);  \
+        pf += 64;                       \
+        cnt = every;                    \
+    }
+
 // Every tile keeps its running float32 sums over the blocks in `acc` (MR x 16, in L1), folds each
 // block's integer sums into it (FOLD), and stores acc * ws + bias (STORE).
 #if VNNI
@@ -121,11 +129,7 @@ static inline __attribute__((always_inline)) void tile(const int MR, int64_t KP,
             const __m512i w8 = _mm512_loadu_si512((const void *)(w + j * GROUP * NR));
             comp = _mm512_dpbusd_epi32(comp, zero_point, w8);
             ROWS(DOT)
-            if (pf && --cnt == 0) {
-                _mm_prefetch(pf, _MM_HINT_T1);
-                pf += 64;
-                cnt = every;
-            }
+            PREFETCH_STEP
         }
         ROWS(FOLD)
     }
@@ -188,11 +192,7 @@ static inline __attribute__((always_inline)) void tile(const int MR, int64_t KP,
             const __m256i b0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
             const __m256i b1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
             ROWS(DOT)
-            if (pf && --cnt == 0) {
-                _mm_prefetch(pf, _MM_HINT_T1);
-                pf += 64;
-                cnt = every;
-            }
+            PREFETCH_STEP
         }
         ROWS(FOLD)
     }

@@ -171,15 +171,14 @@ def _panel_linear(x: torch.Tensor, packed: Panels, out: int, bias: torch.Tensor 
     y = torch.empty(rows.shape[0], out)
     b = None if bias is None else bias.data_ptr()
     if packed.scale is None:
-        native.packed_gemm()(rows.data_ptr(), rows.stride(0), w.data_ptr(), b, y.data_ptr(), out, rows.shape[0], out,
-                             inp)
-    elif packed.int8_activations:
-        if native.packed_gemm_w8a8()(rows.data_ptr(), rows.stride(0), w.data_ptr(), packed.scale.data_ptr(), b,
-                                     y.data_ptr(), out, rows.shape[0], out, inp):
-            raise MemoryError(f"w8a8 matmul: no memory for {rows.shape[0]} x {inp} quantized activations")
+        rc = native.packed_gemm()(rows.data_ptr(), rows.stride(0), w.data_ptr(), b, y.data_ptr(), out, rows.shape[0],
+                                  out, inp)
     else:
-        native.packed_gemm_i8()(rows.data_ptr(), rows.stride(0), w.data_ptr(), packed.scale.data_ptr(), b,
-                                y.data_ptr(), out, rows.shape[0], out, inp)
+        gemm = native.packed_gemm_w8a8() if packed.int8_activations else native.packed_gemm_i8()
+        rc = gemm(rows.data_ptr(), rows.stride(0), w.data_ptr(), packed.scale.data_ptr(), b, y.data_ptr(), out,
+                  rows.shape[0], out, inp)
+    if rc:
+        raise MemoryError(f"panel matmul: no memory for {rows.shape[0]} x {inp} packed activations")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
 
 

@@ -112,6 +112,17 @@ def test_panel_gemm_matches_float64(rows, out_features, in_features):
             assert (out.double() - ref).abs().max().item() < 1e-5 * in_features ** 0.5 * 4
 
 
+def strided_outputs(rows: int, weight, packed, bias, g):
+    """A strided activation (rows inside a wider tensor), and `linear`'s output without and with the bias."""
+    from common.layers.linear import linear
+
+    x = torch.randn(rows, weight.shape[1] + 9, generator=g)[:, 3:3 + weight.shape[1]]
+    for b in (None, bias):
+        out = linear(x, weight, packed, b)
+        assert out.shape == (rows, weight.shape[0])
+        yield x, b, out
+
+
 @pytest.mark.parametrize("out_features,in_features", [(1, 8), (17, 37), (100, 576), (3072, 64)])
 @pytest.mark.parametrize("rows", [0, 1, 5, 7, 16, 33])
 def test_int8_panel_gemm_matches_the_dequantized_weight(rows, out_features, in_features):
@@ -130,11 +141,7 @@ def test_int8_panel_gemm_matches_the_dequantized_weight(rows, out_features, in_f
     assert packed.scale.shape == (panels * PANEL,)
     q, scale = quantize_int8(weight)
     assert q.abs().max() <= 127 and torch.allclose(q.float() * scale[:, None], weight, atol=scale.max().item() / 2 + 1e-7)
-    wide = torch.randn(rows, in_features + 9, generator=g)
-    x = wide[:, 3:3 + in_features]
-    for b in (None, bias):
-        out = linear(x, weight, packed, b)
-        assert out.shape == (rows, out_features)
+    for x, b, out in strided_outputs(rows, weight, packed, bias, g):
         if not rows:
             continue
         deq = x.double() @ (q.double() * scale.double()[:, None]).T + (0 if b is None else b.double())
@@ -180,11 +187,7 @@ def test_w8a8_gemm_sums_int8_products_exactly(rows, out_features, in_features):
     assert packed.weight.shape == (panels, groups, PANEL, group)
     q, scale = quantize_int8(weight)
     assert torch.equal(packed.weight[0, 0, :min(PANEL, out_features), 0], q[:PANEL, 0])
-    wide = torch.randn(rows, in_features + 9, generator=g)
-    x = wide[:, 3:3 + in_features]
-    for b in (None, bias):
-        out = linear(x, weight, packed, b)
-        assert out.shape == (rows, out_features)
+    for x, b, out in strided_outputs(rows, weight, packed, bias, g):
         if not rows:
             continue
         ref, step = w8a8_reference(x, q, scale, b, block)
