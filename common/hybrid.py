@@ -15,6 +15,9 @@
   Prefix caching is off for them: a cached KV prefix does not give back the recurrent state at the
   end of that prefix (the state is a running summary of every earlier token, kept only for the
   position the request reached), so a radix hit would have to recompute the prefix anyway.
+  Speculative decoding (NGRAM) rolls the state back as it rolls back KV slots: a verify forward
+  advances a copy of each request's state token by token and records it after each token; once the
+  scheduler knows how many tokens it kept, `keep_verified` writes the state after the last of them.
 * Sliding-window models where every layer is windowed (`model.kv_window()`) only ever read the KV of
   a request's last `window` tokens: `state_type` "swa", and a prefill node sends (a decode node
   receives) only the pages from `first_window_page` on. Their pages stay allocated for the whole
@@ -80,6 +83,25 @@ class HybridSupport:
         if self.spec is None:
             return None
         return req_pool.state_indices(fb.req_pool_indices)
+
+    def keep_verified(self, fb: ForwardBatch, kept: list[int]) -> None:
+        """After a speculative verify forward: request i's state becomes the one after its first
+        `kept[i]` tokens (its last token and the confirmed drafts; the verify forward left the slot
+        as it was and recorded the state after each token). kept 0 (a request already finished)
+        leaves the slot alone."""
+        steps = fb.extras.pop("verify_states", None)
+        if self.state_pool is None or steps is None:
+            return
+        rows = [i for i, n in enumerate(kept) if n > 0]
+        if not rows:
+            return
+        idx = torch.tensor(rows, dtype=torch.int64)
+        at = torch.tensor([kept[i] - 1 for i in rows], dtype=torch.int64)
+        slots = fb.state_indices[idx]
+        for layer_id, (conv, rec) in steps.items():
+            conv_buf, rec_buf = self.state_pool.conv(layer_id), self.state_pool.recurrent(layer_id)
+            conv_buf[slots] = conv[idx, at].reshape(len(rows), *conv_buf.shape[1:]).to(conv_buf.dtype)
+            rec_buf[slots] = rec[idx, at].to(rec_buf.dtype)
 
     def state_buffers(self) -> list[torch.Tensor]:
         """The state pool's tensors (`[slots, leading_dim, ...]`, one item per slot), empty without one."""

@@ -267,6 +267,43 @@ class GatedDeltaNet(nn.Module):
         v = y[..., 2 * dk:].reshape(*lead, self.local_v, self.dv)
         return q, k, v
 
+    def _step(self, prev: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token per sequence: the conv window `prev` ([B, C, K - 1]) and recurrent `state` advanced
+        over `mixed` ([B, C]); returns the output [B, heads, dv], the new window and the new state."""
+        window = torch.cat([prev, mixed.unsqueeze(-1)], dim=-1)  # [B, C, K]
+        y = F.silu((window * self.conv1d.weight).sum(-1))
+        q, k, v = self._split_heads(y)
+        o, s = recurrent_gated_delta_step(q, k, v, g, beta, state)
+        return o, window[..., 1:], s
+
+    def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, fb: ForwardBatch,
+                conv_buf: torch.Tensor, rec_buf: torch.Tensor) -> torch.Tensor:
+        """A speculative verify batch: each request's tokens (its last one and its drafts) advance its
+        state one at a time, with the decode step's own operations, so every output equals what decode
+        steps would give. The slot is left as it was; the state after each token goes to
+        `fb.extras["verify_states"][layer_id]` (`[B, tokens, ...]` conv windows and recurrent states),
+        and `HybridSupport.keep_verified` writes the one after the last confirmed token."""
+        lens = list(fb.extend_seq_lens)
+        b, most = len(lens), max(lens)
+        starts = torch.tensor([0, *lens[:-1]], dtype=torch.int64).cumsum(0)
+        slots = fb.state_indices
+        conv = conv_buf[slots].reshape(b, -1, self.kernel - 1).clone()
+        rec = rec_buf[slots].clone()
+        conv_steps = conv.new_empty(b, most, *conv.shape[1:])
+        rec_steps = rec.new_empty(b, most, *rec.shape[1:])
+        o = torch.empty(mixed.shape[0], self.local_v, self.dv, dtype=mixed.dtype)
+        for j in range(most):
+            live = torch.tensor([i for i in range(b) if lens[i] > j], dtype=torch.int64)
+            rows = starts[live] + j
+            oj, conv[live], s = self._step(conv[live], mixed[rows], g[rows], beta[rows], rec[live])
+            rec[live] = s.to(rec.dtype)
+            o[rows] = oj
+            conv_steps[live, j] = conv[live]
+            rec_steps[live, j] = rec[live]
+        fb.extras.setdefault("verify_states", {})[self.layer_id] = (conv_steps, rec_steps)
+        return o
+
     def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: StatePool) -> torch.Tensor:
         t = x.shape[0]
         mixed = self.in_proj_qkv(x)  # [T, C]
@@ -284,12 +321,11 @@ class GatedDeltaNet(nn.Module):
 
         if fb.mode == ForwardMode.DECODE:
             prev = conv_buf[slots].reshape(t, channels, keep)
-            window = torch.cat([prev, mixed.unsqueeze(-1)], dim=-1)  # [B, C, K]
-            conv_buf[slots] = window[..., 1:].reshape(t, *self.conv_shape)
-            y = F.silu((window * weight).sum(-1))
-            q, k, v = self._split_heads(y)
-            o, s = recurrent_gated_delta_step(q, k, v, g, beta, rec_buf[slots])
+            o, conv, s = self._step(prev, mixed, g, beta, rec_buf[slots])
+            conv_buf[slots] = conv.reshape(t, *self.conv_shape)
             rec_buf[slots] = s.to(rec_buf.dtype)
+        elif fb.mode == ForwardMode.VERIFY:
+            o = self._verify(mixed, g, beta, fb, conv_buf, rec_buf)
         else:
             o = torch.empty(t, self.local_v, self.dv, dtype=x.dtype)
             start = 0

@@ -146,9 +146,6 @@ class Scheduler:
         # --speculative-algorithm NGRAM: decode steps verify drafts (common/scheduler/speculative.py)
         self.drafter = None
         if args.speculative_algorithm:
-            if getattr(runner, "hybrid", None) is not None and runner.hybrid.has_state:
-                raise ValueError(f"--speculative-algorithm: {self.model_config.name} keeps recurrent state, which "
-                                 "a rejected draft cannot roll back; speculative decoding is not supported for it")
             if args.draft_layers:  # EAGLE / MTP: the runner drafts with the checkpoint's draft layers
                 self.drafter = DraftLayerDrafter(args.speculative_num_draft_tokens,
                                                  args.speculative_disable_by_batch_size)
@@ -602,9 +599,15 @@ class Scheduler:
             req.kv_len = base + n
             rollback(req, self.allocator, r2t, reserved)
             kept.append(n)
-            if req.finished():
-                self._finish(req)
-            self._report(req)
+        hybrid = getattr(self.runner, "hybrid", None)
+        if hybrid is not None:  # recurrent state: the one after each running request's last kept token
+            hybrid.keep_verified(batch.forward_batch, [0 if r.finished() else n for r, n in zip(batch.reqs, kept,
+                                                                                                   strict=True)])
+        for req, n in zip(batch.reqs, kept, strict=True):
+            if n:
+                if req.finished():
+                    self._finish(req)
+                self._report(req)
         self.drafter.record(batch.reqs, batch.drafts, kept)
 
     def _finish(self, req: Req) -> None:

@@ -179,11 +179,40 @@ def test_ngram_speculation_over_a_sliding_window_matches_hf(swa_dir):
     eng.assert_restored()
 
 
-def test_speculation_is_refused_for_recurrent_state(qwen35_dir):
+def test_speculation_rolls_the_recurrent_state_back(qwen35_dir):
+    """Verify forwards advance a copy of each request's conv and recurrent state token by token; only the
+    state after the last confirmed token is kept. This random model never repeats itself, so n-grams
+    would draft nothing: the drafter here proposes transformers' next tokens, wrong at the second draft
+    or at the first on some steps, so verify steps keep all, some or none of their drafts, for requests
+    batched at different positions. The tokens must stay transformers'."""
+    path, hf = qwen35_dir
+    prompts = [random_prompt(n, 40 + n) for n in (9, 23, 4)]
+    want = {f"r{i}": hf_greedy(hf, p, 24) for i, p in enumerate(prompts)}
+    eng = Engine(path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    vocab = eng.sched.runner.vocab_size
+
+    def chain_for(req, limit):
+        at = len(req.output_ids)
+        chain = want[req.rid][at:at + limit]
+        if chain and at % 3 == 1:
+            chain[min(1, len(chain) - 1)] = (chain[min(1, len(chain) - 1)] + 1) % vocab
+        elif chain and at % 3 == 2:
+            chain[0] = (chain[0] + 1) % vocab
+        return chain
+
+    eng.sched.drafter.chain_for = chain_for
+    for i, p in enumerate(prompts):
+        eng.submit(f"r{i}", p, max_new=24)
+    got = eng.run()
+    stats = eng.sched.drafter.stats
+    assert 0 < stats.accepted < stats.drafted  # drafts kept and drafts rolled back
+    assert got == want
+    eng.assert_restored()
+
+
+def test_draft_layers_are_refused_for_recurrent_state(qwen35_dir):
     from common.models.llama import ModelLoadError
 
     path, _ = qwen35_dir
-    with pytest.raises(ValueError, match="recurrent state"):
-        Engine(path, speculative_algorithm="NGRAM")
     with pytest.raises(ModelLoadError, match="draft layers are supported on Llama-family .*Qwen3_5"):
         Engine(path, speculative_algorithm="MTP")

@@ -19,6 +19,7 @@ from tests.harness.pd import assert_restored, greedy
 from tests.hybrid.hybrid_harness import make_mistral_swa, make_qwen3_5, random_prompt
 
 CHUNK = 16  # prefill chunk size of both nodes
+HOOKS = str(Path(__file__).resolve().parents[1] / "pd" / "node_hooks")
 WINDOW = 24
 
 
@@ -58,13 +59,15 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _pair(launcher: Launcher, model: str, backend: str, prefill_tp: int = 1, dp_size: int = 1,
-          prefill_pp: int = 1) -> PDPair:
+          prefill_pp: int = 1, decode_extra: dict | None = None, env: dict | None = None) -> PDPair:
     settings = {"chunked_prefill_size": CHUNK, "dp_size": dp_size}
     # two groups per node put four scheduler processes and their engines on the test machine's cores: a
     # heartbeat window of 3 s (not the fast suite's 1.2 s) so a busy moment is not a dead peer
-    env = {"PDSERVE_HEARTBEAT_MAX_FAILURES": "10"} if dp_size > 1 else None
+    if dp_size > 1:
+        env = {**(env or {}), "PDSERVE_HEARTBEAT_MAX_FAILURES": "10"}
     return launcher.pair(model, backend, prefill_tp=prefill_tp, decode_tp=1, env=env,
-                         prefill_settings={**settings, "pp_size": prefill_pp}, decode_settings=settings)
+                         prefill_settings={**settings, "pp_size": prefill_pp},
+                         decode_settings={**settings, **(decode_extra or {})})
 
 
 def _state_free(pair: PDPair) -> tuple[int, int]:
@@ -132,13 +135,29 @@ def test_qwen35_abort_frees_state(qwen35_pair, qwen35):
     assert _state_free(pair) == states
 
 
-# slicing the state by heads is the transfer planner's (transfer/plan.py), the same for every backend
+# slicing the state by heads is the transfer planner's (transfer/plan.py), the same for every backend. The
+# decode node speculates: its first verify step starts from the state the transfer wrote, and rejected
+# drafts roll it back. A random model never repeats itself, so n-grams would draft nothing: the `drafts`
+# hook (tests/pd/node_hooks) has the drafter propose transformers' tokens, some of them wrong
 @pytest.mark.backend("mooncake")
-def test_qwen35_prefill_tp2_to_decode_tp1(qwen35, launcher):
-    pair = _pair(launcher, qwen35[0], "mooncake", prefill_tp=2)
+def test_qwen35_prefill_tp2_to_decode_tp1(qwen35, launcher, tmp_path):
+    import json
+
+    env = {"PYTHONPATH": HOOKS, "PDSERVE_TEST_HOOKS_DIR": str(tmp_path)}
+    pair = _pair(launcher, qwen35[0], "mooncake", prefill_tp=2, decode_extra={"speculative_algorithm": "NGRAM"},
+                 env=env)
     start = pair.start_counts()
     states = _state_free(pair)
-    _check_greedy(pair, qwen35[1], prompts(3, seed=3))
+    ps = prompts(3, seed=3)
+    want = {f"spec-{i}": hf_greedy(qwen35[1], p, 12) for i, p in enumerate(ps)}
+    (tmp_path / "drafts").write_text(json.dumps(want))
+    for i, p in enumerate(ps):
+        (s1, pb), (s2, db) = pair.generate({"input_ids": p, "sampling_params": greedy(12), "rid": f"spec-{i}"})
+        assert s1 == 200 and s2 == 200, (pb, db)
+        assert pb["output_ids"] == want[f"spec-{i}"][:1]
+        assert db["output_ids"] == want[f"spec-{i}"], f"prompt of {len(p)} tokens"
+    info = pair.decode.stats()
+    assert 0 < info["spec_accepted_tokens"] < info["spec_draft_tokens"]
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
     assert _state_free(pair) == states
 

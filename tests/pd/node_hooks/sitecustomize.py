@@ -10,6 +10,10 @@ that acts on it (renamed to `<name>.taken`), so it fires once:
 * `bad_token` (holding a number): the next metadata row a prefill writes carries that first token;
 * `raise`: the next metadata row write raises (an exception inside the role's on_prefill_done).
 * `hang_forward`: the next forward of a scheduler rank never returns (a hung kernel or collective).
+* `drafts` (JSON: request id -> the tokens it should output; read, not taken): a speculating
+  scheduler's drafter proposes those tokens instead of its own, wrong at the second draft when the
+  request has an output length of 1 mod 3 and at the first when 2 mod 3, so verify steps keep all,
+  some or none of their drafts whatever the model (a tiny random one never repeats itself).
 
 PDSERVE_TEST_NO_QUARANTINE=1 makes a decode node free an aborted room's memory at once, as before the
 quarantine existed (to show that a test catches what the quarantine prevents).
@@ -84,6 +88,28 @@ def _install_in_scheduler() -> None:
         return run(self, batch)
 
     runner.ModelRunner.run = hung_run
+
+    import json
+
+    import common.scheduler.speculative as speculative
+
+    def given_chain(self, req, limit):
+        try:
+            with open(os.path.join(_DIR, "drafts")) as f:
+                want = json.load(f).get(req.rid)
+        except OSError:
+            want = None
+        if want is None:
+            return ngram_chain(self, req, limit)
+        at = len(req.output_ids)
+        chain = want[at:at + limit]
+        if chain and at % 3:
+            wrong = min(2 - at % 3, len(chain) - 1)
+            chain[wrong] = chain[wrong] - 1 if chain[wrong] else 1  # another token, still in the vocabulary
+        return chain
+
+    ngram_chain = speculative.NgramDrafter.chain_for
+    speculative.NgramDrafter.chain_for = given_chain
 
 
 if _DIR:
