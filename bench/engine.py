@@ -268,9 +268,16 @@ def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
             "read_gbps": nbytes / min(read_times) / 1e9}
 
 
-def matmul_peak_gflops(repeats: int = 5) -> float:
+def prefill_work(cfg, weights: float, p_len: int) -> tuple[float, float]:
+    """A `p_len`-token prefill's operations: (the projections' on every prompt token, the lm_head's on the
+    last one plus causal attention's 2 x layers x heads x head_dim x len^2)."""
+    lm = cfg.vocab_size * cfg.hidden_size
+    return 2 * (weights - lm) * p_len, 2 * lm + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * p_len * p_len
+
+
+def matmul_peak_gflops(repeats: int = 5, sizes: tuple[int, ...] = (1024, 2048)) -> float:
     best = 0.0
-    for n in (1024, 2048):
+    for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
         torch.mm(a, b)
         for _ in range(repeats):
@@ -425,10 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = args.decode_prompt_len + n / 2
     flops_tok = 2 * wbytes / 4 + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
     cbound_ms = 16 * flops_tok / (peak * 1e9) * 1e3
-    # prefill: every weight but the lm_head on every prompt token, the lm_head on the last, causal attention
-    p_len, lm = args.prompt_len, cfg.vocab_size * cfg.hidden_size
-    prefill_flops = (2 * (wbytes / 4 - lm) * p_len + 2 * lm
-                     + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * p_len * p_len)
+    prefill_flops = sum(prefill_work(cfg, wbytes / 4, args.prompt_len))
     pbound_s = prefill_flops / (peak * 1e9)
     figures["compute"] = {"matmul_peak_gflops": peak, "flops_per_token": flops_tok, "bound_b16_step_ms": cbound_ms,
                           "ours_b16_step_ms": figures["ours_decode_b16"]["step_ms_best"],

@@ -13,7 +13,11 @@ model in the same run.
 Ratios (higher is better), for int8wo (`int8_*`) and w8a8_int8 (`w8a8_*`): `*_ppl` = float32
 perplexity / the scheme's (the issue's bar: within 2 %, i.e. >= 0.98), `*_greedy_agreement`,
 `*_decode_b1` and `*_decode_b16` = float32 step time / the scheme's, `*_prefill_512` = float32 prefill
-time / the scheme's.
+time / the scheme's. Prefill against the compute bound: `float32_prefill_compute_bound` = (the prefill's
+operations at the best measured float32 matmul rate, a 2048^3 `torch.mm`) / float32's prefill time;
+`w8a8_prefill_compute_bound` the same for w8a8, its projections at the best measured int8 rate (a
+2048^3 `torch._int_mm`, oneDNN's, and this project's w8a8 GEMM on the same shape; AMX where the CPU
+has it) and the lm_head and attention, which stay float32, at the float32 rate.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 
 import torch
 
-from bench.engine import OurEngine, _prompts
+from bench.engine import OurEngine, _prompts, matmul_peak_gflops, prefill_work
 from bench.report import HelpFormatter, write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--greedy-tokens", type=int, default=32, help="greedy tokens per prompt")
     a("--decode-steps", type=int, default=32, help="decode steps timed per run")
     a("--repeats", type=int, default=3, help="timed runs per figure (best is kept)")
+    a("--peak-size", type=int, default=2048, help="n of the n^3 matmuls that measure the float32 and int8 peaks")
     a("--threads", type=int, default=None, help="torch threads (default: every core this process may use)")
     a("--json", default=None, help="write the report here")
     return p
@@ -109,9 +114,51 @@ def speed(engines: dict[str, OurEngine], ns) -> dict[str, dict]:
     return {label: {k: min(v) for k, v in t.items()} for label, t in times.items()}
 
 
+def int8_peak_gops(n: int, repeats: int = 5) -> dict[str, float]:
+    """Best int8 matmul rates on an n^3 product (2 operations per multiply-add): torch's `_int_mm`
+    (oneDNN) where this torch has it on CPU, and this project's w8a8 GEMM."""
+    from common.layers.linear import linear, pack_weight
+
+    x, w = torch.randn(n, n), torch.randn(n, n)
+    packed = pack_weight(w, quantization="w8a8_int8")
+    a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    calls = {"w8a8_gemm": lambda: linear(x, w, packed), "torch_int_mm": lambda: torch._int_mm(a, a)}
+    best = {}
+    for name, call in calls.items():
+        try:
+            call()
+        except RuntimeError:  # no int8 matmul for this CPU build of torch
+            continue
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        best[name] = 2 * n ** 3 / min(times) / 1e9
+    return best
+
+
+def compute_bounds(engines: dict[str, OurEngine], runs: dict[str, dict], n: int) -> tuple[dict, dict]:
+    """(figures, ratios) of each prefill against the compute bound (module docstring), peaks on n^3."""
+    fp32 = matmul_peak_gflops(sizes=(n,))
+    int8 = int8_peak_gops(n)
+    eng = engines["float32"]
+    proj, rest = prefill_work(eng.cfg, eng.weight_bytes() / 4, 512)
+    bound_f32 = (proj + rest) / (fp32 * 1e9)
+    bound_w8a8 = proj / (max(int8.values()) * 1e9) + rest / (fp32 * 1e9)
+    figures = {"float32_matmul_peak_gflops": fp32, "int8_matmul_peak_gops": int8, "prefill_512_ops": proj + rest,
+               "float32_bound_prefill_512_s": bound_f32, "w8a8_bound_prefill_512_s": bound_w8a8}
+    ratios = {"float32_prefill_compute_bound": bound_f32 / runs["float32"]["prefill_512_s"],
+              "w8a8_prefill_compute_bound": bound_w8a8 / runs["w8a8_int8"]["prefill_512_s"]}
+    log(f"compute bound: float32 {fp32:.0f} GFLOPS, int8 " + ", ".join(f"{k} {v:.0f}" for k, v in int8.items())
+        + f" GOPS; 512-token prefill bound {bound_f32:.3f} s float32, {bound_w8a8:.3f} s w8a8")
+    return figures, ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    if min(ns.ppl_tokens, ns.ppl_window, ns.prompts, ns.greedy_tokens, ns.decode_steps, ns.repeats) < 1:
+    if min(ns.ppl_tokens, ns.ppl_window, ns.prompts, ns.greedy_tokens, ns.decode_steps, ns.repeats,
+           ns.peak_size) < 1:
         print("every count must be >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(ns.threads or len(os.sched_getaffinity(0)))
@@ -145,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
                        f"{key}_prefill_512": ref["prefill_512_s"] / q8["prefill_512_s"]})
         log(f"{scheme}: perplexity {q8['perplexity']:.4f} (float32 {ref['perplexity']:.4f}); greedy agreement "
             f"{agree:.3f}, {identical[scheme]}/{ns.prompts} prompts identical")
+    bound_figures, bound_ratios = compute_bounds(engines, runs, ns.peak_size)
+    ratios.update(bound_ratios)
     figures = {"model_dir": model_dir, "text": os.path.relpath(ns.text, ROOT), "ppl_tokens": len(text_ids),
+               "compute": bound_figures,
                "threads": torch.get_num_threads(),
                "greedy_identical": {s: f"{n}/{ns.prompts}" for s, n in identical.items()},
                "config": {**vars(ns), "argv": argv if argv is not None else sys.argv[1:]}, **runs}

@@ -84,11 +84,12 @@ def test_the_flag_names_what_it_accepts():
 def test_bench_quant_runs_and_reports_quality_and_speed(tiny_model_dir, tmp_path):
     out = tmp_path / "quant.json"
     assert quant.main(["--model", tiny_model_dir, "--ppl-tokens", "96", "--ppl-window", "32", "--prompts", "3",
-                       "--greedy-tokens", "5", "--decode-steps", "2", "--repeats", "1", "--threads", "1",
+                       "--greedy-tokens", "5", "--decode-steps", "2", "--repeats", "1", "--threads", "1", "--peak-size", "128",
                        "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["ratios"]) == {f"{p}_{k}" for p in ("int8", "w8a8") for k in (
-        "ppl", "greedy_agreement", "decode_b1", "decode_b16", "prefill_512")}
+        "ppl", "greedy_agreement", "decode_b1", "decode_b16", "prefill_512")} | {
+        "float32_prefill_compute_bound", "w8a8_prefill_compute_bound"}
     f = report["figures"]
     assert f["ppl_tokens"] == 96 and f["greedy_identical"].keys() == {"int8wo", "w8a8_int8"}
     for scheme, key in (("int8wo", "int8"), ("w8a8_int8", "w8a8")):
