@@ -80,7 +80,7 @@ class ModelRunner:
         self.draft = None
         if args.draft_layers:
             self.draft = DraftLayers(self.model)
-            layer_ids = list(range(cfg.num_layers + 1))
+            layer_ids = [*(cfg.kv_layer_ids or range(cfg.num_layers)), cfg.num_layers]
         self.kv_pool = KVPool(num_pages, self.page_size, cfg.num_layers, cfg.local_kv_heads(tp_size),
                               cfg.head_dim, dtype=self.dtype, layer_ids=layer_ids)
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + REQ_POOL_HEADROOM,

@@ -50,6 +50,7 @@ class UnsupportedArchitecture(ModelConfigError):
 
 
 LLAMA_FAMILY = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+HYBRID = (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration)
 
 
 def get_model_class(architecture: str) -> type[torch.nn.Module]:
@@ -109,9 +110,9 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
             raise ModelLoadError(f"--pp-size {pp_size}: {config.name} has only {config.num_layers} layers")
         stage = {"pp_rank": pp_rank, "pp_size": pp_size}
     if draft_layers:
-        if cls not in LLAMA_FAMILY:
+        if cls not in LLAMA_FAMILY and cls not in HYBRID:
             raise ModelLoadError(f"--speculative-algorithm EAGLE/MTP: draft layers are supported on Llama-family "
-                                 f"models without sliding windows or recurrent state, not {config.architecture}"
+                                 f"models without sliding windows and on Qwen3.5, not {config.architecture}"
                                  + (" with a sliding window" if config.sliding_window else ""))
         if not draft_layer_count(config.raw):
             raise ModelLoadError(f"--speculative-algorithm EAGLE/MTP: {config.name} carries no draft layers (its "

@@ -11,7 +11,8 @@ embedding of the token at p + 1, and predicts the token at p + 2:
 Weight names follow Qwen3-Next / Qwen3.5 (`mtp.fc`, `mtp.pre_fc_norm_embedding`,
 `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`, `mtp.norm`); the config says how many layers
 (`mtp_num_hidden_layers`, or DeepSeek's `num_nextn_predict_layers`); one is used. The layer is the
-model's own decoder layer with id `num_layers`, so its KV lives in the same paged pool as one more
+model's own decoder layer with id `num_layers` (for Qwen3.5, a gated full-attention layer, and its
+norms scale by 1 + weight), so its KV lives in the same paged pool as one more
 layer (same slots, same pages: it moves with the rest across PD). g_p stands in for h_(p+1) when the
 head drafts a chain of tokens past the last one the target has seen.
 """
@@ -35,15 +36,18 @@ def draft_layer_count(raw: dict) -> int:
 
 
 class MtpHead(nn.Module):
-    def __init__(self, cfg, layer: nn.Module, dtype: torch.dtype) -> None:
+    """`layer`: the model's own decoder layer kind (a full-attention one), id `num_layers`; `norm`: the
+    model's RMSNorm kind (Qwen3.5 scales by 1 + weight)."""
+
+    def __init__(self, cfg, layer: nn.Module, dtype: torch.dtype, norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.layer_id = cfg.num_layers
         self.fc = ReplicatedLinear(2 * h, h, dtype=dtype)
-        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.pre_fc_norm_embedding = norm(h, cfg.rms_norm_eps, dtype)
+        self.pre_fc_norm_hidden = norm(h, cfg.rms_norm_eps, dtype)
         self.layers = nn.ModuleList([layer])
-        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.norm = norm(h, cfg.rms_norm_eps, dtype)
 
     def forward(self, model: nn.Module, fb, hidden: torch.Tensor) -> torch.Tensor:
         """g for every row of `fb` (its `input_ids` are the next tokens, `hidden` the target's or the

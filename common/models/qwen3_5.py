@@ -52,6 +52,7 @@ from common.layers.rotary import RotaryEmbedding
 from common.memory.state_pool import StatePool
 from common.models.config import ModelConfig, ModelConfigError
 from common.models.llama import LlamaForCausalLM, LlamaMLP, final_logits, load_checkpoint
+from common.models.mtp import MtpHead
 
 logger = logging.getLogger(__name__)
 
@@ -409,7 +410,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                fb: ForwardBatch, pool: StatePool | None) -> tuple[torch.Tensor, torch.Tensor]:
+                fb: ForwardBatch, pool: StatePool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = h
             h = self.input_layernorm(h)
@@ -450,7 +451,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     skipped_prefixes = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, draft_layers: bool = False) -> None:
         super().__init__()
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -470,6 +471,13 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else ReplicatedLinear(config.hidden_size,
                                                                                 config.vocab_size, dtype=dtype)
         self.state_pool: StatePool | None = None
+        # the checkpoint's draft layers (`mtp.*`: a gated full-attention layer, id num_layers) for EAGLE / MTP
+        self.mtp = None
+        if draft_layers:
+            layer = Qwen3_5DecoderLayer(config, config.num_layers, FULL, self.attn_backend, rotary_dim, tp_rank,
+                                        tp_size, tp_group, dtype)
+            self.mtp = MtpHead(config, layer, dtype, norm=OffsetRMSNorm)
+            self.skipped_prefixes = tuple(p for p in self.skipped_prefixes if "mtp." not in p)
 
     # ------------------------------------------------------------------ state
     def state_spec(self) -> StateSpec:

@@ -43,6 +43,33 @@ def make_qwen3_5(path: str, seed: int = 0, **overrides):
     return model
 
 
+def add_draft_layers(path: str, seed: int = 0) -> None:
+    """Give a `make_qwen3_5` checkpoint Qwen3.5's draft layers (`mtp.*`): a gated full-attention layer (the
+    model's own, perturbed), a random fc and zero-centred norms, declared by `mtp_num_hidden_layers`.
+    Transformers does not run them; the tokens must not depend on them anyway."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    file = os.path.join(path, "model.safetensors")
+    weights = load_file(file)
+    own = f"model.layers.{QWEN35_LAYER_TYPES.index('full_attention')}."
+    for name, w in list(weights.items()):
+        if name.startswith(own):
+            weights["mtp.layers.0." + name[len(own):]] = w + torch.randn(w.shape, generator=gen) * 0.02
+    h = weights["model.embed_tokens.weight"].shape[1]
+    weights["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen) * 0.1
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        weights[f"mtp.{norm}.weight"] = torch.randn(h, generator=gen) * 0.2
+    save_file(weights, file, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
 def make_mistral_swa(path: str, window: int = 24, seed: int = 0, **overrides):
     """A tiny Mistral with a sliding window on every layer."""
     from transformers import MistralConfig, MistralForCausalLM

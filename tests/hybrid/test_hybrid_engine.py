@@ -11,7 +11,7 @@ import torch
 from common.config import ServerArgs
 from common.protocol import SamplingParams, TokenizedRequest
 from common.scheduler.scheduler import Scheduler
-from tests.hybrid.hybrid_harness import make_mistral_swa, make_qwen3_5, random_prompt
+from tests.hybrid.hybrid_harness import add_draft_layers, make_mistral_swa, make_qwen3_5, random_prompt
 from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 
@@ -210,9 +210,25 @@ def test_speculation_rolls_the_recurrent_state_back(qwen35_dir):
     eng.assert_restored()
 
 
-def test_draft_layers_are_refused_for_recurrent_state(qwen35_dir):
+def test_draft_layers_with_recurrent_state(tmp_path, qwen35_dir):
+    """MTP with Qwen3.5's own draft layers (a gated full-attention layer, offset norms): its KV is one more
+    layer of the pool and the recurrent state rolls back as with n-grams. Random draft layers guess
+    wrong, so every verify step rolls back; the tokens equal transformers'. A checkpoint without draft
+    layers is refused."""
     from common.models.llama import ModelLoadError
 
-    path, _ = qwen35_dir
-    with pytest.raises(ModelLoadError, match="draft layers are supported on Llama-family .*Qwen3_5"):
-        Engine(path, speculative_algorithm="MTP")
+    with pytest.raises(ModelLoadError, match="carries no draft layers"):
+        Engine(qwen35_dir[0], speculative_algorithm="MTP")
+    path = str(tmp_path)
+    hf = make_qwen3_5(path, seed=3, initializer_range=0.1)
+    add_draft_layers(path, seed=3)
+    eng = Engine(path, speculative_algorithm="MTP", speculative_num_steps=2)
+    assert eng.sched.runner.model.mtp is not None
+    prompts = [random_prompt(n, 60 + n) for n in (9, 23)]
+    for i, p in enumerate(prompts):
+        eng.submit(f"r{i}", p, max_new=12)
+    got = eng.run()
+    assert eng.sched.drafter.stats.verify_steps > 0
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(hf, p, 12), f"request {i}"
+    eng.assert_restored()
