@@ -109,32 +109,16 @@ static inline int32_t load_group(const ACT *p) {  // GROUP activations (4 bytes)
 #define STORE(i) \
     if (MR > i) _mm512_mask_storeu_ps(y + (i) * ldy, m, _mm512_fmadd_ps(_mm512_load_ps(acc + (i) * NR), s, init));
 
-// One MR x 16 tile over the whole K: rows of xq (KP each) against one panel; `nv` of the 16 columns are
-// stored. Every `every` groups of k the next line at `pf` (if not NULL) is prefetched.
-static inline __attribute__((always_inline)) void tile(const int MR, int64_t KP, const ACT *xq, const float *xs,
-                                                       const int8_t *w, const float *ws, const float *bias, float *y,
-                                                       int64_t ldy, int nv, const char *pf, int64_t every) {
-    const int64_t nb = KP / SG;
-    const __mmask16 m = nv >= NR ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);
-    const __m512 init = bias ? _mm512_maskz_loadu_ps(m, bias) : _mm512_setzero_ps();
-    const __m512 s = _mm512_loadu_ps(ws);
+#define TILE_SETUP                                                                  \
+    const __mmask16 m = nv >= NR ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);   \
+    const __m512 init = bias ? _mm512_maskz_loadu_ps(m, bias) : _mm512_setzero_ps(); \
+    const __m512 s = _mm512_loadu_ps(ws);                                             \
     const __m512i zero_point = _mm512_set1_epi8((char)ACT_ZERO);
-    float acc[MR_MAX * NR] __attribute__((aligned(64))) = {0};
-    int64_t cnt = every;
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i comp = _mm512_setzero_si512();  // 128 * sum_k w per column: what the offset activations add
-        ROWS(DECLARE)
-#pragma GCC unroll 4
-        for (int64_t j = b * (SG / GROUP); j < (b + 1) * (SG / GROUP); j++) {
-            const __m512i w8 = _mm512_loadu_si512((const void *)(w + j * GROUP * NR));
-            comp = _mm512_dpbusd_epi32(comp, zero_point, w8);
-            ROWS(DOT)
-            PREFETCH_STEP
-        }
-        ROWS(FOLD)
-    }
-    ROWS(STORE)
-}
+// comp: 128 * sum_k w per column over the block, what the offset activations add
+#define BLOCK_START __m512i comp = _mm512_setzero_si512();
+#define LOAD_LINE                                                                   \
+    const __m512i w8 = _mm512_loadu_si512((const void *)(w + j * GROUP * NR));       \
+    comp = _mm512_dpbusd_epi32(comp, zero_point, w8);
 
 #define BY_HEIGHT(mr, ...)                           \
     switch (mr) {                                    \
@@ -170,27 +154,41 @@ static inline __attribute__((always_inline)) void tile(const int MR, int64_t KP,
         _mm256_maskstore_ps(y + (i) * ldy + 8, m1, _mm256_fmadd_ps(_mm256_load_ps(t + 8), s1, init1));       \
     }
 
+#define TILE_SETUP                                                                  \
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                  \
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota);              \
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv - 8), iota);          \
+    const __m256 init0 = bias ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();  \
+    const __m256 init1 = bias ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps(); \
+    const __m256 s0 = _mm256_loadu_ps(ws), s1 = _mm256_loadu_ps(ws + 8);
+#define BLOCK_START
+#define LOAD_LINE                                                                   \
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(w + j * GROUP * NR));     \
+    const __m256i b0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));              \
+    const __m256i b1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+
+#define BY_HEIGHT(mr, ...)                           \
+    switch (mr) {                                    \
+    LOW_HEIGHTS(__VA_ARGS__)                         \
+    }
+#endif
+
 // One MR x 16 tile over the whole K: rows of xq (KP each) against one panel; `nv` of the 16 columns are
-// stored. Every `every` groups of k the next line at `pf` (if not NULL) is prefetched.
+// stored. Every `every` groups of k the next line at `pf` (if not NULL) is prefetched. Each build
+// supplies TILE_SETUP (masks, bias, scales), BLOCK_START and LOAD_LINE (the weight line of step j).
 static inline __attribute__((always_inline)) void tile(const int MR, int64_t KP, const ACT *xq, const float *xs,
                                                        const int8_t *w, const float *ws, const float *bias, float *y,
                                                        int64_t ldy, int nv, const char *pf, int64_t every) {
     const int64_t nb = KP / SG;
-    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota);
-    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv - 8), iota);
-    const __m256 init0 = bias ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
-    const __m256 init1 = bias ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps();
-    const __m256 s0 = _mm256_loadu_ps(ws), s1 = _mm256_loadu_ps(ws + 8);
-    float acc[MR_MAX * NR] __attribute__((aligned(32))) = {0};
+    TILE_SETUP
+    float acc[MR_MAX * NR] __attribute__((aligned(64))) = {0};
     int64_t cnt = every;
     for (int64_t b = 0; b < nb; b++) {
+        BLOCK_START
         ROWS(DECLARE)
 #pragma GCC unroll 4
         for (int64_t j = b * (SG / GROUP); j < (b + 1) * (SG / GROUP); j++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + j * GROUP * NR));
-            const __m256i b0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
-            const __m256i b1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+            LOAD_LINE
             ROWS(DOT)
             PREFETCH_STEP
         }
@@ -198,12 +196,6 @@ static inline __attribute__((always_inline)) void tile(const int MR, int64_t KP,
     }
     ROWS(STORE)
 }
-
-#define BY_HEIGHT(mr, ...)                           \
-    switch (mr) {                                    \
-    LOW_HEIGHTS(__VA_ARGS__)                         \
-    }
-#endif
 
 #define LOW_HEIGHTS(...)                             \
     case 6: tile(6, __VA_ARGS__); break;             \

@@ -165,18 +165,23 @@ def test_abort_mid_prefill_and_mid_decode_frees_state(qwen35_dir):
 
 
 
+def run_like_hf(eng: Engine, hf, prompts: list[list[int]], n: int) -> None:
+    """The prompts batched through `eng`, `n` greedy tokens each: transformers' tokens, every page back."""
+    for i, p in enumerate(prompts):
+        eng.submit(f"r{i}", p, max_new=n)
+    got = eng.run()
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(hf, p, n), f"request {i}"
+    eng.assert_restored()
+
+
 def test_ngram_speculation_over_a_sliding_window_matches_hf(swa_dir):
     """Verify forwards run as extends over the window: drafts past the window's edge still give HF's tokens."""
     path, hf = swa_dir
     prompts = [random_prompt(6, 31) * 6, random_prompt(45, 32)]  # a repetitive one drafts, past the window
     eng = Engine(path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
-    for i, p in enumerate(prompts):
-        eng.submit(f"r{i}", p, max_new=30)
-    got = eng.run()
+    run_like_hf(eng, hf, prompts, 30)
     assert eng.sched.drafter.stats.accepted > 0
-    for i, p in enumerate(prompts):
-        assert got[f"r{i}"] == hf_greedy(hf, p, 30), f"request {i}"
-    eng.assert_restored()
 
 
 def test_speculation_rolls_the_recurrent_state_back(qwen35_dir):
@@ -224,11 +229,5 @@ def test_draft_layers_with_recurrent_state(tmp_path, qwen35_dir):
     add_draft_layers(path, seed=3)
     eng = Engine(path, speculative_algorithm="MTP", speculative_num_steps=2)
     assert eng.sched.runner.model.mtp is not None
-    prompts = [random_prompt(n, 60 + n) for n in (9, 23)]
-    for i, p in enumerate(prompts):
-        eng.submit(f"r{i}", p, max_new=12)
-    got = eng.run()
+    run_like_hf(eng, hf, [random_prompt(n, 60 + n) for n in (9, 23)], 12)
     assert eng.sched.drafter.stats.verify_steps > 0
-    for i, p in enumerate(prompts):
-        assert got[f"r{i}"] == hf_greedy(hf, p, 12), f"request {i}"
-    eng.assert_restored()
