@@ -2,7 +2,7 @@
 127.0.0.1 (real processes, real transfer engines). Greedy tokens equal transformers' `generate` for
 prompts spanning several chunks (and longer than the window); the hybrid model's conv and recurrent
 state travel with the last chunk (mooncake, nixl, ucx; prefill tp 2 -> decode tp 1 slices the state by
-heads), the sliding-window model's transfer carries only the window's pages (from a prefill node of two
+heads; speculating decode nodes roll it back, with n-grams and with the checkpoint's draft layers), the sliding-window model's transfer carries only the window's pages (from a prefill node of two
 pipeline stages too, each sending its own layer's window). After every test both
 nodes are back at their starting free KV pages, request rows, metadata slots and state slots."""
 
@@ -16,7 +16,7 @@ import torch
 from tests.harness.backends import backend_params
 from tests.harness.nodes import Launcher, PDPair
 from tests.harness.pd import assert_restored, greedy
-from tests.hybrid.hybrid_harness import make_mistral_swa, make_qwen3_5, random_prompt
+from tests.hybrid.hybrid_harness import add_draft_layers, make_mistral_swa, make_qwen3_5, random_prompt
 
 CHUNK = 16  # prefill chunk size of both nodes
 HOOKS = str(Path(__file__).resolve().parents[1] / "pd" / "node_hooks")
@@ -158,6 +158,24 @@ def test_qwen35_prefill_tp2_to_decode_tp1(qwen35, launcher, tmp_path):
         assert db["output_ids"] == want[f"spec-{i}"], f"prompt of {len(p)} tokens"
     info = pair.decode.stats()
     assert 0 < info["spec_accepted_tokens"] < info["spec_draft_tokens"]
+    assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
+    assert _state_free(pair) == states
+
+
+# EAGLE / MTP on both sides: the prefill runs the draft layer (one more KV layer of the pool) over the prompt
+# and sends the first draft and its hidden state with the first token and the state; the decode's first
+# step verifies a chain from them, and rejected chains roll the recurrent state back
+@pytest.mark.backend("mooncake")
+def test_qwen35_draft_layers_across_pd(tmp_path, launcher):
+    path, hf = _with_tokenizer(make_qwen3_5, tmp_path, seed=7)
+    add_draft_layers(path, seed=7)
+    mtp = {"speculative_algorithm": "MTP", "speculative_num_steps": 2}
+    pair = launcher.pair(path, "mooncake", prefill_settings={"chunked_prefill_size": CHUNK, **mtp},
+                         decode_settings={"chunked_prefill_size": CHUNK, **mtp})
+    start = pair.start_counts()
+    states = _state_free(pair)
+    _check_greedy(pair, hf, prompts(2, seed=4), n=10)
+    assert pair.decode.stats()["spec_verify_steps"] > 0
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
     assert _state_free(pair) == states
 
