@@ -272,7 +272,7 @@ class ServerArgs:
             except ValueError as e:
                 raise bad("kv-events-config", str(e)) from None
         if self.otlp_traces_endpoint is not None and not self.enable_trace:
-            raise bad("otlp-traces-endpoint", "has no effect without --enable-trace")
+            raise bad("otlp-traces-endpoint", "is refused without --enable-trace (nothing would be exported)")
         if self.enable_trace:
             from common.tracing import check_available, otlp_traces_url
 

@@ -229,8 +229,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         raise ValueError("--service-discovery needs --prefill-selector and --decode-selector (key=value labels)")
     if not cfg.service_discovery and (cfg.prefill_selector or cfg.decode_selector
                                       or ns.service_discovery_namespace is not None):
-        raise ValueError("--prefill-selector, --decode-selector and --service-discovery-namespace have no effect "
-                         "without --service-discovery")
+        raise ValueError("--prefill-selector, --decode-selector and --service-discovery-namespace are refused "
+                         "without --service-discovery (nothing would read them)")
     if not 1 <= cfg.service_discovery_port <= 65535:
         raise ValueError(f"--service-discovery-port must be a port number, got {cfg.service_discovery_port}")
     if cfg.service_discovery:
@@ -239,7 +239,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         except ImportError:
             raise ValueError("--service-discovery needs the kubernetes client: pip install 'pdserve[k8s]'") from None
     if cfg.otlp_traces_endpoint is not None and not cfg.enable_trace:
-        raise ValueError("--otlp-traces-endpoint has no effect without --enable-trace")
+        raise ValueError("--otlp-traces-endpoint is refused without --enable-trace (nothing would be exported)")
     if cfg.enable_trace:
         from common.tracing import check_available, otlp_traces_url
 

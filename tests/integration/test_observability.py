@@ -150,7 +150,7 @@ def test_a_failed_request_is_an_error_span(cluster, collector):
 def test_tracing_flags_are_checked(tiny_model_dir):
     from common.config import ConfigError, ServerArgs
 
-    with pytest.raises(ConfigError, match="--otlp-traces-endpoint: has no effect without --enable-trace"):
+    with pytest.raises(ConfigError, match="--otlp-traces-endpoint: is refused without --enable-trace"):
         ServerArgs(model=tiny_model_dir, otlp_traces_endpoint="localhost:4318").validate()
     with pytest.raises(ConfigError, match="--otlp-traces-endpoint: must be HOST:PORT or an http"):
         ServerArgs(model=tiny_model_dir, enable_trace=True, otlp_traces_endpoint="ftp://x").validate()

@@ -195,8 +195,10 @@ def test_discovery_flags_are_checked():
 
     with pytest.raises(ValueError, match="needs --prefill-selector and --decode-selector"):
         cfg("--service-discovery", "--prefill-selector", "a=b")
-    with pytest.raises(ValueError, match="no effect without --service-discovery"):
+    with pytest.raises(ValueError, match="refused without --service-discovery"):
         cfg("--prefill-selector", "a=b", "--decode-selector", "a=c")
+    with pytest.raises(ValueError, match="--otlp-traces-endpoint is refused without --enable-trace"):
+        cfg("--otlp-traces-endpoint", "localhost:4318")
     with pytest.raises(ValueError, match="PD-only"):
         cfg("--service-discovery", "--selector", "a=b")
     with pytest.raises(ValueError, match="key=value"):
