@@ -29,13 +29,10 @@ import torch
 from bench.speculative import compare_on_off
 from bench.tiny_model import exact_draft_head, random_draft_head
 from common.config import ServerArgs
+from common.models.default_model import cache_root
 from common.runner import ModelRunner
 
 VARIANTS = ("exact", "random")
-
-
-def _cache_dir() -> str:
-    return os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
 
 
 def checkpoints(model_dir: str) -> dict[str, str]:
@@ -45,7 +42,7 @@ def checkpoints(model_dir: str) -> dict[str, str]:
     from common.models.loader import safetensors_files
 
     key = hashlib.sha256(os.path.realpath(model_dir).encode()).hexdigest()[:12]
-    root = os.path.join(_cache_dir(), f"draft-layers-{os.path.basename(os.path.normpath(model_dir))}-{key}")
+    root = os.path.join(cache_root(), f"draft-layers-{os.path.basename(os.path.normpath(model_dir))}-{key}")
     out = {v: os.path.join(root, v) for v in VARIANTS}
     if all(os.path.isfile(os.path.join(d, "mtp.safetensors")) for d in out.values()):
         return out

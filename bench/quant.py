@@ -36,6 +36,7 @@ from bench.report import HelpFormatter, write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMES = {"int8wo": "int8", "w8a8_int8": "w8a8"}  # each scheme measured, and its ratios' prefix
+PREFILL = 512  # tokens of the timed prefill
 
 
 def log(msg: str) -> None:
@@ -98,7 +99,7 @@ def speed(engines: dict[str, OurEngine], ns) -> dict[str, dict]:
     puts both sides in the same moments)."""
     vocab = next(iter(engines.values())).vocab
     batches = {b: _prompts(b, 64, vocab, seed=b) for b in (1, 16)}
-    pp = _prompts(1, 512, vocab, seed=99)[0]
+    pp = _prompts(1, PREFILL, vocab, seed=99)[0]
     for eng in engines.values():  # warm every shape
         for ps in batches.values():
             eng.generate(ps, 2)
@@ -143,7 +144,7 @@ def compute_bounds(engines: dict[str, OurEngine], runs: dict[str, dict], n: int)
     fp32 = matmul_peak_gflops(sizes=(n,))
     int8 = int8_peak_gops(n)
     eng = engines["float32"]
-    proj, rest = prefill_work(eng.cfg, eng.weight_bytes() / 4, 512)
+    proj, rest = prefill_work(eng.cfg, eng.weight_bytes() / 4, PREFILL)
     bound_f32 = (proj + rest) / (fp32 * 1e9)
     bound_w8a8 = proj / (max(int8.values()) * 1e9) + rest / (fp32 * 1e9)
     figures = {"float32_matmul_peak_gflops": fp32, "int8_matmul_peak_gops": int8, "prefill_512_ops": proj + rest,

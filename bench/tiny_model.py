@@ -120,9 +120,9 @@ def exact_draft_head(weights: dict, hidden: int, draft_attention: float = 0.0) -
 
 def tiny_model_dir(arch: str = "llama", **overrides) -> str:
     """A tiny model over the default model's tokenizer, built once per machine and reused."""
-    from common.models.default_model import resolve_model_path
+    from common.models.default_model import cache_root, resolve_model_path
 
-    cache = os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+    cache = cache_root()
     key = hashlib.sha256(json.dumps([arch, overrides, TINY_BASE], sort_keys=True, default=str).encode())
     out = os.path.join(cache, f"tiny-{arch}-{key.hexdigest()[:12]}")
     if os.path.isfile(os.path.join(out, "config.json")):

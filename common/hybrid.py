@@ -15,7 +15,7 @@
   Prefix caching is off for them: a cached KV prefix does not give back the recurrent state at the
   end of that prefix (the state is a running summary of every earlier token, kept only for the
   position the request reached), so a radix hit would have to recompute the prefix anyway.
-  Speculative decoding (NGRAM) rolls the state back as it rolls back KV slots: a verify forward
+  Speculative decoding (NGRAM, EAGLE / MTP) rolls the state back as it rolls back KV slots: a verify forward
   advances a copy of each request's state token by token and records it after each token; once the
   scheduler knows how many tokens it kept, `keep_verified` writes the state after the last of them.
 * Sliding-window models where every layer is windowed (`model.kv_window()`) only ever read the KV of
@@ -100,8 +100,8 @@ class HybridSupport:
         slots = fb.state_indices[idx]
         for layer_id, (conv, rec) in steps.items():
             conv_buf, rec_buf = self.state_pool.conv(layer_id), self.state_pool.recurrent(layer_id)
-            conv_buf[slots] = conv[idx, at].reshape(len(rows), *conv_buf.shape[1:]).to(conv_buf.dtype)
-            rec_buf[slots] = rec[idx, at].to(rec_buf.dtype)
+            conv_buf[slots] = conv[idx, at].reshape(len(rows), *conv_buf.shape[1:])
+            rec_buf[slots] = rec[idx, at]
 
     def state_buffers(self) -> list[torch.Tensor]:
         """The state pool's tensors (`[slots, leading_dim, ...]`, one item per slot), empty without one."""

@@ -6,7 +6,8 @@
 // [K][16] weights (columns past N are zero). One thread owns a run of panels; for each panel a register
 // tile of 6 rows x 16 columns walks the whole K, one row block after another, so each weight is read
 // from memory once and every later row block finds the panel in L2. The rows of x are first copied
-// k-major per row block (`pack_rows`), so a tile's broadcasts sit at fixed offsets from one pointer:
+// k-major per row block (`pack_rows`, into `gemm_scratch`), so a tile's broadcasts sit at fixed offsets
+// from one pointer:
 // read in place, each row needed its own address register, more than x86 has for a 12-row tile, and
 // the spills left 512-row matmuls of SmolLM2's shapes 10-45 % slower. The copy goes to a per-thread
 // buffer that grows to the largest x seen (3 MiB for a 512-token chunk of SmolLM2's MLP); a single row
@@ -24,6 +25,23 @@
 // smaller weight saves: float32 compute is the bound there, not bytes.)
 #include <stdint.h>
 #include <stdlib.h>
+
+// A per-thread buffer of at least `bytes` for the activations of one matmul, kept between calls (the GEMMs
+// run ~120 times a decode step, and a prefill's rows are megabytes: allocating each time would map and
+// fault in fresh pages on every call); `slot` 0 is this file's, 1 is gemm_w8a8.c's. NULL when it cannot
+// grow.
+void *gemm_scratch(int slot, size_t bytes) {
+    static __thread void *buf[2];
+    static __thread size_t cap[2];
+    if (bytes > cap[slot]) {
+        void *grown = realloc(buf[slot], bytes);
+        if (!grown)
+            return 0;
+        buf[slot] = grown;
+        cap[slot] = bytes;
+    }
+    return buf[slot];
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -180,19 +198,11 @@ static void tile_rows(int mr, int q, int64_t K, const float *x, const void *w, c
 // per-thread buffer that grows to the largest x seen (one row is its own layout: no copy). NULL when
 // the buffer cannot grow.
 static const float *pack_rows(const float *x, int64_t ldx, int64_t M, int64_t K) {
-    static __thread float *buf;
-    static __thread size_t cap;
     if (M == 1)
         return x;
-    const size_t need = (size_t)(M * K);
-    if (need > cap) {
-        float *grown = realloc(buf, need * sizeof(float));
-        if (!grown)
-            return 0;
-        buf = grown;
-        cap = need;
-    }
-    float *out = buf;
+    float *out = gemm_scratch(0, (size_t)(M * K) * sizeof(float));
+    if (!out)
+        return 0;
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
         const int64_t mr = M - m0 < MR_MAX ? M - m0 : MR_MAX;

@@ -34,6 +34,8 @@
 
 #define SG 64  // input channels per activation scale (a multiple of every GROUP)
 
+void *gemm_scratch(int slot, size_t bytes);  // gemm.c
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 
@@ -215,19 +217,17 @@ int packed_gemm_w8a8_block(void) { return SG; }
 
 // x rows at x + m * ldx, y rows at y + m * ldy; wq: the panels above (this build's GROUP, K padded to whole
 // blocks of SG); scale: one float per output column, padded to whole panels; bias may be NULL. Returns 0,
-// or -1 when the activations' scratch cannot be had.
+// or -1 when the activations' scratch cannot grow.
 int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
                      int64_t ldy, int64_t M, int64_t N, int64_t K) {
     if (M <= 0 || N <= 0)
         return 0;
     const int64_t KP = (K + SG - 1) / SG * SG, nb = KP / SG;
-    ACT *xq = malloc(sizeof(ACT) * (size_t)(M * KP));
-    float *xs = malloc(sizeof(float) * (size_t)(M * nb));
-    if (!xq || !xs) {
-        free(xq);
-        free(xs);
+    // the scales first (float-aligned), then the quantized rows, in gemm.c's per-thread scratch
+    float *xs = gemm_scratch(1, sizeof(float) * (size_t)(M * nb) + sizeof(ACT) * (size_t)(M * KP));
+    if (!xs)
         return -1;
-    }
+    ACT *xq = (ACT *)(xs + M * nb);
     quantize_rows(x, ldx, M, K, KP, xq, xs);
     const int64_t panels = (N + NR - 1) / NR;
     const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
@@ -248,8 +248,6 @@ int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float 
                       every);
         }
     }
-    free(xq);
-    free(xs);
     return 0;
 }
 

@@ -226,7 +226,7 @@ def pack_linears(model: nn.Module, quantization: str | None = None) -> None:
     for n in sizes:
         views.append(arena[offset:offset + n] if n else None)
         offset += n
-    for m, into, q in zip(layers, views, schemes, strict=False):
+    for m, into, q in zip(layers, views[:len(layers)], schemes[:len(layers)], strict=True):
         m.pack(into, q)
     if tied:
         model.lm_head_packed = pack_weight(model.lm_head_weight, views[-1], head_quantization)

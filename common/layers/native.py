@@ -181,7 +181,8 @@ def packed_gemm_i8():
 
 
 def packed_gemm_w8a8():
-    """Int8 weights times per-token int8 activations, summed in int32 (`--quantization w8a8_int8`)."""
+    """Int8 weights times int8 activations (a scale per token and 64 input channels), summed in int32
+    (`--quantization w8a8_int8`)."""
     return _kernel("packed_gemm_w8a8") if packed_gemm() is not None else None
 
 

@@ -288,20 +288,16 @@ class GatedDeltaNet(nn.Module):
         lens = list(fb.extend_seq_lens)
         b, most = len(lens), max(lens)
         starts = torch.tensor([0, *lens[:-1]], dtype=torch.int64).cumsum(0)
-        slots = fb.state_indices
-        conv = conv_buf[slots].reshape(b, -1, self.kernel - 1).clone()
-        rec = rec_buf[slots].clone()
-        conv_steps = conv.new_empty(b, most, *conv.shape[1:])
-        rec_steps = rec.new_empty(b, most, *rec.shape[1:])
+        conv0 = conv_buf[fb.state_indices].reshape(b, -1, self.kernel - 1)  # copies: the slots stay as they are
+        rec0 = rec_buf[fb.state_indices]
+        conv_steps = conv0.new_empty(b, most, *conv0.shape[1:])
+        rec_steps = rec0.new_empty(b, most, *rec0.shape[1:])
         o = torch.empty(mixed.shape[0], self.local_v, self.dv, dtype=mixed.dtype)
         for j in range(most):
             live = torch.tensor([i for i in range(b) if lens[i] > j], dtype=torch.int64)
             rows = starts[live] + j
-            oj, conv[live], s = self._step(conv[live], mixed[rows], g[rows], beta[rows], rec[live])
-            rec[live] = s.to(rec.dtype)
-            o[rows] = oj
-            conv_steps[live, j] = conv[live]
-            rec_steps[live, j] = rec[live]
+            conv, rec = (conv0[live], rec0[live]) if j == 0 else (conv_steps[live, j - 1], rec_steps[live, j - 1])
+            o[rows], conv_steps[live, j], rec_steps[live, j] = self._step(conv, mixed[rows], g[rows], beta[rows], rec)
         fb.extras.setdefault("verify_states", {})[self.layer_id] = (conv_steps, rec_steps)
         return o
 

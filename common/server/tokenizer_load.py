@@ -43,8 +43,9 @@ def _cache_path(path: str) -> str | None:
         if os.path.isfile(f):
             st = os.stat(f)
             h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    root = os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
-    return os.path.join(root, "tokenizer-classes", h.hexdigest()[:32] + ".json")
+    from common.models.default_model import cache_root
+
+    return os.path.join(cache_root(), "tokenizer-classes", h.hexdigest()[:32] + ".json")
 
 
 def load_tokenizer(path: str):
