@@ -53,7 +53,8 @@ class ForwardBatch:
         pipeline stage hands each on while it runs the next). A request cut between two ranges goes on
         in the next with the first part as its prefix: its KV is in the pool by then. Each range keeps
         the `logits_indices` inside it (local), so the ranges' logits, concatenated, are the batch's;
-        they must be in increasing order (the scheduler's are)."""
+        they must be in increasing order (the scheduler's are). A hybrid model's state slots go with their
+        requests (the state after the first part is in the slot when the next range runs)."""
         total = self.input_ids.numel()
         bounds = [round(i * total / n) for i in range(n + 1)]
         starts = [0]
@@ -73,5 +74,6 @@ class ForwardBatch:
             out.append(ForwardBatch(
                 self.mode, self.input_ids[lo:hi], self.positions[lo:hi], self.out_cache_loc[lo:hi],
                 self.req_pool_indices[rows], [p + m for p, m in zip(prefix, lens, strict=True)], prefix, lens,
-                self.kv_pool, self.req_to_token, logits_indices=local))
+                self.kv_pool, self.req_to_token, logits_indices=local,
+                state_indices=None if self.state_indices is None else self.state_indices[rows]))
         return out

@@ -49,21 +49,24 @@ class HybridSupport:
     def __init__(self, model, dtype: torch.dtype = torch.float32) -> None:
         self.model = model
         self.dtype = dtype
-        self.spec = model.state_spec() if hasattr(model, "state_spec") else None
+        # a model with recurrent state; `spec` is None for a pipeline stage without linear-attention layers
+        self.recurrent = bool(getattr(model, "is_hybrid", False))
+        self.spec = model.state_spec() if self.recurrent else None
         self.window = model.kv_window() if hasattr(model, "kv_window") else None
         self.state_pool: StatePool | None = None
 
     @property
     def has_state(self) -> bool:
+        """Whether this rank keeps state slots (a hybrid model's pipeline stage may hold none)."""
         return self.spec is not None
 
     @property
     def supports_radix_cache(self) -> bool:
-        return self.spec is None
+        return not self.recurrent
 
     @property
     def state_type(self) -> str:
-        if self.spec is not None:
+        if self.recurrent:
             return "mamba"
         return "swa" if self.window else "none"
 
@@ -106,6 +109,10 @@ class HybridSupport:
     def state_buffers(self) -> list[torch.Tensor]:
         """The state pool's tensors (`[slots, leading_dim, ...]`, one item per slot), empty without one."""
         return self.state_pool.buffers() if self.state_pool is not None else []
+
+    def state_layer_ids(self) -> list[int]:
+        """The model layer each state buffer belongs to (`state_buffers()` order)."""
+        return self.state_pool.buffer_layer_ids() if self.state_pool is not None else []
 
     def state_leading_dims(self) -> list[int]:
         """Leading dimension of each state buffer's item on this rank (the one split over TP ranks)."""

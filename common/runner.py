@@ -74,8 +74,11 @@ class ModelRunner:
         # hybrid models keep KV only for their attention layers (cfg.kv_layer_ids), and a state slot
         # per request row for the others (common/hybrid.py)
         self.hybrid = HybridSupport(self.model, self.dtype)
-        # a pipeline stage keeps the KV of its own layers
-        layer_ids = list(range(*self.model.layer_range)) if self.pp_size > 1 else cfg.kv_layer_ids or None
+        # a pipeline stage keeps the KV of its own layers (of a hybrid model: its full-attention ones, maybe none)
+        layer_ids = cfg.kv_layer_ids or None
+        if self.pp_size > 1:
+            start, end = self.model.layer_range
+            layer_ids = [i for i in (cfg.kv_layer_ids or range(cfg.num_layers)) if start <= i < end]
         # EAGLE / MTP: the draft layer keeps its KV as one more layer (id num_layers) of the same pages
         self.draft = None
         if args.draft_layers:

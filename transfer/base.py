@@ -162,6 +162,12 @@ class KVArgs:
     `aux_room_index` starts with the int64 bootstrap room, which the receiver checks.
     State buffers (hybrid models) hold one item per state slot (`state_item_lens[i]` bytes); the
     item's leading dimension (`state_dim_per_tensor[i]` on this rank) is split across TP ranks.
+    Layer ids: `kv_layer_ids[i]` is the model layer whose K and V are kv buffers i and layers + i
+    (default: 0, 1, ...), `state_layer_ids[j]` the layer state buffer j belongs to (the buffers of
+    one layer in the same order on every node). Transfers pair buffers by layer id, so a pipeline
+    stage, or a hybrid pool that holds only some layers, writes each layer into its place in the
+    decode rank's pools. A stage may hold no KV layer at all (`kv_head_bytes` then says what a head
+    of a page would be).
     """
 
     kv_data_ptrs: list[int]
@@ -185,7 +191,9 @@ class KVArgs:
     dp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
-    start_layer: int = 0
+    kv_layer_ids: list[int] = field(default_factory=list)  # empty: 0 .. layers - 1
+    state_layer_ids: list[int] = field(default_factory=list)  # empty: 0 .. state buffers - 1
+    kv_head_bytes: int = 0  # 0: from kv_item_lens (needed without kv buffers)
     total_kv_heads: int = 0  # 0: kv_head_num * tp_size
     model: str = ""
     kv_layout: str = KV_LAYOUT
@@ -194,7 +202,7 @@ class KVArgs:
     def __post_init__(self) -> None:
         if self.total_kv_heads == 0:
             self.total_kv_heads = self.kv_head_num * self.tp_size
-        if len(self.kv_data_ptrs) % 2 or not self.kv_data_ptrs:
+        if len(self.kv_data_ptrs) % 2:
             raise ValueError("kv_data_ptrs must list K then V buffers of each layer")
         if not (len(self.kv_data_ptrs) == len(self.kv_data_lens) == len(self.kv_item_lens)):
             raise ValueError("kv_data_ptrs, kv_data_lens and kv_item_lens must have equal length")
@@ -218,6 +226,19 @@ class KVArgs:
                              f"into {self.kv_head_num} heads per rank")
         if any(n % self.kv_head_num for n in self.kv_item_lens):
             raise ValueError("kv_item_lens must be a multiple of kv_head_num (head-major pages)")
+        if self.kv_item_lens:
+            per_head = self.kv_item_lens[0] // self.kv_head_num
+            if self.kv_head_bytes not in (0, per_head):
+                raise ValueError(f"kv_head_bytes {self.kv_head_bytes} differs from the pages' {per_head}")
+            self.kv_head_bytes = per_head
+        elif self.kv_head_bytes <= 0:
+            raise ValueError("kv_head_bytes is needed when the rank holds no kv buffers")
+        self.kv_layer_ids = list(self.kv_layer_ids) or list(range(self.num_layers))
+        self.state_layer_ids = list(self.state_layer_ids) or list(range(n_state))
+        if len(self.kv_layer_ids) != self.num_layers or len(set(self.kv_layer_ids)) != self.num_layers:
+            raise ValueError("kv_layer_ids must give one distinct layer id per kv layer")
+        if len(self.state_layer_ids) != n_state:
+            raise ValueError("state_layer_ids must give a layer id per state buffer")
 
     @property
     def num_layers(self) -> int:
@@ -225,7 +246,7 @@ class KVArgs:
 
     @property
     def head_bytes(self) -> int:
-        return self.kv_item_lens[0] // self.kv_head_num
+        return self.kv_head_bytes
 
     @classmethod
     def from_runner(cls, runner, metadata=None, **rank) -> KVArgs:
@@ -234,6 +255,7 @@ class KVArgs:
         the model's name; `rank` as in `from_pool`."""
         hybrid = runner.hybrid
         rank.setdefault("model", runner.model_config.name)
+        rank.setdefault("state_layer_ids", hybrid.state_layer_ids())
         return cls.from_pool(runner.kv_pool, metadata, hybrid.state_buffers(), hybrid.state_type,
                              hybrid.state_leading_dims() or None, **rank)
 
@@ -244,7 +266,8 @@ class KVArgs:
         and optional state tensors (`[num_slots, leading_dim, ...]` contiguous, one item per slot).
 
         `rank` takes the remaining fields: engine_rank, tp_size, dp_rank, dp_size, pp_rank, pp_size,
-        start_layer, model (and total_kv_heads if the pool's heads are not total / tp_size)."""
+        state_layer_ids, model (and total_kv_heads if the pool's heads are not total / tp_size). The kv
+        layer ids are the pool's."""
         bufs = kv_pool.buffers()
         if any(not b[0].is_contiguous() for b in bufs):
             raise ValueError("each page of a kv buffer must be contiguous")
@@ -262,6 +285,8 @@ class KVArgs:
             kv_data_lens=[(b.shape[0] - 1) * st + kv_pool.page_bytes for b, st in zip(bufs, strides, strict=True)],
             kv_item_lens=[kv_pool.page_bytes] * len(bufs),
             kv_head_num=kv_pool.kv_heads,
+            kv_head_bytes=kv_pool.head_bytes,
+            kv_layer_ids=list(kv_pool.layer_ids),
             page_size=kv_pool.page_size,
             kv_item_strides=strides,
             aux_data_ptrs=[a[0] for a in aux],

@@ -97,6 +97,8 @@ class RegisterPeer(msgspec.Struct, tag="register"):
     state_dims: list[int]
     page_size: int
     model: str
+    kv_layer_ids: list[int]  # the model layer of kv buffers i and layers + i
+    state_layer_ids: list[int]  # the model layer of each state buffer
     kv_num_pages: int = 0  # pages per kv buffer (page 0 is padding); 0: not sent (rejected)
     aux_num_rows: int = 0  # metadata rows per aux buffer
     state_num_slots: int = 0  # items per state buffer
@@ -158,7 +160,8 @@ def peer_registration(a: KVArgs, src: str, engine_desc: bytes) -> RegisterPeer:
         total_kv_heads=a.total_kv_heads, kv_ptrs=a.kv_data_ptrs,
         kv_item_lens=a.kv_item_lens, kv_item_strides=a.kv_item_strides, aux_ptrs=a.aux_data_ptrs,
         aux_item_lens=a.aux_item_lens, state_ptrs=a.state_data_ptrs, state_item_lens=a.state_item_lens,
-        state_dims=a.state_dim_per_tensor, page_size=a.page_size, model=a.model,
+        state_dims=a.state_dim_per_tensor, page_size=a.page_size, model=a.model, kv_layer_ids=a.kv_layer_ids,
+        state_layer_ids=a.state_layer_ids,
         kv_num_pages=(a.kv_data_lens[0] - a.kv_item_lens[0]) // a.kv_item_strides[0] + 1,
         aux_num_rows=_items(a.aux_data_lens, a.aux_item_lens),
         state_num_slots=_items(a.state_data_lens, a.state_item_lens))

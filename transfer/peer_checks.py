@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from transfer.plan import match_buffers
+
 if TYPE_CHECKING:
     from transfer.base import KVArgs
     from transfer.control import RegisterPeer, TransferInfo
@@ -107,9 +109,14 @@ def _check_kv(a: KVArgs, reg: RegisterPeer) -> str | None:
     n = len(reg.kv_ptrs)
     if n == 0 or n % 2 or n > MAX_BUFFERS:
         return _want(m, "kv_ptrs", f"{n} buffers", "K and V of every layer (2 x layers)")
-    layers = a.start_layer + a.num_layers
-    if (a.pp_size == 1 and n // 2 != layers) or n // 2 < layers:
-        return f"decode holds {n // 2} layers, prefill layers {a.start_layer}..{layers - 1}"
+    ids = reg.kv_layer_ids
+    if len(ids) != n // 2 or len(set(ids)) != len(ids) or not all(_int(i) and 0 <= i < MAX_BUFFERS for i in ids):
+        return _want(m, "kv_layer_ids", ids if len(ids) <= 16 else f"{len(ids)} ids",
+                     f"{n // 2} distinct layer ids (one per kv layer)")
+    missing = sorted(set(a.kv_layer_ids) - set(ids))
+    if missing or (a.pp_size == 1 and len(ids) != a.num_layers):
+        return f"decode holds kv layers {_few(ids)}, prefill kv layers {_few(a.kv_layer_ids)}" + (
+            " (each pipeline stage sends its own: the decode must hold every one of them)" if a.pp_size > 1 else "")
     if len(reg.kv_item_lens) != n or len(reg.kv_item_strides) != n:
         return (f"decode kv buffer description is inconsistent ({n} pointers, {len(reg.kv_item_lens)} item "
                 f"lengths, {len(reg.kv_item_strides)} strides)")
@@ -139,21 +146,36 @@ def _check_aux_state(a: KVArgs, reg: RegisterPeer) -> str | None:
         if p <= 0 or p + reg.aux_num_rows * ln > ADDRESS_LIMIT:
             return _want(m, f"aux_ptrs[{i}]", p, f"a buffer of {reg.aux_num_rows} rows inside the address space")
     ns = len(reg.state_ptrs)
-    if ns != len(a.state_data_ptrs):
+    if (ns != len(a.state_data_ptrs) and a.pp_size == 1) or ns < len(a.state_data_ptrs):
         return f"state buffer count mismatch: prefill {len(a.state_data_ptrs)}, decode {ns}"
-    if len(reg.state_item_lens) != ns or len(reg.state_dims) != ns:
+    if len(reg.state_item_lens) != ns or len(reg.state_dims) != ns or len(reg.state_layer_ids) != ns:
         return (f"decode state buffer description is inconsistent ({ns} pointers, {len(reg.state_item_lens)} "
-                f"item lengths, {len(reg.state_dims)} leading dimensions)")
+                f"item lengths, {len(reg.state_dims)} leading dimensions, {len(reg.state_layer_ids)} layer ids)")
+    if not all(_int(i) and 0 <= i < MAX_BUFFERS for i in reg.state_layer_ids):
+        return _want(m, "state_layer_ids", _few(reg.state_layer_ids), f"layer ids in 0..{MAX_BUFFERS - 1}")
+    pairs = match_buffers(a.state_layer_ids, reg.state_layer_ids)
+    if pairs is None:
+        return (f"decode state buffers of layers {_few(reg.state_layer_ids)} lack the prefill's "
+                f"{_few(a.state_layer_ids)}")
     if ns and not 1 <= reg.state_num_slots <= MAX_ITEMS:
         return _want(m, "state_num_slots", reg.state_num_slots, f"1..{MAX_ITEMS}")
     for j in range(ns):
-        ds, dd, dl = a.state_dim_per_tensor[j], reg.state_dims[j], reg.state_item_lens[j]
-        if dd < 1 or dl < 1 or dl % dd or ds * a.tp_size != dd * reg.tp_size or a.state_item_lens[j] // ds != dl // dd:
-            return f"state buffer {j} shape differs between prefill and decode"
+        dd, dl = reg.state_dims[j], reg.state_item_lens[j]
+        if dd < 1 or dl < 1 or dl % dd:
+            return f"decode state buffer {j} is inconsistent ({dl} bytes a slot, leading dimension {dd})"
         p = reg.state_ptrs[j]
         if p <= 0 or p + reg.state_num_slots * dl > ADDRESS_LIMIT:
             return _want(m, f"state_ptrs[{j}]", p, f"a buffer of {reg.state_num_slots} slots inside the address space")
+    for j, k in enumerate(pairs):
+        ds, dd, dl = a.state_dim_per_tensor[j], reg.state_dims[k], reg.state_item_lens[k]
+        if ds * a.tp_size != dd * reg.tp_size or a.state_item_lens[j] // ds != dl // dd:
+            return f"state buffer of layer {a.state_layer_ids[j]} differs in shape between prefill and decode"
     return None
+
+
+def _few(ids: list[int]) -> str:
+    """Layer ids for a message: all of a short list, the count of a long one."""
+    return str(list(ids)) if len(ids) <= 16 else f"{len(ids)} layers"
 
 
 def _check_overlaps(reg: RegisterPeer) -> str | None:

@@ -10,8 +10,12 @@ of buffer b at `base[b] + k * stride[b]`; state buffers hold one item per state 
 Head slices. Rank r of tp T holds kv heads [r*H/T, (r+1)*H/T). A (prefill, decode) pair of ranks
 whose head ranges overlap moves the overlapping heads of every page: a byte offset and length
 inside the item, the same for every page (pages are head-major, so a head slice is contiguous).
-State buffers are split along their leading dimension the same way. Prefill pp stages write their
-own layers at their `start_layer` into the decode rank's full set of layers.
+State buffers are split along their leading dimension the same way.
+
+Layers. Buffers pair up by model layer id (`KVArgs.kv_layer_ids`, `state_layer_ids`; the k-th state
+buffer of a layer with the k-th of that layer on the other side), not by position: a prefill pipeline
+stage writes its own layers into the decode rank's full set, and a hybrid model's pools, which hold
+only some of the layers, line up whatever their positions.
 
 Merging. The regions of a chunk are (page or head slice of a page) x (buffer), placed by each
 side's stride; sorted by source address, every region that starts where the previous one ends on
@@ -42,6 +46,26 @@ def ranks_overlapping(lo: int, hi: int, total: int, tp: int) -> list[int]:
     """Ranks of a tp-`tp` split of `total` units whose range overlaps [lo, hi)."""
     per = total // tp
     return [r for r in range(tp) if r * per < hi and (r + 1) * per > lo]
+
+
+def match_buffers(src_ids: list[int], dst_ids: list[int]) -> list[int] | None:
+    """For each source buffer (by its layer id), the index of the destination buffer of the same layer
+    (the k-th source buffer of a layer pairs with the k-th destination buffer of it); None when a layer
+    has fewer buffers on the destination side."""
+    seen: dict[int, int] = {}
+    places: dict[tuple[int, int], int] = {}
+    for i, lid in enumerate(dst_ids):
+        places[(lid, seen.get(lid, 0))] = i
+        seen[lid] = seen.get(lid, 0) + 1
+    seen.clear()
+    out = []
+    for lid in src_ids:
+        i = places.get((lid, seen.get(lid, 0)))
+        if i is None:
+            return None
+        out.append(i)
+        seen[lid] = seen.get(lid, 0) + 1
+    return out
 
 
 def union(ptrs: list[int], lens: list[int]) -> list[tuple[int, int]]:
@@ -85,6 +109,8 @@ def fuse_buffers(src_base: np.ndarray, dst_base: np.ndarray, src_stride: np.ndar
     `length` after this one on both sides, with the same strides) fused into one wider buffer: the
     merge `regions` would do for every page, done once per peer (page-first pool: 60 buffers -> 1).
     Returns the fused bases, strides and per-buffer lengths, in source order."""
+    if src_base.size == 0:  # a pipeline stage without kv layers
+        return src_base, dst_base, src_stride, dst_stride, np.zeros(0, dtype=np.int64)
     o = np.argsort(src_base, kind="stable")
     sb, db, ss, ds = src_base[o], dst_base[o], src_stride[o], dst_stride[o]
     follows = ((sb[:-1] + length == sb[1:]) & (db[:-1] + length == db[1:])
@@ -105,9 +131,8 @@ class PairPlan:
         self.kv_src_off = (g0 - p_lo) * hb
         self.kv_dst_off = (g0 - d_lo) * hb
         self.kv_len = (g1 - g0) * hb
-        n_src = args.num_layers
         n_dst = len(reg.kv_ptrs) // 2
-        layers = [args.start_layer + i for i in range(n_src)]
+        layers = match_buffers(args.kv_layer_ids, reg.kv_layer_ids)  # checked at registration
         dst_idx = layers + [n_dst + j for j in layers]
         self.kv = fuse_buffers(np.array(args.kv_data_ptrs, dtype=np.int64),
                                np.array([reg.kv_ptrs[j] for j in dst_idx], dtype=np.int64),
@@ -115,14 +140,15 @@ class PairPlan:
                                np.array([reg.kv_item_strides[j] for j in dst_idx], dtype=np.int64), self.kv_len)
         # state buffers: slice of the leading dimension, per buffer (contiguous: stride = item)
         self.state = []
-        for j, ptr in enumerate(args.state_data_ptrs):
-            ds, dd = args.state_dim_per_tensor[j], reg.state_dims[j]
+        for j, m in enumerate(match_buffers(args.state_layer_ids, reg.state_layer_ids)):
+            ptr = args.state_data_ptrs[j]
+            ds, dd = args.state_dim_per_tensor[j], reg.state_dims[m]
             unit = args.state_item_lens[j] // ds
             s_lo, d_lo_ = args.engine_rank * ds, reg.tp_rank * dd
             u0, u1 = overlap(s_lo, s_lo + ds, d_lo_, d_lo_ + dd)
-            self.state.append((np.array([ptr], dtype=np.int64), np.array([reg.state_ptrs[j]], dtype=np.int64),
+            self.state.append((np.array([ptr], dtype=np.int64), np.array([reg.state_ptrs[m]], dtype=np.int64),
                                np.array([args.state_item_lens[j]], dtype=np.int64),
-                               np.array([reg.state_item_lens[j]], dtype=np.int64),
+                               np.array([reg.state_item_lens[m]], dtype=np.int64),
                                (u0 - s_lo) * unit, (u0 - d_lo_) * unit, (u1 - u0) * unit))
         self.aux = list(zip(args.aux_data_ptrs, args.aux_item_lens, reg.aux_ptrs, reg.aux_item_lens, strict=True))
 

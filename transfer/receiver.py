@@ -305,8 +305,6 @@ class DecodeKVManager(KVManager):
             return None, f"kv head count mismatch: prefill {total}, decode {a.total_kv_heads}", True
         if total % ptp:
             return None, f"{total} kv heads cannot be split over prefill tp {ptp}", True
-        if a.state_data_ptrs and layout["pp_size"] > 1:
-            return None, "hybrid state transfer with prefill pipeline parallelism is not supported", True
         return layout, "", False
 
     def _targets(self, addr: str, layout: dict, dp: int) -> tuple[list[_Target] | None, str, bool]:

@@ -62,8 +62,8 @@ def build_kv_manager(args, runner, metadata: MetadataBuffers, tp_rank: int, tp_s
     stage's layers in DP group `dp_rank`, with the node's timeouts (flags win over the environment); a prefill rank passes its
     `bootstrap_addr`."""
     stage = {}
-    if getattr(runner, "pp_size", 1) > 1:  # a pipeline stage sends its own layers, at their place in the model
-        stage = {"pp_rank": runner.pp_rank, "pp_size": runner.pp_size, "start_layer": runner.model.layer_range[0]}
+    if getattr(runner, "pp_size", 1) > 1:  # a pipeline stage sends its own layers (KVArgs' layer ids place them)
+        stage = {"pp_rank": runner.pp_rank, "pp_size": runner.pp_size}
     kv_args = KVArgs.from_runner(runner, metadata, engine_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
                                  dp_size=getattr(args, "dp_size", 1), **stage)
     if role == "prefill":

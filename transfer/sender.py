@@ -91,8 +91,6 @@ class PrefillKVManager(KVManager):
     def __init__(self, args: KVArgs, backend: str | TransferEngine = "mooncake",
                  settings: TransferSettings | None = None, host: str = "127.0.0.1",
                  bootstrap_addr: str | None = None, **overrides) -> None:
-        if args.pp_size > 1 and args.state_data_ptrs:
-            raise ValueError("hybrid state transfer with prefill pipeline parallelism is not supported")
         if not bootstrap_addr:
             raise ValueError("a PrefillKVManager needs bootstrap_addr (its node's bootstrap server)")
         self.bootstrap_addr = bootstrap_addr
@@ -463,7 +461,7 @@ class PrefillKVManager(KVManager):
         if dst_pages.size and dst_pages.min() <= 0:
             raise TransferError("page 0 is the padding page and is never transferred")
         src, dst, lens = plan.kv_regions(chunk.pages, dst_pages)
-        if chunk.last:
+        if chunk.last and plan.state:  # (a pipeline stage of a hybrid model may hold no state)
             s_idx = chunk.state_indices if chunk.state_indices is not None else np.zeros(0, np.int64)
             if s_idx.size != len(info.state_indices):
                 raise TransferError(f"state slot count mismatch: prefill {s_idx.size}, decode tp {rank} "
@@ -472,6 +470,7 @@ class PrefillKVManager(KVManager):
             src += a
             dst += b
             lens += c
+        if chunk.last:
             if info.expects_metadata and plan.aux:
                 a, b, c = plan.aux_regions(metadata_index, info.metadata_index)
                 src += a

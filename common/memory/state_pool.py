@@ -81,6 +81,10 @@ class StatePool:
         """All buffers in a fixed order: conv of each layer, then recurrent of each layer."""
         return self.conv_buffers + self.recurrent_buffers
 
+    def buffer_layer_ids(self) -> list[int]:
+        """The layer id of each buffer of `buffers()`."""
+        return self.layer_ids + self.layer_ids
+
     @property
     def item_bytes(self) -> list[int]:
         """Bytes of one slot of each buffer of `buffers()`."""

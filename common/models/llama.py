@@ -8,26 +8,20 @@ identical full-vocab logits.
 `forward(fb)` runs the attention backend's `init_forward_metadata(fb)` itself when
 `fb.attn_metadata` is None (callers that build metadata ahead of time may do so; it is reused).
 
-Pipeline parallelism (`pp_rank` of `pp_size`): the stage holds the consecutive layers
-`layer_range(num_layers, pp_rank, pp_size)` (the others are parameterless `MissingLayer`s, so their
-checkpoint tensors have no place and are skipped); the first stage embeds, the others receive the
-hidden state and residual from the previous stage; every stage but the last sends them on and
-returns None, the last returns the logits. Embedding, final norm and lm_head exist on every stage. An
-extend batch runs as micro-batches of consecutive tokens (`micro_batches`): a stage sends one on
-without waiting and starts the next, so while stage 1 runs micro-batch 1, stage 0 runs micro-batch 2.
+Pipeline parallelism (`pp_rank` of `pp_size`, common/models/pipeline.py): the stage holds its
+`layer_range` of layers and runs its part of each forward with `forward_stage`. Embedding, final norm
+and lm_head exist on every stage.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.distributed import pp_isend, pp_recv
 from common.forward_batch import ForwardBatch, ForwardMode
 from common.layers.activation import silu_and_mul
 from common.layers.attention import TorchAttentionBackend
@@ -43,6 +37,7 @@ from common.layers.rotary import RotaryEmbedding
 from common.models.config import ModelConfig
 from common.models.decoder_stack import DecoderStack
 from common.models.mtp import MtpHead
+from common.models.pipeline import MissingLayer, forward_stage, layer_range
 
 logger = logging.getLogger(__name__)
 
@@ -126,37 +121,6 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-# tokens of one micro-batch at least when a pipeline stage splits an extend batch
-# (PDSERVE_PP_MICRO_TOKENS); at most MAX_MICRO_BATCHES per forward
-PP_MICRO_TOKENS = int(os.environ.get("PDSERVE_PP_MICRO_TOKENS", "64"))
-MAX_MICRO_BATCHES = 8
-
-
-def micro_batches(fb: ForwardBatch, pp_size: int) -> int:
-    """How many micro-batches a pipelined forward of `fb` runs: extend batches of at least two micro-batches'
-    tokens, whose logits rows are in increasing order; 1 otherwise."""
-    if fb.mode != ForwardMode.EXTEND or pp_size == 1:
-        return 1
-    idx = fb.logits_indices
-    if idx is not None and idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-        return 1
-    return max(1, min(MAX_MICRO_BATCHES, fb.input_ids.numel() // max(PP_MICRO_TOKENS, 1)))
-
-
-def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """The layers [start, end) of pipeline stage `pp_rank`: consecutive, the first stages one longer when
-    they do not divide evenly."""
-    if not 1 <= pp_size <= num_layers:
-        raise ValueError(f"{num_layers} layers cannot be split into {pp_size} pipeline stages")
-    per, extra = divmod(num_layers, pp_size)
-    start = pp_rank * per + min(pp_rank, extra)
-    return start, start + per + (pp_rank < extra)
-
-
-class MissingLayer(nn.Module):
-    """A layer another pipeline stage runs: no parameters here."""
-
-
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, tp_rank: int, tp_size: int,
                  tp_group, dtype: torch.dtype, layers: tuple[int, int] | None = None) -> None:
@@ -230,41 +194,13 @@ class LlamaForCausalLM(nn.Module):
         return final_logits(self, h, residual, fb)
 
     def _forward_stage(self, fb: ForwardBatch) -> torch.Tensor | None:
-        """This pipeline stage's part of a forward: an extend batch runs as micro-batches (consecutive
-        token ranges, `ForwardBatch.token_slices`), each handed to the next stage without waiting, so the
-        stages work on different micro-batches at once; the last stage returns the logits."""
-        if fb.mode == ForwardMode.EXTEND and fb.logits_indices is None:
-            fb.logits_indices = fb.last_token_indices()
-        parts = [fb]
-        n = micro_batches(fb, self.pp_size)
-        if n > 1:
-            parts = fb.token_slices(n)
-            self.micro_batches += n
-        last = self.pp_rank == self.pp_size - 1
-        start, end = self.layer_range
-        weight = self.model.embed_tokens.weight
-        sent, logits = [], []
-        for part in parts:
-            if part.attn_metadata is None:
-                self.attn_backend.init_forward_metadata(part)
-            cos, sin = self.rotary.cos_sin(part.positions)
-            if self.pp_rank == 0:
-                h, residual = F.embedding(part.input_ids, weight), None
-            else:  # the previous stage's hidden state and residual
-                h = torch.empty(part.input_ids.numel(), weight.shape[1], dtype=weight.dtype)
-                residual = torch.empty_like(h)
-                pp_recv([h, residual], self.pp_rank - 1)
+        def run_layers(h, residual, cos, sin, part):
             for layer in self.model.layers[start:end]:
                 h, residual = layer(h, residual, cos, sin, part)
-            if not last:
-                sent.append(pp_isend([h, residual], self.pp_rank + 1))
-            elif part.logits_indices is None or part.logits_indices.numel():
-                logits.append(final_logits(self, h, residual, part))
-        for pending in sent:
-            pending.wait()
-        if not last:
-            return None
-        return logits[0] if len(logits) == 1 else torch.cat(logits)
+            return h, residual
+
+        start, end = self.layer_range
+        return forward_stage(self, fb, run_layers, final_logits)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -103,9 +103,6 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
     files = safetensors_files(model_dir)
     stage = {}
     if pp_size > 1:
-        if cls not in LLAMA_FAMILY and cls not in SLIDING_WINDOW_ARCHITECTURES.values():
-            raise ModelLoadError(f"--pp-size: pipeline parallelism supports Llama-family models (sliding windows "
-                                 f"included), not {config.architecture} (recurrent state)")
         if pp_size > config.num_layers:
             raise ModelLoadError(f"--pp-size {pp_size}: {config.name} has only {config.num_layers} layers")
         stage = {"pp_rank": pp_rank, "pp_size": pp_size}

@@ -26,6 +26,10 @@ Use (common/hybrid.py): the runner builds `StatePool(rows, *model.state_spec().p
 it to the `ReqToTokenPool` (a row's state slot is taken and returned with the row) and calls
 `model.bind_state_pool(pool)`; its forward sets `fb.state_indices` from the batch's rows. The radix
 cache is off for this model (a cached KV prefix does not recover the recurrent state at that position).
+
+Pipeline parallelism (`pp_rank` of `pp_size`, common/models/pipeline.py): a stage holds its
+`layer_range` of layers, so its KV pool holds the full-attention layers in that range (possibly none)
+and its state pool the linear-attention layers in it (possibly none: `state_spec()` is None).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from common.memory.state_pool import StatePool
 from common.models.config import ModelConfig, ModelConfigError
 from common.models.llama import LlamaForCausalLM, LlamaMLP, final_logits, load_checkpoint
 from common.models.mtp import MtpHead
+from common.models.pipeline import MissingLayer, forward_stage, layer_range
 
 logger = logging.getLogger(__name__)
 
@@ -422,14 +427,14 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 class Qwen3_5TextModel(nn.Module):
     def __init__(self, cfg: ModelConfig, types: list[str], backend: TorchAttentionBackend, rotary_dim: int,
-                 tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype) -> None:
+                 tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype, layers: tuple[int, int]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_tokens.weight.weight_loader = default_weight_loader
         self.layers = nn.ModuleList(
             Qwen3_5DecoderLayer(cfg, i, types[i], backend, rotary_dim, tp_rank, tp_size, tp_group, dtype)
-            for i in range(cfg.num_layers))
+            if layers[0] <= i < layers[1] else MissingLayer() for i in range(cfg.num_layers))
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -447,13 +452,18 @@ class Qwen3_5ForCausalLM(nn.Module):
     skipped_prefixes = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-                 dtype: torch.dtype = torch.float32, draft_layers: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, pp_rank: int = 0, pp_size: int = 1,
+                 draft_layers: bool = False) -> None:
         super().__init__()
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.layer_range = start, end = layer_range(config.num_layers, pp_rank, pp_size)
+        self.micro_batches = 0  # run by pipelined forwards (in forwards cut into more than one)
         self.layer_types = layer_types_of(config)
         config.kv_layer_ids = [i for i, t in enumerate(self.layer_types) if t == FULL]
-        self.linear_layer_ids = [i for i, t in enumerate(self.layer_types) if t == LINEAR]
+        # this stage's linear-attention layers (all of them without pipeline stages)
+        self.linear_layer_ids = [i for i, t in enumerate(self.layer_types) if t == LINEAR and start <= i < end]
         factor, theta = _rope_params(config)
         rotary_dim = int(config.head_dim * factor)
         if rotary_dim % 2 or rotary_dim <= 0:
@@ -463,7 +473,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                                                   config.head_dim)
         self.rotary = RotaryEmbedding(rotary_dim, config.context_length, theta, dtype=dtype)
         self.model = Qwen3_5TextModel(config, self.layer_types, self.attn_backend, rotary_dim, tp_rank, tp_size,
-                                      tp_group, dtype)
+                                      tp_group, dtype, self.layer_range)
         self.lm_head = None if config.tie_word_embeddings else ReplicatedLinear(config.hidden_size,
                                                                                 config.vocab_size, dtype=dtype)
         self.state_pool: StatePool | None = None
@@ -476,7 +486,10 @@ class Qwen3_5ForCausalLM(nn.Module):
             self.skipped_prefixes = tuple(p for p in self.skipped_prefixes if "mtp." not in p)
 
     # ------------------------------------------------------------------ state
-    def state_spec(self) -> StateSpec:
+    def state_spec(self) -> StateSpec | None:
+        """The state pool this model (this pipeline stage) needs; None when it has no linear-attention layer."""
+        if not self.linear_layer_ids:
+            return None
         first = self.model.layers[self.linear_layer_ids[0]].linear_attn
         return StateSpec(list(self.linear_layer_ids), first.conv_shape, first.recurrent_shape)
 
@@ -496,14 +509,21 @@ class Qwen3_5ForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         if self.linear_layer_ids and self.state_pool is None:
             raise RuntimeError("Qwen3.5 needs a state pool: call bind_state_pool() first")
+        if self.pp_size > 1:
+            return forward_stage(self, fb, self._run_layers, final_logits)
         if fb.attn_metadata is None:
             self.attn_backend.init_forward_metadata(fb)
         h = F.embedding(fb.input_ids, self.model.embed_tokens.weight)
         cos, sin = self.rotary.cos_sin(fb.positions)
-        residual = None
-        for layer in self.model.layers:
-            h, residual = layer(h, residual, cos, sin, fb, self.state_pool)
+        h, residual = self._run_layers(h, None, cos, sin, fb)
         return final_logits(self, h, residual, fb)
+
+    def _run_layers(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                    fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self.layer_range
+        for layer in self.model.layers[start:end]:
+            h, residual = layer(h, residual, cos, sin, fb, self.state_pool)
+        return h, residual
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -2,7 +2,9 @@
 127.0.0.1 (real processes, real transfer engines). Greedy tokens equal transformers' `generate` for
 prompts spanning several chunks (and longer than the window); the hybrid model's conv and recurrent
 state travel with the last chunk (mooncake, nixl, ucx; prefill tp 2 -> decode tp 1 slices the state by
-heads; speculating decode nodes roll it back, with n-grams and with the checkpoint's draft layers), the sliding-window model's transfer carries only the window's pages (from a prefill node of two
+heads; speculating decode nodes roll it back, with n-grams and with the checkpoint's draft layers; a prefill
+node of two pipeline stages sends each stage's layers, one of them without any KV layer), the sliding-window
+model's transfer carries only the window's pages (from a prefill node of two
 pipeline stages too, each sending its own layer's window). After every test both
 nodes are back at their starting free KV pages, request rows, metadata slots and state slots."""
 
@@ -178,6 +180,37 @@ def test_qwen35_draft_layers_across_pd(tmp_path, launcher):
     assert pair.decode.stats()["spec_verify_steps"] > 0
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
     assert _state_free(pair) == states
+
+
+# a prefill node of two pipeline stages (4 layers: linear, linear | full, linear): stage 0 holds no KV layer and
+# sends only its two layers' state, stage 1 layer 2's KV and layer 3's state; the decode's pools pair them by
+# layer id. With tp 2 each stage's ranks send their halves of the heads and of the state. Chunks of 16 run as
+# micro-batches of 8, so a request's state crosses micro-batches inside a forward as well as chunks
+@pytest.mark.parametrize("backend,prefill_tp", [
+    pytest.param(b, tp, marks=pytest.mark.backend(b), id=f"{b}-pp2-tp{tp}") for b, tp in (("mooncake", 2), ("nixl", 1))])
+def test_qwen35_prefill_stages_send_their_own_layers(qwen35, launcher, backend, prefill_tp):
+    pair = _pair(launcher, qwen35[0], backend, prefill_tp=prefill_tp, prefill_pp=2,
+                 env={"PDSERVE_PP_MICRO_TOKENS": "8"})
+    start = pair.start_counts()
+    states = _state_free(pair)
+    _check_greedy(pair, qwen35[1], prompts(3, seed=8))
+    assert pair.prefill.stats()["pp_micro_batches"] > 0
+    assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
+    assert _state_free(pair) == states
+
+
+# the same two stages serving on their own (colocated): decode steps cross both stages, each stage's rows keep
+# the state of its own linear-attention layers
+def test_qwen35_colocated_stages(qwen35, launcher):
+    import json
+
+    from tests.harness.client import http_post
+
+    node = launcher.colocated(qwen35[0], pp_size=2, chunked_prefill_size=CHUNK, env={"PDSERVE_PP_MICRO_TOKENS": "8"})
+    for p in prompts(2, seed=9):
+        status, raw = http_post(node.url + "/generate", {"input_ids": p, "sampling_params": greedy(8)})
+        assert status == 200 and json.loads(raw)["output_ids"] == hf_greedy(qwen35[1], p, 8), (len(p), raw)
+    assert node.stats()["pp_micro_batches"] > 0
 
 
 # nixl with prefill tp 2 (each rank sends its half of the heads), mooncake with two pipeline stages on the

@@ -6,6 +6,8 @@
   (the cluster of issue 18's "done means": PP prefill, DP decode); both nodes end with the pages and
   slots they started with;
 * the flag's refusals name it.
+
+Hybrid (Qwen3.5-style) and sliding-window models run stages too: tests/hybrid/test_hybrid_pd.py.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from common.config import ConfigError, ServerArgs
-from common.models.llama import layer_range
+from common.models.pipeline import layer_range
 from tests.harness.pd import assert_restored, greedy, hf_greedy, hf_model, make_prompts
 
 
@@ -47,17 +49,6 @@ def test_prefill_stages_send_their_own_layers(make_tiny_model, module_launcher, 
     assert all(g["forward_ct"] > 0 for g in pair.decode.stats()["dp"])  # consecutive rooms: both groups
     assert pair.prefill.stats()["pp_micro_batches"] > 0  # the chunks ran pipelined
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
-
-
-@pytest.mark.parametrize("make, words", [("qwen3_5", "Qwen3_5ForCausalLM")])
-def test_models_without_stages_are_refused_at_load(tmp_path, make, words):
-    # sliding-window models run stages: tests/hybrid/test_hybrid_pd.py (mooncake, prefill pp 2)
-    from common.models.loader import ModelLoadError, load_model
-    from tests.hybrid import hybrid_harness
-
-    getattr(hybrid_harness, f"make_{make}")(str(tmp_path))
-    with pytest.raises(ModelLoadError, match=f"--pp-size: pipeline parallelism supports .*{words}"):
-        load_model(str(tmp_path), pp_rank=0, pp_size=2)
 
 
 def test_bench_pp_ratios_and_refusals():

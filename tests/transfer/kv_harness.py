@@ -60,6 +60,8 @@ class SplitPool:
         self.page_size, self.kv_heads, self.num_layers = page_size, kv_heads, num_layers
         self._bufs = [torch.zeros((num_pages, kv_heads, page_size, head_dim)) for _ in range(2 * num_layers)]
         self.page_bytes = self._bufs[0][0].numel() * self._bufs[0].element_size()
+        self.head_bytes = self.page_bytes // kv_heads
+        self.layer_ids = list(range(num_layers))
 
     def k(self, layer: int):
         return self._bufs[layer]

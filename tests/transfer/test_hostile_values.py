@@ -124,7 +124,13 @@ def _reg_cases():
         "aux item lengths": (lambda p: {"aux_item_lens": [n * 2 for n in base(p).aux_item_lens]}, "metadata buffer"),
         "tp rank": (lambda p: {"tp_rank": 5}, "tp_rank = 5"),
         "heads per rank": (lambda p: {"kv_head_num": 3}, "kv_head_num = 3"),
-        "state shape": (lambda p: {"state_item_lens": [n + 4 for n in base(p).state_item_lens]}, "state buffer 0"),
+        "state shape": (lambda p: {"state_item_lens": [n + 4 for n in base(p).state_item_lens]}, "state buffer"),
+        "kv layer ids repeated": (lambda p: {"kv_layer_ids": [0] * len(base(p).kv_layer_ids)}, "kv_layer_ids"),
+        "kv layer ids short": (lambda p: {"kv_layer_ids": base(p).kv_layer_ids[1:]}, "kv_layer_ids"),
+        "kv layer id negative": (lambda p: {"kv_layer_ids": [-1] + base(p).kv_layer_ids[1:]}, "kv_layer_ids"),
+        "other kv layers": (lambda p: {"kv_layer_ids": [i + 1 for i in base(p).kv_layer_ids]}, "decode holds kv layers"),
+        "state of another layer": (lambda p: {"state_layer_ids": [9] * len(base(p).state_layer_ids)}, "lack the prefill"),
+        "state layer ids short": (lambda p: {"state_layer_ids": []}, "layer ids)"),
     }
 
 

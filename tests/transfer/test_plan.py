@@ -123,14 +123,53 @@ def test_ranks_overlapping_head_ranges():
     assert ranks_overlapping(3, 5, 8, 4) == [1, 2]
 
 
-def test_pipeline_stage_writes_its_layers_at_start_layer():
+def test_pipeline_stage_writes_its_layers_at_their_layer_ids():
     """A prefill pp stage holding layers 2, 3 writes into K2, K3, V2, V3 of a 4-layer decode rank."""
     item = 64
-    pa = _args([10000, 20000, 30000, 40000], item, 4, start_layer=2, pp_rank=1, pp_size=2)  # K2 K3 V2 V3
+    pa = _args([10000, 20000, 30000, 40000], item, 4, kv_layer_ids=[2, 3], pp_rank=1, pp_size=2)  # K2 K3 V2 V3
     decode_ptrs = [1 << 20, 2 << 20, 3 << 20, 4 << 20, 5 << 20, 6 << 20, 7 << 20, 8 << 20]  # K0..K3 V0..V3
     src, dst, lens = _plan(pa, _args(decode_ptrs, item, 4)).kv_regions(_i64(1), _i64(2))
     assert _rows(src, dst, lens) == [(p + item, q + 2 * item, item)
                                      for p, q in zip(pa.kv_data_ptrs, [3 << 20, 4 << 20, 7 << 20, 8 << 20], strict=True)]
+
+
+def test_hybrid_stage_pairs_kv_and_state_buffers_by_layer_id():
+    """A hybrid model (layers 0, 1, 3 linear, 2 and 5 full attention) split into stages: the decode pool holds
+    K/V of layers [2, 5] and conv + recurrent state of [0, 1, 3]. Stage 1 (layers 3..5) writes its K5/V5 into
+    the decode's second kv layer and its layer-3 state into the decode's third conv and recurrent buffers;
+    stage 0 (layers 0..2, no state of layer 3, no kv layer 5) pairs too, and a stage without kv layers has
+    no kv regions at all."""
+    from common.memory.state_pool import StatePool
+    from transfer.plan import match_buffers
+
+    assert match_buffers([5, 3, 3], [2, 3, 5, 3]) == [2, 1, 3] and match_buffers([4], [2, 3]) is None
+    assert match_buffers([3, 3], [3]) is None  # a layer's second buffer has no counterpart
+    item = 64
+    decode = _args([1 << 20, 2 << 20, 3 << 20, 4 << 20], item, 4, kv_layer_ids=[2, 5],
+                   state_data_ptrs=[10 << 20, 11 << 20, 12 << 20, 13 << 20, 14 << 20, 15 << 20],
+                   state_data_lens=[800] * 6, state_item_lens=[100] * 6, state_dim_per_tensor=[2] * 6,
+                   state_layer_ids=StatePool(1, [0, 1, 3], (2, 5), (2, 5)).buffer_layer_ids(), state_type="mamba")
+    assert decode.state_layer_ids == [0, 1, 3, 0, 1, 3]
+    stage1 = _args([100000, 200000], item, 4, kv_layer_ids=[5], pp_rank=1, pp_size=2,
+                   state_data_ptrs=[50000, 60000], state_data_lens=[800] * 2, state_item_lens=[100] * 2,
+                   state_dim_per_tensor=[2] * 2, state_layer_ids=[3, 3], state_type="mamba")
+    plan = _plan(stage1, decode)
+    assert _rows(*plan.kv_regions(_i64(1), _i64(2))) == [(100000 + item, (2 << 20) + 2 * item, item),
+                                                         (200000 + item, (4 << 20) + 2 * item, item)]
+    assert _rows(*plan.state_regions(_i64(1), _i64(4))) == [(50100, (12 << 20) + 400, 100),
+                                                            (60100, (15 << 20) + 400, 100)]
+    stage0 = KVArgs(kv_data_ptrs=[], kv_data_lens=[], kv_item_lens=[], kv_head_num=4, kv_head_bytes=item // 4,
+                    page_size=4, pp_size=2, state_data_ptrs=[70000, 80000, 90000, 95000], state_data_lens=[800] * 4,
+                    state_item_lens=[100] * 4, state_dim_per_tensor=[2] * 4, state_layer_ids=[0, 1, 0, 1],
+                    state_type="mamba")
+    plan = _plan(stage0, decode)
+    assert plan.kv_regions(_i64(1, 2), _i64(3, 4)) == ([], [], [])
+    assert [d for _, d, _ in _rows(*plan.state_regions(_i64(1), _i64(1)))] == [
+        (10 << 20) + 100, (11 << 20) + 100, (13 << 20) + 100, (14 << 20) + 100]
+    with pytest.raises(ValueError, match="kv_head_bytes"):
+        KVArgs(kv_data_ptrs=[], kv_data_lens=[], kv_item_lens=[], kv_head_num=4, page_size=4)
+    with pytest.raises(ValueError, match="kv_layer_ids"):
+        _args([1, 2], item, 4, kv_layer_ids=[0, 1])
 
 
 def _state_args(ptr: int, dim: int, rank: int, tp: int) -> KVArgs:

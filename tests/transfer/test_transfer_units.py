@@ -96,10 +96,11 @@ def test_kvargs_from_runner_takes_the_state_the_model_reports():
     """The transfer layer builds its args from neutral facts of `common.hybrid.HybridSupport`."""
     pool, meta = KVPool(8, 4, 2, 2, 16), MetadataBuffers(4)
     state = torch.zeros((3, 6, 5))
-    mamba = SimpleNamespace(state_buffers=lambda: [state], state_type="mamba", state_leading_dims=lambda: [6])
+    mamba = SimpleNamespace(state_buffers=lambda: [state], state_type="mamba", state_leading_dims=lambda: [6],
+                            state_layer_ids=lambda: [7])
     for hybrid, want in [
         (mamba, KVArgs.from_pool(pool, meta, [state], state_type="mamba", state_dim_per_tensor=[6], engine_rank=1,
-                                 tp_size=2, model="m")),
+                                 tp_size=2, model="m", state_layer_ids=[7])),
         (HybridSupport(object()), KVArgs.from_pool(pool, meta, engine_rank=1, tp_size=2, model="m")),
         (HybridSupport(_Window()), KVArgs.from_pool(pool, meta, state_type="swa", engine_rank=1, tp_size=2, model="m")),
     ]:
