@@ -86,7 +86,7 @@ class ServerArgs:
         1, "pipeline parallel size: the model's layers split into this many consecutive stages, each run by "
         "--tp-size ranks of its own; a forward passes the hidden states from stage to stage, the last stage "
         "samples and every rank learns the tokens. Colocated and prefill nodes (a prefill node's stages each "
-        "send their own layers' KV to the decode ranks); Llama-family models", ("--pp-size", "--pp"))
+        "send their own layers' KV and recurrent state to the decode ranks); every model family", ("--pp-size", "--pp"))
     dist_port: int | None = _f(None, "port of the torch.distributed rendezvous (default: a free port)")
     num_threads: int | None = _f(None, "torch threads per rank (default: the cores of its DP group / tp)")
     # memory
