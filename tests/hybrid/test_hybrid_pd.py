@@ -166,13 +166,14 @@ def test_qwen35_prefill_tp2_to_decode_tp1(qwen35, launcher, tmp_path):
 
 # EAGLE / MTP on both sides: the prefill runs the draft layer (one more KV layer of the pool) over the prompt
 # and sends the first draft and its hidden state with the first token and the state; the decode's first
-# step verifies a chain from them, and rejected chains roll the recurrent state back
-@pytest.mark.backend("mooncake")
+# step verifies a chain from them, and rejected chains roll the recurrent state back. Over ucx (mooncake
+# carries MTP in tests/pd/test_pd_mtp.py)
+@pytest.mark.backend("ucx")
 def test_qwen35_draft_layers_across_pd(tmp_path, launcher):
     path, hf = _with_tokenizer(make_qwen3_5, tmp_path, seed=7)
     add_draft_layers(path, seed=7)
     mtp = {"speculative_algorithm": "MTP", "speculative_num_steps": 2}
-    pair = launcher.pair(path, "mooncake", prefill_settings={"chunked_prefill_size": CHUNK, **mtp},
+    pair = launcher.pair(path, "ucx", prefill_settings={"chunked_prefill_size": CHUNK, **mtp},
                          decode_settings={"chunked_prefill_size": CHUNK, **mtp})
     start = pair.start_counts()
     states = _state_free(pair)
@@ -186,11 +187,10 @@ def test_qwen35_draft_layers_across_pd(tmp_path, launcher):
 # sends only its two layers' state, stage 1 layer 2's KV and layer 3's state; the decode's pools pair them by
 # layer id. With tp 2 each stage's ranks send their halves of the heads and of the state. Chunks of 16 run as
 # micro-batches of 8, so a request's state crosses micro-batches inside a forward as well as chunks
-@pytest.mark.parametrize("backend,prefill_tp", [
-    pytest.param(b, tp, marks=pytest.mark.backend(b), id=f"{b}-pp2-tp{tp}") for b, tp in (("mooncake", 2), ("nixl", 1))])
-def test_qwen35_prefill_stages_send_their_own_layers(qwen35, launcher, backend, prefill_tp):
-    pair = _pair(launcher, qwen35[0], backend, prefill_tp=prefill_tp, prefill_pp=2,
-                 env={"PDSERVE_PP_MICRO_TOKENS": "8"})
+# (stages over nixl: tests/pd/test_pd_pp.py)
+@pytest.mark.backend("mooncake")
+def test_qwen35_prefill_stages_send_their_own_layers(qwen35, launcher):
+    pair = _pair(launcher, qwen35[0], "mooncake", prefill_tp=2, prefill_pp=2, env={"PDSERVE_PP_MICRO_TOKENS": "8"})
     start = pair.start_counts()
     states = _state_free(pair)
     _check_greedy(pair, qwen35[1], prompts(3, seed=8))

@@ -2,7 +2,8 @@
 
 * a prefill node with two stages of two TP ranks each (a tiny Qwen2: q/k/v biases; chunks run as
   micro-batches of 8 tokens): every (stage, TP) rank registers with the bootstrap server and sends its
-  own layers' share of heads to a decode node of two DP groups, which answers as transformers does
+  own layers' share of heads over nixl (mooncake carries stages in tests/hybrid/test_hybrid_pd.py) to a
+  decode node of two DP groups, which answers as transformers does
   (the cluster of issue 18's "done means": PP prefill, DP decode); both nodes end with the pages and
   slots they started with;
 * the flag's refusals name it.
@@ -37,7 +38,7 @@ def test_pp_size_refusals_name_the_flag():
 
 def test_prefill_stages_send_their_own_layers(make_tiny_model, module_launcher, pd_tok):
     model_dir = make_tiny_model("qwen2")
-    pair = module_launcher.pair(model_dir, "mooncake", prefill_tp=2, env={"PDSERVE_PP_MICRO_TOKENS": "8"},
+    pair = module_launcher.pair(model_dir, "nixl", prefill_tp=2, env={"PDSERVE_PP_MICRO_TOKENS": "8"},
                                 prefill_settings={"pp_size": 2}, decode_settings={"dp_size": 2})
     start = pair.start_counts()
     hf = hf_model(model_dir)
