@@ -65,7 +65,7 @@ def _pair(launcher: Launcher, model: str, backend: str, prefill_tp: int = 1, dp_
     settings = {"chunked_prefill_size": CHUNK, "dp_size": dp_size}
     # two groups per node put four scheduler processes and their engines on the test machine's cores: a
     # heartbeat window of 3 s (not the fast suite's 1.2 s) so a busy moment is not a dead peer
-    if dp_size > 1:
+    if max(dp_size, (decode_extra or {}).get("dp_size", 1)) > 1:
         env = {**(env or {}), "PDSERVE_HEARTBEAT_MAX_FAILURES": "10"}
     return launcher.pair(model, backend, prefill_tp=prefill_tp, decode_tp=1, env=env,
                          prefill_settings={**settings, "pp_size": prefill_pp},
@@ -187,14 +187,17 @@ def test_qwen35_draft_layers_across_pd(tmp_path, launcher):
 # sends only its two layers' state, stage 1 layer 2's KV and layer 3's state; the decode's pools pair them by
 # layer id. With tp 2 each stage's ranks send their halves of the heads and of the state. Chunks of 16 run as
 # micro-batches of 8, so a request's state crosses micro-batches inside a forward as well as chunks
-# (stages over nixl: tests/pd/test_pd_pp.py)
-@pytest.mark.backend("mooncake")
+# Over ucx, to a decode node of two DP groups (stages over nixl: tests/pd/test_pd_pp.py; over mooncake: the
+# sliding-window test below)
+@pytest.mark.backend("ucx")
 def test_qwen35_prefill_stages_send_their_own_layers(qwen35, launcher):
-    pair = _pair(launcher, qwen35[0], "mooncake", prefill_tp=2, prefill_pp=2, env={"PDSERVE_PP_MICRO_TOKENS": "8"})
+    pair = _pair(launcher, qwen35[0], "ucx", prefill_tp=2, prefill_pp=2, decode_extra={"dp_size": 2},
+                 env={"PDSERVE_PP_MICRO_TOKENS": "8"})
     start = pair.start_counts()
     states = _state_free(pair)
     _check_greedy(pair, qwen35[1], prompts(3, seed=8))
     assert pair.prefill.stats()["pp_micro_batches"] > 0
+    assert all(g["forward_ct"] > 0 for g in pair.decode.stats()["dp"])  # consecutive rooms: both groups
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
     assert _state_free(pair) == states
 

@@ -2,8 +2,8 @@
 
 * a prefill node with two stages of two TP ranks each (a tiny Qwen2: q/k/v biases; chunks run as
   micro-batches of 8 tokens): every (stage, TP) rank registers with the bootstrap server and sends its
-  own layers' share of heads over nixl (mooncake carries stages in tests/hybrid/test_hybrid_pd.py) to a
-  decode node of two DP groups, which answers as transformers does
+  own layers' share of heads over nixl (tests/hybrid/test_hybrid_pd.py has stages over ucx, to two decode
+  DP groups as here, and over mooncake) to a decode node of two DP groups, which answers as transformers does
   (the cluster of issue 18's "done means": PP prefill, DP decode); both nodes end with the pages and
   slots they started with;
 * the flag's refusals name it.
