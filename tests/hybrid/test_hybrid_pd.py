@@ -87,9 +87,9 @@ def _check_greedy(pair: PDPair, hf, ps: list[list[int]], n: int = 8) -> None:
 
 @pytest.fixture(scope="module", params=backend_params("mooncake", "nixl", "ucx"))
 def qwen35_pair(request, qwen35, module_launcher):
-    # mooncake: both nodes with two DP groups (consecutive rooms alternate between them). Not ucx: two CI
-    # runs saw a ucx pair of DP groups stall two minutes between the decode's registration and its
-    # TransferInfo (released only by the client's abort); see the stop-30 note
+    # mooncake: both nodes with two DP groups (consecutive rooms alternate between them). Not ucx: with DP
+    # groups on the prefill node a group's first ucx transfer sometimes never completes (README,
+    # "Disaggregated serving by hand", known problem); ucx to a decode node of two groups is tested below
     pair = _pair(module_launcher, qwen35[0], request.param, dp_size=2 if request.param == "mooncake" else 1)
     yield pair
     pair.stop()  # now, not at the end of the module: one backend's pair at a time
