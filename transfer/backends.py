@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from transfer.engine import BackendUnavailable, TransferEngine
+from transfer.engine import BackendUnavailable, TransferEngine, spread_over_node, thread_ids
 
 BACKENDS = {
     "fake": ("transfer.fake", "FakeEngine"),
@@ -34,7 +34,8 @@ def create_engine(name: str, hostname: str = "127.0.0.1", settings=None) -> Tran
     """Construct the named engine; `settings` (TransferSettings) supplies device names / protocol."""
     cls = get_engine_class(name)
     device = (settings.device_name or None) if settings is not None else None
-    if name == "mooncake":
-        protocol = settings.protocol if settings is not None else "tcp"
-        return cls(hostname=hostname, device_name=device, protocol=protocol)
-    return cls(hostname=hostname, device_name=device)
+    extra = {"protocol": settings.protocol if settings is not None else "tcp"} if name == "mooncake" else {}
+    before = thread_ids()
+    engine = cls(hostname=hostname, device_name=device, **extra)
+    spread_over_node(thread_ids() - before)  # the engine's own threads: off a DP group's core share
+    return engine

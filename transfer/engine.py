@@ -128,3 +128,29 @@ def ucx_net_devices(host: str) -> tuple[str | None, str]:
         return None, f"no local interface holds {host}: UCX listens on every interface"
     devices = ",".join(ifaces + rdma_ports())
     return devices, f"UCX devices {devices} (the interface of {host})"
+
+
+def thread_ids() -> set[int]:
+    """The ids of this process's threads (Linux)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def spread_over_node(tids: set[int]) -> None:
+    """Let an engine's own threads (UCX's async and progress threads under ucx and nixl, mooncake's
+    workers) run on every core of the node (`PDSERVE_NODE_CORES`, set when a DP group's process is pinned
+    to a share of them, common/scheduler/process.py). Those threads spin on locks that this process's
+    chunk writers hold while they post and progress; confined with them to a group's single core, a
+    spinner kept the holder off the core: in tests with two DP groups on each node (one core each) a ucx
+    transfer stalled for minutes, and nixl nodes went silent past the heartbeat window."""
+    cores = os.environ.get("PDSERVE_NODE_CORES")
+    if not cores:
+        return
+    node = {int(c) for c in cores.split(",")}
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, node)
+        except OSError:  # the thread ended meanwhile
+            pass

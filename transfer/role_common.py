@@ -68,12 +68,6 @@ def build_kv_manager(args, runner, metadata: MetadataBuffers, tp_rank: int, tp_s
                                  dp_size=getattr(args, "dp_size", 1), **stage)
     if role == "prefill":
         kv_args.decode_tp = getattr(args, "disaggregation_decode_tp", None) or 0
-        if args.transfer_backend == "ucx" and getattr(args, "dp_size", 1) > 1 and dp_rank == 0:
-            # seen in tests, not yet explained (README, Transfer backends): say so where it would bite
-            logging.getLogger("pd").warning(
-                "ucx with --dp-size > 1 on a prefill node: the first transfer of a DP group sometimes never "
-                "completes (the room then fails by timeout and the request gets a 500); DP groups on the decode "
-                "node alone are not affected; mooncake and nixl are not affected")
     where = {"bootstrap_addr": bootstrap_addr} if bootstrap_addr else {}
     return MANAGERS[role](kv_args, args.transfer_backend, settings=node_settings(args),
                           host=advertised_host(args.host), **where)

@@ -163,6 +163,8 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
     cores = sorted(os.sched_getaffinity(0))  # the cores this process may run on (a launcher may pin it)
     share = group_cores(cores, dp_rank, args.dp_size)
     if share != cores:
+        # the node's cores, for threads that must not share the group's (transfer/ucx.py: UCX's own threads)
+        os.environ["PDSERVE_NODE_CORES"] = ",".join(map(str, cores))
         os.sched_setaffinity(0, share)
     torch.set_num_threads(args.num_threads or max(1, len(share) // (args.tp * args.pp_size)))
     logger.info("dp rank %d pp rank %d tp rank %d: %d torch threads on cores %s (OMP_WAIT_POLICY=%s)", dp_rank,

@@ -38,7 +38,10 @@ def test_pp_size_refusals_name_the_flag():
 
 def test_prefill_stages_send_their_own_layers(make_tiny_model, module_launcher, pd_tok):
     model_dir = make_tiny_model("qwen2")
-    pair = module_launcher.pair(model_dir, "nixl", prefill_tp=2, env={"PDSERVE_PP_MICRO_TOKENS": "8"},
+    # six scheduler processes on the test machine's cores: a heartbeat window of 3 s (not the fast suite's 1.2 s)
+    # so a busy moment is not a dead peer
+    env = {"PDSERVE_PP_MICRO_TOKENS": "8", "PDSERVE_HEARTBEAT_MAX_FAILURES": "10"}
+    pair = module_launcher.pair(model_dir, "nixl", prefill_tp=2, env=env,
                                 prefill_settings={"pp_size": 2}, decode_settings={"dp_size": 2})
     start = pair.start_counts()
     hf = hf_model(model_dir)

@@ -5,6 +5,7 @@ own file, test_plan.py)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -219,3 +220,36 @@ def test_node_flags_win_over_the_environment(monkeypatch):
     s = node_settings(ServerArgs(disaggregation_ib_device="mlx5_0,mlx5_1", disaggregation_bootstrap_timeout=12.0))
     assert (s.device_name, s.bootstrap_timeout, s.waiting_timeout) == ("mlx5_0,mlx5_1", 12.0, 40.0)
     assert node_settings(ServerArgs()).device_name == "mlx5_9"  # no flag: the environment's
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_engine_threads_leave_a_dp_groups_core_share(monkeypatch):
+    """A DP group's process is pinned to its share of the node's cores (one core of two here); the threads a
+    transfer engine starts (UCX's async and progress threads) get every core of the node back, so they never
+    spin on the one core the chunk writers holding their locks need (transfer/engine.py: spread_over_node)."""
+    import threading
+
+    from transfer.backends import create_engine
+    from transfer.engine import BackendUnavailable, thread_ids
+
+    node = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("PDSERVE_NODE_CORES", ",".join(map(str, node)))
+    os.sched_setaffinity(0, node[:1])  # this thread: the group's share; threads it starts inherit it
+    try:
+        before = thread_ids()
+        try:
+            engine = create_engine("ucx", "127.0.0.1")
+        except BackendUnavailable as e:
+            pytest.skip(str(e))
+        new = thread_ids() - before
+        assert new, "the ucx engine starts threads of its own"
+        assert all(os.sched_getaffinity(t) == set(node) for t in new)
+        engine.close()
+        # a thread the scheduler starts itself keeps the group's share
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        t.start()
+        t.join()
+        assert seen == [set(node[:1])]
+    finally:
+        os.sched_setaffinity(0, node)
