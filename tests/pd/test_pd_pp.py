@@ -3,9 +3,9 @@
 * a prefill node with two stages of two TP ranks each (a tiny Qwen2: q/k/v biases; chunks run as
   micro-batches of 8 tokens): every (stage, TP) rank registers with the bootstrap server and sends its
   own layers' share of heads over nixl (tests/hybrid/test_hybrid_pd.py has stages over ucx, to two decode
-  DP groups as here, and over mooncake) to a decode node of two DP groups, which answers as transformers does
-  (the cluster of issue 18's "done means": PP prefill, DP decode); both nodes end with the pages and
-  slots they started with;
+  DP groups as here, and over mooncake) to a decode node of two DP groups speculating with n-grams, which
+  answers as transformers does (the cluster of issue 18's "done means": PP prefill, DP decode,
+  speculation); both nodes end with the pages and slots they started with;
 * the flag's refusals name it.
 
 Hybrid (Qwen3.5-style) and sliding-window models run stages too: tests/hybrid/test_hybrid_pd.py.
@@ -13,11 +13,16 @@ Hybrid (Qwen3.5-style) and sliding-window models run stages too: tests/hybrid/te
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from common.config import ConfigError, ServerArgs
 from common.models.pipeline import layer_range
 from tests.harness.pd import assert_restored, greedy, hf_greedy, hf_model, make_prompts
+
+HOOKS = str(Path(__file__).resolve().parent / "node_hooks")
 
 
 def test_layer_ranges_are_consecutive_and_cover_the_model():
@@ -36,21 +41,28 @@ def test_pp_size_refusals_name_the_flag():
         assert str(e.value).startswith("--pp-size"), e.value
 
 
-def test_prefill_stages_send_their_own_layers(make_tiny_model, module_launcher, pd_tok):
+# the decode groups speculate (NGRAM): a random model never repeats itself, so the `drafts` hook
+# (tests/pd/node_hooks) has the drafter propose transformers' tokens, some of them wrong
+def test_prefill_stages_send_their_own_layers(make_tiny_model, module_launcher, pd_tok, tmp_path):
     model_dir = make_tiny_model("qwen2")
+    prompts = make_prompts(pd_tok, 3, seed=22, lo=40, hi=110)  # 2..4 chunks of 32, micro-batches of 8
+    hf = hf_model(model_dir)
+    want = {f"pp-{i}": hf_greedy(hf, p, 12) for i, p in enumerate(prompts)}
+    (tmp_path / "drafts").write_text(json.dumps(want))
     # six scheduler processes on the test machine's cores: a heartbeat window of 3 s (not the fast suite's 1.2 s)
     # so a busy moment is not a dead peer
-    env = {"PDSERVE_PP_MICRO_TOKENS": "8", "PDSERVE_HEARTBEAT_MAX_FAILURES": "10"}
-    pair = module_launcher.pair(model_dir, "nixl", prefill_tp=2, env=env,
-                                prefill_settings={"pp_size": 2}, decode_settings={"dp_size": 2})
+    env = {"PDSERVE_PP_MICRO_TOKENS": "8", "PDSERVE_HEARTBEAT_MAX_FAILURES": "10", "PYTHONPATH": HOOKS,
+           "PDSERVE_TEST_HOOKS_DIR": str(tmp_path)}
+    pair = module_launcher.pair(model_dir, "nixl", prefill_tp=2, env=env, prefill_settings={"pp_size": 2},
+                                decode_settings={"dp_size": 2, "speculative_algorithm": "NGRAM"})
     start = pair.start_counts()
-    hf = hf_model(model_dir)
-    for p in make_prompts(pd_tok, 3, seed=22, lo=40, hi=110):  # 2..4 chunks of 32, micro-batches of 8
-        want = hf_greedy(hf, p)
-        (ps, pb), (ds, db) = pair.generate({"input_ids": p, "sampling_params": greedy()})
+    for i, p in enumerate(prompts):
+        (ps, pb), (ds, db) = pair.generate({"input_ids": p, "sampling_params": greedy(12), "rid": f"pp-{i}"})
         assert ps == 200 and ds == 200, (pb, db)
-        assert pb["output_ids"] == want[:1] and db["output_ids"] == want, len(p)
-    assert all(g["forward_ct"] > 0 for g in pair.decode.stats()["dp"])  # consecutive rooms: both groups
+        assert pb["output_ids"] == want[f"pp-{i}"][:1] and db["output_ids"] == want[f"pp-{i}"], len(p)
+    groups = pair.decode.stats()["dp"]
+    assert all(g["forward_ct"] > 0 for g in groups)  # consecutive rooms: both groups
+    assert 0 < sum(g["spec_accepted_tokens"] for g in groups) < sum(g["spec_draft_tokens"] for g in groups)
     assert pair.prefill.stats()["pp_micro_batches"] > 0  # the chunks ran pipelined
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
 
