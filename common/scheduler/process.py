@@ -163,7 +163,7 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
     cores = sorted(os.sched_getaffinity(0))  # the cores this process may run on (a launcher may pin it)
     share = group_cores(cores, dp_rank, args.dp_size)
     if share != cores:
-        # the node's cores, for threads that must not share the group's (transfer/ucx.py: UCX's own threads)
+        # the node's cores, for threads that must not share the group's (transfer/engine.py: spread_over_node)
         os.environ["PDSERVE_NODE_CORES"] = ",".join(map(str, cores))
         os.sched_setaffinity(0, share)
     torch.set_num_threads(args.num_threads or max(1, len(share) // (args.tp * args.pp_size)))
