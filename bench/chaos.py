@@ -388,8 +388,32 @@ def resolve_model(name: str) -> str:
     return name
 
 
+def parse_kills(spec: str, prefill: int, decode: int) -> list[tuple[float, str]]:
+    """`--kills` as (fraction of the run, node name); a name the cluster does not have, or a fraction outside
+    0..1, raises ValueError naming it."""
+    names = {f"prefill-{i}" for i in range(prefill)} | {f"decode-{i}" for i in range(decode)}
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, frac = item.partition("@")
+        if name not in names:
+            raise ValueError(f"--kills: no node {name!r} in this cluster (it has {', '.join(sorted(names))})")
+        try:
+            at = float(frac or 0.5)
+        except ValueError:
+            raise ValueError(f"--kills: {item!r} needs NAME@FRACTION, e.g. decode-0@0.3") from None
+        if not 0 <= at <= 1:
+            raise ValueError(f"--kills: fraction {at} of {name} is outside 0..1")
+        out.append((at, name))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    try:
+        parse_kills(ns.kills, ns.prefill, ns.decode)
+    except ValueError as e:
+        print(f"chaos: error: {e}", file=sys.stderr)
+        return 2
     if ns.duration is None and ns.requests is None:
         ns.duration = 120.0
     from deploy.cluster import Cluster
@@ -454,10 +478,7 @@ async def soak(ns, cluster) -> dict:
         driver.sent = 0
 
         start = time.time()
-        kills = []
-        for item in filter(None, (s.strip() for s in ns.kills.split(","))):
-            name, _, frac = item.partition("@")
-            kills.append([float(frac or 0.5), name, False])
+        kills = [[frac, name, False] for frac, name in parse_kills(ns.kills, ns.prefill, ns.decode)]
 
         def fraction() -> float:
             if ns.requests is not None:

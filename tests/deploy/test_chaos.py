@@ -50,3 +50,15 @@ def test_short_chaos_soak_no_hang_no_leak(tiny_model_dir, tmp_path):
     for name in ("decode-1", "prefill-1"):
         assert report["nodes"][name]["restarts"] == 1, detail
     assert "chaos: t=" in r.stdout  # progress lines
+
+
+def test_kills_naming_a_node_the_cluster_lacks_are_refused_before_it_starts(capsys):
+    from bench import chaos
+
+    assert chaos.parse_kills("decode-0@0.3, prefill-1", 2, 1) == [(0.3, "decode-0"), (0.5, "prefill-1")]
+    # the default (decode-1, prefill-1) on a 1 + 1 cluster crashed mid-run with a KeyError before
+    assert chaos.main(["--prefill", "1", "--decode", "1"]) == 2
+    assert "no node 'decode-1'" in capsys.readouterr().err
+    for bad in ("decode-0@2", "decode-0@x"):
+        with pytest.raises(ValueError, match="--kills"):
+            chaos.parse_kills(bad, 1, 1)
