@@ -113,8 +113,7 @@ def _check_kv(a: KVArgs, reg: RegisterPeer) -> str | None:
     if len(ids) != n // 2 or len(set(ids)) != len(ids) or not all(_int(i) and 0 <= i < MAX_BUFFERS for i in ids):
         return _want(m, "kv_layer_ids", ids if len(ids) <= 16 else f"{len(ids)} ids",
                      f"{n // 2} distinct layer ids (one per kv layer)")
-    missing = sorted(set(a.kv_layer_ids) - set(ids))
-    if missing or (a.pp_size == 1 and len(ids) != a.num_layers):
+    if match_buffers(a.kv_layer_ids, ids) is None or (a.pp_size == 1 and len(ids) != a.num_layers):
         return f"decode holds kv layers {_few(ids)}, prefill kv layers {_few(a.kv_layer_ids)}" + (
             " (each pipeline stage sends its own: the decode must hold every one of them)" if a.pp_size > 1 else "")
     if len(reg.kv_item_lens) != n or len(reg.kv_item_strides) != n:

@@ -28,6 +28,7 @@ of 60.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,20 +53,17 @@ def match_buffers(src_ids: list[int], dst_ids: list[int]) -> list[int] | None:
     """For each source buffer (by its layer id), the index of the destination buffer of the same layer
     (the k-th source buffer of a layer pairs with the k-th destination buffer of it); None when a layer
     has fewer buffers on the destination side."""
-    seen: dict[int, int] = {}
-    places: dict[tuple[int, int], int] = {}
-    for i, lid in enumerate(dst_ids):
-        places[(lid, seen.get(lid, 0))] = i
-        seen[lid] = seen.get(lid, 0) + 1
-    seen.clear()
-    out = []
-    for lid in src_ids:
-        i = places.get((lid, seen.get(lid, 0)))
-        if i is None:
-            return None
-        out.append(i)
-        seen[lid] = seen.get(lid, 0) + 1
-    return out
+    places = {key: i for i, key in enumerate(_numbered(dst_ids))}
+    out = [places.get(key) for key in _numbered(src_ids)]
+    return None if None in out else out
+
+
+def _numbered(ids: list[int]):
+    """(layer id, how many buffers of that layer came before) for each buffer."""
+    seen: Counter = Counter()
+    for lid in ids:
+        yield lid, seen[lid]
+        seen[lid] += 1
 
 
 def union(ptrs: list[int], lens: list[int]) -> list[tuple[int, int]]:

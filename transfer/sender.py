@@ -470,12 +470,11 @@ class PrefillKVManager(KVManager):
             src += a
             dst += b
             lens += c
-        if chunk.last:
-            if info.expects_metadata and plan.aux:
-                a, b, c = plan.aux_regions(metadata_index, info.metadata_index)
-                src += a
-                dst += b
-                lens += c
+        if chunk.last and info.expects_metadata and plan.aux:
+            a, b, c = plan.aux_regions(metadata_index, info.metadata_index)
+            src += a
+            dst += b
+            lens += c
         return peer.handle, src, dst, lens
 
 
