@@ -295,9 +295,10 @@ def test_argmax_matches_torch():
 
 
 def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
-    """Where the CPU has AVX-512 the GEMM tile is 16 columns wide in one register (gemm.c); each output
-    still gets the same fused multiply-adds in the same order as the AVX2 tile, so a prefill node and a
-    decode node on different CPUs agree. The w8a8 GEMM sums exact integers either way (VNNI's byte dot
+    """Where the CPU has AVX-512 the GEMM tile is one or two 16-column panels of one register each
+    (gemm.c); each output still gets the same fused multiply-adds in the same order as the AVX2 tile, so
+    a prefill node and a decode node on different CPUs agree (pairs of panels, a last panel alone, the
+    second of a pair cut short, one and two row blocks below). The w8a8 GEMM sums exact integers either way (VNNI's byte dot
     products or AVX2's int16 pairs, gemm_w8a8.c). Built here both ways and compared bit for bit."""
     import ctypes
 
@@ -313,7 +314,7 @@ def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
     assert avx2.packed_gemm_w8a8_group() == 2
     assert default.packed_gemm_w8a8_group() == (4 if {"avx512bw", "avx512_vnni"} <= flags else 2)
     g = torch.Generator().manual_seed(11)
-    for rows, out, inp in ((1, 100, 576), (16, 1536, 64), (37, 49, 200)):
+    for rows, out, inp in ((1, 100, 576), (16, 1536, 64), (37, 49, 200), (13, 81, 96)):
         w, b, x = torch.randn(out, inp, generator=g), torch.randn(out, generator=g), torch.randn(rows, inp, generator=g)
         for quant in (None, "int8wo", "w8a8_int8"):
             p = pack_weight(w, quantization=quant)
