@@ -12,8 +12,10 @@ directly in the `[B, kv_heads, L, head_dim]` layout attention wants.
 Decode runs the native kernel (`paged_attention.c` via `common/layers/native.py`) when it could be
 built: it reads each request's K and V rows in place, without the gather copy, one (request, KV
 head) per OpenMP task. A speculative verify step runs it too, each new token a query of its own over
-its request's tokens up to itself (the kernel stores every new K/V before it reads any). Otherwise,
-and for every extend, the torch path below runs.
+its request's tokens up to itself (the kernel stores every new K/V before it reads any). Extend runs
+`prefill_attention.c` per request (float32, head size a multiple of its block), over the new tokens'
+K/V in place or its prefix's and theirs gathered from the pool. Otherwise the torch paths below run
+(one SDPA per request for extend).
 
 GQA: query head `h` uses KV head `h // group`. Decode reshapes queries to `[kv_heads, group, ...]`;
 extend uses SDPA with `enable_gqa=True` (same grouping), so K/V are never repeated.
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from common.forward_batch import ForwardBatch, ForwardMode
-from common.layers.native import paged_decode_attention
+from common.layers.native import paged_decode_attention, prefill_attention
 
 
 @dataclass
@@ -67,6 +69,8 @@ class TorchAttentionBackend:
         self.head_dim = head_dim
         self.scaling = head_dim ** -0.5 if scaling is None else scaling
         self.native = paged_decode_attention()
+        native_prefill = prefill_attention()
+        self.native_prefill = native_prefill[0] if native_prefill and head_dim % native_prefill[1] == 0 else None
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, fb: ForwardBatch) -> TorchAttentionMetadata:
@@ -141,8 +145,12 @@ class TorchAttentionBackend:
 
         h = hkv * g
         out = torch.empty(t, h * d, dtype=q.dtype)
+        native = self.native_prefill is not None and q.dtype == torch.float32 and q.stride(1) == 1
         for it in md.items:
             n = it.n
+            if native:
+                self._native_extend(q, k, v, layer_id, pool, it, out)
+                continue
             # [1, heads, n, D] / [1, kv_heads, s, D] views; SDPA's CPU flash kernel takes strides
             qi = q[it.start:it.start + n].view(n, h, d).transpose(0, 1).unsqueeze(0)
             if it.kv_index is None:
@@ -158,6 +166,25 @@ class TorchAttentionBackend:
             # [1, heads, n, D] -> [n, heads * D]
             out[it.start:it.start + n] = oi[0].transpose(0, 1).reshape(n, h * d)
         return out
+
+    def _native_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool,
+                       it: _ExtendItem, out: torch.Tensor) -> None:
+        """One request's causal attention (`prefill_attention.c`): its new tokens' K/V read in place, or
+        its prefix's and theirs gathered from the pool (`[kv_heads, prefix + n, D]`)."""
+        d = self.head_dim
+        if it.kv_index is None:
+            ki, vi = k[it.start:it.start + it.n], v[it.start:it.start + it.n]
+            if ki.stride(2) != 1 or vi.stride(2) != 1 or ki.stride() != vi.stride() or ki.dtype != torch.float32:
+                ki, vi = ki.to(torch.float32).contiguous(), vi.to(torch.float32).contiguous()
+            kv_tok, kv_head = ki.stride(0), ki.stride(1)
+        else:
+            ki, vi = (t.to(torch.float32) for t in pool.gather_kv(layer_id, it.kv_index))
+            kv_tok, kv_head = d, (it.prefix + it.n) * d
+        qi, oi = q[it.start:], out[it.start:]
+        rc = self.native_prefill(qi.data_ptr(), q.stride(0), ki.data_ptr(), vi.data_ptr(), kv_tok, kv_head, it.n,
+                                 it.prefix, self.num_heads, self.group, d, self.scaling, oi.data_ptr(), out.stride(0))
+        if rc != 0:
+            raise MemoryError(f"native prefill attention: no memory for {it.prefix + it.n} keys")
 
     def _native_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool,
                        md: TorchAttentionMetadata) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled once with the system C compiler and loaded with ctypes.
 
-`paged_decode_attention()` (`paged_attention.c`), `add_rms_norm()` (`rms_norm.c`),
+`paged_decode_attention()` (`paged_attention.c`), `prefill_attention()` (`prefill_attention.c`), `add_rms_norm()` (`rms_norm.c`),
 `rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`), `argmax_rows()` (`argmax.c`),
 `packed_gemm()` and `packed_gemm_i8()` (`gemm.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
 a decode step of a whole Llama-family stack) return the loaded C function, or None when it cannot be
@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 HEADERS = [Path(__file__).with_name("vec_math.h")]
 SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c",
-                                                 "gemm_w8a8.c", "activation.c", "argmax.c", "decoder_stack.c")]
+                                                 "gemm_w8a8.c", "activation.c", "argmax.c", "decoder_stack.c",
+                                                 "prefill_attention.c")]
 
 
 def _cpu_flags() -> set[str]:
@@ -118,6 +119,9 @@ _SIGNATURES = {
     "silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64], None),
     "argmax_rows": ([_PTR, _I64, _I64, _I64, _PTR], None),
     "decoder_stack": ([_PTR, _I64, _PTR, _PTR, _PTR], ctypes.c_int),
+    "prefill_attention": ([_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _I64],
+                          ctypes.c_int),
+    "prefill_attention_block": ([], ctypes.c_int),
 }
 
 
@@ -146,6 +150,13 @@ def _kernel(name: str):
 
 def paged_decode_attention():
     return _kernel("paged_decode_attention")
+
+
+@functools.cache
+def prefill_attention() -> tuple | None:
+    """(causal prefill attention of one sequence, the head size it needs a multiple of), or None."""
+    lib = _library()
+    return (lib.prefill_attention, lib.prefill_attention_block()) if lib and lib.prefill_attention_block() else None
 
 
 def add_rms_norm():

@@ -21,7 +21,7 @@ HEADS, KV_HEADS, D, LAYERS = 6, 2, 8, 2
 def make_backend(path: str, heads: int = HEADS, kv_heads: int = KV_HEADS, d: int = D) -> TorchAttentionBackend:
     backend = TorchAttentionBackend(heads, kv_heads, d)
     if path == "torch":
-        backend.native = None
+        backend.native = backend.native_prefill = None
     else:
         assert backend.native is not None, "the native kernel did not build (see common/layers/native.py)"
     return backend
@@ -152,3 +152,31 @@ def test_native_decode_matches_torch_path(group, d):
     for a, t in zip(outs["native"], outs["torch"], strict=True):
         assert (a - t).abs().max().item() < 1e-5
     assert not torch.equal(outs["torch"][0], outs["torch"][1])  # layers really differ
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (4, 4, 32), (8, 1, 128)])
+def test_native_extend_matches_torch_path(heads, kv_heads, d):
+    """Extend through `prefill_attention.c` (head sizes its block divides) against SDPA: requests
+    without a prefix (K/V read in place from a strided slice of q|k|v), then on top of their cached
+    prefixes, one of them a single token; query blocks that end part-way (13, 40), GQA and not."""
+    layers = 2
+    outs = {}
+    for path in ("native", "torch"):
+        backend = make_backend(path, heads, kv_heads, d)
+        if path == "native":
+            assert backend.native_prefill is not None, "prefill_attention.c did not build"
+        h = Harness(layers, kv_heads, d, page_size=4, num_pages=64, scramble_seed=5)
+        rows = [h.new_req() for _ in range(3)]
+        g = torch.Generator().manual_seed(d)
+        outs[path] = []
+        for lens in ([1, 13, 40], [25, 1, 12]):
+            t = sum(lens)
+            qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+            q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+            fb = h.extend_batch([(r, [3] * n) for r, n in zip(rows, lens, strict=True)])
+            backend.init_forward_metadata(fb)
+            # layer 0 reads the slices of qkv as they are (strided rows); layer 1 sees other values
+            outs[path] += [backend.forward(q, k, v, 0, fb), backend.forward(q * 2, k + 1, v - 1, 1, fb)]
+    for a, t in zip(outs["native"], outs["torch"], strict=True):
+        assert (a - t).abs().max().item() < 1e-5
+    assert not torch.equal(outs["torch"][0], outs["torch"][1])

@@ -333,3 +333,38 @@ def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
                 {None: lib.packed_gemm, "int8wo": lib.packed_gemm_i8, "w8a8_int8": lib.packed_gemm_w8a8}[quant](*args)
                 ys.append(y)
             assert torch.equal(ys[0], ys[1]), (rows, out, inp, quant)
+    # causal prefill attention: the same FMAs and exp in either build (AVX2: tiles one vector wide)
+    assert avx2.prefill_attention_block() == 16 and default.prefill_attention_block() == 32
+    for n, prefix, heads, group, d in ((40, 0, 6, 3, 64), (13, 21, 4, 1, 32)):
+        q = torch.randn(n, heads * d, generator=g)
+        k, v = (torch.randn(prefix + n, heads // group, d, generator=g) for _ in range(2))
+        ys = []
+        for lib in (avx2, default):
+            y = torch.empty(n, heads * d)
+            assert lib.prefill_attention(*[ctypes.c_void_p(t.data_ptr()) if isinstance(t, torch.Tensor) else t for t in (
+                q, ctypes.c_int64(heads * d), k, v, ctypes.c_int64(k.stride(0)), ctypes.c_int64(d), ctypes.c_int64(n),
+                ctypes.c_int64(prefix), ctypes.c_int64(heads), ctypes.c_int64(group), ctypes.c_int64(d),
+                ctypes.c_float(d ** -0.5), y, ctypes.c_int64(heads * d))]) == 0
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1]), (n, prefix, heads, group, d)
+
+
+@pytest.mark.parametrize("n,prefix", [(300, 0), (50, 200), (1, 7)])
+def test_prefill_attention_matches_float64(n, prefix):
+    """`prefill_attention.c` on every thread torch has: row i sees keys 0..prefix + i (GQA 3 of 9 heads)."""
+    kernel = native.prefill_attention()
+    if kernel is None:
+        pytest.skip("no native prefill attention in this build")
+    fn, block = kernel
+    heads, group, d = 9, 3, 64
+    g = torch.Generator().manual_seed(n + prefix)
+    q = torch.randn(n, heads * d + 5, generator=g)[:, :heads * d]
+    k, v = (torch.randn(prefix + n, heads // group, d, generator=g) for _ in range(2))
+    out = torch.empty(n, heads * d)
+    assert fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), d, n, prefix, heads, group, d,
+              d ** -0.5, out.data_ptr(), out.stride(0)) == 0
+    kk, vv = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    scores = torch.einsum("nhd,shd->hns", q.double().view(n, heads, d), kk) * d ** -0.5
+    allowed = torch.arange(prefix + n)[None, :] <= (prefix + torch.arange(n))[:, None]
+    ref = torch.einsum("hns,shd->nhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vv).reshape(n, -1)
+    assert (out.double() - ref).abs().max().item() < 1e-5
