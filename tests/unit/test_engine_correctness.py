@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common.config import ServerArgs
+from common.layers import native
 from common.protocol import AbortRequest, SamplingParams, StatsQuery, StatsReport, TokenizedRequest
 from common.scheduler.req import Stage
 from common.scheduler.scheduler import Scheduler
@@ -115,6 +116,28 @@ def test_greedy_matches_hf_other_architectures(make_tiny_model, arch):
     hf.generation_config.pad_token_id = 0
     eng = Engine(model_dir, page_size=16, chunked_prefill_size=32)
     prompts = prompts_of([6, 45], hf.config.vocab_size, seed=50)
+    for i, p in enumerate(prompts):
+        eng.submit(f"r{i}", p, max_new=8)
+    got = eng.run()
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(hf, p, 8)
+    eng.assert_restored()
+
+
+def test_greedy_matches_hf_through_the_native_prefill_attention(make_tiny_model):
+    """Head size 32: extend runs `prefill_attention.c` (its block is 32 with AVX-512, 16 with AVX2)
+    without a prefix and, past the first chunk of 32, over the cached prefix gathered from the pool."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny_model("llama", hidden_size=128, head_dim=32)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    eng = Engine(model_dir, page_size=16, chunked_prefill_size=32)
+    if native.prefill_attention() is None:
+        pytest.skip("no native prefill attention in this build")
+    assert eng.sched.runner.model.attn_backend.native_prefill is not None
+    prompts = prompts_of([7, 45, 90], hf.config.vocab_size, seed=51)
     for i, p in enumerate(prompts):
         eng.submit(f"r{i}", p, max_new=8)
     got = eng.run()
