@@ -87,32 +87,14 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     return hsum8(acc);
 }
 
-// e^x for the softmax's x <= 0; below -87 (where exp8 clamps) the term is 0
-static inline __m256 exp_nonpositive(__m256 x) {
-    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-    return _mm256_andnot_ps(tiny, exp8(x));
-}
-
-// scores[0..len) -> softmax, in place (the tail past the last 8 through expf)
+// scores[0..len) -> softmax, in place
 static inline void softmax_row(float *sc, int64_t len) {
     __m256 vm = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
     for (; i + 8 <= len; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sc + i));
     float m = hmax8(vm);
     for (; i < len; i++) m = sc[i] > m ? sc[i] : m;
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256 vs = _mm256_setzero_ps();
-    for (i = 0; i + 8 <= len; i += 8) {
-        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + i), mv));
-        _mm256_storeu_ps(sc + i, e);
-        vs = _mm256_add_ps(vs, e);
-    }
-    float sum = hsum8(vs);
-    for (int64_t j = i; j < len; j++) {
-        sc[j] = expf(sc[j] - m);
-        sum += sc[j];
-    }
-    const float inv = 1.f / sum;
+    const float inv = 1.f / exp_shifted_sum(sc, len, m);
     const __m256 vinv = _mm256_set1_ps(inv);
     for (i = 0; i + 8 <= len; i += 8) _mm256_storeu_ps(sc + i, _mm256_mul_ps(_mm256_loadu_ps(sc + i), vinv));
     for (; i < len; i++) sc[i] *= inv;

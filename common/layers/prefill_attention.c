@@ -98,21 +98,7 @@ static float exp_row(float *x, int64_t len, float scale) {
         x[t] *= scale;
         mx = x[t] > mx ? x[t] : mx;
     }
-    const __m256 mv = _mm256_set1_ps(mx);
-    __m256 vs = _mm256_setzero_ps();
-    for (j = 0; j + 8 <= len; j += 8) {
-        const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + j), mv);
-        // below -87 (where exp8 clamps) the term is 0
-        const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), exp8(d));
-        _mm256_storeu_ps(x + j, e);
-        vs = _mm256_add_ps(vs, e);
-    }
-    float sum = hsum8(vs);
-    for (int64_t t = j; t < len; t++) {
-        x[t] = expf(x[t] - mx);
-        sum += x[t];
-    }
-    return sum;
+    return exp_shifted_sum(x, len, mx);
 }
 
 // q: row i of the chunk at q + i * q_stride, head h at + h * D. k, v: token j of kv head g at

@@ -1,6 +1,8 @@
 // Vector math shared by the native kernels (AVX2 + FMA builds only).
 #pragma once
 #include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
 
 // e^x, 8 at a time: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative
 // error < 2e-7 there), 2^n put into the exponent bits. x is clamped to [-87, 88], so the result is
@@ -36,3 +38,23 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
 }
 
+
+// x[0..len) -> e^(x - mx) in place (mx >= every x: the terms are in (0, 1]; below e^-87, where exp8
+// clamps, a term is 0; the tail past the last 8 through expf); returns their sum
+static inline float exp_shifted_sum(float *x, int64_t len, float mx) {
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 vs = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+        const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + j), mv);
+        const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), exp8(d));
+        _mm256_storeu_ps(x + j, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    float sum = hsum8(vs);
+    for (; j < len; j++) {
+        x[j] = expf(x[j] - mx);
+        sum += x[j];
+    }
+    return sum;
+}

@@ -106,44 +106,42 @@ def test_greedy_matches_hf_with_chunked_prefill(tiny_model_dir, hf_model, vocab,
     eng.assert_restored()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
-def test_greedy_matches_hf_other_architectures(make_tiny_model, arch):
+def greedy_against_hf(model_dir: str, lengths: list[int], seed: int, check=None) -> None:
+    """Greedy tokens of prompts of `lengths` equal transformers' (8 each), chunks of 32; `check(engine)`
+    first."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = make_tiny_model(arch)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     eng = Engine(model_dir, page_size=16, chunked_prefill_size=32)
-    prompts = prompts_of([6, 45], hf.config.vocab_size, seed=50)
+    if check is not None:
+        check(eng)
+    prompts = prompts_of(lengths, hf.config.vocab_size, seed=seed)
     for i, p in enumerate(prompts):
         eng.submit(f"r{i}", p, max_new=8)
     got = eng.run()
     for i, p in enumerate(prompts):
         assert got[f"r{i}"] == hf_greedy(hf, p, 8)
     eng.assert_restored()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_greedy_matches_hf_other_architectures(make_tiny_model, arch):
+    greedy_against_hf(make_tiny_model(arch), [6, 45], seed=50)
 
 
 def test_greedy_matches_hf_through_the_native_prefill_attention(make_tiny_model):
     """Head size 32: extend runs `prefill_attention.c` (its block is 32 with AVX-512, 16 with AVX2)
     without a prefix and, past the first chunk of 32, over the cached prefix gathered from the pool."""
-    from transformers import AutoModelForCausalLM
-
-    model_dir = make_tiny_model("llama", hidden_size=128, head_dim=32)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    eng = Engine(model_dir, page_size=16, chunked_prefill_size=32)
     if native.prefill_attention() is None:
         pytest.skip("no native prefill attention in this build")
-    assert eng.sched.runner.model.attn_backend.native_prefill is not None
-    prompts = prompts_of([7, 45, 90], hf.config.vocab_size, seed=51)
-    for i, p in enumerate(prompts):
-        eng.submit(f"r{i}", p, max_new=8)
-    got = eng.run()
-    for i, p in enumerate(prompts):
-        assert got[f"r{i}"] == hf_greedy(hf, p, 8)
-    eng.assert_restored()
+
+    def runs_the_kernel(eng) -> None:
+        assert eng.sched.runner.model.attn_backend.native_prefill is not None
+
+    greedy_against_hf(make_tiny_model("llama", hidden_size=128, head_dim=32), [7, 45, 90], seed=51,
+                      check=runs_the_kernel)
 
 
 def test_shared_prefix_through_radix_cache(tiny_model_dir, hf_model, vocab):
