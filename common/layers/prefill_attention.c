@@ -5,8 +5,8 @@
 // Query row i (position prefix + i) attends keys 0..prefix + i. The keys of kv head g are first laid
 // out transposed, [D][L] (zero-padded to whole 32-key blocks), shared by the G query heads of the
 // group. Then each task, one query head and a block of up to MR query rows, materialises its scores:
-//   S = Q K^T (a register tile of MR rows x 32 keys walks D; the rows of Q copied d-major, so the
-//     broadcasts sit at fixed offsets as in gemm.c), scaled, masked above the diagonal;
+//   S = (scale Q) K^T (a register tile of MR rows x 32 keys walks D; the rows of Q copied d-major and
+//     scaled, so the broadcasts sit at fixed offsets as in gemm.c), masked above the diagonal;
 //   P = exp(S - row max), the row sums kept; P copied key-major;
 //   O = P V (a tile of MR rows x 32 columns of D walks the keys), divided by the row sums.
 // A task's scratch is MR x L floats, so chunks of a few thousand tokens stay in L2. The tiles use GCC
@@ -83,21 +83,22 @@ static void tile_rows(int r, int64_t K, const float *x, const float *w, int64_t 
     }
 }
 
-// x[0..len) -> e^(scale x - max), in place; returns their sum
-static float exp_row(float *x, int64_t len, float scale) {
-    const __m256 sv = _mm256_set1_ps(scale);
-    __m256 vm = _mm256_set1_ps(-INFINITY);
+// x[0..len) -> e^(x - max), in place; returns their sum. The maximum over four accumulators: one
+// alone is a chain of dependent max instructions.
+static float exp_row(float *x, int64_t len) {
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
     int64_t j = 0;
-    for (; j + 8 <= len; j += 8) {
-        const __m256 e = _mm256_mul_ps(_mm256_loadu_ps(x + j), sv);
-        _mm256_storeu_ps(x + j, e);
-        vm = _mm256_max_ps(vm, e);
+    for (; j + 32 <= len; j += 32) {
+        m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + j));
+        m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + j + 8));
+        m2 = _mm256_max_ps(m2, _mm256_loadu_ps(x + j + 16));
+        m3 = _mm256_max_ps(m3, _mm256_loadu_ps(x + j + 24));
     }
-    float mx = hmax8(vm);
-    for (int64_t t = j; t < len; t++) {
-        x[t] *= scale;
-        mx = x[t] > mx ? x[t] : mx;
-    }
+    for (; j + 8 <= len; j += 8)
+        m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + j));
+    float mx = hmax8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+    for (; j < len; j++)
+        mx = x[j] > mx ? x[j] : mx;
     return exp_shifted_sum(x, len, mx);
 }
 
@@ -146,16 +147,16 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k, const fl
             const int r = n - i0 < MR ? (int)(n - i0) : MR;
             const int64_t keys = prefix + i0 + r, kp = (keys + KB - 1) / KB * KB;
             const float *qh = q + h * D;
-            for (int64_t d = 0; d < D; d++)
+            for (int64_t d = 0; d < D; d++)  // scaled here, so the scores come out scaled
                 for (int i = 0; i < r; i++)
-                    qp[d * r + i] = qh[(i0 + i) * q_stride + d];
+                    qp[d * r + i] = qh[(i0 + i) * q_stride + d] * scale;
             const float *kg = kt + h / G * D * LP;
             for (int64_t j = 0; j < kp; j += KB)
                 tile_rows(r, D, qp, kg + j, LP, s + j, LP);
             float sums[MR];
             for (int i = 0; i < r; i++) {
                 const int64_t seen = prefix + i0 + i + 1;  // the keys this row sees
-                sums[i] = exp_row(s + i * LP, seen, scale);
+                sums[i] = exp_row(s + i * LP, seen);
                 memset(s + i * LP + seen, 0, sizeof(float) * (size_t)(keys - seen));
             }
             for (int64_t j = 0; j < keys; j++)
