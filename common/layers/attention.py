@@ -18,7 +18,8 @@ K/V in place or its prefix's and theirs gathered from the pool. Otherwise the to
 (one SDPA per request for extend).
 
 GQA: query head `h` uses KV head `h // group`. Decode reshapes queries to `[kv_heads, group, ...]`;
-extend uses SDPA with `enable_gqa=True` (same grouping), so K/V are never repeated.
+the extend kernel reads KV head `h // group` for query head `h`, and its SDPA fallback runs with
+`enable_gqa=True` (same grouping), so K/V are never repeated.
 
 New tokens' K/V are written with one `index_copy_` per buffer on flat rows computed once per batch
 (`write_rows`); the native decode kernel stores them itself, just before it reads them.

@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled once with the system C compiler and loaded with ctypes.
 
-`paged_decode_attention()` (`paged_attention.c`), `prefill_attention()` (`prefill_attention.c`), `add_rms_norm()` (`rms_norm.c`),
-`rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`), `argmax_rows()` (`argmax.c`),
+`paged_decode_attention()` (`paged_attention.c`), `prefill_attention()` (`prefill_attention.c`),
+`add_rms_norm()` (`rms_norm.c`), `rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`), `argmax_rows()` (`argmax.c`),
 `packed_gemm()` and `packed_gemm_i8()` (`gemm.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
 a decode step of a whole Llama-family stack) return the loaded C function, or None when it cannot be
 used (no C compiler, a failed build, no AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers
