@@ -17,8 +17,9 @@ shape). With the native kernels (`common/layers/native.py`, AVX2 + FMA) the weig
 16-column panels, `[ceil(out / 16), in, 16]`, for `gemm.c`, which reads each weight once per matmul
 whatever the batch; without them it goes to oneDNN's blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`). On the SmolLM2 decode shapes here, with the weights
-streaming from DRAM, the panel GEMM does a batch-16 step's matmuls at ~100 GFLOPS against oneDNN's
-~75 and F.linear's ~40 (`bench/engine.py` measures the whole step). `PDSERVE_PACKED_LINEAR=onednn`
+streaming from DRAM, the panel GEMM does a batch-16 step's matmuls at ~160 GFLOPS with AVX-512's
+two-panel tile (SmolLM2's 30 layers of projections, 425 MB: 21 ms; ~100-130 GFLOPS with one panel, when
+oneDNN did ~75 and F.linear ~40; `bench/engine.py` measures the whole step). `PDSERVE_PACKED_LINEAR=onednn`
 picks oneDNN, `PDSERVE_PACKED_LINEAR=0` keeps the plain `F.linear` path.
 
 Int8 weights (`--torchao-config int8wo`, SGLang's name for torchao's int8 weight-only scheme): each
