@@ -9,15 +9,17 @@
 //     scaled, so the broadcasts sit at fixed offsets as in gemm.c), masked above the diagonal;
 //   P = exp(S - row max), the row sums kept; P copied key-major;
 //   O = P V (a tile of MR rows x 32 columns of D walks the keys), divided by the row sums.
-// A task's scratch is MR x L floats, so chunks of a few thousand tokens stay in L2. The tiles use GCC
+// A task's scratch is MR x L floats, so chunks of a few thousand tokens stay in L2; it and the
+// transposed keys live in gemm.c's per-thread buffers, kept between calls. The tiles use GCC
 // vector types of 16 floats: one zmm each with AVX-512, a pair of ymm with AVX2 (where MR is 6 and a
 // tile one vector wide, to stay in AVX2's 16 registers). Tasks further down the chunk see more keys,
 // so they are handed out dynamically. Torch's CPU flash kernel ran SmolLM2's 512-token prefill
 // attention at ~65 GFLOPS here.
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
+
+void *gemm_scratch(int slot, size_t bytes);  // gemm.c
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "vec_math.h"
@@ -114,7 +116,7 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k, const fl
         return -1;
     const int64_t L = prefix + n, LP = (L + KB - 1) / KB * KB, HKV = H / G;
     const int64_t blocks = (n + MR - 1) / MR;
-    float *kt = malloc(sizeof(float) * (size_t)(HKV * D * LP));
+    float *kt = gemm_scratch(3, sizeof(float) * (size_t)(HKV * D * LP));
     if (!kt)
         return -1;
     int failed = 0;
@@ -130,18 +132,16 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k, const fl
             for (int64_t j = L; j < LP; j++)
                 row[j] = 0.0f;
         }
-        // per thread: Q rows d-major, S / P rows, P key-major, O rows
-        float *qp = malloc(sizeof(float) * (size_t)(D * MR));
-        float *s = malloc(sizeof(float) * (size_t)(MR * LP));
-        float *pt = malloc(sizeof(float) * (size_t)(LP * MR));
-        float *o = malloc(sizeof(float) * (size_t)(MR * D));
-        if (!qp || !s || !pt || !o) {
+        // per thread, in one scratch buffer: Q rows d-major, S / P rows, P key-major, O rows
+        float *qp = gemm_scratch(2, sizeof(float) * (size_t)(2 * D * MR + 2 * MR * LP));
+        float *s = qp + D * MR, *pt = s + MR * LP, *o = pt + LP * MR;
+        if (!qp) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < H * blocks; task++) {
-            if (!qp || !s || !pt || !o)
+            if (!qp)
                 continue;
             const int64_t h = task / blocks, i0 = task % blocks * MR;
             const int r = n - i0 < MR ? (int)(n - i0) : MR;
@@ -172,12 +172,7 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k, const fl
                     dst[d] = o[i * D + d] * inv;
             }
         }
-        free(qp);
-        free(s);
-        free(pt);
-        free(o);
     }
-    free(kt);
     return failed ? -1 : 0;
 }
 
