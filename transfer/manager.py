@@ -23,7 +23,9 @@ answered only for a peer this rank knows (live rooms, an open socket to it, or `
 per side): a stranger's pings never make this rank open sockets to addresses it was handed. A peer
 silent for `heartbeat_interval * heartbeat_max_failures` seconds while rooms are live is declared
 dead: its rooms fail with a reason naming it (`_on_peer_dead`, per side) and everything cached
-about it is forgotten (its socket closed), so a restarted peer starts fresh. The timer checks timeouts (`_tick_timeouts`, per
+about it is forgotten (its socket closed), so a restarted peer starts fresh. Silence is counted in this
+process's running time (`transfer/liveness.py`): a rank that was paused does not declare its peers
+dead the moment it wakes, before it has read what they sent meanwhile. The timer checks timeouts (`_tick_timeouts`, per
 side) and heartbeats every 50 ms.
 
 Idle registrations. Peers without rooms are not pinged (registrations are unauthenticated without a
@@ -47,6 +49,7 @@ from transfer.base import KVArgs, KVPoll, KVTransferError, TransferSettings
 from transfer.bootstrap import BootstrapClient
 from transfer.control import ControlPlane, Message, Ping, Pong
 from transfer.engine import TransferEngine
+from transfer.liveness import Liveness
 from transfer.plan import union
 
 logger = logging.getLogger(__name__)
@@ -81,8 +84,8 @@ class KVManager:
             self.engine.register(ptr, n)
         self._lock = threading.RLock()
         self._stop = threading.Event()
-        self._last_heard: dict[str, float] = {}
-        self._tracked_since: dict[str, float] = {}
+        self._liveness = Liveness(self.settings.heartbeat_interval, self.settings.heartbeat_window,
+                                  f"kv {self.side}")
         self._last_ping = 0.0
         self.pings_ignored = 0
         self.registrations_refused = 0  # RegisterPeers refused by the prefill side (`_on_register`)
@@ -161,10 +164,9 @@ class KVManager:
     def _on_message(self, msg: Message) -> None:
         src = msg.src
         with self._lock:
-            if src in self._tracked_since:  # only live peers are watched; the record stays bounded
-                self._last_heard[src] = time.monotonic()
+            self._liveness.heard(src, time.monotonic())
             if isinstance(msg, Ping):
-                known = src in self._tracked_since or self.control.has_peer(src) or self._is_known_peer(src)
+                known = self._liveness.watching(src) or self.control.has_peer(src) or self._is_known_peer(src)
                 if not known:
                     self.pings_ignored += 1
         if isinstance(msg, Ping):
@@ -184,7 +186,7 @@ class KVManager:
         """What this rank holds per room and per peer; a drained node has no open or draining room and
         no registration of a peer that is gone (`transfer_peers_registered` <= live peer ranks)."""
         with self._lock:
-            return {"transfer_peers_watched": len(self._tracked_since),
+            return {"transfer_peers_watched": len(self._liveness),
                     "transfer_engine_peers": self.engine.peer_count(), **self._room_stats()}
 
     # ------------------------------------------------------------------ timeouts and heartbeats
@@ -200,17 +202,7 @@ class KVManager:
         with self._lock:
             self._tick_timeouts(now)
             live = self._live_peers()
-            for addr in list(self._tracked_since):
-                if addr not in live:
-                    del self._tracked_since[addr]
-                    self._last_heard.pop(addr, None)
-            for addr in live:
-                self._tracked_since.setdefault(addr, now)
-            dead = []
-            for addr, rooms in live.items():
-                seen = max(self._last_heard.get(addr, 0.0), self._tracked_since[addr])
-                if now - seen > s.heartbeat_window:
-                    dead.append((addr, rooms, now - seen))
+            dead = [(addr, live[addr], silent) for addr, silent in self._liveness.check(live, now)]
             for addr, rooms, silent in dead:
                 reason = (f"{self.peer_side} peer {addr} is dead: missed {s.heartbeat_max_failures} heartbeats "
                           f"(silent for {silent:.1f}s)")
@@ -248,8 +240,7 @@ class KVManager:
     def _forget_peer(self, addr: str) -> None:
         """Under the lock: drop the liveness record and the socket of a dead peer (a new one is made
         if it comes back)."""
-        self._tracked_since.pop(addr, None)
-        self._last_heard.pop(addr, None)
+        self._liveness.forget(addr)
         self.control.drop(addr)
 
 

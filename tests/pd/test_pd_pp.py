@@ -49,9 +49,10 @@ def test_prefill_stages_send_their_own_layers(make_tiny_model, module_launcher, 
     hf = hf_model(model_dir)
     want = {f"pp-{i}": hf_greedy(hf, p, 12) for i, p in enumerate(prompts)}
     (tmp_path / "drafts").write_text(json.dumps(want))
-    # six scheduler processes on the test machine's cores: a heartbeat window of 3 s (not the fast suite's 1.2 s)
-    # so a busy moment is not a dead peer
-    env = {"PDSERVE_PP_MICRO_TOKENS": "8", "PDSERVE_HEARTBEAT_MAX_FAILURES": "10", "PYTHONPATH": HOOKS,
+    # eight server and scheduler processes on the test machine's two cores: a heartbeat window of 6 s (not the
+    # fast suite's 1.2 s) so a busy moment is not a dead peer (a CI run once saw a decode group's first room
+    # stall for 3 s between its TransferInfos to the two stages)
+    env = {"PDSERVE_PP_MICRO_TOKENS": "8", "PDSERVE_HEARTBEAT_MAX_FAILURES": "20", "PYTHONPATH": HOOKS,
            "PDSERVE_TEST_HOOKS_DIR": str(tmp_path)}
     pair = module_launcher.pair(model_dir, "nixl", prefill_tp=2, env=env, prefill_settings={"pp_size": 2},
                                 decode_settings={"dp_size": 2, "speculative_algorithm": "NGRAM"})
