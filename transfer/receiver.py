@@ -100,6 +100,10 @@ class DecodeKVManager(KVManager):
         self.rejected_peer_values = 0
 
     def _start_side(self) -> None:
+        # built once: the buffers and the engine's description never change, and a transfer engine's
+        # describe() is a call into its library (nixl's takes the agent's lock, holding the GIL) that a
+        # room's TransferInfo, sent under the manager's lock, should not wait on
+        self._registration = peer_registration(self.args, self.address, self.engine.describe())
         self._resolver = threading.Thread(target=self._resolve_loop, name="kv-decode-resolver", daemon=True)
         self._resolver.start()
 
@@ -220,7 +224,7 @@ class DecodeKVManager(KVManager):
         """Under the lock: send our `RegisterPeer` to a prefill rank once; False if it cannot be reached."""
         if addr in self._registered_with:
             return True
-        if not self.control.send(addr, peer_registration(self.args, self.address, self.engine.describe())):
+        if not self.control.send(addr, self._registration):
             return False
         self._registered_with.add(addr)
         return True
