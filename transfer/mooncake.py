@@ -5,7 +5,7 @@ The engine runs in P2P-handshake mode (no metadata server): `initialize(host, "P
 protocol, devices)` starts its RPC listener, and a peer is addressed by the session id
 `host:rpc_port`, which is all `describe()` returns. A write submits every region as its own
 `batch_transfer_async_write` batch, then waits for them in order with `transfer_check_status`
-(1 done, 0 running, -1 failed, -2 timed out after MC_TRANSFER_TIMEOUT) and short sleeps; once all
+(1 done, 0 running, -1 failed, -2 timed out after MC_TRANSFER_TIMEOUT) and sleeps growing to 0.5 ms; once all
 are finished, any failure raises `TransferError`. One batch per region because
 `transfer_check_status` reports (and on completion frees) the batch's first task only, while
 `batch_transfer_sync_write` / `get_batch_transfer_status` busy-poll a core until the batch is
@@ -36,12 +36,11 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Sequence
 
 import psutil
 
-from transfer.engine import BackendUnavailable, TransferEngine, TransferError, host_addresses
+from transfer.engine import BackendUnavailable, TransferEngine, TransferError, host_addresses, poll_pause
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +53,6 @@ _ENV_DEFAULTS = {
     "MC_TCP_ENABLE_CONNECTION_POOL": "1",
     "GLOG_minloglevel": "1",  # Mooncake logs every connection at INFO; keep warnings and errors
 }
-_POLL_SLEEP_S = 200e-6
 _STATUS = {-1: "failed", -2: "timed out (MC_TRANSFER_TIMEOUT)"}
 
 
@@ -136,8 +134,10 @@ class MooncakeEngine(TransferEngine):
                 break
             batches.append(batch)
         for batch in batches:  # wait for all, so that no write is still landing when this returns
+            polls = 0
             while (status := engine.transfer_check_status(batch)) == 0:
-                time.sleep(_POLL_SLEEP_S)
+                poll_pause(polls)
+                polls += 1
             if status != 1:
                 problems.append(_STATUS.get(status, f"failed with status {status}"))
         if problems:

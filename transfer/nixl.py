@@ -45,12 +45,11 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from transfer.engine import BackendUnavailable, TransferEngine, TransferError, ucx_net_devices
+from transfer.engine import BackendUnavailable, TransferEngine, TransferError, poll_pause, ucx_net_devices
 
 logger = logging.getLogger(__name__)
 
 _INSTALL_HINT = "install nixl-cu12 and nixl with pip --no-deps"
-_POLL_SLEEP_S = 20e-6
 _PROGRESS_DELAY_US = 100
 _AGENT_LOCK = threading.Lock()
 
@@ -186,11 +185,12 @@ class NixlEngine(TransferEngine):
     def _run(self, handle, peer: str) -> None:
         deadline = time.monotonic() + self.timeout
         try:
-            state = self._agent.transfer(handle)
+            state, polls = self._agent.transfer(handle), 0
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise TransferError(f"nixl write to {peer} timed out after {self.timeout:.1f}s")
-                time.sleep(_POLL_SLEEP_S)
+                poll_pause(polls)
+                polls += 1
                 state = self._agent.check_xfer_state(handle)
         except TransferError:
             raise

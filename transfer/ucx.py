@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from transfer.engine import BackendUnavailable, TransferEngine, TransferError, ucx_net_devices
+from transfer.engine import BackendUnavailable, TransferEngine, TransferError, poll_pause, ucx_net_devices
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,6 @@ _UCS_OK = 0
 _UCS_INPROGRESS = 1
 _UCS_ERR_LAST = -100
 _MEM_MAP_ADDRESS_LENGTH = (1 << 0) | (1 << 1)  # UCP_MEM_MAP_PARAM_FIELD_ADDRESS | _LENGTH
-_POLL_SLEEP_S = 20e-6
 
 
 class _MemMapParams(ctypes.Structure):
@@ -255,7 +254,7 @@ class UcxEngine(TransferEngine):
             self._check_alive(p, peer)
 
     def _wait(self, req: int, deadline: float, peer: str) -> int:
-        ucp = self._ucp
+        ucp, idle = self._ucp, 0
         while True:
             status = ucp.request_check_status(req)
             if status != _UCS_INPROGRESS:
@@ -265,8 +264,11 @@ class UcxEngine(TransferEngine):
                 ucp.request_cancel(self._worker_h, req)
                 ucp.request_free(req)
                 raise TransferError(f"ucx write to {peer} timed out after {self.timeout:.1f}s")
-            if not ucp.worker_progress(self._worker_h):
-                time.sleep(_POLL_SLEEP_S)
+            if ucp.worker_progress(self._worker_h):
+                idle = 0
+            else:
+                poll_pause(idle)
+                idle += 1
 
     @staticmethod
     def _check_alive(p: _Peer, peer: str) -> None:
