@@ -175,12 +175,14 @@ class KVManager:
         elif not isinstance(msg, Pong):
             self._dispatch(msg)
 
-    def guard_stats(self) -> dict[str, int]:
-        """What the control plane dropped and why, its sockets, and the pings left unanswered."""
+    def guard_stats(self) -> dict[str, int | float]:
+        """What the control plane dropped and why, its sockets, the pings left unanswered, and how long the
+        timer was kept from running (`transfer/liveness.py`)."""
         return {**self.control.stats(), "control_pings_ignored": self.pings_ignored,
                 "control_registrations_refused": self.registrations_refused,
                 "control_registrations_evicted": self.registrations_evicted,
-                "control_registrations_expired": self.registrations_expired, **self.leak_stats()}
+                "control_registrations_expired": self.registrations_expired,
+                "transfer_paused_seconds": round(self._liveness.paused_s, 3), **self.leak_stats()}
 
     def leak_stats(self) -> dict[str, int]:
         """What this rank holds per room and per peer; a drained node has no open or draining room and

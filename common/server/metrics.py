@@ -63,6 +63,8 @@ STAT_METRICS = {
                                            "ranks told)"),
     "transfer_peers_watched": ("gauge", "peer ranks under heartbeat watch"),
     "transfer_engine_peers": ("gauge", "peers added to the transfer engine"),
+    "transfer_paused_seconds": ("counter", "seconds the heartbeat timer did not run beyond one interval (process "
+                                           "paused or starved); peers' silence over them is not counted"),
     "transfer_aborts": ("counter", "KV transfers aborted (the request ended before its transfer did)"),
     "control_registrations_expired": ("counter", "registered peers without rooms dropped after missing heartbeats"),
     "control_dropped_unauthenticated": ("counter", "control-plane frames without a valid MAC, dropped"),
