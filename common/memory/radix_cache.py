@@ -113,24 +113,28 @@ class RadixCache:
     def match_prefix(self, token_ids) -> tuple[torch.Tensor, TreeNode]:
         """Longest cached prefix of `token_ids` in whole pages: (its KV slots, the last node)."""
         tokens = list(token_ids)
-        n = self._full_len(len(tokens))
-        node = self.root
-        now = time.monotonic()
-        values: list[torch.Tensor] = []
-        pos = 0
+        node, values = self.root, []
+        for node, _, _ in self._walk(tokens, self._full_len(len(tokens))):
+            values.append(node.value)
+        slots = torch.cat(values) if values else _EMPTY.clone()
+        return slots, node
+
+    def _walk(self, tokens: list, n: int):
+        """The nodes along the cached prefix of tokens[:n] (whole pages), root excluded, as (node,
+        position of its first token, its token count); an edge matched only in part is split first, so
+        each node yielded is matched whole. Each is marked accessed now."""
+        node, pos, now = self.root, 0, time.monotonic()
         while pos < n:
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
-                break
+                return
             k = self._match_len(child.key, tokens, pos, n)
             if k < len(child.key):
                 child = self._split(child, k)
             child.last_access = now
-            values.append(child.value)
+            yield child, pos, k
             pos += k
             node = child
-        slots = torch.cat(values) if values else _EMPTY.clone()
-        return slots, node
 
     def _match_len(self, key: tuple, tokens: list, pos: int, end: int) -> int:
         """Tokens of `key` matching tokens[pos:end], in whole pages."""
@@ -164,24 +168,14 @@ class RadixCache:
         tokens = list(token_ids)
         n = self._full_len(min(len(tokens), slots.numel()))
         ps = self.page_size
-        node = self.root
-        now = time.monotonic()
-        pos = 0
-        while pos < n:
-            child = node.children.get(self._page_key(tokens, pos))
-            if child is None:
-                break
-            k = self._match_len(child.key, tokens, pos, n)
-            if k < len(child.key):
-                child = self._split(child, k)
-            child.last_access = now
-            self._free_duplicates(child.value, slots[pos : pos + k])
-            pos += k
-            node = child
+        node, pos = self.root, 0
+        for node, start, k in self._walk(tokens, n):
+            self._free_duplicates(node.value, slots[start : start + k])
+            pos = start + k
         matched = pos
         if pos < n:
             new = TreeNode(node, tuple(tokens[pos:n]), slots[pos:n].clone())
-            new.last_access = now
+            new.last_access = time.monotonic()
             node.children[new.key[:ps]] = new
             self._evictable += n - pos
             if self.events is not None:
