@@ -213,7 +213,8 @@ class KVManager:
             ping = now - self._last_ping >= s.heartbeat_interval
             if ping:
                 self._last_ping = now
-                targets = [a for a in live if a not in {d[0] for d in dead}]
+                gone = {d[0] for d in dead}
+                targets = [a for a in live if a not in gone]
                 self._expire_idle(now, live)
         if ping:
             for addr in targets:

@@ -101,8 +101,8 @@ class DecodeKVManager(KVManager):
 
     def _start_side(self) -> None:
         # built once: the buffers and the engine's description never change, and a transfer engine's
-        # describe() is a call into its library (nixl's takes the agent's lock, holding the GIL) that a
-        # room's TransferInfo, sent under the manager's lock, should not wait on
+        # describe() is a call into the transfer library that a room's TransferInfo, sent under the
+        # manager's lock, need not make
         self._registration = peer_registration(self.args, self.address, self.engine.describe())
         self._resolver = threading.Thread(target=self._resolve_loop, name="kv-decode-resolver", daemon=True)
         self._resolver.start()
