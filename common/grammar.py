@@ -16,12 +16,13 @@ matcher allows only the end-of-sequence tokens, so a constrained request ends wi
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import torch
 
@@ -41,12 +42,11 @@ def _xgr():
 
 
 class GrammarCompiler:
-    """Compiles on one thread of its own. `tokenizer` is a Hugging Face tokenizer, or a function that
-    loads one: it is then loaded on that thread with the first grammar (the scheduler loop never waits
-    for it)."""
+    """Compiles on one thread of its own. The tokenizer at `tokenizer_path` is read on that thread with
+    the first grammar (`tokenizer_info`): the scheduler loop never waits for it."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | None = None) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int] | None = None) -> None:
+        self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids or ())
         self.compiler = None
@@ -72,11 +72,8 @@ class GrammarCompiler:
 
     def _ensure(self):
         if self.compiler is None:
-            xgr = _xgr()
-            tok = self.tokenizer() if callable(self.tokenizer) else self.tokenizer
-            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.eos_token_ids or None)
-            self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            info = tokenizer_info(self.tokenizer_path, self.vocab_size, self.eos_token_ids)
+            self.compiler = _xgr().GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self.compiler
 
     def _compile(self, kind: str, source: str):
@@ -104,6 +101,61 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def tokenizer_info(path: str, vocab_size: int, eos_token_ids: list[int]):
+    """xgrammar's view of the tokenizer at `path`: each token id's string, the vocabulary's encoding,
+    the stop tokens. Read from `tokenizer.json` with the `tokenizers` library, as xgrammar reads a Hugging
+    Face fast tokenizer, but without loading one through transformers (AutoTokenizer and the modules it
+    pulls in): the first grammar request of a fresh node took 4.3-4.6 s with it, 1.5 s without, most of
+    that importing xgrammar itself; all of it on the grammar thread, whose imports hold the GIL the
+    scheduler loop needs. tests/unit/test_grammar.py checks it equals `TokenizerInfo.from_huggingface`. A
+    tokenizer without `tokenizer.json`, without known stop tokens, or that `_fast_vocab` cannot vouch for
+    goes through transformers as before."""
+    xgr = _xgr()
+    fast = _fast_vocab(path, xgr) if eos_token_ids else None
+    if fast is not None:
+        vocab, meta = fast
+        encoded = [""] * vocab_size
+        for token, i in vocab.items():
+            if i < vocab_size:
+                encoded[i] = token
+        return xgr.TokenizerInfo(encoded, vocab_type=meta["vocab_type"], vocab_size=vocab_size,
+                                 stop_token_ids=list(eos_token_ids), add_prefix_space=meta["add_prefix_space"])
+    from transformers import AutoTokenizer
+
+    return xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(path), vocab_size=vocab_size,
+                                              stop_token_ids=list(eos_token_ids) or None)
+
+
+def _fast_vocab(path: str, xgr) -> tuple[dict[str, int], dict] | None:
+    """(token -> id with the added tokens, xgrammar's encoding metadata) from `tokenizer.json`, or None
+    where transformers must decide: no such file, an added token of `tokenizer_config.json` it lacks, or
+    an encoding the vocabulary contradicts."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(file)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    config = os.path.join(path, "tokenizer_config.json")
+    try:
+        added = {}
+        if os.path.isfile(config):
+            with open(config) as f:
+                added = json.load(f).get("added_tokens_decoder") or {}
+        if any(vocab.get(t.get("content")) != int(i) for i, t in added.items()):
+            return None
+        # the detection xgrammar's from_huggingface runs (a pinned version's; gone in another: transformers)
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(tok.to_str())
+        by_vocab = xgr.TokenizerInfo._detect_vocab_type_from_vocab(vocab)
+    except (OSError, AttributeError, TypeError, ValueError) as e:
+        logger.info("tokenizer at %s: read through transformers for grammars (%s)", path, e)
+        return None
+    if by_vocab is not None and by_vocab != meta["vocab_type"]:
+        return None
+    return vocab, meta
 
 
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")

@@ -133,7 +133,7 @@ class Scheduler:
         self.admission = Admission(args.queued_requests_limit)  # --max-queued-requests
         # requests whose grammar compiles (Stage.NEW, admitted when it is ready)
         tok_path = args.tokenizer or model_dir
-        self.grammar_queue = GrammarQueue(lambda: GrammarCompiler(lambda: _hf_tokenizer(tok_path), self.vocab_size,
+        self.grammar_queue = GrammarQueue(lambda: GrammarCompiler(tok_path, self.vocab_size,
                                                                   self.eos_token_ids),
                                           tp_size * getattr(args, "pp_size", 1))
 
@@ -749,10 +749,3 @@ class Scheduler:
 
     def get_stats(self) -> dict[str, Any]:
         return scheduler_stats(self)
-
-
-def _hf_tokenizer(path: str):
-    """The Hugging Face tokenizer xgrammar builds its token tables from (loaded on the grammar thread)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

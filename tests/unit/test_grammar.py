@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from common.grammar import GrammarCompiler, GrammarError, apply_grammars
+from common.grammar import GrammarCompiler, GrammarError, apply_grammars, tokenizer_info
 from common.layers.sampling import Sampler, SamplingBatchInfo
 from common.protocol import SamplingParams
 from common.scheduler.grammar_queue import GrammarQueue
@@ -28,8 +29,8 @@ def tok(tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def compiler(tok):
-    c = GrammarCompiler(lambda: tok, 49152, [tok.eos_token_id])
+def compiler(tok, tokenizer_dir):
+    c = GrammarCompiler(tokenizer_dir, 49152, [tok.eos_token_id])
     yield c
     c.close()
 
@@ -55,6 +56,27 @@ def test_random_logits_under_a_grammar_follow_it(compiler, tok, seed):
     assert set(obj) == {"ok", "n"} and isinstance(obj["ok"], bool) and 0 <= obj["n"] <= 99
     assert re.fullmatch(r"[ab]{2}-[0-9]", run(compiler, tok, "regex", r"[ab]{2}-[0-9]", seed))
     assert run(compiler, tok, "ebnf", 'root ::= "x" ("y" | "z")', seed) in ("xy", "xz")
+
+
+@pytest.mark.parametrize("vocab_size", [49152, 49160])  # the model's vocabulary, padded or not
+def test_tokenizer_info_without_transformers_is_xgrammars_own(tok, tokenizer_dir, tmp_path, vocab_size):
+    """What the grammar thread builds from tokenizer.json equals xgrammar's own reading of the Hugging Face
+    tokenizer, token for token; one it cannot read that way (an added token tokenizer.json lacks) goes to transformers."""
+    import xgrammar as xgr
+
+    want = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=[tok.eos_token_id])
+    got = tokenizer_info(tokenizer_dir, vocab_size, [tok.eos_token_id])
+    assert json.loads(got.serialize_json()) == json.loads(want.serialize_json())
+    assert got.vocab_type == want.vocab_type and got.add_prefix_space == want.add_prefix_space
+    # tokenizer_config.json names an added token tokenizer.json lacks: transformers decides, the same info
+    odd = tmp_path / "odd"
+    shutil.copytree(tokenizer_dir, odd)
+    cfg = json.loads((odd / "tokenizer_config.json").read_text())
+    cfg.setdefault("added_tokens_decoder", {})[str(vocab_size - 1)] = {"content": "<|padding|>", "special": True}
+    (odd / "tokenizer_config.json").write_text(json.dumps(cfg))
+    from common.grammar import _fast_vocab
+
+    assert _fast_vocab(str(odd), xgr) is None and _fast_vocab(tokenizer_dir, xgr) is not None
 
 
 def test_compiled_once_and_errors_named(compiler):
