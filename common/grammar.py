@@ -43,10 +43,13 @@ def _xgr():
 
 class GrammarCompiler:
     """Compiles on one thread of its own. The tokenizer at `tokenizer_path` is read on that thread with
-    the first grammar (`tokenizer_info`): the scheduler loop never waits for it."""
+    the first grammar (`tokenizer_info`): the scheduler loop never waits for it. `fast_tokenizer`: the
+    `tokenizers.Tokenizer` of that path the caller already holds, if any (not parsed again)."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int] | None = None) -> None:
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int] | None = None,
+                 fast_tokenizer=None) -> None:
         self.tokenizer_path = tokenizer_path
+        self.fast_tokenizer = fast_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids or ())
         self.compiler = None
@@ -72,7 +75,7 @@ class GrammarCompiler:
 
     def _ensure(self):
         if self.compiler is None:
-            info = tokenizer_info(self.tokenizer_path, self.vocab_size, self.eos_token_ids)
+            info = tokenizer_info(self.tokenizer_path, self.vocab_size, self.eos_token_ids, self.fast_tokenizer)
             self.compiler = _xgr().GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self.compiler
 
@@ -103,17 +106,18 @@ class GrammarCompiler:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def tokenizer_info(path: str, vocab_size: int, eos_token_ids: list[int]):
+def tokenizer_info(path: str, vocab_size: int, eos_token_ids: list[int], fast_tokenizer=None):
     """xgrammar's view of the tokenizer at `path`: each token id's string, the vocabulary's encoding,
     the stop tokens. Read from `tokenizer.json` with the `tokenizers` library, as xgrammar reads a Hugging
     Face fast tokenizer, but without loading one through transformers (AutoTokenizer and the modules it
-    pulls in): the first grammar request of a fresh node took 4.3-4.6 s with it, 1.5 s without, most of
-    that importing xgrammar itself; all of it on the grammar thread, whose imports hold the GIL the
-    scheduler loop needs. tests/unit/test_grammar.py checks it equals `TokenizerInfo.from_huggingface`. A
+    pulls in): the first grammar request of a fresh node took 4.3-4.6 s with it, 1.5 s without (what is
+    left includes importing xgrammar, which imports transformers' top package itself); all of it on the
+    grammar thread, whose imports hold the GIL the scheduler loop needs. `fast_tokenizer`: `path`'s
+    `tokenizer.json` already loaded with `tokenizers`. tests/unit/test_grammar.py checks it equals `TokenizerInfo.from_huggingface`. A
     tokenizer without `tokenizer.json`, without known stop tokens, or that `_fast_vocab` cannot vouch for
     goes through transformers as before."""
     xgr = _xgr()
-    fast = _fast_vocab(path, xgr) if eos_token_ids else None
+    fast = _fast_vocab(path, xgr, fast_tokenizer) if eos_token_ids else None
     if fast is not None:
         vocab, meta = fast
         encoded = [""] * vocab_size
@@ -128,16 +132,17 @@ def tokenizer_info(path: str, vocab_size: int, eos_token_ids: list[int]):
                                               stop_token_ids=list(eos_token_ids) or None)
 
 
-def _fast_vocab(path: str, xgr) -> tuple[dict[str, int], dict] | None:
+def _fast_vocab(path: str, xgr, tok=None) -> tuple[dict[str, int], dict] | None:
     """(token -> id with the added tokens, xgrammar's encoding metadata) from `tokenizer.json`, or None
     where transformers must decide: no such file, an added token of `tokenizer_config.json` it lacks, or
     an encoding the vocabulary contradicts."""
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(file):
-        return None
-    from tokenizers import Tokenizer
+    if tok is None:
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            return None
+        from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(file)
+        tok = Tokenizer.from_file(file)
     vocab = tok.get_vocab(with_added_tokens=True)
     config = os.path.join(path, "tokenizer_config.json")
     try:

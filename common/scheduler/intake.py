@@ -26,6 +26,11 @@ class _TailDecoder:
         return self.tok.decode(ids, skip_special_tokens=False)
 
 
+def fast_tokenizer(decoder):
+    """The `tokenizers.Tokenizer` behind a decoder from `load_stop_decoder`, or None (a transformers one)."""
+    return decoder.tok if isinstance(decoder, _TailDecoder) else None
+
+
 def load_stop_decoder(path: str):
     """A decoder for stop strings: `tokenizer.json` through the `tokenizers` library (fast to load;
     transformers is not imported in the scheduler process), else transformers'; None without one."""

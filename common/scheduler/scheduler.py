@@ -54,7 +54,7 @@ from common.runner import RunnerOutput
 from common.scheduler.batch import ScheduleBatch
 from common.scheduler.grammar_queue import GrammarQueue
 from common.scheduler.hooks import SchedulerHooks
-from common.scheduler.intake import Admission, check_request, load_stop_decoder, make_req
+from common.scheduler.intake import Admission, check_request, fast_tokenizer, load_stop_decoder, make_req
 from common.scheduler.offload import make_host_store, offload_victim, restore
 from common.scheduler.output import OutputBatcher
 from common.scheduler.overlap import OverlapRunner, overlap_choice
@@ -133,8 +133,8 @@ class Scheduler:
         self.admission = Admission(args.queued_requests_limit)  # --max-queued-requests
         # requests whose grammar compiles (Stage.NEW, admitted when it is ready)
         tok_path = args.tokenizer or model_dir
-        self.grammar_queue = GrammarQueue(lambda: GrammarCompiler(tok_path, self.vocab_size,
-                                                                  self.eos_token_ids),
+        self.grammar_queue = GrammarQueue(lambda: GrammarCompiler(tok_path, self.vocab_size, self.eos_token_ids,
+                                                                  fast_tokenizer(self.tokenizer)),
                                           tp_size * getattr(args, "pp_size", 1))
 
         # decode forwards on a worker thread (None: in sequence); common/scheduler/overlap.py

@@ -68,7 +68,13 @@ def test_tokenizer_info_without_transformers_is_xgrammars_own(tok, tokenizer_dir
     got = tokenizer_info(tokenizer_dir, vocab_size, [tok.eos_token_id])
     assert json.loads(got.serialize_json()) == json.loads(want.serialize_json())
     assert got.vocab_type == want.vocab_type and got.add_prefix_space == want.add_prefix_space
-    # tokenizer_config.json names an added token tokenizer.json lacks: transformers decides, the same info
+    # the tokenizer the scheduler already holds for stop strings gives the same info, not parsed again
+    from tokenizers import Tokenizer
+
+    held = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
+    again = tokenizer_info("/nonexistent", vocab_size, [tok.eos_token_id], held)
+    assert json.loads(again.serialize_json()) == json.loads(want.serialize_json())
+    # tokenizer_config.json names an added token tokenizer.json lacks: that one is left to transformers
     odd = tmp_path / "odd"
     shutil.copytree(tokenizer_dir, odd)
     cfg = json.loads((odd / "tokenizer_config.json").read_text())
