@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import select
 import signal
 import traceback
 from dataclasses import dataclass
@@ -36,6 +37,33 @@ class IpcConfig:
     to_scheduler: str  # ZMQ ipc:// address: front end binds a PUSH, rank 0 connects a PULL
     from_scheduler: str  # front end binds a PULL, rank 0 connects a PUSH
     dist_init_method: str  # torch.distributed rendezvous: file://<private run dir>/dist_store (or tcp://)
+    front_end_pid: int = 0  # the front end's process (0: this process's parent): when it ends, the ranks stop
+
+
+class ProcessWatch:
+    """Tells whether process `pid` has ended, through a pidfd (no pid-reuse race). A rank's parent is not
+    always its front end (a fork server starts several ranks), so the rank watches the front end itself."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._poll = None
+        self._gone = False
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._gone = True
+            return
+        except OSError:  # no pidfd on this kernel: the parent test below
+            self._parent = os.getppid()
+            return
+        self._fd = fd
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    def gone(self) -> bool:
+        if not self._gone:
+            self._gone = bool(self._poll.poll(0)) if self._poll is not None else os.getppid() != self._parent
+        return self._gone
 
 
 class SchedulerComm:
@@ -47,7 +75,7 @@ class SchedulerComm:
         self.tp_size = tp_size  # that world's size
         self.group = group
         self.stop_requested = False
-        self.parent_pid = os.getppid()  # the front end: when it dies, this rank stops
+        self.front_end = ProcessWatch(ipc.front_end_pid or os.getppid())  # when it ends, this rank stops
         self.decoder = msgspec.msgpack.Decoder(ToScheduler)
         self.encoder = msgspec.msgpack.Encoder()
         self.ctx = self.pull = self.push = None
@@ -81,8 +109,8 @@ class SchedulerComm:
                 if e.errno != zmq.EINTR:  # a signal interrupted the poll: just loop
                     raise
             stop = self.stop_requested
-            if os.getppid() != self.parent_pid:
-                logger.warning("the front end (pid %d) is gone; stopping", self.parent_pid)
+            if self.front_end.gone():
+                logger.warning("the front end (pid %d) is gone; stopping", self.front_end.pid)
                 stop = True
         if self.tp_size > 1:
             import torch.distributed as dist
@@ -140,7 +168,7 @@ def group_cores(cores: list[int], dp_rank: int, dp_size: int) -> list[int]:
 
 def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcConfig, ready_conn,
                           scheduler_cls=None, dp_rank: int = 0) -> None:
-    """Entry point of a scheduler process (multiprocessing "spawn" target): rank `rank` of its DP
+    """Entry point of a scheduler process (started by `launch.RankStarter`): rank `rank` of its DP
     group's `pp_size * tp` ranks (pipeline stage rank // tp, TP rank rank % tp).
 
     `scheduler_cls` (a Scheduler subclass, or its import path "package.module:Class") lets the PD

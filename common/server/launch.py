@@ -2,7 +2,7 @@
 of each DP group (--dp-size groups of --tp-size ranks).
 
 1. resolve the model directory (the default model is converted once into the cache);
-2. spawn `dp_size * pp_size * tp` scheduler processes (multiprocessing "spawn"); while they load the
+2. start `dp_size * pp_size * tp` scheduler processes (`rank_context`); while they load the
    model, load the tokenizer and bind the ZMQ sockets they connect to (one `to_scheduler` per DP
    group, one shared `from_scheduler`); wait until every rank reports ready (or exit with its error);
 3. serve HTTP until SIGINT/SIGTERM: then abort running requests, stop the schedulers, exit 0.
@@ -26,6 +26,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 
 from aiohttp import web
@@ -58,6 +59,66 @@ def dist_init_method(run_dir: str, dist_port: int | None) -> str:
                        "without the flag the ranks meet through a file in %s", dist_port, run_dir)
         return f"tcp://127.0.0.1:{dist_port}"
     return f"file://{run_dir}/dist_store"
+
+
+def rank_context(ranks: int, scheduler_cls) -> mp.context.BaseContext:
+    """How the scheduler ranks are started. One rank: "spawn" (a fresh interpreter). Several: "forkserver"
+    with torch and the scheduler's modules imported once in the server and each rank a fork of it (no
+    thread runs there, so the fork is safe): those imports are most of a rank's start-up (~3 s of a core
+    here), paid once per node instead of once per rank, and the ranks share their pages."""
+    if ranks <= 1:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    modules = ["torch", "common.scheduler.process", "common.scheduler.scheduler"]
+    if isinstance(scheduler_cls, str):
+        modules.append(scheduler_cls.partition(":")[0])
+    ctx.set_forkserver_preload(modules)
+    return ctx
+
+
+class RankStarter(threading.Thread):
+    """Starts the node's scheduler ranks on a thread, so the front end loads its tokenizer meanwhile (with a
+    fork server the first `start()` waits until the server has imported torch). `procs`, `conns` and
+    `names` list the ranks started so far; `finish()` waits for the thread and re-raises what starting a
+    rank raised, as a LaunchError."""
+
+    def __init__(self, args, model_dir: str, ipcs: list, scheduler_cls):
+        super().__init__(name="rank-starter", daemon=True)
+        self.args, self.model_dir, self.ipcs, self.scheduler_cls = args, model_dir, ipcs, scheduler_cls
+        self.procs: list = []
+        self.conns: list = []
+        self.names: list[str] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        from common.scheduler.process import run_scheduler_process
+
+        args = self.args
+        try:
+            ctx = rank_context(args.dp_size * args.tp * args.pp_size, self.scheduler_cls)
+            for dp, ipc in enumerate(self.ipcs):
+                for rank in range(args.tp * args.pp_size):  # pipeline stage rank // tp, TP rank rank % tp
+                    name = ("scheduler " + (f"dp {dp} " if args.dp_size > 1 else "")
+                            + (f"pp {rank // args.tp} tp {rank % args.tp}" if args.pp_size > 1 else f"rank {rank}"))
+                    parent, child = ctx.Pipe(duplex=False)
+                    p = ctx.Process(target=run_scheduler_process,
+                                    args=(args, self.model_dir, rank, ipc, child, self.scheduler_cls, dp),
+                                    name=f"pdserve-scheduler-{dp}-{rank}", daemon=False)
+                    p.start()
+                    child.close()
+                    self.procs.append(p)
+                    self.conns.append(parent)
+                    self.names.append(name)
+                    logger.info("started %s (pid %d)", name, p.pid)
+        except Exception as e:  # handed to the main thread by finish()
+            self.error = e
+
+    def finish(self) -> None:
+        if self.ident is not None:
+            self.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise LaunchError(f"cannot start the scheduler ranks: {type(error).__name__}: {error}")
 
 
 def _wait_ready(procs: list, conns: list, timeout: float, names: list[str]) -> list[dict]:
@@ -173,7 +234,7 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
         sys.exit(2)
     keys.announce(logger, "/flush_cache and abort-all (/abort_request with abort_all)")
     from common.models.default_model import resolve_model_path
-    from common.scheduler.process import IpcConfig, run_scheduler_process
+    from common.scheduler.process import IpcConfig
     from common.scheduler.trace import make_tracer
     from common.server.tokenizer_manager import TokenizerManager
 
@@ -185,9 +246,10 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
     tmp = private_run_dir()
     ipcs = [IpcConfig(to_scheduler=f"ipc://{tmp}/to_scheduler{dp}", from_scheduler=f"ipc://{tmp}/from_scheduler",
                       dist_init_method=dist_init_method(tmp, args.dist_port) if args.dp_size == 1
-                      else f"file://{tmp}/dist_store{dp}")
+                      else f"file://{tmp}/dist_store{dp}", front_end_pid=os.getpid())
             for dp in range(args.dp_size)]
-    procs: list = []
+    starter = RankStarter(args, model_dir, ipcs, scheduler_cls)
+    procs = starter.procs  # the ranks started so far, stopped on the way out
     tm = None
     # a signal before we serve: stop cleanly too
     stop_early = {"sig": None}
@@ -198,25 +260,13 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
 
     old = {s: signal.signal(s, early) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        ctx = mp.get_context("spawn")
-        conns, names = [], []
-        for dp, ipc in enumerate(ipcs):
-            for rank in range(args.tp * args.pp_size):  # pipeline stage rank // tp, TP rank rank % tp
-                name = ("scheduler " + (f"dp {dp} " if args.dp_size > 1 else "")
-                        + (f"pp {rank // args.tp} tp {rank % args.tp}" if args.pp_size > 1 else f"rank {rank}"))
-                parent, child = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=run_scheduler_process,
-                                args=(args, model_dir, rank, ipc, child, scheduler_cls, dp),
-                                name=f"pdserve-scheduler-{dp}-{rank}", daemon=False)
-                p.start()
-                child.close()
-                procs.append(p)
-                conns.append(parent)
-                names.append(name)
-                logger.info("started %s (pid %d)", name, p.pid)
-        # the tokenizer loads while the ranks load the model (they connect to sockets it binds: ZMQ waits)
+        starter.start()
+        # the tokenizer loads while the ranks start and load the model (they connect to sockets it binds:
+        # ZMQ waits)
         tm = TokenizerManager(args, model_dir, [ipc.to_scheduler for ipc in ipcs], ipcs[0].from_scheduler)
         tm.tracer = make_tracer(args)
+        starter.finish()
+        conns, names = starter.conns, starter.names
         infos = _wait_ready(procs, conns, READY_TIMEOUT, names)
         if not tm.wait_connected(CONNECT_TIMEOUT):
             raise LaunchError(f"the scheduler ranks did not connect to the front end's sockets within "
@@ -234,6 +284,8 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if starter.is_alive():  # interrupted while a rank was starting: wait for it, then stop them all
+            starter.join()
         _stop_procs(procs)
         if tm is not None:
             tm.close_sockets()

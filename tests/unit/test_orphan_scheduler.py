@@ -1,26 +1,46 @@
 """A node whose front end is killed outright (SIGKILL: no shutdown path runs) must not leave its
-scheduler ranks running: each rank notices the front end is gone and exits."""
+scheduler ranks running: each rank notices the front end is gone and exits. A node of several ranks
+starts them from a fork server (`common/server/launch.py: rank_context`), so a rank's parent is that
+server, not the front end: the rank watches the front end's pid itself (`ProcessWatch`)."""
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
 import psutil
 
+from common.scheduler.process import ProcessWatch
 
-def test_scheduler_ranks_exit_when_the_front_end_is_killed(tiny_model_dir, launcher):
+
+def test_scheduler_ranks_and_their_fork_server_exit_when_the_front_end_is_killed(tiny_model_dir, launcher):
     node = launcher.colocated(tiny_model_dir, tp=2, context_length=128, max_total_tokens=512,
                               env={"OMP_NUM_THREADS": "1"})
     front = psutil.Process(node.proc.pid)
-    ranks = [c for c in front.children(recursive=True)
-             if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
+    servers = [c for c in front.children() if "forkserver" in " ".join(c.cmdline())]
+    ranks = [c for s in servers for c in s.children()]
     try:
-        assert len(ranks) == 2, [c.cmdline() for c in ranks]
+        assert len(servers) == 1 and len(ranks) == 2, [c.cmdline() for c in front.children(recursive=True)]
         front.send_signal(signal.SIGKILL)
         node.proc.wait(timeout=30)
-        _, alive = psutil.wait_procs(ranks, timeout=60)
-        assert not alive, f"scheduler ranks still running after their front end died: {[p.pid for p in alive]}"
+        _, alive = psutil.wait_procs(ranks + servers, timeout=60)
+        assert not alive, f"processes still running after their front end died: {[p.pid for p in alive]}"
     finally:
-        for p in ranks:
+        for p in ranks + servers:
             if p.is_running():
                 p.kill()
+
+
+def test_process_watch_sees_the_end_of_a_process_that_is_not_its_parent():
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        watch = ProcessWatch(other.pid)
+        assert not watch.gone()
+        other.kill()
+        other.wait(10)
+        assert watch.gone()
+        assert watch.gone()  # stays gone
+    finally:
+        other.kill()
+    assert ProcessWatch(other.pid).gone()  # reaped: no such process any more
