@@ -3,9 +3,9 @@
 `AutoTokenizer.from_pretrained` always reads the model's config through `AutoConfig` to pick the
 tokenizer class, which imports the model's configuration module and with it torch: about 4 s of a
 node's start-up on this machine, spent in the front end, which needs no torch. The class it picks
-depends only on the model directory's small files (`tokenizer_config.json`, `config.json`, whether and
+depends only on the model directory's tokenizer files (`tokenizer_config.json`, `config.json`, whether and
 which `tokenizer.json` there is) and on the transformers version, so `load_tokenizer` remembers it per
-those inputs in `${PDSERVE_CACHE:-~/.cache/pdserve}/tokenizer-classes/`; the next start loads that class
+the content of those files in `${PDSERVE_CACHE:-~/.cache/pdserve}/tokenizer-classes/`; the next start loads that class
 directly (`transformers.<name>.from_pretrained(path)`, the call `AutoTokenizer` ends with), and gets
 the same tokenizer in about 1.5 s, without torch. A directory with remote code (`auto_map`) always goes through
 `AutoTokenizer`.
@@ -38,11 +38,11 @@ def _cache_path(path: str) -> str | None:
             if name == "tokenizer_config.json" and b"auto_map" in data:
                 return None  # remote code: its own rules
             h.update(name.encode() + hashlib.sha256(data).digest())
-    for name in ("tokenizer.json", "tokenizer.model"):
-        f = os.path.join(path, name)
+    for name in ("tokenizer.json", "tokenizer.model"):  # by content (~10 ms for a few MB): a copy of the
+        f = os.path.join(path, name)                     # same files, a new mtime, finds the same entry
         if os.path.isfile(f):
-            st = os.stat(f)
-            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+            with open(f, "rb") as fh:
+                h.update(name.encode() + hashlib.file_digest(fh, "sha256").digest())
     from common.models.default_model import cache_root
 
     return os.path.join(cache_root(), "tokenizer-classes", h.hexdigest()[:32] + ".json")

@@ -65,3 +65,14 @@ def test_remote_code_is_never_cached(tiny_model_dir, tmp_path, cache):
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoTokenizer": ["x.Tok", None]}}))
     assert _cache_path(str(d)) is None
+
+
+def test_a_copy_of_the_same_files_finds_the_same_entry(tiny_model_dir, tmp_path, cache):
+    d = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, d)
+    os.utime(d / "tokenizer.json", (1, 1))  # another mtime: the key is the content
+    assert _cache_path(str(d)) == _cache_path(tiny_model_dir)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    tok["added_tokens"][0]["content"] += "x"
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    assert _cache_path(str(d)) != _cache_path(tiny_model_dir)
