@@ -52,22 +52,33 @@ int packed_gemm_supported(void) { return 1; }
 
 #define NR 16
 
-// The walk over K shared by both tiles (STEP / STEP_I8 are each width's): unrolled 4x, since the
-// loop's own address and counter updates otherwise crowd the FMAs; every `every` steps the next line
-// at `pf` (if not NULL) is prefetched.
-#define K_LOOP                                      \
-    int64_t cnt = every;                            \
-    _Pragma("GCC unroll 4")                         \
-    for (int64_t k = 0; k < K; k++) {               \
-        if (Q)                                      \
-            STEP_I8                                 \
-        else                                        \
-            STEP                                    \
-        if (pf && --cnt == 0) {                     \
-            _mm_prefetch(pf, _MM_HINT_T1);          \
-            pf += 64;                               \
-            cnt = every;                            \
-        }                                           \
+// The walk over K shared by both tiles (STEP / STEP_I8 are each width's), unrolled 4x. With a line at
+// `pf` to prefetch every `every` steps, the walk goes in spans of at least 16 steps with the span's
+// lines requested after it (the same lines, K / every in all, the last ones after the walk), so the
+// unrolled loop carries no per-step counter and branch: float32 matmuls of 512 rows 1.23x and of 64 rows
+// 1.12x faster, 1 and 16 rows 1.02x, same bits (`pdserve bench kernels`, AVX2 Zen 3 host; not measured
+// with AVX-512).
+#define K_LOOP                                                                      \
+    const int64_t per = pf ? (every >= 16 ? 1 : (16 + every - 1) / every) : 1;      \
+    const int64_t span = pf ? per * every : K;                                      \
+    int64_t owed = pf ? K / every : 0;                                              \
+    for (int64_t k0 = 0; k0 < K; k0 += span) {                                     \
+        const int64_t k1 = K - k0 < span ? K : k0 + span;                           \
+        _Pragma("GCC unroll 4")                                                     \
+        for (int64_t k = k0; k < k1; k++) {                                         \
+            if (Q)                                                                  \
+                STEP_I8                                                             \
+            else                                                                    \
+                STEP                                                                \
+        }                                                                           \
+        for (int64_t r = 0; r < per && owed > 0 && k1 - k0 == span; r++, owed--) {  \
+            _mm_prefetch(pf, _MM_HINT_T1);                                          \
+            pf += 64;                                                               \
+        }                                                                           \
+    }                                                                               \
+    for (; owed > 0; owed--) {                                                      \
+        _mm_prefetch(pf, _MM_HINT_T1);                                              \
+        pf += 64;                                                                   \
     }
 
 // `tile(MR, Q, ...)` with MR and Q compile-time constants, so each variant is its own unrolled loop
