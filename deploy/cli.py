@@ -55,6 +55,7 @@ def _convert(argv: list[str]) -> int:
 
 BENCHES = {
     "engine": "bench.engine",
+    "kernels": "bench.kernels",
     "transfer": "bench.transfer",
     "router": "bench.router",
     "serve": "bench.serve",

@@ -67,13 +67,17 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def build() -> Path:
-    """Compile the kernel into the cache (if not there yet); returns the shared object's path."""
+def build(src_dir: Path | None = None) -> Path:
+    """Compile the kernels into the cache (if not there yet); returns the shared object's path. `src_dir`:
+    a directory holding the same files in another version (`pdserve bench kernels --baseline`)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler (cc / gcc) on PATH")
     flags = _compile_flags()
-    src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    # (a source's `#include "vec_math.h"` finds the header next to it)
+    sources, headers = ((SOURCES, HEADERS) if src_dir is None
+                        else ([Path(src_dir) / p.name for p in SOURCES], [Path(src_dir) / p.name for p in HEADERS]))
+    src = b"".join(p.read_bytes() for p in sources + headers)
     digest = hashlib.sha256(src + " ".join(flags + ["link-without-fast-math"]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"kernels-{digest}.so"
     if out.exists():
@@ -86,8 +90,8 @@ def build() -> Path:
     # process that loads the kernels (torch's numerics included), not just for these loops.
     with tempfile.TemporaryDirectory(dir=out.parent) as objdir:
         try:
-            objs = [os.path.join(objdir, p.stem + ".o") for p in SOURCES]
-            for src_path, obj in zip(SOURCES, objs, strict=True):
+            objs = [os.path.join(objdir, p.stem + ".o") for p in sources]
+            for src_path, obj in zip(sources, objs, strict=True):
                 _run(compiler, [*flags, "-c", str(src_path), "-o", obj])
             _run(compiler, ["-shared", "-fopenmp", *objs, "-o", tmp, "-lm"])
             os.replace(tmp, out)

@@ -1,0 +1,31 @@
+"""`pdserve bench kernels` (bench/kernels.py): this checkout's GEMMs against another revision's, built
+from git into the kernel cache; the short version compares against HEAD."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from bench import kernels
+from common.layers import native
+
+pytestmark = pytest.mark.skipif(native.packed_gemm() is None, reason="no native GEMM on this machine")
+
+
+def test_bench_kernels_reports_ratios_and_bits_against_a_revision(tmp_path):
+    out = tmp_path / "kernels.json"
+    report = kernels.main(["--baseline", "HEAD", "--rows", "1,8", "--calls", "2", "--json", str(out)])
+    assert set(report["ratios"]) == {"fp32_r1", "fp32_r8", "int8_r1", "int8_r8"}
+    assert all(r > 0 for r in report["ratios"].values())
+    saved = json.loads(out.read_text())
+    assert saved["figures"]["baseline"] == "HEAD"
+    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "common/layers"], cwd=kernels.ROOT).returncode == 0
+    for key in report["ratios"]:  # the same sources as HEAD's compute the same bits
+        assert saved["figures"][key]["same_bits"] is (True if unchanged else saved["figures"][key]["same_bits"])
+
+
+def test_an_unknown_revision_is_refused_naming_it():
+    with pytest.raises(SystemExit, match="--baseline no-such-rev: cannot read common/layers/"):
+        kernels.main(["--baseline", "no-such-rev", "--rows", "1"])
