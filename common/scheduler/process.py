@@ -53,16 +53,24 @@ class ProcessWatch:
         except ProcessLookupError:
             self._gone = True
             return
-        except OSError:  # no pidfd on this kernel: the parent test below
-            self._parent = os.getppid()
+        except OSError:  # no pidfd (Linux before 5.3): `_exists` below
             return
-        self._fd = fd
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
 
+    def _exists(self) -> bool:
+        """Without a pidfd: whether a process with that pid is there (a reused pid reads as alive)."""
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # someone's process: the pid was reused
+            return False
+        return True
+
     def gone(self) -> bool:
         if not self._gone:
-            self._gone = bool(self._poll.poll(0)) if self._poll is not None else os.getppid() != self._parent
+            self._gone = bool(self._poll.poll(0)) if self._poll is not None else not self._exists()
         return self._gone
 
 

@@ -5,11 +5,13 @@ server, not the front end: the rank watches the front end's pid itself (`Process
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 
 import psutil
+import pytest
 
 from common.scheduler.process import ProcessWatch
 
@@ -32,7 +34,10 @@ def test_scheduler_ranks_and_their_fork_server_exit_when_the_front_end_is_killed
                 p.kill()
 
 
-def test_process_watch_sees_the_end_of_a_process_that_is_not_its_parent():
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "no-pidfd"])
+def test_process_watch_sees_the_end_of_a_process_that_is_not_its_parent(pidfd, monkeypatch):
+    if not pidfd:  # a kernel before 5.3
+        monkeypatch.setattr(os, "pidfd_open", lambda pid: (_ for _ in ()).throw(OSError(38, "no pidfd_open")))
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         watch = ProcessWatch(other.pid)
