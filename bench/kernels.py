@@ -28,10 +28,7 @@ from common.layers.linear import pack_weight
 ROOT = Path(__file__).resolve().parents[1]
 # SmolLM2-135M's projections, [out, in]: qkv, o, gate+up, down
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
-_ARGS = {"fp32": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-         + [ctypes.c_int64] * 4,
-         "int8": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                  ctypes.c_void_p] + [ctypes.c_int64] * 4}
+
 
 
 def log(msg: str) -> None:
@@ -62,8 +59,9 @@ def baseline_library(rev: str) -> Path:
 
 
 def _gemm(path: Path, scheme: str):
-    fn = getattr(ctypes.CDLL(str(path)), "packed_gemm" if scheme == "fp32" else "packed_gemm_i8")
-    fn.argtypes, fn.restype = _ARGS[scheme], ctypes.c_int
+    name = "packed_gemm" if scheme == "fp32" else "packed_gemm_i8"
+    fn = getattr(ctypes.CDLL(str(path)), name)
+    fn.argtypes, fn.restype = native._SIGNATURES[name]  # the signatures the engine loads them with
     return fn
 
 
