@@ -10,11 +10,13 @@
 //   P = exp(S - row max), the row sums kept; P copied key-major;
 //   O = P V (a tile of MR rows x 32 columns of D walks the keys), divided by the row sums.
 // A task's scratch is MR x L floats, so chunks of a few thousand tokens stay in L2; it and the
-// transposed keys live in gemm.c's per-thread buffers, kept between calls. The tiles use GCC
-// vector types of 16 floats: one zmm each with AVX-512, a pair of ymm with AVX2 (where MR is 6 and a
-// tile one vector wide, to stay in AVX2's 16 registers). Tasks further down the chunk see more keys,
-// so they are handed out dynamically. Torch's CPU flash kernel ran SmolLM2's 512-token prefill
-// attention at ~65 GFLOPS here.
+// transposed keys live in gemm.c's per-thread buffers, kept between calls. The tiles use a GCC vector
+// type as wide as one register (16 floats, a zmm, with AVX-512; 8, a ymm, with AVX2), two of them per
+// tile row, MR rows: 24 accumulators of AVX-512's 32 registers, 12 of AVX2's 16. (A 16-float type under
+// AVX2 is lowered as a pair of ymm that GCC moves through the stack on every step: 12 GFLOPS on
+// SmolLM2's 512-token prefill attention on a Zen 3, a quarter of torch's flash kernel.) Tasks further
+// down the chunk see more keys, so they are handed out dynamically. Torch's CPU flash kernel ran that
+// attention at ~65 GFLOPS on an AVX-512 host, 44-51 on the AVX2 one.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -24,34 +26,33 @@ void *gemm_scratch(int slot, size_t bytes);  // gemm.c
 #if defined(__AVX2__) && defined(__FMA__)
 #include "vec_math.h"
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
-
 #if defined(__AVX512F__)
+#define VW 16
 #define MR 12
-#define NP 2
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 #else
+#define VW 8
 #define MR 6
-#define NP 1
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #endif
-#define KB (16 * NP)  // keys (or columns of V) per tile
+typedef float vec __attribute__((vector_size(VW * 4)));
+typedef float vecu __attribute__((vector_size(VW * 4), aligned(4)));  // unaligned loads and stores
+#define KB (2 * VW)  // keys (or columns of V) per tile: two vectors
 
 // Head sizes must be a multiple of this (0: no kernel in this build).
 int prefill_attention_block(void) { return KB; }
 
-#define DECLARE(i) v16 c##i = {0}, d##i = {0};
+#define DECLARE(i) vec c##i = {0}, d##i = {0};
 #define FMA(i)                          \
     if (R > i) {                        \
         const float a = x[k * R + (i)]; \
         c##i += a * b;                  \
-        if (NP > 1) d##i += a * b2;     \
+        d##i += a * b2;                 \
     }
-#define STORE(i)                                                 \
-    if (R > i) {                                                 \
-        *(v16u *)(y + (i) * ldy) = c##i;                         \
-        if (NP > 1) *(v16u *)(y + (i) * ldy + 16) = d##i;        \
+#define STORE(i)                                  \
+    if (R > i) {                                  \
+        *(vecu *)(y + (i) * ldy) = c##i;          \
+        *(vecu *)(y + (i) * ldy + VW) = d##i;     \
     }
 
 // y[i][0..KB) = sum over k of x[k * R + i] * w[k * ws + 0..KB), for the R rows of a k-major x.
@@ -59,8 +60,8 @@ static inline __attribute__((always_inline)) void tile(const int R, int64_t K, c
                                                        int64_t ws, float *y, int64_t ldy) {
     ROWS(DECLARE)
     for (int64_t k = 0; k < K; k++) {
-        const v16 b = *(const v16u *)(w + k * ws);
-        const v16 b2 = NP > 1 ? *(const v16u *)(w + k * ws + 16) : b;
+        const vec b = *(const vecu *)(w + k * ws);
+        const vec b2 = *(const vecu *)(w + k * ws + VW);
         ROWS(FMA)
     }
     ROWS(STORE)
