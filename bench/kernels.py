@@ -1,17 +1,22 @@
 """`pdserve bench kernels`: this checkout's panel GEMMs (`common/layers/gemm.c`, float32 and int8-weight)
-against the same kernels built from another git revision (`--baseline`), in one process, on
-SmolLM2-135M's projection shapes: both libraries are loaded side by side and every timed call of one
-is followed by the same call of the other (in alternating order), so the host's drifts hit both alike.
+and causal prefill attention (`common/layers/prefill_attention.c`) against the same kernels built from
+another git revision (`--baseline`), in one process, on SmolLM2-135M's shapes: both libraries are loaded
+side by side and every timed call of one is followed by the same call of the other (in alternating
+order), so the host's drifts hit both alike.
 
 Ratios (higher is better): `fp32_r{rows}` and `int8_r{rows}` = the baseline's median time / ours, summed
-over the shapes, at each row count of `--rows` (1 and 16: decode batches; 64 and 512: prefill chunks).
-Figures: each side's milliseconds and whether both gave the same bits (`same_bits`).
+over the projection shapes, at each row count of `--rows` (1 and 16: decode batches; 64 and 512: prefill
+chunks); `attn_r{rows}` the same for one sequence's prefill attention of that many tokens (row counts of
+16 and more), and `attn_torch_r{rows}` = torch's `scaled_dot_product_attention` (its CPU flash kernel,
+timed in the same alternation) / ours. Figures: each side's milliseconds and whether both gave the same
+bits (`same_bits`).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import statistics
 import subprocess
 import sys
@@ -28,7 +33,7 @@ from common.layers.linear import pack_weight
 ROOT = Path(__file__).resolve().parents[1]
 # SmolLM2-135M's projections, [out, in]: qkv, o, gate+up, down
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
-
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # its attention
 
 
 def log(msg: str) -> None:
@@ -65,6 +70,51 @@ def _gemm(path: Path, scheme: str):
     return fn
 
 
+def _gemm_call(fn, head: list, y: torch.Tensor, out: int, rows: int, inp: int) -> None:
+    if fn(*head, None, y.data_ptr(), out, rows, out, inp):
+        raise MemoryError("panel matmul: no memory for the packed activations")
+
+
+def _alternate(calls: int, fns: list) -> list[float]:
+    """Each side's median seconds over `calls` timed calls (after two warm-ups), the order alternating."""
+    times: list[list[float]] = [[] for _ in fns]
+    for c in range(calls + 2):
+        for side in (range(len(fns)) if c % 2 == 0 else reversed(range(len(fns)))):
+            t = time.perf_counter()
+            fns[side]()
+            if c >= 2:
+                times[side].append(time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
+
+
+def _attention(paths: list[Path], rows: int, calls: int) -> tuple[list[float], bool]:
+    """Medians of ours, the baseline's and torch's causal attention over `rows` new tokens (no prefix)."""
+    libs = [ctypes.CDLL(str(p)) for p in paths]
+    fns = [lib.prefill_attention for lib in libs]
+    for fn in fns:
+        fn.argtypes, fn.restype = native._SIGNATURES["prefill_attention"]
+    h, g, d = HEADS, HEADS // KV_HEADS, HEAD_DIM
+    q, k, v = torch.randn(rows, h * d), torch.randn(rows, KV_HEADS * d), torch.randn(rows, KV_HEADS * d)
+    outs = [torch.empty(rows, h * d) for _ in fns]
+    qt = q.view(rows, h, d).transpose(0, 1).unsqueeze(0)
+    kt, vt = (x.view(rows, KV_HEADS, d).transpose(0, 1).unsqueeze(0) for x in (k, v))
+
+    def call(i):
+        def run():
+            rc = fns[i](q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), d, rows, 0, h, g, d,
+                        d ** -0.5, outs[i].data_ptr(), outs[i].stride(0))
+            if rc:
+                raise MemoryError("prefill attention: no memory")
+        return run
+
+    def flash():
+        torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=d ** -0.5,
+                                                         enable_gqa=True)
+
+    medians = _alternate(calls, [call(0), call(1), flash])
+    return medians, torch.equal(outs[0], outs[1])
+
+
 def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
     if args.threads:
@@ -86,26 +136,24 @@ def main(argv: list[str] | None = None):
             for (out, inp), p in zip(SHAPES, packs, strict=True):
                 x = torch.randn(rows, inp)
                 ys = [torch.empty(rows, out), torch.empty(rows, out)]
-                times: list[list[float]] = [[], []]
-                for c in range(args.calls + 2):
-                    for side in ((0, 1) if c % 2 == 0 else (1, 0)):
-                        head = [x.data_ptr(), x.stride(0), p.weight.data_ptr()]
-                        if scheme == "int8":
-                            head.append(p.scale.data_ptr())
-                        t = time.perf_counter()
-                        rc = fns[side](*head, None, ys[side].data_ptr(), out, rows, out, inp)
-                        if c >= 2:  # the first two calls warm up
-                            times[side].append(time.perf_counter() - t)
-                        if rc:
-                            raise MemoryError("panel matmul: no memory for the packed activations")
+                head = [x.data_ptr(), x.stride(0), p.weight.data_ptr()] + ([p.scale.data_ptr()] if scheme == "int8" else [])
+                calls = [functools.partial(_gemm_call, fns[side], head, ys[side], out, rows, inp) for side in (0, 1)]
+                medians = _alternate(args.calls, calls)
                 same = same and torch.equal(ys[0], ys[1])
                 for side in (0, 1):
-                    total[side] += statistics.median(times[side])
+                    total[side] += medians[side]
             ratios[f"{scheme}_r{rows}"] = total[1] / total[0]
             figures[f"{scheme}_r{rows}"] = {"ours_ms": round(total[0] * 1e3, 4),
                                             "baseline_ms": round(total[1] * 1e3, 4), "same_bits": same}
             log(f"{scheme} {rows:4d} rows: ours {total[0] * 1e3:8.3f} ms, baseline {total[1] * 1e3:8.3f} ms "
                 f"({total[1] / total[0]:.3f}x), same bits: {same}")
+    for rows in (r for r in rows_list if r >= 16):
+        (ours, base, flash), same = _attention([ours_path, base_path], rows, args.calls)
+        ratios[f"attn_r{rows}"], ratios[f"attn_torch_r{rows}"] = base / ours, flash / ours
+        figures[f"attn_r{rows}"] = {"ours_ms": round(ours * 1e3, 4), "baseline_ms": round(base * 1e3, 4),
+                                    "torch_ms": round(flash * 1e3, 4), "same_bits": same}
+        log(f"attention {rows:4d} tokens: ours {ours * 1e3:8.3f} ms, baseline {base * 1e3:8.3f} ms "
+            f"({base / ours:.3f}x), torch {flash * 1e3:8.3f} ms ({flash / ours:.3f}x), same bits: {same}")
     return write_report(args.json, "kernels", figures, ratios)
 
 
