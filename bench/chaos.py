@@ -12,7 +12,8 @@ seconds or `--requests` requests, with at once:
 * client disconnects (`--disconnect-prob`) at a random point: after k stream events, or after a
   random delay for non-streaming requests;
 * explicit aborts (`--abort-prob`): a `/generate` stream with its own rid, aborted on every node
-  with `/abort_request` after a random delay;
+  with `/abort_request` 0-0.5 s after its first token (timed from the send, an abort could reach the
+  nodes ahead of a request the router had queued, and be lost);
 * injected transfer failures on every node (`--failure-prob`, `DISAGGREGATION_TEST_FAILURE_PROB`);
 * a `kill -9` of one decode node and later of one prefill node (their front-end processes, as a
   crash would; the launcher cleans up and restarts them on the same ports);
@@ -149,18 +150,20 @@ class Driver:
             path, body = "/generate", {"text": text, "rid": rid, "stream": stream,
                                        "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True}}
         stop_after = rng.randint(0, max_tokens) if plan == "disconnect" else None
-        try:
-            if plan == "abort":
-                abort = asyncio.get_running_loop().create_task(self.abort_later(session, rid, rng.uniform(0, 1.0)))
+        on_first = None
+        if plan == "abort":  # once its first token is out, so the nodes know the rid when the abort comes
+            def on_first():
+                abort = asyncio.get_running_loop().create_task(self.abort_later(session, rid, rng.uniform(0, 0.5)))
                 self.tasks.add(abort)
                 abort.add_done_callback(self.tasks.discard)
+        try:
             if plan == "disconnect" and not stream:
                 try:
                     await asyncio.wait_for(self.send(session, path, body, o, None), rng.uniform(0.01, 1.5))
                 except TimeoutError:
                     o.result = "disconnected"
             else:
-                await self.send(session, path, body, o, stop_after)
+                await self.send(session, path, body, o, stop_after, on_first)
         except Exception as e:  # the connection broke: an error that names itself
             if not o.result:
                 o.result, o.message = "error", f"client: {type(e).__name__}: {e}"
@@ -172,7 +175,8 @@ class Driver:
                 o.result = "aborted"  # ended after its abort with an error answer
             self.run.open.pop(idx, None)
 
-    async def send(self, session, path: str, body: dict, o: Outcome, stop_after: int | None) -> None:
+    async def send(self, session, path: str, body: dict, o: Outcome, stop_after: int | None,
+                   on_first=None) -> None:
         async with session.post(self.url + path, json=body) as resp:
             o.status = resp.status
             if resp.status == 429:
@@ -210,6 +214,8 @@ class Driver:
                 if isinstance(event, dict) and "error" in event:
                     o.result, o.message = "error", error_text(event)
                 o.events += 1
+                if o.events == 1 and on_first is not None:
+                    on_first()
                 if self.aborted_finish(event):
                     o.message = o.message or "finished with reason abort"
                 if stop_after is not None and o.events >= stop_after:
