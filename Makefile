@@ -39,11 +39,18 @@ $(STAMP):
 run: $(STAMP)
 	$(VENV)/bin/pdserve cluster --prefill 1 --decode 1 --transfer-backend nixl --host 127.0.0.1 --model default --port $(PORT)
 
+# The suite on TEST_WORKERS pytest-xdist workers. Half its time one core idles while tests wait on
+# nodes, sockets and timeouts; two workers fill it. Each test file runs whole on one worker (its module
+# fixtures start their clusters once), files handed out in collection order: the directories whose
+# tests start clusters come first, tests/unit's many short files last, so the two workers end together.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_PARALLEL)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
 
 bench: $(STAMP)
 	mkdir -p bench/results
