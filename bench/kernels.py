@@ -63,9 +63,9 @@ def baseline_library(rev: str) -> Path:
         return native.build(Path(d))
 
 
-def _gemm(path: Path, scheme: str):
+def _gemm(lib: ctypes.CDLL, scheme: str):
     name = "packed_gemm" if scheme == "fp32" else "packed_gemm_i8"
-    fn = getattr(ctypes.CDLL(str(path)), name)
+    fn = getattr(lib, name)
     fn.argtypes, fn.restype = native._SIGNATURES[name]  # the signatures the engine loads them with
     return fn
 
@@ -87,31 +87,27 @@ def _alternate(calls: int, fns: list) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def _attention(paths: list[Path], rows: int, calls: int) -> tuple[list[float], bool]:
+def _attention_call(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    rows, d = q.shape[0], HEAD_DIM
+    if fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), d, rows, 0, HEADS,
+          HEADS // KV_HEADS, d, d ** -0.5, out.data_ptr(), out.stride(0)):
+        raise MemoryError("prefill attention: no memory")
+
+
+def _attention(libs: list[ctypes.CDLL], rows: int, calls: int) -> tuple[list[float], bool]:
     """Medians of ours, the baseline's and torch's causal attention over `rows` new tokens (no prefix)."""
-    libs = [ctypes.CDLL(str(p)) for p in paths]
     fns = [lib.prefill_attention for lib in libs]
     for fn in fns:
         fn.argtypes, fn.restype = native._SIGNATURES["prefill_attention"]
-    h, g, d = HEADS, HEADS // KV_HEADS, HEAD_DIM
+    h, d = HEADS, HEAD_DIM
     q, k, v = torch.randn(rows, h * d), torch.randn(rows, KV_HEADS * d), torch.randn(rows, KV_HEADS * d)
     outs = [torch.empty(rows, h * d) for _ in fns]
     qt = q.view(rows, h, d).transpose(0, 1).unsqueeze(0)
     kt, vt = (x.view(rows, KV_HEADS, d).transpose(0, 1).unsqueeze(0) for x in (k, v))
-
-    def call(i):
-        def run():
-            rc = fns[i](q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), d, rows, 0, h, g, d,
-                        d ** -0.5, outs[i].data_ptr(), outs[i].stride(0))
-            if rc:
-                raise MemoryError("prefill attention: no memory")
-        return run
-
-    def flash():
-        torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=d ** -0.5,
-                                                         enable_gqa=True)
-
-    medians = _alternate(calls, [call(0), call(1), flash])
+    flash = functools.partial(torch.nn.functional.scaled_dot_product_attention, qt, kt, vt, is_causal=True,
+                              scale=d ** -0.5, enable_gqa=True)
+    ours_and_base = [functools.partial(_attention_call, fn, q, k, v, o) for fn, o in zip(fns, outs, strict=True)]
+    medians = _alternate(calls, ours_and_base + [flash])
     return medians, torch.equal(outs[0], outs[1])
 
 
@@ -122,11 +118,12 @@ def main(argv: list[str] | None = None):
     rows_list = [int(r) for r in args.rows.split(",")]
     ours_path, base_path = native.build(), baseline_library(args.baseline)
     log(f"ours {ours_path.name}, baseline {args.baseline} {base_path.name}, {torch.get_num_threads()} threads")
+    libs = [ctypes.CDLL(str(ours_path)), ctypes.CDLL(str(base_path))]
     torch.manual_seed(0)
     figures: dict = {"baseline": args.baseline, "shapes": [list(s) for s in SHAPES]}
     ratios: dict[str, float] = {}
     for scheme in ("fp32", "int8"):
-        fns = [_gemm(ours_path, scheme), _gemm(base_path, scheme)]
+        fns = [_gemm(lib, scheme) for lib in libs]
         packs = []
         for out, inp in SHAPES:
             w = torch.randn(out, inp) * 0.02
@@ -148,7 +145,7 @@ def main(argv: list[str] | None = None):
             log(f"{scheme} {rows:4d} rows: ours {total[0] * 1e3:8.3f} ms, baseline {total[1] * 1e3:8.3f} ms "
                 f"({total[1] / total[0]:.3f}x), same bits: {same}")
     for rows in (r for r in rows_list if r >= 16):
-        (ours, base, flash), same = _attention([ours_path, base_path], rows, args.calls)
+        (ours, base, flash), same = _attention(libs, rows, args.calls)
         ratios[f"attn_r{rows}"], ratios[f"attn_torch_r{rows}"] = base / ours, flash / ours
         figures[f"attn_r{rows}"] = {"ours_ms": round(ours * 1e3, 4), "baseline_ms": round(base * 1e3, 4),
                                     "torch_ms": round(flash * 1e3, 4), "same_bits": same}

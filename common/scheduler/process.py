@@ -62,9 +62,7 @@ class ProcessWatch:
         """Without a pidfd: whether a process with that pid is there (a reused pid reads as alive)."""
         try:
             os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # someone's process: the pid was reused
+        except (ProcessLookupError, PermissionError):  # gone, or the pid reused by someone else's process
             return False
         return True
 
