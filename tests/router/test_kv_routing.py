@@ -188,6 +188,12 @@ def _cached(url: str) -> float:
     return metric_total(url, "sglang:cached_tokens_total")
 
 
+def _cached_reaches(url: str, tokens: float) -> None:
+    """The prefill node counts a request's cached tokens when its own leg ends, which can come after the
+    router has answered from the decode node: wait for the count, do not read it once."""
+    wait_until(lambda: _cached(url) >= tokens, timeout=10, what=f"{url} to count {tokens:.0f} cached tokens")
+
+
 def _gen(router, ids) -> dict:
     code, raw = http_post(router.url + "/generate", {"input_ids": ids, "sampling_params": {
         "max_new_tokens": 2, "temperature": 0, "ignore_eos": True}})
@@ -209,13 +215,15 @@ def test_requests_follow_the_cached_prefix(kv_cluster):
     wait_until(lambda: _views(router)[first]["kv_events"]["blocks"] >= 6, what="the prefix's blocks seen")
     for i in range(3):
         _gen(router, a + [50 + i] * 5)
-    assert busy()[first] == 4 and _cached(first) >= 3 * 6 * PS
+    assert busy()[first] == 4
+    _cached_reaches(first, 3 * 6 * PS)
     _gen(router, b + [1])  # nothing cached anywhere: the worker with fewer blocks
     other = next(u for u in busy() if u != first)
     assert busy()[other] == 1
     wait_until(lambda: _views(router)[other]["kv_events"]["blocks"] >= 6, what="the second prefix seen")
     _gen(router, b + [2, 3])
-    assert busy()[other] == 2 and _cached(other) >= 6 * PS
+    assert busy()[other] == 2
+    _cached_reaches(other, 6 * PS)
 
     # chat: the router renders the template and tokenizes like the node, so the second one is a hit
     sys_prompt = "You answer questions about the solar system in one short sentence. " * 6
@@ -229,7 +237,8 @@ def test_requests_follow_the_cached_prefix(kv_cluster):
     chat["messages"][1]["content"] = "Venus?"
     hits = _cached(chosen)
     assert http("POST", router.url + "/v1/chat/completions", chat)[0] == 200
-    assert busy()[chosen] == before[chosen] + 2 and _cached(chosen) - hits >= 5 * PS
+    assert busy()[chosen] == before[chosen] + 2
+    _cached_reaches(chosen, hits + 5 * PS)
 
     # a flush on the worker empties the router's view
     assert http_post(prefills[0].url + "/flush_cache", b"")[0] == 200
