@@ -15,6 +15,7 @@ A child spawned from the main thread also gets SIGTERM if the test process dies 
                                              the `launcher` / `module_launcher` / `session_launcher`
                                              fixtures of tests/conftest.py are Launchers, and a failed
                                              test's report shows the tail of their servers' logs
+    thread_names(pid)                        a process's thread names, from /proc
 """
 
 from __future__ import annotations
@@ -194,6 +195,18 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def thread_names(pid: int) -> list[str]:
+    """The names (`comm`) of a running process's threads, from /proc."""
+    names = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names
 
 
 def _killpg(proc: subprocess.Popen) -> None:

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from common.scheduler.process import ProcessWatch
+from tests.harness.nodes import thread_names
 
 
 def test_scheduler_ranks_and_their_fork_server_exit_when_the_front_end_is_killed(tiny_model_dir, launcher):
@@ -24,6 +25,8 @@ def test_scheduler_ranks_and_their_fork_server_exit_when_the_front_end_is_killed
     ranks = [c for s in servers for c in s.children()]
     try:
         assert len(servers) == 1 and len(ranks) == 2, [c.cmdline() for c in front.children(recursive=True)]
+        # two ranks reduce over gloo (a single rank joins no group: tests/unit/test_server_api.py)
+        assert all("gloo_tcp_loop" in thread_names(r.pid) for r in ranks)
         front.send_signal(signal.SIGKILL)
         node.proc.wait(timeout=30)
         _, alive = psutil.wait_procs(ranks + servers, timeout=60)

@@ -8,9 +8,11 @@ import re
 import threading
 import time
 
+import psutil
 import pytest
 
 from tests.harness.client import http_get, http_post
+from tests.harness.nodes import thread_names
 
 openai = pytest.importorskip("openai")
 
@@ -98,6 +100,15 @@ def free_counts(s: dict) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------- /generate
+def test_a_single_rank_joins_no_gloo_group(node):
+    """One rank has nobody to reduce with; gloo's loop threads kept an idle node at ~1.2 % of a core."""
+    children = psutil.Process(node.proc.pid).children(recursive=True)
+    ranks = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    assert len(ranks) == 1, [c.cmdline() for c in children]
+    names = thread_names(ranks[0].pid)
+    assert names and "gloo_tcp_loop" not in names, names
+
+
 def test_generate_single_shape(node, tok):
     out = generate(node, {"text": PROMPTS[0], "sampling_params": greedy(6)})
     assert set(out) == {"text", "output_ids", "meta_info"}
