@@ -36,7 +36,7 @@ $(STAMP):
 
 # router + 1 prefill + 1 decode node (nixl: it listens on 127.0.0.1 only) serving the default model;
 # Ctrl-C stops them all
-run: $(STAMP) bytecode
+run: bytecode
 	$(VENV)/bin/pdserve cluster --prefill 1 --decode 1 --transfer-backend nixl --host 127.0.0.1 --model default --port $(PORT)
 
 # The suite on TEST_WORKERS pytest-xdist workers. Half its time one core idles while tests wait on
@@ -53,10 +53,10 @@ PACKAGES := common router prefill_node decode_node transfer deploy bench tests
 bytecode: $(STAMP)
 	@$(PY) -m compileall -q $(PACKAGES) >/dev/null
 
-test: $(STAMP) bytecode
+test: bytecode
 	$(PY) -m pytest -q $(PYTEST_PARALLEL)
 
-test-fast: $(STAMP) bytecode
+test-fast: bytecode
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
 
 bench: $(STAMP)

@@ -99,7 +99,7 @@ def free_counts(s: dict) -> tuple[int, int]:
     return s["kv_free_tokens"] + s["kv_evictable_tokens"], s["req_slots_free"]
 
 
-# ---------------------------------------------------------------------------------------------- /generate
+# ---------------------------------------------------------------------------------------------- the process
 def test_a_single_rank_joins_no_gloo_group(node):
     """One rank has nobody to reduce with; gloo's loop threads kept an idle node at ~1.2 % of a core."""
     children = psutil.Process(node.proc.pid).children(recursive=True)
@@ -109,6 +109,7 @@ def test_a_single_rank_joins_no_gloo_group(node):
     assert names and "gloo_tcp_loop" not in names, names
 
 
+# ---------------------------------------------------------------------------------------------- /generate
 def test_generate_single_shape(node, tok):
     out = generate(node, {"text": PROMPTS[0], "sampling_params": greedy(6)})
     assert set(out) == {"text", "output_ids", "meta_info"}
