@@ -191,6 +191,10 @@ class ServerArgs:
     disaggregation_prealloc_size: int | None = _f(
         None, "decode: requests that may hold preallocated KV (prealloc + transfer + waiting) at once, in "
         "request slots beyond --max-running-requests (default: --max-running-requests)")
+    disaggregation_local_prefill: bool = _f(
+        False, "decode: also serve requests that carry no PD rendezvous, prefilling them here in chunks "
+        "between decode steps (a router's --local-prefill-queue sends such requests while the prefill pool is "
+        "backed up)")
     num_reserved_decode_tokens: int = _f(512, "decode: KV tokens kept free per running, transferring or "
                                          "waiting request for its future decode steps")
     disaggregation_bootstrap_timeout: float | None = _f(
@@ -309,6 +313,9 @@ class ServerArgs:
             raise bad("disaggregation-decode-tp", "must be >= 1")
         if self.disaggregation_prealloc_size is not None and self.disaggregation_prealloc_size < 1:
             raise bad("disaggregation-prealloc-size", "must be >= 1")
+        if self.disaggregation_local_prefill and self.disaggregation_mode != "decode":
+            raise bad("disaggregation-local-prefill", "is a decode node's option (--disaggregation-mode decode); "
+                      "a colocated node prefills every request itself")
         if self.num_reserved_decode_tokens < 0:
             raise bad("num-reserved-decode-tokens", "must be >= 0")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):

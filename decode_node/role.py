@@ -24,6 +24,11 @@ The received metadata row is a peer value: the receiver checks its first token, 
 logprobs (`MetadataBuffers.check_row`, through `KVReceiver.check_metadata`) before it reports
 Success, so a bad row fails the room on every TP rank alike (the consensus poll), never the forward.
 
+With --disaggregation-local-prefill the node also takes requests that carry no rendezvous at all
+(`is_local`; a router sends them while its prefill pool is backed up): they skip the role's queues,
+go to the scheduler's waiting queue and are prefilled here like a colocated node's, in chunks with a
+decode step of the running batch between two chunks (`Scheduler.decode_between_chunks`).
+
 Radix cache is off on a decode node (`ServerArgs.radix_cache_enabled`). When KV runs out the
 scheduler retracts running requests: a retracted request keeps its tokens (prompt + output so far),
 its KV is copied to the host store (`--decode-offload-size`) and freed, and from the scheduler's
@@ -55,6 +60,11 @@ from transfer.role_common import MAX_TOP_LOGPROBS, PDRole, build_kv_manager
 logger = logging.getLogger("decode")
 
 
+def is_local(req: Req) -> bool:
+    """A request with no PD rendezvous (none of bootstrap_host/port/room): it prefills on this node."""
+    return req.bootstrap_host is None and req.bootstrap_port is None and req.bootstrap_room is None
+
+
 class DecodeRole(PDRole):
     role = "decode"
     logger = logger
@@ -75,6 +85,8 @@ class DecodeRole(PDRole):
         self.transfer = TransferQueue()
         self.waiting = WaitingQueue()
         self.quarantine = Quarantine()
+        self.local_prefill = args.disaggregation_local_prefill
+        self.num_local_prefills = 0
         logger.info("decode rank %d/%d ready: backend %s, prealloc budget %d requests, %d reserved decode "
                     "tokens per request", tp_rank, tp_size, args.transfer_backend, prealloc_size,
                     self.num_reserved_decode_tokens)
@@ -90,6 +102,8 @@ class DecodeRole(PDRole):
 
     # ================================================================== admission
     def validate(self, req: Req) -> tuple[int, str] | None:
+        if self.local_prefill and is_local(req):
+            return None  # the scheduler's own checks follow, as on a colocated node
         err = super().validate(req)
         if err is not None:
             return err
@@ -101,6 +115,11 @@ class DecodeRole(PDRole):
         return None
 
     def on_new_request(self, req: Req) -> bool:
+        if is_local(req):  # --disaggregation-local-prefill: prefilled here, from the scheduler's waiting queue
+            self.num_local_prefills += 1
+            logger.info("rid=%s local prefill: no rendezvous, %d prompt tokens prefilled on this node", req.rid,
+                        len(req.origin_input_ids))
+            return False
         room = int(req.bootstrap_room)
         addr = f"{req.bootstrap_host}:{req.bootstrap_port}"
         conn = self.kv_manager.create_receiver(addr, room)
@@ -302,6 +321,7 @@ class DecodeRole(PDRole):
                 "metadata_slots_total": self.num_metadata_slots,
                 "kv_quarantined_pages": self.quarantine.num_pages(),
                 "kv_quarantined_rooms": len(self.quarantine),
+                "num_local_prefills": self.num_local_prefills,
                 **self.pd_stats()}
 
     def close(self) -> None:
@@ -325,3 +345,4 @@ class DecodeScheduler(Scheduler):
         del old
         super().__init__(args, model_dir, tp_rank, tp_size, tp_group, runner=runner, **kw)
         self.hooks = DecodeRole(self, args, tp_rank, tp_size, prealloc_size)
+        self.decode_between_chunks = True  # a local or re-prefilled prompt never stalls the running batch for long

@@ -124,6 +124,9 @@ class Scheduler:
         self.live_reqs: dict[str, Req] = {}
         self.waiting_queue: list[Req] = []  # Stage.WAITING
         self.chunked_req: Req | None = None  # Stage.CHUNKED
+        # a decode node sets this: the running batch decodes one step after each chunk of a prompt
+        self.decode_between_chunks = False
+        self._chunk_scheduled = False  # the last batch scheduled was a chunk of an unfinished prompt
         self.running_batch = ScheduleBatch([], self.req_to_token_pool, self.allocator, self.kv_pool,
                                            self.tree_cache)  # Stage.RUNNING
         self.held: dict[str, Req] = {}  # finished, memory held for the role (hooks.on_finished)
@@ -214,7 +217,8 @@ class Scheduler:
             self._report(req)
 
     def schedule(self) -> SchedulerOutput:
-        """The role moves its queues on first; then a prefill batch, else a decode step, else nothing."""
+        """The role moves its queues on first; then a prefill batch, else a decode step, else nothing (with
+        `decode_between_chunks`, a decode step comes between two chunks of a prompt)."""
         try:
             self.hooks.before_schedule()
         except Exception:
@@ -223,7 +227,9 @@ class Scheduler:
         if self.overlap is not None:
             self.overlap.before_building(self)
         out = SchedulerOutput()
-        out.batch = self._prefill_batch()
+        decode_turn = self.decode_between_chunks and self._chunk_scheduled and bool(self.running_batch.reqs)
+        out.batch = None if decode_turn else self._prefill_batch()
+        self._chunk_scheduled = out.batch is not None and self.chunked_req is not None
         if out.batch is None and self.running_batch.reqs:
             out.batch = self._decode_batch(out)
         return out

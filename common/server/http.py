@@ -121,9 +121,12 @@ def per_item(value: Any, n: int, name: str, batch: bool) -> list[Any]:
 
 
 def check_role(args, host: Any, port: Any, room: Any) -> None:
-    """Prefill/decode nodes only take requests carrying the PD rendezvous (a router injects it)."""
+    """Prefill/decode nodes only take requests carrying the PD rendezvous (a router injects it); a decode
+    node started with --disaggregation-local-prefill also takes requests with none of its three fields."""
     mode = args.disaggregation_mode
     if mode == "null":
+        return
+    if host is None and port is None and room is None and args.disaggregation_local_prefill:
         return
     if host is None or port is None or room is None:
         raise BadRequest(f"this is a {mode} node; requests need bootstrap_host/bootstrap_port/bootstrap_room "
@@ -148,7 +151,7 @@ def item_fields(args, req, n: int, batch: bool) -> list[dict[str, Any]]:
     rooms = per_item(req.bootstrap_room, n, "bootstrap_room", batch)
     for host, port, room in zip(hosts, ports, rooms, strict=True):
         check_role(args, host, port, room)
-    if n > 1 and args.disaggregation_mode != "null" and not isinstance(req.bootstrap_room, list):
+    if n > 1 and req.bootstrap_room is not None and not isinstance(req.bootstrap_room, list):
         raise BadRequest(f"`bootstrap_room` must be a list with one room per item for a batch of {n}")
     dp_ranks = data_parallel_ranks(args, req.data_parallel_rank, rooms)
     prios = per_item(req.priority, n, "priority", batch)

@@ -54,6 +54,8 @@ STAT_METRICS = {
     "req_rows_total": ("gauge", "request rows (req-to-token rows, running and preallocated)"),
     "kv_quarantined_pages": ("gauge", "decode: KV pages of failed rooms held until their prefill ranks stop writing"),
     "kv_quarantined_rooms": ("gauge", "decode: failed rooms whose memory is held until their prefill ranks stop"),
+    "num_local_prefills": ("counter", "decode: requests without a PD rendezvous prefilled on this node "
+                                      "(--disaggregation-local-prefill)"),
     "pd_requests_open": ("gauge", "requests the PD role tracks (bootstrap, transfer, inflight or waiting)"),
     "transfer_rooms_open": ("gauge", "transfer rooms (senders or receivers) not ended yet"),
     "transfer_rooms_draining": ("gauge", "failed rooms waiting for their last write (prefill) or AbortAck (decode)"),

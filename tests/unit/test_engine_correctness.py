@@ -202,6 +202,33 @@ def test_batch_of_16_equals_solo(tiny_model_dir, hf_model, vocab):
     batch.assert_restored()
 
 
+def test_decode_between_chunks(tiny_model_dir, hf_model, vocab):
+    """A decode node's scheduler (`decode_between_chunks`) runs a decode step of the running batch after
+    each chunk of a prompt it prefills (a local prefill, a re-prefill), instead of every chunk first; the
+    tokens are the same."""
+    from common.forward_batch import ForwardMode
+
+    short, long = prompts_of([6, 100], vocab, seed=5)  # the long prompt: 4 chunks of 32
+    runs = {}
+    for between in (False, True):
+        eng = Engine(tiny_model_dir, chunked_prefill_size=32, disable_radix_cache=True)
+        eng.sched.decode_between_chunks = between
+        modes = []
+        run = eng.sched.runner.run
+        eng.sched.runner.run = lambda batch, run=run, modes=modes: (modes.append(
+            "E" if batch.mode == ForwardMode.EXTEND else "D"), run(batch))[1]
+        eng.submit("a", short, max_new=20)
+        eng.sched.step()  # a is running
+        eng.submit("b", long, max_new=6)
+        runs[between] = (eng.run(), "".join(modes))
+        eng.assert_restored()
+    (plain, plain_modes), (mixed, mixed_modes) = runs[False], runs[True]
+    assert plain_modes.startswith("EEEEED")  # a's prefill, then b's four chunks before a decodes again
+    assert mixed_modes.startswith("EEDEDEDE")  # a decode step after every chunk but b's last
+    assert plain == mixed
+    assert mixed["a"] == hf_greedy(hf_model, short, 20) and mixed["b"] == hf_greedy(hf_model, long, 6)
+
+
 def test_retraction_under_tiny_kv_pool_gives_same_tokens(tiny_model_dir, hf_model, vocab):
     prompts = prompts_of([20, 22, 18, 25, 21, 19], vocab, seed=11)
     eng = Engine(tiny_model_dir, page_size=4, max_total_tokens=160, chunked_prefill_size=32,

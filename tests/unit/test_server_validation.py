@@ -218,6 +218,22 @@ def test_prefill_role_check():
     with pytest.raises(BadRequest, match="bootstrap"):
         check_role(args, "127.0.0.1", 8998, None)
     check_role(args, "127.0.0.1", 8998, 42)
+    # a decode node with --disaggregation-local-prefill takes a request with no rendezvous, not half of one
+    local = ServerArgs(disaggregation_mode="decode", disaggregation_local_prefill=True)
+    check_role(local, None, None, None)
+    check_role(local, "127.0.0.1", 8998, 42)
+    with pytest.raises(BadRequest, match="decode node.*bootstrap_host/bootstrap_port/bootstrap_room"):
+        check_role(local, None, None, 42)
+    with pytest.raises(BadRequest, match="decode node"):
+        check_role(ServerArgs(disaggregation_mode="decode"), None, None, None)
+
+
+def test_local_prefill_is_a_decode_node_option():
+    from common.config import ServerArgs
+
+    for mode in ("null", "prefill"):
+        with pytest.raises(ValueError, match="--disaggregation-local-prefill"):
+            ServerArgs(disaggregation_mode=mode, disaggregation_local_prefill=True).validate()
 
 
 def test_item_fields_of_a_batch():
@@ -242,6 +258,11 @@ def test_item_fields_of_a_batch():
     req.bootstrap_room = [5, None]
     with pytest.raises(BadRequest, match="decode node"):
         item_fields(decode, req, 2, True)
+    # a batch with no rendezvous at all, on a decode node that prefills such requests itself
+    local = ServerArgs(disaggregation_mode="decode", disaggregation_local_prefill=True)
+    items = item_fields(local, CompletionRequest(prompt=["a", "b"], rid="r"), 2, True)
+    assert [(f["rid"], f["bootstrap_room"], f["data_parallel_rank"]) for f in items] == [("r-0", None, None),
+                                                                                          ("r-1", None, None)]
     # a colocated node ignores the rendezvous; without a rid each item gets its own
     plain = item_fields(ServerArgs(), CompletionRequest(prompt=["a", "b"]), 2, True)
     assert len({f["rid"] for f in plain}) == 2 and all(f["bootstrap_room"] is None for f in plain)
