@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
       "--kv-events-config) and picks the one holding the longest prefix of the prompt's pages; workers without "
       "events keep the approximate tree. Needs the model's tokenizer (--tokenizer-path, --model-path, or the "
       "worker's /model_info tokenizer_path when that directory exists here)")
+    a("--local-prefill-queue", type=int, default=d.local_prefill_queue, metavar="N",
+      help="conditional disaggregation: a request goes to its decode worker alone, which prefills it itself, "
+      "when the chosen prefill worker already has N or more of this router's prefills in flight and the decode "
+      "worker was started with --disaggregation-local-prefill and has no other local prefill waiting for its "
+      "first token (0: never; every request is prefilled on a prefill worker)")
     a("--dp-aware", action="store_true",
       help="pick the DP group of each request on its decode worker (a node started with --dp-size): the group "
       "with the fewest of this router's requests in flight, or the client's `data_parallel_rank`; the router "
@@ -260,6 +265,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         raise ValueError(f"--kv-events-max-blocks must be > 0, got {cfg.kv_events_max_blocks}")
     if cfg.kv_events_pending_secs < 0:
         raise ValueError(f"--kv-events-pending-secs must be >= 0, got {cfg.kv_events_pending_secs:g}")
+    if cfg.local_prefill_queue < 0:
+        raise ValueError(f"--local-prefill-queue must be >= 0 (0: off), got {cfg.local_prefill_queue}")
     if cfg.max_payload_size <= 0:
         raise ValueError(f"--max-payload-size must be > 0, got {cfg.max_payload_size}")
     if cfg.kv_events and cfg.effective_prefill_policy != "cache_aware":

@@ -130,6 +130,21 @@ class NoWorkers(Exception):
     pass
 
 
+class LocalPrefill:
+    """A request a decode worker prefills itself, counted in its `local_pending` from when it is sent
+    until its first event streamed or its leg ended (`done`, once)."""
+
+    def __init__(self, d: Worker) -> None:
+        self.worker: Worker | None = d
+        d.local_pending += 1
+        d.local_prefills += 1
+
+    def done(self) -> None:
+        if self.worker is not None:
+            self.worker.local_pending -= 1
+            self.worker = None
+
+
 def _merge_meta(pre, dec) -> None:
     """Prefix the decode leg's prompt logprobs with the prefill leg's (sglang-router's merge)."""
     if isinstance(pre, list) and isinstance(dec, list):
@@ -367,23 +382,28 @@ class Dispatcher:
             except NoWorkers as e:
                 failure = Failure(503, str(e))
                 continue
-            trace.prefill, trace.decode = p.url, d.url
             if req.dp_rank is not None and req.dp_rank >= d.dp_size:
                 failure = Failure(400, f"`data_parallel_rank` = {req.dp_rank}, but decode worker {d.url} has "
                                        f"{d.dp_size} DP group(s)")
                 break
+            local = LocalPrefill(d) if self.prefills_locally(p, d) else None
+            if local is not None:
+                p = None
+            trace.prefill, trace.decode = "local" if p is None else p.url, d.url
             rids = new_rids(req, attempt, request_id)
-            congruences, decode_rank = self._groups(req, key, p, d)
+            congruences, decode_rank = self._groups(req, key if p is not None else None, p, d)
             payloads = inject(req, p, rids, congruences, decode_rank)[:2]
             try:
                 if req.stream:
                     result = await self._attempt_stream(request, req, p, d, payloads, headers, rids, request_id,
-                                                        trace)
+                                                        trace, local)
                 else:
                     result = await self._attempt_full(req, p, d, payloads, headers, rids, request_id)
             finally:
                 if decode_rank is not None:
                     d.dp_end(decode_rank)
+                if local is not None:
+                    local.done()
             if not isinstance(result, Failure):
                 trace.status = result.status
                 return result
@@ -407,7 +427,16 @@ class Dispatcher:
             self.metrics.overload_passed += 1
         return failure.response(request_id)
 
-    def _groups(self, req, key, p: Worker, d: Worker) -> tuple[list[tuple[int, int]], int | None]:
+    def prefills_locally(self, p: Worker, d: Worker) -> bool:
+        """Conditional disaggregation (--local-prefill-queue N): the decode worker prefills the request
+        itself when the prefill worker already has N or more of this router's prefills in flight (its
+        queue is where the request would wait), the decode worker takes requests without a rendezvous
+        (--disaggregation-local-prefill) and no other request it prefills itself is still waiting for
+        its first byte (one at a time, so its running batch keeps decoding between the chunks)."""
+        n = self.cfg.local_prefill_queue
+        return n > 0 and p.active >= n and d.local_pending == 0 and d.prefills_locally
+
+    def _groups(self, req, key, p: Worker | None, d: Worker) -> tuple[list[tuple[int, int]], int | None]:
         """The DP groups a request goes to, as the (group, dp_size) pairs its room must meet, and the
         decode group with --dp-aware (counted in flight until `dp_end`): the prefill group whose cache
         holds the prompt (`--kv-events`), and the decode group --dp-aware picks among those a room can
@@ -434,9 +463,18 @@ class Dispatcher:
 
     # ------------------------------------------------------------------------------ non-streaming
 
+    def _prefill_leg(self, p: Worker | None, path: str, payload: bytes, headers: bytes) -> asyncio.Future:
+        """The prefill leg; with no prefill worker (the decode worker prefills the request itself) a leg
+        already answered, with nothing to merge, so an attempt reads the same either way."""
+        if p is None:
+            answered = asyncio.get_running_loop().create_future()
+            answered.set_result(LegAnswer(200, b"", None, None, None))
+            return answered
+        return self._start_leg(p, self._fetch(p, path, payload, headers))
+
     async def _attempt_full(self, req, p, d, payloads, headers, rids, request_id):
         path = req.path
-        p_task = self._start_leg(p, self._fetch(p, path, payloads[0], headers))
+        p_task = self._prefill_leg(p, path, payloads[0], headers)
         d_task = self._start_leg(d, self._fetch(d, path, payloads[1], headers))
         ids = rid_list(req, rids)
         try:
@@ -473,10 +511,10 @@ class Dispatcher:
 
     # ------------------------------------------------------------------------------ streaming
 
-    async def _attempt_stream(self, request, req, p, d, payloads, headers, rids, request_id, trace):
+    async def _attempt_stream(self, request, req, p, d, payloads, headers, rids, request_id, trace, local=None):
         path = req.path
         ids = rid_list(req, rids)
-        p_task = self._start_leg(p, self._fetch(p, path, payloads[0], headers))
+        p_task = self._prefill_leg(p, path, payloads[0], headers)
         d.active += 1
         d.requests += 1
         d_task = asyncio.get_running_loop().create_task(self._open_stream(d, path, payloads[1], headers))
@@ -502,6 +540,8 @@ class Dispatcher:
                 self._spawn(self._abort_on(d, ids))
                 return self._failure(d_task, d, "decode")
             status, resp, first, err_body = d_task.result()
+            if local is not None:  # its prefill is over: the decode worker may take the next one
+                local.done()
             if err_body is not None:
                 self._record(d, status, resp.headers.get(_ERR_TYPE))
                 self._abandon(p_task, p, ids)

@@ -129,6 +129,9 @@ class _Collector:
         yield _family("counter", "pdserve_router_worker_errors", "legs that failed on the worker (5xx or broken "
                       "connection; overload answers not counted)", ("worker", "type"),
                       [((w.url, w.kind), w.errors) for w in ws])
+        yield _family("counter", "pdserve_router_local_prefills", "requests sent to a decode worker alone, to "
+                      "prefill there (--local-prefill-queue)", ("worker",),
+                      [((w.url,), w.local_prefills) for w in ws if w.kind == "decode"])
         yield _family("gauge", "pdserve_router_worker_load", "the worker's /get_load tokens (power_of_two; -1 unknown)",
                       ("worker", "type"), [((w.url, w.kind), -1 if w.load is None else w.load) for w in ws])
         for name, value, help in (

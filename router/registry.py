@@ -126,7 +126,8 @@ MAX_DP_SIZE = 1024  # the largest dp_size a worker may report (as `data_parallel
 
 class Worker:
     __slots__ = ("id", "url", "kind", "bootstrap_host", "bootstrap_port", "healthy", "breaker", "active",
-                 "load", "server_info", "model_info", "fail_streak", "ok_streak", "requests", "errors", "dp_groups")
+                 "load", "server_info", "model_info", "fail_streak", "ok_streak", "requests", "errors", "dp_groups",
+                 "local_pending", "local_prefills")
 
     def __init__(self, url: str, kind: str, bootstrap_port: int | None, cfg: RouterConfig):
         self.id = worker_id(url)
@@ -145,6 +146,13 @@ class Worker:
         self.requests = 0
         self.errors = 0
         self.dp_groups = DPGroups(1)  # --dp-aware: this router's requests in flight per DP group
+        self.local_pending = 0  # --local-prefill-queue: requests it prefills itself, before their first byte
+        self.local_prefills = 0  # and all it was sent so far
+
+    @property
+    def prefills_locally(self) -> bool:
+        """A decode worker started with --disaggregation-local-prefill (its /server_info says so)."""
+        return self.server_info.get("disaggregation_local_prefill") is True
 
     @property
     def available(self) -> bool:
@@ -174,7 +182,7 @@ class Worker:
         return {"id": self.id, "url": self.url, "worker_type": self.kind, "bootstrap_port": self.bootstrap_port,
                 "bootstrap_host": self.bootstrap_host, "is_healthy": self.healthy,
                 "circuit_breaker": self.breaker.state, "active_requests": self.active, "load": self.load,
-                "requests": self.requests, "errors": self.errors,
+                "requests": self.requests, "errors": self.errors, "local_prefills": self.local_prefills,
                 "model_path": self.model_info.get("model_path") or self.server_info.get("model_path"),
                 "disaggregation_mode": self.server_info.get("disaggregation_mode"), "dp_size": self.dp_size,
                 **({"dp_active_requests": list(self.dp_groups.live)} if self.dp_groups.size > 1 else {})}

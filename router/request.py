@@ -177,14 +177,17 @@ def _rooms(n: int, congruences) -> list[int]:
     return list(rooms)
 
 
-def inject(req: ParsedRequest, prefill: Worker, rids: str | list[str], congruences=(),
-           decode_rank: int | None = None) -> tuple[bytes, bytes, int | list[int]]:
+def inject(req: ParsedRequest, prefill: Worker | None, rids: str | list[str], congruences=(),
+           decode_rank: int | None = None) -> tuple[bytes, bytes, int | list[int] | None]:
     """The client's JSON with bootstrap_host/port/room and rid set: (the prefill leg's bytes, the decode
     leg's, the room(s)). The rooms meet `congruences`, (group, dp_size) pairs that put the request on
     chosen DP groups of the nodes; with `decode_rank` (--dp-aware) the decode leg names its group in
-    `data_parallel_rank` too. The prefill leg never carries one."""
+    `data_parallel_rank` too. The prefill leg never carries one. With no `prefill` (the decode worker
+    prefills the request itself: --local-prefill-queue) the JSON has no rendezvous and no room."""
     n = req.batch
-    if n is None:
+    if prefill is None:
+        room, extra = None, {}
+    elif n is None:
         room = _room(congruences)
         extra = {"bootstrap_host": prefill.bootstrap_host, "bootstrap_port": prefill.bootstrap_port,
                  "bootstrap_room": room}
@@ -196,12 +199,13 @@ def inject(req: ParsedRequest, prefill: Worker, rids: str | list[str], congruenc
     if rids != req.client_rid:
         extra["rid"] = rids
     if any(k in obj for k in _INJECTED) or ("rid" in extra and "rid" in obj):
-        merged = dict(obj)
-        merged.pop("data_parallel_rank", None)
+        merged = {k: v for k, v in obj.items() if k not in _INJECTED}
         merged.update(extra)
         payload = _encode(merged)
-    elif obj:  # splice the fields in before the closing brace: no re-encoding of a possibly large prompt
+    elif obj and extra:  # splice the fields in before the closing brace: no re-encoding of a possibly large prompt
         payload = b"".join((req.body.rstrip()[:-1], b",", _encode(extra)[1:]))
+    elif obj:
+        payload = req.body
     else:
         payload = _encode(extra)
     if decode_rank is None:

@@ -382,7 +382,8 @@ class RouterCluster:
 
     def __init__(self, model: str, log_dir: str | Path, *, backend: str = "fake", prefill: int = 1, decode: int = 1,
                  node_settings: dict | None = None, router_args: list[str] | None = None, env: dict | None = None,
-                 role_env: dict | None = None, startup_timeout: float = 300.0, grace_period: float = 15.0):
+                 role_env: dict | None = None, role_settings: dict | None = None, startup_timeout: float = 300.0,
+                 grace_period: float = 15.0):
         self.log_dir = str(log_dir)
         os.makedirs(self.log_dir, exist_ok=True)
         self.grace_period = grace_period
@@ -394,7 +395,7 @@ class RouterCluster:
                 self.children.append(RoleNode(
                     role, model, name=f"{role}-{i}", log_path=Path(self.log_dir, f"{role}-{i}.log"),
                     env={**(env or {}), **(role_env or {}).get(role, {})}, startup_timeout=startup_timeout,
-                    transfer_backend=backend, **extra, **(node_settings or {})))
+                    transfer_backend=backend, **extra, **{**(node_settings or {}), **(role_settings or {}).get(role, {})}))
         self.children.append(RouterProcess(self.prefills, self.decodes, *(router_args or []),
                                            env={**(env or {}), **(role_env or {}).get("router", {})},
                                            log_path=Path(self.log_dir, "router.log"), startup_timeout=startup_timeout))
@@ -489,16 +490,18 @@ class Launcher:
 
     def cluster(self, model: str, *, backend: str = "fake", prefill: int = 2, decode: int = 2,
                 router_args: list[str] | None = None, env: dict | None = None, role_env: dict | None = None,
-                node_settings: dict | None = None) -> RouterCluster:
+                node_settings: dict | None = None, role_settings: dict | None = None) -> RouterCluster:
         """Router + `prefill` + `decode` nodes with the integration suite's settings
-        (tests.harness.cluster: NODE_SETTINGS, ROUTER_ARGS, ENV); `router_args` and `env` add to them."""
+        (tests.harness.cluster: NODE_SETTINGS, ROUTER_ARGS, ENV); `router_args` and `env` add to them,
+        `role_settings` ({"decode": {...}}) to one role's nodes."""
         from tests.harness.cluster import ENV, NODE_SETTINGS, ROUTER_ARGS
 
         log_dir = self.log_dir / f"{next(self._names):02d}-cluster-{backend}"
         return self.start(RouterCluster(model, log_dir, backend=backend, prefill=prefill, decode=decode,
                                         node_settings={**NODE_SETTINGS, **(node_settings or {})},
                                         router_args=ROUTER_ARGS + list(router_args or []),
-                                        env={**ENV, **(env or {})}, role_env=role_env))
+                                        env={**ENV, **(env or {})}, role_env=role_env,
+                                        role_settings=role_settings))
 
     def router(self, prefill: list, decode: list, *args: str, ports: dict | None = None,
                wait: bool = True) -> RouterProcess:

@@ -203,3 +203,5 @@ def test_discovery_flags_are_checked():
         cfg("--service-discovery", "--selector", "a=b")
     with pytest.raises(ValueError, match="key=value"):
         cfg("--service-discovery", "--prefill-selector", "ab", "--decode-selector", "a=c")
+    with pytest.raises(ValueError, match="--local-prefill-queue must be >= 0"):
+        cfg("--local-prefill-queue", "-1")

@@ -313,3 +313,44 @@ def test_malformed_input_400_names_field(workers, make_router):
         assert status == 400 and err["code"] in ("invalid_value", "unknown_parameter", "invalid_request", "unsupported_value") and err["type"] == "invalid_request_error", (path, body, out)
         assert field in err["message"], (field, err["message"])
     assert d.requests() == [] and p.requests() == []  # nothing invalid reached a worker
+
+
+def test_local_prefill_while_the_prefill_worker_is_busy(workers, make_router):
+    """--local-prefill-queue 1: with a prefill leg in flight, the next request goes to a decode worker that
+    prefills locally, alone and without a rendezvous (client-sent rendezvous fields dropped), one at a time;
+    a decode worker that does not say it prefills locally never gets one."""
+    p, d, plain = workers["p"][0], workers["d"][0], workers["d"][1]
+    d.config(info={"disaggregation_local_prefill": True})
+    r = make_router([p], [d], "--policy", "round_robin", "--local-prefill-queue", "1")
+    p.config(hold=1)  # the first request's prefill leg stays in flight
+    assert r.post("/generate", {"text": "first"})[0] == 200  # its decode leg answered; the prefill leg is held
+    assert len(p.requests()) == 1
+    d.config(hold=1)  # the local request waits at the decode worker (its first byte not sent)
+    held = {}
+    t = threading.Thread(target=lambda: held.update(out=r.post("/generate", {
+        "text": "second", "bootstrap_room": 5, "bootstrap_host": "10.0.0.9", "bootstrap_port": 1})))
+    t.start()
+    wait_until(lambda: len(d.requests()) == 2, what="the local request at the decode worker")
+    local = d.requests()[1]["body"]
+    assert local["text"] == "second" and isinstance(local["rid"], str)
+    assert not {"bootstrap_host", "bootstrap_port", "bootstrap_room"} & set(local)
+    assert len(p.requests()) == 1  # no prefill leg for it
+    # one local prefill at a time: the next request goes to the prefill worker as usual
+    status, _, body = r.post("/generate", {"text": "third", "stream": True})
+    assert status == 200, body
+    assert [x["body"]["text"] for x in p.requests()] == ["first", "third"]
+    third = [x["body"] for x in d.requests() if x["body"]["text"] == "third"][0]
+    assert third["bootstrap_room"] == p.requests()[1]["body"]["bootstrap_room"]
+    d.release()
+    t.join(30)
+    assert held["out"][0] == 200
+    p.release()
+    metrics = http("GET", r.url + "/metrics")[2].decode()
+    assert f'pdserve_router_local_prefills_total{{worker="{d.url}"}} 1.0' in metrics
+    # a decode worker without --disaggregation-local-prefill: both legs, however busy the prefill worker is
+    r2 = make_router([p], [plain], "--policy", "round_robin", "--local-prefill-queue", "1")
+    p.config(hold=2)
+    for text in ("a", "b"):
+        assert r2.post("/generate", {"text": text})[0] == 200
+    assert [x["body"]["text"] for x in p.requests()][-2:] == ["a", "b"]
+    p.release()

@@ -1,0 +1,112 @@
+"""Conditional disaggregation on a real cluster (1 prefill + 1 decode, nixl backend, tiny model): the
+router sends a request to the decode node alone (`--local-prefill-queue 1`) while the prefill node has a
+prefill in flight, and the decode node (`--disaggregation-local-prefill`) prefills it itself in chunks
+between decode steps. Answers equal a colocated node's either way; memory comes back."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.harness.client import http_json, metric_total, stream
+from tests.harness.cluster import CHUNK, cluster_pools, node_stats, wait_pools
+
+LOCAL = "pdserve_router_local_prefills_total"
+pytestmark = pytest.mark.backend("nixl")  # a backend that moves the KV: the remote answers are checked too
+
+
+def greedy(n: int, **kw) -> dict:
+    return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True, **kw}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, module_launcher):
+    c = module_launcher.cluster(tiny_model_dir, backend="nixl", prefill=1, decode=1, router_args=["--local-prefill-queue", "1"],
+                                role_settings={"decode": {"disaggregation_local_prefill": True}})
+    c.baseline = cluster_pools(c)
+    return c
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, module_launcher):
+    """A colocated node with the cluster's settings: the answers every path must give."""
+    from tests.harness.cluster import NODE_SETTINGS
+
+    return module_launcher.colocated(tiny_model_dir, **NODE_SETTINGS)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 1000) for _ in range(rng.randrange(CHUNK + 5, 3 * CHUNK))] for _ in range(n)]
+
+
+def generate(url: str, ids: list[int], new: int, streamed: bool, **extra) -> tuple[list[int], dict]:
+    body = {"input_ids": ids, "sampling_params": greedy(new), **extra}
+    if streamed:
+        res = stream(url + "/generate", {**body, "stream": True})
+        assert res.ok, res.error
+        return res.events[-1]["output_ids"], res.events[-1]["meta_info"]
+    status, out = http_json("POST", url + "/generate", body)
+    assert status == 200, out
+    return out["output_ids"], out["meta_info"]
+
+
+def test_the_router_prefills_on_the_decode_node_while_the_prefill_node_is_busy(cluster, reference):
+    decode = cluster.decodes[0]
+    before, before_node = metric_total(cluster.url, LOCAL), node_stats(decode.url)["num_local_prefills"]
+    local = 0
+    for seed in range(4):  # concurrent requests: some find the prefill node busy (it is the first's at least)
+        batch = prompts(8, seed)
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda a: generate(cluster.url, a[1], 10, a[0] % 2 == 0)[0], enumerate(batch)))
+        want = [generate(reference.url, ids, 10, False)[0] for ids in batch]
+        assert got == want
+        local = metric_total(cluster.url, LOCAL) - before
+        if local:
+            break
+    assert local > 0, "no request was prefilled on the decode node"
+    sent = 8 * (seed + 1)
+    assert local < sent  # the first of each burst at least went to the prefill node
+    assert node_stats(decode.url)["num_local_prefills"] - before_node == local
+    wait_pools(cluster, cluster.baseline)
+
+
+def test_a_decode_node_serves_a_request_without_a_rendezvous(cluster, reference):
+    decode = cluster.decodes[0]
+    [ids] = prompts(1, 99)
+    logprobs = {"return_logprob": True, "logprob_start_len": 0}
+    for streamed in (False, True):
+        out, meta = generate(decode.url, ids, 8, streamed, **logprobs)
+        want, ref_meta = generate(reference.url, ids, 8, False, **logprobs)
+        assert out == want
+        assert len(meta["input_token_logprobs"]) == len(ids)
+        for (a, _, _), (b, _, _) in zip(meta["input_token_logprobs"][1:], ref_meta["input_token_logprobs"][1:],
+                                        strict=True):
+            assert a == pytest.approx(b, abs=1e-4)
+    # half a rendezvous is still refused, naming the fields
+    status, body = http_json("POST", decode.url + "/generate",
+                             {"input_ids": ids, "bootstrap_room": 7, "sampling_params": greedy(2)})
+    assert status == 400 and "bootstrap_host/bootstrap_port/bootstrap_room" in str(body)
+    wait_pools(cluster, cluster.baseline)
+
+
+def test_prompt_logprobs_through_the_router_on_either_path(cluster, reference):
+    """With the decode node prefilling, the prompt's logprobs come from it alone (nothing to merge)."""
+    body = {"return_logprob": True, "logprob_start_len": 0}
+    before = metric_total(cluster.url, LOCAL)
+    for seed in range(10, 14):
+        ids_list = prompts(6, seed)
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda ids: generate(cluster.url, ids, 4, False, **body), ids_list))
+        for ids, (out, meta) in zip(ids_list, got, strict=True):
+            want, ref = generate(reference.url, ids, 4, False, **body)
+            assert out == want
+            assert [t for _, t, _ in meta["input_token_logprobs"]] == ids
+            assert [v for v, _, _ in meta["input_token_logprobs"][1:]] == pytest.approx(
+                [v for v, _, _ in ref["input_token_logprobs"][1:]], abs=1e-4)
+        if metric_total(cluster.url, LOCAL) > before:
+            break
+    assert metric_total(cluster.url, LOCAL) > before, "no request was prefilled on the decode node"
+    wait_pools(cluster, cluster.baseline)
