@@ -1,11 +1,14 @@
 """`pdserve bench placement`: `pdserve cluster` as it starts by default against one `pdserve serve`
-node on the same machine, and against the cluster started unpinned (`--cpu-affinity none`, the old
-default), one after the other in one run, under the same serving workload.
+node on the same machine, against the cluster started unpinned (`--cpu-affinity none`, the old
+default) and against the cluster without conditional disaggregation (`--local-prefill-queue 0`: every
+prompt prefilled on the prefill node), one after the other under the same serving workload.
 
 Workload: the shape of SGLang's `bench_serving` run that first showed the unpinned cluster losing (40
 random requests, 128-256 prompt tokens, 16-32 output tokens, at most 8 in flight, all sent at once);
 `--num-prompts` and the length flags change it. Every setup uses every core this process may run on
-and its own defaults (the colocated node: one scheduler with every core's torch threads).
+and its own defaults (the colocated node: one scheduler with every core's torch threads). This host's
+speed drifts by tens of percent over minutes, so `--rounds N` runs the setups in turn N times: each ratio
+is the median of its N per-round ratios (every round's summaries are in the JSON).
 
 `--json` has every setup's summary (TTFT/TPOT/ITL/E2E, throughput) and the ratios, higher = the
 default cluster did better:
@@ -13,6 +16,8 @@ default cluster did better:
   cluster_itl_p99             colocated / default cluster ITL p99
   placement_output_throughput default cluster / unpinned cluster output tokens per second
   placement_itl_p99           unpinned cluster / default cluster ITL p99
+  local_prefill_output_throughput  default cluster / cluster without local prefill, output tokens per second
+  local_prefill_ttft_p50      cluster without local prefill / default cluster TTFT p50
 """
 
 from __future__ import annotations
@@ -22,14 +27,15 @@ import math
 import os
 import shlex
 import signal
+import statistics
 import sys
 
 from bench.compare import start_colocated, stop_proc
 from bench.report import HelpFormatter, write_report
 from bench.serve import format_summary, measure_setup, setup_workload
-from deploy.cluster import Cluster
+from deploy.cluster import DEFAULT_LOCAL_PREFILL_QUEUE, Cluster
 
-SETUPS = ("colocated", "cluster", "cluster_unpinned")
+SETUPS = ("colocated", "cluster", "cluster_unpinned", "cluster_remote_prefill")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--decode-args", default="", help="more flags for the clusters' decode nodes, one string (e.g. "
       "\"--torchao-config int8wo\": int8 weights where steps are bound by memory bandwidth)")
     a("--setups", default=",".join(SETUPS), help=f"which setups to run, comma-separated, of {SETUPS}")
+    a("--rounds", type=int, default=1, help="times every setup runs, in turn; ratios are per-round medians")
     a("--seed", type=int, default=1, help="seed of prompts")
     a("--startup-timeout", type=float, default=900.0, help="seconds for every node to become healthy")
     a("--log-dir", default=None, help="children's logs (default ./logs/placement-<timestamp>)")
@@ -68,37 +75,52 @@ def compute_ratios(s: dict[str, dict]) -> dict[str, float]:
     def itl(name):
         return s[name]["itl_ms"]["p99"] if name in s else None
 
+    def ttft(name):
+        return s[name]["ttft_ms"]["p50"] if name in s else None
+
     pairs = {"cluster_output_throughput": r(tput("cluster"), tput("colocated")),
              "cluster_itl_p99": r(itl("colocated"), itl("cluster")),
              "placement_output_throughput": r(tput("cluster"), tput("cluster_unpinned")),
-             "placement_itl_p99": r(itl("cluster_unpinned"), itl("cluster"))}
+             "placement_itl_p99": r(itl("cluster_unpinned"), itl("cluster")),
+             "local_prefill_output_throughput": r(tput("cluster"), tput("cluster_remote_prefill")),
+             "local_prefill_ttft_p50": r(ttft("cluster_remote_prefill"), ttft("cluster"))}
     return {k: v for k, v in pairs.items() if v is not None and math.isfinite(v)}
+
+
+def median_ratios(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Each ratio's median over the rounds that have it."""
+    names = {k for r in rounds for k in r}
+    return {k: statistics.median(r[k] for r in rounds if k in r) for k in sorted(names)}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ns = build_parser().parse_args(argv)
     setups = [x for x in ns.setups.split(",") if x]
-    if not setups or set(setups) - set(SETUPS) or ns.num_prompts < 1:
-        print(f"--setups must name some of {SETUPS}; --num-prompts must be >= 1", file=sys.stderr)
+    if not setups or set(setups) - set(SETUPS) or ns.num_prompts < 1 or ns.rounds < 1:
+        print(f"--setups must name some of {SETUPS}; --num-prompts and --rounds must be >= 1", file=sys.stderr)
         return 2
     cores, log_dir, requests = setup_workload(ns, "placement")
     node_args = shlex.split(ns.node_args)
     # start_colocated reads these: the colocated node as `pdserve serve` starts it (every core's threads)
     ns.colocated_threads, ns.omp_wait_policy = None, ""
     old_handler = signal.signal(signal.SIGTERM, _terminate)  # the children are stopped on SIGTERM too
+    rounds, per_round = [], []
     try:
-        load, runs = _run_setups(setups, ns, cores, log_dir, requests, node_args)
+        for i in range(ns.rounds):
+            print(f"\nround {i + 1}/{ns.rounds}", file=sys.stderr, flush=True)
+            load, runs = _run_setups(setups, ns, cores, os.path.join(log_dir, f"round{i + 1}"), requests, node_args)
+            summaries = {name: run["summary"] for name, run in runs.items()}
+            for name, s in summaries.items():
+                print(format_summary(name, s))
+            rounds.append({"runs": runs, "load_average_1m": load, "ratios": compute_ratios(summaries)})
+            per_round.append(rounds[-1]["ratios"])
     finally:
         signal.signal(signal.SIGTERM, old_handler)
-    summaries = {name: run["summary"] for name, run in runs.items()}
-    for name, s in summaries.items():
-        print(format_summary(name, s))
-    ratios = compute_ratios(summaries)
-    figures = {"config": {**vars(ns), "argv": argv, "cores": cores}, "runs": runs, "load_average_1m": load,
-               "log_dir": log_dir}
-    write_report(ns.json, "placement", figures, ratios)
-    return 0 if all(s["completed"] == ns.num_prompts for s in summaries.values()) else 1
+    figures = {"config": {**vars(ns), "argv": argv, "cores": cores}, "rounds": rounds, "log_dir": log_dir}
+    write_report(ns.json, "placement", figures, median_ratios(per_round))
+    return 0 if all(run["summary"]["completed"] == ns.num_prompts
+                    for r in rounds for run in r["runs"].values()) else 1
 
 
 def _run_setups(setups, ns, cores, log_dir, requests, node_args) -> tuple[dict, dict]:
@@ -114,7 +136,8 @@ def _run_setups(setups, ns, cores, log_dir, requests, node_args) -> tuple[dict, 
                 stop_proc(proc)
             continue
         cluster = Cluster(num_prefill=1, num_decode=1, model=ns.model, transfer_backend=ns.transfer_backend,
-                          log_dir=os.path.join(log_dir, name), auto_placement=name == "cluster",
+                          log_dir=os.path.join(log_dir, name), auto_placement=name != "cluster_unpinned",
+                          local_prefill_queue=0 if name == "cluster_remote_prefill" else DEFAULT_LOCAL_PREFILL_QUEUE,
                           node_args=node_args, prefill_args=shlex.split(ns.prefill_args),
                           decode_args=shlex.split(ns.decode_args), startup_timeout=ns.startup_timeout)
         with cluster:

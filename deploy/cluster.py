@@ -23,6 +23,13 @@ to the cores it may run on divided by its TP size. Flags that are not the launch
 are passed to every node unchanged (checked against the node parser first); `--router-args "..."`
 adds router flags.
 
+By default the cluster also disaggregates conditionally (`--local-prefill-queue 2`): while the prefill
+node already has two of the router's prefills in flight, the router sends the next request to a decode
+node alone, which prefills it itself in chunks of 64 tokens with a decode step between two chunks (one
+such request per decode node at a time). On few cores the prefill node is the bottleneck and the decode
+node's steps are bound by streaming the weights, so its spare batch slots are cheaper than a queue;
+`pdserve bench placement` measures the cluster with it and without it (`--local-prefill-queue 0`).
+
 `--hosts` puts the router and every node on a host of its own: a network namespace with its own address
 (deploy/netns.py, 10.77.N.0/24 on a bridge; needs root), as on separate machines; the namespaces go with
 the cluster.
@@ -67,6 +74,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEALTH_DEFAULTS = (("--health-check-interval-secs", "2"), ("--health-failure-threshold", "2"),
                    ("--health-success-threshold", "2"))
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET_FILE"
+# the chunk a decode node prefills a local request in: a core computes 64 tokens of SmolLM2-135M in ~0.2 s,
+# so the running batch's tokens never wait much longer (`bench placement` measured 128: ITL p99 ~1.5x)
+LOCAL_PREFILL_CHUNK = 64
+DEFAULT_LOCAL_PREFILL_QUEUE = 2
+
+
+def _has_flag(flags: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in flags)
 
 
 @dataclass
@@ -130,6 +145,9 @@ class Cluster:
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
+    # conditional disaggregation: the router's --local-prefill-queue (0: off), and the decode nodes take
+    # requests without a rendezvous, prefilled LOCAL_PREFILL_CHUNK tokens at a time between decode steps
+    local_prefill_queue: int = 0
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every child
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)  # per role: {"prefill": {...}}
     startup_timeout: float = 600.0
@@ -184,6 +202,8 @@ class Cluster:
                "--transfer-backend", self.transfer_backend]
         if role == "prefill":
             cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        elif self.local_prefill_queue > 0:  # before the given flags, so a given chunk size wins
+            cmd += ["--disaggregation-local-prefill", "--chunked-prefill-size", str(LOCAL_PREFILL_CHUNK)]
         return cmd + self.node_args + (self.prefill_args if role == "prefill" else self.decode_args)
 
     def _router_cmd(self, port: int, host: str | None = None) -> list[str]:
@@ -196,8 +216,10 @@ class Cluster:
             cmd += ["--prometheus-port", "0"]  # /metrics is on the router's own port too
         # a node that dies leaves the rotation within ~4 s and a restarted one is back ~4 s after its
         # /health passes (sglang-router's defaults, 60 s x 3, would keep a dead node in for 3 minutes)
+        if self.local_prefill_queue > 0 and not _has_flag(self.router_args, "--local-prefill-queue"):
+            cmd += ["--local-prefill-queue", str(self.local_prefill_queue)]
         for flag, value in HEALTH_DEFAULTS:
-            if not any(a == flag or a.startswith(flag + "=") for a in self.router_args):
+            if not _has_flag(self.router_args, flag):
                 cmd += [flag, value]
         return cmd + self.router_args
 
@@ -287,6 +309,9 @@ class Cluster:
         if self.auto_placement:
             self.placement = plan(self.num_prefill, self.num_decode, sorted(os.sched_getaffinity(0)))
             self._say(self.placement.describe())
+        if self.local_prefill_queue > 0:
+            self._say(f"conditional disaggregation: a decode node prefills a request itself while its prefill node "
+                      f"has {self.local_prefill_queue}+ prefills in flight (--local-prefill-queue 0: off)")
         for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(n):
                 port = free_port(self.host, used)
@@ -505,6 +530,12 @@ def build_parser() -> argparse.ArgumentParser:
       help='"auto": cores of its own for every node, as many torch threads (shared round-robin, one thread '
            'each, when there are fewer cores than nodes); "none": no pinning; or pin roles to cores, e.g. '
            '"prefill=0;decode=1" or "prefill=0-1;decode=2-3;router=0"')
+    a("--local-prefill-queue", type=int, default=DEFAULT_LOCAL_PREFILL_QUEUE, metavar="N",
+      help="conditional disaggregation: the router sends a request to a decode node alone, to prefill it there "
+      f"in chunks of {LOCAL_PREFILL_CHUNK} tokens between decode steps, while its prefill node has N or more "
+      "prefills in flight and the decode node no other such request before its first token (0: off, every "
+      "prompt is prefilled on a prefill node). Decode nodes get --disaggregation-local-prefill and "
+      f"--chunked-prefill-size {LOCAL_PREFILL_CHUNK} (given node flags win), the router --local-prefill-queue N")
     a("--policy", default=None, help="router policy (random, round_robin, cache_aware, power_of_two)")
     a("--router-args", default="", help='more router flags, one string: --router-args="--policy random"')
     a("--prefill-args", default="", help='more flags for prefill nodes only: --prefill-args="--tp 2"')
@@ -563,6 +594,8 @@ def cluster_from_args(argv: list[str]) -> Cluster:
         for flags in (node_args, prefill_args, decode_args):
             check_node_flags(flags)
         check_router_flags(router_args)
+        if ns.local_prefill_queue < 0:
+            raise ValueError(f"--local-prefill-queue must be >= 0 (0: off), got {ns.local_prefill_queue}")
         affinity = {} if ns.cpu_affinity in ("auto", "none") else parse_affinity(ns.cpu_affinity)
     except ValueError as e:
         parser.error(str(e))
@@ -575,6 +608,7 @@ def cluster_from_args(argv: list[str]) -> Cluster:
                    cpu_affinity=affinity, auto_placement=ns.cpu_affinity == "auto", node_args=node_args,
                    prefill_args=prefill_args,
                    decode_args=decode_args, router_args=router_args, startup_timeout=ns.startup_timeout,
+                   local_prefill_queue=ns.local_prefill_queue,
                    grace_period=ns.grace_period, cluster_secret_file=ns.cluster_secret_file,
                    restart=ns.max_restarts > 0, max_restarts=max(ns.max_restarts, 0),
                    restart_window=ns.restart_window)

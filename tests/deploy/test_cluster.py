@@ -155,3 +155,27 @@ def test_cluster_args_reach_every_node(tiny_model_dir):
     # the node sizes its torch threads from the cores it is pinned to
     assert "--num-threads" not in c._node_cmd("decode", 1, 0)
     assert not cl.cluster_from_args(["--model", tiny_model_dir, "--cpu-affinity", "none"]).auto_placement
+
+
+def test_conditional_disaggregation_is_on_by_default(tiny_model_dir):
+    """Decode nodes take requests without a rendezvous, in small chunks unless a chunk size is given; the
+    router sends them while the prefill node has two prefills in flight; --local-prefill-queue 0 turns it off."""
+    c = cl.cluster_from_args(["--model", tiny_model_dir])
+    assert c.local_prefill_queue == cl.DEFAULT_LOCAL_PREFILL_QUEUE == 2
+    decode = c._node_cmd("decode", 1, 0)
+    assert "--disaggregation-local-prefill" in decode
+    assert decode[decode.index("--chunked-prefill-size") + 1] == str(cl.LOCAL_PREFILL_CHUNK)
+    assert "--disaggregation-local-prefill" not in c._node_cmd("prefill", 1, 2)
+    router = c._router_cmd(3)
+    assert router[router.index("--local-prefill-queue") + 1] == "2"
+    # a chunk size given for every node or for decode nodes comes later on the command line, so it wins
+    for argv in (["--chunked-prefill-size", "256"], ["--decode-args", "--chunked-prefill-size 256"]):
+        cmd = cl.cluster_from_args(["--model", tiny_model_dir, *argv])._node_cmd("decode", 1, 0)
+        assert cmd[len(cmd) - 1 - cmd[::-1].index("--chunked-prefill-size") + 1] == "256"
+    given = cl.cluster_from_args(["--model", tiny_model_dir, "--router-args", "--local-prefill-queue 5"])
+    assert given._router_cmd(3).count("--local-prefill-queue") == 1
+    off = cl.cluster_from_args(["--model", tiny_model_dir, "--local-prefill-queue", "0"])
+    assert "--disaggregation-local-prefill" not in off._node_cmd("decode", 1, 0)
+    assert "--local-prefill-queue" not in off._router_cmd(3)
+    with pytest.raises(SystemExit):
+        cl.cluster_from_args(["--model", tiny_model_dir, "--local-prefill-queue", "-1"])
