@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(ns.rounds):
             print(f"\nround {i + 1}/{ns.rounds}", file=sys.stderr, flush=True)
-            load, runs = _run_setups(setups, ns, cores, os.path.join(log_dir, f"round{i + 1}"), requests, node_args)
+            round_dir = os.path.join(log_dir, f"round{i + 1}")
+            os.makedirs(round_dir, exist_ok=True)
+            load, runs = _run_setups(setups, ns, cores, round_dir, requests, node_args)
             summaries = {name: run["summary"] for name, run in runs.items()}
             for name, s in summaries.items():
                 print(format_summary(name, s))
