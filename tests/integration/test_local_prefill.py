@@ -30,11 +30,9 @@ def cluster(tiny_model_dir, module_launcher):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir, module_launcher):
-    """A colocated node with the cluster's settings: the answers every path must give."""
-    from tests.harness.cluster import NODE_SETTINGS
-
-    return module_launcher.colocated(tiny_model_dir, **NODE_SETTINGS)
+def reference(colocated):
+    """The suite's colocated node (the cluster's settings): the answers every path must give."""
+    return colocated
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
