@@ -195,6 +195,9 @@ class ServerArgs:
         False, "decode: also serve requests that carry no PD rendezvous, prefilling them here in chunks "
         "between decode steps (a router's --local-prefill-queue sends such requests while the prefill pool is "
         "backed up)")
+    disaggregation_local_prefill_max_tokens: int | None = _f(
+        None, "decode, with --disaggregation-local-prefill: longest prompt (tokens) prefilled here; a longer one is "
+        "refused with a cause the router acts on by sending it to a prefill node (default 2048)")
     num_reserved_decode_tokens: int = _f(512, "decode: KV tokens kept free per running, transferring or "
                                          "waiting request for its future decode steps")
     disaggregation_bootstrap_timeout: float | None = _f(
@@ -316,6 +319,11 @@ class ServerArgs:
         if self.disaggregation_local_prefill and self.disaggregation_mode != "decode":
             raise bad("disaggregation-local-prefill", "is a decode node's option (--disaggregation-mode decode); "
                       "a colocated node prefills every request itself")
+        if self.disaggregation_local_prefill_max_tokens is not None:
+            if not self.disaggregation_local_prefill:
+                raise bad("disaggregation-local-prefill-max-tokens", "needs --disaggregation-local-prefill")
+            if self.disaggregation_local_prefill_max_tokens < 1:
+                raise bad("disaggregation-local-prefill-max-tokens", "must be >= 1")
         if self.num_reserved_decode_tokens < 0:
             raise bad("num-reserved-decode-tokens", "must be >= 0")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):

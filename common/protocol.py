@@ -76,8 +76,11 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 # between the two nodes failed, which is the other node's or the network's doing as often as this one's,
 # so the router retries but counts it against neither worker's circuit breaker (the node at fault fails
 # its own leg and its health checks).
+# `local_prefill_refused`: a decode node asked to prefill a request itself (no rendezvous) will not, as the
+# prompt is over its --disaggregation-local-prefill-max-tokens: the router sends it again with both legs.
 ERR_TYPE_HEADER = "X-PD-Error-Type"
 KV_TRANSFER_FAILED = "kv_transfer"
+LOCAL_PREFILL_REFUSED = "local_prefill_refused"
 
 
 _PATH = re.compile(r" - at `\$\.([^`]+)`")

@@ -25,7 +25,9 @@ logprobs (`MetadataBuffers.check_row`, through `KVReceiver.check_metadata`) befo
 Success, so a bad row fails the room on every TP rank alike (the consensus poll), never the forward.
 
 With --disaggregation-local-prefill the node also takes requests that carry no rendezvous at all
-(`is_local`; a router sends them while its prefill pool is backed up): they skip the role's queues,
+(`is_local`; a router sends them while its prefill pool is backed up; a prompt over
+--disaggregation-local-prefill-max-tokens is refused with `LOCAL_PREFILL_REFUSED`, which the router
+answers by sending it again with a rendezvous): they skip the role's queues,
 go to the scheduler's waiting queue and are prefilled here like a colocated node's, in chunks with a
 decode step of the running batch between two chunks (`Scheduler.decode_between_chunks`).
 
@@ -47,6 +49,7 @@ from typing import Any
 
 from common.layers.sampling import skip_draws
 from common.memory.req_to_token import ReqToTokenPool
+from common.protocol import LOCAL_PREFILL_REFUSED
 from common.scheduler.req import FinishStatus, Req
 from common.scheduler.scheduler import Scheduler
 from decode_node.quarantine import Quarantine, QuarantinedRoom
@@ -58,6 +61,7 @@ from transfer.peer_checks import check_bootstrap_addr
 from transfer.role_common import MAX_TOP_LOGPROBS, PDRole, build_kv_manager
 
 logger = logging.getLogger("decode")
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 2048  # --disaggregation-local-prefill-max-tokens
 
 
 def is_local(req: Req) -> bool:
@@ -86,6 +90,7 @@ class DecodeRole(PDRole):
         self.waiting = WaitingQueue()
         self.quarantine = Quarantine()
         self.local_prefill = args.disaggregation_local_prefill
+        self.local_prefill_max_tokens = args.disaggregation_local_prefill_max_tokens or DEFAULT_LOCAL_PREFILL_MAX_TOKENS
         self.num_local_prefills = 0
         logger.info("decode rank %d/%d ready: backend %s, prealloc budget %d requests, %d reserved decode "
                     "tokens per request", tp_rank, tp_size, args.transfer_backend, prealloc_size,
@@ -101,8 +106,13 @@ class DecodeRole(PDRole):
                 DecodeStage.WAITING: self.waiting}[t.stage]
 
     # ================================================================== admission
-    def validate(self, req: Req) -> tuple[int, str] | None:
+    def validate(self, req: Req) -> tuple | None:
         if self.local_prefill and is_local(req):
+            n = len(req.origin_input_ids)
+            if n > self.local_prefill_max_tokens:  # the router sends it again, with a prefill node
+                return 400, (f"a prompt of {n} tokens is over this node's --disaggregation-local-prefill-max-tokens "
+                             f"{self.local_prefill_max_tokens}: send it with bootstrap_host/bootstrap_port/"
+                             "bootstrap_room (through a PD router)"), LOCAL_PREFILL_REFUSED
             return None  # the scheduler's own checks follow, as on a colocated node
         err = super().validate(req)
         if err is not None:

@@ -16,7 +16,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from common.protocol import ERR_TYPE_HEADER, KV_TRANSFER_FAILED, error_body
+from common.protocol import ERR_TYPE_HEADER, KV_TRANSFER_FAILED, LOCAL_PREFILL_REFUSED, error_body
 from common.server.security import bearer_header, client_ssl_context
 from router.config import RouterConfig
 from router.metrics import Metrics
@@ -72,6 +72,7 @@ class Failure:
     body: bytes | None = None
     content_type: str | None = None
     retry_after: str | None = None  # the worker's Retry-After header
+    err_type: str | None = None  # the cause the worker named (`ERR_TYPE_HEADER`)
 
     @property
     def retryable(self) -> bool:
@@ -112,14 +113,14 @@ class Trace:
 
 
 def leg_failure(status: int, leg: str, w: Worker, body: bytes, ctype: str | None,
-                retry_after: str | None = None) -> Failure:
+                retry_after: str | None = None, err_type: str | None = None) -> Failure:
     """A worker's error answer, passed on as it is, except a refusal of the router's own credentials: the
     client's key was fine, so it gets a 502 that says what to fix, not the worker's 401."""
     if status in (401, 403):
         log.error("%s worker %s refused the router's credentials (%d): check the node key", leg, w.url, status)
         return Failure(502, f"{leg} worker {w.url} refused the router's credentials ({status}); the router's "
                             "node key (--node-api-key-file / PDSERVE_NODE_API_KEY) does not match the worker's", w)
-    return Failure(status, f"{leg} worker {w.url} answered {status}", w, body, ctype, retry_after)
+    return Failure(status, f"{leg} worker {w.url} answered {status}", w, body, ctype, retry_after, err_type)
 
 
 def _any_https(cfg: RouterConfig) -> bool:
@@ -349,7 +350,7 @@ class Dispatcher:
             return Failure(status, f"{leg} worker {w.url} failed: {exc!r}", w)
         a = task.result()
         if a.status >= 300:
-            return leg_failure(a.status, leg, w, a.body, a.content_type, a.retry_after)
+            return leg_failure(a.status, leg, w, a.body, a.content_type, a.retry_after, a.err_type)
         return None
 
     def _backoff(self, attempt: int) -> float:
@@ -371,6 +372,7 @@ class Dispatcher:
         failure: Failure | None = None
         exclude: tuple[Worker, ...] = ()
         overload_retried = False
+        too_long = False  # a decode worker refused to prefill it (--local-prefill-queue)
         key = await self.prefill_policy.prepare(req) if self.prefill_policy.prepares else None
         for attempt in range(self.cfg.max_attempts):
             if attempt:
@@ -386,24 +388,14 @@ class Dispatcher:
                 failure = Failure(400, f"`data_parallel_rank` = {req.dp_rank}, but decode worker {d.url} has "
                                        f"{d.dp_size} DP group(s)")
                 break
-            local = LocalPrefill(d) if self.prefills_locally(p, d) else None
-            if local is not None:
-                p = None
-            trace.prefill, trace.decode = "local" if p is None else p.url, d.url
             rids = new_rids(req, attempt, request_id)
-            congruences, decode_rank = self._groups(req, key if p is not None else None, p, d)
-            payloads = inject(req, p, rids, congruences, decode_rank)[:2]
-            try:
-                if req.stream:
-                    result = await self._attempt_stream(request, req, p, d, payloads, headers, rids, request_id,
-                                                        trace, local)
-                else:
-                    result = await self._attempt_full(req, p, d, payloads, headers, rids, request_id)
-            finally:
-                if decode_rank is not None:
-                    d.dp_end(decode_rank)
-                if local is not None:
-                    local.done()
+            local = not too_long and self.prefills_locally(p, d)
+            result = await self._attempt(request, req, p, d, key, rids, headers, request_id, trace, local)
+            if local and isinstance(result, Failure) and result.err_type == LOCAL_PREFILL_REFUSED:
+                # the prompt is longer than the decode worker prefills itself: the same attempt with both legs
+                d.local_refused += 1
+                too_long = True
+                result = await self._attempt(request, req, p, d, key, rids, headers, request_id, trace, False)
             if not isinstance(result, Failure):
                 trace.status = result.status
                 return result
@@ -426,6 +418,27 @@ class Dispatcher:
         if failure.status in OVERLOAD and failure.body is not None:
             self.metrics.overload_passed += 1
         return failure.response(request_id)
+
+    async def _attempt(self, request, req, p: Worker, d: Worker, key, rids, headers: bytes, request_id: str,
+                       trace: Trace, local: bool):
+        """One try on a prefill and a decode worker (on the decode worker alone when `local`): the answer
+        relayed to the client, or the Failure that ended it before the client got a byte."""
+        held = LocalPrefill(d) if local else None
+        if local:
+            p = None
+        trace.prefill, trace.decode = "local" if p is None else p.url, d.url
+        congruences, decode_rank = self._groups(req, key if p is not None else None, p, d)
+        payloads = inject(req, p, rids, congruences, decode_rank)[:2]
+        try:
+            if req.stream:
+                return await self._attempt_stream(request, req, p, d, payloads, headers, rids, request_id, trace,
+                                                  held)
+            return await self._attempt_full(req, p, d, payloads, headers, rids, request_id)
+        finally:
+            if decode_rank is not None:
+                d.dp_end(decode_rank)
+            if held is not None:
+                held.done()
 
     def prefills_locally(self, p: Worker, d: Worker) -> bool:
         """Conditional disaggregation (--local-prefill-queue N): the decode worker prefills the request
@@ -546,7 +559,7 @@ class Dispatcher:
                 self._record(d, status, resp.headers.get(_ERR_TYPE))
                 self._abandon(p_task, p, ids)
                 return leg_failure(status, "decode", d, err_body, resp.headers.get("content-type"),
-                                   resp.headers.get("retry-after"))
+                                   resp.headers.get("retry-after"), resp.headers.get(_ERR_TYPE))
             merger = None
             if req.return_logprob:  # the prompt logprobs come from the prefill leg: wait for its answer
                 await asyncio.wait((p_task,))

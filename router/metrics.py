@@ -132,6 +132,9 @@ class _Collector:
         yield _family("counter", "pdserve_router_local_prefills", "requests sent to a decode worker alone, to "
                       "prefill there (--local-prefill-queue)", ("worker",),
                       [((w.url,), w.local_prefills) for w in ws if w.kind == "decode"])
+        yield _family("counter", "pdserve_router_local_prefill_refusals", "of those, requests the decode worker "
+                      "refused as longer than it prefills itself, then sent with both legs", ("worker",),
+                      [((w.url,), w.local_refused) for w in ws if w.kind == "decode"])
         yield _family("gauge", "pdserve_router_worker_load", "the worker's /get_load tokens (power_of_two; -1 unknown)",
                       ("worker", "type"), [((w.url, w.kind), -1 if w.load is None else w.load) for w in ws])
         for name, value, help in (

@@ -127,7 +127,7 @@ MAX_DP_SIZE = 1024  # the largest dp_size a worker may report (as `data_parallel
 class Worker:
     __slots__ = ("id", "url", "kind", "bootstrap_host", "bootstrap_port", "healthy", "breaker", "active",
                  "load", "server_info", "model_info", "fail_streak", "ok_streak", "requests", "errors", "dp_groups",
-                 "local_pending", "local_prefills")
+                 "local_pending", "local_prefills", "local_refused")
 
     def __init__(self, url: str, kind: str, bootstrap_port: int | None, cfg: RouterConfig):
         self.id = worker_id(url)
@@ -148,6 +148,7 @@ class Worker:
         self.dp_groups = DPGroups(1)  # --dp-aware: this router's requests in flight per DP group
         self.local_pending = 0  # --local-prefill-queue: requests it prefills itself, before their first byte
         self.local_prefills = 0  # and all it was sent so far
+        self.local_refused = 0  # of those, the ones it refused as too long (sent again with both legs)
 
     @property
     def prefills_locally(self) -> bool:
@@ -183,6 +184,7 @@ class Worker:
                 "bootstrap_host": self.bootstrap_host, "is_healthy": self.healthy,
                 "circuit_breaker": self.breaker.state, "active_requests": self.active, "load": self.load,
                 "requests": self.requests, "errors": self.errors, "local_prefills": self.local_prefills,
+                "local_prefills_refused": self.local_refused,
                 "model_path": self.model_info.get("model_path") or self.server_info.get("model_path"),
                 "disaggregation_mode": self.server_info.get("disaggregation_mode"), "dp_size": self.dp_size,
                 **({"dp_active_requests": list(self.dp_groups.live)} if self.dp_groups.size > 1 else {})}

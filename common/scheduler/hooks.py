@@ -5,7 +5,8 @@ this, keeps a reference to its scheduler and drives it only through the contract
 `add_prebuilt_reqs`, `finish_requests`, `release_held`); it never overrides the scheduler's loop.
 
 Admission
-* `validate(req)` -> `(status, message)` or None: the role's checks, before the scheduler's own;
+* `validate(req)` -> `(status, message)` (or `(status, message, err_type)`, a cause the router acts on)
+  or None: the role's checks, before the scheduler's own;
 * `on_new_request(req)` -> bool: a validated request arrived; True if the role keeps it (its
   queues hold it until it calls `add_request` / `add_prebuilt_reqs`), False for the waiting queue.
 

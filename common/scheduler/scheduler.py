@@ -370,9 +370,10 @@ class Scheduler:
         return check_request(req, self.vocab_size, self.context_length, self.allocator.capacity, self.tokenizer,
                              self.args.max_top_logprobs_num)
 
-    def finish_refused(self, req: Req, status: int, message: str) -> None:
+    def finish_refused(self, req: Req, status: int, message: str, err_type: str | None = None) -> None:
+        """End a request that will not be served here; `err_type` names a cause a router acts on."""
         logger.info("rid=%s refused (%d): %s", req.rid, status, message)
-        req.finish({"type": "abort", "message": message}, error_status=status)
+        req.finish(FinishStatus.abort(message, err_type=err_type).reason, error_status=status)
         self._report(req)
 
     def abort_request(self, rid: str, message: str = "aborted by client") -> None:

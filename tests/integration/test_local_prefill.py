@@ -1,7 +1,8 @@
 """Conditional disaggregation on a real cluster (1 prefill + 1 decode, nixl backend, tiny model): the
 router sends a request to the decode node alone (`--local-prefill-queue 1`) while the prefill node has a
 prefill in flight, and the decode node (`--disaggregation-local-prefill`) prefills it itself in chunks
-between decode steps. Answers equal a colocated node's either way; memory comes back."""
+between decode steps; a prompt over its --disaggregation-local-prefill-max-tokens (64 here) is refused and
+sent again with both legs. Answers equal a colocated node's on every path; memory comes back."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.harness.client import http_json, metric_total, stream
+from tests.harness.client import http, http_json, metric_total, stream
 from tests.harness.cluster import CHUNK, cluster_pools, node_stats, wait_pools
 
 LOCAL = "pdserve_router_local_prefills_total"
+REFUSED = "pdserve_router_local_prefill_refusals_total"
+MAX_LOCAL = 64
 pytestmark = pytest.mark.backend("nixl")  # a backend that moves the KV: the remote answers are checked too
 
 
@@ -24,7 +27,8 @@ def greedy(n: int, **kw) -> dict:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, module_launcher):
     c = module_launcher.cluster(tiny_model_dir, backend="nixl", prefill=1, decode=1, router_args=["--local-prefill-queue", "1"],
-                                role_settings={"decode": {"disaggregation_local_prefill": True}})
+                                role_settings={"decode": {"disaggregation_local_prefill": True,
+                                                          "disaggregation_local_prefill_max_tokens": MAX_LOCAL}})
     c.baseline = cluster_pools(c)
     return c
 
@@ -53,21 +57,23 @@ def generate(url: str, ids: list[int], new: int, streamed: bool, **extra) -> tup
 
 def test_the_router_prefills_on_the_decode_node_while_the_prefill_node_is_busy(cluster, reference):
     decode = cluster.decodes[0]
-    before, before_node = metric_total(cluster.url, LOCAL), node_stats(decode.url)["num_local_prefills"]
-    local = 0
-    for seed in range(4):  # concurrent requests: some find the prefill node busy (it is the first's at least)
+    before = [metric_total(cluster.url, LOCAL), metric_total(cluster.url, REFUSED),
+              node_stats(decode.url)["num_local_prefills"]]
+    for seed in range(6):  # concurrent requests: some find the prefill node busy (it is the first's at least)
         batch = prompts(8, seed)
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda a: generate(cluster.url, a[1], 10, a[0] % 2 == 0)[0], enumerate(batch)))
         want = [generate(reference.url, ids, 10, False)[0] for ids in batch]
         assert got == want
-        local = metric_total(cluster.url, LOCAL) - before
-        if local:
+        sent_local, refused, prefilled = (metric_total(cluster.url, LOCAL) - before[0],
+                                          metric_total(cluster.url, REFUSED) - before[1],
+                                          node_stats(decode.url)["num_local_prefills"] - before[2])
+        if prefilled and refused:
             break
-    assert local > 0, "no request was prefilled on the decode node"
-    sent = 8 * (seed + 1)
-    assert local < sent  # the first of each burst at least went to the prefill node
-    assert node_stats(decode.url)["num_local_prefills"] - before_node == local
+    assert prefilled > 0, "no request was prefilled on the decode node"
+    assert refused > 0, f"no prompt over {MAX_LOCAL} tokens was sent to the decode node alone"
+    assert sent_local < 8 * (seed + 1)  # the first of each burst at least went to the prefill node
+    assert prefilled == sent_local - refused
     wait_pools(cluster, cluster.baseline)
 
 
@@ -87,6 +93,11 @@ def test_a_decode_node_serves_a_request_without_a_rendezvous(cluster, reference)
     status, body = http_json("POST", decode.url + "/generate",
                              {"input_ids": ids, "bootstrap_room": 7, "sampling_params": greedy(2)})
     assert status == 400 and "bootstrap_host/bootstrap_port/bootstrap_room" in str(body)
+    # a prompt longer than the node prefills itself: a 400 naming the flag and the cause a router acts on
+    status, headers, body = http("POST", decode.url + "/generate",
+                                 {"input_ids": list(range(10, 11 + MAX_LOCAL)), "sampling_params": greedy(2)})
+    assert status == 400 and b"--disaggregation-local-prefill-max-tokens 64" in body
+    assert headers.get("x-pd-error-type") == "local_prefill_refused"
     wait_pools(cluster, cluster.baseline)
 
 

@@ -6,7 +6,7 @@ import http.client as httpclient
 import json
 import threading
 
-from tests.harness.client import http, wait_until
+from tests.harness.client import http, metric_total, wait_until
 
 
 def _stream(router_url: str, path: str, body: dict):
@@ -347,6 +347,25 @@ def test_local_prefill_while_the_prefill_worker_is_busy(workers, make_router):
     p.release()
     metrics = http("GET", r.url + "/metrics")[2].decode()
     assert f'pdserve_router_local_prefills_total{{worker="{d.url}"}} 1.0' in metrics
+    # a prompt the decode worker refuses to prefill (over its --disaggregation-local-prefill-max-tokens): the
+    # same attempt again with both legs, for stream and non-stream alike, and no retry counted
+    d.config(refuse_local=True)
+    retries = metric_total(r.url, "pdserve_router_retries_total")
+    for stream in (False, True):
+        p.config(hold=1)
+        t = threading.Thread(target=lambda: r.post("/generate", {"text": "busy"}))
+        t.start()
+        wait_until(lambda: p.requests()[-1]["body"]["text"] == "busy", what="a prefill leg in flight")
+        status, _, body = r.post("/generate", {"text": f"long-{stream}", "stream": stream})
+        assert status == 200, body
+        tries = [x["body"] for x in d.requests() if x["body"]["text"] == f"long-{stream}"]
+        assert len(tries) == 2 and "bootstrap_room" not in tries[0]
+        assert tries[1]["bootstrap_room"] == p.requests()[-1]["body"]["bootstrap_room"]
+        p.release()
+        t.join(30)
+    assert metric_total(r.url, "pdserve_router_local_prefill_refusals_total") == 2
+    assert metric_total(r.url, "pdserve_router_retries_total") == retries
+    d.config(refuse_local=False)
     # a decode worker without --disaggregation-local-prefill: both legs, however busy the prefill worker is
     r2 = make_router([p], [plain], "--policy", "round_robin", "--local-prefill-queue", "1")
     p.config(hold=2)

@@ -20,6 +20,8 @@ every abort, and its behaviour is set at runtime through `POST /debug/config`:
   info         extra fields of /server_info (e.g. a kv_events_endpoint)
   text         the text of answer i, formatted with {i} (default " out{i}")
   eof_delay    seconds between a stream's [DONE] and the end of its body
+  refuse_local a request without a bootstrap_room gets a 400 naming `local_prefill_refused` (a decode node
+               asked to prefill a prompt longer than it takes)
 
 `GET /debug/received` returns {"requests": [...], "aborts": [...]}; `POST /debug/reset` clears them.
 Run: python workers.py --port P --role prefill|decode [--bootstrap-port N] [--no-record] [--host 127.x.y.z]
@@ -36,7 +38,7 @@ from aiohttp import web
 
 DEFAULTS = {"status": 200, "health": 200, "hold": 0, "delay": 0.0, "chunks": 3, "chunk_delay": 0.0,
             "break_after": -1, "load": 0, "retry_after": None, "err_type": None,
-            "error_event": False, "info": {}, "text": " out{i}", "eof_delay": 0.0}
+            "error_event": False, "info": {}, "text": " out{i}", "eof_delay": 0.0, "refuse_local": False}
 
 
 class Recorder:
@@ -164,14 +166,16 @@ class Recorder:
                     w.cancel()
         if cfg["delay"]:
             await asyncio.sleep(cfg["delay"])
-        status = cfg["status"]
+        status, err_type = cfg["status"], cfg["err_type"]
+        if cfg["refuse_local"] and "bootstrap_room" not in body:
+            status, err_type = 400, "local_prefill_refused"
         if status >= 300:
             entry["done"] = True
             headers = {}
             if cfg["retry_after"] is not None:
                 headers["Retry-After"] = str(cfg["retry_after"])
-            if cfg["err_type"] is not None:
-                headers["X-PD-Error-Type"] = cfg["err_type"]
+            if err_type is not None:
+                headers["X-PD-Error-Type"] = err_type
             return web.json_response({"error": {"message": f"{self.name} says {status}", "type": "worker_error",
                                                 "param": None, "code": {429: "rate_limit_exceeded"}.get(status)}},
                                      status=status, headers=headers)

@@ -234,6 +234,13 @@ def test_local_prefill_is_a_decode_node_option():
     for mode in ("null", "prefill"):
         with pytest.raises(ValueError, match="--disaggregation-local-prefill"):
             ServerArgs(disaggregation_mode=mode, disaggregation_local_prefill=True).validate()
+    with pytest.raises(ValueError, match="needs --disaggregation-local-prefill"):
+        ServerArgs(disaggregation_mode="decode", disaggregation_local_prefill_max_tokens=100).validate()
+    with pytest.raises(ValueError, match="must be >= 1"):
+        ServerArgs(disaggregation_mode="decode", disaggregation_local_prefill=True,
+                   disaggregation_local_prefill_max_tokens=0).validate()
+    ServerArgs(disaggregation_mode="decode", disaggregation_local_prefill=True,
+               disaggregation_local_prefill_max_tokens=100).validate()
 
 
 def test_item_fields_of_a_batch():
