@@ -4,7 +4,8 @@ Contract
 * `add_request(req)`: a new request joins the waiting queue; `add_prebuilt_reqs(reqs)`: requests whose
   prompt KV is already in the pool (a decode node's received KV) join the running batch;
 * `schedule() -> SchedulerOutput`: a prefill batch if any waiting request can be admitted (the
-  request being chunked goes first), else one decode step of the running batch (retracting requests
+  request being chunked goes first; with `decode_between_chunks`, a decode node's, the running batch
+  decodes one step between two chunks), else one decode step of the running batch (retracting requests
   when KV memory runs out), else no batch;
 * `update_from_output(out, runner_output) -> BatchOut | None`: append the sampled tokens and logprobs,
   check stops, release finished requests' memory (into the radix cache); returns the iteration's
