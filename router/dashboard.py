@@ -113,7 +113,8 @@ function render(d) {
   const body = $("workers"); body.replaceChildren();
   for (const w of d.workers) {
     const s = w.stats || {}; const tr = document.createElement("tr"); tr.dataset.url = w.url;
-    tr.append(cell(w.url), cell(w.worker_type + (w.dp_size > 1 ? " (" + w.dp_size + " DP groups)" : "")), cell(w.is_healthy ? "healthy" : "unhealthy", w.is_healthy ? "ok" : "bad"),
+    const local = w.local_prefill ? ", " + w.local_prefills + " local prefills" : "";
+    tr.append(cell(w.url), cell(w.worker_type + (w.dp_size > 1 ? " (" + w.dp_size + " DP groups)" : "") + local), cell(w.is_healthy ? "healthy" : "unhealthy", w.is_healthy ? "ok" : "bad"),
       cell(w.circuit_breaker, w.circuit_breaker === "closed" ? "ok" : "bad"), cell(w.active_requests));
     if (s.error) { const td = cell(s.error, "bad"); td.colSpan = 6; tr.append(td); }
     else {

@@ -74,6 +74,13 @@ def test_the_router_prefills_on_the_decode_node_while_the_prefill_node_is_busy(c
     assert refused > 0, f"no prompt over {MAX_LOCAL} tokens was sent to the decode node alone"
     assert sent_local < 8 * (seed + 1)  # the first of each burst at least went to the prefill node
     assert prefilled == sent_local - refused
+    # /workers (and the live page, which reads it) show the decode worker's local prefills
+    status, workers = http_json("GET", cluster.url + "/workers")
+    assert status == 200, workers
+    [row] = [w for w in workers["workers"] if w["url"] == decode.url]
+    assert row["local_prefill"] is True
+    assert (row["local_prefills"], row["local_prefills_refused"]) == (metric_total(cluster.url, LOCAL),
+                                                                      metric_total(cluster.url, REFUSED))
     wait_pools(cluster, cluster.baseline)
 
 
