@@ -36,6 +36,11 @@ def make_spec(backend: str, seed: int, **extra) -> dict:
             "dst_meta": rng.randrange(h.SHAPE["meta_slots"]), "src_state": rng.sample(range(slots), 2),
             "dst_state": rng.sample(range(slots), 2)}
     spec.update(extra)
+    if "mode" not in extra:  # these check the bytes, not death detection (the kill tests keep FAST's 3 s):
+        # a 10 s window, as a rank under two busy test workers was once silent for 3 s right after its
+        # engine started (stop 40's CI, nixl)
+        for side in ("prefill_settings", "decode_settings"):
+            spec[side] = {"heartbeat_max_failures": 20, **extra.get(side, {})}
     return spec
 
 
