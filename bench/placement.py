@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     # start_colocated reads these: the colocated node as `pdserve serve` starts it (every core's threads)
     ns.colocated_threads, ns.omp_wait_policy = None, ""
     old_handler = signal.signal(signal.SIGTERM, _terminate)  # the children are stopped on SIGTERM too
-    rounds, per_round = [], []
+    rounds = []
     try:
         for i in range(ns.rounds):
             print(f"\nround {i + 1}/{ns.rounds}", file=sys.stderr, flush=True)
@@ -116,11 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             for name, s in summaries.items():
                 print(format_summary(name, s))
             rounds.append({"runs": runs, "load_average_1m": load, "ratios": compute_ratios(summaries)})
-            per_round.append(rounds[-1]["ratios"])
     finally:
         signal.signal(signal.SIGTERM, old_handler)
     figures = {"config": {**vars(ns), "argv": argv, "cores": cores}, "rounds": rounds, "log_dir": log_dir}
-    write_report(ns.json, "placement", figures, median_ratios(per_round))
+    write_report(ns.json, "placement", figures, median_ratios([r["ratios"] for r in rounds]))
     return 0 if all(run["summary"]["completed"] == ns.num_prompts
                     for r in rounds for run in r["runs"].values()) else 1
 

@@ -39,7 +39,7 @@ class RouterConfig:
     kv_events: bool = False
     kv_events_max_blocks: int | None = None  # None: twice the worker's KV capacity in pages
     kv_events_pending_secs: float = 10.0
-    # --local-prefill-queue N: conditional disaggregation (router/dispatch.py: Dispatcher.prefills_locally)
+    # --local-prefill-queue N: conditional disaggregation (router/dispatch.py: Dispatcher.routes_locally)
     local_prefill_queue: int = 0
     # --dp-aware: the router picks each request's DP group on its decode worker (router/request.py: inject)
     dp_aware: bool = False

@@ -389,7 +389,7 @@ class Dispatcher:
                                        f"{d.dp_size} DP group(s)")
                 break
             rids = new_rids(req, attempt, request_id)
-            local = not too_long and self.prefills_locally(p, d)
+            local = not too_long and self.routes_locally(p, d)
             result = await self._attempt(request, req, p, d, key, rids, headers, request_id, trace, local)
             if local and isinstance(result, Failure) and result.err_type == LOCAL_PREFILL_REFUSED:
                 # the prompt is longer than the decode worker prefills itself: the same attempt with both legs
@@ -440,7 +440,7 @@ class Dispatcher:
             if held is not None:
                 held.done()
 
-    def prefills_locally(self, p: Worker, d: Worker) -> bool:
+    def routes_locally(self, p: Worker, d: Worker) -> bool:
         """Conditional disaggregation (--local-prefill-queue N): the decode worker prefills the request
         itself when the prefill worker already has N or more of this router's prefills in flight (its
         queue is where the request would wait), the decode worker takes requests without a rendezvous

@@ -183,8 +183,8 @@ class Worker:
         return {"id": self.id, "url": self.url, "worker_type": self.kind, "bootstrap_port": self.bootstrap_port,
                 "bootstrap_host": self.bootstrap_host, "is_healthy": self.healthy,
                 "circuit_breaker": self.breaker.state, "active_requests": self.active, "load": self.load,
-                "requests": self.requests, "errors": self.errors, "local_prefill": self.prefills_locally, "local_prefills": self.local_prefills,
-                "local_prefills_refused": self.local_refused,
+                "requests": self.requests, "errors": self.errors, "local_prefill": self.prefills_locally,
+                "local_prefills": self.local_prefills, "local_prefills_refused": self.local_refused,
                 "model_path": self.model_info.get("model_path") or self.server_info.get("model_path"),
                 "disaggregation_mode": self.server_info.get("disaggregation_mode"), "dp_size": self.dp_size,
                 **({"dp_active_requests": list(self.dp_groups.live)} if self.dp_groups.size > 1 else {})}

@@ -151,7 +151,8 @@ def item_fields(args, req, n: int, batch: bool) -> list[dict[str, Any]]:
     rooms = per_item(req.bootstrap_room, n, "bootstrap_room", batch)
     for host, port, room in zip(hosts, ports, rooms, strict=True):
         check_role(args, host, port, room)
-    if n > 1 and req.bootstrap_room is not None and not isinstance(req.bootstrap_room, list):
+    if n > 1 and args.disaggregation_mode != "null" and req.bootstrap_room is not None \
+            and not isinstance(req.bootstrap_room, list):
         raise BadRequest(f"`bootstrap_room` must be a list with one room per item for a batch of {n}")
     dp_ranks = data_parallel_ranks(args, req.data_parallel_rank, rooms)
     prios = per_item(req.priority, n, "priority", batch)

@@ -86,7 +86,7 @@ def test_the_router_prefills_on_the_decode_node_while_the_prefill_node_is_busy(c
 
 def test_a_decode_node_serves_a_request_without_a_rendezvous(cluster, reference):
     decode = cluster.decodes[0]
-    [ids] = prompts(1, 99)
+    ids = prompts(1, 99)[0][:MAX_LOCAL]  # within the node's limit: prefilled there
     logprobs = {"return_logprob": True, "logprob_start_len": 0}
     for streamed in (False, True):
         out, meta = generate(decode.url, ids, 8, streamed, **logprobs)

@@ -273,6 +273,8 @@ def test_item_fields_of_a_batch():
     # a colocated node ignores the rendezvous; without a rid each item gets its own
     plain = item_fields(ServerArgs(), CompletionRequest(prompt=["a", "b"]), 2, True)
     assert len({f["rid"] for f in plain}) == 2 and all(f["bootstrap_room"] is None for f in plain)
+    # ... and a single room sent with a batch, which only a PD node refuses
+    assert len(item_fields(ServerArgs(), CompletionRequest(prompt=["a", "b"], bootstrap_room=5), 2, True)) == 2
 
 
 def test_node_still_serves_after_bad_input(node):
