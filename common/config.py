@@ -135,6 +135,11 @@ class ServerArgs:
         "CPU engine it does not pay yet, because the forward's OpenMP threads and the loop share the cores and "
         "the loop's Python holds the GIL the forward needs between its kernels (README, Benchmarks: "
         "`overlap_b1`). Never at --tp-size > 1")
+    enable_mixed_chunk: bool = _f(
+        False, "mixed chunks: when a prompt (or a chunk of one) is prefilled, the running requests decode their "
+        "next token in the same forward instead of waiting for it (or, on a decode node, instead of a decode "
+        "step of their own between two chunks): one pass over the weights serves both. Colocated and decode "
+        "nodes; not with --speculative-algorithm")
     speculative_algorithm: str | None = _f(
         None, "speculative decoding: NGRAM drafts tokens from each request's own history (the tokens that "
         "followed the latest earlier occurrence of its longest repeated suffix); EAGLE or MTP (the same here) "
@@ -324,6 +329,12 @@ class ServerArgs:
                 raise bad("disaggregation-local-prefill-max-tokens", "needs --disaggregation-local-prefill")
             if self.disaggregation_local_prefill_max_tokens < 1:
                 raise bad("disaggregation-local-prefill-max-tokens", "must be >= 1")
+        if self.enable_mixed_chunk and self.disaggregation_mode == "prefill":
+            raise bad("enable-mixed-chunk", "is for nodes that decode (colocated or --disaggregation-mode decode); "
+                      "a prefill node has no running requests to mix in")
+        if self.enable_mixed_chunk and self.speculative_algorithm:
+            raise bad("enable-mixed-chunk", "cannot be combined with --speculative-algorithm (a decode step there "
+                      "verifies drafts, which a prefill forward does not)")
         if self.num_reserved_decode_tokens < 0:
             raise bad("num-reserved-decode-tokens", "must be >= 0")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):

@@ -226,6 +226,8 @@ class ModelRunner:
         out.input_logprobs = [None] * b
         out.input_top_logprobs = [None] * b
         for i, (r, (first, count, off)) in enumerate(zip(batch.reqs, batch.extend_info.rows, strict=True)):
+            if i >= batch.extend_info.num_prefill:  # a mixed chunk's decode rows come last
+                break
             if not (r.want_input_logprobs and not r.input_logprobs_done) or logits is None:
                 continue
             prompt = r.origin_input_ids

@@ -25,8 +25,8 @@ adds router flags.
 
 By default the cluster also disaggregates conditionally (`--local-prefill-queue 2`): while the prefill
 node already has two of the router's prefills in flight, the router sends the next request to a decode
-node alone, which prefills it itself in chunks of 64 tokens with a decode step between two chunks (one
-such request per decode node at a time). On few cores the prefill node is the bottleneck and the decode
+node alone, which prefills it itself in chunks of 64 tokens, its running requests decoding a token inside
+each chunk's forward (`--enable-mixed-chunk`; one such request per decode node at a time). On few cores the prefill node is the bottleneck and the decode
 node's steps are bound by streaming the weights, so its spare batch slots are cheaper than a queue;
 `pdserve bench placement` measures the cluster with it and without it (`--local-prefill-queue 0`).
 
@@ -147,7 +147,7 @@ class Cluster:
     decode_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     # conditional disaggregation: the router's --local-prefill-queue (0: off), and the decode nodes take
-    # requests without a rendezvous, prefilled LOCAL_PREFILL_CHUNK tokens at a time between decode steps
+    # requests without a rendezvous, prefilled LOCAL_PREFILL_CHUNK tokens at a time, mixed with decode rows
     local_prefill_queue: int = 0
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every child
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)  # per role: {"prefill": {...}}
@@ -205,6 +205,8 @@ class Cluster:
             cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
         elif self.local_prefill_queue > 0:  # before the given flags, so a given chunk size wins
             cmd += ["--disaggregation-local-prefill", "--chunked-prefill-size", str(LOCAL_PREFILL_CHUNK)]
+            if not _has_flag(self.node_args + self.decode_args, "--speculative-algorithm"):  # (they exclude each other)
+                cmd.append("--enable-mixed-chunk")
         return cmd + self.node_args + (self.prefill_args if role == "prefill" else self.decode_args)
 
     def _router_cmd(self, port: int, host: str | None = None) -> list[str]:
@@ -312,7 +314,8 @@ class Cluster:
             self._say(self.placement.describe())
         if self.local_prefill_queue > 0:
             self._say(f"conditional disaggregation: a decode node prefills a request itself while its prefill node "
-                      f"has {self.local_prefill_queue}+ prefills in flight (--local-prefill-queue 0: off)")
+                      f"has {self.local_prefill_queue}+ prefills in flight, in chunks of {LOCAL_PREFILL_CHUNK} tokens "
+                      "its running requests decode in (--local-prefill-queue 0: off)")
         for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(n):
                 port = free_port(self.host, used)
@@ -535,8 +538,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="conditional disaggregation: the router sends a request to a decode node alone, to prefill it there "
       f"in chunks of {LOCAL_PREFILL_CHUNK} tokens between decode steps, while its prefill node has N or more "
       "prefills in flight and the decode node no other such request before its first token (0: off, every "
-      "prompt is prefilled on a prefill node). Decode nodes get --disaggregation-local-prefill and "
-      f"--chunked-prefill-size {LOCAL_PREFILL_CHUNK} (given node flags win), the router --local-prefill-queue N")
+      "prompt is prefilled on a prefill node). Decode nodes get --disaggregation-local-prefill, "
+      f"--chunked-prefill-size {LOCAL_PREFILL_CHUNK} (given node flags win) and, unless they speculate, "
+      "--enable-mixed-chunk (the running requests decode inside each chunk's forward); the router "
+      "--local-prefill-queue N")
     a("--policy", default=None, help="router policy (random, round_robin, cache_aware, power_of_two)")
     a("--router-args", default="", help='more router flags, one string: --router-args="--policy random"')
     a("--prefill-args", default="", help='more flags for prefill nodes only: --prefill-args="--tp 2"')

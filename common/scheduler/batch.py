@@ -24,6 +24,13 @@ class ExtendInfo:
     rows: list[tuple[int, int, int]] = field(default_factory=list)
     # per request: does this forward finish its prefill (so a token is sampled)
     completes: list[bool] = field(default_factory=list)
+    # mixed chunk (`ScheduleBatch.mix_with_running`): the last `decode_rows` requests are running ones
+    # that decode one token in this forward, not prompts
+    decode_rows: int = 0
+
+    @property
+    def num_prefill(self) -> int:
+        return len(self.rows) - self.decode_rows
 
 
 class ScheduleBatch:
@@ -145,8 +152,36 @@ class ScheduleBatch:
         `pending_token(req)` (overlap scheduling): the placeholder of a last token a forward in flight
         is still sampling, or None."""
         self.mode = ForwardMode.DECODE
-        ps = self.allocator.page_size
         reqs = self.reqs
+        rows_t, pos_t, slots = self._next_slots(reqs)
+        if pending_token is None:
+            input_ids = [r.output_ids[-1] for r in reqs]
+        else:
+            input_ids = [r.output_ids[-1] if (p := pending_token(r)) is None else p for r in reqs]
+        seq_lens = [p + 1 for p in pos_t.tolist()]
+        b = len(self.reqs)
+        fb = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=pos_t,
+            out_cache_loc=slots,
+            req_pool_indices=rows_t,
+            seq_lens=seq_lens,
+            extend_prefix_lens=[s - 1 for s in seq_lens],
+            extend_seq_lens=[1] * b,
+            kv_pool=self.kv_pool,
+            req_to_token=self.req_to_token_pool.req_to_token,
+            logits_indices=torch.arange(b, dtype=torch.int64),
+        )
+        self.extend_info = None
+        self.drafts = None
+        self.forward_batch = fb
+        return fb
+
+    def _next_slots(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A KV slot for each request's next token (its `kv_len` grows by one): (their req pool rows,
+        the positions, the slots)."""
+        ps = self.allocator.page_size
         positions = [r.kv_len for r in reqs]
         fresh = [i for i, p in enumerate(positions) if p % ps == 0]  # these start a new page
         self.ensure_free_pages(len(fresh))
@@ -162,29 +197,29 @@ class ScheduleBatch:
         r2t[rows_t, pos_t] = slots
         for r in reqs:
             r.kv_len += 1
-        if pending_token is None:
-            input_ids = [r.output_ids[-1] for r in reqs]
-        else:
-            input_ids = [r.output_ids[-1] if (p := pending_token(r)) is None else p for r in reqs]
-        seq_lens = [p + 1 for p in positions]
-        b = len(self.reqs)
-        fb = ForwardBatch(
-            mode=ForwardMode.DECODE,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=pos_t,
-            out_cache_loc=slots,
-            req_pool_indices=rows_t,
-            seq_lens=seq_lens,
-            extend_prefix_lens=[s - 1 for s in seq_lens],
-            extend_seq_lens=[1] * b,
-            kv_pool=self.kv_pool,
-            req_to_token=r2t,
-            logits_indices=torch.arange(b, dtype=torch.int64),
-        )
-        self.extend_info = None
-        self.drafts = None
-        self.forward_batch = fb
-        return fb
+        return rows_t, pos_t, slots
+
+    def mix_with_running(self, running: list[Req]) -> None:
+        """Mixed chunk (`--enable-mixed-chunk`): the `running` requests decode one token each in this
+        prepared extend forward, after its prompt rows: each one's last output token at its next
+        position, with a logits row (an extend of one token on top of its KV, as a decode step is).
+        The caller checked that the KV memory for them is there (`check_decode_mem`)."""
+        fb, info = self.forward_batch, self.extend_info
+        rows_t, pos_t, slots = self._next_slots(running)
+        b, tokens, logits_rows = len(running), fb.input_ids.numel(), sum(count for _f, count, _o in info.rows)
+        fb.input_ids = torch.cat([fb.input_ids, torch.tensor([r.output_ids[-1] for r in running], dtype=torch.int64)])
+        fb.positions = torch.cat([fb.positions, pos_t])
+        fb.out_cache_loc = torch.cat([fb.out_cache_loc, slots])
+        fb.req_pool_indices = torch.cat([fb.req_pool_indices, rows_t])
+        positions = pos_t.tolist()
+        fb.seq_lens = fb.seq_lens + [p + 1 for p in positions]
+        fb.extend_prefix_lens = fb.extend_prefix_lens + positions
+        fb.extend_seq_lens = fb.extend_seq_lens + [1] * b
+        fb.logits_indices = torch.cat([fb.logits_indices, torch.arange(tokens, tokens + b, dtype=torch.int64)])
+        info.rows += [(p, 1, logits_rows + j) for j, p in enumerate(positions)]
+        info.completes += [True] * b
+        info.decode_rows = b
+        self.reqs = self.reqs + running
 
     def verify_pages_needed(self, drafts: list[list[int]]) -> int:
         return sum(self.allocator.pages_needed(r.kv_len, 1 + len(d)) for r, d in zip(self.reqs, drafts, strict=True))

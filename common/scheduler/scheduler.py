@@ -159,6 +159,9 @@ class Scheduler:
                                             args.speculative_ngram_max_match_window_size,
                                             args.speculative_disable_by_batch_size)
 
+        # --enable-mixed-chunk: running requests decode in prefill forwards (ScheduleBatch.mix_with_running)
+        self.mixed_chunk = args.enable_mixed_chunk
+
         self.send_fn = send_fn
         self.comm = comm
         self.stopping = False
@@ -171,6 +174,7 @@ class Scheduler:
         self.num_retract_offloaded = 0  # victims whose KV went to the host store
         self.num_retract_restored = 0  # resumed with their KV copied back (no prefill)
         self.num_retract_recomputed = 0  # resumed by prefilling prompt + output again (no entry: the fallback)
+        self.num_mixed_steps = 0  # prefill forwards the running requests decoded in (--enable-mixed-chunk)
         self.total_prefill_tokens = 0  # tokens computed by prefill (extend) forwards
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
@@ -230,10 +234,22 @@ class Scheduler:
         out = SchedulerOutput()
         decode_turn = self.decode_between_chunks and self._chunk_scheduled and bool(self.running_batch.reqs)
         out.batch = None if decode_turn else self._prefill_batch()
-        self._chunk_scheduled = out.batch is not None and self.chunked_req is not None
+        mixed = out.batch is not None and self._mix_running(out.batch)
+        self._chunk_scheduled = out.batch is not None and self.chunked_req is not None and not mixed
         if out.batch is None and self.running_batch.reqs:
             out.batch = self._decode_batch(out)
         return out
+
+    def _mix_running(self, batch: ScheduleBatch) -> bool:
+        """--enable-mixed-chunk: the running requests decode their next token in this prefill forward, if
+        the KV memory for it is free (else they decode, or retract, in a step of their own next)."""
+        running = self.running_batch
+        if not (self.mixed_chunk and running.reqs and running.check_decode_mem()):
+            return False
+        batch.mix_with_running(list(running.reqs))
+        self.new_token_ratio.decay()
+        self.num_mixed_steps += 1
+        return True
 
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput | None) -> BatchOut | None:
         """Apply what the runner produced for `out.batch`; returns every update of this iteration
@@ -530,7 +546,8 @@ class Scheduler:
         self.total_generated_tokens += 1
 
     def _update_prefill(self, batch: ScheduleBatch, result: RunnerOutput) -> None:
-        for i, req in enumerate(batch.reqs):
+        n = batch.extend_info.num_prefill
+        for i, req in enumerate(batch.reqs[:n]):
             if result.input_logprobs is not None and result.input_logprobs[i] is not None:
                 if not req.input_logprobs and req.logprob_start_len == 0:
                     req.input_logprobs.append((None, req.origin_input_ids[0]))
@@ -563,13 +580,17 @@ class Scheduler:
                 self.running_batch.merge([req])
                 req.mark("decode")
             self._report(req)
+        if n < len(batch.reqs):  # a mixed chunk's decode rows
+            self._update_decode(batch, result, start=n)
 
-    def _update_decode(self, batch: ScheduleBatch, result: RunnerOutput) -> None:
+    def _update_decode(self, batch: ScheduleBatch, result: RunnerOutput, start: int = 0) -> None:
+        """A decode step's tokens (or a verify step's, or a mixed chunk's decode rows from `start` on)."""
         before = self.total_generated_tokens
         if batch.mode == ForwardMode.VERIFY:
             self._update_verify(batch, result)
         else:
-            for i, req in enumerate(batch.reqs):
+            for i in range(start, len(batch.reqs)):
+                req = batch.reqs[i]
                 if req.finished():
                     continue
                 self._append_token(req, result.next_token_ids[i], result.token_logprobs[i], result.top_logprobs[i])

@@ -55,6 +55,8 @@ def scheduler_stats(sched) -> dict[str, Any]:
         "forward_ct": sched.forward_ct,
         "overlap_schedule": sched.overlap is not None,
         "num_overlapped_steps": sched.overlap.overlapped if sched.overlap is not None else 0,
+        "mixed_chunk": sched.mixed_chunk,
+        "num_mixed_steps": sched.num_mixed_steps,
         "total_generated_tokens": sched.total_generated_tokens,
         "speculative_algorithm": sched.args.speculative_algorithm,
         **(sched.drafter.stats.as_dict() if sched.drafter is not None else {}),

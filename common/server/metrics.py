@@ -45,6 +45,7 @@ STAT_METRICS = {
     "spec_accepted_tokens": ("counter", "speculative decoding: draft tokens the model confirmed"),
     "num_overlapped_steps": ("counter", "decode steps built while the step before was still computing (overlap "
                                         "scheduling)"),
+    "num_mixed_steps": ("counter", "prefill forwards the running requests decoded in (--enable-mixed-chunk)"),
     "num_prealloc_tokens": ("gauge", "decode: KV tokens preallocated for requests still being transferred"),
     "metadata_slots_free": ("gauge", "free MetadataBuffers slots"),
     "metadata_slots_total": ("gauge", "MetadataBuffers slots"),

@@ -165,17 +165,21 @@ def test_conditional_disaggregation_is_on_by_default(tiny_model_dir):
     decode = c._node_cmd("decode", 1, 0)
     assert "--disaggregation-local-prefill" in decode
     assert decode[decode.index("--chunked-prefill-size") + 1] == str(cl.LOCAL_PREFILL_CHUNK)
-    assert "--disaggregation-local-prefill" not in c._node_cmd("prefill", 1, 2)
+    assert "--enable-mixed-chunk" in decode  # the running batch decodes inside each local chunk
+    prefill = c._node_cmd("prefill", 1, 2)
+    assert "--disaggregation-local-prefill" not in prefill and "--enable-mixed-chunk" not in prefill
     router = c._router_cmd(3)
     assert router[router.index("--local-prefill-queue") + 1] == "2"
     # a chunk size given for every node or for decode nodes comes later on the command line, so it wins
     for argv in (["--chunked-prefill-size", "256"], ["--decode-args", "--chunked-prefill-size 256"]):
         cmd = cl.cluster_from_args(["--model", tiny_model_dir, *argv])._node_cmd("decode", 1, 0)
         assert cmd[len(cmd) - 1 - cmd[::-1].index("--chunked-prefill-size") + 1] == "256"
+    spec = cl.cluster_from_args(["--model", tiny_model_dir, "--decode-args", "--speculative-algorithm NGRAM"])
+    assert "--enable-mixed-chunk" not in spec._node_cmd("decode", 1, 0)  # the two exclude each other
     given = cl.cluster_from_args(["--model", tiny_model_dir, "--router-args", "--local-prefill-queue 5"])
     assert given._router_cmd(3).count("--local-prefill-queue") == 1
     off = cl.cluster_from_args(["--model", tiny_model_dir, "--local-prefill-queue", "0"])
-    assert "--disaggregation-local-prefill" not in off._node_cmd("decode", 1, 0)
+    assert not {"--disaggregation-local-prefill", "--enable-mixed-chunk"} & set(off._node_cmd("decode", 1, 0))
     assert "--local-prefill-queue" not in off._router_cmd(3)
     with pytest.raises(SystemExit):
         cl.cluster_from_args(["--model", tiny_model_dir, "--local-prefill-queue", "-1"])

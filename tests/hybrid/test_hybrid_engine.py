@@ -113,6 +113,24 @@ def test_greedy_matches_hf_batched_and_chunked(name, request):
     eng.assert_restored()
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_mixed_chunk(name, request):
+    """--enable-mixed-chunk: running requests decode inside the chunks of a longer prompt with HF's tokens
+    (a sliding-window model reads their window from the pool as a decode step does; a model with
+    recurrent state advances their state by one token from their slot, as a decode step does)."""
+    path, hf = request.getfixturevalue(name)
+    short, long = random_prompt(30, 3), random_prompt(70, 4)  # 30 > the 20-token window; 70: five chunks
+    eng = Engine(path, enable_mixed_chunk=True)
+    eng.submit("a", short, 12)
+    eng.sched.step()
+    eng.sched.step()  # a's prompt in two chunks: it is running
+    eng.submit("b", long, 5)
+    got = eng.run()
+    assert eng.sched.num_mixed_steps == 5
+    assert got["a"] == hf_greedy(hf, short, 12) and got["b"] == hf_greedy(hf, long, 5)
+    eng.assert_restored()
+
+
 def test_sliding_window_keeps_prefix_cache(swa_dir):
     path, hf = swa_dir
     eng = Engine(path)

@@ -1,12 +1,13 @@
 """Conditional disaggregation on a real cluster (1 prefill + 1 decode, nixl backend, tiny model): the
 router sends a request to the decode node alone (`--local-prefill-queue 1`) while the prefill node has a
-prefill in flight, and the decode node (`--disaggregation-local-prefill`) prefills it itself in chunks
-between decode steps; a prompt over its --disaggregation-local-prefill-max-tokens (64 here) is refused and
+prefill in flight, and the decode node (`--disaggregation-local-prefill`, `--enable-mixed-chunk` as
+`pdserve cluster` starts it) prefills it itself in chunks its running requests decode in; a prompt over its --disaggregation-local-prefill-max-tokens (64 here) is refused and
 sent again with both legs. Answers equal a colocated node's on every path; memory comes back."""
 
 from __future__ import annotations
 
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -28,7 +29,8 @@ def greedy(n: int, **kw) -> dict:
 def cluster(tiny_model_dir, module_launcher):
     c = module_launcher.cluster(tiny_model_dir, backend="nixl", prefill=1, decode=1, router_args=["--local-prefill-queue", "1"],
                                 role_settings={"decode": {"disaggregation_local_prefill": True,
-                                                          "disaggregation_local_prefill_max_tokens": MAX_LOCAL}})
+                                                          "disaggregation_local_prefill_max_tokens": MAX_LOCAL,
+                                                          "enable_mixed_chunk": True}})
     c.baseline = cluster_pools(c)
     return c
 
@@ -81,6 +83,27 @@ def test_the_router_prefills_on_the_decode_node_while_the_prefill_node_is_busy(c
     assert row["local_prefill"] is True
     assert (row["local_prefills"], row["local_prefills_refused"]) == (metric_total(cluster.url, LOCAL),
                                                                       metric_total(cluster.url, REFUSED))
+    wait_pools(cluster, cluster.baseline)
+
+
+def test_local_chunks_carry_the_running_requests(cluster, reference):
+    """--enable-mixed-chunk: a local prompt's chunks, prefilled while a request decodes on the node, carry
+    that request's tokens (`num_mixed_steps`); both answers are the colocated node's."""
+    decode = cluster.decodes[0]
+    running_ids, local_ids = (p[:MAX_LOCAL] for p in prompts(2, 7))
+    before = node_stats(decode.url)["num_mixed_steps"]
+    decoding = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream, decode.url + "/generate",
+                              {"input_ids": running_ids, "sampling_params": greedy(300), "stream": True},
+                              on_event=lambda i, _e: decoding.set())
+        assert decoding.wait(60), "the running request never produced a token"
+        local, _ = generate(decode.url, local_ids, 8, False)
+        res = running.result()
+    assert res.ok, res.error
+    assert node_stats(decode.url)["num_mixed_steps"] >= before + len(local_ids) // CHUNK
+    assert local == generate(reference.url, local_ids, 8, False)[0]
+    assert res.events[-1]["output_ids"] == generate(reference.url, running_ids, 300, False)[0]
     wait_pools(cluster, cluster.baseline)
 
 

@@ -229,6 +229,72 @@ def test_decode_between_chunks(tiny_model_dir, hf_model, vocab):
     assert mixed["a"] == hf_greedy(hf_model, short, 20) and mixed["b"] == hf_greedy(hf_model, long, 6)
 
 
+def _record_modes(eng) -> list[str]:
+    """The forwards the scheduler runs from now on: E (an extend; E+n: with n decode rows mixed in) or D."""
+    from common.forward_batch import ForwardMode
+
+    modes: list[str] = []
+    run = eng.sched.runner.run
+
+    def recording(batch):
+        info = batch.extend_info
+        modes.append("D" if batch.mode != ForwardMode.EXTEND else f"E+{info.decode_rows}" if info.decode_rows else "E")
+        return run(batch)
+
+    eng.sched.runner.run = recording
+    return modes
+
+
+@pytest.mark.parametrize("between", [False, True], ids=["colocated", "decode-node"])
+def test_mixed_chunk(tiny_model_dir, hf_model, vocab, between):
+    """--enable-mixed-chunk: the running requests decode one token in each chunk's forward (after the prompt
+    rows), instead of waiting for every chunk (a colocated node) or taking a decode step of their own between
+    two chunks (a decode node's `decode_between_chunks`). Tokens and their logprobs are the ones of an unmixed
+    run and HF's; the pools come back whole."""
+    short, other, long = prompts_of([6, 9, 100], vocab, seed=5)  # the long prompt: 4 chunks of 32
+    runs = {}
+    for mixed in (False, True):
+        eng = Engine(tiny_model_dir, chunked_prefill_size=32, disable_radix_cache=True, enable_mixed_chunk=mixed)
+        eng.sched.decode_between_chunks = between
+        modes = _record_modes(eng)
+        eng.submit("a", short, max_new=20, return_logprob=True, top_logprobs_num=2)
+        eng.submit("c", other, max_new=3)  # ends during b's chunks: its memory comes back mid-way
+        eng.sched.step()  # a and c are running
+        eng.submit("b", long, max_new=6, return_logprob=True)
+        tokens = eng.run()
+        runs[mixed] = (tokens, "".join(modes), eng.final("a").output_logprobs, eng.sched.num_mixed_steps)
+        eng.assert_restored()
+    (plain, plain_modes, plain_lp, plain_mixed), (got, mixed_modes, lp, n_mixed) = runs[False], runs[True]
+    assert plain_mixed == 0 and n_mixed == 4
+    # b's four chunks carry a and c (c ends after its third token: the last two carry a alone), then decode steps
+    assert mixed_modes.startswith("EE+2E+2E+1E+1D"), mixed_modes
+    assert plain_modes.startswith("EEDEDEDE" if between else "EEEEED"), plain_modes
+    assert got == plain
+    assert got["a"] == hf_greedy(hf_model, short, 20) and got["b"] == hf_greedy(hf_model, long, 6)
+    assert got["c"] == hf_greedy(hf_model, other, 3)
+    assert [t for _, t in lp] == [t for _, t in plain_lp] == got["a"]
+    assert [v for v, _ in lp] == pytest.approx([v for v, _ in plain_lp], abs=1e-4)
+
+
+def test_mixed_chunk_with_overlap_and_retraction(tiny_model_dir, hf_model, vocab):
+    """Mixed chunks under a KV pool that runs out (retracted requests prefill again while others decode in
+    those forwards) and with overlap scheduling: the same tokens as HF."""
+    prompts = prompts_of([20, 22, 18, 25, 21, 19], vocab, seed=11)
+    for overlap in (False, True):
+        eng = Engine(tiny_model_dir, page_size=4, max_total_tokens=160, chunked_prefill_size=16,
+                     init_new_token_ratio=0.05, min_new_token_ratio=0.01, enable_mixed_chunk=True,
+                     enable_overlap_schedule=overlap)
+        for i, p in enumerate(prompts):
+            eng.submit(f"r{i}", p, max_new=30)
+            eng.sched.step()  # arrivals spread over the first steps: later prompts find requests running
+        got = eng.run()
+        assert eng.sched.num_retractions > 0, "the pool was meant to run out"
+        assert eng.sched.num_mixed_steps > 0
+        for i, p in enumerate(prompts):
+            assert got[f"r{i}"] == hf_greedy(hf_model, p, 30), f"request {i}, overlap {overlap}"
+        eng.assert_restored()
+
+
 def test_retraction_under_tiny_kv_pool_gives_same_tokens(tiny_model_dir, hf_model, vocab):
     prompts = prompts_of([20, 22, 18, 25, 21, 19], vocab, seed=11)
     eng = Engine(tiny_model_dir, page_size=4, max_total_tokens=160, chunked_prefill_size=32,

@@ -228,6 +228,17 @@ def test_prefill_role_check():
         check_role(ServerArgs(disaggregation_mode="decode"), None, None, None)
 
 
+def test_mixed_chunk_is_for_nodes_that_decode():
+    from common.config import ServerArgs
+
+    ServerArgs(enable_mixed_chunk=True).validate()
+    ServerArgs(enable_mixed_chunk=True, disaggregation_mode="decode").validate()
+    with pytest.raises(ValueError, match="enable-mixed-chunk.*prefill node"):
+        ServerArgs(enable_mixed_chunk=True, disaggregation_mode="prefill").validate()
+    with pytest.raises(ValueError, match="enable-mixed-chunk.*speculative"):
+        ServerArgs(enable_mixed_chunk=True, speculative_algorithm="NGRAM").validate()
+
+
 def test_local_prefill_is_a_decode_node_option():
     from common.config import ServerArgs
 
