@@ -482,7 +482,8 @@ def print_table(figures: dict, ratios: dict, with_hf: bool) -> None:
         if key.startswith("loop_decode_"):
             r = ratios["overlap_" + key.removeprefix("loop_decode_")]
             print(f"  scheduler loop {key.removeprefix('loop_decode_')} at {o['torch_threads']} threads, ms/step "
-                  f"(best): {o['step_ms_overlap']:.2f} overlapped, {o['step_ms_sequential']:.2f} in sequence (x{r:.2f})")
+                  f"(best): {o['step_ms_overlap']:.2f} overlapped, {o['step_ms_sequential']:.2f} in sequence (x{r:.2f}); "
+                  f"the loop's own work {o['loop_ms_sequential']:.2f} of it (overlap could gain x{o['overlap_ceiling']:.3f} at most)")
     for tag, label in (("", "repetitive"), ("_chat", "chat")):
         for bsz in BATCHES:
             o = figures[f"spec_ngram{tag}_b{bsz}"]

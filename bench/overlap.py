@@ -8,6 +8,10 @@ iteration's `BatchOut` encoded with msgpack as the scheduler process sends it) u
 has its tokens. Step time = that time / the decode steps. Tokens must be identical on and off.
 On a CPU the forward's OpenMP threads and the loop share the cores, so the runs are repeated with one
 torch thread fewer when the bench's threads take every core.
+
+The runs in sequence also time the forwards (`ModelRunner.run`: the model and the sampling): the rest
+of a step is the loop's own work, all that overlap could hide, so `overlap_ceiling` = step time in
+sequence / forward time is the most overlap could gain at that batch.
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ from common.scheduler.scheduler import Scheduler
 
 
 def decode_loop_run(runner: ModelRunner, model_dir: str, prompts: list[list[int]], steps: int,
+                    forward_times: list[float] | None = None,
                     **overrides) -> tuple[float, float, dict[str, list[int]], Scheduler]:
     """(wall seconds, CPU seconds of this process, tokens by rid, the scheduler) of decoding `prompts` to
     `steps` + 1 tokens each, timed from when every prompt is prefilled. `overrides`: server args of this
-    run (overlap scheduling, speculation); the radix cache is off, so each run leaves the pools as it found them."""
+    run (overlap scheduling, speculation); the radix cache is off, so each run leaves the pools as it found them.
+    `forward_times`: gets the wall time of each timed forward (`ModelRunner.run`)."""
     encoder = msgspec.msgpack.Encoder()
     tokens: dict[str, list[int]] = {}
 
@@ -48,11 +54,25 @@ def decode_loop_run(runner: ModelRunner, model_dir: str, prompts: list[list[int]
         sched.step()  # until every prompt is prefilled
     if len(tokens) < len(prompts) or any(not t for t in tokens.values()):
         raise SystemExit("a request of the scheduler-loop bench ended without a token (see the log)")
-    c0, t0 = time.process_time(), time.perf_counter()
-    while sched.has_work():
-        sched.process_input_requests([])
-        sched.step()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if forward_times is not None:
+        run = runner.run
+
+        def timed(batch):
+            t = time.perf_counter()
+            result = run(batch)
+            forward_times.append(time.perf_counter() - t)
+            return result
+
+        runner.run = timed  # an instance attribute over the method, removed below
+    try:
+        c0, t0 = time.process_time(), time.perf_counter()
+        while sched.has_work():
+            sched.process_input_requests([])
+            sched.step()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        if forward_times is not None:
+            del runner.run
     if sched.overlap is not None:
         sched.overlap.close()
     return wall, cpu, tokens, sched
@@ -83,21 +103,30 @@ def _measure_one(runner, model_dir, prompts, steps, repeats, log, label) -> dict
     for overlap in (True, False):  # warm both paths
         decode_loop_run(runner, model_dir, prompts, 4, enable_overlap_schedule=overlap)
     times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    forwards: list[float] = []  # the runs in sequence: the forward's share of each
     same = True
     for rep in range(repeats):
         got = {}
         for overlap in (True, False):
-            wall, cpu, toks, _ = decode_loop_run(runner, model_dir, prompts, steps, enable_overlap_schedule=overlap)
+            fwd: list[float] = []
+            wall, cpu, toks, _ = decode_loop_run(runner, model_dir, prompts, steps, None if overlap else fwd,
+                                                 enable_overlap_schedule=overlap)
             times[overlap].append((wall, cpu))
             got[overlap] = toks
+            if not overlap:
+                forwards.append(sum(fwd) / wall)
         same = same and got[True] == got[False]
         on, off = times[True][-1][0], times[False][-1][0]
         log(f"scheduler loop {label}, run {rep + 1}/{repeats}: step {1e3 * on / steps:6.2f} ms overlapped, "
             f"{1e3 * off / steps:6.2f} ms in sequence")
     if not same:
         raise SystemExit(f"{label}: tokens differ with overlap on and off")
+    share = sorted(forwards)[len(forwards) // 2]  # the median run's forward share of the step
+    step_seq = 1e3 * min(w for w, _ in times[False]) / steps
     return {"step_ms_overlap": 1e3 * min(w for w, _ in times[True]) / steps,
-            "step_ms_sequential": 1e3 * min(w for w, _ in times[False]) / steps,
+            "step_ms_sequential": step_seq,
+            "loop_ms_sequential": step_seq * (1 - share),
+            "overlap_ceiling": 1 / share,
             "cpu_step_ms_overlap": 1e3 * min(c for _, c in times[True]) / steps,
             "cpu_step_ms_sequential": 1e3 * min(c for _, c in times[False]) / steps,
             "tokens_identical": same}

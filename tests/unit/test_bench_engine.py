@@ -23,6 +23,7 @@ def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir,
         loop = report["figures"][f"loop_decode_b{b}"]
         assert loop["tokens_identical"] is True
         assert loop["step_ms_overlap"] > 0 and loop["step_ms_sequential"] > 0
+        assert 0 < loop["loop_ms_sequential"] < loop["step_ms_sequential"] and loop["overlap_ceiling"] > 1
         assert report["ratios"][f"overlap_b{b}"] > 0
     c = report["figures"]["compute"]  # the 16-token prefill against the matmul peak
     assert c["bound_prefill_s"] == c["prefill_flops"] / (c["matmul_peak_gflops"] * 1e9) > 0
