@@ -144,8 +144,15 @@ def server():
     srv.stop()
 
 
+# The server answers from a thread of this test process, and this xdist worker has run other files' transfer
+# engines: ci90 saw one answer take over 2 s (the client's default timeout) while a mooncake engine of an
+# earlier test was being torn down in the process (its removeSegmentDesc lines, one every ~0.5 s, were the
+# test's captured output). These tests check what the server answers, not how fast, so they wait longer.
+CLIENT_TIMEOUT = 30.0
+
+
 def test_bootstrap_routes(server):
-    client = BootstrapClient()
+    client = BootstrapClient(timeout=CLIENT_TIMEOUT)
     assert client.health(server)
     assert client.layout(server) is None  # 404 before any registration: the decode side keeps polling
     client.register(server, _info())
@@ -160,7 +167,7 @@ def test_bootstrap_routes(server):
 
 @pytest.mark.parametrize("field,value", [("page_size", 32), ("model", "other-model")])
 def test_bootstrap_rejects_different_page_size_or_model(server, field, value):
-    client = BootstrapClient()
+    client = BootstrapClient(timeout=CLIENT_TIMEOUT)
     client.register(server, _info())
     with pytest.raises(BootstrapError) as err:
         client.register(server, _info(tp_rank=1, **{field: value}))
@@ -169,7 +176,7 @@ def test_bootstrap_rejects_different_page_size_or_model(server, field, value):
 
 
 def test_prefill_manager_with_different_page_size_fails_to_start(server):
-    BootstrapClient().register(server, _info(page_size=8, model="test-model", kv_heads_total=2, tp_size=1))
+    BootstrapClient(timeout=CLIENT_TIMEOUT).register(server, _info(page_size=8, model="test-model", kv_heads_total=2, tp_size=1))
     pool = KVPool(8, 4, 2, 2, 16)
     args = KVArgs.from_pool(pool, MetadataBuffers(2), model="test-model")
     with pytest.raises(BootstrapError, match="page_size mismatch.*8.*4"):
@@ -177,7 +184,7 @@ def test_prefill_manager_with_different_page_size_fails_to_start(server):
 
 
 def test_decode_receiver_fails_on_layout_mismatch(server):
-    BootstrapClient().register(server, _info(page_size=8, model="test-model", kv_heads_total=2, tp_size=1))
+    BootstrapClient(timeout=CLIENT_TIMEOUT).register(server, _info(page_size=8, model="test-model", kv_heads_total=2, tp_size=1))
     pool = KVPool(8, 4, 2, 2, 16)
     mgr = DecodeKVManager(KVArgs.from_pool(pool, MetadataBuffers(2), model="test-model"), "fake")
     try:
