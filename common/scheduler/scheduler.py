@@ -159,9 +159,6 @@ class Scheduler:
                                             args.speculative_ngram_max_match_window_size,
                                             args.speculative_disable_by_batch_size)
 
-        # --enable-mixed-chunk: running requests decode in prefill forwards (ScheduleBatch.mix_with_running)
-        self.mixed_chunk = args.enable_mixed_chunk
-
         self.send_fn = send_fn
         self.comm = comm
         self.stopping = False
@@ -244,7 +241,7 @@ class Scheduler:
         """--enable-mixed-chunk: the running requests decode their next token in this prefill forward, if
         the KV memory for it is free (else they decode, or retract, in a step of their own next)."""
         running = self.running_batch
-        if not (self.mixed_chunk and running.reqs and running.check_decode_mem()):
+        if not (self.args.enable_mixed_chunk and running.reqs and running.check_decode_mem()):
             return False
         batch.mix_with_running(list(running.reqs))
         self.new_token_ratio.decay()

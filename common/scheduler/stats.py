@@ -55,7 +55,7 @@ def scheduler_stats(sched) -> dict[str, Any]:
         "forward_ct": sched.forward_ct,
         "overlap_schedule": sched.overlap is not None,
         "num_overlapped_steps": sched.overlap.overlapped if sched.overlap is not None else 0,
-        "mixed_chunk": sched.mixed_chunk,
+        "mixed_chunk": sched.args.enable_mixed_chunk,
         "num_mixed_steps": sched.num_mixed_steps,
         "total_generated_tokens": sched.total_generated_tokens,
         "speculative_algorithm": sched.args.speculative_algorithm,
