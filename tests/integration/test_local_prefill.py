@@ -6,15 +6,19 @@ sent again with both legs. Answers equal a colocated node's on every path; memor
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from tests.harness.client import http, http_json, metric_total, stream
 from tests.harness.cluster import CHUNK, cluster_pools, node_stats, wait_pools
 
+HOOKS = str(Path(__file__).resolve().parents[1] / "pd" / "node_hooks")
 LOCAL = "pdserve_router_local_prefills_total"
 REFUSED = "pdserve_router_local_prefill_refusals_total"
 MAX_LOCAL = 64
@@ -26,8 +30,14 @@ def greedy(n: int, **kw) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, module_launcher):
+def control_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("node-hooks")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, module_launcher, control_dir):
     c = module_launcher.cluster(tiny_model_dir, backend="nixl", prefill=1, decode=1, router_args=["--local-prefill-queue", "1"],
+                                env={"PYTHONPATH": HOOKS, "PDSERVE_TEST_HOOKS_DIR": str(control_dir)},
                                 role_settings={"decode": {"disaggregation_local_prefill": True,
                                                           "disaggregation_local_prefill_max_tokens": MAX_LOCAL,
                                                           "enable_mixed_chunk": True}})
@@ -46,6 +56,34 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, 1000) for _ in range(rng.randrange(CHUNK + 5, 3 * CHUNK))] for _ in range(n)]
 
 
+def _wait_file(path: Path, timeout: float = 60.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@contextlib.contextmanager
+def prefill_node_busy(cluster, reference, control_dir):
+    """A request through the router whose KV write the prefill node holds (`tests/pd/node_hooks`'
+    `gate_armed`) for the body of the `with`, so the router counts a prefill in flight on it; then the
+    write is let go and that request's answer checked."""
+    for name in ("gate_entered", "gate_release"):
+        (control_dir / name).unlink(missing_ok=True)
+    (control_dir / "gate_armed").write_text("")
+    ids = prompts(1, 1234)[0]
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(generate, cluster.url, ids, 6, False)
+        try:
+            assert _wait_file(control_dir / "gate_entered"), "the prefill node never wrote the held request's KV"
+            yield
+        finally:
+            (control_dir / "gate_release").write_text("")
+        assert held.result()[0] == generate(reference.url, ids, 6, False)[0]
+
+
 def generate(url: str, ids: list[int], new: int, streamed: bool, **extra) -> tuple[list[int], dict]:
     body = {"input_ids": ids, "sampling_params": greedy(new), **extra}
     if streamed:
@@ -57,25 +95,29 @@ def generate(url: str, ids: list[int], new: int, streamed: bool, **extra) -> tup
     return out["output_ids"], out["meta_info"]
 
 
-def test_the_router_prefills_on_the_decode_node_while_the_prefill_node_is_busy(cluster, reference):
+def test_the_router_prefills_on_the_decode_node_while_the_prefill_node_is_busy(cluster, reference, control_dir):
     decode = cluster.decodes[0]
-    before = [metric_total(cluster.url, LOCAL), metric_total(cluster.url, REFUSED),
-              node_stats(decode.url)["num_local_prefills"]]
-    for seed in range(6):  # concurrent requests: some find the prefill node busy (it is the first's at least)
-        batch = prompts(8, seed)
-        with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda a: generate(cluster.url, a[1], 10, a[0] % 2 == 0)[0], enumerate(batch)))
-        want = [generate(reference.url, ids, 10, False)[0] for ids in batch]
-        assert got == want
-        sent_local, refused, prefilled = (metric_total(cluster.url, LOCAL) - before[0],
-                                          metric_total(cluster.url, REFUSED) - before[1],
-                                          node_stats(decode.url)["num_local_prefills"] - before[2])
-        if prefilled and refused:
-            break
-    assert prefilled > 0, "no request was prefilled on the decode node"
-    assert refused > 0, f"no prompt over {MAX_LOCAL} tokens was sent to the decode node alone"
-    assert sent_local < 8 * (seed + 1)  # the first of each burst at least went to the prefill node
-    assert prefilled == sent_local - refused
+
+    def counts() -> tuple[int, int, int]:
+        return (metric_total(cluster.url, LOCAL), metric_total(cluster.url, REFUSED),
+                node_stats(decode.url)["num_local_prefills"])
+
+    short, long = (p[:MAX_LOCAL] for p in prompts(2, 3)), prompts(1, 4)[0]
+    short = list(short)
+    long = long + list(range(10, 10 + MAX_LOCAL + 1 - len(long)))  # over the decode node's limit
+    start = counts()
+    with prefill_node_busy(cluster, reference, control_dir):
+        for k, ids in enumerate(short):  # the decode node prefills these itself, streamed or not
+            assert generate(cluster.url, ids, 10, k == 1)[0] == generate(reference.url, ids, 10, False)[0]
+        busy = counts()
+        assert [b - a for a, b in zip(start, busy, strict=True)] == [2, 0, 2], (start, busy)
+        # too long for it: refused, then sent with both legs (the held write was the gate's only one)
+        assert generate(cluster.url, long, 10, False)[0] == generate(reference.url, long, 10, False)[0]
+        refused = counts()
+        assert [b - a for a, b in zip(busy, refused, strict=True)] == [1, 1, 0], (busy, refused)
+    # the prefill node is idle again: a short prompt goes to it
+    assert generate(cluster.url, short[0], 10, True)[0] == generate(reference.url, short[0], 10, False)[0]
+    assert counts() == refused
     # /workers (and the live page, which reads it) show the decode worker's local prefills
     status, workers = http_json("GET", cluster.url + "/workers")
     assert status == 200, workers
@@ -131,21 +173,24 @@ def test_a_decode_node_serves_a_request_without_a_rendezvous(cluster, reference)
     wait_pools(cluster, cluster.baseline)
 
 
-def test_prompt_logprobs_through_the_router_on_either_path(cluster, reference):
-    """With the decode node prefilling, the prompt's logprobs come from it alone (nothing to merge)."""
+def test_prompt_logprobs_through_the_router_on_either_path(cluster, reference, control_dir):
+    """With the decode node prefilling, the prompt's logprobs come from it alone (nothing to merge);
+    through both legs, the prefill leg's and the decode leg's are merged."""
     body = {"return_logprob": True, "logprob_start_len": 0}
+    ids = prompts(1, 10)[0][:MAX_LOCAL]
+    want, ref = generate(reference.url, ids, 4, False, **body)
+
+    def check() -> None:
+        out, meta = generate(cluster.url, ids, 4, False, **body)
+        assert out == want
+        assert [t for _, t, _ in meta["input_token_logprobs"]] == ids
+        assert [v for v, _, _ in meta["input_token_logprobs"][1:]] == pytest.approx(
+            [v for v, _, _ in ref["input_token_logprobs"][1:]], abs=1e-4)
+
     before = metric_total(cluster.url, LOCAL)
-    for seed in range(10, 14):
-        ids_list = prompts(6, seed)
-        with ThreadPoolExecutor(6) as pool:
-            got = list(pool.map(lambda ids: generate(cluster.url, ids, 4, False, **body), ids_list))
-        for ids, (out, meta) in zip(ids_list, got, strict=True):
-            want, ref = generate(reference.url, ids, 4, False, **body)
-            assert out == want
-            assert [t for _, t, _ in meta["input_token_logprobs"]] == ids
-            assert [v for v, _, _ in meta["input_token_logprobs"][1:]] == pytest.approx(
-                [v for v, _, _ in ref["input_token_logprobs"][1:]], abs=1e-4)
-        if metric_total(cluster.url, LOCAL) > before:
-            break
-    assert metric_total(cluster.url, LOCAL) > before, "no request was prefilled on the decode node"
+    check()  # both legs
+    assert metric_total(cluster.url, LOCAL) == before
+    with prefill_node_busy(cluster, reference, control_dir):
+        check()  # the decode node alone
+    assert metric_total(cluster.url, LOCAL) == before + 1
     wait_pools(cluster, cluster.baseline)
