@@ -9,13 +9,12 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.harness.client import http, http_json, metric_total, stream
+from tests.harness.client import http, http_json, metric_total, stream, wait_until
 from tests.harness.cluster import CHUNK, cluster_pools, node_stats, wait_pools
 
 HOOKS = str(Path(__file__).resolve().parents[1] / "pd" / "node_hooks")
@@ -56,15 +55,6 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, 1000) for _ in range(rng.randrange(CHUNK + 5, 3 * CHUNK))] for _ in range(n)]
 
 
-def _wait_file(path: Path, timeout: float = 60.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if path.exists():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 @contextlib.contextmanager
 def prefill_node_busy(cluster, reference, control_dir):
     """A request through the router whose KV write the prefill node holds (`tests/pd/node_hooks`'
@@ -77,7 +67,7 @@ def prefill_node_busy(cluster, reference, control_dir):
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(generate, cluster.url, ids, 6, False)
         try:
-            assert _wait_file(control_dir / "gate_entered"), "the prefill node never wrote the held request's KV"
+            wait_until((control_dir / "gate_entered").exists, 60, "the prefill node to write the held request's KV")
             yield
         finally:
             (control_dir / "gate_release").write_text("")

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.backends import backend_params
-from tests.harness.client import http_get, http_post, stream
+from tests.harness.client import http_get, http_post, stream, wait_until
 from tests.harness.pd import assert_restored, colocated_tokens, greedy, make_prompts
 from tests.transfer.inproc_pair import Garbage
 
@@ -142,15 +142,6 @@ def test_an_exception_in_a_role_hook_fails_that_request_only(pair, backend, colo
 
 
 # ---------------------------------------------------------------------------------------------- late write
-def _wait_file(path: Path, timeout: float = 60.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if path.exists():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def test_a_late_write_never_reaches_the_next_requests_pages(pair, colocated, pd_tok, restored, control_dir):
     n = 96
     first, second = make_prompts(pd_tok, 2, seed=11, lo=40, hi=41)
@@ -161,7 +152,7 @@ def test_a_late_write_never_reaches_the_next_requests_pages(pair, colocated, pd_
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         body1 = pair.body({"input_ids": first, "sampling_params": greedy(n), "rid": "late-1"})
         f1 = [ex.submit(http_post, node.url + "/generate", body1, None, 120) for node in (pair.prefill, pair.decode)]
-        assert _wait_file(control_dir / "gate_entered"), "the prefill never wrote the first request's KV"
+        wait_until((control_dir / "gate_entered").exists, 60, "the prefill to write the first request's KV")
         status, raw = http_post(pair.decode.url + "/abort_request", {"rid": "late-1"})
         assert status == 200, raw
         assert f1[1].result()[0] == 200  # the decode leg ended as aborted
