@@ -46,6 +46,7 @@ from router.registry import PREFILL, Registry, RegistryError
 from router.request import parse
 
 log = logging.getLogger("router")
+REQUEST_ID = web.RequestKey("request_id", str)  # the id this router answers with (X-Request-ID)
 _encode = msgspec.json.encode
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 ADMIN_ROUTES = "GET/POST /workers, DELETE /workers/{id} and POST /flush_cache"
@@ -158,12 +159,12 @@ class RouterApp:
                 break
         if not rid:
             rid = uuid.uuid4().hex
-        request["request_id"] = rid
+        request[REQUEST_ID] = rid
         try:
             check_request_id(rid, "X-Request-ID")
         except BadRequest as e:
-            request["request_id"] = uuid.uuid4().hex
-            return error_response(400, str(e), headers={"X-Request-ID": request["request_id"]})
+            request[REQUEST_ID] = uuid.uuid4().hex
+            return error_response(400, str(e), headers={"X-Request-ID": request[REQUEST_ID]})
         try:
             check_access(access_of(request, self.access), request.path, bearer_token(headers), request.remote,
                          self.keys, accept_node_key=False)
@@ -175,7 +176,7 @@ class RouterApp:
         except web.HTTPException as e:
             resp = error_response(e.status, e.reason)
         if not resp.prepared:
-            resp.headers["X-Request-ID"] = request["request_id"]
+            resp.headers["X-Request-ID"] = request[REQUEST_ID]
         return resp
 
     # ---------------------------------------------------------------------------- generation
@@ -183,7 +184,7 @@ class RouterApp:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         path = request.path
-        rid = request["request_id"]
+        rid = request[REQUEST_ID]
         trace = Trace()
         status = 499
         admitted = False
@@ -214,7 +215,7 @@ class RouterApp:
                 return error_response(400, "`data_parallel_rank` needs a router started with --dp-aware (without "
                                       "it a decode node places a request by its bootstrap_room)")
             if isinstance(req.client_rid, str):  # the body's rid names the request on every process
-                rid = request["request_id"] = req.client_rid
+                rid = request[REQUEST_ID] = req.client_rid
             resp = await self.dispatcher.handle(request, req, rid, trace)
             status = trace.status
             return resp
@@ -304,7 +305,7 @@ class RouterApp:
         try:
             async with self.session.post(workers[0].url + request.path, data=body, headers={
                     **self.registry.auth, "Content-Type": "application/json",
-                    "X-Request-ID": request["request_id"]},
+                    "X-Request-ID": request[REQUEST_ID]},
                     timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_secs)) as r:
                 body = await r.read()
                 if r.content_type != "application/json":  # not a pdserve node's answer (an older one: 404)
