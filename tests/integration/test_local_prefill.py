@@ -92,9 +92,8 @@ def test_the_router_prefills_on_the_decode_node_while_the_prefill_node_is_busy(c
         return (metric_total(cluster.url, LOCAL), metric_total(cluster.url, REFUSED),
                 node_stats(decode.url)["num_local_prefills"])
 
-    short, long = (p[:MAX_LOCAL] for p in prompts(2, 3)), prompts(1, 4)[0]
-    short = list(short)
-    long = long + list(range(10, 10 + MAX_LOCAL + 1 - len(long)))  # over the decode node's limit
+    short = [p[:MAX_LOCAL] for p in prompts(2, 3)]
+    long = list(range(10, 11 + MAX_LOCAL))  # over the decode node's limit
     start = counts()
     with prefill_node_busy(cluster, reference, control_dir):
         for k, ids in enumerate(short):  # the decode node prefills these itself, streamed or not

@@ -17,6 +17,7 @@ router's --dp-aware in front of the decode node.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 
 import msgspec
@@ -134,12 +135,12 @@ def test_each_group_publishes_its_own_kv_events(dp_node):
                     seen[k].add(decode(payload).data_parallel_rank)
             return bool(seen[0] and seen[1])
 
-        pokes = iter(range(1000))
+        pokes = itertools.count()
 
         def poke() -> bool:  # the subscriptions take a moment to join: send until each group's batch arrives
             n = next(pokes)  # a new prompt each time: a repeated one hits the radix cache and stores no block
             for rank in (0, 1):
-                prompt = [40 + rank, 300 + n % 200, 100 + n // 200] + list(range(60, 77))
+                prompt = [40 + rank, 300 + n] + list(range(60, 78))
                 generate(dp_node.url, {"input_ids": prompt, "data_parallel_rank": rank, "sampling_params": greedy(2)})
             return drain()
 
