@@ -6,7 +6,9 @@ order), so the host's drifts hit both alike.
 
 Ratios (higher is better): `fp32_r{rows}` and `int8_r{rows}` = the baseline's median time / ours, summed
 over the projection shapes, at each row count of `--rows` (1 and 16: decode batches; 64 and 512: prefill
-chunks); `attn_r{rows}` the same for one sequence's prefill attention of that many tokens (row counts of
+chunks). One layer's weights (14 MB in float32) stay in this host's 32 MB L3 between calls; `--layers 30`
+gives each shape 30 copies, one per layer as in SmolLM2, and a timed call runs them all, so the weights
+stream from DRAM as they do in a decode step; `attn_r{rows}` the same for one sequence's prefill attention of that many tokens (row counts of
 16 and more), and `attn_torch_r{rows}` = torch's `scaled_dot_product_attention` (its CPU flash kernel,
 timed in the same alternation) / ours. Figures: each side's milliseconds and whether both gave the same
 bits (`same_bits`).
@@ -46,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default="HEAD", help="git revision whose kernels are the reference")
     p.add_argument("--rows", default="1,16,64,512", help="row counts (tokens per matmul) measured")
     p.add_argument("--calls", type=int, default=40, help="timed calls per side, shape and row count")
+    p.add_argument("--layers", type=int, default=1,
+                   help="copies of each shape's weights a timed call runs through (30: SmolLM2's layers, "
+                        "the weights then come from DRAM as in a decode step)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     p.add_argument("--json", default=None, help="write the report here")
     return p
@@ -70,9 +75,10 @@ def _gemm(lib: ctypes.CDLL, scheme: str):
     return fn
 
 
-def _gemm_call(fn, head: list, y: torch.Tensor, out: int, rows: int, inp: int) -> None:
-    if fn(*head, None, y.data_ptr(), out, rows, out, inp):
-        raise MemoryError("panel matmul: no memory for the packed activations")
+def _gemm_call(fn, heads: list[list], y: torch.Tensor, out: int, rows: int, inp: int) -> None:
+    for head in heads:  # one layer's weights after another
+        if fn(*head, None, y.data_ptr(), out, rows, out, inp):
+            raise MemoryError("panel matmul: no memory for the packed activations")
 
 
 def _alternate(calls: int, fns: list) -> list[float]:
@@ -116,25 +122,28 @@ def main(argv: list[str] | None = None):
     if args.threads:
         torch.set_num_threads(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
+    if args.layers < 1:
+        raise SystemExit("--layers must be >= 1")
     ours_path, base_path = native.build(), baseline_library(args.baseline)
-    log(f"ours {ours_path.name}, baseline {args.baseline} {base_path.name}, {torch.get_num_threads()} threads")
+    log(f"ours {ours_path.name}, baseline {args.baseline} {base_path.name}, {torch.get_num_threads()} threads, "
+        f"{args.layers} layer(s) of weights per call")
     libs = [ctypes.CDLL(str(ours_path)), ctypes.CDLL(str(base_path))]
     torch.manual_seed(0)
-    figures: dict = {"baseline": args.baseline, "shapes": [list(s) for s in SHAPES]}
+    figures: dict = {"baseline": args.baseline, "shapes": [list(s) for s in SHAPES], "layers": args.layers}
     ratios: dict[str, float] = {}
     for scheme in ("fp32", "int8"):
         fns = [_gemm(lib, scheme) for lib in libs]
-        packs = []
-        for out, inp in SHAPES:
-            w = torch.randn(out, inp) * 0.02
-            packs.append(pack_weight(w, quantization=None if scheme == "fp32" else "int8wo"))
+        quantization = None if scheme == "fp32" else "int8wo"
+        packs = [[pack_weight(torch.randn(out, inp) * 0.02, quantization=quantization) for _ in range(args.layers)]
+                 for out, inp in SHAPES]
         for rows in rows_list:
             total, same = [0.0, 0.0], True
-            for (out, inp), p in zip(SHAPES, packs, strict=True):
+            for (out, inp), layers in zip(SHAPES, packs, strict=True):
                 x = torch.randn(rows, inp)
                 ys = [torch.empty(rows, out), torch.empty(rows, out)]
-                head = [x.data_ptr(), x.stride(0), p.weight.data_ptr()] + ([p.scale.data_ptr()] if scheme == "int8" else [])
-                calls = [functools.partial(_gemm_call, fns[side], head, ys[side], out, rows, inp) for side in (0, 1)]
+                heads = [[x.data_ptr(), x.stride(0), p.weight.data_ptr()] + ([p.scale.data_ptr()] if p.scale is not None else [])
+                         for p in layers]
+                calls = [functools.partial(_gemm_call, fns[side], heads, ys[side], out, rows, inp) for side in (0, 1)]
                 medians = _alternate(args.calls, calls)
                 same = same and torch.equal(ys[0], ys[1])
                 for side in (0, 1):

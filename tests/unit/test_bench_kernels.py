@@ -30,3 +30,13 @@ def test_bench_kernels_reports_ratios_and_bits_against_a_revision(tmp_path):
 def test_an_unknown_revision_is_refused_naming_it():
     with pytest.raises(SystemExit, match="--baseline no-such-rev: cannot read common/layers/"):
         kernels.main(["--baseline", "no-such-rev", "--rows", "1"])
+
+
+def test_layers_run_each_shape_through_that_many_weight_copies(tmp_path, monkeypatch):
+    seen = []
+    real = kernels._gemm_call
+    monkeypatch.setattr(kernels, "_gemm_call", lambda fn, heads, *rest: (seen.append(len(heads)), real(fn, heads, *rest)))
+    report = kernels.main(["--rows", "4", "--calls", "1", "--layers", "3", "--json", str(tmp_path / "k.json")])
+    assert report["figures"]["layers"] == 3 and set(seen) == {3}
+    with pytest.raises(SystemExit, match="--layers must be >= 1"):
+        kernels.main(["--rows", "1", "--layers", "0"])
