@@ -26,7 +26,8 @@ adds router flags.
 By default the cluster also disaggregates conditionally (`--local-prefill-queue 2`): while the prefill
 node already has two of the router's prefills in flight, the router sends the next request to a decode
 node alone, which prefills it itself in chunks of 64 tokens, its running requests decoding a token inside
-each chunk's forward (`--enable-mixed-chunk`; one such request per decode node at a time). On few cores the prefill node is the bottleneck and the decode
+each chunk's forward (`--enable-mixed-chunk`; a second such request while the first waits for its first
+token only when the prefill node has four in flight, and so on). On few cores the prefill node is the bottleneck and the decode
 node's steps are bound by streaming the weights, so its spare batch slots are cheaper than a queue;
 `pdserve bench placement` measures the cluster with it and without it (`--local-prefill-queue 0`).
 
@@ -537,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--local-prefill-queue", type=int, default=DEFAULT_LOCAL_PREFILL_QUEUE, metavar="N",
       help="conditional disaggregation: the router sends a request to a decode node alone, to prefill it there "
       f"in chunks of {LOCAL_PREFILL_CHUNK} tokens between decode steps, while its prefill node has N or more "
-      "prefills in flight and the decode node no other such request before its first token (0: off, every "
+      "prefills in flight per request the decode node is already prefilling itself, plus one (0: off, every "
       "prompt is prefilled on a prefill node). Decode nodes get --disaggregation-local-prefill, "
       f"--chunked-prefill-size {LOCAL_PREFILL_CHUNK} (given node flags win) and, unless they speculate, "
       "--enable-mixed-chunk (the running requests decode inside each chunk's forward); the router "

@@ -57,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
       "worker's /model_info tokenizer_path when that directory exists here)")
     a("--local-prefill-queue", type=int, default=d.local_prefill_queue, metavar="N",
       help="conditional disaggregation: a request goes to its decode worker alone, which prefills it itself, "
-      "when the chosen prefill worker already has N or more of this router's prefills in flight and the decode "
-      "worker was started with --disaggregation-local-prefill and has no other local prefill waiting for its "
-      "first token (0: never; every request is prefilled on a prefill worker)")
+      "when it was started with --disaggregation-local-prefill and the chosen prefill worker already has N or "
+      "more of this router's prefills in flight for each local prefill of that decode worker still waiting for "
+      "its first token, plus one: N for the first, 2N for a second (0: never; every request is prefilled on a "
+      "prefill worker)")
     a("--dp-aware", action="store_true",
       help="pick the DP group of each request on its decode worker (a node started with --dp-size): the group "
       "with the fewest of this router's requests in flight, or the client's `data_parallel_rank`; the router "

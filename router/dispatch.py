@@ -442,12 +442,15 @@ class Dispatcher:
 
     def routes_locally(self, p: Worker, d: Worker) -> bool:
         """Conditional disaggregation (--local-prefill-queue N): the decode worker prefills the request
-        itself when the prefill worker already has N or more of this router's prefills in flight (its
-        queue is where the request would wait), the decode worker takes requests without a rendezvous
-        (--disaggregation-local-prefill) and no other request it prefills itself is still waiting for
-        its first byte (one at a time, so its running batch keeps decoding between the chunks)."""
+        itself when it takes requests without a rendezvous (--disaggregation-local-prefill) and the prefill
+        worker already has N or more of this router's prefills in flight (its queue is where the request
+        would wait) for each request the decode worker is already prefilling itself and the one to come:
+        N for the first, 2N for a second before the first's first byte, and so on. In steady state that is
+        one at a time (its running batch keeps decoding inside the chunks); a burst that finds both idle
+        is split between the two queues instead of all but one prompt waiting on the prefill worker
+        (`pdserve bench placement`, three rounds: TTFT p99 3.6-4.4 s against 4.7-5.8 s)."""
         n = self.cfg.local_prefill_queue
-        return n > 0 and p.active >= n and d.local_pending == 0 and d.prefills_locally
+        return n > 0 and d.prefills_locally and p.active >= n * (d.local_pending + 1)
 
     def _groups(self, req, key, p: Worker | None, d: Worker) -> tuple[list[tuple[int, int]], int | None]:
         """The DP groups a request goes to, as the (group, dp_size) pairs its room must meet, and the

@@ -317,8 +317,9 @@ def test_malformed_input_400_names_field(workers, make_router):
 
 def test_local_prefill_while_the_prefill_worker_is_busy(workers, make_router):
     """--local-prefill-queue 1: with a prefill leg in flight, the next request goes to a decode worker that
-    prefills locally, alone and without a rendezvous (client-sent rendezvous fields dropped), one at a time;
-    a decode worker that does not say it prefills locally never gets one."""
+    prefills locally, alone and without a rendezvous (client-sent rendezvous fields dropped); a second only
+    once two prefill legs are in flight; a decode worker that does not say it prefills locally never gets
+    one."""
     p, d, plain = workers["p"][0], workers["d"][0], workers["d"][1]
     d.config(info={"disaggregation_local_prefill": True})
     r = make_router([p], [d], "--policy", "round_robin", "--local-prefill-queue", "1")
@@ -335,18 +336,28 @@ def test_local_prefill_while_the_prefill_worker_is_busy(workers, make_router):
     assert local["text"] == "second" and isinstance(local["rid"], str)
     assert not {"bootstrap_host", "bootstrap_port", "bootstrap_room"} & set(local)
     assert len(p.requests()) == 1  # no prefill leg for it
-    # one local prefill at a time: the next request goes to the prefill worker as usual
+    # with one local prefill waiting and one prefill leg in flight, the next request goes to the prefill
+    # worker as usual (its leg held too: two in flight)
+    p.config(hold=1)
     status, _, body = r.post("/generate", {"text": "third", "stream": True})
     assert status == 200, body
     assert [x["body"]["text"] for x in p.requests()] == ["first", "third"]
     third = [x["body"] for x in d.requests() if x["body"]["text"] == "third"][0]
     assert third["bootstrap_room"] == p.requests()[1]["body"]["bootstrap_room"]
+    # two prefill legs in flight: enough for a second local prefill
+    d.config(hold=1)
+    t2 = threading.Thread(target=lambda: held.update(out2=r.post("/generate", {"text": "fourth"})))
+    t2.start()
+    wait_until(lambda: any(x["body"]["text"] == "fourth" for x in d.requests()), what="the second local request")
+    fourth = [x["body"] for x in d.requests() if x["body"]["text"] == "fourth"][0]
+    assert "bootstrap_room" not in fourth and len(p.requests()) == 2
     d.release()
     t.join(30)
-    assert held["out"][0] == 200
+    t2.join(30)
+    assert held["out"][0] == 200 and held["out2"][0] == 200
     p.release()
     metrics = http("GET", r.url + "/metrics")[2].decode()
-    assert f'pdserve_router_local_prefills_total{{worker="{d.url}"}} 1.0' in metrics
+    assert f'pdserve_router_local_prefills_total{{worker="{d.url}"}} 2.0' in metrics
     # a prompt the decode worker refuses to prefill (over its --disaggregation-local-prefill-max-tokens): the
     # same attempt again with both legs, for stream and non-stream alike, and no retry counted
     d.config(refuse_local=True)
