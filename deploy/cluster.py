@@ -23,11 +23,11 @@ to the cores it may run on divided by its TP size. Flags that are not the launch
 are passed to every node unchanged (checked against the node parser first); `--router-args "..."`
 adds router flags.
 
-By default the cluster also disaggregates conditionally (`--local-prefill-queue 2`): while the prefill
-node already has two of the router's prefills in flight, the router sends the next request to a decode
+By default the cluster also disaggregates conditionally (`--local-prefill-queue 3`): while the prefill
+node already has three of the router's prefills in flight, the router sends the next request to a decode
 node alone, which prefills it itself in chunks of 64 tokens, its running requests decoding a token inside
 each chunk's forward (`--enable-mixed-chunk`; a second such request while the first waits for its first
-token only when the prefill node has four in flight, and so on). On few cores the prefill node is the bottleneck and the decode
+token only when the prefill node has six in flight, and so on). On few cores the prefill node is the bottleneck and the decode
 node's steps are bound by streaming the weights, so its spare batch slots are cheaper than a queue;
 `pdserve bench placement` measures the cluster with it and without it (`--local-prefill-queue 0`).
 
@@ -79,7 +79,10 @@ SECRET_ENV = "PDSERVE_CLUSTER_SECRET_FILE"
 # so the running batch's tokens never wait much longer (single runs of `bench placement`'s workload: an ITL
 # p99 of 672 ms with chunks of 128, 424-501 ms with 64)
 LOCAL_PREFILL_CHUNK = 64
-DEFAULT_LOCAL_PREFILL_QUEUE = 2
+# prefills in flight on the prefill node before a decode node takes one itself (2N before a second, ...): 3
+# beat 2 in each of three alternating pairs of runs of `bench placement`'s workload (47.9 / 49.8 / 50.2 against
+# 46.6 / 49.5 / 43.7 tok/s): with 2 the decode node was busy ~96 % of the time and the prefill node ~76 %
+DEFAULT_LOCAL_PREFILL_QUEUE = 3
 
 
 def _has_flag(flags: list[str], flag: str) -> bool:
@@ -315,7 +318,7 @@ class Cluster:
             self._say(self.placement.describe())
         if self.local_prefill_queue > 0:
             self._say(f"conditional disaggregation: a decode node prefills a request itself while its prefill node "
-                      f"has {self.local_prefill_queue}+ prefills in flight, in chunks of {LOCAL_PREFILL_CHUNK} tokens "
+                      f"has {self.local_prefill_queue}+ prefills in flight ({2 * self.local_prefill_queue}+ for a second), in chunks of {LOCAL_PREFILL_CHUNK} tokens "
                       "its running requests decode in (--local-prefill-queue 0: off)")
         for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(n):

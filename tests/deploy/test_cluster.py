@@ -159,9 +159,9 @@ def test_cluster_args_reach_every_node(tiny_model_dir):
 
 def test_conditional_disaggregation_is_on_by_default(tiny_model_dir):
     """Decode nodes take requests without a rendezvous, in small chunks unless a chunk size is given; the
-    router sends them while the prefill node has two prefills in flight; --local-prefill-queue 0 turns it off."""
+    router sends them while the prefill node has three prefills in flight; --local-prefill-queue 0 turns it off."""
     c = cl.cluster_from_args(["--model", tiny_model_dir])
-    assert c.local_prefill_queue == cl.DEFAULT_LOCAL_PREFILL_QUEUE == 2
+    assert c.local_prefill_queue == cl.DEFAULT_LOCAL_PREFILL_QUEUE == 3
     decode = c._node_cmd("decode", 1, 0)
     assert "--disaggregation-local-prefill" in decode
     assert decode[decode.index("--chunked-prefill-size") + 1] == str(cl.LOCAL_PREFILL_CHUNK)
