@@ -169,7 +169,7 @@ def test_conditional_disaggregation_is_on_by_default(tiny_model_dir):
     prefill = c._node_cmd("prefill", 1, 2)
     assert "--disaggregation-local-prefill" not in prefill and "--enable-mixed-chunk" not in prefill
     router = c._router_cmd(3)
-    assert router[router.index("--local-prefill-queue") + 1] == "2"
+    assert router[router.index("--local-prefill-queue") + 1] == "3"
     # a chunk size given for every node or for decode nodes comes later on the command line, so it wins
     for argv in (["--chunked-prefill-size", "256"], ["--decode-args", "--chunked-prefill-size 256"]):
         cmd = cl.cluster_from_args(["--model", tiny_model_dir, *argv])._node_cmd("decode", 1, 0)
