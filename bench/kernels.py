@@ -8,10 +8,10 @@ Ratios (higher is better): `fp32_r{rows}` and `int8_r{rows}` = the baseline's me
 over the projection shapes, at each row count of `--rows` (1 and 16: decode batches; 64 and 512: prefill
 chunks). One layer's weights (14 MB in float32) stay in this host's 32 MB L3 between calls; `--layers 30`
 gives each shape 30 copies, one per layer as in SmolLM2, and a timed call runs them all, so the weights
-stream from DRAM as they do in a decode step; `attn_r{rows}` the same for one sequence's prefill attention of that many tokens (row counts of
-16 and more), and `attn_torch_r{rows}` = torch's `scaled_dot_product_attention` (its CPU flash kernel,
-timed in the same alternation) / ours. Figures: each side's milliseconds and whether both gave the same
-bits (`same_bits`).
+stream from DRAM as they do in a decode step. `attn_r{rows}`: the same for one sequence's prefill
+attention of that many tokens (row counts of 16 and more), and `attn_torch_r{rows}` = torch's
+`scaled_dot_product_attention` (its CPU flash kernel, timed in the same alternation) / ours. Figures: each
+side's milliseconds and whether both gave the same bits (`same_bits`).
 """
 
 from __future__ import annotations

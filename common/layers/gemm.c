@@ -13,11 +13,11 @@
 // read in place, each row needed its own address register, more than x86 has for a 12-row tile, and
 // the spills left 512-row matmuls of SmolLM2's shapes 10-45 % slower. The copy goes to a per-thread
 // buffer that grows to the largest x seen (3 MiB for a 512-token chunk of SmolLM2's MLP); a single row
-// is read in place. Every tile of more than one row also prefetches its share of the next unit into L2
-// as it walks K (a unit's blocks split its lines between them): the weight stream then overlaps the
+// is read in place. A matmul of more than one row also has its tiles prefetch the next unit into L2 as
+// they walk K (a unit's blocks split its lines between them): the weight stream then overlaps the
 // arithmetic instead of waiting on DRAM at the start of each unit. With the weights from DRAM (SmolLM2's
 // 30 layers of projections, `pdserve bench kernels --layers 30`): batch 16 ~15-20 % faster, batches of
-// 3-6 rows 7-14 % faster on one or two threads. A single row gains nothing (its loop has two FMAs per
+// 4-6 rows 4-14 % faster on one or two threads. A single row gains nothing (its loop has two FMAs per
 // step and the hardware prefetcher keeps up), nor do int8 weights in a single block (a quarter of the
 // bytes: the prefetches cost 6 % there), so those are left to the hardware. Each output sums over k in
 // order, in float32 with FMA.
@@ -287,7 +287,7 @@ static int gemm_panels(int q, const float *x, int64_t ldx, const void *w, const 
         for (int64_t j = 0; j < blocks; j++) {
             const int64_t m = j * MR_MAX;
             const int mr = M - m < MR_MAX ? (int)(M - m) : MR_MAX;
-            const char *pf = ((M > 1 && !q) || blocks > 1) && u + 1 < units ? wp + unit_bytes + (lines * j / blocks) * 64 : 0;
+            const char *pf = M > 1 && (!q || blocks > 1) && u + 1 < units ? wp + unit_bytes + (lines * j / blocks) * 64 : 0;
             tile_rows(mr, q, un, K, xp + m * K, wp, s, b, y + m * ldy + p * NR, ldy, nv, pf, every);
         }
     }
