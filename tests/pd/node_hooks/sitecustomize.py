@@ -10,6 +10,8 @@ that acts on it (renamed to `<name>.taken`), so it fires once:
 * `bad_token` (holding a number): the next metadata row a prefill writes carries that first token;
 * `raise`: the next metadata row write raises (an exception inside the role's on_prefill_done).
 * `hang_forward`: the next forward of a scheduler rank never returns (a hung kernel or collective).
+* `slow_forward` (holding seconds; read, not taken): while it exists every forward of a scheduler rank
+  sleeps that long first (a request keeps decoding for as long as a test needs it to).
 * `drafts` (JSON: request id -> the tokens it should output; read, not taken): a speculating
   scheduler's drafter proposes those tokens instead of its own, wrong at the second draft when the
   request has an output length of 1 mod 3 and at the first when 2 mod 3, so verify steps keep all,
@@ -85,6 +87,11 @@ def _install_in_scheduler() -> None:
         if batch is not None and _take("hang_forward") is not None:
             while True:
                 time.sleep(1)
+        try:
+            with open(os.path.join(_DIR, "slow_forward")) as f:
+                time.sleep(float(f.read()))
+        except (OSError, ValueError):
+            pass
         return run(self, batch)
 
     runner.ModelRunner.run = hung_run
