@@ -1,0 +1,59 @@
+"""Mixed chunks (`--enable-mixed-chunk`) on a node of several ranks: two TP ranks, and two pipeline
+stages. A prompt prefilled in chunks of 32 while another request decodes carries that request's tokens
+in its chunks' forwards; both answers are the single-rank colocated node's, and the node's memory comes
+back. The node's forwards are slowed (`tests/pd/node_hooks`' `slow_forward`) until the second answer is
+back, so the first request is still decoding when the prompt arrives however fast the host is."""
+
+from __future__ import annotations
+
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.harness.client import http_json, stream, wait_until
+from tests.harness.cluster import node_stats, pool_snapshot
+
+HOOKS = str(Path(__file__).resolve().parents[1] / "pd" / "node_hooks")
+CHUNK = 32
+
+
+def greedy(n: int) -> dict:
+    return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+
+
+def answer(url: str, ids: list[int], n: int) -> list[int]:
+    status, out = http_json("POST", url + "/generate", {"input_ids": ids, "sampling_params": greedy(n)})
+    assert status == 200, out
+    return out["output_ids"]
+
+
+@pytest.mark.parametrize("ranks", [{"tp": 2}, {"pp_size": 2}], ids=["tp2", "pp2"])
+def test_mixed_chunks_on_a_node_of_two_ranks(tiny_model_dir, launcher, colocated, tmp_path, ranks):
+    node = launcher.colocated(tiny_model_dir, enable_mixed_chunk=True, chunked_prefill_size=CHUNK,
+                              env={"PYTHONPATH": HOOKS, "PDSERVE_TEST_HOOKS_DIR": str(tmp_path)}, **ranks)
+    baseline = pool_snapshot(node.url)
+    rng = random.Random(17)
+    running_ids = [rng.randrange(10, 1000) for _ in range(40)]
+    chunked_ids = [rng.randrange(10, 1000) for _ in range(3 * CHUNK + 5)]  # four chunks
+    decoding = threading.Event()
+    slow = tmp_path / "slow_forward"
+    slow.write_text("0.05")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(stream, node.url + "/generate",
+                                  {"input_ids": running_ids, "sampling_params": greedy(200), "stream": True},
+                                  on_event=lambda i, _e: decoding.set())
+            assert decoding.wait(60), "the running request never produced a token"
+            chunked = answer(node.url, chunked_ids, 8)
+            slow.unlink()
+            res = running.result()
+    finally:
+        slow.unlink(missing_ok=True)
+    assert res.ok, res.error
+    assert node_stats(node.url)["num_mixed_steps"] >= 4  # each chunk carried the running request
+    assert chunked == answer(colocated.url, chunked_ids, 8)
+    assert res.events[-1]["output_ids"] == answer(colocated.url, running_ids, 200)
+    wait_until(lambda: pool_snapshot(node.url) == baseline, 60, "the node's memory to come back")
