@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,8 +15,8 @@ import pytest
 
 from tests.harness.client import http, http_json, metric_total, stream, wait_until
 from tests.harness.cluster import CHUNK, cluster_pools, node_stats, wait_pools
+from tests.harness.hooks import HOOKS, decode_during
 
-HOOKS = str(Path(__file__).resolve().parents[1] / "pd" / "node_hooks")
 LOCAL = "pdserve_router_local_prefills_total"
 REFUSED = "pdserve_router_local_prefill_refusals_total"
 MAX_LOCAL = 64
@@ -119,26 +118,13 @@ def test_the_router_prefills_on_the_decode_node_while_the_prefill_node_is_busy(c
 
 def test_local_chunks_carry_the_running_requests(cluster, reference, control_dir):
     """--enable-mixed-chunk: a local prompt's chunks, prefilled while a request decodes on the node, carry
-    that request's tokens (`num_mixed_steps`); both answers are the colocated node's. The node's forwards
-    are slowed (`slow_forward`) until the local answer is back, so the running request is still decoding
-    when the local prompt arrives however fast the host is."""
+    that request's tokens (`num_mixed_steps`); both answers are the colocated node's. The running request
+    is slowed down until the local answer is back (`decode_during`), whatever the host's speed."""
     decode = cluster.decodes[0]
     running_ids, local_ids = (p[:MAX_LOCAL] for p in prompts(2, 7))
     before = node_stats(decode.url)["num_mixed_steps"]
-    decoding = threading.Event()
-    slow = control_dir / "slow_forward"
-    slow.write_text("0.05")  # 300 steps: at least 15 s while it exists
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(stream, decode.url + "/generate",
-                                  {"input_ids": running_ids, "sampling_params": greedy(300), "stream": True},
-                                  on_event=lambda i, _e: decoding.set())
-            assert decoding.wait(60), "the running request never produced a token"
-            local, _ = generate(decode.url, local_ids, 8, False)
-            slow.unlink()
-            res = running.result()
-    finally:
-        slow.unlink(missing_ok=True)
+    (local, _), res = decode_during(decode.url, running_ids, 300, control_dir,
+                                    lambda: generate(decode.url, local_ids, 8, False))
     assert res.ok, res.error
     assert node_stats(decode.url)["num_mixed_steps"] >= before + len(local_ids) // CHUNK
     assert local == generate(reference.url, local_ids, 8, False)[0]

@@ -1,22 +1,19 @@
 """Mixed chunks (`--enable-mixed-chunk`) on a node of several ranks: two TP ranks, and two pipeline
 stages. A prompt prefilled in chunks of 32 while another request decodes carries that request's tokens
 in its chunks' forwards; both answers are the single-rank colocated node's, and the node's memory comes
-back. The node's forwards are slowed (`tests/pd/node_hooks`' `slow_forward`) until the second answer is
-back, so the first request is still decoding when the prompt arrives however fast the host is."""
+back. The decoding request is slowed down until the prompt's answer is back (`decode_during`), whatever
+the host's speed."""
 
 from __future__ import annotations
 
 import random
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from tests.harness.client import http_json, stream, wait_until
+from tests.harness.client import http_json, wait_until
 from tests.harness.cluster import node_stats, pool_snapshot
+from tests.harness.hooks import HOOKS, decode_during
 
-HOOKS = str(Path(__file__).resolve().parents[1] / "pd" / "node_hooks")
 CHUNK = 32
 
 
@@ -38,20 +35,7 @@ def test_mixed_chunks_on_a_node_of_two_ranks(tiny_model_dir, launcher, colocated
     rng = random.Random(17)
     running_ids = [rng.randrange(10, 1000) for _ in range(40)]
     chunked_ids = [rng.randrange(10, 1000) for _ in range(3 * CHUNK + 5)]  # four chunks
-    decoding = threading.Event()
-    slow = tmp_path / "slow_forward"
-    slow.write_text("0.05")
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(stream, node.url + "/generate",
-                                  {"input_ids": running_ids, "sampling_params": greedy(200), "stream": True},
-                                  on_event=lambda i, _e: decoding.set())
-            assert decoding.wait(60), "the running request never produced a token"
-            chunked = answer(node.url, chunked_ids, 8)
-            slow.unlink()
-            res = running.result()
-    finally:
-        slow.unlink(missing_ok=True)
+    chunked, res = decode_during(node.url, running_ids, 200, tmp_path, lambda: answer(node.url, chunked_ids, 8))
     assert res.ok, res.error
     assert node_stats(node.url)["num_mixed_steps"] >= 4  # each chunk carried the running request
     assert chunked == answer(colocated.url, chunked_ids, 8)

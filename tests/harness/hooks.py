@@ -1,0 +1,36 @@
+"""Driving `tests/pd/node_hooks` (test-only hooks inside node processes) from a test.
+
+* `HOOKS`: the directory to put on a node's PYTHONPATH (with PDSERVE_TEST_HOOKS_DIR naming the control
+  directory the test drives the hooks through);
+* `decode_during(url, ids, new, control_dir, during)`: a greedy streamed request of `new` tokens that is
+  still decoding while `during()` runs: the node's forwards are slowed (`slow_forward`, 50 ms each) from
+  before it starts until `during()` returns, so no host is fast enough to finish it first. Returns
+  `(during()'s result, the stream's StreamResult)`.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tests.harness.client import stream
+
+HOOKS = str(Path(__file__).resolve().parents[1] / "pd" / "node_hooks")
+
+
+def decode_during(url: str, ids: list[int], new: int, control_dir: Path, during):
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}}
+    decoding = threading.Event()
+    slow = control_dir / "slow_forward"
+    slow.write_text("0.05")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(stream, url + "/generate", body, on_event=lambda i, _e: decoding.set())
+            assert decoding.wait(60), "the running request never produced a token"
+            got = during()
+            slow.unlink()
+            return got, running.result()
+    finally:
+        slow.unlink(missing_ok=True)
