@@ -15,13 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.harness.client import stream
+from tests.harness.pd import greedy
 
 HOOKS = str(Path(__file__).resolve().parents[1] / "pd" / "node_hooks")
 
 
 def decode_during(url: str, ids: list[int], new: int, control_dir: Path, during):
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}}
+    body = {"input_ids": ids, "stream": True, "sampling_params": greedy(new)}
     decoding = threading.Event()
     slow = control_dir / "slow_forward"
     slow.write_text("0.05")

@@ -10,21 +10,12 @@ import random
 
 import pytest
 
-from tests.harness.client import http_json, wait_until
+from tests.harness.client import wait_until
 from tests.harness.cluster import node_stats, pool_snapshot
 from tests.harness.hooks import HOOKS, decode_during
+from tests.harness.pd import colocated_tokens
 
 CHUNK = 32
-
-
-def greedy(n: int) -> dict:
-    return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
-
-
-def answer(url: str, ids: list[int], n: int) -> list[int]:
-    status, out = http_json("POST", url + "/generate", {"input_ids": ids, "sampling_params": greedy(n)})
-    assert status == 200, out
-    return out["output_ids"]
 
 
 @pytest.mark.parametrize("ranks", [{"tp": 2}, {"pp_size": 2}], ids=["tp2", "pp2"])
@@ -35,9 +26,10 @@ def test_mixed_chunks_on_a_node_of_two_ranks(tiny_model_dir, launcher, colocated
     rng = random.Random(17)
     running_ids = [rng.randrange(10, 1000) for _ in range(40)]
     chunked_ids = [rng.randrange(10, 1000) for _ in range(3 * CHUNK + 5)]  # four chunks
-    chunked, res = decode_during(node.url, running_ids, 200, tmp_path, lambda: answer(node.url, chunked_ids, 8))
+    chunked, res = decode_during(node.url, running_ids, 200, tmp_path,
+                                 lambda: colocated_tokens(node, [chunked_ids], 8)[0])
     assert res.ok, res.error
     assert node_stats(node.url)["num_mixed_steps"] >= 4  # each chunk carried the running request
-    assert chunked == answer(colocated.url, chunked_ids, 8)
-    assert res.events[-1]["output_ids"] == answer(colocated.url, running_ids, 200)
+    assert chunked == colocated_tokens(colocated, [chunked_ids], 8)[0]
+    assert res.events[-1]["output_ids"] == colocated_tokens(colocated, [running_ids], 200)[0]
     wait_until(lambda: pool_snapshot(node.url) == baseline, 60, "the node's memory to come back")
