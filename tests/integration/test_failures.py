@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -47,6 +48,7 @@ def test_decode_node_killed_mid_stream(kill_cluster):
     started = [threading.Event() for _ in range(n)]
     counts = [0] * n
     killed_at: list[int | None] = [None] * n  # events each stream had seen when the node was killed
+    kill_time = [0.0]
     rids = [f"kill-d-{i}-{uuid.uuid4().hex[:6]}" for i in range(n)]
 
     def seen(i, k, _event):
@@ -54,12 +56,14 @@ def test_decode_node_killed_mid_stream(kill_cluster):
         started[i].set()
 
     def one(i):
-        # long enough that no stream can finish on its own; a stream still flowing 20 events after the
-        # kill has shown it is unaffected, and its client leaves (that request is aborted and freed)
+        # long enough that no stream can finish on its own; a stream still flowing 20 events and 2 s after the
+        # kill has shown it is unaffected (a lagging client thread reads the events the killed node sent before
+        # it died after the kill; those last milliseconds), and its client leaves (that request is aborted)
         body = {"text": f"a long answer please {i}", "sampling_params": greedy(1500), "stream": True}
         return stream(cluster.url + "/generate", body, request_id=rids[i], timeout=300,
                       on_event=lambda k, e, i=i: seen(i, k, e),
-                      stop_when=lambda k, i=i: killed_at[i] is not None and k >= killed_at[i] + 20)
+                      stop_when=lambda k, i=i: killed_at[i] is not None and k >= killed_at[i] + 20
+                      and time.monotonic() - kill_time[0] >= 2)
 
     with ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(one, i) for i in range(n)]
@@ -67,6 +71,7 @@ def test_decode_node_killed_mid_stream(kill_cluster):
                    "every stream's first token", interval=0.1)
         assert not any(f.done() for f in futures), [f.result() for f in futures if f.done()]
         cluster.kill(victim.name)
+        kill_time[0] = time.monotonic()
         for i in range(n):
             killed_at[i] = counts[i]
         results = [f.result(timeout=300) for f in futures]
