@@ -49,8 +49,9 @@ from bench.serve import (
     summarize,
 )
 from bench.slo import max_rate, sweep
+from common.cores import parse_cores
 from deploy.cluster import ROOT, Cluster
-from deploy.procs import ClusterError, die_with_parent, free_port, http_status, parse_cores
+from deploy.procs import ClusterError, die_with_parent, free_port, http_status
 
 
 def child_env(ns: argparse.Namespace) -> dict[str, str]:

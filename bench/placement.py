@@ -1,7 +1,9 @@
 """`pdserve bench placement`: `pdserve cluster` as it starts by default against one `pdserve serve`
 node on the same machine, against the cluster started unpinned (`--cpu-affinity none`, the old
-default) and against the cluster without conditional disaggregation (`--local-prefill-queue 0`: every
-prompt prefilled on the prefill node), one after the other under the same serving workload.
+default), against the cluster without conditional disaggregation (`--local-prefill-queue 0`: every
+prompt prefilled on the prefill node) and against the cluster whose decode node does not borrow the
+prefill node's core while it idles (`--no-core-loan`), one after the other under the same serving
+workload.
 
 Workload: the shape of SGLang's `bench_serving` run that first showed the unpinned cluster losing (40
 random requests, 128-256 prompt tokens, 16-32 output tokens, at most 8 in flight, all sent at once);
@@ -18,24 +20,30 @@ default cluster did better:
   placement_itl_p99           unpinned cluster / default cluster ITL p99
   local_prefill_output_throughput  default cluster / cluster without local prefill, output tokens per second
   local_prefill_ttft_p50      cluster without local prefill / default cluster TTFT p50
+  core_loan_output_throughput default cluster / cluster without the core loan, output tokens per second
+  core_loan_itl_p99           cluster without the core loan / default cluster ITL p99
+Each cluster run also records its nodes' core-loan figures (`core_loan`: the prefill node's idle
+seconds, the decode node's forwards and those that ran on the lent core).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shlex
 import signal
 import statistics
 import sys
+import urllib.request
 
 from bench.compare import start_colocated, stop_proc
 from bench.report import HelpFormatter, write_report
 from bench.serve import format_summary, measure_setup, setup_workload
 from deploy.cluster import DEFAULT_LOCAL_PREFILL_QUEUE, Cluster
 
-SETUPS = ("colocated", "cluster", "cluster_unpinned", "cluster_remote_prefill")
+SETUPS = ("colocated", "cluster", "cluster_unpinned", "cluster_remote_prefill", "cluster_no_loan")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +91,9 @@ def compute_ratios(s: dict[str, dict]) -> dict[str, float]:
              "placement_output_throughput": r(tput("cluster"), tput("cluster_unpinned")),
              "placement_itl_p99": r(itl("cluster_unpinned"), itl("cluster")),
              "local_prefill_output_throughput": r(tput("cluster"), tput("cluster_remote_prefill")),
-             "local_prefill_ttft_p50": r(ttft("cluster_remote_prefill"), ttft("cluster"))}
+             "local_prefill_ttft_p50": r(ttft("cluster_remote_prefill"), ttft("cluster")),
+             "core_loan_output_throughput": r(tput("cluster"), tput("cluster_no_loan")),
+             "core_loan_itl_p99": r(itl("cluster_no_loan"), itl("cluster"))}
     return {k: v for k, v in pairs.items() if v is not None and math.isfinite(v)}
 
 
@@ -140,12 +150,21 @@ def _run_setups(setups, ns, cores, log_dir, requests, node_args) -> tuple[dict, 
                           log_dir=os.path.join(log_dir, name), auto_placement=name != "cluster_unpinned",
                           local_prefill_queue=0 if name == "cluster_remote_prefill" else DEFAULT_LOCAL_PREFILL_QUEUE,
                           node_args=node_args, prefill_args=shlex.split(ns.prefill_args),
-                          decode_args=shlex.split(ns.decode_args), startup_timeout=ns.startup_timeout)
+                          decode_args=shlex.split(ns.decode_args), startup_timeout=ns.startup_timeout,
+                          core_loan=name != "cluster_no_loan")
         with cluster:
             runs[name] = measure_setup(name, cluster.url, requests, ns)
             runs[name]["placement"] = {c.name: c.cores for c in cluster.children}
+            runs[name]["core_loan"] = {c.name: _loan_stats(c.url) for c in cluster.children if c.role != "router"}
     load["end"] = round(os.getloadavg()[0], 2)
     return load, runs
+
+
+def _loan_stats(url: str) -> dict:
+    """A node's core-loan figures from its /server_info (empty when it has no loan)."""
+    with urllib.request.urlopen(url + "/server_info", timeout=30) as resp:
+        stats = json.load(resp).get("stats", {})
+    return {k: v for k, v in stats.items() if k.startswith("core_loan")}
 
 
 def _terminate(signum, _frame) -> None:

@@ -210,6 +210,13 @@ class ServerArgs:
     disaggregation_waiting_timeout: float | None = _f(
         None, "decode: seconds to wait for the KV after sending TransferInfo (default: "
         "$PDSERVE_WAITING_TIMEOUT or 300)")
+    core_loan_file: str | None = _f(
+        None, "a file this node shares with the other node of a prefill-decode pair on one machine (pdserve "
+        "cluster sets it): a prefill node writes in it whether it has a forward to run; a decode node with "
+        "--core-loan-cores runs its forwards on the prefill node's cores too while it has none")
+    core_loan_cores: str | None = _f(
+        None, "decode, with --core-loan-file: the cores of the prefill node it pairs with (e.g. 0 or 0-3,6); one "
+        "extra thread runs on each while that node has nothing to run")
     cluster_secret_file: str | None = _f(
         None, "file holding the cluster secret that authenticates the bootstrap and control-plane traffic, "
         "the same on every node and the router (one line, >= 16 bytes; a second line, the previous secret, "
@@ -348,12 +355,43 @@ class ServerArgs:
             if v is not None and not v > 0:
                 raise bad(name.replace("_", "-"), f"must be > 0 seconds, got {v}")
         self._validate_speculative(bad)
+        self._validate_core_loan(bad)
         try:  # read once here; the scheduler processes get it with the pickled args
             self._cluster_secret = load_configured(self.cluster_secret_file)
         except ClusterSecretError as e:
             raise bad("cluster-secret-file", str(e)) from None
         if self._cluster_secret is None and self.disaggregation_mode != "null":
             warn_unauthenticated(logging.getLogger("server"), "this node's bootstrap and control-plane traffic")
+
+    def _validate_core_loan(self, bad) -> None:
+        """common/core_loan.py: a prefill node lends, a decode node with the lent cores borrows."""
+        if self.core_loan_cores is not None:
+            if self.disaggregation_mode != "decode":
+                raise bad("core-loan-cores", "is a decode node's option (it borrows the prefill node's cores)")
+            if not self.core_loan_file:
+                raise bad("core-loan-cores", "needs --core-loan-file")
+            from common.cores import parse_cores
+
+            try:
+                parse_cores(self.core_loan_cores)
+            except ValueError as e:
+                raise bad("core-loan-cores", str(e)) from None
+        if not self.core_loan_file:
+            return
+        if self.disaggregation_mode == "null":
+            raise bad("core-loan-file", "is for the prefill and decode nodes of a pair (--disaggregation-mode)")
+        if self.disaggregation_mode == "decode" and self.core_loan_cores is None:
+            raise bad("core-loan-file", "a decode node borrows only with --core-loan-cores (the prefill node's cores)")
+        if self.dp_size > 1 or self.pp_size > 1:
+            raise bad("core-loan-file", "needs --dp-size 1 and --pp-size 1 (one scheduler says when the node idles)")
+        if self.disaggregation_mode == "decode" and self.tp > 1:
+            raise bad("core-loan-file", "a decode node borrows cores only at --tp-size 1")
+        if self.disaggregation_mode == "decode" and self.enable_overlap_schedule:
+            raise bad("core-loan-file", "cannot be combined with --enable-overlap-schedule on a decode node (its "
+                      "forwards would run on another thread than the one whose threads are pinned)")
+        parent = os.path.dirname(os.path.abspath(self.core_loan_file))
+        if not os.path.isdir(parent):
+            raise bad("core-loan-file", f"no such directory: {parent!r}")
 
     def _validate_dp(self, bad) -> None:
         if not 1 <= self.dp_size <= MAX_DP_SIZE:

@@ -16,7 +16,8 @@ and the tail of its log.
 
 By default (`--cpu-affinity auto`) every node gets cores of its own and as many torch threads, so the
 prefill and decode nodes do not fight over cores (deploy/placement.py says how it splits them); the
-launcher prints what it chose. `--cpu-affinity "prefill=0;decode=1"` pins every process of a role to
+launcher prints what it chose. Decode node i also borrows prefill node i's cores while that node has
+nothing to run (common/core_loan.py; `--no-core-loan`: never). `--cpu-affinity "prefill=0;decode=1"` pins every process of a role to
 those cores instead (`0-3,6` lists work; `router=` is accepted too), `--cpu-affinity none` pins
 nothing. A pinned process's scheduler processes inherit the mask, and a node's torch threads default
 to the cores it may run on divided by its TP size. Flags that are not the launcher's own
@@ -60,6 +61,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from common.core_loan import open_loan_file
 from common.models.hub import is_hub_id
 from deploy.placement import Placement, plan
 from deploy.procs import (
@@ -146,6 +148,8 @@ class Cluster:
     log_dir: str | None = None
     cpu_affinity: dict[str, list[int]] = field(default_factory=dict)  # cores per role, given
     auto_placement: bool = False  # cores per node chosen by deploy.placement (overrides cpu_affinity)
+    # with auto_placement: decode node i borrows prefill node i's cores while it idles (common/core_loan.py)
+    core_loan: bool = True
     node_args: list[str] = field(default_factory=list)  # extra ServerArgs flags for every node
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
@@ -213,6 +217,36 @@ class Cluster:
                 cmd.append("--enable-mixed-chunk")
         return cmd + self.node_args + (self.prefill_args if role == "prefill" else self.decode_args)
 
+    def _no_core_loan(self) -> str | None:
+        """Why the decode nodes cannot borrow their prefill node's cores (None: they can)."""
+        if not self.core_loan:
+            return "turned off"
+        parser = argparse.ArgumentParser(add_help=False)
+        from common.config import ServerArgs
+
+        ServerArgs.add_cli_args(parser)
+        for role, flags in (("prefill", self.node_args + self.prefill_args), ("decode", self.node_args + self.decode_args)):
+            ns, _ = parser.parse_known_args(flags)
+            if ns.core_loan_file or ns.core_loan_cores:
+                return f"the {role} flags set the core loan themselves"
+            if ns.dp_size > 1 or ns.pp_size > 1:
+                return f"the {role} nodes run --dp-size / --pp-size > 1"
+            if role == "decode" and (ns.tp > 1 or ns.enable_overlap_schedule):
+                return "the decode nodes run --tp-size > 1 or --enable-overlap-schedule"
+        return None
+
+    def _loan_args(self, name: str) -> list[str]:
+        """The core-loan flags of node `name`: the lender and its borrower share a file in the log directory."""
+        loans = self.placement.loans
+        lender = loans.get(name, name if name in loans.values() else None)
+        if lender is None:
+            return []
+        path = os.path.join(self.log_dir, f"core-loan-{lender}")
+        open_loan_file(path).close()  # mode 0600; the lender writes BUSY when it starts
+        if name == lender:
+            return ["--core-loan-file", path]
+        return ["--core-loan-file", path, "--core-loan-cores", ",".join(map(str, self.placement.cores[lender]))]
+
     def _router_cmd(self, port: int, host: str | None = None) -> list[str]:
         cmd = [sys.executable, "-m", "router", "--pd-disaggregation", "--host", host or self.host, "--port", str(port)]
         for p in self.prefills:
@@ -233,7 +267,7 @@ class Cluster:
     # ------------------------------------------------------------------------------------ processes
     def _spawn(self, child: Child) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: self.cluster_secret_file, **self.env,
-               **(self.placement.env if child.role != "router" else {}), **self.role_env.get(child.role, {})}
+               **(self.placement.node_env(child.name) if child.role != "router" else {}), **self.role_env.get(child.role, {})}
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cores = child.cores
 
@@ -314,8 +348,10 @@ class Cluster:
         self.children = []
         places = self._places()
         if self.auto_placement:
-            self.placement = plan(self.num_prefill, self.num_decode, sorted(os.sched_getaffinity(0)))
-            self._say(self.placement.describe())
+            why_not = self._no_core_loan()
+            self.placement = plan(self.num_prefill, self.num_decode, sorted(os.sched_getaffinity(0)),
+                                  loans=why_not is None)
+            self._say(self.placement.describe() + (f" (no core loan: {why_not})" if why_not else ""))
         if self.local_prefill_queue > 0:
             self._say(f"conditional disaggregation: a decode node prefills a request itself while its prefill node "
                       f"has {self.local_prefill_queue}+ prefills in flight ({2 * self.local_prefill_queue}+ for a second), in chunks of {LOCAL_PREFILL_CHUNK} tokens "
@@ -327,7 +363,8 @@ class Cluster:
                 name = f"{role}-{i}"
                 cores = self.placement.cores[name] if self.auto_placement else self.cpu_affinity.get(role)
                 host, netns = places[len(self.children) + 1]
-                self.children.append(Child(name, role, self._node_cmd(role, port, bport or 0, host), port,
+                self.children.append(Child(name, role, self._node_cmd(role, port, bport or 0, host) +
+                                           self._loan_args(name), port,
                                            os.path.join(self.log_dir, f"{name}.log"), bport, cores, host, netns))
         self._say(f"starting {self.num_prefill} prefill + {self.num_decode} decode nodes "
                   f"({self.transfer_backend} backend, model {self.model}); logs in {self.log_dir}")
@@ -538,6 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
       help='"auto": cores of its own for every node, as many torch threads (shared round-robin, one thread '
            'each, when there are fewer cores than nodes); "none": no pinning; or pin roles to cores, e.g. '
            '"prefill=0;decode=1" or "prefill=0-1;decode=2-3;router=0"')
+    a("--no-core-loan", action="store_true",
+      help="with --cpu-affinity auto: decode node i does not borrow prefill node i's cores while that node has "
+           "nothing to run (by default it does: common/core_loan.py)")
     a("--local-prefill-queue", type=int, default=DEFAULT_LOCAL_PREFILL_QUEUE, metavar="N",
       help="conditional disaggregation: the router sends a request to a decode node alone, to prefill it there "
       f"in chunks of {LOCAL_PREFILL_CHUNK} tokens between decode steps, while its prefill node has N or more "
@@ -615,7 +655,8 @@ def cluster_from_args(argv: list[str]) -> Cluster:
     return Cluster(num_prefill=ns.prefill, num_decode=ns.decode, model=ns.model,
                    transfer_backend=ns.transfer_backend, port=ns.port or None, host=ns.host, hosts=ns.hosts,
                    log_dir=ns.log_dir,
-                   cpu_affinity=affinity, auto_placement=ns.cpu_affinity == "auto", node_args=node_args,
+                   cpu_affinity=affinity, auto_placement=ns.cpu_affinity == "auto", core_loan=not ns.no_core_loan,
+                   node_args=node_args,
                    prefill_args=prefill_args,
                    decode_args=decode_args, router_args=router_args, startup_timeout=ns.startup_timeout,
                    local_prefill_queue=ns.local_prefill_queue,

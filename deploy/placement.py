@@ -16,6 +16,10 @@ The automatic placement gives every node cores of its own when there are enough:
   unless the environment already sets a policy): a node's front end and scheduler processes share
   its cores, and a thread spinning on a busy core only burns the time of whoever else runs there
   (`pdserve bench compare` measured a 2-thread node 8x slower per token at load 10 with spinning).
+* decode node i borrows prefill node i's cores while that node has nothing to run (`loans`;
+  common/core_loan.py): in a busy run the prefill node idles a tenth of the time with every request
+  at the decode node, whose steps then run on both nodes' cores (`pdserve bench placement`:
+  `core_loan_output_throughput`). Never with shared cores.
 The router is not pinned: it moves bytes between sockets and the kernel puts it where a core is idle.
 """
 
@@ -26,6 +30,10 @@ from dataclasses import dataclass, field
 
 # what OpenMP threads do between parallel regions: sleep, not spin
 WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# a borrowing decode node's threads spin ~10 us between parallel regions before they sleep: a forward's
+# regions follow each other within microseconds, and waking a sleeping thread for each made a forward on
+# a lent core no faster than without it (common/core_loan.py)
+BORROWER_ENV = {"GOMP_SPINCOUNT": "10000"}
 
 
 @dataclass
@@ -35,17 +43,25 @@ class Placement:
     cores: dict[str, list[int]] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     shared: bool = False  # fewer cores than nodes
+    loans: dict[str, str] = field(default_factory=dict)  # borrower (decode node) -> lender (prefill node)
+
+    def node_env(self, name: str) -> dict[str, str]:
+        """The environment node `name` gets."""
+        return {**self.env, **(BORROWER_ENV if name in self.loans else {})}
 
     def describe(self) -> str:
         nodes = ", ".join(f"{name} on {_span(c)} ({len(c)} thread{'s' * (len(c) > 1)})"
                           for name, c in self.cores.items())
         how = "fewer cores than nodes: shared round-robin" if self.shared else "a core set per node"
         env = " ".join(f"{k}={v}" for k, v in self.env.items()) or "environment unchanged"
-        return f"placement ({how}; {env}; router unpinned): {nodes}"
+        loans = "".join(f"; {d} borrows {p}'s {_span(self.cores[p])} while {p} has nothing to run "
+                        f"({' '.join(f'{k}={v}' for k, v in BORROWER_ENV.items())})" for d, p in self.loans.items())
+        return f"placement ({how}; {env}; router unpinned): {nodes}{loans}"
 
 
-def plan(num_prefill: int, num_decode: int, cores: list[int]) -> Placement:
-    """The automatic placement of `num_prefill` + `num_decode` nodes on `cores`."""
+def plan(num_prefill: int, num_decode: int, cores: list[int], loans: bool = True) -> Placement:
+    """The automatic placement of `num_prefill` + `num_decode` nodes on `cores` (`loans`: decode node i
+    borrows prefill node i's cores, for every i that has both)."""
     if num_prefill < 0 or num_decode < 0 or not cores:
         raise ValueError("plan needs node counts >= 0 and at least one core")
     cores = sorted(cores)
@@ -63,7 +79,8 @@ def plan(num_prefill: int, num_decode: int, cores: list[int]) -> Placement:
         take = share + (i < extra)
         out[name] = cores[start:start + take]
         start += take
-    return Placement(out, env)
+    lent = {f"decode-{i}": f"prefill-{i}" for i in range(min(num_prefill, num_decode))} if loans else {}
+    return Placement(out, env, loans=lent)
 
 
 def _span(cores: list[int]) -> str:

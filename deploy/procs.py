@@ -12,6 +12,8 @@ import socket
 import urllib.error
 import urllib.request
 
+from common.cores import parse_cores
+
 ROLES = ("prefill", "decode", "router")
 
 
@@ -55,25 +57,6 @@ def new_secret_file(path: str) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32) + "\n")
     return path
-
-
-def parse_cores(spec: str) -> list[int]:
-    """"0-3,6" -> [0, 1, 2, 3, 6]"""
-    cores: list[int] = []
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "-" in part:
-            lo, hi = (int(x) for x in part.split("-", 1))
-            if hi < lo:
-                raise ValueError(f"bad core range {part!r}")
-            cores.extend(range(lo, hi + 1))
-        else:
-            cores.append(int(part))
-    if not cores:
-        raise ValueError(f"no cores in {spec!r}")
-    return sorted(set(cores))
 
 
 def parse_affinity(spec: str | None) -> dict[str, list[int]]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from common import core_loan
 from common.config import ServerArgs
 from common.log import exit_now, setup_logging
 from common.protocol import BatchOut, ReqUpdate, ToScheduler
@@ -183,6 +184,8 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
     name = "scheduler" + (f"-dp{dp_rank}" if args.dp_size > 1 else "") + (f"-pp{pp_rank}" if args.pp_size > 1
                                                                          else "") + f"-tp{tp_rank}"
     setup_logging(name, args.log_level)
+    cores = sorted(os.sched_getaffinity(0))  # the cores this process may run on (a launcher may pin it)
+    core_loan.widen_for_openmp(args, cores)  # before OpenMP loads with torch (common/core_loan.py says why)
     if scheduler_cls is None:
         from common.scheduler.scheduler import Scheduler
 
@@ -194,7 +197,7 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
         scheduler_cls = getattr(importlib.import_module(module), cls_name)
     import torch  # here, not at the top: the front end imports this module to spawn the ranks
 
-    cores = sorted(os.sched_getaffinity(0))  # the cores this process may run on (a launcher may pin it)
+    os.sched_setaffinity(0, cores)
     share = group_cores(cores, dp_rank, args.dp_size)
     if share != cores:
         # the node's cores, for threads that must not share the group's (transfer/engine.py: spread_over_node)

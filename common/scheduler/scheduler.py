@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from common import core_loan
 from common.config import ServerArgs
 from common.forward_batch import ForwardMode
 from common.grammar import GrammarCompiler
@@ -140,6 +141,9 @@ class Scheduler:
         self.grammar_queue = GrammarQueue(lambda: GrammarCompiler(tok_path, self.vocab_size, self.eos_token_ids,
                                                                   fast_tokenizer(self.tokenizer)),
                                           tp_size * getattr(args, "pp_size", 1))
+
+        # the prefill node lends its cores to its decode node while it has nothing to run (common/core_loan.py)
+        self.lender, self.borrower = core_loan.for_node(args, tp_rank)
 
         # decode forwards on a worker thread (None: in sequence); common/scheduler/overlap.py
         overlap, why = overlap_choice(args, tp_size)
@@ -701,8 +705,16 @@ class Scheduler:
     def step(self) -> bool:
         """One engine step (after the input); returns whether a forward ran (or was launched)."""
         if self.overlap is not None:
-            return self.overlap.step(self)
+            ran = self.overlap.step(self)
+            if ran and self.lender is not None:
+                self.lender.set_idle(False)
+            return ran
         out = self.schedule()
+        if out.batch is not None:
+            if self.lender is not None:
+                self.lender.set_idle(False)
+            if self.borrower is not None:
+                self.borrower.before_forward()
         result = self.runner.run(out.batch) if out.batch is not None else None
         self.emit(self.update_from_output(out, result))
         return out.batch is not None
@@ -740,6 +752,8 @@ class Scheduler:
                 else:
                     ran = False
                     self.stream_output()
+                if not ran and self.lender is not None:
+                    self.lender.set_idle(True)
                 if self.kv_events is not None:
                     self.kv_events.flush()
         finally:

@@ -41,7 +41,7 @@ def scheduler_stats(sched) -> dict[str, Any]:
         "req_slots_total": sched.req_to_token_pool.size,
         "cache_hit_rate": sched.total_cached_tokens / sched.total_prompt_tokens if sched.total_prompt_tokens else 0.0,
         "num_tokens_used": total - free - evictable,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": sched.borrower.own if sched.borrower is not None else torch.get_num_threads(),
         "gen_throughput": gen,
         "new_token_ratio": sched.new_token_ratio.value,
         "num_retractions": sched.num_retractions,
@@ -72,7 +72,13 @@ def scheduler_stats(sched) -> dict[str, Any]:
         **sched.priority.stats(),
         **sched.grammar_queue.stats(),
         **_role_stats(sched),
+        **_loan_stats(sched),
     }
+
+
+def _loan_stats(sched) -> dict[str, Any]:
+    loan = sched.lender or sched.borrower  # common/core_loan.py
+    return loan.stats() if loan is not None else {}
 
 
 def _role_stats(sched) -> dict[str, Any]:

@@ -55,6 +55,11 @@ STAT_METRICS = {
     "req_rows_total": ("gauge", "request rows (req-to-token rows, running and preallocated)"),
     "kv_quarantined_pages": ("gauge", "decode: KV pages of failed rooms held until their prefill ranks stop writing"),
     "kv_quarantined_rooms": ("gauge", "decode: failed rooms whose memory is held until their prefill ranks stop"),
+    "core_loan_idle_seconds": ("counter", "prefill, lending its cores (--core-loan-file): seconds it had no "
+                                          "forward to run, its cores lent to its decode node"),
+    "core_loan_forwards": ("counter", "decode, borrowing (--core-loan-cores): forwards run"),
+    "core_loan_lent_forwards": ("counter", "decode, borrowing (--core-loan-cores): forwards run with threads on the "
+                                           "prefill node's idle cores too"),
     "num_local_prefills": ("counter", "decode: requests without a PD rendezvous prefilled on this node "
                                       "(--disaggregation-local-prefill)"),
     "pd_requests_open": ("gauge", "requests the PD role tracks (bootstrap, transfer, inflight or waiting)"),

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from common.cores import parse_cores
 from deploy import cluster as cl
 from deploy import procs
 from deploy.placement import plan
@@ -80,6 +81,16 @@ def test_cluster_command_serves_pins_and_stops_on_ctrl_c(tiny_model_dir, tmp_pat
             assert status == 200 and info["stats"]["torch_threads"] == len(want.cores[name]), info.get("stats")
         if len(cores) >= 2:
             assert not set(want.cores["prefill-0"]) & set(want.cores["decode-0"])
+            # the decode node borrowed the prefill node's core while it idled (common/core_loan.py)
+            stats = {n: http_json("GET", children[n]["url"] + "/server_info")[1]["stats"] for n in children
+                     if n != "router"}
+            assert stats["prefill-0"]["core_loan_role"] == "lender" and stats["prefill-0"]["core_loan_idle_seconds"] > 0
+            assert stats["decode-0"]["core_loan_role"] == "borrower"
+            assert 1 <= stats["decode-0"]["core_loan_lent_forwards"] <= stats["decode-0"]["core_loan_forwards"]
+            scheduler = psutil.Process(children["decode-0"]["pid"]).children(recursive=True)
+            lent = ",".join(map(str, want.cores["prefill-0"]))
+            pinned = [_allowed(p.pid, t.id) for p in scheduler for t in p.threads()]
+            assert lent in pinned, pinned  # its extra OpenMP thread runs on the lent core only
         pids = [c["pid"] for c in manifest["children"]]
         descendants = [q.pid for pid in pids for q in psutil.Process(pid).children(recursive=True)]
 
@@ -96,6 +107,30 @@ def test_cluster_command_serves_pins_and_stops_on_ctrl_c(tiny_model_dir, tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _allowed(pid: int, tid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            return next(line for line in f if line.startswith("Cpus_allowed_list")).split(":")[1].strip()
+    except (OSError, StopIteration):
+        return ""
+
+
+def test_core_loan_flags_and_when_the_launcher_leaves_them_out(tiny_model_dir, tmp_path):
+    c = cl.cluster_from_args(["--model", tiny_model_dir])
+    assert c.core_loan and c._no_core_loan() is None
+    c.log_dir, c.placement = str(tmp_path), plan(1, 1, [0, 1])
+    path = str(tmp_path / "core-loan-prefill-0")
+    assert c._loan_args("prefill-0") == ["--core-loan-file", path]
+    assert c._loan_args("decode-0") == ["--core-loan-file", path, "--core-loan-cores", "0"]
+    assert os.stat(path).st_mode & 0o777 == 0o600 and os.path.getsize(path) == 1
+    assert c._loan_args("router") == []
+    for argv, why in ((["--no-core-loan"], "turned off"), (["--decode-args=--tp 2"], "--tp-size"),
+                      (["--decode-args=--enable-overlap-schedule"], "overlap"),
+                      (["--prefill-args=--dp-size 2"], "--dp-size"),
+                      (["--decode-args=--core-loan-file x --core-loan-cores 0"], "themselves")):
+        assert why in cl.cluster_from_args(["--model", tiny_model_dir, *argv])._no_core_loan(), argv
 
 
 def test_child_dying_at_start_is_named_with_its_log(tiny_model_dir, tmp_path):
@@ -126,9 +161,9 @@ def test_launcher_rejects_bad_flags_before_starting_anything(tmp_path):
 
 
 def test_affinity_and_core_parsing():
-    assert procs.parse_cores("0-2,5,5") == [0, 1, 2, 5]
+    assert parse_cores("0-2,5,5") == [0, 1, 2, 5]
     with pytest.raises(ValueError):
-        procs.parse_cores("3-1")
+        parse_cores("3-1")
     first = min(os.sched_getaffinity(0))
     assert procs.parse_affinity(f"prefill={first}; decode={first}") == {"prefill": [first], "decode": [first]}
     assert procs.parse_affinity(None) == {}

@@ -13,7 +13,20 @@ def test_two_cores_one_prefill_one_decode_get_a_core_each(monkeypatch):
     assert p.cores == {"prefill-0": [0], "decode-0": [1]} and not p.shared
     assert p.env == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert p.describe() == ("placement (a core set per node; OMP_WAIT_POLICY=PASSIVE; router unpinned): "
-                            "prefill-0 on core 0 (1 thread), decode-0 on core 1 (1 thread)")
+                            "prefill-0 on core 0 (1 thread), decode-0 on core 1 (1 thread); decode-0 borrows "
+                            "prefill-0's core 0 while prefill-0 has nothing to run (GOMP_SPINCOUNT=10000)")
+    assert p.loans == {"decode-0": "prefill-0"}
+    assert p.node_env("decode-0") == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
+    assert p.node_env("prefill-0") == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_decode_node_i_borrows_prefill_node_i_and_never_on_shared_cores():
+    assert plan(2, 1, list(range(4))).loans == {"decode-0": "prefill-0"}
+    assert plan(1, 3, list(range(8))).loans == {"decode-0": "prefill-0"}  # a lender lends to one borrower
+    assert plan(2, 2, list(range(4))).loans == {"decode-0": "prefill-0", "decode-1": "prefill-1"}
+    assert plan(2, 2, [0, 1]).loans == {}  # shared round-robin: nothing of its own to lend
+    p = plan(1, 1, [0, 1], loans=False)
+    assert p.loans == {} and "borrows" not in p.describe() and p.node_env("decode-0") == p.env
 
 
 def test_blocks_are_contiguous_and_leftovers_go_to_prefill_nodes_first():

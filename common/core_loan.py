@@ -1,0 +1,152 @@
+"""Core lending between the prefill node and the decode node of a pair on one machine.
+
+`pdserve cluster` gives each node cores of its own (deploy/placement.py), so a prefill never slows a
+decode step. But in a busy run the prefill node has nothing to run for a tenth of the time (every
+request is at the decode node), and its cores idle while the decode node steps on its own. The pair
+shares one byte in a file (`--core-loan-file`, created by the launcher): the lender (the prefill
+node's scheduler) writes IDLE while it has no forward to run and BUSY from the moment it schedules
+one; the borrower (a decode node's scheduler, `--core-loan-cores` naming the lender's cores) reads
+it before each forward and runs that forward with extra OpenMP threads on the lent cores while the
+byte says IDLE, on its own threads otherwise. The borrower's OpenMP threads are pinned at start-up
+(`threads.c`): its own threads to its own cores, the extra ones to the lent cores, so a borrowed
+thread never runs anywhere else. A forward that started on lent cores finishes there even if the
+lender wakes up meanwhile (one decode step or local chunk: tens to a few hundred milliseconds); the
+next one runs on the borrower's own cores.
+
+OpenMP threads must spin between the parallel regions of a lent forward: waking a sleeping thread costs
+so much on a VM that a forward on two threads with OMP_WAIT_POLICY=PASSIVE is no faster than on one
+(SmolLM2-135M, batch 1: 36 ms against 32), while spinning ones bring it from 30-34 to 21-24 ms. The
+launcher sets the borrower's GOMP_SPINCOUNT (deploy/placement.py), and since libgomp spins only a
+few times when it manages more threads than the process had cores when it loaded,
+the borrower's scheduler process widens its affinity to the lent cores before torch loads OpenMP
+(`widen_for_openmp`) and narrows it again right after.
+
+The byte is all the pair shares: any value but IDLE reads as BUSY (a lender that never started,
+or a file someone else wrote, lends nothing), and a lender that dies while idle only leaves cores
+lent that no one else uses. Only the TP-1, PP-1, DP-1 decode node without overlap scheduling
+borrows (its forwards run on the scheduler's own thread, whose OpenMP team is the one pinned);
+config validation refuses the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+
+logger = logging.getLogger(__name__)
+
+IDLE, BUSY = 1, 0
+
+
+def open_loan_file(path: str) -> mmap.mmap:
+    """The shared byte: `path` mapped read-write (created, mode 0600, if missing)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size < 1:
+            os.ftruncate(fd, 1)
+        return mmap.mmap(fd, 1)
+    finally:
+        os.close(fd)
+
+
+class Lender:
+    """The prefill node's side: whether it has a forward to run, and for how long it had none."""
+
+    def __init__(self, path: str) -> None:
+        self._mm = open_loan_file(path)
+        self._idle = False
+        self._since = time.monotonic()
+        self.idle_s = 0.0
+        self._mm[0] = BUSY
+
+    def set_idle(self, idle: bool) -> None:
+        if idle == self._idle:
+            return
+        now = time.monotonic()
+        if self._idle:
+            self.idle_s += now - self._since
+        self._since = now
+        self._mm[0] = IDLE if idle else BUSY
+        self._idle = idle
+
+    def stats(self) -> dict:
+        extra = time.monotonic() - self._since if self._idle else 0.0
+        return {"core_loan_role": "lender", "core_loan_idle_seconds": self.idle_s + extra}
+
+
+class Borrower:
+    """The decode node's side: its own threads, or those plus one per lent core while the lender idles."""
+
+    def __init__(self, path: str, own_cores: list[int], lent_cores: list[int]) -> None:
+        import torch
+
+        from common.layers import native
+
+        overlap = sorted(set(own_cores) & set(lent_cores))
+        if overlap:
+            raise RuntimeError(f"core loan: cores {overlap} are this node's own and lent too")
+        pin = native.pin_team()
+        if pin is None:
+            raise RuntimeError("core loan: needs the native kernels (common/layers/threads.c), which did not build")
+        self._torch = torch
+        self._mm = open_loan_file(path)
+        own_threads = torch.get_num_threads()
+        self.own = own_threads
+        self.total = own_threads + len(lent_cores)
+        width = max(len(own_cores), 1)
+        rows = [own_cores + [-1] * (width - len(own_cores))] * own_threads
+        rows += [[c] + [-1] * (width - 1) for c in lent_cores]
+        sets = torch.tensor(rows, dtype=torch.int64)
+        torch.set_num_threads(self.total)
+        pinned = pin(self.total, sets.data_ptr(), width)
+        torch.set_num_threads(self.own)
+        if pinned != self.total:
+            raise RuntimeError(f"core loan: pinned {pinned} of {self.total} threads (are cores {lent_cores} here?)")
+        self.threads = self.own
+        self.forwards = 0
+        self.lent_forwards = 0
+        logger.info("core loan: forwards run %d thread(s) on cores %s, plus one on each of cores %s while the "
+                    "prefill node has nothing to run", own_threads, own_cores, lent_cores)
+
+    def lender_idle(self) -> bool:
+        return self._mm[0] == IDLE
+
+    def before_forward(self) -> None:
+        want = self.total if self.lender_idle() else self.own
+        if want != self.threads:
+            self._torch.set_num_threads(want)
+            self.threads = want
+        self.forwards += 1
+        self.lent_forwards += want > self.own
+
+    def stats(self) -> dict:
+        return {"core_loan_role": "borrower", "core_loan_lent_forwards": self.lent_forwards,
+                "core_loan_forwards": self.forwards}
+
+
+def widen_for_openmp(args, own_cores: list[int]) -> None:
+    """A borrower's scheduler process, before torch loads: may run on `own_cores` and the lent cores, so
+    OpenMP counts them at start-up (the caller narrows the process to `own_cores` once torch is loaded)."""
+    if args.core_loan_file and args.core_loan_cores and args.disaggregation_mode == "decode":
+        from common.cores import parse_cores
+
+        wide = sorted(set(own_cores) | set(parse_cores(args.core_loan_cores)))
+        try:
+            os.sched_setaffinity(0, wide)
+        except OSError as e:
+            raise RuntimeError(f"--core-loan-cores {args.core_loan_cores}: this process cannot run on cores {wide}: "
+                               f"{e}") from None
+
+
+def for_node(args, tp_rank: int):
+    """(lender, borrower) of this scheduler rank from `--core-loan-file` / `--core-loan-cores` (validated
+    by ServerArgs): the prefill node's rank 0 lends, a decode node borrows; (None, None) otherwise."""
+    if not args.core_loan_file or tp_rank != 0:
+        return None, None
+    if args.disaggregation_mode == "prefill":
+        return Lender(args.core_loan_file), None
+    from common.cores import parse_cores
+
+    return None, Borrower(args.core_loan_file, sorted(os.sched_getaffinity(0)), parse_cores(args.core_loan_cores))
