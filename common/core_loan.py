@@ -107,6 +107,7 @@ class Borrower:
         self.threads = self.own
         self.forwards = 0
         self.lent_forwards = 0
+        self.contended_forwards = 0  # lent forwards the lender woke up during (it shared its cores until they ended)
         logger.info("core loan: forwards run %d thread(s) on cores %s, plus one on each of cores %s while the "
                     "prefill node has nothing to run", own_threads, own_cores, lent_cores)
 
@@ -121,9 +122,13 @@ class Borrower:
         self.forwards += 1
         self.lent_forwards += want > self.own
 
+    def after_forward(self) -> None:
+        if self.threads > self.own and not self.lender_idle():
+            self.contended_forwards += 1
+
     def stats(self) -> dict:
         return {"core_loan_role": "borrower", "core_loan_lent_forwards": self.lent_forwards,
-                "core_loan_forwards": self.forwards}
+                "core_loan_forwards": self.forwards, "core_loan_contended_forwards": self.contended_forwards}
 
 
 def widen_for_openmp(args, own_cores: list[int]) -> None:

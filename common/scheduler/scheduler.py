@@ -716,6 +716,8 @@ class Scheduler:
             if self.borrower is not None:
                 self.borrower.before_forward()
         result = self.runner.run(out.batch) if out.batch is not None else None
+        if out.batch is not None and self.borrower is not None:
+            self.borrower.after_forward()
         self.emit(self.update_from_output(out, result))
         return out.batch is not None
 

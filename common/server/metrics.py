@@ -60,6 +60,8 @@ STAT_METRICS = {
     "core_loan_forwards": ("counter", "decode, borrowing (--core-loan-cores): forwards run"),
     "core_loan_lent_forwards": ("counter", "decode, borrowing (--core-loan-cores): forwards run with threads on the "
                                            "prefill node's idle cores too"),
+    "core_loan_contended_forwards": ("counter", "decode, borrowing: lent forwards the prefill node woke up during "
+                                                "(they shared its cores until they ended)"),
     "num_local_prefills": ("counter", "decode: requests without a PD rendezvous prefilled on this node "
                                       "(--disaggregation-local-prefill)"),
     "pd_requests_open": ("gauge", "requests the PD role tracks (bootstrap, transfer, inflight or waiting)"),

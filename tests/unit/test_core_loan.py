@@ -73,7 +73,13 @@ BORROWER = textwrap.dedent("""
         allowed[tid] = line.split(":")[1].strip()
     seen["main"] = allowed.pop(str(threading.get_native_id()))
     seen["others"] = sorted(set(allowed.values()))
+    b.after_forward()  # the lender still idles: not contended
     seen["garbage_byte"] = forward(True, byte=7)  # anything but IDLE reads as busy
+    b.after_forward()  # a forward on its own threads is never contended
+    lender.set_idle(False)
+    forward(True)
+    lender.set_idle(False)  # the prefill node woke up during a lent forward
+    b.after_forward()
     seen["stats"] = b.stats()
     print(json.dumps(seen))
 """)
@@ -93,7 +99,8 @@ def test_borrower_runs_extra_threads_pinned_to_the_lent_core_only_while_the_lend
     assert (seen["busy"], seen["idle"], seen["garbage_byte"]) == (1, 2, 1)
     assert seen["main"] == str(own)
     assert str(lent) in seen["others"]  # the OpenMP thread of the lent core runs there and nowhere else
-    assert seen["stats"] == {"core_loan_role": "borrower", "core_loan_lent_forwards": 1, "core_loan_forwards": 3}
+    assert seen["stats"] == {"core_loan_role": "borrower", "core_loan_lent_forwards": 2, "core_loan_forwards": 4,
+                             "core_loan_contended_forwards": 1}
 
 
 def test_borrower_refuses_a_lent_core_of_its_own(tmp_path):
