@@ -13,7 +13,9 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from common import core_loan
 from common.cluster_secret import ClusterSecret, ClusterSecretError, load_configured, warn_unauthenticated
+from common.cores import parse_cores
 from common.models.hub import is_hub_id
 
 DEFAULT_OTLP_ENDPOINT = "localhost:4318"
@@ -370,8 +372,6 @@ class ServerArgs:
                 raise bad("core-loan-cores", "is a decode node's option (it borrows the prefill node's cores)")
             if not self.core_loan_file:
                 raise bad("core-loan-cores", "needs --core-loan-file")
-            from common.cores import parse_cores
-
             try:
                 parse_cores(self.core_loan_cores)
             except ValueError as e:
@@ -382,13 +382,10 @@ class ServerArgs:
             raise bad("core-loan-file", "is for the prefill and decode nodes of a pair (--disaggregation-mode)")
         if self.disaggregation_mode == "decode" and self.core_loan_cores is None:
             raise bad("core-loan-file", "a decode node borrows only with --core-loan-cores (the prefill node's cores)")
-        if self.dp_size > 1 or self.pp_size > 1:
-            raise bad("core-loan-file", "needs --dp-size 1 and --pp-size 1 (one scheduler says when the node idles)")
-        if self.disaggregation_mode == "decode" and self.tp > 1:
-            raise bad("core-loan-file", "a decode node borrows cores only at --tp-size 1")
-        if self.disaggregation_mode == "decode" and self.enable_overlap_schedule:
-            raise bad("core-loan-file", "cannot be combined with --enable-overlap-schedule on a decode node (its "
-                      "forwards would run on another thread than the one whose threads are pinned)")
+        why = core_loan.unsupported(self.disaggregation_mode, self.tp, self.pp_size, self.dp_size,
+                                    self.enable_overlap_schedule)
+        if why:
+            raise bad("core-loan-file", why)
         parent = os.path.dirname(os.path.abspath(self.core_loan_file))
         if not os.path.isdir(parent):
             raise bad("core-loan-file", f"no such directory: {parent!r}")

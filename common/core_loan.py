@@ -35,6 +35,8 @@ import mmap
 import os
 import time
 
+from common.cores import parse_cores
+
 logger = logging.getLogger(__name__)
 
 IDLE, BUSY = 1, 0
@@ -131,12 +133,23 @@ class Borrower:
                 "core_loan_forwards": self.forwards, "core_loan_contended_forwards": self.contended_forwards}
 
 
+def unsupported(role: str, tp: int, pp_size: int, dp_size: int, overlap: bool) -> str | None:
+    """Why a `role` node of this shape cannot take part in a core loan (None: it can). Config validation
+    refuses such a node's flags; the launcher leaves them out."""
+    if dp_size > 1 or pp_size > 1:
+        return "needs --dp-size 1 and --pp-size 1 (one scheduler says when the node idles)"
+    if role == "decode" and tp > 1:
+        return "a decode node borrows cores only at --tp-size 1"
+    if role == "decode" and overlap:
+        return ("cannot be combined with --enable-overlap-schedule on a decode node (its forwards would run on "
+                "another thread than the one whose threads are pinned)")
+    return None
+
+
 def widen_for_openmp(args, own_cores: list[int]) -> None:
     """A borrower's scheduler process, before torch loads: may run on `own_cores` and the lent cores, so
     OpenMP counts them at start-up (the caller narrows the process to `own_cores` once torch is loaded)."""
     if args.core_loan_file and args.core_loan_cores and args.disaggregation_mode == "decode":
-        from common.cores import parse_cores
-
         wide = sorted(set(own_cores) | set(parse_cores(args.core_loan_cores)))
         try:
             os.sched_setaffinity(0, wide)
@@ -152,6 +165,4 @@ def for_node(args, tp_rank: int):
         return None, None
     if args.disaggregation_mode == "prefill":
         return Lender(args.core_loan_file), None
-    from common.cores import parse_cores
-
     return None, Borrower(args.core_loan_file, sorted(os.sched_getaffinity(0)), parse_cores(args.core_loan_cores))

@@ -61,7 +61,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from common.core_loan import open_loan_file
+from common import core_loan
 from common.models.hub import is_hub_id
 from deploy.placement import Placement, plan
 from deploy.procs import (
@@ -224,18 +224,14 @@ class Cluster:
         """Why the decode nodes cannot borrow their prefill node's cores (None: they can)."""
         if not self.core_loan:
             return "turned off"
-        parser = argparse.ArgumentParser(add_help=False)
-        from common.config import ServerArgs
-
-        ServerArgs.add_cli_args(parser)
+        parser = node_parser()
         for role, flags in (("prefill", self.node_args + self.prefill_args), ("decode", self.node_args + self.decode_args)):
             ns, _ = parser.parse_known_args(flags)
             if ns.core_loan_file or ns.core_loan_cores:
                 return f"the {role} flags set the core loan themselves"
-            if ns.dp_size > 1 or ns.pp_size > 1:
-                return f"the {role} nodes run --dp-size / --pp-size > 1"
-            if role == "decode" and (ns.tp > 1 or ns.enable_overlap_schedule):
-                return "the decode nodes run --tp-size > 1 or --enable-overlap-schedule"
+            why = core_loan.unsupported(role, ns.tp, ns.pp_size, ns.dp_size, ns.enable_overlap_schedule)
+            if why:
+                return f"the {role} nodes' flags: {why}"
         return None
 
     def _loan_args(self, name: str) -> list[str]:
@@ -245,8 +241,8 @@ class Cluster:
         if lender is None:
             return []
         path = os.path.join(self.log_dir, f"core-loan-{lender}")
-        open_loan_file(path).close()  # mode 0600; the lender writes BUSY when it starts
-        if name == lender:
+        if name == lender:  # prefill nodes come first
+            core_loan.open_loan_file(path).close()  # mode 0600; the lender writes BUSY when it starts
             return ["--core-loan-file", path]
         return ["--core-loan-file", path, "--core-loan-cores", ",".join(map(str, self.placement.cores[lender]))]
 
@@ -606,14 +602,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_node_flags(flags: list[str]) -> None:
-    """Raise ValueError if a flag is not a node flag (the node would exit at start-up otherwise)."""
+def node_parser() -> argparse.ArgumentParser:
+    """The nodes' flag parser (ServerArgs), to check or read the flags the launcher passes on."""
     from common.config import ServerArgs
 
     parser = argparse.ArgumentParser(add_help=False)
     ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def check_node_flags(flags: list[str]) -> None:
+    """Raise ValueError if a flag is not a node flag (the node would exit at start-up otherwise)."""
     try:
-        _, unknown = parser.parse_known_args(flags)
+        _, unknown = node_parser().parse_known_args(flags)
     except SystemExit:
         raise ValueError(f"invalid node flags: {shlex.join(flags)}") from None
     if unknown:
