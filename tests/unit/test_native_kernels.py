@@ -112,6 +112,23 @@ def test_panel_gemm_matches_float64(rows, out_features, in_features):
             assert (out.double() - ref).abs().max().item() < 1e-5 * in_features ** 0.5 * 4
 
 
+
+@pytest.mark.parametrize("quantization", [None, "int8wo"])
+def test_panel_gemm_gives_each_row_the_same_bits_in_any_batch(quantization):
+    """Batches of 1 to 26 rows split into row blocks of every height (8 rows as 4 + 4, 13 as 5 + 4 + 4, 26
+    over several blocks): each output sums over k in the same order whatever block its row lands in, so
+    every row of a batch equals, bit for bit, the same row computed alone."""
+    from common.layers.linear import linear, pack_weight
+
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(40, 150, generator=g)
+    bias = torch.randn(40, generator=g)
+    packed = pack_weight(weight, quantization=quantization) if quantization else pack_weight(weight)
+    x = torch.randn(26, 150, generator=g)
+    alone = torch.cat([linear(x[i:i + 1], weight, packed, bias) for i in range(26)])
+    for rows in range(2, 27):
+        assert torch.equal(linear(x[:rows], weight, packed, bias), alone[:rows]), rows
+
 def strided_outputs(rows: int, weight, packed, bias, g):
     """A strided activation (rows inside a wider tensor), and `linear`'s output without and with the bias."""
     from common.layers.linear import linear
