@@ -695,7 +695,9 @@ class Scheduler:
             self.send(out)
 
     def stream_output(self) -> None:
-        """Send what this iteration recorded (refusals and aborts when no step ran)."""
+        """Send what this iteration recorded so far: refusals and aborts when no step ran; before a
+        forward, what the schedule recorded (a prefill node's request whose transfer is done, a decode
+        node's first token from the prefill node, a failed transfer), so it does not wait a forward."""
         self.emit(self.output.take())
 
     def send(self, msg) -> None:
@@ -711,6 +713,7 @@ class Scheduler:
             return ran
         out = self.schedule()
         if out.batch is not None:
+            self.stream_output()  # news from the schedule, e.g. a role's (see `stream_output`), goes before the forward
             if self.lender is not None:
                 self.lender.set_idle(False)
             if self.borrower is not None:

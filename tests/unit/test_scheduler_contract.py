@@ -279,3 +279,52 @@ def test_hooks_hold_finished_requests_until_released(tiny_model_dir):
     assert sorted(r for e, r in role.events if e == "release") == ["a", "b", "c"]
     d.assert_ended_once(["a", "b", "c", "bad"])
     d.assert_restored()
+
+
+class ReleasingRole(SchedulerHooks):
+    """Holds a finished request, as a prefill node does while its KV transfers, and releases it in the
+    next iteration's `before_schedule` (the transfer polled Success there)."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.to_release: list[str] = []
+
+    def before_schedule(self) -> None:
+        for rid in self.to_release:
+            self.sched.release_held(rid)
+        self.to_release = []
+
+    def on_finished(self, req) -> bool:
+        if req.rid == "short":
+            self.to_release.append(req.rid)
+            return True
+        return False
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_news_from_the_schedule_goes_out_before_the_forward(tiny_model_dir, overlap):
+    """A request the role releases in `before_schedule` (a prefill node's transfer done; a decode node's
+    first token arrives the same way) is answered before that iteration's forward, not after it: while a
+    long prompt is prefilled in chunks, the short request's end is sent before the next chunk runs."""
+    d = Driver(tiny_model_dir, enable_overlap_schedule=overlap)
+    s = d.sched
+    s.hooks = ReleasingRole(s)
+    s.send_fn = d.collect
+    sent_at_forward: list[bool] = []
+    run = s.runner.run
+
+    def recording_run(batch):
+        sent_at_forward.append(bool(d.ends().get("short")))
+        return run(batch)
+
+    s.runner.run = recording_run
+    s.process_input_requests([d.msg("short", 8, max_new=1), d.msg("long", 64, max_new=2, seed=1)])
+    while s.has_work():
+        s.step()
+    s.stream_output()
+    # forward 1 prefills "short" (and the first chunk of "long"); the role releases "short" in the next
+    # schedule, and the forward after that already finds its end sent
+    assert sent_at_forward[:2] == [False, True], sent_at_forward
+    d.assert_ended_once(["short", "long"])
+    if s.overlap is not None:
+        s.overlap.close()
