@@ -134,7 +134,7 @@ class OverlapRunner:
             return False
         if out.batch is sched.running_batch:  # its list of requests changes while the forward runs
             out.batch = out.batch.snapshot()
-        sched.stream_output()  # what the schedule recorded goes before the forward, not after it
+        sched.before_forward()
         self.launch(out)
         self.drain(sched, keep=0 if out.batch.mode == ForwardMode.EXTEND else 1)
         return True

@@ -704,25 +704,29 @@ class Scheduler:
         if self.send_fn is not None:
             self.send_fn(msg)
 
+    def before_forward(self) -> None:
+        """A forward is about to run (or launch): what the schedule recorded goes out first (see
+        `stream_output`), the prefill node stops lending its cores, the decode node borrows them if lent."""
+        self.stream_output()
+        if self.lender is not None:
+            self.lender.set_idle(False)
+        if self.borrower is not None:
+            self.borrower.before_forward()
+
     def step(self) -> bool:
         """One engine step (after the input); returns whether a forward ran (or was launched)."""
         if self.overlap is not None:
-            ran = self.overlap.step(self)
-            if ran and self.lender is not None:
-                self.lender.set_idle(False)
-            return ran
+            return self.overlap.step(self)
         out = self.schedule()
-        if out.batch is not None:
-            self.stream_output()  # news from the schedule, e.g. a role's (see `stream_output`), goes before the forward
-            if self.lender is not None:
-                self.lender.set_idle(False)
-            if self.borrower is not None:
-                self.borrower.before_forward()
-        result = self.runner.run(out.batch) if out.batch is not None else None
-        if out.batch is not None and self.borrower is not None:
+        if out.batch is None:
+            self.emit(self.update_from_output(out, None))
+            return False
+        self.before_forward()
+        result = self.runner.run(out.batch)
+        if self.borrower is not None:
             self.borrower.after_forward()
         self.emit(self.update_from_output(out, result))
-        return out.batch is not None
+        return True
 
     def has_work(self) -> bool:
         return (self.has_unfinished_requests() or self.hooks.has_work() or bool(self.grammar_queue)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from common.config import ServerArgs
+from common.core_loan import BUSY, Lender
 from common.protocol import SamplingParams, TokenizedRequest
 from common.scheduler.hooks import SchedulerHooks
 from common.scheduler.req import FinishStatus, Stage
@@ -302,19 +303,24 @@ class ReleasingRole(SchedulerHooks):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_news_from_the_schedule_goes_out_before_the_forward(tiny_model_dir, overlap):
+def test_news_from_the_schedule_goes_out_before_the_forward(tiny_model_dir, tmp_path, overlap):
     """A request the role releases in `before_schedule` (a prefill node's transfer done; a decode node's
     first token arrives the same way) is answered before that iteration's forward, not after it: while a
-    long prompt is prefilled in chunks, the short request's end is sent before the next chunk runs."""
+    long prompt is prefilled in chunks, the short request's end is sent before the next chunk runs. A
+    core-loan lender that idled before says BUSY before every forward runs, with overlap too."""
     d = Driver(tiny_model_dir, enable_overlap_schedule=overlap)
     s = d.sched
     s.hooks = ReleasingRole(s)
     s.send_fn = d.collect
+    s.lender = Lender(str(tmp_path / "loan"))
+    s.lender.set_idle(True)
     sent_at_forward: list[bool] = []
+    loan_byte_at_forward: list[int] = []
     run = s.runner.run
 
     def recording_run(batch):
         sent_at_forward.append(bool(d.ends().get("short")))
+        loan_byte_at_forward.append(s.lender._mm[0])
         return run(batch)
 
     s.runner.run = recording_run
@@ -325,6 +331,7 @@ def test_news_from_the_schedule_goes_out_before_the_forward(tiny_model_dir, over
     # forward 1 prefills "short" (and the first chunk of "long"); the role releases "short" in the next
     # schedule, and the forward after that already finds its end sent
     assert sent_at_forward[:2] == [False, True], sent_at_forward
+    assert loan_byte_at_forward == [BUSY] * len(sent_at_forward)
     d.assert_ended_once(["short", "long"])
     if s.overlap is not None:
         s.overlap.close()
