@@ -185,14 +185,15 @@ class OurEngine:
         return dt, dc, outputs
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight a decode step reads: the packed copies of the linear layers (int8 and
-        their scales with `--torchao-config int8wo`), the other parameters, and the lm_head once (the
-        embedding is read only at the batch's rows, so it is not counted unless it is the lm_head)."""
+        """Bytes of every weight a batch-1 decode step reads: the packed copies of the linear layers (int8
+        and their scales with `--torchao-config int8wo`; a checkpoint's blocks where the weights have them,
+        `common/layers/weight_blocks.py`), the other parameters, and the lm_head once (the embedding is read
+        only at the batch's rows, so it is not counted unless it is the lm_head)."""
         from common.layers.linear import Panels
 
         def nbytes(t) -> int:
             if isinstance(t, Panels):
-                return nbytes(t.weight) + nbytes(t.scale)
+                return nbytes(t.blocks.packed) if t.blocks is not None else nbytes(t.weight) + nbytes(t.scale)
             return 0 if t is None or t.device.type == "meta" else t.numel() * t.element_size()
 
         model = self.runner.model

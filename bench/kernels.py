@@ -6,7 +6,8 @@ order), so the host's drifts hit both alike.
 
 Ratios (higher is better): `fp32_r{rows}` and `int8_r{rows}` = the baseline's median time / ours, summed
 over the projection shapes, at each row count of `--rows` (1 and 16: decode batches; 64 and 512: prefill
-chunks). One layer's weights (14 MB in float32) stay in this host's 32 MB L3 between calls; `--layers 30`
+chunks). `q4_r{rows}` and `q8_r{rows}`: weights rounded as a GGUF file's Q4_1 / Q8_0 (`gguf_round_trip`),
+ours read as their blocks (`gemm_blocks.c`, whatever the row count), the baseline's as float32 panels. One layer's weights (14 MB in float32) stay in this host's 32 MB L3 between calls; `--layers 30`
 gives each shape 30 copies, one per layer as in SmolLM2, and a timed call runs them all, so the weights
 stream from DRAM as they do in a decode step. `attn_r{rows}`: the same for one sequence's prefill
 attention of that many tokens (row counts of 16 and more), and `attn_torch_r{rows}` = torch's
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.report import HelpFormatter, write_report
+from bench.tiny_model import gguf_round_trip
 from common.layers import native
 from common.layers.linear import pack_weight
 
@@ -62,6 +64,8 @@ def baseline_library(rev: str) -> Path:
         for f in native.SOURCES + native.HEADERS:
             rel = f.relative_to(ROOT).as_posix()
             out = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True)
+            if out.returncode != 0 and b"exists on disk, but not in" in out.stderr:
+                continue  # a kernel file newer than `rev`: its library is built without it
             if out.returncode != 0:
                 raise SystemExit(f"--baseline {rev}: cannot read {rel}: {out.stderr.decode().strip()}")
             (Path(d) / f.name).write_bytes(out.stdout)
@@ -69,7 +73,7 @@ def baseline_library(rev: str) -> Path:
 
 
 def _gemm(lib: ctypes.CDLL, scheme: str):
-    name = "packed_gemm" if scheme == "fp32" else "packed_gemm_i8"
+    name = {"int8": "packed_gemm_i8", "blocks": "packed_gemm_blocks"}.get(scheme, "packed_gemm")
     fn = getattr(lib, name)
     fn.argtypes, fn.restype = native._SIGNATURES[name]  # the signatures the engine loads them with
     return fn
@@ -131,19 +135,26 @@ def main(argv: list[str] | None = None):
     torch.manual_seed(0)
     figures: dict = {"baseline": args.baseline, "shapes": [list(s) for s in SHAPES], "layers": args.layers}
     ratios: dict[str, float] = {}
-    for scheme in ("fp32", "int8"):
-        fns = [_gemm(lib, scheme) for lib in libs]
-        quantization = None if scheme == "fp32" else "int8wo"
-        packs = [[pack_weight(torch.randn(out, inp) * 0.02, quantization=quantization) for _ in range(args.layers)]
-                 for out, inp in SHAPES]
+    for scheme in ("fp32", "int8", "q4", "q8"):
+        blocks = scheme in ("q4", "q8")
+        # q4 / q8: ours reads the weights' blocks, the baseline its float32 panels of the same weights
+        fns = [_gemm(libs[0], "blocks" if blocks else scheme), _gemm(libs[1], "fp32" if blocks else scheme)]
+        quantization = "int8wo" if scheme == "int8" else None
+        make = {"q4": lambda w: gguf_round_trip(w, 4), "q8": lambda w: gguf_round_trip(w, 8)}.get(scheme, lambda w: w)
+        packs = [[pack_weight(make(torch.randn(out, inp) * 0.02), quantization=quantization)
+                  for _ in range(args.layers)] for out, inp in SHAPES]
         for rows in rows_list:
             total, same = [0.0, 0.0], True
             for (out, inp), layers in zip(SHAPES, packs, strict=True):
                 x = torch.randn(rows, inp)
                 ys = [torch.empty(rows, out), torch.empty(rows, out)]
-                heads = [[x.data_ptr(), x.stride(0), p.weight.data_ptr()] + ([p.scale.data_ptr()] if p.scale is not None else [])
-                         for p in layers]
-                calls = [functools.partial(_gemm_call, fns[side], heads, ys[side], out, rows, inp) for side in (0, 1)]
+                panels = [[x.data_ptr(), x.stride(0), p.weight.data_ptr()]
+                          + ([p.scale.data_ptr()] if p.scale is not None else []) for p in layers]
+                ours = [[x.data_ptr(), x.stride(0), p.blocks.packed.data_ptr(), p.blocks.bits]
+                        for p in layers] if blocks else panels
+                heads = [ours, panels]
+                calls = [functools.partial(_gemm_call, fns[side], heads[side], ys[side], out, rows, inp)
+                         for side in (0, 1)]
                 medians = _alternate(args.calls, calls)
                 same = same and torch.equal(ys[0], ys[1])
                 for side in (0, 1):

@@ -3,7 +3,8 @@
 `build_tiny_model(out_dir, arch, tokenizer_dir, overrides)` saves a Hugging Face model (hidden 64,
 4 layers, 4 heads, 2 KV heads, head_dim 16, intermediate 128, 2048 positions) with seeded random fp32
 weights and the tokenizer's vocabulary and files, so real text works; with `mtp_num_hidden_layers=1`
-also random draft layers (`mtp.*`, for EAGLE / MTP speculation). `tiny_model_dir()` builds one
+also random draft layers (`mtp.*`, for EAGLE / MTP speculation); with `gguf_blocks=True` its weights
+are rounded as a Q4_1 GGUF file's (`gguf_round_trip`: Q4_1 projections, Q8_0 embedding and lm_head). `tiny_model_dir()` builds one
 over the default model's tokenizer once per machine, in `${PDSERVE_CACHE:-~/.cache/pdserve}/tiny-*`,
 and returns its directory (the chaos bench's default model). `tests/conftest.py` builds its
 `make_tiny_model` fixture on the same function.
@@ -53,9 +54,15 @@ def build_tiny_model(out_dir: str, arch: str, tokenizer_dir: str, overrides: dic
     kw = dict(TINY_BASE, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
               pad_token_id=tok.pad_token_id)
     kw.update(overrides or {})
+    gguf_blocks = kw.pop("gguf_blocks", False)
     config = getattr(transformers, config_name)(**kw)
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).to(torch.float32).eval()
+    if gguf_blocks:  # as a Q4_1 GGUF file converts: projections Q4_1, the embedding and lm_head Q8_0
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 2:
+                    p.copy_(gguf_round_trip(p, 8 if "embed" in name or "lm_head" in name else 4))
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
     if kw.get("mtp_num_hidden_layers"):
@@ -64,6 +71,26 @@ def build_tiny_model(out_dir: str, arch: str, tokenizer_dir: str, overrides: dic
         src = os.path.join(tokenizer_dir, name)
         if os.path.isfile(src):
             shutil.copy(src, os.path.join(out_dir, name))
+
+
+def gguf_round_trip(weight, bits: int):
+    """`weight` ([out, in], in a multiple of 32) quantized as GGUF's Q4_1 (bits 4: per 32 inputs d and m in
+    float16, q in 0..15) or Q8_0 (bits 8: d in float16, q in -127..127), then dequantized to float32 as the
+    conversion to a Hugging Face directory does (w = d * q + m)."""
+    import torch
+
+    out, inp = weight.shape
+    v = weight.detach().to(torch.float32).reshape(out, inp // 32, 32)
+    if bits == 4:
+        m = v.amin(-1, keepdim=True).half().float()
+        d = ((v.amax(-1, keepdim=True) - m) / 15).half().float()
+        lo, hi = 0, 15
+    else:
+        m = torch.zeros_like(v[..., :1])
+        d = (v.abs().amax(-1, keepdim=True) / 127).half().float()
+        lo, hi = -127, 127
+    q = torch.round((v - m) / torch.where(d > 0, d, torch.ones_like(d))).clamp_(lo, hi) + 0.0  # no -0.0
+    return (d * q + m).reshape(out, inp)
 
 
 def add_draft_layers(out_dir: str, state: dict, hidden: int) -> None:

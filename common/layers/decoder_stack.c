@@ -13,6 +13,9 @@ int packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *s
                    int64_t ldy, int64_t M, int64_t N, int64_t K);
 int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
                      int64_t ldy, int64_t M, int64_t N, int64_t K);
+int packed_gemm_blocks(const float *x, int64_t ldx, const uint8_t *wb, int64_t bits, const float *bias, float *y,
+                       int64_t ldy, int64_t M, int64_t N, int64_t K);
+int packed_gemm_blocks_rows(void);
 void add_rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t res_stride, float *res_out,
                   const float *w, float *out, int64_t rows, int64_t n, float eps);
 void rotary_apply(const float *x, int64_t x_stride, const float *cos, const float *sin, float *out, int64_t T,
@@ -25,21 +28,29 @@ void silu_and_mul(const float *x, int64_t x_stride, float *out, int64_t rows, in
 
 // One layer's weights (panel-packed projections; biases and the KV offset may be 0 / NULL). A projection
 // with a scale is int8: with int8 activations too when `int8_activations` (`packed_gemm_w8a8`), else
-// weight-only (`packed_gemm_i8`); one without a scale is float32.
+// weight-only (`packed_gemm_i8`); one without a scale is float32, and may also have its checkpoint's blocks
+// of `bits` 4 or 8 (`gemm_blocks.c`), read instead when the batch is small enough.
 typedef struct {
     const float *input_norm, *post_norm;
     const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
+    const uint8_t *qkv_blocks, *o_blocks, *gate_up_blocks, *down_blocks;
+    int64_t qkv_bits, o_bits, gate_up_bits, down_bits;
     int64_t kv_offset;  // the layer's K rows = token rows + kv_offset
     int64_t int8_activations;
 } DecoderLayer;
 
+#define WEIGHTS(L, p) L->p, L->p##_scale, L->p##_blocks, L->p##_bits, L->p##_bias
+
 // Returns 0, or -2 when the matmul found no memory for its packed or quantized activations.
 static int gemm(const DecoderLayer *L, const float *x, int64_t ldx, const void *w, const float *scale,
-                const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+                const uint8_t *blocks, int64_t bits, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
+                int64_t K) {
     int rc;
-    if (scale && L->int8_activations)
+    if (blocks && M <= packed_gemm_blocks_rows())
+        rc = packed_gemm_blocks(x, ldx, blocks, bits, bias, y, ldy, M, N, K);
+    else if (scale && L->int8_activations)
         rc = packed_gemm_w8a8(x, ldx, (const int8_t *)w, scale, bias, y, ldy, M, N, K);
     else if (scale)
         rc = packed_gemm_i8(x, ldx, (const int8_t *)w, scale, bias, y, ldy, M, N, K);
@@ -76,21 +87,21 @@ int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep
         } else {
             add_rms_norm(h, E, residual, E, residual, L->input_norm, s->x, T, E, s->eps);
         }
-        int rc = gemm(L, s->x, E, L->qkv, L->qkv_scale, L->qkv_bias, s->qkv, qkv_w, T, qkv_w, E);
+        int rc = gemm(L, s->x, E, WEIGHTS(L, qkv), s->qkv, qkv_w, T, qkv_w, E);
         if (rc != 0) return rc;
         rotary_apply(s->qkv, qkv_w, s->cos, s->sin, s->qk, T, H + K, D);
         rc = paged_decode_attention(s->qk, qk_w, s->pool, s->rows, s->lens, T, K, H / K, D, s->max_len, L->kv_offset,
                                     s->v_offset, s->scale, s->attn, s->qk + q_size, qk_w, s->qkv + qk_w, qkv_w,
                                     s->write_rows);
         if (rc != 0) return rc;
-        rc = gemm(L, s->attn, q_size, L->o, L->o_scale, L->o_bias, h, E, T, E, q_size);
+        rc = gemm(L, s->attn, q_size, WEIGHTS(L, o), h, E, T, E, q_size);
         if (rc != 0) return rc;
         add_rms_norm(h, E, residual, E, residual, L->post_norm, s->x, T, E, s->eps);
-        rc = gemm(L, s->x, E, L->gate_up, L->gate_up_scale, L->gate_up_bias, s->gate_up, 2 * s->inter, T,
+        rc = gemm(L, s->x, E, WEIGHTS(L, gate_up), s->gate_up, 2 * s->inter, T,
                   2 * s->inter, E);
         if (rc != 0) return rc;
         silu_and_mul(s->gate_up, 2 * s->inter, s->act, T, s->inter);
-        rc = gemm(L, s->act, s->inter, L->down, L->down_scale, L->down_bias, h, E, T, E, s->inter);
+        rc = gemm(L, s->act, s->inter, WEIGHTS(L, down), h, E, T, E, s->inter);
         if (rc != 0) return rc;
     }
     return 0;

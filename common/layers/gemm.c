@@ -8,7 +8,7 @@
 // 32 columns) walks the whole K, one row block after another, so each weight is read from memory once
 // and every later row block finds the unit in L2. (Two panels per AVX-512 tile: 5-15 % faster at 512
 // and 16 rows, up to 1.3x at 6, same bits.) The rows of x are first copied
-// k-major per row block (`pack_rows`, into `gemm_scratch`), so a tile's broadcasts sit at fixed offsets
+// k-major per row block (`gemm_pack_rows`, into `gemm_scratch`), so a tile's broadcasts sit at fixed offsets
 // from one pointer:
 // read in place, each row needed its own address register, more than x86 has for a 12-row tile, and
 // the spills left 512-row matmuls of SmolLM2's shapes 10-45 % slower. The copy goes to a per-thread
@@ -243,25 +243,28 @@ static void tile_rows(int mr, int q, int np, int64_t K, const float *x, const vo
 // AVX2 Zen 3): 8 rows 1.04-1.06x on one or two threads (1.09x with the weights in cache), 7 rows 1.05x,
 // 13 rows 1.03x, 16 rows (6 + 5 + 5) 1.00-1.02x; same bits (the AVX-512 tile, 12 rows, not measured).
 // Block j starts at row block_start(M, j); block_start(M, row_blocks(M)) is M.
-static inline int64_t row_blocks(int64_t M) { return (M + MR_MAX - 1) / MR_MAX; }
-static inline int64_t block_start(int64_t M, int64_t j) {
-    const int64_t n = row_blocks(M), base = M / n, extra = M % n;
+// `mr_max`: the tallest tile (gemm_blocks.c, whose tiles are at most 6 rows in either build, shares these).
+int64_t gemm_row_blocks(int64_t M, int64_t mr_max) { return (M + mr_max - 1) / mr_max; }
+int64_t gemm_block_start(int64_t M, int64_t j, int64_t mr_max) {
+    const int64_t n = gemm_row_blocks(M, mr_max), base = M / n, extra = M % n;
     return j * base + (j < extra ? j : extra);
 }
+static inline int64_t row_blocks(int64_t M) { return gemm_row_blocks(M, MR_MAX); }
+static inline int64_t block_start(int64_t M, int64_t j) { return gemm_block_start(M, j, MR_MAX); }
 
 // The rows of x as the tiles read them: each row block (rows m..m+mr-1, from block_start) k-major,
 // [K][mr] at xp + m * K, so a tile's broadcasts sit at fixed offsets from one pointer walking k. In a
 // per-thread buffer that grows to the largest x seen (one row is its own layout: no copy). NULL when
 // the buffer cannot grow.
-static const float *pack_rows(const float *x, int64_t ldx, int64_t M, int64_t K) {
+const float *gemm_pack_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t mr_max) {
     if (M == 1)
         return x;
     float *out = gemm_scratch(0, (size_t)(M * K) * sizeof(float));
     if (!out)
         return 0;
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
-    for (int64_t j = 0; j < row_blocks(M); j++) {
-        const int64_t m0 = block_start(M, j), mr = block_start(M, j + 1) - m0;
+    for (int64_t j = 0; j < gemm_row_blocks(M, mr_max); j++) {
+        const int64_t m0 = gemm_block_start(M, j, mr_max), mr = gemm_block_start(M, j + 1, mr_max) - m0;
         float *dst = out + m0 * K;
         for (int64_t k = 0; k < K; k++)
             for (int64_t i = 0; i < mr; i++)
@@ -285,7 +288,7 @@ static int gemm_panels(int q, const float *x, int64_t ldx, const void *w, const 
     // block j prefetches lines [j lines / blocks, (j + 1) lines / blocks) of the next unit, one every
     // `every` of its K steps: the whole next unit is requested evenly over this one's compute
     const int64_t every = (K * blocks + lines - 1) / lines;
-    const float *xp = pack_rows(x, ldx, M, K);
+    const float *xp = gemm_pack_rows(x, ldx, M, K, MR_MAX);
     if (!xp)
         return -1;
 #pragma omp parallel for schedule(static) if (M * N * K >= 32768)

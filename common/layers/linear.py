@@ -22,6 +22,11 @@ two-panel tile (SmolLM2's 30 layers of projections, 425 MB: 21 ms; ~100-130 GFLO
 oneDNN did ~75 and F.linear ~40; `bench/engine.py` measures the whole step). `PDSERVE_PACKED_LINEAR=onednn`
 picks oneDNN, `PDSERVE_PACKED_LINEAR=0` keeps the plain `F.linear` path.
 
+Weights that are exactly a GGUF checkpoint's blocks of 32 (Q4_1 or Q8_0, as the default model's): each
+such float32 panel weight also keeps those blocks (`weight_blocks.py`, `Panels.blocks`, gathered in one
+huge-page allocation in forward order), and matmuls of at most `native.block_rows()` rows read them
+(`gemm_blocks.c`), with the float32 panels' bits; larger matmuls read the float32 panels.
+
 Int8 weights (`--torchao-config int8wo`, SGLang's name for torchao's int8 weight-only scheme): each
 output row is quantized symmetrically at load, `scale = max|w| / 127`, `q = round(w / scale)`, into
 int8 panels of the same layout, and `gemm.c` widens each byte to float32 in registers, so activations
@@ -40,8 +45,9 @@ int8 (the path above): its activations remain float32, so the logits see no acti
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +55,10 @@ from torch import nn
 
 from common.distributed import tensor_model_parallel_all_reduce
 from common.layers import native
+from common.layers.weight_blocks import BLOCK, WeightBlocks, find_blocks
 from common.memory.huge_pages import huge_zeros
+
+logger = logging.getLogger(__name__)
 
 PANEL = 16  # output columns per panel of the native GEMM's weight layout
 QUANTIZATIONS = ("int8wo", "w8a8_int8")  # --torchao-config int8wo, --quantization w8a8_int8
@@ -60,11 +69,14 @@ W8A8 = "w8a8_int8"
 class Panels:
     """A weight in the native GEMM's layout, `[ceil(out / 16), in, 16]`: float32, or int8 with one
     float32 `scale` per output column (padded to whole panels); with `int8_activations`, int8 in groups
-    of k (`w8a8_panels`), for `gemm_w8a8.c`."""
+    of k (`w8a8_panels`), for `gemm_w8a8.c`. A float32 weight that is exactly a checkpoint's blocks of 32
+    also has them as `blocks` (`weight_blocks.py`), which matmuls of at most `native.block_rows()` rows
+    read instead."""
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None
     int8_activations: bool = False
+    blocks: WeightBlocks | None = None
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -131,7 +143,7 @@ def pack_weight(weight: torch.Tensor, into: torch.Tensor | None = None,
         padded[:out] = weight
         dst = dst.view(panels, inp, PANEL)
         dst.copy_(padded.view(panels, PANEL, inp).transpose(1, 2))
-        return Panels(dst, scale)
+        return Panels(dst, scale, blocks=None if quantization else find_blocks(weight))
     if how == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight)
     return None
@@ -171,7 +183,11 @@ def _panel_linear(x: torch.Tensor, packed: Panels, out: int, bias: torch.Tensor 
         rows = rows.to(torch.float32).contiguous()
     y = torch.empty(rows.shape[0], out)
     b = None if bias is None else bias.data_ptr()
-    if packed.scale is None:
+    if packed.blocks is not None and rows.shape[0] <= native.block_rows():
+        blocks = packed.blocks
+        rc = native.packed_gemm_blocks()(rows.data_ptr(), rows.stride(0), blocks.packed.data_ptr(), blocks.bits, b,
+                                         y.data_ptr(), out, rows.shape[0], out, inp)
+    elif packed.scale is None:
         rc = native.packed_gemm()(rows.data_ptr(), rows.stride(0), w.data_ptr(), b, y.data_ptr(), out, rows.shape[0],
                                   out, inp)
     else:
@@ -231,6 +247,30 @@ def pack_linears(model: nn.Module, quantization: str | None = None) -> None:
         m.pack(into, q)
     if tied:
         model.lm_head_packed = pack_weight(model.lm_head_weight, views[-1], head_quantization)
+    _gather_blocks(layers, model if tied else None)
+
+
+def _gather_blocks(layers: list[PackableLinear], tied_model: nn.Module | None) -> None:
+    """Move every weight's blocks into one huge-page allocation, in forward order (as the panels), and say
+    what was found."""
+    owners = [(m, "packed") for m in layers] + ([(tied_model, "lm_head_packed")] if tied_model is not None else [])
+    packed = [(o, attr, getattr(o, attr)) for o, attr in owners if isinstance(getattr(o, attr), Panels)]
+    found = [(o, attr, p) for o, attr, p in packed if p.blocks is not None]
+    if not found:
+        return
+    align = 64
+    sizes = [-(-p.blocks.packed.numel() // align) * align for _, _, p in found]
+    arena = huge_zeros(sum(sizes), torch.uint8)
+    offset = 0
+    for (owner, attr, p), n in zip(found, sizes, strict=True):
+        view = arena[offset:offset + p.blocks.packed.numel()]
+        view.copy_(p.blocks.packed)
+        setattr(owner, attr, replace(p, blocks=WeightBlocks(p.blocks.bits, view)))
+        offset += n
+    by_bits = {bits: sum(1 for *_, p in found if p.blocks.bits == bits) for bits in (4, 8)}
+    logger.info("weights: %d of %d packed matmuls are exactly 4-bit (%d) or 8-bit (%d) blocks of %d; matmuls of "
+                "at most %d rows read those (%.1f MB) instead of float32", len(found), len(packed), by_bits[4],
+                by_bits[8], BLOCK, native.block_rows(), sum(sizes) / 1e6)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

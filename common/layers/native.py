@@ -2,7 +2,8 @@
 
 `paged_decode_attention()` (`paged_attention.c`), `prefill_attention()` (`prefill_attention.c`),
 `add_rms_norm()` (`rms_norm.c`), `rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`), `argmax_rows()` (`argmax.c`),
-`pin_team()` (`threads.c`), `packed_gemm()` and `packed_gemm_i8()` (`gemm.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
+`pin_team()` (`threads.c`), `packed_gemm()` and `packed_gemm_i8()` (`gemm.c`), `packed_gemm_blocks()` and
+`block_panels()` (`gemm_blocks.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
 a decode step of a whole Llama-family stack) return the loaded C function, or None when it cannot be
 used (no C compiler, a failed build, no AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers
 then take the torch paths, which compute the same thing. The GEMM reads each weight once per matmul
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 HEADERS = [Path(__file__).with_name("vec_math.h")]
 SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c",
                                                  "gemm_w8a8.c", "activation.c", "argmax.c", "decoder_stack.c",
-                                                 "prefill_attention.c", "threads.c")]
+                                                 "prefill_attention.c", "threads.c", "gemm_blocks.c")]
 
 
 def _cpu_flags() -> set[str]:
@@ -69,14 +70,16 @@ def _cache_dir() -> Path:
 
 def build(src_dir: Path | None = None) -> Path:
     """Compile the kernels into the cache (if not there yet); returns the shared object's path. `src_dir`:
-    a directory holding the same files in another version (`pdserve bench kernels --baseline`)."""
+    a directory holding the same files in another version (`pdserve bench kernels --baseline`); a file that
+    version did not have yet is left out."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler (cc / gcc) on PATH")
     flags = _compile_flags()
     # (a source's `#include "vec_math.h"` finds the header next to it)
     sources, headers = ((SOURCES, HEADERS) if src_dir is None
-                        else ([Path(src_dir) / p.name for p in SOURCES], [Path(src_dir) / p.name for p in HEADERS]))
+                        else ([q for p in SOURCES if (q := Path(src_dir) / p.name).exists()],
+                              [q for p in HEADERS if (q := Path(src_dir) / p.name).exists()]))
     src = b"".join(p.read_bytes() for p in sources + headers)
     digest = hashlib.sha256(src + " ".join(flags + ["link-without-fast-math"]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"kernels-{digest}.so"
@@ -118,6 +121,10 @@ _SIGNATURES = {
     "packed_gemm_supported": ([], ctypes.c_int),
     "packed_gemm_i8": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
     "packed_gemm_w8a8": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
+    "packed_gemm_blocks": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
+    "expand_block_panels": ([_I64, _PTR, _I64, _I64, _PTR], None),
+    "packed_gemm_blocks_rows": ([], ctypes.c_int),
+    "block_panel_bytes": ([_I64, _I64], _I64),
     "packed_gemm_w8a8_group": ([], ctypes.c_int),
     "packed_gemm_w8a8_block": ([], ctypes.c_int),
     "silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64], None),
@@ -205,6 +212,24 @@ def packed_gemm_w8a8():
     """Int8 weights times int8 activations (a scale per token and 64 input channels), summed in int32
     (`--quantization w8a8_int8`)."""
     return _kernel("packed_gemm_w8a8") if packed_gemm() is not None else None
+
+
+def packed_gemm_blocks():
+    """The panel GEMM over float32 weights kept as their checkpoint's blocks of 32 (`gemm_blocks.c`)."""
+    return _kernel("packed_gemm_blocks") if packed_gemm() is not None else None
+
+
+@functools.cache
+def block_rows() -> int:
+    """The most rows for which `packed_gemm_blocks` is used (float32 panels beyond), 0 without it."""
+    lib = _library()
+    return lib.packed_gemm_blocks_rows() if packed_gemm() is not None else 0
+
+
+def block_panels():
+    """(`expand_block_panels`, `block_panel_bytes`) of `gemm_blocks.c`, or None without the panel GEMM."""
+    lib = _library()
+    return (lib.expand_block_panels, lib.block_panel_bytes) if packed_gemm() is not None else None
 
 
 @functools.cache

@@ -9,7 +9,7 @@ loop would, for `final_logits`.
 A model qualifies when: the native kernels are built, one TP rank (no all-reduce between layers) and
 one pipeline stage, no
 per-head q/k norm, every projection panel-packed (`common/layers/linear.py`; float32 or int8 panels, the same kind
-throughout a layer),
+throughout a layer; float32 ones with their checkpoint's blocks where it has them),
 float32 norms, and the
 plain attention backend (not a sliding-window one). A batch qualifies when it is a decode batch on
 the native attention path (`TorchAttentionMetadata.rows`), or a speculative verify batch on it (each
@@ -38,6 +38,7 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 class _Layer(ctypes.Structure):
     _fields_ = ([(name, _P) for name in ("input_norm", "post_norm", *PROJECTIONS)]
                 + [(p + "_bias", _P) for p in PROJECTIONS] + [(p + "_scale", _P) for p in PROJECTIONS]
+                + [(p + "_blocks", _P) for p in PROJECTIONS] + [(p + "_bits", _I64) for p in PROJECTIONS]
                 + [("kv_offset", _I64), ("int8_activations", _I64)])
 
 
@@ -74,7 +75,10 @@ class DecoderStack:
             self.layers[i] = _Layer(
                 _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
                 *(_ptr(p.packed.weight) for p in projs), *(_ptr(p.bias) for p in projs),
-                *(_ptr(p.packed.scale) for p in projs), 0, int(a.qkv_proj.packed.int8_activations))
+                *(_ptr(p.packed.scale) for p in projs),
+                *(_ptr(p.packed.blocks and p.packed.blocks.packed) for p in projs),
+                *(p.packed.blocks.bits if p.packed.blocks else 0 for p in projs),
+                0, int(a.qkv_proj.packed.int8_activations))
 
     @classmethod
     def for_model(cls, model) -> DecoderStack | None:

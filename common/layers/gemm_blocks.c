@@ -1,0 +1,197 @@
+// Matrix product over float32 weights kept as the blocks of 32 they were dequantized from (CPU, AVX2 +
+// FMA). Built and loaded by common/layers/native.py; common/layers/weight_blocks.py finds and packs the
+// blocks, common/layers/linear.py calls `packed_gemm_blocks`.
+//
+// A GGUF checkpoint's Q4_1 and Q8_0 weights (SmolLM2-135M's, `pdserve`'s default model) become float32 at
+// conversion as w = d * q + m, d and m one per 32 input channels of an output row. Every such w is an
+// exact float32 function of (q, d, m), so packing (q, d, m) instead of w loses nothing, and a decode step,
+// bound by memory bandwidth, reads ~6 (4-bit) or ~9 (8-bit) bits a weight instead of 32.
+//
+// Layout, per panel of 16 output columns (as gemm.c's float32 panels), per block of 32 steps of k:
+//   bits 4: float d[16], float m[16], then 32 x 8 bytes: byte j of step k holds q of column j in its
+//           low nibble and of column j + 8 in its high nibble (q in 0..15); w = d * q + m.
+//   bits 8: float d[16], then 32 x 16 signed bytes in column order (q in -127..127); w = d * q.
+// `expand_block_panels` writes the float32 panels those blocks stand for; weight_blocks.py keeps blocks
+// only when that gives every weight's bits. The tiles widen each step's 16 weights the same way in
+// registers and multiply-add them into float32 accumulators, each output summing over k in order as in
+// gemm.c: the results are the float32 panels' bits, in any batch and either build.
+//
+// A tile is MR rows (at most 5) by NP panels: one row takes 4 panels at a time and two rows 2, so 8
+// accumulators are in flight to hide the FMA's latency (an output's sum is one chain).
+#include <stdint.h>
+#include <stdlib.h>
+
+#define BLOCK 32
+#define NR 16
+
+void *gemm_scratch(int slot, size_t bytes);  // gemm.c
+const float *gemm_pack_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t mr_max);
+int64_t gemm_row_blocks(int64_t M, int64_t mr_max);
+int64_t gemm_block_start(int64_t M, int64_t j, int64_t mr_max);
+
+static inline int64_t block_bytes(int64_t bits) { return bits == 4 ? 2 * NR * 4 + BLOCK * 8 : NR * 4 + BLOCK * NR; }
+int64_t block_panel_bytes(int64_t bits, int64_t K) { return K / BLOCK * block_bytes(bits); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#define MR_MAX 5
+
+// The 16 weights of step k (of a block whose scales start at `s`, bytes at `q`) as two float32 vectors.
+static inline __attribute__((always_inline)) void widen(const int BITS, const float *s, const uint8_t *q, int k,
+                                                        __m256 *w0, __m256 *w1) {
+    if (BITS == 4) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        *w0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(s), _mm256_loadu_ps(s + 16));  // d * q exact: one rounding
+        *w1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(s + 8), _mm256_loadu_ps(s + 24));
+    } else {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * k));
+        *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_loadu_ps(s));
+        *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))), _mm256_loadu_ps(s + 8));
+    }
+}
+
+void expand_block_panels(int64_t bits, const uint8_t *src, int64_t panels, int64_t K, float *dst) {
+    const int64_t scales = bits == 4 ? 2 * NR * 4 : NR * 4;
+    for (int64_t b = 0; b < panels * (K / BLOCK); b++, src += block_bytes(bits)) {
+        for (int k = 0; k < BLOCK; k++, dst += NR) {
+            __m256 w0, w1;
+            if (bits == 4)
+                widen(4, (const float *)src, src + scales, k, &w0, &w1);
+            else
+                widen(8, (const float *)src, src + scales, k, &w0, &w1);
+            _mm256_storeu_ps(dst, w0);
+            _mm256_storeu_ps(dst + 8, w1);
+        }
+    }
+}
+
+// MR rows (x: k-major, [K][MR]) by NP panels (each `panel_bytes` after the last) over the whole K; `nv` of
+// the NP * 16 columns are stored, at y (rows ldy apart). Named accumulators (c<row><panel><half>), as in
+// gemm.c: an array of them was kept in memory. For each step, each panel's weights are widened, then used
+// by every row: with MR * NP <= 4 that is at most 8 accumulators, 2 weight vectors and the widening's
+// temporaries, within AVX2's 16 registers.
+#define MR_MAX 5
+#define ROW(X, i) X(i, 0) X(i, 1) X(i, 2) X(i, 3)
+#define EACH(X) ROW(X, 0) ROW(X, 1) ROW(X, 2) ROW(X, 3) ROW(X, 4)  // the (row, panel) pairs a tile uses
+#define DECLARE(i, p) __m256 c##i##p##a = b##p##a, c##i##p##b = b##p##b;
+#define BIAS(p)                                                                                 \
+    const __m256 b##p##a = NP > p && bias ? _mm256_maskload_ps(bias + p * NR, mask(nv - p * NR)) \
+                                          : _mm256_setzero_ps();                               \
+    const __m256 b##p##b = NP > p && bias ? _mm256_maskload_ps(bias + p * NR + 8, mask(nv - p * NR - 8)) \
+                                          : _mm256_setzero_ps();
+#define FMA(i, p)                                                                      \
+    if (MR > i && NP > p) {                                                            \
+        const __m256 a = _mm256_broadcast_ss(xb + k * MR + i);                         \
+        c##i##p##a = _mm256_fmadd_ps(a, w##p##a, c##i##p##a);                          \
+        c##i##p##b = _mm256_fmadd_ps(a, w##p##b, c##i##p##b);                          \
+    }
+#define PANEL_STEP(p)                                                                  \
+    if (NP > p) {                                                                      \
+        const uint8_t *s = blk + p * panel_bytes;                                      \
+        __m256 w##p##a, w##p##b;                                                       \
+        widen(BITS, (const float *)s, s + scales, k, &w##p##a, &w##p##b);              \
+        FMA(0, p) FMA(1, p) FMA(2, p) FMA(3, p) FMA(4, p)                                      \
+    }
+#define STORE(i, p)                                                                              \
+    if (MR > i && NP > p) {                                                                      \
+        _mm256_maskstore_ps(y + i * ldy + p * NR, mask(nv - p * NR), c##i##p##a);                \
+        _mm256_maskstore_ps(y + i * ldy + p * NR + 8, mask(nv - p * NR - 8), c##i##p##b);        \
+    }
+
+static inline __m256i mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline __attribute__((always_inline)) void tile(const int MR, const int NP, const int BITS, int64_t K,
+                                                       const float *x, const uint8_t *w, int64_t panel_bytes,
+                                                       const float *bias, float *y, int64_t ldy, int nv) {
+    const int64_t scales = BITS == 4 ? 2 * NR * 4 : NR * 4, bb = block_bytes(BITS);
+    BIAS(0) BIAS(1) BIAS(2) BIAS(3)
+    EACH(DECLARE)
+    for (int64_t b = 0; b < K / BLOCK; b++) {
+        const uint8_t *blk = w + b * bb;
+        const float *xb = x + b * BLOCK * MR;
+#pragma GCC unroll 2
+        for (int k = 0; k < BLOCK; k++) {
+            PANEL_STEP(0) PANEL_STEP(1) PANEL_STEP(2) PANEL_STEP(3)
+        }
+    }
+    EACH(STORE)
+}
+
+// `mr` rows by `np` panels (4 with one row, 2 with two, else 1).
+static void tile_rows(int mr, int np, int bits, int64_t K, const float *x, const uint8_t *w, int64_t panel_bytes,
+                      const float *bias, float *y, int64_t ldy, int nv) {
+#define ARGS K, x, w, panel_bytes, bias, y, ldy, nv
+    if (bits == 4) {
+        if (np == 4) tile(1, 4, 4, ARGS);
+        else if (np == 2) tile(2, 2, 4, ARGS);
+        else if (mr == 5) tile(5, 1, 4, ARGS);
+        else if (mr == 4) tile(4, 1, 4, ARGS);
+        else if (mr == 3) tile(3, 1, 4, ARGS);
+        else if (mr == 2) tile(2, 1, 4, ARGS);
+        else tile(1, 1, 4, ARGS);
+    } else {
+        if (np == 4) tile(1, 4, 8, ARGS);
+        else if (np == 2) tile(2, 2, 8, ARGS);
+        else if (mr == 5) tile(5, 1, 8, ARGS);
+        else if (mr == 4) tile(4, 1, 8, ARGS);
+        else if (mr == 3) tile(3, 1, 8, ARGS);
+        else if (mr == 2) tile(2, 1, 8, ARGS);
+        else tile(1, 1, 8, ARGS);
+    }
+#undef ARGS
+}
+
+// The most rows for which these tiles are used instead of gemm.c's over float32 panels. Past 5 rows a second
+// row block widens the weights again, and float32 panels win on one thread. SmolLM2's 30 layers of
+// projections, Q4_1 weights (AVX2 Zen 3, two threads / one): 1 row 2.1-2.6x / 2.2-2.5x, 4 rows 1.9-2.0x /
+// 1.7x, 5 rows 1.5-1.7x / 1.5x, 6-10 rows 1.1-1.2x / 0.96-1.03x, 12 rows 0.88x, 16 rows 0.8-0.9x; whole
+// decode steps at batch 6-8 on one thread 0.86-0.88x.
+int packed_gemm_blocks_rows(void) { return MR_MAX; }
+
+// y[M, N] = x[M, K] @ W^T (+ bias), W as blocks of `bits` 4 or 8; x rows at x + m * ldx, y rows at
+// y + m * ldy. Returns 0, -1 when the buffer of packed rows cannot grow, -2 for bad bits or a K that is
+// not a multiple of 32.
+int packed_gemm_blocks(const float *x, int64_t ldx, const uint8_t *wb, int64_t bits, const float *bias, float *y,
+                       int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    if ((bits != 4 && bits != 8) || K % BLOCK)
+        return -2;
+    if (M <= 0 || N <= 0)
+        return 0;
+    const int64_t panels = (N + NR - 1) / NR, panel_bytes = block_panel_bytes(bits, K);
+    const int np_max = M == 1 ? 4 : M == 2 ? 2 : 1;  // panels per tile: 8 accumulators
+    const int64_t units = (panels + np_max - 1) / np_max, blocks = gemm_row_blocks(M, MR_MAX);
+    const float *xp = gemm_pack_rows(x, ldx, M, K, MR_MAX);
+    if (!xp)
+        return -1;
+#pragma omp parallel for schedule(static) if (M * N * K >= 32768)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t p = u * np_max;
+        const int np = panels - p < np_max ? (int)(panels - p) : np_max;
+        const int nv = N - p * NR < np * NR ? (int)(N - p * NR) : np * NR;
+        for (int64_t j = 0; j < blocks; j++) {
+            const int64_t m = gemm_block_start(M, j, MR_MAX);
+            const int mr = (int)(gemm_block_start(M, j + 1, MR_MAX) - m);
+            // a last unit of fewer panels runs them one at a time
+            for (int64_t e = 0; e < (np == np_max ? 1 : np); e++)
+                tile_rows(mr, np == np_max ? np : 1, (int)bits, K, xp + m * K, wb + (p + e) * panel_bytes,
+                          panel_bytes, bias ? bias + (p + e) * NR : 0, y + m * ldy + (p + e) * NR, ldy,
+                          nv - (int)e * NR);
+        }
+    }
+    return 0;
+}
+
+#else
+// Without AVX2 + FMA there is no panel GEMM, and weight_blocks.py keeps float32 panels.
+int packed_gemm_blocks_rows(void) { return 0; }
+void expand_block_panels(int64_t bits, const uint8_t *src, int64_t panels, int64_t K, float *dst) {}
+int packed_gemm_blocks(const float *x, int64_t ldx, const uint8_t *wb, int64_t bits, const float *bias, float *y,
+                       int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    return -1;
+}
+#endif

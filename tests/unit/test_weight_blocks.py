@@ -1,0 +1,107 @@
+"""Float32 weights kept as their checkpoint's blocks of 32 (`common/layers/weight_blocks.py`,
+`gemm_blocks.c`): the matmul over the blocks gives the float32 panels' bits, only exact blocks are taken,
+and a model whose weights are a GGUF file's gives Hugging Face's logits and the float32 panels' bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.tiny_model import gguf_round_trip
+from common.layers import native
+from common.layers.linear import Panels, pack_weight
+from common.layers.weight_blocks import find_blocks
+from common.models.loader import load_model
+from tests.model_harness import (
+    Harness,
+    one_torch_thread,  # noqa: F401  (autouse)
+)
+from tests.unit.test_model_vs_hf import check_model, prompt
+
+pytestmark = pytest.mark.skipif(native.packed_gemm() is None, reason="no native GEMM on this machine")
+
+
+def _matmul_both(weight: torch.Tensor, rows: int, bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, inp = weight.shape
+    packed = pack_weight(weight)
+    assert packed.blocks is not None
+    x = torch.randn(rows, inp + 3)[:, 1:inp + 1]  # rows with a stride of their own
+    b = torch.randn(out) if bias else None
+    ys = [torch.full((rows, out + 5), 7.0) for _ in range(2)]
+    args = (x.data_ptr(), x.stride(0))
+    tail = (None if b is None else b.data_ptr(),)
+    assert native.packed_gemm()(*args, packed.weight.data_ptr(), *tail, ys[0].data_ptr(), out + 5, rows, out, inp) == 0
+    assert native.packed_gemm_blocks()(*args, packed.blocks.packed.data_ptr(), packed.blocks.bits, *tail,
+                                       ys[1].data_ptr(), out + 5, rows, out, inp) == 0
+    return ys[0], ys[1]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(50, 64), (960, 576), (24, 1536)])
+def test_block_gemm_gives_the_float32_panels_bits(bits, shape):
+    """Every row count (one tile of 1-5 rows, several row blocks), panels left over from a unit of 4 or 2,
+    columns past N untouched, with and without a bias."""
+    torch.manual_seed(bits)
+    weight = gguf_round_trip(torch.randn(*shape) * 0.05, bits)
+    for rows in (1, 2, 3, 4, 5, 6, 9, 17):
+        for bias in (False, True):
+            y32, yb = _matmul_both(weight, rows, bias)
+            assert torch.equal(y32.view(torch.int32), yb.view(torch.int32)), (rows, bias)
+            assert torch.all(yb[:, shape[0]:] == 7.0)
+
+
+def test_block_gemm_refuses_what_it_cannot_read():
+    x, y = torch.randn(2, 48), torch.empty(2, 16)
+    w = torch.zeros(4096, dtype=torch.uint8)
+    gemm = native.packed_gemm_blocks()
+    assert gemm(x.data_ptr(), 48, w.data_ptr(), 4, None, y.data_ptr(), 16, 2, 16, 48) == -2  # K % 32
+    assert gemm(x.data_ptr(), 32, w.data_ptr(), 5, None, y.data_ptr(), 16, 2, 16, 32) == -2  # bits
+
+
+def test_find_blocks_takes_only_exact_blocks(monkeypatch):
+    torch.manual_seed(0)
+    q4 = gguf_round_trip(torch.randn(40, 64), 4)
+    q8 = gguf_round_trip(torch.randn(40, 64), 8)
+    assert find_blocks(q4).bits == 4 and find_blocks(q8).bits == 8
+    assert find_blocks(torch.randn(40, 64)) is None  # plain float32
+    nudged = q4.clone()
+    nudged[33, 7] = torch.nextafter(nudged[33, 7], torch.tensor(1.0))  # one weight off by one ulp, past the sample
+    assert find_blocks(nudged) is None
+    signed_zero = q8.clone()
+    signed_zero[39, 63] = -0.0  # -0.0 and +0.0 give different bits in some sums: not taken
+    assert find_blocks(signed_zero) is None
+    assert find_blocks(gguf_round_trip(torch.randn(40, 64), 4)[:, :48]) is None  # in not a multiple of 32
+    assert find_blocks(q4.double()) is None
+    monkeypatch.setenv("PDSERVE_WEIGHT_BLOCKS", "0")
+    assert find_blocks(q4) is None
+    assert pack_weight(q4).blocks is None
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_gguf_weights_match_hf_and_the_float32_panels(make_tiny_model, monkeypatch, tied):
+    """Projections as Q4_1 and the embedding / lm_head as Q8_0: every packed matmul finds its blocks; the
+    model stays within the HF tolerance (extend, chunked extend, decode, batches); and decode batches of 1-6
+    requests through the blocks give the same logits, bit for bit, as with the blocks turned off."""
+    model_dir = make_tiny_model("llama", gguf_blocks=True, tie_word_embeddings=tied)
+    check_model(model_dir, page_size=4)
+
+    model, cfg = load_model(model_dir)
+    packed = [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), Panels)]
+    if tied:
+        packed.append(model.lm_head_packed)
+    assert packed and all(p.blocks is not None for p in packed)
+    assert {p.blocks.bits for p in packed} == {4, 8}
+    monkeypatch.setenv("PDSERVE_WEIGHT_BLOCKS", "0")
+    plain, _ = load_model(model_dir)
+    assert all(m.packed.blocks is None for m in plain.modules() if isinstance(getattr(m, "packed", None), Panels))
+
+    ids = prompt(40, vocab=cfg.vocab_size)
+    for batch in (1, 2, 5, 6):
+        outs = []
+        for m in (model, plain):
+            h = Harness.for_model(cfg, page_size=4, scramble_seed=batch)
+            rows = [h.new_req() for _ in range(batch)]
+            m(h.extend_batch([(r, ids[i:i + 9]) for i, r in enumerate(rows)]))
+            steps = [m(h.decode_batch([(r, ids[9 + i + s]) for i, r in enumerate(rows)])) for s in range(4)]
+            outs.append(torch.stack(steps))
+        assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), batch
