@@ -33,7 +33,7 @@ from common.protocol import KV_TRANSFER_FAILED
 from common.scheduler.hooks import SchedulerHooks
 from common.scheduler.req import FinishStatus, Req
 from transfer.base import KVArgs, KVPoll, TransferSettings
-from transfer.consensus import poll_and_all_reduce
+from transfer.consensus import poll_and_all_reduce, share_failure_reasons
 from transfer.manager import KVManager
 from transfer.metadata import MetadataBuffers
 from transfer.receiver import DecodeKVManager
@@ -220,9 +220,11 @@ class PDRole(SchedulerHooks):
         those that failed (on any rank) are ended here."""
         polls = dict(zip([t.rid for t in states], poll_and_all_reduce([t.conn for t in states], self.consensus_group),
                          strict=True))
-        for t in states:
-            if polls[t.rid] == KVPoll.Failed:
-                self.fail(t, failure_reason(t.conn))
+        failed = [t for t in states if polls[t.rid] == KVPoll.Failed]
+        if failed:  # every rank got the same polls, so every rank shares its reasons here
+            own = [str(t.conn.failure_exception()) if t.conn.poll() == KVPoll.Failed else None for t in failed]
+            for t, reason in zip(failed, share_failure_reasons(own, self.consensus_group), strict=True):
+                self.fail(t, reason or failure_reason(t.conn))
         return polls
 
     def fail(self, t: PDRequest, reason: str) -> None:

@@ -7,7 +7,7 @@ has every projection in Q4_1 and the tied embedding (the lm_head) in Q8_0. `find
 (q, d, m) from the float32 weight and keeps them only when `weight_blocks.c` expands them back to the
 same float32 bits, for every weight of the tensor; `gemm.c` then reads the blocks and computes on the
 expanded float32 panel, so the matmul's results are the float32 panels' bits while a decode step streams
-~6 (4-bit) or ~10 (8-bit) bits a weight instead of 32. Any other weight, or `PDSERVE_WEIGHT_BLOCKS=0`,
+~6 (4-bit) or ~9 (8-bit) bits a weight instead of 32. Any other weight, or `PDSERVE_WEIGHT_BLOCKS=0`,
 keeps float32 panels. This is not quantization: nothing is rounded that the checkpoint had not rounded.
 """
 
