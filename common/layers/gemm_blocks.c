@@ -18,6 +18,7 @@
 //
 // A tile is MR rows (at most 5) by NP panels: one row takes 4 panels at a time and two rows 2, so 8
 // accumulators are in flight to hide the FMA's latency (an output's sum is one chain).
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -147,11 +148,12 @@ static void tile_rows(int mr, int np, int bits, int64_t K, const float *x, const
 }
 
 // The most rows for which these tiles are used instead of gemm.c's over float32 panels. Past 5 rows a second
-// row block widens the weights again, and float32 panels win on one thread. SmolLM2's 30 layers of
-// projections, Q4_1 weights (AVX2 Zen 3, two threads / one): 1 row 2.1-2.6x / 2.2-2.5x, 4 rows 1.9-2.0x /
-// 1.7x, 5 rows 1.5-1.7x / 1.5x, 6-10 rows 1.1-1.2x / 0.96-1.03x, 12 rows 0.88x, 16 rows 0.8-0.9x; whole
-// decode steps at batch 6-8 on one thread 0.86-0.88x.
-int packed_gemm_blocks_rows(void) { return MR_MAX; }
+// row block widens the weights again: on one thread float32 panels then do as well, on two the blocks still
+// win up to ~10 rows, as the two threads share the DRAM stream. SmolLM2's 30 layers of projections, Q4_1
+// weights (`pdserve bench kernels --layers 30`, AVX2 Zen 3; two threads / one): 1 row 2.1-2.7x / 2.2-2.5x,
+// 4 rows 1.9-2.0x / 1.7x, 5 rows 1.5-1.9x / 1.5x, 6-10 rows 1.1-1.2x / 0.96-1.03x, 12 rows 0.88x, 16 rows
+// 0.8-0.9x; whole decode steps at batch 6-7 1.22x faster on two threads, 0.88x on one; batch 8 1.0x on two.
+int packed_gemm_blocks_rows(void) { return omp_get_max_threads() > 1 ? 8 : MR_MAX; }
 
 // y[M, N] = x[M, K] @ W^T (+ bias), W as blocks of `bits` 4 or 8; x rows at x + m * ldx, y rows at
 // y + m * ldy. Returns 0, -1 when the buffer of packed rows cannot grow, -2 for bad bits or a K that is

@@ -268,9 +268,9 @@ def _gather_blocks(layers: list[PackableLinear], tied_model: nn.Module | None) -
         setattr(owner, attr, replace(p, blocks=WeightBlocks(p.blocks.bits, view)))
         offset += n
     by_bits = {bits: sum(1 for *_, p in found if p.blocks.bits == bits) for bits in (4, 8)}
-    logger.info("weights: %d of %d packed matmuls are exactly 4-bit (%d) or 8-bit (%d) blocks of %d; matmuls of "
-                "at most %d rows read those (%.1f MB) instead of float32", len(found), len(packed), by_bits[4],
-                by_bits[8], BLOCK, native.block_rows(), sum(sizes) / 1e6)
+    logger.info("weights: %d of %d packed matmuls are exactly 4-bit (%d) or 8-bit (%d) blocks of %d; small matmuls "
+                "(at most %d rows at %d threads) read those (%.1f MB) instead of float32", len(found), len(packed),
+                by_bits[4], by_bits[8], BLOCK, native.block_rows(), torch.get_num_threads(), sum(sizes) / 1e6)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

@@ -219,9 +219,9 @@ def packed_gemm_blocks():
     return _kernel("packed_gemm_blocks") if packed_gemm() is not None else None
 
 
-@functools.cache
 def block_rows() -> int:
-    """The most rows for which `packed_gemm_blocks` is used (float32 panels beyond), 0 without it."""
+    """The most rows for which `packed_gemm_blocks` is used at this thread count (float32 panels beyond), 0
+    without it."""
     lib = _library()
     return lib.packed_gemm_blocks_rows() if packed_gemm() is not None else 0
 

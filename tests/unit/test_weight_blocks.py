@@ -105,3 +105,14 @@ def test_gguf_weights_match_hf_and_the_float32_panels(make_tiny_model, monkeypat
             steps = [m(h.decode_batch([(r, ids[9 + i + s]) for i, r in enumerate(rows)])) for s in range(4)]
             outs.append(torch.stack(steps))
         assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), batch
+
+
+def test_small_matmuls_read_the_blocks_up_to_a_row_count_that_depends_on_the_threads():
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert native.block_rows() == 5
+        torch.set_num_threads(2)
+        assert native.block_rows() == 8
+    finally:
+        torch.set_num_threads(n)
