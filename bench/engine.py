@@ -196,17 +196,28 @@ class OurEngine:
                 return nbytes(t.blocks.packed) if t.blocks is not None else nbytes(t.weight) + nbytes(t.scale)
             return 0 if t is None or t.device.type == "meta" else t.numel() * t.element_size()
 
+        return sum(nbytes(t) for t in self._step_weights())
+
+    def weight_count(self) -> int:
+        """How many weights a decode step multiplies each token by (the same weights as `weight_bytes`, counted
+        as numbers, whatever their storage; packed ones with their panels' zero padding)."""
+        from common.layers.linear import Panels
+
+        return sum(t.weight.numel() if isinstance(t, Panels) else t.numel() for t in self._step_weights()
+                   if t is not None and (isinstance(t, Panels) or t.device.type != "meta"))
+
+    def _step_weights(self) -> list:
         model = self.runner.model
         emb, lm = model.model.embed_tokens.weight, model.lm_head_weight
         lm_packed = getattr(model, "lm_head_packed", None)
-        total = sum(nbytes(m.packed) for m in model.modules() if getattr(m, "packed", None) is not None)
+        out = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
         seen: set[int] = set()
-        for p in model.parameters():  # packed layers keep a meta parameter: 0 bytes here
+        for p in model.parameters():  # packed layers keep a meta parameter (left out above)
             if id(p) in seen or (p is emb and (lm is not emb or lm_packed is not None)):
                 continue
             seen.add(id(p))
-            total += nbytes(p)
-        return total + nbytes(lm_packed)
+            out.append(p)
+        return out + [lm_packed]
 
 
 # ---------------------------------------------------------------------------------------------- HF
@@ -431,9 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_peak_gflops()
     cfg = ours.cfg
     ctx = args.decode_prompt_len + n / 2
-    flops_tok = 2 * wbytes / 4 + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
+    weights = ours.weight_count()  # not bytes / 4: small matmuls may read 4- or 8-bit blocks
+    flops_tok = 2 * weights + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
     cbound_ms = 16 * flops_tok / (peak * 1e9) * 1e3
-    prefill_flops = sum(prefill_work(cfg, wbytes / 4, args.prompt_len))
+    prefill_flops = sum(prefill_work(cfg, weights, args.prompt_len))
     pbound_s = prefill_flops / (peak * 1e9)
     figures["compute"] = {"matmul_peak_gflops": peak, "flops_per_token": flops_tok, "bound_b16_step_ms": cbound_ms,
                           "ours_b16_step_ms": figures["ours_decode_b16"]["step_ms_best"],

@@ -39,3 +39,15 @@ def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir,
     assert exact["decoded_tokens"] == 16 * 5 and exact["spec_accept_rate"] == 1.0
     assert report["ratios"]["spec_mtp_exact_b16"] == pytest.approx(exact["tok_s_spec"] / exact["tok_s_plain"], rel=1e-3)
     assert report["ratios"]["spec_mtp_random"] > 0 and report["figures"]["spec_mtp_random_b1"]["spec_draft_tokens"] > 0
+
+
+def test_the_compute_bound_counts_weights_not_bytes(make_tiny_model, monkeypatch):
+    """A GGUF model's small matmuls read 4- and 8-bit blocks: fewer bytes a step, the same multiplications."""
+    from bench.engine import OurEngine
+
+    model_dir = make_tiny_model("llama", gguf_blocks=True)
+    blocks = OurEngine(model_dir, 32, 2)
+    monkeypatch.setenv("PDSERVE_WEIGHT_BLOCKS", "0")
+    plain = OurEngine(model_dir, 32, 2)
+    assert blocks.weight_count() == plain.weight_count() == plain.weight_bytes() // 4
+    assert blocks.weight_bytes() < plain.weight_bytes() / 3
