@@ -194,7 +194,7 @@ class OurEngine:
         def nbytes(t) -> int:
             if isinstance(t, Panels):
                 return nbytes(t.blocks.packed) if t.blocks is not None else nbytes(t.weight) + nbytes(t.scale)
-            return 0 if t is None or t.device.type == "meta" else t.numel() * t.element_size()
+            return 0 if t is None else t.numel() * t.element_size()
 
         return sum(nbytes(t) for t in self._step_weights())
 
@@ -203,8 +203,7 @@ class OurEngine:
         as numbers, whatever their storage; packed ones with their panels' zero padding)."""
         from common.layers.linear import Panels
 
-        return sum(t.weight.numel() if isinstance(t, Panels) else t.numel() for t in self._step_weights()
-                   if t is not None and (isinstance(t, Panels) or t.device.type != "meta"))
+        return sum(t.weight.numel() if isinstance(t, Panels) else t.numel() for t in self._step_weights())
 
     def _step_weights(self) -> list:
         model = self.runner.model
@@ -212,12 +211,12 @@ class OurEngine:
         lm_packed = getattr(model, "lm_head_packed", None)
         out = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
         seen: set[int] = set()
-        for p in model.parameters():  # packed layers keep a meta parameter (left out above)
-            if id(p) in seen or (p is emb and (lm is not emb or lm_packed is not None)):
-                continue
+        for p in model.parameters():
+            if id(p) in seen or p.device.type == "meta" or (p is emb and (lm is not emb or lm_packed is not None)):
+                continue  # (a packed layer keeps a meta parameter for its shape: its packed copy is above)
             seen.add(id(p))
             out.append(p)
-        return out + [lm_packed]
+        return out + ([lm_packed] if lm_packed is not None else [])
 
 
 # ---------------------------------------------------------------------------------------------- HF

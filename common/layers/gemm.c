@@ -244,8 +244,9 @@ static void tile_rows(int mr, int q, int np, int64_t K, const float *x, const vo
 // 13 rows 1.03x, 16 rows (6 + 5 + 5) 1.00-1.02x; same bits (the AVX-512 tile, 12 rows, not measured).
 // Block j starts at row block_start(M, j); block_start(M, row_blocks(M)) is M.
 // `mr_max`: the tallest tile (gemm_blocks.c, whose tiles are at most 6 rows in either build, shares these).
-int64_t gemm_row_blocks(int64_t M, int64_t mr_max) { return (M + mr_max - 1) / mr_max; }
-int64_t gemm_block_start(int64_t M, int64_t j, int64_t mr_max) {
+#define SHARED __attribute__((visibility("hidden")))  // gemm_blocks.c calls these; -fPIC may still inline them here
+SHARED int64_t gemm_row_blocks(int64_t M, int64_t mr_max) { return (M + mr_max - 1) / mr_max; }
+SHARED int64_t gemm_block_start(int64_t M, int64_t j, int64_t mr_max) {
     const int64_t n = gemm_row_blocks(M, mr_max), base = M / n, extra = M % n;
     return j * base + (j < extra ? j : extra);
 }
@@ -256,7 +257,7 @@ static inline int64_t block_start(int64_t M, int64_t j) { return gemm_block_star
 // [K][mr] at xp + m * K, so a tile's broadcasts sit at fixed offsets from one pointer walking k. In a
 // per-thread buffer that grows to the largest x seen (one row is its own layout: no copy). NULL when
 // the buffer cannot grow.
-const float *gemm_pack_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t mr_max) {
+SHARED const float *gemm_pack_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t mr_max) {
     if (M == 1)
         return x;
     float *out = gemm_scratch(0, (size_t)(M * K) * sizeof(float));

@@ -31,7 +31,7 @@ int64_t gemm_row_blocks(int64_t M, int64_t mr_max);
 int64_t gemm_block_start(int64_t M, int64_t j, int64_t mr_max);
 
 static inline int64_t block_bytes(int64_t bits) { return bits == 4 ? 2 * NR * 4 + BLOCK * 8 : NR * 4 + BLOCK * NR; }
-int64_t block_panel_bytes(int64_t bits, int64_t K) { return K / BLOCK * block_bytes(bits); }
+static inline int64_t block_panel_bytes(int64_t bits, int64_t K) { return K / BLOCK * block_bytes(bits); }
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -124,27 +124,22 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int N
 }
 
 // `mr` rows by `np` panels (4 with one row, 2 with two, else 1).
+#define TILES(BITS, ...)                                                                            \
+    if (np == 4) tile(1, 4, BITS, __VA_ARGS__);                                                     \
+    else if (np == 2) tile(2, 2, BITS, __VA_ARGS__);                                                \
+    else if (mr == 5) tile(5, 1, BITS, __VA_ARGS__);                                                \
+    else if (mr == 4) tile(4, 1, BITS, __VA_ARGS__);                                                \
+    else if (mr == 3) tile(3, 1, BITS, __VA_ARGS__);                                                \
+    else if (mr == 2) tile(2, 1, BITS, __VA_ARGS__);                                                \
+    else tile(1, 1, BITS, __VA_ARGS__);
+
 static void tile_rows(int mr, int np, int bits, int64_t K, const float *x, const uint8_t *w, int64_t panel_bytes,
                       const float *bias, float *y, int64_t ldy, int nv) {
-#define ARGS K, x, w, panel_bytes, bias, y, ldy, nv
     if (bits == 4) {
-        if (np == 4) tile(1, 4, 4, ARGS);
-        else if (np == 2) tile(2, 2, 4, ARGS);
-        else if (mr == 5) tile(5, 1, 4, ARGS);
-        else if (mr == 4) tile(4, 1, 4, ARGS);
-        else if (mr == 3) tile(3, 1, 4, ARGS);
-        else if (mr == 2) tile(2, 1, 4, ARGS);
-        else tile(1, 1, 4, ARGS);
+        TILES(4, K, x, w, panel_bytes, bias, y, ldy, nv)
     } else {
-        if (np == 4) tile(1, 4, 8, ARGS);
-        else if (np == 2) tile(2, 2, 8, ARGS);
-        else if (mr == 5) tile(5, 1, 8, ARGS);
-        else if (mr == 4) tile(4, 1, 8, ARGS);
-        else if (mr == 3) tile(3, 1, 8, ARGS);
-        else if (mr == 2) tile(2, 1, 8, ARGS);
-        else tile(1, 1, 8, ARGS);
+        TILES(8, K, x, w, panel_bytes, bias, y, ldy, nv)
     }
-#undef ARGS
 }
 
 // The most rows for which these tiles are used instead of gemm.c's over float32 panels. Past 5 rows a second

@@ -143,7 +143,7 @@ def pack_weight(weight: torch.Tensor, into: torch.Tensor | None = None,
         padded[:out] = weight
         dst = dst.view(panels, inp, PANEL)
         dst.copy_(padded.view(panels, PANEL, inp).transpose(1, 2))
-        return Panels(dst, scale, blocks=None if quantization else find_blocks(weight))
+        return Panels(dst, scale, blocks=None if quantization else find_blocks(weight, dst))
     if how == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight)
     return None

@@ -3,7 +3,7 @@
 `paged_decode_attention()` (`paged_attention.c`), `prefill_attention()` (`prefill_attention.c`),
 `add_rms_norm()` (`rms_norm.c`), `rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`), `argmax_rows()` (`argmax.c`),
 `pin_team()` (`threads.c`), `packed_gemm()` and `packed_gemm_i8()` (`gemm.c`), `packed_gemm_blocks()` and
-`block_panels()` (`gemm_blocks.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
+`expand_block_panels()` (`gemm_blocks.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
 a decode step of a whole Llama-family stack) return the loaded C function, or None when it cannot be
 used (no C compiler, a failed build, no AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers
 then take the torch paths, which compute the same thing. The GEMM reads each weight once per matmul
@@ -124,7 +124,6 @@ _SIGNATURES = {
     "packed_gemm_blocks": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
     "expand_block_panels": ([_I64, _PTR, _I64, _I64, _PTR], None),
     "packed_gemm_blocks_rows": ([], ctypes.c_int),
-    "block_panel_bytes": ([_I64, _I64], _I64),
     "packed_gemm_w8a8_group": ([], ctypes.c_int),
     "packed_gemm_w8a8_block": ([], ctypes.c_int),
     "silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64], None),
@@ -226,10 +225,9 @@ def block_rows() -> int:
     return lib.packed_gemm_blocks_rows() if packed_gemm() is not None else 0
 
 
-def block_panels():
-    """(`expand_block_panels`, `block_panel_bytes`) of `gemm_blocks.c`, or None without the panel GEMM."""
-    lib = _library()
-    return (lib.expand_block_panels, lib.block_panel_bytes) if packed_gemm() is not None else None
+def expand_block_panels():
+    """`gemm_blocks.c`'s widening of blocks into float32 panels, or None without the panel GEMM."""
+    return _kernel("expand_block_panels") if packed_gemm() is not None else None
 
 
 @functools.cache

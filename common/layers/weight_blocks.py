@@ -32,7 +32,7 @@ class WeightBlocks:
 
 
 def enabled() -> bool:
-    return os.environ.get("PDSERVE_WEIGHT_BLOCKS", "1") != "0" and native.block_panels() is not None
+    return os.environ.get("PDSERVE_WEIGHT_BLOCKS", "1") != "0" and native.expand_block_panels() is not None
 
 
 def _split(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -73,40 +73,27 @@ def _pack(bits: int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -
     return torch.cat(parts, dim=2).reshape(-1)
 
 
-def _expand(bits: int, packed: torch.Tensor, panels: int, inp: int) -> torch.Tensor:
-    expand, _ = native.block_panels()
-    dst = torch.empty(panels, inp, PANEL)
-    expand(bits, packed.data_ptr(), panels, inp, dst.data_ptr())
-    return dst
-
-
-def _as_panels(weight: torch.Tensor) -> torch.Tensor:
-    out, inp = weight.shape
-    panels = -(-out // PANEL)
-    padded = weight.new_zeros(panels * PANEL, inp)
-    padded[:out] = weight
-    return padded.view(panels, PANEL, inp).transpose(1, 2)
-
-
-def _try(weight: torch.Tensor, bits: int) -> torch.Tensor | None:
+def _try(weight: torch.Tensor, panels: torch.Tensor, bits: int) -> torch.Tensor | None:
+    """The blocks of `weight`'s rows if they widen to `panels` (those rows' float32 panels), else None."""
     out, inp = weight.shape
     packed = _pack(bits, *_split(weight.view(out, inp // BLOCK, BLOCK), bits))
-    expanded = _expand(bits, packed, -(-out // PANEL), inp)
-    same = torch.equal(expanded.view(torch.int32), _as_panels(weight).contiguous().view(torch.int32))
-    return packed if same else None
+    expanded = torch.empty(panels.shape)
+    native.expand_block_panels()(bits, packed.data_ptr(), panels.shape[0], inp, expanded.data_ptr())
+    return packed if torch.equal(expanded.view(torch.int32), panels.view(torch.int32)) else None
 
 
-def find_blocks(weight: torch.Tensor) -> WeightBlocks | None:
-    """The weight ([out, in] float32 on CPU) as 4-bit or 8-bit blocks of 32 that expand to its exact bits, or
-    None (it is not such a weight, `in` is not a multiple of 32, or blocks are turned off)."""
+def find_blocks(weight: torch.Tensor, panels: torch.Tensor) -> WeightBlocks | None:
+    """The weight ([out, in] float32 on CPU) as 4-bit or 8-bit blocks of 32 that widen to `panels` (its
+    float32 panels, `[ceil(out / 16), in, 16]`, as `linear.pack_weight` made them) bit for bit, or None (it is
+    not such a weight, `in` is not a multiple of 32, or blocks are turned off)."""
     if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
             or weight.shape[1] % BLOCK or not enabled()):
         return None
-    weight = weight.detach().contiguous()
+    weight, panels = weight.detach().contiguous(), panels.contiguous()
     for bits in (4, 8):
-        if _try(weight[:SAMPLE_ROWS], bits) is None:
+        if _try(weight[:SAMPLE_ROWS], panels[:SAMPLE_ROWS // PANEL], bits) is None:
             continue
-        packed = _try(weight, bits)
+        packed = _try(weight, panels, bits)
         if packed is not None:
             return WeightBlocks(bits, packed)
     return None

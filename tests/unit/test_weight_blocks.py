@@ -10,7 +10,6 @@ import torch
 from bench.tiny_model import gguf_round_trip
 from common.layers import native
 from common.layers.linear import Panels, pack_weight
-from common.layers.weight_blocks import find_blocks
 from common.models.loader import load_model
 from tests.model_harness import (
     Harness,
@@ -58,23 +57,28 @@ def test_block_gemm_refuses_what_it_cannot_read():
     assert gemm(x.data_ptr(), 32, w.data_ptr(), 5, None, y.data_ptr(), 16, 2, 16, 32) == -2  # bits
 
 
+def blocks_of(weight: torch.Tensor):
+    """What `find_blocks` gave the packed weight (None: float32 panels only, or not packed as panels)."""
+    packed = pack_weight(weight)
+    return packed.blocks if isinstance(packed, Panels) else None
+
+
 def test_find_blocks_takes_only_exact_blocks(monkeypatch):
     torch.manual_seed(0)
     q4 = gguf_round_trip(torch.randn(40, 64), 4)
     q8 = gguf_round_trip(torch.randn(40, 64), 8)
-    assert find_blocks(q4).bits == 4 and find_blocks(q8).bits == 8
-    assert find_blocks(torch.randn(40, 64)) is None  # plain float32
+    assert blocks_of(q4).bits == 4 and blocks_of(q8).bits == 8
+    assert blocks_of(torch.randn(40, 64)) is None  # plain float32
     nudged = q4.clone()
     nudged[33, 7] = torch.nextafter(nudged[33, 7], torch.tensor(1.0))  # one weight off by one ulp, past the sample
-    assert find_blocks(nudged) is None
+    assert blocks_of(nudged) is None
     signed_zero = q8.clone()
     signed_zero[39, 63] = -0.0  # -0.0 and +0.0 give different bits in some sums: not taken
-    assert find_blocks(signed_zero) is None
-    assert find_blocks(gguf_round_trip(torch.randn(40, 64), 4)[:, :48]) is None  # in not a multiple of 32
-    assert find_blocks(q4.double()) is None
+    assert blocks_of(signed_zero) is None
+    assert blocks_of(gguf_round_trip(torch.randn(40, 64), 4)[:, :48]) is None  # in not a multiple of 32
+    assert blocks_of(q4.double()) is None
     monkeypatch.setenv("PDSERVE_WEIGHT_BLOCKS", "0")
-    assert find_blocks(q4) is None
-    assert pack_weight(q4).blocks is None
+    assert blocks_of(q4) is None
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
