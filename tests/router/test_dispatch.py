@@ -162,16 +162,19 @@ def test_retry_aborts_orphan_decode_leg(workers, make_router):
     r = make_router([p0, p1], [d], "--prefill-policy", "round_robin", "--decode-policy", "random")
     p0.config(status=503)
     d.config(hold=-1)  # decode legs wait (as for their KV) until released or aborted
-    threads, results = _run_two(r, {"text": "hi"})  # round robin: one of them tries p0 first
-    wait_until(lambda: len(d.aborts()) == 1 and len(d.requests()) == 3, what="abort and retry")
-    failed_rid = p0.requests()[0]["body"]["rid"]
-    assert d.aborts() == [failed_rid]  # the abandoned decode leg was aborted on its node
+    # round robin: one of them tries p0 first, or both do when one retries before the other is routed
+    threads, results = _run_two(r, {"text": "hi"})
+    wait_until(lambda: len(p1.requests()) == 2 and 0 < len(d.aborts()) == len(p0.requests())
+               and len(d.requests()) == 2 + len(p0.requests()), what="abort and retry")
+    failed = len(p0.requests())
+    # every abandoned decode leg was aborted on its node
+    assert sorted(d.aborts()) == sorted(x["body"]["rid"] for x in p0.requests())
     d.release()
     for t in threads:
         t.join(30)
     assert [x[0] for x in results] == [200, 200]
     sent = [x["body"] for x in d.requests()]
-    assert len({s["bootstrap_room"] for s in sent}) == 3 and len({s["rid"] for s in sent}) == 3
+    assert len({s["bootstrap_room"] for s in sent}) == 2 + failed and len({s["rid"] for s in sent}) == 2 + failed
     assert len(p1.requests()) == 2  # the retry re-sent both legs, avoiding the failed worker
     retry = [s for s in sent if s["rid"] not in {x["body"]["rid"] for x in p0.requests()}]
     assert sorted(x["body"]["bootstrap_room"] for x in p1.requests()) == sorted(s["bootstrap_room"] for s in retry)
@@ -198,9 +201,10 @@ def test_decode_failure_aborts_prefill_leg(workers, make_router):
     r = make_router([p], [d0, d1], "--prefill-policy", "random", "--decode-policy", "round_robin")
     p.config(hold=-1)
     d0.config(status=503)
-    threads, results = _run_two(r, {"text": "hi", "stream": True})
-    wait_until(lambda: len(p.aborts()) == 1 and len(p.requests()) == 3, what="abort and retry")
-    assert p.aborts() == [d0.requests()[0]["body"]["rid"]]
+    threads, results = _run_two(r, {"text": "hi", "stream": True})  # one or both meet d0 first (see above)
+    wait_until(lambda: len(d1.requests()) == 2 and 0 < len(p.aborts()) == len(d0.requests())
+               and len(p.requests()) == 2 + len(d0.requests()), what="abort and retry")
+    assert sorted(p.aborts()) == sorted(x["body"]["rid"] for x in d0.requests())
     p.release()
     for t in threads:
         t.join(30)
