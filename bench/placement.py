@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefill-args", default="", help="more flags for the clusters' prefill nodes, one string")
     a("--decode-args", default="", help="more flags for the clusters' decode nodes, one string (e.g. "
       "\"--torchao-config int8wo\": int8 weights where steps are bound by memory bandwidth)")
+    a("--local-prefill-queue", type=int, default=DEFAULT_LOCAL_PREFILL_QUEUE, metavar="N",
+      help="the router's --local-prefill-queue in every cluster setup that prefills on its decode node "
+           "(all but cluster_remote_prefill): `pdserve cluster`'s default, or another value to measure")
     a("--setups", default=",".join(SETUPS), help=f"which setups to run, comma-separated, of {SETUPS}")
     a("--rounds", type=int, default=1, help="times every setup runs, in turn; ratios are per-round medians")
     a("--seed", type=int, default=1, help="seed of prompts")
@@ -107,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ns = build_parser().parse_args(argv)
     setups = [x for x in ns.setups.split(",") if x]
-    if not setups or set(setups) - set(SETUPS) or ns.num_prompts < 1 or ns.rounds < 1:
-        print(f"--setups must name some of {SETUPS}; --num-prompts and --rounds must be >= 1", file=sys.stderr)
+    if not setups or set(setups) - set(SETUPS) or ns.num_prompts < 1 or ns.rounds < 1 or ns.local_prefill_queue < 1:
+        print(f"--setups must name some of {SETUPS}; --num-prompts, --rounds and --local-prefill-queue must be "
+              ">= 1 (the cluster_remote_prefill setup is the one without local prefill)", file=sys.stderr)
         return 2
     cores, log_dir, requests = setup_workload(ns, "placement")
     node_args = shlex.split(ns.node_args)
@@ -148,7 +152,7 @@ def _run_setups(setups, ns, cores, log_dir, requests, node_args) -> tuple[dict, 
             continue
         cluster = Cluster(num_prefill=1, num_decode=1, model=ns.model, transfer_backend=ns.transfer_backend,
                           log_dir=os.path.join(log_dir, name), auto_placement=name != "cluster_unpinned",
-                          local_prefill_queue=0 if name == "cluster_remote_prefill" else DEFAULT_LOCAL_PREFILL_QUEUE,
+                          local_prefill_queue=0 if name == "cluster_remote_prefill" else ns.local_prefill_queue,
                           node_args=node_args, prefill_args=shlex.split(ns.prefill_args),
                           decode_args=shlex.split(ns.decode_args), startup_timeout=ns.startup_timeout,
                           core_loan=name != "cluster_no_loan")

@@ -29,7 +29,7 @@ def test_bench_placement_runs_the_default_cluster(tiny_model_dir, tmp_path):
     out = tmp_path / "placement.json"
     rc = placement.main(["--model", tiny_model_dir, "--transfer-backend", "fake", "--num-prompts", "4",
                          "--random-input-len", "24", "--random-output-len", "6", "--max-concurrency", "2",
-                         "--warmup-requests", "1", "--setups", "cluster", "--disable-tqdm",
+                         "--warmup-requests", "1", "--setups", "cluster", "--disable-tqdm", "--local-prefill-queue", "3",
                          "--node-args", "--max-total-tokens 2048", "--log-dir", str(tmp_path / "logs"),
                          "--json", str(out)])
     assert rc == 0
@@ -43,8 +43,11 @@ def test_bench_placement_runs_the_default_cluster(tiny_model_dir, tmp_path):
     want = plan(1, 1, cores).cores
     assert {k: v for k, v in runs["cluster"]["placement"].items() if k != "router"} == want
     assert report["ratios"] == {}  # one setup: nothing to compare
+    router_cmd = (tmp_path / "logs" / "round1" / "cluster" / "router.log").read_text().splitlines()[0]
+    assert "--local-prefill-queue 3" in router_cmd
 
 
 def test_unknown_setups_are_refused():
     assert placement.main(["--setups", "colocated,nonsense"]) == 2
     assert placement.main(["--rounds", "0"]) == 2
+    assert placement.main(["--local-prefill-queue", "0"]) == 2  # that is the cluster_remote_prefill setup
