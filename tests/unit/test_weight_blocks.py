@@ -10,6 +10,7 @@ import torch
 from bench.tiny_model import gguf_round_trip
 from common.layers import native
 from common.layers.linear import Panels, pack_weight
+from common.layers.weight_blocks import find_blocks
 from common.models.loader import load_model
 from tests.model_harness import (
     Harness,
@@ -76,7 +77,8 @@ def test_find_blocks_takes_only_exact_blocks(monkeypatch):
     signed_zero[39, 63] = -0.0  # -0.0 and +0.0 give different bits in some sums: not taken
     assert blocks_of(signed_zero) is None
     assert blocks_of(gguf_round_trip(torch.randn(40, 64), 4)[:, :48]) is None  # in not a multiple of 32
-    assert blocks_of(q4.double()) is None
+    # float64 is refused by find_blocks itself (pack_weight would not pack it as panels at all)
+    assert find_blocks(q4.double(), pack_weight(q4).weight) is None
     monkeypatch.setenv("PDSERVE_WEIGHT_BLOCKS", "0")
     assert blocks_of(q4) is None
 
