@@ -1,6 +1,7 @@
 """`pdserve bench compare`: the same workload on (a) a disaggregated cluster — one prefill node pinned to
-one set of cores, one decode node pinned to another, the router — and (b) one colocated `pdserve serve`
-node on all of those cores, one after the other in one run.
+one set of cores, one decode node pinned to another, the router (`--cluster default`: the cluster as
+`pdserve cluster` starts it on those cores, its core loan and local prefills included) — and (b) one
+colocated `pdserve serve` node on all of those cores, one after the other in one run.
 
 Workload (the case disaggregation is for): a steady stream of ordinary requests (short prompt, long
 answer: "decodes") that keep the decode batch busy, and long prompts arriving among them every
@@ -11,7 +12,8 @@ Then, on the same running setups, SLO attainment over a sweep of Poisson request
 bench/slo.py): `--sweep-requests` requests of `--sweep-input-len` / `--sweep-output-len` tokens
 (lengths drawn from [len * 0.5, len]; other prompts at each rate, the same for both setups, which
 the workload above has warmed) per rate, and the highest rate at which 90 % of them meet both
-`--slo-rate-ttft-ms` and `--slo-rate-tpot-ms`. Those SLOs were fixed before any run: first token
+`--slo-rate-ttft-ms` and `--slo-rate-tpot-ms` (a setup that misses them at the lowest rate is swept
+further down, halving the rate to `--min-rate`). Those SLOs were fixed before any run: first token
 within 2 s, then 10 tokens per second (interactive chat on a CPU, about twice reading speed).
 
 Reports, for each setup and for each class of request, TTFT/TPOT/ITL/E2E (mean, p50, p90, p99),
@@ -50,7 +52,7 @@ from bench.serve import (
 )
 from bench.slo import max_rate, sweep
 from common.cores import parse_cores
-from deploy.cluster import ROOT, Cluster
+from deploy.cluster import DEFAULT_LOCAL_PREFILL_QUEUE, ROOT, Cluster
 from deploy.procs import ClusterError, die_with_parent, free_port, http_status
 
 
@@ -76,6 +78,32 @@ def build_workload(maker: PromptMaker, ns: argparse.Namespace) -> list[BenchRequ
         reqs.append(r)
     reqs.sort(key=lambda r: r.send_at)
     return reqs
+
+
+def disaggregated_setup(ns: argparse.Namespace, node_args: list[str], cores: list[int], log_dir: str) -> Cluster:
+    """Setup (a), not started: with `--cluster default` the decode node keeps the cluster's own local
+    chunk size (the node flags' --chunked-prefill-size is for prefill nodes and the colocated node)."""
+    common = dict(num_prefill=1, num_decode=1, model=ns.model, transfer_backend=ns.transfer_backend, log_dir=log_dir,
+                  env=child_env(ns), startup_timeout=ns.startup_timeout, router_args=["--policy", "round_robin"])
+    if ns.cluster == "default":
+        return Cluster(**common, auto_placement=True, cores=cores, local_prefill_queue=DEFAULT_LOCAL_PREFILL_QUEUE,
+                       prefill_args=node_args,
+                       decode_args=_without_flag(node_args, "--chunked-prefill-size") + shlex.split(ns.decode_args))
+    return Cluster(**common, cpu_affinity={"prefill": ns.prefill_cores_list, "decode": ns.decode_cores_list},
+                   node_args=node_args, decode_args=shlex.split(ns.decode_args))
+
+
+def _without_flag(args: list[str], flag: str) -> list[str]:
+    """`args` without `flag` and its value (given as `flag value` or `flag=value`)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
 
 
 def start_colocated(ns: argparse.Namespace, cores: list[int], log_dir: str) -> tuple[subprocess.Popen, str]:
@@ -178,6 +206,16 @@ def _fmt(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.3f}" if v < 10 else f"{v:.1f}"
 
 
+def _setup_a(ns: argparse.Namespace) -> str:
+    flags = f", decode node flags `{ns.decode_args}`" if ns.decode_args else ""
+    if ns.cluster == "default":
+        return (f"- (a) the cluster as `pdserve cluster` starts it on cores {ns.prefill_cores_list + ns.decode_cores_list}: "
+                f"{getattr(ns, 'placement_note', '')}; --local-prefill-queue {DEFAULT_LOCAL_PREFILL_QUEUE} "
+                f"({ns.transfer_backend} backend{flags}) + router")
+    return (f"- (a) 1 prefill node on cores {ns.prefill_cores_list} + 1 decode node on cores {ns.decode_cores_list} "
+            f"({ns.transfer_backend} backend{flags}) + router")
+
+
 def markdown_table(dis: dict, col: dict, ns: argparse.Namespace, commands: list[str],
                    sweeps: dict[str, list[dict]] | None = None) -> str:
     rows = [
@@ -222,8 +260,7 @@ def markdown_table(dis: dict, col: dict, ns: argparse.Namespace, commands: list[
             f"{ns.long_output_len} output) every {ns.long_interval}s")
     head = [f"# pdserve bench compare: disaggregated vs colocated ({ns.model_label})", "",
             f"- workload: {work}", f"- {slo}",
-            f"- (a) 1 prefill node on cores {ns.prefill_cores_list} + 1 decode node on cores "
-            f"{ns.decode_cores_list} ({ns.transfer_backend} backend{', decode node flags `' + ns.decode_args + '`' if ns.decode_args else ''}) + router",
+            _setup_a(ns),
             f"- (b) one `pdserve serve` on cores {ns.prefill_cores_list + ns.decode_cores_list} with "
             f"{ns.colocated_threads or len(ns.prefill_cores_list + ns.decode_cores_list)} torch threads",
             f"- every node: OMP_WAIT_POLICY={ns.omp_wait_policy or '(default)'}; node flags `{ns.node_args}`",
@@ -240,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", default="default", help="model of both setups ('default' or a directory)")
     a("--transfer-backend", default="mooncake", choices=("mooncake", "nixl", "ucx", "fake"),
       help="KV transfer engine of the disaggregated setup")
+    a("--cluster", choices=("pinned", "default"), default="pinned",
+      help="(a): 'pinned', one prefill and one decode node on the given cores and nothing more; 'default', the "
+           "cluster as `pdserve cluster` starts it on those cores (its own placement, the decode node borrowing "
+           "the prefill node's cores while it idles, and prefilling itself while the prefill node's queue is long)")
     a("--prefill-cores", default="0", help="cores of the prefill node in (a)")
     a("--decode-cores", default="1", help="cores of the decode node in (a); (b) gets both sets")
     a("--node-args", default="--chunked-prefill-size 256 --max-total-tokens 32768",
@@ -259,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--slo-tpot-ms", type=float, default=1500.0, help="goodput: TPOT limit")
     a("--rates", default="0.5,1,1.5,2,2.5,3,4", help="request rates (req/s) of the SLO sweep, comma-separated "
       "('' skips it)")
+    a("--min-rate", type=float, default=0.1, help="when a setup misses the SLOs at the lowest rate, the sweep halves "
+      "the rate until it keeps them, down to this (req/s)")
     a("--sweep-requests", type=int, default=32, help="requests per rate of the sweep")
     a("--sweep-input-len", type=int, default=256, help="longest prompt of the sweep's requests (tokens)")
     a("--sweep-output-len", type=int, default=64, help="longest output of the sweep's requests (tokens)")
@@ -316,17 +359,13 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = run_setup(name, url, requests, ns, model)
         if rates:
             sweeps[name] = sweep(url, model, sweep_requests, rates, ns.slo_rate_ttft_ms, ns.slo_rate_tpot_ms,
-                                 ns.seed, name)
+                                 ns.seed, name, ns.min_rate)
 
     served_name = None
     if ns.only in ("both", "disaggregated"):
-        cluster = Cluster(num_prefill=1, num_decode=1, model=ns.model, transfer_backend=ns.transfer_backend,
-                          log_dir=os.path.join(log_dir, "disaggregated"),
-                          cpu_affinity={"prefill": ns.prefill_cores_list, "decode": ns.decode_cores_list},
-                          node_args=node_args, decode_args=shlex.split(ns.decode_args),
-                          router_args=["--policy", "round_robin"], env=child_env(ns),
-                          startup_timeout=ns.startup_timeout)
+        cluster = disaggregated_setup(ns, node_args, all_cores, os.path.join(log_dir, "disaggregated"))
         with cluster:
+            ns.placement_note = cluster.placement.describe() if ns.cluster == "default" else ""
             served_name = served_name or _served_name(cluster.url)
             measure("disaggregated", cluster.url, served_name)
     if ns.only in ("both", "colocated"):

@@ -5,7 +5,8 @@ At each rate the same kind of requests arrive as a Poisson process; a request at
 its TTFT and its TPOT are both within them (a failed request never does). The figure of merit is the
 highest rate at which at least `target` (90 %) of the requests attain them: between the last rate
 that does and the first that does not, the crossing is interpolated linearly; when every rate does,
-it is the highest rate swept (a lower bound); when none does, 0.
+it is the highest rate swept (a lower bound). When the lowest rate misses, `rates_to_sweep` halves it
+until one attains the target or the rate would fall below a floor; only then is the figure 0.
 
 The SLOs are fixed before any run, in `compare.py`'s defaults, for interactive chat on a CPU serving
 a small model: the first token within 2 s, then at least 10 tokens per second (TPOT <= 100 ms, about
@@ -47,22 +48,39 @@ def max_rate(points: list[tuple[float, float]], target: float = TARGET) -> float
     return best
 
 
-def sweep(url: str, model: str, make_requests, rates: list[float], ttft_ms: float, tpot_ms: float, seed: int,
-          name: str) -> list[dict]:
-    """Run `make_requests(rate)` at each rate against `url`; one point per rate, stopping after the
-    first rate below half the target (higher rates only queue more)."""
+def rates_to_sweep(measure, rates: list[float], min_rate: float) -> list[dict]:
+    """Points `measure(rate)` (a dict with "rate" and "attainment") over `rates` in increasing order,
+    stopping after the first below half the target (higher rates only queue more). When even the lowest
+    rate misses the target, the rate is halved until one attains it or it would fall below `min_rate`:
+    a setup that cannot keep the lowest rate swept still has a highest rate, and `max_rate` a crossing
+    to interpolate, instead of a 0 that no ratio can be taken of."""
     points = []
     for rate in sorted(rates):
+        points.append(measure(rate))
+        if points[-1]["attainment"] < TARGET / 2:
+            break
+    lowest = points[0] if points else None
+    while lowest is not None and lowest["attainment"] < TARGET and lowest["rate"] / 2 >= min_rate:
+        lowest = measure(lowest["rate"] / 2)
+        points.insert(0, lowest)
+    return points
+
+
+def sweep(url: str, model: str, make_requests, rates: list[float], ttft_ms: float, tpot_ms: float, seed: int,
+          name: str, min_rate: float) -> list[dict]:
+    """Run `make_requests(rate)` at each rate against `url` (`rates_to_sweep` picks the rates); one point
+    per rate."""
+
+    def measure(rate: float) -> dict:
         requests: list[BenchRequest] = make_requests(rate)
         results, duration = asyncio.run(run_benchmark(url, requests, model=model, request_rate=rate,
                                                       arrival="poisson", warmup=0, seed=seed, progress=False))
         att = attainment(results, ttft_ms, tpot_ms)
         s = summarize(results, duration, ttft_ms, tpot_ms)
-        points.append({"rate": rate, "attainment": round(att, 4), "summary": s})
         p90 = {k: s[f"{k}_ms"]["p90"] or 0.0 for k in ("ttft", "tpot")}
         print(f"[{name}] rate {rate:g} req/s: {att:.0%} of {len(results)} requests within TTFT {ttft_ms:.0f} ms and "
               f"TPOT {tpot_ms:.0f} ms (TTFT p90 {p90['ttft']:.0f} ms, TPOT p90 {p90['tpot']:.0f} ms)",
               file=sys.stderr, flush=True)
-        if att < TARGET / 2:
-            break
-    return points
+        return {"rate": rate, "attainment": round(att, 4), "summary": s}
+
+    return rates_to_sweep(measure, rates, min_rate)

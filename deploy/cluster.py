@@ -151,6 +151,7 @@ class Cluster:
     log_dir: str | None = None
     cpu_affinity: dict[str, list[int]] = field(default_factory=dict)  # cores per role, given
     auto_placement: bool = False  # cores per node chosen by deploy.placement (overrides cpu_affinity)
+    cores: list[int] | None = None  # the cores auto_placement divides (None: all this process may run on)
     # with auto_placement: decode node i borrows prefill node i's cores while it idles (common/core_loan.py)
     core_loan: bool = True
     node_args: list[str] = field(default_factory=list)  # extra ServerArgs flags for every node
@@ -348,7 +349,7 @@ class Cluster:
         places = self._places()
         if self.auto_placement:
             why_not = self._no_core_loan()
-            self.placement = plan(self.num_prefill, self.num_decode, sorted(os.sched_getaffinity(0)),
+            self.placement = plan(self.num_prefill, self.num_decode, sorted(self.cores or os.sched_getaffinity(0)),
                                   loans=why_not is None)
             self._say(self.placement.describe() + (f" (no core loan: {why_not})" if why_not else ""))
         if self.local_prefill_queue > 0:

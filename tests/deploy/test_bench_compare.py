@@ -52,3 +52,19 @@ def test_ratios_are_oriented_so_higher_means_pd_better():
     table = compare.markdown_table(dis, col, n, ["pdserve bench compare --x"])
     assert "| TPOT p99, decode requests (ms) | 50.0 | 100.0 | 2.000x |" in table
     assert "pdserve bench compare --x" in table and "OMP_WAIT_POLICY=PASSIVE" in table
+
+
+def test_default_cluster_keeps_its_local_chunk_and_divides_the_given_cores(tmp_path):
+    n = ns(cluster="default", decode_args="--max-running-requests 8")
+    node_args = ["--chunked-prefill-size", "256", "--max-total-tokens=32768", "--chunked-prefill-size=128"]
+    c = compare.disaggregated_setup(n, node_args, [0, 1], str(tmp_path))
+    assert c.auto_placement and c.core_loan and c.cores == [0, 1]
+    assert c.local_prefill_queue == compare.DEFAULT_LOCAL_PREFILL_QUEUE > 0
+    assert c.prefill_args == node_args and c.node_args == []
+    # the decode node's chunks are its local prefills: the cluster's own size, not the prefill nodes'
+    assert c.decode_args == ["--max-total-tokens=32768", "--max-running-requests", "8"]
+    assert "as `pdserve cluster` starts it on cores [0, 1]" in compare.markdown_table(
+        *(compare.by_tag(fake_results(0.05, 0.5), 10.0, n),) * 2, n, [])
+    pinned = compare.disaggregated_setup(ns(), node_args, [0, 1], str(tmp_path))
+    assert not pinned.auto_placement and pinned.local_prefill_queue == 0
+    assert pinned.cpu_affinity == {"prefill": [0], "decode": [1]} and pinned.node_args == node_args

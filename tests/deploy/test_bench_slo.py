@@ -26,3 +26,27 @@ def test_max_rate_interpolates_the_crossing_of_90_percent():
     assert slo.max_rate([(0.5, 1.0), (1.0, 0.9)]) == 1.0  # every rate attains: the highest swept
     assert slo.max_rate([(0.5, 0.8), (1.0, 0.95)]) == 0.0  # the lowest already misses
     assert slo.max_rate([]) == 0.0
+
+
+def sweep_of(attainment_at, rates, min_rate=0.1):
+    seen = []
+
+    def measure(rate):
+        seen.append(rate)
+        return {"rate": rate, "attainment": attainment_at(rate)}
+
+    return [p["rate"] for p in slo.rates_to_sweep(measure, rates, min_rate)], seen
+
+
+def test_sweep_stops_past_the_knee_and_goes_below_a_lowest_rate_that_misses():
+    # attains up to 1 req/s, then falls: the rates past half the target are not run
+    rates, seen = sweep_of(lambda r: 1.0 if r <= 1 else 0.3, [2, 0.5, 1, 3])
+    assert rates == seen == [0.5, 1, 2]
+    # misses even the lowest rate: halved until it attains, and the crossing is interpolated from there
+    att = {0.125: 0.95, 0.25: 0.8, 0.5: 0.7, 1: 0.3}
+    rates, seen = sweep_of(att.get, [0.5, 1, 2])
+    assert seen == [0.5, 1, 0.25, 0.125] and rates == [0.125, 0.25, 0.5, 1]
+    assert 0.125 < slo.max_rate([(r, att[r]) for r in rates]) < 0.25
+    # never attains: halved down to the floor, no further, and the figure stays 0
+    rates, seen = sweep_of(lambda r: 0.5, [0.5, 1], min_rate=0.1)
+    assert seen == [0.5, 1, 0.25, 0.125] and slo.max_rate([(r, 0.5) for r in rates]) == 0.0
