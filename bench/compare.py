@@ -86,7 +86,7 @@ def disaggregated_setup(ns: argparse.Namespace, node_args: list[str], cores: lis
     common = dict(num_prefill=1, num_decode=1, model=ns.model, transfer_backend=ns.transfer_backend, log_dir=log_dir,
                   env=child_env(ns), startup_timeout=ns.startup_timeout, router_args=["--policy", "round_robin"])
     if ns.cluster == "default":
-        return Cluster(**common, auto_placement=True, cores=cores, local_prefill_queue=DEFAULT_LOCAL_PREFILL_QUEUE,
+        return Cluster(**common, auto_placement=True, cores=cores, local_prefill_queue=ns.local_prefill_queue,
                        prefill_args=node_args,
                        decode_args=_without_flag(node_args, "--chunked-prefill-size") + shlex.split(ns.decode_args))
     return Cluster(**common, cpu_affinity={"prefill": ns.prefill_cores_list, "decode": ns.decode_cores_list},
@@ -210,7 +210,7 @@ def _setup_a(ns: argparse.Namespace) -> str:
     flags = f", decode node flags `{ns.decode_args}`" if ns.decode_args else ""
     if ns.cluster == "default":
         return (f"- (a) the cluster as `pdserve cluster` starts it on cores {ns.prefill_cores_list + ns.decode_cores_list}: "
-                f"{getattr(ns, 'placement_note', '')}; --local-prefill-queue {DEFAULT_LOCAL_PREFILL_QUEUE} "
+                f"{getattr(ns, 'placement_note', '')}; --local-prefill-queue {ns.local_prefill_queue} "
                 f"({ns.transfer_backend} backend{flags}) + router")
     return (f"- (a) 1 prefill node on cores {ns.prefill_cores_list} + 1 decode node on cores {ns.decode_cores_list} "
             f"({ns.transfer_backend} backend{flags}) + router")
@@ -281,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="(a): 'pinned', one prefill and one decode node on the given cores and nothing more; 'default', the "
            "cluster as `pdserve cluster` starts it on those cores (its own placement, the decode node borrowing "
            "the prefill node's cores while it idles, and prefilling itself while the prefill node's queue is long)")
+    a("--local-prefill-queue", type=int, default=None, metavar="N",
+      help=f"with --cluster default: the router's --local-prefill-queue (default {DEFAULT_LOCAL_PREFILL_QUEUE}, "
+           "`pdserve cluster`'s; 0: off)")
     a("--prefill-cores", default="0", help="cores of the prefill node in (a)")
     a("--decode-cores", default="1", help="cores of the decode node in (a); (b) gets both sets")
     a("--node-args", default="--chunked-prefill-size 256 --max-total-tokens 32768",
@@ -328,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     if set(ns.prefill_cores_list) & set(ns.decode_cores_list):
         print("--prefill-cores and --decode-cores must not overlap", file=sys.stderr)
         return 2
+    if ns.local_prefill_queue is not None and (ns.local_prefill_queue < 0 or ns.cluster != "default"):
+        print("--local-prefill-queue takes N >= 0, with --cluster default", file=sys.stderr)
+        return 2
+    if ns.cluster == "default" and ns.local_prefill_queue is None:
+        ns.local_prefill_queue = DEFAULT_LOCAL_PREFILL_QUEUE
     have = os.sched_getaffinity(0)
     all_cores = sorted(set(ns.prefill_cores_list) | set(ns.decode_cores_list))
     if not set(all_cores) <= have:

@@ -55,7 +55,7 @@ def test_ratios_are_oriented_so_higher_means_pd_better():
 
 
 def test_default_cluster_keeps_its_local_chunk_and_divides_the_given_cores(tmp_path):
-    n = ns(cluster="default", decode_args="--max-running-requests 8")
+    n = ns(cluster="default", decode_args="--max-running-requests 8", local_prefill_queue=4)
     node_args = ["--chunked-prefill-size", "256", "--max-total-tokens=32768", "--chunked-prefill-size=128"]
     c = compare.disaggregated_setup(n, node_args, [0, 1], str(tmp_path))
     assert c.auto_placement and c.core_loan and c.cores == [0, 1]
@@ -65,6 +65,10 @@ def test_default_cluster_keeps_its_local_chunk_and_divides_the_given_cores(tmp_p
     assert c.decode_args == ["--max-total-tokens=32768", "--max-running-requests", "8"]
     assert "as `pdserve cluster` starts it on cores [0, 1]" in compare.markdown_table(
         *(compare.by_tag(fake_results(0.05, 0.5), 10.0, n),) * 2, n, [])
+    assert compare.disaggregated_setup(ns(cluster="default", local_prefill_queue=2), [], [0, 1],
+                                       str(tmp_path)).local_prefill_queue == 2
+    assert compare.main(["--local-prefill-queue", "4"]) == 2  # the pinned cluster has no local prefills
+    assert compare.main(["--cluster", "default", "--local-prefill-queue", "-1"]) == 2
     pinned = compare.disaggregated_setup(ns(), node_args, [0, 1], str(tmp_path))
     assert not pinned.auto_placement and pinned.local_prefill_queue == 0
     assert pinned.cpu_affinity == {"prefill": [0], "decode": [1]} and pinned.node_args == node_args
