@@ -3,8 +3,10 @@
 
 At each rate the same kind of requests arrive as a Poisson process; a request attains the SLOs when
 its TTFT and its TPOT are both within them (a failed request never does). The figure of merit is the
-highest rate at which at least `target` (90 %) of the requests attain them: between the last rate
-that does and the first that does not, the crossing is interpolated linearly; when every rate does,
+highest rate at which at least `target` (90 %) of the requests attain them. The measured attainments
+are first fitted non-increasing in the rate (`monotone`: 84 % at 0.5 req/s and 94 % at 0.75 become
+89 % at both), then between the last rate that attains the target and the first that does not, the
+crossing is interpolated linearly; when every rate does,
 it is the highest rate swept (a lower bound). When the lowest rate misses, `rates_to_sweep` halves it
 until one attains the target or the rate would fall below a floor; only then is the figure 0.
 
@@ -33,9 +35,26 @@ def attainment(results: list[RequestResult], ttft_ms: float, tpot_ms: float) -> 
     return sum(attains(r, ttft_ms, tpot_ms) for r in results) / len(results) if results else 0.0
 
 
+def monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(rate, attainment) sorted by rate, the attainments replaced by their closest non-increasing fit
+    (pool adjacent violators, equal weights: every rate has the same number of requests). A queue only
+    grows with the rate, so a rate that attains more than a lower one did is noise, not capacity: the two
+    are averaged instead of either being taken at its word."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
+    for _, att in sorted(points):
+        blocks.append([att, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    fitted = [b[0] / b[1] for b in blocks for _ in range(b[1])]
+    return [(rate, att) for (rate, _), att in zip(sorted(points), fitted, strict=True)]
+
+
 def max_rate(points: list[tuple[float, float]], target: float = TARGET) -> float:
-    """The highest rate at which attainment >= target, from (rate, attainment) points."""
-    points = sorted(points)
+    """The highest rate at which attainment >= target, from (rate, attainment) points fitted
+    non-increasing (`monotone`)."""
+    points = monotone(points)
     best = 0.0
     for i, (rate, att) in enumerate(points):
         if att >= target:
@@ -51,7 +70,8 @@ def max_rate(points: list[tuple[float, float]], target: float = TARGET) -> float
 def rates_to_sweep(measure, rates: list[float], min_rate: float) -> list[dict]:
     """Points `measure(rate)` (a dict with "rate" and "attainment") over `rates` in increasing order,
     stopping after the first below half the target (higher rates only queue more). When even the lowest
-    rate misses the target, the rate is halved until one attains it or it would fall below `min_rate`:
+    rate misses the target (after `monotone`), the rate is halved until one attains it or it would fall
+    below `min_rate`:
     a setup that cannot keep the lowest rate swept still has a highest rate, and `max_rate` a crossing
     to interpolate, instead of a 0 that no ratio can be taken of."""
     points = []
@@ -59,10 +79,8 @@ def rates_to_sweep(measure, rates: list[float], min_rate: float) -> list[dict]:
         points.append(measure(rate))
         if points[-1]["attainment"] < TARGET / 2:
             break
-    lowest = points[0] if points else None
-    while lowest is not None and lowest["attainment"] < TARGET and lowest["rate"] / 2 >= min_rate:
-        lowest = measure(lowest["rate"] / 2)
-        points.insert(0, lowest)
+    while points and max_rate([(p["rate"], p["attainment"]) for p in points]) == 0 and points[0]["rate"] / 2 >= min_rate:
+        points.insert(0, measure(points[0]["rate"] / 2))
     return points
 
 
