@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--long-interval", type=float, default=8.0, help="seconds between long prompts")
     a("--slo-ttft-ms", type=float, default=30000.0, help="goodput: TTFT limit")
     a("--slo-tpot-ms", type=float, default=1500.0, help="goodput: TPOT limit")
-    a("--rates", default="0.5,1,1.5,2,2.5,3,4", help="request rates (req/s) of the SLO sweep, comma-separated "
+    a("--rates", default="0.5,0.75,1,1.25,1.5,2,2.5,3,4", help="request rates (req/s) of the SLO sweep, comma-separated "
       "('' skips it)")
     a("--min-rate", type=float, default=0.1, help="when a setup misses the SLOs at the lowest rate, the sweep halves "
       "the rate until it keeps them, down to this (req/s)")

@@ -24,11 +24,11 @@ to the cores it may run on divided by its TP size. Flags that are not the launch
 are passed to every node unchanged (checked against the node parser first); `--router-args "..."`
 adds router flags.
 
-By default the cluster also disaggregates conditionally (`--local-prefill-queue 4`): while the prefill
-node already has four of the router's prefills in flight, the router sends the next request to a decode
+By default the cluster also disaggregates conditionally (`--local-prefill-queue 2`): while the prefill
+node already has two of the router's prefills in flight, the router sends the next request to a decode
 node alone, which prefills it itself in chunks of 64 tokens, its running requests decoding a token inside
 each chunk's forward (`--enable-mixed-chunk`; a second such request while the first waits for its first
-token only when the prefill node has eight in flight, and so on). On few cores the prefill node is the bottleneck and the decode
+token only when the prefill node has four in flight, and so on). On few cores the prefill node is the bottleneck and the decode
 node's steps are bound by streaming the weights, so its spare batch slots are cheaper than a queue;
 `pdserve bench placement` measures the cluster with it and without it (`--local-prefill-queue 0`).
 
@@ -87,7 +87,7 @@ LOCAL_PREFILL_CHUNK = 64
 # With the core loan (the decode node steps on both cores while the prefill node idles) 4 beat 3 in each of
 # four alternating rounds (51.0 / 51.3 / 52.8 / 50.7 against 49.0 / 46.6 / 50.2 / 46.8 tok/s; ITL p99 296-325
 # against 321-404 ms); 5 gave 53.7 / 49.7, 2 45.6 / 48.5
-DEFAULT_LOCAL_PREFILL_QUEUE = 4
+DEFAULT_LOCAL_PREFILL_QUEUE = 2
 
 
 def _has_flag(flags: list[str], flag: str) -> bool:

@@ -55,7 +55,7 @@ def test_ratios_are_oriented_so_higher_means_pd_better():
 
 
 def test_default_cluster_keeps_its_local_chunk_and_divides_the_given_cores(tmp_path):
-    n = ns(cluster="default", decode_args="--max-running-requests 8", local_prefill_queue=4)
+    n = ns(cluster="default", decode_args="--max-running-requests 8", local_prefill_queue=compare.DEFAULT_LOCAL_PREFILL_QUEUE)
     node_args = ["--chunked-prefill-size", "256", "--max-total-tokens=32768", "--chunked-prefill-size=128"]
     c = compare.disaggregated_setup(n, node_args, [0, 1], str(tmp_path))
     assert c.auto_placement and c.core_loan and c.cores == [0, 1]
