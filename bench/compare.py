@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.local_prefill_queue is not None and (ns.local_prefill_queue < 0 or ns.cluster != "default"):
         print("--local-prefill-queue takes N >= 0, with --cluster default", file=sys.stderr)
         return 2
+    if ns.min_rate <= 0:
+        print("--min-rate must be > 0 (req/s)", file=sys.stderr)
+        return 2
     if ns.cluster == "default" and ns.local_prefill_queue is None:
         ns.local_prefill_queue = DEFAULT_LOCAL_PREFILL_QUEUE
     have = os.sched_getaffinity(0)

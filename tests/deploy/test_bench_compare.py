@@ -69,6 +69,7 @@ def test_default_cluster_keeps_its_local_chunk_and_divides_the_given_cores(tmp_p
                                        str(tmp_path)).local_prefill_queue == 2
     assert compare.main(["--local-prefill-queue", "4"]) == 2  # the pinned cluster has no local prefills
     assert compare.main(["--cluster", "default", "--local-prefill-queue", "-1"]) == 2
+    assert compare.main(["--min-rate", "0"]) == 2  # the sweep would halve the rate for ever
     pinned = compare.disaggregated_setup(ns(), node_args, [0, 1], str(tmp_path))
     assert not pinned.auto_placement and pinned.local_prefill_queue == 0
     assert pinned.cpu_affinity == {"prefill": [0], "decode": [1]} and pinned.node_args == node_args
