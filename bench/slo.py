@@ -6,9 +6,9 @@ its TTFT and its TPOT are both within them (a failed request never does). The fi
 highest rate at which at least `target` (90 %) of the requests attain them. The measured attainments
 are first fitted non-increasing in the rate (`monotone`: 84 % at 0.5 req/s and 94 % at 0.75 become
 89 % at both), then between the last rate that attains the target and the first that does not, the
-crossing is interpolated linearly; when every rate does,
-it is the highest rate swept (a lower bound). When the lowest rate misses, `rates_to_sweep` halves it
-until one attains the target or the rate would fall below a floor; only then is the figure 0.
+crossing is interpolated linearly; when every rate does, it is the highest rate swept (a lower bound).
+When the lowest rate misses, `rates_to_sweep` halves it until one attains the target or the rate would
+fall below a floor; only then is the figure 0.
 
 The SLOs are fixed before any run, in `compare.py`'s defaults, for interactive chat on a CPU serving
 a small model: the first token within 2 s, then at least 10 tokens per second (TPOT <= 100 ms, about
@@ -40,15 +40,16 @@ def monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     (pool adjacent violators, equal weights: every rate has the same number of requests). A queue only
     grows with the rate, so a rate that attains more than a lower one did is noise, not capacity: the two
     are averaged instead of either being taken at its word."""
+    points = sorted(points)
     blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
-    for _, att in sorted(points):
+    for _, att in points:
         blocks.append([att, 1])
         while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
             total, n = blocks.pop()
             blocks[-1][0] += total
             blocks[-1][1] += n
     fitted = [b[0] / b[1] for b in blocks for _ in range(b[1])]
-    return [(rate, att) for (rate, _), att in zip(sorted(points), fitted, strict=True)]
+    return [(rate, att) for (rate, _), att in zip(points, fitted, strict=True)]
 
 
 def max_rate(points: list[tuple[float, float]], target: float = TARGET) -> float:
@@ -71,9 +72,8 @@ def rates_to_sweep(measure, rates: list[float], min_rate: float) -> list[dict]:
     """Points `measure(rate)` (a dict with "rate" and "attainment") over `rates` in increasing order,
     stopping after the first below half the target (higher rates only queue more). When even the lowest
     rate misses the target (after `monotone`), the rate is halved until one attains it or it would fall
-    below `min_rate`:
-    a setup that cannot keep the lowest rate swept still has a highest rate, and `max_rate` a crossing
-    to interpolate, instead of a 0 that no ratio can be taken of."""
+    below `min_rate`: a setup that cannot keep the lowest rate swept still has a highest rate, and
+    `max_rate` a crossing to interpolate, instead of a 0 that no ratio can be taken of."""
     points = []
     for rate in sorted(rates):
         points.append(measure(rate))

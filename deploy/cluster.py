@@ -81,12 +81,13 @@ SECRET_ENV = "PDSERVE_CLUSTER_SECRET_FILE"
 # so the running batch's tokens never wait much longer (single runs of `bench placement`'s workload: an ITL
 # p99 of 672 ms with chunks of 128, 424-501 ms with 64)
 LOCAL_PREFILL_CHUNK = 64
-# prefills in flight on the prefill node before a decode node takes one itself (2N before a second, ...): 3
-# beat 2 in each of three alternating pairs of runs of `bench placement`'s workload (47.9 / 49.8 / 50.2 against
-# 46.6 / 49.5 / 43.7 tok/s): with 2 the decode node was busy ~96 % of the time and the prefill node ~76 %.
-# With the core loan (the decode node steps on both cores while the prefill node idles) 4 beat 3 in each of
-# four alternating rounds (51.0 / 51.3 / 52.8 / 50.7 against 49.0 / 46.6 / 50.2 / 46.8 tok/s; ITL p99 296-325
-# against 321-404 ms); 5 gave 53.7 / 49.7, 2 45.6 / 48.5
+# prefills in flight on the prefill node before a decode node takes one itself (2N before a second, ...).
+# With 8 requests always in flight (`bench placement`) a higher N gives a little more throughput: 4 beat 3
+# in four alternating rounds (51.0 / 51.3 / 52.8 / 50.7 against 49.0 / 46.6 / 50.2 / 46.8 tok/s), and 4 against
+# 2 five rounds each in the same hour gave 0.985 against 0.968 of one node. Under a Poisson stream with
+# latency SLOs (`bench compare --cluster default`) 2 keeps 90 % of requests within TTFT 2 s / TPOT 100 ms up
+# to 1.10-1.43 req/s, 4 only to 0.64-0.78: at 4 the one prefill core queues past the TTFT SLO while the
+# decode node's TPOT has room. The SLO figure is the one users serve by, so 2
 DEFAULT_LOCAL_PREFILL_QUEUE = 2
 
 
