@@ -16,6 +16,11 @@ the workload above has warmed) per rate, and the highest rate at which 90 % of t
 further down, halving the rate to `--min-rate`). Those SLOs were fixed before any run: first token
 within 2 s, then 10 tokens per second (interactive chat on a CPU, about twice reading speed).
 
+`--rounds N` measures both setups N times, each round on restarted nodes, in alternating order, with
+other sweep prompts: one run's crossing moves by up to 2x on a shared 2-core host. The report pools
+every round's requests (the sweep per rate, weighting each rate by the requests sent there), and gives
+each round's own highest rates and `slo_rate` beside the pooled ones.
+
 Reports, for each setup and for each class of request, TTFT/TPOT/ITL/E2E (mean, p50, p90, p99),
 throughput and goodput (requests meeting `--slo-ttft-ms` and `--slo-tpot-ms`), a markdown table of the
 ratios (`--markdown`), latency CDFs (`--plot`), and `--json` with `"ratios"`:
@@ -50,7 +55,7 @@ from bench.serve import (
     run_benchmark,
     summarize,
 )
-from bench.slo import max_rate, sweep
+from bench.slo import max_rate, points_of, pooled, sweep
 from common.cores import parse_cores
 from deploy.cluster import DEFAULT_LOCAL_PREFILL_QUEUE, ROOT, Cluster
 from deploy.procs import ClusterError, die_with_parent, free_port, http_status
@@ -216,8 +221,18 @@ def _setup_a(ns: argparse.Namespace) -> str:
             f"({ns.transfer_backend} backend{flags}) + router")
 
 
+def slo_rate_by_round(round_sweeps: dict[str, list[list[dict]]]) -> list[float | None]:
+    """Each round's own `slo_rate` (None where a setup kept no rate), to show the spread of the pooled one."""
+    if len(round_sweeps) != 2:
+        return []
+    pairs = zip(round_sweeps["disaggregated"], round_sweeps["colocated"], strict=True)
+    return [None if r is None else round(r, 4)
+            for r in (ratio(max_rate(points_of(d)), max_rate(points_of(c))) for d, c in pairs)]
+
+
 def markdown_table(dis: dict, col: dict, ns: argparse.Namespace, commands: list[str],
-                   sweeps: dict[str, list[dict]] | None = None) -> str:
+                   sweeps: dict[str, list[dict]] | None = None,
+                   round_sweeps: dict[str, list[list[dict]]] | None = None) -> str:
     rows = [
         ("TPOT p99, decode requests (ms)", ("decode", "tpot_ms", "p99"), "col/dis"),
         ("TPOT p50, decode requests (ms)", ("decode", "tpot_ms", "p50"), "col/dis"),
@@ -246,14 +261,21 @@ def markdown_table(dis: dict, col: dict, ns: argparse.Namespace, commands: list[
         r = ratio(b, a) if kind == "col/dis" else ratio(a, b)
         lines.append(f"| {label} | {_fmt(a)} | {_fmt(b)} | {_fmt(r) + 'x' if r is not None else 'n/a'} |")
     if sweeps and len(sweeps) == 2:
-        best = {name: max_rate([(p["rate"], p["attainment"]) for p in pts]) for name, pts in sweeps.items()}
+        best = {name: max_rate(points_of(pts)) for name, pts in sweeps.items()}
         r = ratio(best["disaggregated"], best["colocated"])
         lines.append(f"| highest rate with 90 % within TTFT {ns.slo_rate_ttft_ms:.0f} ms and TPOT "
                      f"{ns.slo_rate_tpot_ms:.0f} ms (req/s) | {_fmt(best['disaggregated'])} | "
                      f"{_fmt(best['colocated'])} | {_fmt(r) + 'x' if r is not None else 'n/a'} |")
         for name in ("disaggregated", "colocated"):
-            pts = ", ".join(f"{p['rate']:g}: {p['attainment']:.0%}" for p in sweeps[name])
+            pts = ", ".join(f"{p['rate']:g}: {p['attainment']:.0%}" + (f" of {p['requests']}" if "requests" in p else "")
+                            for p in sweeps[name])
             lines.append(f"| SLO attainment by rate, {name} | {pts} | | |")
+        if round_sweeps and len(round_sweeps["disaggregated"]) > 1:
+            each = {name: [max_rate(points_of(r)) for r in rr] for name, rr in round_sweeps.items()}
+            by_round = slo_rate_by_round(round_sweeps)
+            lines.append("| the same, each round on its own (req/s) | "
+                         + " | ".join(", ".join(_fmt(v) for v in each[name]) for name in ("disaggregated", "colocated"))
+                         + " | " + ", ".join(_fmt(r) + "x" if r is not None else "n/a" for r in by_round) + " |")
     slo = f"SLO: TTFT <= {ns.slo_ttft_ms:.0f} ms, TPOT <= {ns.slo_tpot_ms:.0f} ms"
     work = (f"{ns.num_decodes} decode requests ({ns.decode_input_len} prompt / {ns.decode_output_len} output "
             f"tokens, {ns.decode_rate}/s) + {ns.num_long} long prompts ({ns.long_input_len} tokens, "
@@ -306,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--min-rate", type=float, default=0.1, help="when a setup misses the SLOs at the lowest rate, the sweep halves "
       "the rate until it keeps them, down to this (req/s)")
     a("--sweep-requests", type=int, default=32, help="requests per rate of the sweep")
+    a("--rounds", type=int, default=1, help="measure both setups this many times, restarted each round and in "
+      "alternating order, other sweep requests each round; the report pools every round's requests (per rate "
+      "for the SLO sweep) and gives each round's own highest rates and slo_rate beside")
     a("--sweep-input-len", type=int, default=256, help="longest prompt of the sweep's requests (tokens)")
     a("--sweep-output-len", type=int, default=64, help="longest output of the sweep's requests (tokens)")
     a("--slo-rate-ttft-ms", type=float, default=2000.0, help="the sweep's TTFT SLO (fixed before any run)")
@@ -337,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.min_rate <= 0:
         print("--min-rate must be > 0 (req/s)", file=sys.stderr)
         return 2
+    if ns.rounds < 1:
+        print("--rounds must be >= 1", file=sys.stderr)
+        return 2
     if ns.cluster == "default" and ns.local_prefill_queue is None:
         ns.local_prefill_queue = DEFAULT_LOCAL_PREFILL_QUEUE
     have = os.sched_getaffinity(0)
@@ -356,36 +384,49 @@ def main(argv: list[str] | None = None) -> int:
 
     load_start = round(os.getloadavg()[0], 2)
     signal.signal(signal.SIGTERM, _terminate)  # clean up the children on SIGTERM too
-    results: dict[str, tuple[list[RequestResult], float]] = {}
-    sweeps: dict[str, list[dict]] = {}
     rates = [float(r) for r in ns.rates.split(",") if r.strip()]
 
-    @functools.cache  # both setups send the same requests: the tokenizer is loaded once per rate
-    def sweep_requests(rate: float) -> list[BenchRequest]:
-        # the same requests for both setups, other prompts at each rate (no prefix cache hit across rates)
-        return random_dataset(PromptMaker(model_dir, ns.seed + round(1000 * rate)), ns.sweep_requests,
-                              ns.sweep_input_len, ns.sweep_output_len, 0.5)
+    @functools.cache  # both setups send the same requests: the tokenizer is loaded once per rate and round
+    def sweep_requests(round_: int, rate: float) -> list[BenchRequest]:
+        # the same requests for both setups, other prompts at each rate and round (no prefix cache hit across
+        # rates; each round samples other requests)
+        return random_dataset(PromptMaker(model_dir, ns.seed + round(1000 * rate) + 100_003 * round_),
+                              ns.sweep_requests, ns.sweep_input_len, ns.sweep_output_len, 0.5)
 
-    def measure(name: str, url: str, model: str) -> None:
-        results[name] = run_setup(name, url, requests, ns, model)
+    runs: dict[str, list[tuple[list[RequestResult], float]]] = {}
+    round_sweeps: dict[str, list[list[dict]]] = {}
+    served: list[str] = []
+
+    def measure(name: str, url: str, round_: int) -> None:
+        served[:] = served or [_served_name(url)]
+        runs.setdefault(name, []).append(run_setup(name, url, requests, ns, served[0]))
         if rates:
-            sweeps[name] = sweep(url, model, sweep_requests, rates, ns.slo_rate_ttft_ms, ns.slo_rate_tpot_ms,
-                                 ns.seed, name, ns.min_rate)
+            round_sweeps.setdefault(name, []).append(
+                sweep(url, served[0], functools.partial(sweep_requests, round_), rates, ns.slo_rate_ttft_ms,
+                      ns.slo_rate_tpot_ms, ns.seed, name, ns.min_rate))
 
-    served_name = None
-    if ns.only in ("both", "disaggregated"):
-        cluster = disaggregated_setup(ns, node_args, all_cores, os.path.join(log_dir, "disaggregated"))
-        with cluster:
+    def disaggregated(round_: int, log: str) -> None:
+        with disaggregated_setup(ns, node_args, all_cores, os.path.join(log, "disaggregated")) as cluster:
             ns.placement_note = cluster.placement.describe() if ns.cluster == "default" else ""
-            served_name = served_name or _served_name(cluster.url)
-            measure("disaggregated", cluster.url, served_name)
-    if ns.only in ("both", "colocated"):
-        proc, url = start_colocated(ns, all_cores, log_dir)
+            measure("disaggregated", cluster.url, round_)
+
+    def colocated(round_: int, log: str) -> None:
+        proc, url = start_colocated(ns, all_cores, log)
         try:
-            served_name = served_name or _served_name(url)
-            measure("colocated", url, served_name)
+            measure("colocated", url, round_)
         finally:
             stop_proc(proc)
+
+    setups = {"both": [disaggregated, colocated], "disaggregated": [disaggregated], "colocated": [colocated]}[ns.only]
+    for i in range(ns.rounds):
+        log = os.path.join(log_dir, f"round{i + 1}") if ns.rounds > 1 else log_dir
+        os.makedirs(log, exist_ok=True)
+        if ns.rounds > 1:
+            print(f"\n[bench compare] round {i + 1} of {ns.rounds}", file=sys.stderr, flush=True)
+        for run in setups if i % 2 == 0 else setups[::-1]:  # alternate which setup goes first
+            run(i, log)
+    results = {name: ([r for res, _ in rr for r in res], sum(d for _, d in rr)) for name, rr in runs.items()}
+    sweeps = {name: pooled(rounds) for name, rounds in round_sweeps.items()}
 
     summaries = {name: by_tag(res, dur, ns) for name, (res, dur) in results.items()}
     for name, s in summaries.items():
@@ -395,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(summaries) == 2:
         dis, col = summaries["disaggregated"], summaries["colocated"]
         ratios = compute_ratios(dis, col)
-        best = {name: max_rate([(p["rate"], p["attainment"]) for p in pts]) for name, pts in sweeps.items()}
+        best = {name: max_rate(points_of(pts)) for name, pts in sweeps.items()}
         if len(best) == 2 and best["colocated"] > 0 and best["disaggregated"] > 0:
             ratios["slo_rate"] = best["disaggregated"] / best["colocated"]
         elif len(best) == 2:
@@ -406,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: no ratio for {missing} (a zero or missing figure in one setup)", file=sys.stderr)
         ns.load_note = f"{load_start} / {round(os.getloadavg()[0], 2)}"
         commands = ["pdserve bench compare " + shlex.join(argv)]
-        table = markdown_table(dis, col, ns, commands, sweeps)
+        table = markdown_table(dis, col, ns, commands, sweeps, round_sweeps)
         print("\n" + table)
         if ns.markdown:
             with open(ns.markdown, "w") as f:
@@ -420,8 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: v for k, v in vars(ns).items()}
     config["argv"] = argv
     figures = {"config": config, "summaries": summaries, "log_dir": log_dir,
-               "slo_sweep": {name: {"max_rate_90": max_rate([(p["rate"], p["attainment"]) for p in pts]),
-                                    "points": pts} for name, pts in sweeps.items()},
+               "slo_sweep": {name: {"max_rate_90": max_rate(points_of(pts)), "points": pts,
+                                    "rounds": [{"max_rate_90": max_rate(points_of(r)), "points": r}
+                                               for r in round_sweeps[name]]}
+                             for name, pts in sweeps.items()},
+               "slo_rate_by_round": slo_rate_by_round(round_sweeps),
                "requests": {name: result_rows(res) for name, (res, _) in results.items()},
                "load_average_1m": {"start": load_start, "end": round(os.getloadavg()[0], 2)}}
     write_report(ns.json, "compare", figures, ratios)

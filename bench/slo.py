@@ -35,25 +35,47 @@ def attainment(results: list[RequestResult], ttft_ms: float, tpot_ms: float) -> 
     return sum(attains(r, ttft_ms, tpot_ms) for r in results) / len(results) if results else 0.0
 
 
-def monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def monotone(points: list[tuple]) -> list[tuple[float, float]]:
     """(rate, attainment) sorted by rate, the attainments replaced by their closest non-increasing fit
-    (pool adjacent violators, equal weights: every rate has the same number of requests). A queue only
-    grows with the rate, so a rate that attains more than a lower one did is noise, not capacity: the two
-    are averaged instead of either being taken at its word."""
+    (pool adjacent violators, each point weighted by its third element, the requests it measured, when it
+    has one, else equally). A queue only grows with the rate, so a rate that attains more than a lower one
+    did is noise, not capacity: the two are averaged instead of either being taken at its word."""
     points = sorted(points)
-    blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
-    for _, att in points:
-        blocks.append([att, 1])
+    blocks: list[list[float]] = []  # [weighted sum, weight, points] of pooled neighbours
+    for p in points:
+        w = p[2] if len(p) > 2 else 1
+        blocks.append([p[1] * w, w, 1])
         while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
-            total, n = blocks.pop()
+            total, weight, n = blocks.pop()
             blocks[-1][0] += total
-            blocks[-1][1] += n
-    fitted = [b[0] / b[1] for b in blocks for _ in range(b[1])]
-    return [(rate, att) for (rate, _), att in zip(points, fitted, strict=True)]
+            blocks[-1][1] += weight
+            blocks[-1][2] += n
+    fitted = [b[0] / b[1] for b in blocks for _ in range(b[2])]
+    return [(p[0], att) for p, att in zip(points, fitted, strict=True)]
 
 
-def max_rate(points: list[tuple[float, float]], target: float = TARGET) -> float:
-    """The highest rate at which attainment >= target, from (rate, attainment) points fitted
+def pooled(rounds: list[list[dict]]) -> list[dict]:
+    """The points of several sweeps of one setup (`--rounds`) as one: per rate, the attainment over every
+    request any round sent at that rate (a rate only some rounds reached counts for the requests they
+    sent), with "requests" the count, for `monotone` to weight."""
+    by_rate: dict[float, list[float]] = {}
+    for points in rounds:
+        for p in points:
+            n = p.get("requests", 1)
+            acc = by_rate.setdefault(p["rate"], [0.0, 0])
+            acc[0] += p["attainment"] * n
+            acc[1] += n
+    return [{"rate": rate, "attainment": round(total / n, 4), "requests": n}
+            for rate, (total, n) in sorted(by_rate.items())]
+
+
+def points_of(sweep_points: list[dict]) -> list[tuple[float, float, int]]:
+    """`max_rate`'s (rate, attainment, requests) points from a sweep's dicts."""
+    return [(p["rate"], p["attainment"], p.get("requests", 1)) for p in sweep_points]
+
+
+def max_rate(points: list[tuple], target: float = TARGET) -> float:
+    """The highest rate at which attainment >= target, from (rate, attainment[, requests]) points fitted
     non-increasing (`monotone`)."""
     points = monotone(points)
     best = 0.0
@@ -79,7 +101,7 @@ def rates_to_sweep(measure, rates: list[float], min_rate: float) -> list[dict]:
         points.append(measure(rate))
         if points[-1]["attainment"] < TARGET / 2:
             break
-    while points and max_rate([(p["rate"], p["attainment"]) for p in points]) == 0 and points[0]["rate"] / 2 >= min_rate:
+    while points and max_rate(points_of(points)) == 0 and points[0]["rate"] / 2 >= min_rate:
         points.insert(0, measure(points[0]["rate"] / 2))
     return points
 
@@ -99,6 +121,6 @@ def sweep(url: str, model: str, make_requests, rates: list[float], ttft_ms: floa
         print(f"[{name}] rate {rate:g} req/s: {att:.0%} of {len(results)} requests within TTFT {ttft_ms:.0f} ms and "
               f"TPOT {tpot_ms:.0f} ms (TTFT p90 {p90['ttft']:.0f} ms, TPOT p90 {p90['tpot']:.0f} ms)",
               file=sys.stderr, flush=True)
-        return {"rate": rate, "attainment": round(att, 4), "summary": s}
+        return {"rate": rate, "attainment": round(att, 4), "requests": len(results), "summary": s}
 
     return rates_to_sweep(measure, rates, min_rate)

@@ -70,6 +70,24 @@ def test_default_cluster_keeps_its_local_chunk_and_divides_the_given_cores(tmp_p
     assert compare.main(["--local-prefill-queue", "4"]) == 2  # the pinned cluster has no local prefills
     assert compare.main(["--cluster", "default", "--local-prefill-queue", "-1"]) == 2
     assert compare.main(["--min-rate", "0"]) == 2  # the sweep would halve the rate for ever
+    assert compare.main(["--rounds", "0"]) == 2
     pinned = compare.disaggregated_setup(ns(), node_args, [0, 1], str(tmp_path))
     assert not pinned.auto_placement and pinned.local_prefill_queue == 0
     assert pinned.cpu_affinity == {"prefill": [0], "decode": [1]} and pinned.node_args == node_args
+
+
+def test_rounds_give_each_rounds_own_crossing_beside_the_pooled_one():
+    n = ns(slo_ttft_ms=1000.0, slo_tpot_ms=60.0)
+    s = compare.by_tag(fake_results(tpot=0.05, ttft=0.5), 10.0, n)
+
+    def sweep(*atts):
+        return [{"rate": r, "attainment": a, "requests": 32} for r, a in zip((0.5, 1.0, 2.0), atts)]
+
+    rounds = {"disaggregated": [sweep(1.0, 0.95, 0.4), sweep(1.0, 0.85, 0.3)],
+              "colocated": [sweep(0.95, 0.5, 0.2), sweep(0.0, 0.0, 0.0)]}
+    assert compare.slo_rate_by_round(rounds) == [round((1 + 0.05 / 0.55) / (0.5 + 0.5 * 0.05 / 0.45), 4), None]
+    assert compare.slo_rate_by_round({"colocated": rounds["colocated"]}) == []
+    pooled = {name: compare.pooled(rr) for name, rr in rounds.items()}
+    table = compare.markdown_table(s, s, n, [], pooled, rounds)
+    assert "0.5: 100% of 64, 1: 90% of 64, 2: 35% of 64" in table
+    assert "| the same, each round on its own (req/s) | 1.091, 0.833 | 0.556, 0.000 | 1.964x, n/a |" in table

@@ -63,3 +63,19 @@ def test_sweep_stops_past_the_knee_and_goes_below_a_lowest_rate_that_misses():
     # never attains: halved down to the floor, no further, and the figure stays 0
     rates, seen = sweep_of(lambda r: 0.5, [0.5, 1], min_rate=0.1)
     assert seen == [0.5, 1, 0.25, 0.125] and slo.max_rate([(r, 0.5) for r in rates]) == 0.0
+
+
+def test_rounds_pool_per_rate_and_weigh_each_rate_by_its_requests():
+    # two rounds of 32 requests: the second stopped earlier and halved below its lowest rate
+    r1 = [{"rate": 0.5, "attainment": 1.0, "requests": 32}, {"rate": 1.0, "attainment": 0.75, "requests": 32},
+          {"rate": 2.0, "attainment": 0.25, "requests": 32}]
+    r2 = [{"rate": 0.25, "attainment": 1.0, "requests": 32}, {"rate": 0.5, "attainment": 0.875, "requests": 32},
+          {"rate": 1.0, "attainment": 0.375, "requests": 32}]
+    pts = slo.pooled([r1, r2])
+    assert [(p["rate"], p["attainment"], p["requests"]) for p in pts] == [
+        (0.25, 1.0, 32), (0.5, 0.9375, 64), (1.0, 0.5625, 64), (2.0, 0.25, 32)]
+    assert abs(slo.max_rate(slo.points_of(pts)) - (0.5 + 0.5 * 0.0375 / 0.375)) < 1e-9
+    # a violator is pooled with its neighbour by weight: 64 requests at 80 % and 32 at 95 % fit as 85 %
+    assert [round(a, 9) for _, a in slo.monotone([(0.5, 0.8, 64), (1.0, 0.95, 32)])] == [0.85, 0.85]
+    assert slo.pooled([r1]) == [{k: p[k] for k in ("rate", "attainment", "requests")} for p in r1]
+    assert slo.pooled([]) == []
