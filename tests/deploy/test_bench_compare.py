@@ -81,7 +81,7 @@ def test_rounds_give_each_rounds_own_crossing_beside_the_pooled_one():
     s = compare.by_tag(fake_results(tpot=0.05, ttft=0.5), 10.0, n)
 
     def sweep(*atts):
-        return [{"rate": r, "attainment": a, "requests": 32} for r, a in zip((0.5, 1.0, 2.0), atts)]
+        return [{"rate": r, "attainment": a, "requests": 32} for r, a in zip((0.5, 1.0, 2.0), atts, strict=True)]
 
     rounds = {"disaggregated": [sweep(1.0, 0.95, 0.4), sweep(1.0, 0.85, 0.3)],
               "colocated": [sweep(0.95, 0.5, 0.2), sweep(0.0, 0.0, 0.0)]}
