@@ -395,14 +395,15 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[str, list[tuple[list[RequestResult], float]]] = {}
     round_sweeps: dict[str, list[list[dict]]] = {}
-    served: list[str] = []
+    served_name = None  # the model name the first setup serves; every request of both setups names it
 
     def measure(name: str, url: str, round_: int) -> None:
-        served[:] = served or [_served_name(url)]
-        runs.setdefault(name, []).append(run_setup(name, url, requests, ns, served[0]))
+        nonlocal served_name
+        served_name = served_name or _served_name(url)
+        runs.setdefault(name, []).append(run_setup(name, url, requests, ns, served_name))
         if rates:
             round_sweeps.setdefault(name, []).append(
-                sweep(url, served[0], functools.partial(sweep_requests, round_), rates, ns.slo_rate_ttft_ms,
+                sweep(url, served_name, functools.partial(sweep_requests, round_), rates, ns.slo_rate_ttft_ms,
                       ns.slo_rate_tpot_ms, ns.seed, name, ns.min_rate))
 
     def disaggregated(round_: int, log: str) -> None:
