@@ -318,14 +318,23 @@ class Scheduler:
             elif isinstance(msg, AbortRequest):
                 self.abort_request(msg.rid, msg.message)
             elif isinstance(msg, StatsQuery):
+                self._send_admitted()
                 self.send(StatsReport(qid=msg.qid, stats=self.get_stats()))
             elif isinstance(msg, FlushCacheRequest):
                 ok = self.flush_cache()
+                self._send_admitted()
                 self.send(StatsReport(qid=msg.qid, stats={"flushed": ok, **self.get_stats()}))
             else:
                 logger.warning("unknown message %r", type(msg).__name__)
+        self._send_admitted()  # at once, not after this iteration's forward: streams start their answer on it
+
+    def _send_admitted(self) -> None:
+        """The rids admitted since the last such message. Also sent before every stats report, so the
+        front end has read each admission the stats count by the time it reads them: its own count of
+        requests still in the pipe and the scheduler's queue then agree (a full queue in the stats is
+        full for the front end's guard too)."""
         admitted = self.admission.take_admitted()
-        if admitted:  # at once, not after this iteration's forward: streams start their answer on it
+        if admitted:
             self.send(BatchOut(updates=[], admitted=admitted))
 
     def make_req(self, msg: TokenizedRequest) -> Req:

@@ -161,6 +161,26 @@ def test_scheduler_admits_up_to_the_limit_and_acknowledges_at_once(tiny_model_di
     assert done == {"r0", "r1", "r4"} and s.num_queued_reqs() == 0
 
 
+def test_admissions_reach_the_front_end_before_the_stats_that_count_them(tiny_model_dir):
+    """A stats query in the same input batch as new requests: the admissions go out first, so the
+    front end's count of requests still in its pipe already excludes them when it reads the stats."""
+    from common.protocol import StatsQuery, StatsReport
+    from common.scheduler.scheduler import Scheduler
+
+    args = ServerArgs(model=tiny_model_dir, page_size=4, max_total_tokens=1024, max_running_requests=1,
+                      max_queued_requests=2)
+    sent: list = []
+    s = Scheduler(args, tiny_model_dir, send_fn=sent.append)
+    s.process_input_requests([_msg("r0"), _msg("r1"), StatsQuery(qid=7), _msg("r2")])
+    kinds = [("admitted", m.admitted) if isinstance(m, BatchOut) else ("stats", m.qid) for m in sent
+             if isinstance(m, StatsReport) or m.admitted]
+    assert kinds == [("admitted", ["r0", "r1"]), ("stats", 7)]
+    assert sent[-1].stats["num_queued_reqs"] == 2
+    before = len(sent)
+    s.process_input_requests([StatsQuery(qid=8)])  # nothing new admitted: the report alone
+    assert [type(m) for m in sent[before:]] == [StatsReport]
+
+
 def test_default_queue_limit_follows_the_budgets():
     assert ServerArgs().queued_requests_limit == 2 * 64
     assert ServerArgs(max_running_requests=8).queued_requests_limit == 16
