@@ -24,11 +24,11 @@ to the cores it may run on divided by its TP size. Flags that are not the launch
 are passed to every node unchanged (checked against the node parser first); `--router-args "..."`
 adds router flags.
 
-By default the cluster also disaggregates conditionally (`--local-prefill-queue 2`): while the prefill
-node already has two of the router's prefills in flight, the router sends the next request to a decode
+By default the cluster also disaggregates conditionally (`--local-prefill-queue 3`): while the prefill
+node already has three of the router's prefills in flight, the router sends the next request to a decode
 node alone, which prefills it itself in chunks of 64 tokens, its running requests decoding a token inside
 each chunk's forward (`--enable-mixed-chunk`; a second such request while the first waits for its first
-token only when the prefill node has four in flight, and so on). On few cores the prefill node is the bottleneck and the decode
+token only when the prefill node has six in flight, and so on). On few cores the prefill node is the bottleneck and the decode
 node's steps are bound by streaming the weights, so its spare batch slots are cheaper than a queue;
 `pdserve bench placement` measures the cluster with it and without it (`--local-prefill-queue 0`).
 
@@ -87,8 +87,13 @@ LOCAL_PREFILL_CHUNK = 64
 # 2 five rounds each in the same hour gave 0.985 against 0.968 of one node. Under a Poisson stream with
 # latency SLOs (`bench compare --cluster default`) 2 keeps 90 % of requests within TTFT 2 s / TPOT 100 ms up
 # to 1.10-1.43 req/s, 4 only to 0.64-0.78: at 4 the one prefill core queues past the TTFT SLO while the
-# decode node's TPOT has room. The SLO figure is the one users serve by, so 2
-DEFAULT_LOCAL_PREFILL_QUEUE = 2
+# decode node's TPOT has room. 1 sends too much to the decode node (20 of 42 requests local; 0.80 of one
+# node). 3 (one local prompt at a time when 3+ wait at the prefill node, a second at 6+, never a third with
+# 8 in flight) read best on both (2026-11-29, one hour): with 8 in flight 1.10 and 1.05 of one node (medians
+# of five rounds; 1.05 and 0.99 by mean throughput) where 2 had read 0.97-1.00 in four runs (0.98 by means),
+# and under the Poisson stream, three rounds pooled, 90 % within both SLOs up to 1.05 req/s against the
+# colocated node's 0.60 (`slo_rate` 1.75; each round 1.60-2.07). The gain is within one run's spread.
+DEFAULT_LOCAL_PREFILL_QUEUE = 3
 
 
 def _has_flag(flags: list[str], flag: str) -> bool:

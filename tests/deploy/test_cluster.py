@@ -194,9 +194,9 @@ def test_cluster_args_reach_every_node(tiny_model_dir):
 
 def test_conditional_disaggregation_is_on_by_default(tiny_model_dir):
     """Decode nodes take requests without a rendezvous, in small chunks unless a chunk size is given; the
-    router sends them while the prefill node has two prefills in flight; --local-prefill-queue 0 turns it off."""
+    router sends them while the prefill node has three prefills in flight; --local-prefill-queue 0 turns it off."""
     c = cl.cluster_from_args(["--model", tiny_model_dir])
-    assert c.local_prefill_queue == cl.DEFAULT_LOCAL_PREFILL_QUEUE == 2
+    assert c.local_prefill_queue == cl.DEFAULT_LOCAL_PREFILL_QUEUE == 3
     decode = c._node_cmd("decode", 1, 0)
     assert "--disaggregation-local-prefill" in decode
     assert decode[decode.index("--chunked-prefill-size") + 1] == str(cl.LOCAL_PREFILL_CHUNK)
@@ -204,7 +204,7 @@ def test_conditional_disaggregation_is_on_by_default(tiny_model_dir):
     prefill = c._node_cmd("prefill", 1, 2)
     assert "--disaggregation-local-prefill" not in prefill and "--enable-mixed-chunk" not in prefill
     router = c._router_cmd(3)
-    assert router[router.index("--local-prefill-queue") + 1] == "2"
+    assert router[router.index("--local-prefill-queue") + 1] == "3"
     # a chunk size given for every node or for decode nodes comes later on the command line, so it wins
     for argv in (["--chunked-prefill-size", "256"], ["--decode-args", "--chunked-prefill-size 256"]):
         cmd = cl.cluster_from_args(["--model", tiny_model_dir, *argv])._node_cmd("decode", 1, 0)
