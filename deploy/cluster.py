@@ -89,8 +89,8 @@ LOCAL_PREFILL_CHUNK = 64
 # to 1.10-1.43 req/s, 4 only to 0.64-0.78: at 4 the one prefill core queues past the TTFT SLO while the
 # decode node's TPOT has room. 1 sends too much to the decode node (20 of 42 requests local; 0.80 of one
 # node). 3 (one local prompt at a time when 3+ wait at the prefill node, a second at 6+, never a third with
-# 8 in flight) read best on both (2026-11-29, one hour): with 8 in flight 1.10 and 1.05 of one node (medians
-# of five rounds; 1.05 and 0.99 by mean throughput) where 2 had read 0.97-1.00 in four runs (0.98 by means),
+# 8 in flight) read best on both (2026-11-29): with 8 in flight 1.10, 1.05 and 0.99 of one node (medians
+# of five rounds; 1.05, 0.99 and 1.01 by mean throughput) where 2 had read 0.97-1.00 in four runs (0.98 by means),
 # and under the Poisson stream, three rounds pooled, 90 % within both SLOs up to 1.05 req/s against the
 # colocated node's 0.60 (`slo_rate` 1.75; each round 1.60-2.07). The gain is within one run's spread.
 DEFAULT_LOCAL_PREFILL_QUEUE = 3
