@@ -24,8 +24,16 @@ When a test fails, its report shows the tail of the logs of every server its lau
 
 from __future__ import annotations
 
-import json
 import os
+
+# The suite runs every node process, and two pytest workers, on the same few cores. OpenMP threads that
+# spin between parallel regions then take the time of whichever process shares their core: two nodes
+# loading SmolLM2 at once took ~20 s each that way, ~4.5 s with sleeping threads. So the workers and every
+# process they start sleep between regions, as `pdserve cluster` makes its nodes do when they share cores
+# (deploy/placement.py). Set before torch, hence OpenMP, is loaded; a policy in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import json
 import shutil
 
 import pytest
