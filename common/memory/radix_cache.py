@@ -250,27 +250,28 @@ class RadixCache:
         return out
 
     # ------------------------------------------------------------------ request hooks
-    def cache_finished_req(self, req: Req) -> None:
-        """The request is done (or retracted): cache its full pages, free the rest and its row."""
-        row = req.req_pool_idx
+    def _insert_computed(self, req: Req) -> tuple[list[int], torch.Tensor, int]:
+        """Insert the full pages of what the request computed; returns its tokens, its slots (a copy) and
+        how many of them the tree now holds."""
         kv_len = req.kv_len
         tokens = req.all_token_ids()[:kv_len]
-        slots = self.req_to_token_pool.slots(row, 0, kv_len).clone()
+        slots = self.req_to_token_pool.slots(req.req_pool_idx, 0, kv_len).clone()
         full = self._full_len(kv_len)
         self.insert(tokens[:full], slots[:full])
+        return tokens, slots, full
+
+    def cache_finished_req(self, req: Req) -> None:
+        """The request is done (or retracted): cache its full pages, free the rest and its row."""
+        _, slots, full = self._insert_computed(req)
         self.allocator.free_slots(slots[full:])
         self.dec_lock_ref(req.last_node)
-        self.req_to_token_pool.free(row)
+        self.req_to_token_pool.free(req.req_pool_idx)
         req.release_kv_state()
 
     def cache_unfinished_req(self, req: Req) -> None:
         """Cache what the request computed so far and make it hold the tree's slots for it."""
         row = req.req_pool_idx
-        kv_len = req.kv_len
-        tokens = req.all_token_ids()[:kv_len]
-        slots = self.req_to_token_pool.slots(row, 0, kv_len).clone()
-        full = self._full_len(kv_len)
-        self.insert(tokens[:full], slots[:full])
+        tokens, slots, full = self._insert_computed(req)
         new_slots, new_node = self.match_prefix(tokens[:full])
         if new_slots.numel() != full:
             raise RuntimeError(f"req {req.rid}: re-match found {new_slots.numel()} of {full} tokens")
