@@ -11,7 +11,8 @@ several DP groups too: a node serves whole or not at all).
 
 Nothing between the front end and its ranks listens on the network: the two ZMQ ipc sockets and the
 torch.distributed rendezvous (a `file://` store) live in a run directory only this user can enter
-(`private_run_dir`, mode 0700, removed at exit), and gloo stays on loopback (`common/distributed.py`).
+(`common/server/run_dir.py`: mode 0700, removed at exit, and swept by the next node to start when
+a crash left it), and gloo stays on loopback (`common/distributed.py`).
 `--dist-port` brings back a TCP store on that port, which torch binds on every interface.
 """
 
@@ -22,10 +23,8 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 
@@ -34,6 +33,7 @@ from aiohttp import web
 from common.log import exit_now, setup_logging
 from common.models.hub import HubError, is_hub_id
 from common.scheduler.watchdog import describe_exit
+from common.server.run_dir import RunDir
 
 logger = logging.getLogger("server")
 
@@ -43,14 +43,6 @@ CONNECT_TIMEOUT = 30.0  # seconds for ready ranks to connect to the sockets the 
 
 class LaunchError(RuntimeError):
     pass
-
-
-def private_run_dir() -> str:
-    """A fresh directory for the node's ipc sockets and rendezvous file that no other user can enter
-    (a socket file's own mode is not what guards it: its directory's is)."""
-    path = tempfile.mkdtemp(prefix="pdserve-ipc-")
-    os.chmod(path, 0o700)  # mkdtemp's mode already; stated, since the sockets rely on it
-    return path
 
 
 def dist_init_method(run_dir: str, dist_port: int | None) -> str:
@@ -243,7 +235,10 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
     except HubError as e:
         logger.error("%s", e)
         sys.exit(2)
-    tmp = private_run_dir()
+    run_dir = RunDir()
+    if args.dp_size * args.tp * args.pp_size > 1:
+        run_dir.note_mp_temp_dir()  # the fork server's socket directory goes with the run directory
+    tmp = run_dir.path
     ipcs = [IpcConfig(to_scheduler=f"ipc://{tmp}/to_scheduler{dp}", from_scheduler=f"ipc://{tmp}/from_scheduler",
                       dist_init_method=dist_init_method(tmp, args.dist_port) if args.dp_size == 1
                       else f"file://{tmp}/dist_store{dp}", front_end_pid=os.getpid())
@@ -289,7 +284,7 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
         _stop_procs(procs)
         if tm is not None:
             tm.close_sockets()
-        shutil.rmtree(tmp, ignore_errors=True)
+        run_dir.remove()
 
 
 def serve_main(argv: list[str], mode: str = "null", scheduler_cls: str | None = None) -> None:
