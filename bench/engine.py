@@ -21,6 +21,12 @@ Measured (fp32, CPU, greedy):
   attention over the average context) / the best measured fp32 matmul rate (a 1024^3 and 2048^3
   `torch.mm`, more than a 16-row matmul can reach). Ratio `compute_bound_b16` = bound step / our b16
   step. HF's b16 step / the bound is the most any engine could gain over HF here.
+* the roofline of that b16 step: the matmuls take at least the longer of their FLOPs at that rate and
+  the weights they read at 16 rows (float32 panels above `native.block_rows()` rows) at the best
+  bandwidth; the attention the longer of its FLOPs and the 16 requests' K and V over the average
+  context at that bandwidth (they are read from DRAM every step: ~118 MB for SmolLM2 at the default
+  contexts, more than the L3). Ratio `roofline_b16` = the sum / our b16 step. The compute bound above
+  leaves the K and V traffic out; at 16 rows the float32 matmuls sit near the ridge, ~8 FLOP a byte.
 * the compute bound of a `--prompt-len` prefill: every weight but the lm_head twice per prompt token,
   the lm_head once (only the last position's logits), causal attention (2 x layers x heads x
   head_dim x len^2), at the same matmul rate. Ratio `prefill_compute_bound` = bound / our prefill.
@@ -184,16 +190,22 @@ class OurEngine:
         self._release(rows, lens)
         return dt, dc, outputs
 
-    def weight_bytes(self) -> int:
-        """Bytes of every weight a batch-1 decode step reads: the packed copies of the linear layers (int8
-        and their scales with `--torchao-config int8wo`; a checkpoint's blocks where the weights have them,
-        `common/layers/weight_blocks.py`), the other parameters, and the lm_head once (the embedding is read
-        only at the batch's rows, so it is not counted unless it is the lm_head)."""
+    def weight_bytes(self, rows: int = 1) -> int:
+        """Bytes of every weight a decode step of `rows` requests reads: the packed copies of the linear
+        layers (int8 and their scales with `--torchao-config int8wo`; a checkpoint's blocks where the weights
+        have them and the batch is small enough to read them, `common/layers/weight_blocks.py`), the other
+        parameters, and the lm_head once (the embedding is read only at the batch's rows, so it is not
+        counted unless it is the lm_head)."""
+        from common.layers import native
         from common.layers.linear import Panels
+
+        blocks = rows <= native.block_rows()
 
         def nbytes(t) -> int:
             if isinstance(t, Panels):
-                return nbytes(t.blocks.packed) if t.blocks is not None else nbytes(t.weight) + nbytes(t.scale)
+                if t.blocks is not None and blocks:
+                    return nbytes(t.blocks.packed)
+                return nbytes(t.weight) + nbytes(t.scale)
             return 0 if t is None else t.numel() * t.element_size()
 
         return sum(nbytes(t) for t in self._step_weights())
@@ -446,6 +458,18 @@ def main(argv: list[str] | None = None) -> int:
     cbound_ms = 16 * flops_tok / (peak * 1e9) * 1e3
     prefill_flops = sum(prefill_work(cfg, weights, args.prompt_len))
     pbound_s = prefill_flops / (peak * 1e9)
+    # the roofline of a b16 step: the matmuls and the attention each take at least the longer of their FLOPs
+    # at the matmul peak and their bytes (weights; the requests' K and V) at the best bandwidth
+    attn_flops = 16 * (flops_tok - 2 * weights)
+    pool = ours.runner.kv_pool
+    kv_bytes = 16 * ctx * len(pool.layer_ids) * 2 * pool.kv_heads * pool.head_dim * pool.data.element_size()
+    w16_bytes = ours.weight_bytes(16)
+    parts = {"matmuls": (16 * 2 * weights / (peak * 1e9), w16_bytes / (best_bw * 1e9)),
+             "attention": (attn_flops / (peak * 1e9), kv_bytes / (best_bw * 1e9))}
+    roof_ms = sum(max(v) for v in parts.values()) * 1e3
+    figures["roofline_b16"] = {"weight_bytes": w16_bytes, "kv_bytes": kv_bytes,
+                               **{f"{k}_compute_ms": v[0] * 1e3 for k, v in parts.items()},
+                               **{f"{k}_memory_ms": v[1] * 1e3 for k, v in parts.items()}, "step_ms": roof_ms}
     figures["compute"] = {"matmul_peak_gflops": peak, "flops_per_token": flops_tok, "bound_b16_step_ms": cbound_ms,
                           "ours_b16_step_ms": figures["ours_decode_b16"]["step_ms_best"],
                           "prefill_flops": prefill_flops, "bound_prefill_s": pbound_s,
@@ -455,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ratios = {"bandwidth_bound": bound_ms / our_step_ms,
               "compute_bound_b16": cbound_ms / figures["ours_decode_b16"]["step_ms_best"],
+              "roofline_b16": roof_ms / figures["ours_decode_b16"]["step_ms_best"],
               "prefill_compute_bound": pbound_s / figures["ours_prefill"]["best_s"], **loop_ratios, **spec_ratios,
               **draft_ratios}
     if hf is not None:
@@ -521,6 +546,11 @@ def print_table(figures: dict, ratios: dict, with_hf: bool) -> None:
     if "hf_b16_step_over_bound" in c:
         line += f"; HF b16 step / bound = {c['hf_b16_step_over_bound']:.2f} (the most any engine could gain)"
     print(line)
+    r = figures["roofline_b16"]
+    print(f"  b16 roofline {r['step_ms']:.2f} ms/step: matmuls {r['matmuls_compute_ms']:.2f} ms of FLOPs, "
+          f"{r['matmuls_memory_ms']:.2f} ms of weights ({r['weight_bytes'] / 2**20:.0f} MiB); attention "
+          f"{r['attention_compute_ms']:.2f} ms of FLOPs, {r['attention_memory_ms']:.2f} ms of K and V "
+          f"({r['kv_bytes'] / 2**20:.0f} MiB); each part takes the longer")
     if "greedy_token_agreement_with_hf" in figures:
         agree = ", ".join(f"{k} {v:.0%}" for k, v in figures["greedy_token_agreement_with_hf"].items())
         print(f"  greedy tokens equal to HF's: {agree}")

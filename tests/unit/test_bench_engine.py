@@ -29,6 +29,11 @@ def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir,
     assert c["bound_prefill_s"] == c["prefill_flops"] / (c["matmul_peak_gflops"] * 1e9) > 0
     assert report["ratios"]["prefill_compute_bound"] == pytest.approx(c["bound_prefill_s"] / c["ours_prefill_s"],
                                                                       abs=1e-4)  # ratios keep 4 decimals
+    roof = report["figures"]["roofline_b16"]  # each part at the longer of its FLOPs and its bytes
+    assert roof["step_ms"] == pytest.approx(max(roof["matmuls_compute_ms"], roof["matmuls_memory_ms"])
+                                            + max(roof["attention_compute_ms"], roof["attention_memory_ms"]))
+    assert roof["step_ms"] >= c["bound_b16_step_ms"] * (1 - 1e-9)  # never below the compute bound
+    assert report["ratios"]["roofline_b16"] == pytest.approx(roof["step_ms"] / c["ours_b16_step_ms"], abs=1e-4)
     spec = report["figures"]["spec_ngram_b1"]  # (a random tiny model need not copy the passage: no accept figures)
     assert spec["decoded_tokens"] == 5 and spec["draft_tokens"] == 4  # (differing tokens end the bench: exit 1)
     assert report["ratios"]["spec_ngram"] == pytest.approx(spec["tok_s_spec"] / spec["tok_s_plain"], rel=1e-3)
@@ -51,3 +56,5 @@ def test_the_compute_bound_counts_weights_not_bytes(make_tiny_model, monkeypatch
     plain = OurEngine(model_dir, 32, 2)
     assert blocks.weight_count() == plain.weight_count() == plain.weight_bytes() // 4
     assert blocks.weight_bytes() < plain.weight_bytes() / 3
+    # a batch above the blocks' row limit reads the float32 panels: the roofline counts those bytes
+    assert blocks.weight_bytes(16) == plain.weight_bytes(16) == plain.weight_bytes()
