@@ -26,6 +26,8 @@ def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir,
         assert 0 < loop["loop_ms_sequential"] < loop["step_ms_sequential"] and loop["overlap_ceiling"] > 1
         assert report["ratios"][f"overlap_b{b}"] > 0
     c = report["figures"]["compute"]  # the 16-token prefill against the matmul peak
+    # the peak: sampled after each timed decode (b1, b16) and prefill run and once at the end, the best kept
+    assert len(c["matmul_peak_samples"]) == 4 and c["matmul_peak_gflops"] == max(c["matmul_peak_samples"])
     assert c["bound_prefill_s"] == c["prefill_flops"] / (c["matmul_peak_gflops"] * 1e9) > 0
     assert report["ratios"]["prefill_compute_bound"] == pytest.approx(c["bound_prefill_s"] / c["ours_prefill_s"],
                                                                       abs=1e-4)  # ratios keep 4 decimals
