@@ -36,13 +36,17 @@ def test_bench_serve_random_dataset_report(node, tmp_path, capsys):
         assert 40 <= row["prompt_len"] <= 41  # the server's count of our 40-token prompt (+ BOS at most)
         assert 0 < row["ttft"] <= row["latency"]
         assert row["tpot"] is not None and row["tpot"] >= 0
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
         p = s[key]
         assert p["n"] > 0 and p["p50"] <= p["p90"] <= p["p99"]
     # at most one gap between each pair of the 6 streamed tokens: fewer when a token's text is held back
     # (a random model's byte-level token that ends inside a UTF-8 character streams no text; its text
-    # comes with the next token's chunk)
+    # comes with the next token's chunk), or when the tiny model's tokens reach the front end faster
+    # than it writes them and a stream sends them together (on a busy host, every stream once did so:
+    # no gap at all)
     assert s["itl_ms"]["n"] <= 8 * 5
+    if s["itl_ms"]["n"]:
+        assert s["itl_ms"]["p50"] <= s["itl_ms"]["p90"] <= s["itl_ms"]["p99"]
     # generous SLOs: every request is good
     assert s["good_requests"] == 8 and s["goodput"] == pytest.approx(s["request_throughput"], rel=1e-3)
     assert s["output_throughput"] > 0 and s["input_throughput"] > 0
