@@ -74,9 +74,10 @@ class RankStarter(threading.Thread):
     `names` list the ranks started so far; `finish()` waits for the thread and re-raises what starting a
     rank raised, as a LaunchError."""
 
-    def __init__(self, args, model_dir: str, ipcs: list, scheduler_cls):
+    def __init__(self, args, model_dir: str, ipcs: list, scheduler_cls, ctx: mp.context.BaseContext):
         super().__init__(name="rank-starter", daemon=True)
         self.args, self.model_dir, self.ipcs, self.scheduler_cls = args, model_dir, ipcs, scheduler_cls
+        self.ctx = ctx  # `rank_context`'s
         self.procs: list = []
         self.conns: list = []
         self.names: list[str] = []
@@ -87,7 +88,7 @@ class RankStarter(threading.Thread):
 
         args = self.args
         try:
-            ctx = rank_context(args.dp_size * args.tp * args.pp_size, self.scheduler_cls)
+            ctx = self.ctx
             for dp, ipc in enumerate(self.ipcs):
                 for rank in range(args.tp * args.pp_size):  # pipeline stage rank // tp, TP rank rank % tp
                     name = ("scheduler " + (f"dp {dp} " if args.dp_size > 1 else "")
@@ -236,14 +237,15 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
         logger.error("%s", e)
         sys.exit(2)
     run_dir = RunDir()
-    if args.dp_size * args.tp * args.pp_size > 1:
+    ctx = rank_context(args.dp_size * args.tp * args.pp_size, scheduler_cls)
+    if ctx.get_start_method() == "forkserver":
         run_dir.note_mp_temp_dir()  # the fork server's socket directory goes with the run directory
     tmp = run_dir.path
     ipcs = [IpcConfig(to_scheduler=f"ipc://{tmp}/to_scheduler{dp}", from_scheduler=f"ipc://{tmp}/from_scheduler",
                       dist_init_method=dist_init_method(tmp, args.dist_port) if args.dp_size == 1
                       else f"file://{tmp}/dist_store{dp}", front_end_pid=os.getpid())
             for dp in range(args.dp_size)]
-    starter = RankStarter(args, model_dir, ipcs, scheduler_cls)
+    starter = RankStarter(args, model_dir, ipcs, scheduler_cls, ctx)
     procs = starter.procs  # the ranks started so far, stopped on the way out
     tm = None
     # a signal before we serve: stop cleanly too

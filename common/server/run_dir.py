@@ -22,6 +22,7 @@ import logging
 import multiprocessing.util
 import os
 import shutil
+import stat
 import tempfile
 
 logger = logging.getLogger("server")
@@ -36,7 +37,7 @@ def _mine(path: str) -> bool:
         st = os.lstat(path)
     except OSError:
         return False
-    return st.st_uid == os.getuid() and not os.path.islink(path)
+    return st.st_uid == os.getuid() and not stat.S_ISLNK(st.st_mode)
 
 
 def _remove_mp_temp(run_dir: str) -> None:

@@ -42,11 +42,9 @@ class _Ctx:
         return P()
 
 
-def test_a_rank_that_cannot_start_is_a_launch_error_naming_the_cause(monkeypatch):
-    ctx = _Ctx()
-    monkeypatch.setattr(launch, "rank_context", lambda ranks, cls: ctx)
+def test_a_rank_that_cannot_start_is_a_launch_error_naming_the_cause():
     args = SimpleNamespace(dp_size=1, tp=2, pp_size=1)
-    starter = launch.RankStarter(args, "/nonexistent", [SimpleNamespace()], None)
+    starter = launch.RankStarter(args, "/nonexistent", [SimpleNamespace()], None, _Ctx())
     starter.start()
     with pytest.raises(launch.LaunchError, match="cannot start the scheduler ranks: OSError: Resource temporarily"):
         starter.finish()
