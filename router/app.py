@@ -75,7 +75,7 @@ class RouterApp:
 
             self.tracer = Tracer("pdserve-router", cfg.otlp_traces_endpoint or "localhost:4318")
         self.kv_index = None
-        self.route_tokenizer = None  # router/tokenizer.py RouterTokenizer, loaded at the first admission
+        self.route_tokenizer = None  # a LightTokenizer (common/server/light_tokenizer.py), loaded at the first admission
         self._tokenizer_tried: set[str] = set()
         if cfg.kv_events:
             from router.kv_index import KVEventIndex
@@ -124,26 +124,21 @@ class RouterApp:
             await self._load_tokenizer(w)
 
     async def _load_tokenizer(self, w) -> None:
-        from router.tokenizer import RouterTokenizer
+        from common.server.light_tokenizer import LightTokenizer
 
         path = self.cfg.tokenizer_path or self.cfg.model_path or w.model_info.get("tokenizer_path")
         if not isinstance(path, str) or path in self._tokenizer_tried:
             return
         self._tokenizer_tried.add(path)
-        if not RouterTokenizer.usable(path):
-            log.warning("no tokenizer.json in %r: text prompts are routed by the approximate tree (give "
-                        "--tokenizer-path)", path)
-            return
-        try:
-            tok = await asyncio.get_running_loop().run_in_executor(None, RouterTokenizer, path)
-        except Exception as e:
-            log.warning("cannot load the tokenizer in %r (%s): text prompts are routed by the approximate tree",
-                        path, e)
+        tok = await asyncio.get_running_loop().run_in_executor(None, LightTokenizer.open, path)
+        if tok is None:
+            log.warning("cannot read the tokenizer in %r as the nodes do (no tokenizer.json, or named chat templates): text prompts are routed by the approximate "
+                        "tree (give --tokenizer-path)", path)
             return
         template = w.server_info.get("chat_template")  # the worker's --chat-template, on a shared path
         if isinstance(template, str) and os.path.isfile(template):
             with open(template, encoding="utf-8") as f:
-                tok.use_template(f.read())
+                tok.chat_template = f.read()
         self.route_tokenizer = tok
         log.info("tokenizing prompts for --kv-events routing with %s", path)
 

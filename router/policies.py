@@ -166,7 +166,7 @@ class KVEventsCacheAwarePolicy(CacheAwarePolicy):
     def __init__(self, cfg: RouterConfig, index, tokenizer_source):
         super().__init__(cfg)
         self.index = index
-        self.tokenizer_source = tokenizer_source  # () -> RouterTokenizer | None
+        self.tokenizer_source = tokenizer_source  # () -> LightTokenizer | None
         self.pending_secs = cfg.kv_events_pending_secs
         self.recent: dict[str, dict[int, float]] = {}
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="route-tokenize")

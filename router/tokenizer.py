@@ -1,106 +1,21 @@
-"""Prompt token ids in the router, the way a node computes them, without torch.
+"""Prompt token ids in the router, the way a node computes them, without torch or transformers.
 
-The nodes tokenize with transformers' fast tokenizer, and transformers imports torch, which the router
-never does. A fast tokenizer is the `tokenizers` library running the model's `tokenizer.json` (special
-tokens added by its post-processor), so the router loads that file directly; chat requests are rendered
-with the model's chat template through jinja2 with the settings and variables transformers uses (a
-sandboxed environment with trim_blocks and lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson`
-that does not escape HTML, the special tokens by name) and encoded without added special tokens, as
-`TokenizerManager.apply_chat_template` does. `tests/router/test_kv_routing.py` checks the ids against
+The router reads the model's tokenizer as a node's front end reads it once checked against transformers'
+(common/server/light_tokenizer.py: the `tokenizers` library on `tokenizer.json`, the chat template
+through the same jinja2 sandbox and variables) and encodes a rendered chat without added special tokens,
+as `TokenizerManager.apply_chat_template` does. `tests/router/test_kv_routing.py` checks the ids against
 transformers for plain text and chat.
 
-`prompt_ids(path, obj)` gives the ids of the first prompt of a request body (what the prefill node will
-look up in its prefix cache); None when the router cannot tell (a body the node would refuse, a
-template that does not render).
+`prompt_source(path, obj)` says what the first prompt of a request body is (what the prefill node will
+look up in its prefix cache) and `tokenize` its ids; None when the router cannot tell (a body the node
+would refuse, a template that does not render).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from datetime import datetime
 from typing import Any
 
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
-def _chat_template(path: str, config: dict) -> str | None:
-    """chat_template.jinja next to the tokenizer (transformers 5's place), else tokenizer_config.json's."""
-    jinja_file = os.path.join(path, "chat_template.jinja")
-    if os.path.isfile(jinja_file):
-        with open(jinja_file, encoding="utf-8") as f:
-            return f.read()
-    tpl = config.get("chat_template")
-    if isinstance(tpl, list):  # named templates: the default one
-        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
-        tpl = named.get("default")
-    return tpl if isinstance(tpl, str) else None
-
-
-class RouterTokenizer:
-    def __init__(self, path: str):
-        from tokenizers import Tokenizer
-
-        self.path = path
-        self.tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        config: dict = {}
-        cfg_file = os.path.join(path, "tokenizer_config.json")
-        if os.path.isfile(cfg_file):
-            with open(cfg_file, encoding="utf-8") as f:
-                loaded = json.load(f)
-            config = loaded if isinstance(loaded, dict) else {}
-        self.special = {name: t for name in SPECIAL_TOKEN_NAMES if (t := _token_text(config.get(name))) is not None}
-        self.chat_template = _chat_template(path, config)
-        self._template = None
-
-    @staticmethod
-    def usable(path: str | None) -> bool:
-        return bool(path) and os.path.isfile(os.path.join(path, "tokenizer.json"))
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def _compiled(self):
-        if self._template is None:
-            import jinja2
-            import jinja2.ext
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(message):
-                raise jinja2.exceptions.TemplateError(message)
-
-            def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-                return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                                  sort_keys=sort_keys)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[jinja2.ext.loopcontrols])
-            env.filters["tojson"] = tojson
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
-        return self._template
-
-    def use_template(self, text: str) -> None:
-        """The template the worker renders chat with (its --chat-template), instead of the model's."""
-        self.chat_template, self._template = text, None
-
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        if not self.chat_template:  # the node answers such a chat request 400: nothing to route by
-            raise ValueError("the model has no chat template")
-        return self._compiled().render(messages=messages, tools=None, documents=None,
-                                       add_generation_prompt=True, **self.special)
-
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+from common.server.light_tokenizer import LightTokenizer
 
 
 def chat_messages(raw: Any) -> list[dict[str, str]] | None:
@@ -165,12 +80,14 @@ def source_size(kind: str, value: Any) -> int:
     return len(value)
 
 
-def tokenize(tok: RouterTokenizer | None, kind: str, value: Any) -> list[int] | None:
+def tokenize(tok: LightTokenizer | None, kind: str, value: Any) -> list[int] | None:
     if kind == "ids":
         return list(value)
     if tok is None:
         return None
     try:
-        return tok.encode(value) if kind == "text" else tok.chat_ids(value)
+        if kind == "text":
+            return tok.encode(value)
+        return tok.encode(tok.apply_chat_template(value, add_generation_prompt=True), add_special_tokens=False)
     except Exception:  # a template that refuses these messages: the node answers 400, nothing to route by
         return None

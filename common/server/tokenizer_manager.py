@@ -146,13 +146,16 @@ class TokenizerManager:
         self.args = args
         self.model_dir = model_dir
         self.tokenizer_path = args.tokenizer or model_dir
+        template = None
+        if getattr(args, "chat_template", None):
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
         if tokenizer is None:
             from common.server.tokenizer_load import load_tokenizer
 
-            tokenizer = load_tokenizer(self.tokenizer_path)
-        if getattr(args, "chat_template", None):
-            with open(args.chat_template, encoding="utf-8") as f:
-                tokenizer.chat_template = f.read()
+            tokenizer = load_tokenizer(self.tokenizer_path, template)
+        elif template is not None:
+            tokenizer.chat_template = template
         self.tokenizer = tokenizer
         self.special_ids = special_token_ids(tokenizer)
         self.metrics = metrics or Metrics()

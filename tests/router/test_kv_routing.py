@@ -15,8 +15,9 @@ import pytest
 import zmq
 
 from common.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, chain_hashes
+from common.server.light_tokenizer import LightTokenizer
 from router.kv_index import KVEventIndex, resolve_endpoint
-from router.tokenizer import RouterTokenizer, chat_messages, prompt_source, tokenize
+from router.tokenizer import chat_messages, prompt_source, tokenize
 from tests.harness.client import free_port, get_json, http, http_post, metric_total, wait_until
 from tests.harness.nodes import RoleNode, start_together, stop_all
 from tests.router.conftest import ROUTER_ARGS
@@ -134,7 +135,7 @@ def test_router_tokenizer_matches_the_node(tokenizer_dir):
     from transformers import AutoTokenizer
 
     ref = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok = RouterTokenizer(tokenizer_dir)
+    tok = LightTokenizer.open(tokenizer_dir)
     for text in ("Hello, world!", "  spaces\tand\nnew lines <|im_start|> é 中文", "x" * 3000):
         assert tokenize(tok, "text", text) == ref.encode(text, add_special_tokens=True)
     for msgs in ([{"role": "user", "content": "What is 2+2?"}],

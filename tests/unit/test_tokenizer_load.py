@@ -1,5 +1,6 @@
-"""`load_tokenizer` (common/server/tokenizer_load.py) gives the tokenizer `AutoTokenizer` gives, the second
-time without importing torch (the class remembered per model directory and transformers version)."""
+"""`load_tokenizer` (common/server/tokenizer_load.py): the first start with a tokenizer loads transformers'
+and checks the light one against it; later starts read the light one without importing transformers, or
+transformers' class without `AutoTokenizer` (and without torch) when the light one differs."""
 
 from __future__ import annotations
 
@@ -12,22 +13,11 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from common.server.tokenizer_load import _cache_path, load_tokenizer
+from common.server.light_tokenizer import LightTokenizer
+from common.server.tokenizer_load import _cache_path, light_mismatch, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TEXT = "Hello world, <|im_start|> 12 345 naïve café\n\tdef f(x): return x**2"
-
-
-def same(a, b) -> None:
-    assert type(a) is type(b)
-    assert a(TEXT)["input_ids"] == b(TEXT)["input_ids"]
-    ids = a(TEXT)["input_ids"]
-    assert a.decode(ids) == b.decode(ids) and a.decode(ids, skip_special_tokens=True) == b.decode(ids, skip_special_tokens=True)
-    assert len(a) == len(b) and a.all_special_ids == b.all_special_ids and a.eos_token == b.eos_token
-    chat = [{"role": "user", "content": "hi"}]
-    if a.chat_template:
-        assert a.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-            b.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+TEMPLATE = os.path.join(ROOT, "tests", "data", "chatml_tools.jinja")
 
 
 @pytest.fixture
@@ -36,27 +26,65 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def test_the_remembered_class_gives_the_same_tokenizer(tiny_model_dir, cache):
-    first = load_tokenizer(tiny_model_dir)
-    assert os.path.isfile(_cache_path(tiny_model_dir))
-    same(AutoTokenizer.from_pretrained(tiny_model_dir), first)
-    same(first, load_tokenizer(tiny_model_dir))
-    code = ("import sys; from common.server.tokenizer_load import load_tokenizer; "
-            f"load_tokenizer({tiny_model_dir!r}); assert 'torch' not in sys.modules, 'imported torch'")
+def _fresh_start(model_dir: str, cache, template: str | None = None) -> dict:
+    """What a new process (a node's front end) loads, and which modules that imported."""
+    code = ("import json, sys; from common.server.tokenizer_load import load_tokenizer; "
+            f"t = load_tokenizer({model_dir!r}, {template!r}); "
+            "print(json.dumps([type(t).__name__, 'transformers' in sys.modules, 'torch' in sys.modules, "
+            "t.chat_template]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PDSERVE_CACHE": str(cache)})
     assert out.returncode == 0, out.stderr[-2000:]
+    name, transformers, torch, template = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"class": name, "transformers": transformers, "torch": torch, "template": template}
 
 
-def test_a_declared_class_is_kept_and_other_files_get_their_own_entry(tiny_model_dir, tmp_path, cache):
+def test_a_checked_tokenizer_is_read_without_transformers_afterwards(tiny_model_dir, cache):
+    first = load_tokenizer(tiny_model_dir)
+    assert type(first).__name__ == "TokenizersBackend"
+    with open(_cache_path(tiny_model_dir, None)) as f:
+        assert json.load(f)["light"] is True
+    second = load_tokenizer(tiny_model_dir)
+    assert isinstance(second, LightTokenizer) and light_mismatch(first, second) is None
+    assert _fresh_start(tiny_model_dir, cache) == {"class": "LightTokenizer", "transformers": False, "torch": False,
+                                                   "template": first.chat_template}
+
+
+def test_a_chat_template_file_gets_its_own_check(tiny_model_dir, cache):
+    with open(TEMPLATE) as f:
+        template = f.read()
+    assert _cache_path(tiny_model_dir, template) != _cache_path(tiny_model_dir, None)
+    first = load_tokenizer(tiny_model_dir, template)
+    assert first.chat_template == template and not isinstance(first, LightTokenizer)
+    started = _fresh_start(tiny_model_dir, cache, template)
+    assert started["class"] == "LightTokenizer" and started["template"] == template and not started["transformers"]
+
+
+def test_a_tokenizer_the_light_one_differs_from_keeps_transformers_class(tiny_model_dir, tmp_path, cache):
     d = tmp_path / "qwen-tok"
     shutil.copytree(tiny_model_dir, d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "Qwen2Tokenizer"}))
-    assert _cache_path(str(d)) != _cache_path(tiny_model_dir)
+    assert _cache_path(str(d), None) != _cache_path(tiny_model_dir, None)
     want = AutoTokenizer.from_pretrained(str(d))
     load_tokenizer(str(d))
-    same(want, load_tokenizer(str(d)))
+    with open(_cache_path(str(d), None)) as f:
+        assert json.load(f) == {"class": "Qwen2Tokenizer", "path": os.path.realpath(d), "light": False}
+    again = load_tokenizer(str(d))
+    assert type(again) is type(want) and again.encode("Hello world") == want.encode("Hello world")
+    assert _fresh_start(str(d), cache) == {"class": "Qwen2Tokenizer", "transformers": True, "torch": False,
+                                           "template": want.chat_template}
+
+
+def test_an_entry_from_before_the_check_is_checked_once(tiny_model_dir, cache):
+    path = _cache_path(tiny_model_dir, None)
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        json.dump({"class": "TokenizersBackend", "path": tiny_model_dir}, f)
+    assert type(load_tokenizer(tiny_model_dir)).__name__ == "TokenizersBackend"
+    with open(path) as f:
+        assert json.load(f)["light"] is True
+    assert isinstance(load_tokenizer(tiny_model_dir), LightTokenizer)
 
 
 def test_remote_code_is_never_cached(tiny_model_dir, tmp_path, cache):
@@ -64,15 +92,18 @@ def test_remote_code_is_never_cached(tiny_model_dir, tmp_path, cache):
     shutil.copytree(tiny_model_dir, d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoTokenizer": ["x.Tok", None]}}))
-    assert _cache_path(str(d)) is None
+    assert _cache_path(str(d), None) is None
 
 
 def test_a_copy_of_the_same_files_finds_the_same_entry(tiny_model_dir, tmp_path, cache):
     d = tmp_path / "copy"
     shutil.copytree(tiny_model_dir, d)
     os.utime(d / "tokenizer.json", (1, 1))  # another mtime: the key is the content
-    assert _cache_path(str(d)) == _cache_path(tiny_model_dir)
+    assert _cache_path(str(d), None) == _cache_path(tiny_model_dir, None)
+    (d / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    assert _cache_path(str(d), None) != _cache_path(tiny_model_dir, None)
+    shutil.copy(os.path.join(tiny_model_dir, "chat_template.jinja"), d / "chat_template.jinja")
     tok = json.loads((d / "tokenizer.json").read_text())
     tok["added_tokens"][0]["content"] += "x"
     (d / "tokenizer.json").write_text(json.dumps(tok))
-    assert _cache_path(str(d)) != _cache_path(tiny_model_dir)
+    assert _cache_path(str(d), None) != _cache_path(tiny_model_dir, None)
