@@ -68,6 +68,7 @@ BENCHES = {
     "retract": "bench.retract",
     "chaos": "bench.chaos",
     "netfaults": "bench.netfaults",
+    "startup": "bench.startup",
 }
 
 

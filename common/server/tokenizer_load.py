@@ -60,7 +60,7 @@ PROBE_CHATS = (  # (messages, tools, add_generation_prompt, continue_final_messa
 )
 
 
-def _cache_path(path: str, chat_template: str | None) -> str | None:
+def cache_path(path: str, chat_template: str | None) -> str | None:
     """The cache file for the tokenizer at `path` (a directory) with the `--chat-template` text
     `chat_template`, or None when it cannot be cached."""
     if not os.path.isdir(path):
@@ -134,7 +134,7 @@ def light_mismatch(hf, light) -> str | None:
     return None
 
 
-def _read_entry(cache: str | None) -> dict:
+def read_entry(cache: str | None) -> dict:
     if cache is None or not os.path.isfile(cache):
         return {}
     try:
@@ -146,7 +146,7 @@ def _read_entry(cache: str | None) -> dict:
         return {}
 
 
-def _write_entry(cache: str, entry: dict) -> None:
+def write_entry(cache: str, entry: dict) -> None:
     try:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         tmp = f"{cache}.{os.getpid()}"
@@ -173,15 +173,19 @@ def _transformers_tokenizer(path: str, name: str | None):
 def load_tokenizer(path: str, chat_template: str | None = None):
     """The tokenizer at `path` (a directory or a hub id), with `chat_template` (the text of a
     `--chat-template` file) in place of the model's own when given."""
-    cache = _cache_path(path, chat_template)
-    entry = _read_entry(cache)
+    cache = cache_path(path, chat_template)
+    entry = read_entry(cache)
     if entry.get("light"):
         light = LightTokenizer.open(path)
         if light is not None:
             if chat_template is not None:
                 light.chat_template = chat_template
+            logger.info("tokenizer at %s: read without transformers (checked at an earlier start)", path)
             return light
     hf = _transformers_tokenizer(path, entry.get("class"))
+    if "light" in entry:
+        logger.info("tokenizer at %s: transformers' %s (%s)", path, type(hf).__name__,
+                    "the light one differed at its check" if not entry["light"] else "the light one cannot read it")
     if chat_template is not None:
         hf.chat_template = chat_template
     if cache is not None and ("light" not in entry or entry.get("class") != type(hf).__name__):
@@ -195,5 +199,5 @@ def load_tokenizer(path: str, chat_template: str | None = None):
         else:
             logger.info("tokenizer at %s: checked against transformers' %s; later starts read it without transformers",
                         path, type(hf).__name__)
-        _write_entry(cache, {"class": type(hf).__name__, "path": os.path.realpath(path), "light": not why})
+        write_entry(cache, {"class": type(hf).__name__, "path": os.path.realpath(path), "light": not why})
     return hf

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from common.server.light_tokenizer import LightTokenizer
-from common.server.tokenizer_load import _cache_path, light_mismatch, load_tokenizer
+from common.server.tokenizer_load import cache_path, light_mismatch, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEMPLATE = os.path.join(ROOT, "tests", "data", "chatml_tools.jinja")
@@ -42,7 +42,7 @@ def _fresh_start(model_dir: str, cache, template: str | None = None) -> dict:
 def test_a_checked_tokenizer_is_read_without_transformers_afterwards(tiny_model_dir, cache):
     first = load_tokenizer(tiny_model_dir)
     assert type(first).__name__ == "TokenizersBackend"
-    with open(_cache_path(tiny_model_dir, None)) as f:
+    with open(cache_path(tiny_model_dir, None)) as f:
         assert json.load(f)["light"] is True
     second = load_tokenizer(tiny_model_dir)
     assert isinstance(second, LightTokenizer) and light_mismatch(first, second) is None
@@ -53,7 +53,7 @@ def test_a_checked_tokenizer_is_read_without_transformers_afterwards(tiny_model_
 def test_a_chat_template_file_gets_its_own_check(tiny_model_dir, cache):
     with open(TEMPLATE) as f:
         template = f.read()
-    assert _cache_path(tiny_model_dir, template) != _cache_path(tiny_model_dir, None)
+    assert cache_path(tiny_model_dir, template) != cache_path(tiny_model_dir, None)
     first = load_tokenizer(tiny_model_dir, template)
     assert first.chat_template == template and not isinstance(first, LightTokenizer)
     started = _fresh_start(tiny_model_dir, cache, template)
@@ -65,10 +65,10 @@ def test_a_tokenizer_the_light_one_differs_from_keeps_transformers_class(tiny_mo
     shutil.copytree(tiny_model_dir, d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "Qwen2Tokenizer"}))
-    assert _cache_path(str(d), None) != _cache_path(tiny_model_dir, None)
+    assert cache_path(str(d), None) != cache_path(tiny_model_dir, None)
     want = AutoTokenizer.from_pretrained(str(d))
     load_tokenizer(str(d))
-    with open(_cache_path(str(d), None)) as f:
+    with open(cache_path(str(d), None)) as f:
         assert json.load(f) == {"class": "Qwen2Tokenizer", "path": os.path.realpath(d), "light": False}
     again = load_tokenizer(str(d))
     assert type(again) is type(want) and again.encode("Hello world") == want.encode("Hello world")
@@ -77,7 +77,7 @@ def test_a_tokenizer_the_light_one_differs_from_keeps_transformers_class(tiny_mo
 
 
 def test_an_entry_from_before_the_check_is_checked_once(tiny_model_dir, cache):
-    path = _cache_path(tiny_model_dir, None)
+    path = cache_path(tiny_model_dir, None)
     os.makedirs(os.path.dirname(path))
     with open(path, "w") as f:
         json.dump({"class": "TokenizersBackend", "path": tiny_model_dir}, f)
@@ -92,18 +92,18 @@ def test_remote_code_is_never_cached(tiny_model_dir, tmp_path, cache):
     shutil.copytree(tiny_model_dir, d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoTokenizer": ["x.Tok", None]}}))
-    assert _cache_path(str(d), None) is None
+    assert cache_path(str(d), None) is None
 
 
 def test_a_copy_of_the_same_files_finds_the_same_entry(tiny_model_dir, tmp_path, cache):
     d = tmp_path / "copy"
     shutil.copytree(tiny_model_dir, d)
     os.utime(d / "tokenizer.json", (1, 1))  # another mtime: the key is the content
-    assert _cache_path(str(d), None) == _cache_path(tiny_model_dir, None)
+    assert cache_path(str(d), None) == cache_path(tiny_model_dir, None)
     (d / "chat_template.jinja").write_text("{{ messages[0].content }}")
-    assert _cache_path(str(d), None) != _cache_path(tiny_model_dir, None)
+    assert cache_path(str(d), None) != cache_path(tiny_model_dir, None)
     shutil.copy(os.path.join(tiny_model_dir, "chat_template.jinja"), d / "chat_template.jinja")
     tok = json.loads((d / "tokenizer.json").read_text())
     tok["added_tokens"][0]["content"] += "x"
     (d / "tokenizer.json").write_text(json.dumps(tok))
-    assert _cache_path(str(d), None) != _cache_path(tiny_model_dir, None)
+    assert cache_path(str(d), None) != cache_path(tiny_model_dir, None)
