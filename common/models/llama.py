@@ -126,7 +126,9 @@ class LlamaModel(nn.Module):
                  tp_group, dtype: torch.dtype, layers: tuple[int, int] | None = None) -> None:
         super().__init__()
         start, end = layers or (0, cfg.num_layers)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # no random init: every weight comes from the checkpoint (the loader refuses a missing one)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_tokens.weight.weight_loader = default_weight_loader
         self.layers = nn.ModuleList(

@@ -429,7 +429,9 @@ class Qwen3_5TextModel(nn.Module):
     def __init__(self, cfg: ModelConfig, types: list[str], backend: TorchAttentionBackend, rotary_dim: int,
                  tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype, layers: tuple[int, int]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # no random init: every weight comes from the checkpoint (the loader refuses a missing one)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_tokens.weight.weight_loader = default_weight_loader
         self.layers = nn.ModuleList(
