@@ -192,7 +192,10 @@ def load_tokenizer(path: str, chat_template: str | None = None):
         light = LightTokenizer.open(path)
         if light is not None and chat_template is not None:
             light.chat_template = chat_template
-        why = "no tokenizer.json it can read alike" if light is None else light_mismatch(hf, light)
+        try:
+            why = "no tokenizer.json it can read alike" if light is None else light_mismatch(hf, light)
+        except Exception as e:  # noqa: BLE001 - a check that cannot finish keeps transformers' tokenizer
+            why = f"the check itself ({type(e).__name__}: {e})"
         if why:
             logger.info("tokenizer at %s: transformers' %s at every start (the light one differs in %s)",
                         path, type(hf).__name__, why)

@@ -107,3 +107,16 @@ def test_a_copy_of_the_same_files_finds_the_same_entry(tiny_model_dir, tmp_path,
     tok["added_tokens"][0]["content"] += "x"
     (d / "tokenizer.json").write_text(json.dumps(tok))
     assert cache_path(str(d), None) != cache_path(tiny_model_dir, None)
+
+
+def test_a_check_that_raises_keeps_transformers_tokenizer(tiny_model_dir, cache, monkeypatch):
+    import common.server.tokenizer_load as tl
+
+    def broken(hf, light):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tl, "light_mismatch", broken)
+    assert type(load_tokenizer(tiny_model_dir)).__name__ == "TokenizersBackend"
+    with open(cache_path(tiny_model_dir, None)) as f:
+        assert json.load(f)["light"] is False
+    assert type(load_tokenizer(tiny_model_dir)).__name__ == "TokenizersBackend"
