@@ -11,8 +11,8 @@
 //   bits 4: float d[16], float m[16], then 32 x 8 bytes: byte j of step k holds q of column j in its
 //           low nibble and of column j + 8 in its high nibble (q in 0..15); w = d * q + m.
 //   bits 8: float d[16], then 32 x 16 signed bytes in column order (q in -127..127); w = d * q.
-// `expand_block_panels` writes the float32 panels those blocks stand for; weight_blocks.py keeps blocks
-// only when that gives every weight's bits. The tiles widen each step's 16 weights the same way in
+// `pack_weight_blocks` finds a weight's blocks and `block_panels_equal` checks that they widen to its
+// float32 panels; weight_blocks.py keeps blocks only when they give every weight's bits. The tiles widen each step's 16 weights the same way in
 // registers and multiply-add them into float32 accumulators, each output summing over k in order as in
 // gemm.c: the results are the float32 panels' bits, in any batch and either build.
 //
@@ -20,7 +20,9 @@
 // accumulators are in flight to hide the FMA's latency (an output's sum is one chain).
 #include <omp.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define BLOCK 32
 #define NR 16
@@ -54,19 +56,78 @@ static inline __attribute__((always_inline)) void widen(const int BITS, const fl
     }
 }
 
-void expand_block_panels(int64_t bits, const uint8_t *src, int64_t panels, int64_t K, float *dst) {
+// `weight` [out, K] float32 as the blocks of `bits` 4 or 8 a Q4_1 or Q8_0 checkpoint would store, in this
+// file's layout (rows padded to whole panels with zero blocks), at dst (`panels * K / 32` blocks of
+// block_bytes). Per 32 weights of a row: Q4_1 takes m = their min and d = (max - m) / 15 rounded to float16,
+// Q8_0 d = max |w| / 127; q = round((w - m) / d) (to even), clamped to 0..15 or -127..127, d = 0 read as 1.
+// weight_blocks.py keeps the result only when block_panels_equal finds every weight's bits. Plain
+// IEEE arithmetic (no fast-math here), as the reference in tests/unit/test_weight_blocks.py computes it.
+__attribute__((optimize("no-fast-math"))) void pack_weight_blocks(int64_t bits, const float *weight, int64_t out,
+                                                                 int64_t K, uint8_t *dst) {
+    const int64_t nb = K / BLOCK, panels = (out + NR - 1) / NR, bb = block_bytes(bits);
     const int64_t scales = bits == 4 ? 2 * NR * 4 : NR * 4;
-    for (int64_t b = 0; b < panels * (K / BLOCK); b++, src += block_bytes(bits)) {
-        for (int k = 0; k < BLOCK; k++, dst += NR) {
-            __m256 w0, w1;
-            if (bits == 4)
-                widen(4, (const float *)src, src + scales, k, &w0, &w1);
-            else
-                widen(8, (const float *)src, src + scales, k, &w0, &w1);
-            _mm256_storeu_ps(dst, w0);
-            _mm256_storeu_ps(dst + 8, w1);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = dst + (p * nb + b) * bb;
+            float *d = (float *)blk, *m = d + NR;
+            uint8_t *q = blk + scales;
+            memset(blk, 0, bb);
+            for (int c = 0; c < NR && p * NR + c < out; c++) {
+                const float *v = weight + (p * NR + c) * K + b * BLOCK;
+                if (bits == 4) {
+                    float lo = v[0], hi = v[0];
+                    for (int k = 1; k < BLOCK; k++) {
+                        lo = v[k] < lo ? v[k] : lo;
+                        hi = v[k] > hi ? v[k] : hi;
+                    }
+                    const float dd = (float)(_Float16)((hi - lo) / 15.0f), safe = dd > 0 ? dd : 1.0f;
+                    for (int k = 0; k < BLOCK; k++) {
+                        float t = nearbyintf((v[k] - lo) / safe);
+                        t = t < 0 ? 0 : t > 15 ? 15 : t;
+                        q[k * 8 + (c & 7)] |= (uint8_t)((int)t << (c < 8 ? 0 : 4));
+                    }
+                    d[c] = dd;
+                    m[c] = lo;
+                } else {
+                    float a = 0;
+                    for (int k = 0; k < BLOCK; k++)
+                        a = fabsf(v[k]) > a ? fabsf(v[k]) : a;
+                    const float dd = a / 127.0f, safe = dd > 0 ? dd : 1.0f;
+                    for (int k = 0; k < BLOCK; k++) {
+                        float t = nearbyintf(v[k] / safe);
+                        t = t < -127 ? -127 : t > 127 ? 127 : t;
+                        ((int8_t *)q)[k * NR + c] = (int8_t)t;
+                    }
+                    d[c] = dd;
+                }
+            }
         }
     }
+}
+
+// 1 when the blocks at src widen to exactly the float32 panels at `want` (`panels` panels over K), bit for
+// bit, else 0: each block widened in registers as the tiles widen it, and compared, without writing it.
+int block_panels_equal(int64_t bits, const uint8_t *src, int64_t panels, int64_t K, const float *want) {
+    const int64_t scales = bits == 4 ? 2 * NR * 4 : NR * 4, n = panels * (K / BLOCK), bb = block_bytes(bits);
+    int equal = 1;
+#pragma omp parallel for schedule(static) reduction(&& : equal)
+    for (int64_t b = 0; b < n; b++) {
+        const uint8_t *blk = src + b * bb;
+        const float *w = want + b * BLOCK * NR;
+        __m256i diff = _mm256_setzero_si256();
+        for (int k = 0; k < BLOCK; k++, w += NR) {
+            __m256 w0, w1;
+            if (bits == 4)
+                widen(4, (const float *)blk, blk + scales, k, &w0, &w1);
+            else
+                widen(8, (const float *)blk, blk + scales, k, &w0, &w1);
+            diff = _mm256_or_si256(diff, _mm256_xor_si256(_mm256_castps_si256(w0), _mm256_loadu_si256((const __m256i *)w)));
+            diff = _mm256_or_si256(diff, _mm256_xor_si256(_mm256_castps_si256(w1), _mm256_loadu_si256((const __m256i *)(w + 8))));
+        }
+        equal = equal && _mm256_testz_si256(diff, diff);
+    }
+    return equal;
 }
 
 // MR rows (x: k-major, [K][MR]) by NP panels (each `panel_bytes` after the last) over the whole K; `nv` of
@@ -186,7 +247,8 @@ int packed_gemm_blocks(const float *x, int64_t ldx, const uint8_t *wb, int64_t b
 #else
 // Without AVX2 + FMA there is no panel GEMM, and weight_blocks.py keeps float32 panels.
 int packed_gemm_blocks_rows(void) { return 0; }
-void expand_block_panels(int64_t bits, const uint8_t *src, int64_t panels, int64_t K, float *dst) {}
+void pack_weight_blocks(int64_t bits, const float *weight, int64_t out, int64_t K, uint8_t *dst) {}
+int block_panels_equal(int64_t bits, const uint8_t *src, int64_t panels, int64_t K, const float *want) { return 0; }
 int packed_gemm_blocks(const float *x, int64_t ldx, const uint8_t *wb, int64_t bits, const float *bias, float *y,
                        int64_t ldy, int64_t M, int64_t N, int64_t K) {
     return -1;

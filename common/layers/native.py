@@ -3,7 +3,7 @@
 `paged_decode_attention()` (`paged_attention.c`), `prefill_attention()` (`prefill_attention.c`),
 `add_rms_norm()` (`rms_norm.c`), `rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`), `argmax_rows()` (`argmax.c`),
 `pin_team()` (`threads.c`), `packed_gemm()` and `packed_gemm_i8()` (`gemm.c`), `packed_gemm_blocks()` and
-`expand_block_panels()` (`gemm_blocks.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
+`block_panels_equal()` (`gemm_blocks.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
 a decode step of a whole Llama-family stack) return the loaded C function, or None when it cannot be
 used (no C compiler, a failed build, no AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers
 then take the torch paths, which compute the same thing. The GEMM reads each weight once per matmul
@@ -122,7 +122,8 @@ _SIGNATURES = {
     "packed_gemm_i8": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
     "packed_gemm_w8a8": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
     "packed_gemm_blocks": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
-    "expand_block_panels": ([_I64, _PTR, _I64, _I64, _PTR], None),
+    "pack_weight_blocks": ([_I64, _PTR, _I64, _I64, _PTR], None),
+    "block_panels_equal": ([_I64, _PTR, _I64, _I64, _PTR], ctypes.c_int),
     "packed_gemm_blocks_rows": ([], ctypes.c_int),
     "packed_gemm_w8a8_group": ([], ctypes.c_int),
     "packed_gemm_w8a8_block": ([], ctypes.c_int),
@@ -225,9 +226,15 @@ def block_rows() -> int:
     return lib.packed_gemm_blocks_rows() if packed_gemm() is not None else 0
 
 
-def expand_block_panels():
-    """`gemm_blocks.c`'s widening of blocks into float32 panels, or None without the panel GEMM."""
-    return _kernel("expand_block_panels") if packed_gemm() is not None else None
+def pack_weight_blocks():
+    """`gemm_blocks.c`'s packing of a float32 weight as a checkpoint's blocks, or None without the panel GEMM."""
+    return _kernel("pack_weight_blocks") if packed_gemm() is not None else None
+
+
+def block_panels_equal():
+    """`gemm_blocks.c`'s check that blocks widen to given float32 panels bit for bit, or None without the panel
+    GEMM."""
+    return _kernel("block_panels_equal") if packed_gemm() is not None else None
 
 
 @functools.cache

@@ -4,11 +4,11 @@ A GGUF checkpoint's Q4_1 and Q8_0 tensors become float32 when `pdserve convert` 
 turns them into a Hugging Face directory: w = d * q + m (Q4_1, q in 0..15) or w = d * q (Q8_0, q in
 -127..127), d and m one per 32 input channels of an output row. SmolLM2-135M's file, the default model,
 has every projection in Q4_1 and the tied embedding (the lm_head) in Q8_0. `find_blocks` recovers
-(q, d, m) from the float32 weight and keeps them only when `weight_blocks.c` expands them back to the
-same float32 bits, for every weight of the tensor; `gemm.c` then reads the blocks and computes on the
-expanded float32 panel, so the matmul's results are the float32 panels' bits while a decode step streams
-~6 (4-bit) or ~9 (8-bit) bits a weight instead of 32. Any other weight, or `PDSERVE_WEIGHT_BLOCKS=0`,
-keeps float32 panels. This is not quantization: nothing is rounded that the checkpoint had not rounded.
+(q, d, m) from the float32 weight in one pass (`gemm_blocks.c: pack_weight_blocks`) and keeps them only
+when they widen back to the same float32 bits (`block_panels_equal`), for every weight of the tensor;
+`packed_gemm_blocks` then reads the blocks and computes on the widened float32 panel, so the matmul's
+results are the float32 panels' bits while a decode step streams ~6 (4-bit) or ~9 (8-bit) bits a weight
+instead of 32. Any other weight, or `PDSERVE_WEIGHT_BLOCKS=0`, keeps float32 panels. This is not quantization: nothing is rounded that the checkpoint had not rounded.
 """
 
 from __future__ import annotations
@@ -32,54 +32,20 @@ class WeightBlocks:
 
 
 def enabled() -> bool:
-    return os.environ.get("PDSERVE_WEIGHT_BLOCKS", "1") != "0" and native.expand_block_panels() is not None
+    return os.environ.get("PDSERVE_WEIGHT_BLOCKS", "1") != "0" and native.block_panels_equal() is not None
 
 
-def _split(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(q, d, m) for `v` [rows, blocks, 32] as Q4_1 (bits 4) or Q8_0 (bits 8) would have stored it."""
-    if bits == 4:
-        m = v.amin(-1, keepdim=True)
-        d = ((v.amax(-1, keepdim=True) - m) / 15).half().float()  # GGUF keeps d and m in float16
-        lo, hi = 0, 15
-    else:
-        m = None
-        d = v.abs().amax(-1, keepdim=True) / 127
-        lo, hi = -127, 127
-    safe = torch.where(d > 0, d, torch.ones_like(d))
-    q = torch.round((v if m is None else v - m) / safe).clamp_(lo, hi)
-    return q.to(torch.int16), d.squeeze(-1), None if m is None else m.squeeze(-1)
-
-
-def _pack(bits: int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-    """`weight_blocks.c`'s layout of q [out, blocks, 32], d and m [out, blocks]."""
-    out, nb, _ = q.shape
-    panels = -(-out // PANEL)
-    pad = panels * PANEL - out
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, nb, BLOCK)])
-        d = torch.cat([d, d.new_zeros(pad, nb)])
-        m = None if m is None else torch.cat([m, m.new_zeros(pad, nb)])
-
-    def per_block(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, nb] float -> [panels, nb, 64] bytes
-        return t.view(panels, PANEL, nb).transpose(1, 2).contiguous().view(torch.uint8)
-
-    qk = q.view(panels, PANEL, nb, BLOCK).permute(0, 2, 3, 1)  # [panels, nb, k, column]
-    if bits == 4:
-        qb = (qk[..., :8] | (qk[..., 8:] << 4)).to(torch.uint8).reshape(panels, nb, BLOCK * 8)
-        parts = [per_block(d), per_block(m), qb]
-    else:
-        qb = qk.to(torch.int8).reshape(panels, nb, BLOCK * 16).view(torch.uint8)
-        parts = [per_block(d), qb]
-    return torch.cat(parts, dim=2).reshape(-1)
+def block_bytes(bits: int) -> int:
+    """Bytes of one block of 16 columns by 32 input channels in `gemm_blocks.c`'s layout."""
+    return 2 * PANEL * 4 + BLOCK * 8 if bits == 4 else PANEL * 4 + BLOCK * PANEL
 
 
 def _try(weight: torch.Tensor, panels: torch.Tensor, bits: int) -> torch.Tensor | None:
     """The blocks of `weight`'s rows if they widen to `panels` (those rows' float32 panels), else None."""
     out, inp = weight.shape
-    packed = _pack(bits, *_split(weight.view(out, inp // BLOCK, BLOCK), bits))
-    expanded = torch.empty(panels.shape)
-    native.expand_block_panels()(bits, packed.data_ptr(), panels.shape[0], inp, expanded.data_ptr())
-    return packed if torch.equal(expanded.view(torch.int32), panels.view(torch.int32)) else None
+    packed = torch.empty(panels.shape[0] * (inp // BLOCK) * block_bytes(bits), dtype=torch.uint8)
+    native.pack_weight_blocks()(bits, weight.data_ptr(), out, inp, packed.data_ptr())
+    return packed if native.block_panels_equal()(bits, packed.data_ptr(), panels.shape[0], inp, panels.data_ptr()) else None
 
 
 def find_blocks(weight: torch.Tensor, panels: torch.Tensor) -> WeightBlocks | None:

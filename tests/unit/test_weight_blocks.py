@@ -58,6 +58,54 @@ def test_block_gemm_refuses_what_it_cannot_read():
     assert gemm(x.data_ptr(), 32, w.data_ptr(), 5, None, y.data_ptr(), 16, 2, 16, 32) == -2  # bits
 
 
+def reference_blocks(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """`pack_weight_blocks` written with torch ops, as weight_blocks.py computed it before the C pass: the
+    split into (q, d, m) of each row's blocks of 32, then `gemm_blocks.c`'s layout of 16-row panels."""
+    out, inp = weight.shape
+    v = weight.view(out, inp // 32, 32)
+    if bits == 4:
+        m = v.amin(-1, keepdim=True)
+        d = ((v.amax(-1, keepdim=True) - m) / 15).half().float()
+        lo, hi = 0, 15
+    else:
+        m = None
+        d = v.abs().amax(-1, keepdim=True) / 127
+        lo, hi = -127, 127
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round((v if m is None else v - m) / safe).clamp_(lo, hi).to(torch.int16)
+    d = d.squeeze(-1)
+    m = None if m is None else m.squeeze(-1)
+    panels, nb = -(-out // 16), inp // 32
+    pad = panels * 16 - out
+    q = torch.cat([q, q.new_zeros(pad, nb, 32)])
+    d = torch.cat([d, d.new_zeros(pad, nb)])
+    m = None if m is None else torch.cat([m, m.new_zeros(pad, nb)])
+
+    def per_block(t):  # [panels * 16, nb] -> [panels, nb, 64] bytes
+        return t.view(panels, 16, nb).transpose(1, 2).contiguous().view(torch.uint8)
+
+    qk = q.view(panels, 16, nb, 32).permute(0, 2, 3, 1)  # [panels, nb, k, column]
+    if bits == 4:
+        parts = [per_block(d), per_block(m), (qk[..., :8] | (qk[..., 8:] << 4)).to(torch.uint8).reshape(panels, nb, 256)]
+    else:
+        parts = [per_block(d), qk.to(torch.int8).reshape(panels, nb, 512).view(torch.uint8)]
+    return torch.cat(parts, dim=2).reshape(-1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_one_pass_packing_gives_the_reference_bytes(bits):
+    """Exact blocks, plain float32 (refused later, packed alike all the same), zero and constant blocks,
+    and rows that do not fill the last panel."""
+    torch.manual_seed(bits)
+    for weight in (gguf_round_trip(torch.randn(40, 96) * 0.05, bits), torch.randn(33, 64),
+                   torch.zeros(16, 32), torch.full((5, 64), -0.25), gguf_round_trip(torch.randn(960, 576), bits)):
+        out, inp = weight.shape
+        want = reference_blocks(weight, bits)
+        got = torch.full_like(want, 0xAB)
+        native.pack_weight_blocks()(bits, weight.data_ptr(), out, inp, got.data_ptr())
+        assert torch.equal(got, want), (bits, tuple(weight.shape))
+
+
 def blocks_of(weight: torch.Tensor):
     """What `find_blocks` gave the packed weight (None: float32 panels only, or not packed as panels)."""
     packed = pack_weight(weight)
