@@ -148,3 +148,43 @@ def test_open_declines_what_it_cannot_read_alike(tiny_model_dir, tmp_path):
     shutil.rmtree(d / "additional_chat_templates")
     os.remove(d / "tokenizer.json")
     assert LightTokenizer.open(str(d)) is None
+
+
+def test_named_templates_give_the_default_and_keep_a_node_on_transformers(tiny_model_dir, tmp_path):
+    d = tmp_path / "named"
+    shutil.copytree(tiny_model_dir, d)
+    os.remove(d / "chat_template.jinja")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    named = [{"name": "default", "template": "{{ messages[0].content }}"}, {"name": "tool_use", "template": "T"}]
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": named}))
+    light = LightTokenizer.open(str(d))
+    assert light.apply_chat_template([USER]) == USER["content"]
+    hf = AutoTokenizer.from_pretrained(str(d))
+    assert hf.apply_chat_template([USER], tokenize=False) == USER["content"]
+    assert light_mismatch(hf, light) == "the chat template"
+
+
+def test_a_long_text_is_tokenized_without_stopping_the_event_loop(tiny_model_dir):
+    """The front end tokenizes a long prompt on its pool; the event loop must keep serving meanwhile (as
+    transformers' tokenizer lets it: `tests/integration/test_backpressure.py` checks /health on a node)."""
+    import asyncio
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    light = LightTokenizer.open(tiny_model_dir)
+    text = "lorem ipsum dolor sit amet " * 75_000
+
+    async def ticks_while(fn, *args) -> tuple[int, float]:
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(1) as pool:
+            t0 = time.monotonic()
+            job = loop.run_in_executor(pool, fn, *args)
+            ticks = 0
+            while not job.done():
+                await asyncio.sleep(0.005)
+                ticks += 1
+            return ticks, time.monotonic() - t0, await job
+
+    ticks, secs, ids = asyncio.run(ticks_while(light.encode, text))
+    assert len(ids) > 100_000 and secs > 0.2, secs
+    assert ticks >= 10, (ticks, secs)  # a held GIL gives 1-2 ticks whatever the time
