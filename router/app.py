@@ -132,8 +132,8 @@ class RouterApp:
         self._tokenizer_tried.add(path)
         tok = await asyncio.get_running_loop().run_in_executor(None, LightTokenizer.open, path)
         if tok is None:
-            log.warning("cannot read the tokenizer in %r as the nodes do (no tokenizer.json, or named chat templates): text prompts are routed by the approximate "
-                        "tree (give --tokenizer-path)", path)
+            log.warning("cannot read the tokenizer in %r as the nodes do (no tokenizer.json, or chat templates in "
+                        "files by name): text prompts are routed by the approximate tree (give --tokenizer-path)", path)
             return
         template = w.server_info.get("chat_template")  # the worker's --chat-template, on a shared path
         if isinstance(template, str) and os.path.isfile(template):
