@@ -62,6 +62,12 @@ def tokenizer_dir(smollm2_dir, tmp_path_factory) -> str:
 
 def _build_tiny_model(out_dir: str, arch: str, tokenizer_dir: str, overrides: dict) -> None:
     build_tiny_model(out_dir, arch, tokenizer_dir, overrides)
+    # The tokenizer's first load, with its check of the light tokenizer (common/server/tokenizer_load.py),
+    # here where transformers and torch are imported already: every node of the suite then reads the
+    # tokenizer as a node's later starts do, on a machine whose cache is empty as on one that has run it.
+    from common.server.tokenizer_load import load_tokenizer
+
+    load_tokenizer(out_dir)
 
 
 @pytest.fixture(scope="session")

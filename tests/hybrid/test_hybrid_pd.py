@@ -29,11 +29,13 @@ def _with_tokenizer(make, path: Path, **kw):
     from transformers import AutoTokenizer
 
     from common.models.default_model import resolve_model_path
+    from common.server.tokenizer_load import load_tokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("default"))
     hf = make(str(path), vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
               initializer_range=0.1, **kw)
     tok.save_pretrained(path)
+    load_tokenizer(str(path))  # its first load and check here, not in a node (as tests/conftest.py's models)
     hf.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like ignore_eos
     return str(path), hf
 
