@@ -139,8 +139,11 @@ def pack_weight(weight: torch.Tensor, into: torch.Tensor | None = None,
         dst = torch.empty(panel_numel(weight, quantization), dtype=weight.dtype) if into is None else into
         if quantization == W8A8:
             return Panels(w8a8_panels(weight, native.w8a8_layout(), dst), scale, int8_activations=True)
-        padded = weight.new_zeros(panels * PANEL, inp)
-        padded[:out] = weight
+        if out % PANEL:  # the last panel's missing columns are zeros
+            padded = weight.new_zeros(panels * PANEL, inp)
+            padded[:out] = weight
+        else:  # no padded copy of a whole weight (SmolLM2's are all whole panels)
+            padded = weight.contiguous()
         dst = dst.view(panels, inp, PANEL)
         dst.copy_(padded.view(panels, PANEL, inp).transpose(1, 2))
         return Panels(dst, scale, blocks=None if quantization else find_blocks(weight, dst))
