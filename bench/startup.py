@@ -28,11 +28,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import psutil
 
 from bench.report import write_report
+from deploy.procs import free_port, http_status
 
 MODES = ("first", "transformers", "light")
 LOG_SAYS = {"first": "checked against transformers'", "transformers": "the light one differed at its check",
@@ -57,14 +57,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tree_cpu(proc: psutil.Process) -> tuple[float, float]:
     """(CPU seconds of `proc` and its descendants, of `proc` alone)."""
     own = proc.cpu_times()
@@ -79,7 +71,7 @@ def _tree_cpu(proc: psutil.Process) -> tuple[float, float]:
 
 
 def start_once(model_dir: str, log_path: str, timeout: float) -> dict:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "deploy.cli", "serve", "--model", model_dir, "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "info"]
     with open(log_path, "w") as out:
@@ -92,12 +84,8 @@ def start_once(model_dir: str, log_path: str, timeout: float) -> dict:
                     raise RuntimeError(f"the node exited with {node.returncode} before serving (log: {log_path})")
                 if time.perf_counter() - t0 > timeout:
                     raise RuntimeError(f"the node did not serve within {timeout:.0f}s (log: {log_path})")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
+                if http_status(f"http://127.0.0.1:{port}/health", timeout=1) == 200:
+                    break
                 time.sleep(0.02)
             ready = time.perf_counter() - t0
             cpu, front = _tree_cpu(proc)

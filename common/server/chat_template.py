@@ -97,7 +97,7 @@ def _template_message(message: dict) -> dict:
 
 def _mark_final_content(message: dict) -> str:
     """Append CONTINUE_MARK to the last message's text (its last text part when the content is a list of
-    parts); return that text as it was."""
+    parts, in a new list); return that text as it was. `message` is the caller's own copy."""
     content = message.get("content")
     if isinstance(content, str):
         message["content"] = content + CONTINUE_MARK
@@ -106,7 +106,7 @@ def _mark_final_content(message: dict) -> str:
         for i in range(len(content) - 1, -1, -1):
             part = content[i]
             if isinstance(part, dict) and "text" in part:
-                content[i] = {**part, "text": part["text"] + CONTINUE_MARK}
+                message["content"] = [*content[:i], {**part, "text": part["text"] + CONTINUE_MARK}, *content[i + 1:]]
                 return part["text"]
         raise ValueError("continue_final_message: the final message has no text part to continue")
     raise ValueError('continue_final_message: the final message has no "content" to continue')
@@ -128,8 +128,7 @@ def render_chat(template: str, messages: list[dict], *, tools: list | None = Non
     if continue_final_message:
         if "content" not in template:
             raise ValueError('continue_final_message: the chat template does not read "content"')
-        chat[-1] = {**chat[-1], "content": _copy_parts(chat[-1].get("content"))}
-        final = _mark_final_content(chat[-1])
+        final = _mark_final_content(chat[-1])  # chat[-1] is _template_message's new dict
     text = compile_template(template).render(messages=chat, tools=tools, documents=None,
                                              add_generation_prompt=add_generation_prompt, **(variables or {}))
     if final is None:
@@ -140,6 +139,3 @@ def render_chat(template: str, messages: list[dict], *, tools: list | None = Non
     at = text.rindex(mark)
     return text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()
 
-
-def _copy_parts(content):
-    return [dict(p) if isinstance(p, dict) else p for p in content] if isinstance(content, list) else content

@@ -71,14 +71,15 @@ class LightTokenizer:
                                      for i, t in backend.get_added_tokens_decoder().items()}
 
     @classmethod
-    def open(cls, path: str) -> LightTokenizer | None:
-        """The tokenizer in directory `path`, or None when it has no `tokenizer.json` or asks for what this
-        class does not do (chat templates in files by name, clean-up of decoded spaces)."""
+    def open(cls, path: str, chat_template: str | None = None) -> LightTokenizer | None:
+        """The tokenizer in directory `path` (with `chat_template`, a `--chat-template` file's text, in place
+        of the model's when given), or None when it has no `tokenizer.json` or asks for what this class does
+        not do (chat templates in files by name, clean-up of decoded spaces)."""
         from tokenizers import Tokenizer
 
         try:
             config = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
-            template = _read_chat_template(path, config)
+            template = _read_chat_template(path, config) if chat_template is None else chat_template
             if not os.path.isfile(os.path.join(path, "tokenizer.json")) or config.get("clean_up_tokenization_spaces"):
                 return None
             return cls(Tokenizer.from_file(os.path.join(path, "tokenizer.json")), config, template)

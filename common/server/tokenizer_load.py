@@ -176,10 +176,8 @@ def load_tokenizer(path: str, chat_template: str | None = None):
     cache = cache_path(path, chat_template)
     entry = read_entry(cache)
     if entry.get("light"):
-        light = LightTokenizer.open(path)
+        light = LightTokenizer.open(path, chat_template)
         if light is not None:
-            if chat_template is not None:
-                light.chat_template = chat_template
             logger.info("tokenizer at %s: read without transformers (checked at an earlier start)", path)
             return light
     hf = _transformers_tokenizer(path, entry.get("class"))
@@ -189,9 +187,7 @@ def load_tokenizer(path: str, chat_template: str | None = None):
     if chat_template is not None:
         hf.chat_template = chat_template
     if cache is not None and ("light" not in entry or entry.get("class") != type(hf).__name__):
-        light = LightTokenizer.open(path)
-        if light is not None and chat_template is not None:
-            light.chat_template = chat_template
+        light = LightTokenizer.open(path, chat_template)
         try:
             why = "no tokenizer.json it can read alike" if light is None else light_mismatch(hf, light)
         except Exception as e:  # noqa: BLE001 - a check that cannot finish keeps transformers' tokenizer
