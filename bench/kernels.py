@@ -1,10 +1,10 @@
-"""`pdserve bench kernels`: this checkout's panel GEMMs (`common/layers/gemm.c`, float32 and int8-weight)
-and causal prefill attention (`common/layers/prefill_attention.c`) against the same kernels built from
+"""`pdserve bench kernels`: this checkout's panel GEMMs (`common/layers/gemm.c`, float32 and int8-weight;
+`gemm_w8a8.c`, int8 weights and activations) and causal prefill attention (`common/layers/prefill_attention.c`) against the same kernels built from
 another git revision (`--baseline`), in one process, on SmolLM2-135M's shapes: both libraries are loaded
 side by side and every timed call of one is followed by the same call of the other (in alternating
 order), so the host's drifts hit both alike.
 
-Ratios (higher is better): `fp32_r{rows}` and `int8_r{rows}` = the baseline's median time / ours, summed
+Ratios (higher is better): `fp32_r{rows}`, `int8_r{rows}` and `w8a8_r{rows}` = the baseline's median time / ours, summed
 over the projection shapes, at each row count of `--rows` (1 and 16: decode batches; 64 and 512: prefill
 chunks). `q4_r{rows}` and `q8_r{rows}`: weights rounded as a GGUF file's Q4_1 / Q8_0 (`gguf_round_trip`),
 ours read as their blocks (`gemm_blocks.c`, whatever the row count), the baseline's as float32 panels. One layer's weights (14 MB in float32) stay in this host's 32 MB L3 between calls; `--layers 30`
@@ -73,7 +73,8 @@ def baseline_library(rev: str) -> Path:
 
 
 def _gemm(lib: ctypes.CDLL, scheme: str):
-    name = {"int8": "packed_gemm_i8", "blocks": "packed_gemm_blocks"}.get(scheme, "packed_gemm")
+    name = {"int8": "packed_gemm_i8", "w8a8": "packed_gemm_w8a8", "blocks": "packed_gemm_blocks"}.get(scheme,
+                                                                                                  "packed_gemm")
     fn = getattr(lib, name)
     fn.argtypes, fn.restype = native._SIGNATURES[name]  # the signatures the engine loads them with
     return fn
@@ -135,11 +136,11 @@ def main(argv: list[str] | None = None):
     torch.manual_seed(0)
     figures: dict = {"baseline": args.baseline, "shapes": [list(s) for s in SHAPES], "layers": args.layers}
     ratios: dict[str, float] = {}
-    for scheme in ("fp32", "int8", "q4", "q8"):
+    for scheme in ("fp32", "int8", "w8a8", "q4", "q8"):
         blocks = scheme in ("q4", "q8")
         # q4 / q8: ours reads the weights' blocks, the baseline its float32 panels of the same weights
         fns = [_gemm(libs[0], "blocks" if blocks else scheme), _gemm(libs[1], "fp32" if blocks else scheme)]
-        quantization = "int8wo" if scheme == "int8" else None
+        quantization = {"int8": "int8wo", "w8a8": "w8a8_int8"}.get(scheme)
         make = {"q4": lambda w: gguf_round_trip(w, 4), "q8": lambda w: gguf_round_trip(w, 8)}.get(scheme, lambda w: w)
         packs = [[pack_weight(make(torch.randn(out, inp) * 0.02), quantization=quantization)
                   for _ in range(args.layers)] for out, inp in SHAPES]
