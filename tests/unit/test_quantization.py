@@ -96,3 +96,18 @@ def test_bench_quant_runs_and_reports_quality_and_speed(tiny_model_dir, tmp_path
         assert f[scheme]["weight_mib"] < f["float32"]["weight_mib"] / 2
         assert 0 < report["ratios"][f"{key}_ppl"] and 0 <= report["ratios"][f"{key}_greedy_agreement"] <= 1
     assert quant.agreement([[1, 2, 3], [4, 5, 6]], [[1, 9, 3], [4, 5, 6]]) == (4 / 6, 1)
+
+
+def test_bench_quant_bound_counts_weights_not_bytes(make_tiny_model, monkeypatch):
+    """The float32 model's weights are a GGUF file's blocks, which a decode step reads in fewer bytes; the
+    prefill's compute bound counts the same multiplications either way (it once divided the blocks' bytes
+    by 4, a bound 5-7x too small)."""
+    from bench.engine import OurEngine
+
+    model_dir = make_tiny_model("llama", gguf_blocks=True)
+    blocks = OurEngine(model_dir, 32, 2)
+    monkeypatch.setenv("PDSERVE_WEIGHT_BLOCKS", "0")
+    plain = OurEngine(model_dir, 32, 2)
+    assert blocks.weight_bytes() < plain.weight_bytes() / 3
+    assert quant.prefill_ops(blocks) == quant.prefill_ops(plain)
+    assert quant.prefill_ops(plain)[0] == 2 * (plain.weight_bytes() / 4 - plain.cfg.vocab_size * plain.cfg.hidden_size) * 512
