@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(native.packed_gemm() is None, reason="no native 
 def test_bench_kernels_reports_ratios_and_bits_against_a_revision(tmp_path):
     out = tmp_path / "kernels.json"
     report = kernels.main(["--baseline", "HEAD", "--rows", "1,16", "--calls", "2", "--json", str(out)])
-    assert set(report["ratios"]) == {"fp32_r1", "fp32_r16", "int8_r1", "int8_r16", "q4_r1", "q4_r16", "q8_r1",
-                                     "q8_r16", "attn_r16", "attn_torch_r16"}
+    assert set(report["ratios"]) == {"fp32_r1", "fp32_r16", "int8_r1", "int8_r16", "w8a8_r1", "w8a8_r16", "q4_r1",
+                                     "q4_r16", "q8_r1", "q8_r16", "attn_r16", "attn_torch_r16"}
     assert all(r > 0 for r in report["ratios"].values())
     saved = json.loads(out.read_text())
     # blocks against float32 panels of the same weights: the same bits, from any revision
