@@ -17,7 +17,10 @@ time / the scheme's. Prefill against the compute bound: `float32_prefill_compute
 operations at the best measured float32 matmul rate, a 2048^3 `torch.mm`) / float32's prefill time;
 `w8a8_prefill_compute_bound` the same for w8a8, its projections at the best measured int8 rate (a
 2048^3 `torch._int_mm`, oneDNN's, and this project's w8a8 GEMM on the same shape; AMX where the CPU
-has it) and the lm_head and attention, which stay float32, at the float32 rate.
+has it) and the lm_head and attention, which stay float32, at the float32 rate. The host's speed
+drifts, so the float32 and w8a8 rates are sampled after every round as well as at the end, and the best
+sample is the bound's (as in `pdserve bench engine`); `torch._int_mm`, which can take seconds a call
+where the CPU has no int8 matrix unit, is timed at the end only.
 """
 
 from __future__ import annotations
@@ -94,9 +97,10 @@ def quality(eng: OurEngine, label: str, ns, text_ids, prompts) -> dict:
     return fig
 
 
-def speed(engines: dict[str, OurEngine], ns) -> dict[str, dict]:
+def speed(engines: dict[str, OurEngine], ns, peaks: dict[str, list[float]]) -> dict[str, dict]:
     """Best of `repeats` rounds, each timing every engine in turn (this VM's speed drifts: interleaving
-    puts both sides in the same moments)."""
+    puts both sides in the same moments). After each round the float32 and w8a8 matmul rates are sampled
+    into `peaks`."""
     vocab = next(iter(engines.values())).vocab
     batches = {b: _prompts(b, 64, vocab, seed=b) for b in (1, 16)}
     pp = _prompts(1, PREFILL, vocab, seed=99)[0]
@@ -112,12 +116,13 @@ def speed(engines: dict[str, OurEngine], ns) -> dict[str, dict]:
                 t.setdefault(f"decode_b{b}_ms", []).append(1e3 * eng.generate(ps, ns.decode_steps)[0] / ns.decode_steps)
             t.setdefault("prefill_512_s", []).append(eng.prefill(pp))
             log(f"round {rep + 1}/{ns.repeats} {label}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in t.items()))
+        sample_peaks(peaks, ns.peak_size, repeats=2)
     return {label: {k: min(v) for k, v in t.items()} for label, t in times.items()}
 
 
-def int8_peak_gops(n: int, repeats: int = 5) -> dict[str, float]:
-    """Best int8 matmul rates on an n^3 product (2 operations per multiply-add): torch's `_int_mm`
-    (oneDNN) where this torch has it on CPU, and this project's w8a8 GEMM."""
+def int8_peak_gops(n: int, repeats: int = 5, names: tuple[str, ...] = ("w8a8_gemm", "torch_int_mm")) -> dict[str, float]:
+    """Best int8 matmul rates on an n^3 product (2 operations per multiply-add) of `names`: torch's
+    `_int_mm` (oneDNN) where this torch has it on CPU, and this project's w8a8 GEMM."""
     from common.layers.linear import linear, pack_weight
 
     x, w = torch.randn(n, n), torch.randn(n, n)
@@ -125,7 +130,8 @@ def int8_peak_gops(n: int, repeats: int = 5) -> dict[str, float]:
     a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     calls = {"w8a8_gemm": lambda: linear(x, w, packed), "torch_int_mm": lambda: torch._int_mm(a, a)}
     best = {}
-    for name, call in calls.items():
+    for name in names:
+        call = calls[name]
         try:
             call()
         except RuntimeError:  # no int8 matmul for this CPU build of torch
@@ -146,18 +152,30 @@ def prefill_ops(eng: OurEngine) -> tuple[float, float]:
     return prefill_work(eng.cfg, eng.weight_count(), PREFILL)
 
 
-def compute_bounds(engines: dict[str, OurEngine], runs: dict[str, dict], n: int) -> tuple[dict, dict]:
-    """(figures, ratios) of each prefill against the compute bound (module docstring), peaks on n^3."""
-    fp32 = matmul_peak_gflops(sizes=(n,))
-    int8 = int8_peak_gops(n)
+def sample_peaks(peaks: dict[str, list[float]], n: int, repeats: int) -> None:
+    """One sample each of the float32 (`torch.mm`) and w8a8 GEMM rates on n^3, appended to `peaks`."""
+    peaks.setdefault("float32", []).append(matmul_peak_gflops(repeats=repeats, sizes=(n,)))
+    for name, rate in int8_peak_gops(n, repeats, names=("w8a8_gemm",)).items():
+        peaks.setdefault(name, []).append(rate)
+
+
+def compute_bounds(engines: dict[str, OurEngine], runs: dict[str, dict], n: int,
+                   peaks: dict[str, list[float]]) -> tuple[dict, dict]:
+    """(figures, ratios) of each prefill against the compute bound (module docstring), rates on n^3: the
+    best of `peaks` (sampled through the run) and of one more sample of each now."""
+    sample_peaks(peaks, n, repeats=5)
+    fp32 = max(peaks["float32"])
+    int8 = {name: max(samples) for name, samples in peaks.items() if name != "float32"}
+    int8.update(int8_peak_gops(n, names=("torch_int_mm",)))
     proj, rest = prefill_ops(engines["float32"])
     bound_f32 = (proj + rest) / (fp32 * 1e9)
     bound_w8a8 = proj / (max(int8.values()) * 1e9) + rest / (fp32 * 1e9)
-    figures = {"float32_matmul_peak_gflops": fp32, "int8_matmul_peak_gops": int8, "prefill_512_ops": proj + rest,
+    figures = {"float32_matmul_peak_gflops": fp32, "int8_matmul_peak_gops": int8, "peak_samples": peaks,
+               "prefill_512_ops": proj + rest,
                "float32_bound_prefill_512_s": bound_f32, "w8a8_bound_prefill_512_s": bound_w8a8}
     ratios = {"float32_prefill_compute_bound": bound_f32 / runs["float32"]["prefill_512_s"],
               "w8a8_prefill_compute_bound": bound_w8a8 / runs["w8a8_int8"]["prefill_512_s"]}
-    log(f"compute bound: float32 {fp32:.0f} GFLOPS, int8 " + ", ".join(f"{k} {v:.0f}" for k, v in int8.items())
+    log(f"compute bound: float32 {fp32:.0f} GFLOPS (samples {min(peaks['float32']):.0f}-{fp32:.0f}), int8 " + ", ".join(f"{k} {v:.0f}" for k, v in int8.items())
         + f" GOPS; 512-token prefill bound {bound_f32:.3f} s float32, {bound_w8a8:.3f} s w8a8")
     return figures, ratios
 
@@ -185,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     size = max(ns.ppl_window + 1, 512, 64 + ns.greedy_tokens + ns.decode_steps) + 1
     engines = {(q or "float32"): OurEngine(model_dir, size, 16, quantization=q) for q in (None, *SCHEMES)}
     runs = {label: quality(eng, label, ns, text_ids, prompts) for label, eng in engines.items()}
-    for label, fig in speed(engines, ns).items():
+    peaks: dict[str, list[float]] = {}
+    for label, fig in speed(engines, ns, peaks).items():
         runs[label].update(fig)
     ref = runs["float32"]
     greedy = ref.pop("greedy")
@@ -199,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"{key}_prefill_512": ref["prefill_512_s"] / q8["prefill_512_s"]})
         log(f"{scheme}: perplexity {q8['perplexity']:.4f} (float32 {ref['perplexity']:.4f}); greedy agreement "
             f"{agree:.3f}, {identical[scheme]}/{ns.prompts} prompts identical")
-    bound_figures, bound_ratios = compute_bounds(engines, runs, ns.peak_size)
+    bound_figures, bound_ratios = compute_bounds(engines, runs, ns.peak_size, peaks)
     ratios.update(bound_ratios)
     figures = {"model_dir": model_dir, "text": os.path.relpath(ns.text, ROOT), "ppl_tokens": len(text_ids),
                "compute": bound_figures,

@@ -92,6 +92,11 @@ def test_bench_quant_runs_and_reports_quality_and_speed(tiny_model_dir, tmp_path
         "float32_prefill_compute_bound", "w8a8_prefill_compute_bound"}
     f = report["figures"]
     assert f["ppl_tokens"] == 96 and f["greedy_identical"].keys() == {"int8wo", "w8a8_int8"}
+    # the rates are sampled after the round and at the end; the bound takes the best sample
+    samples = f["compute"]["peak_samples"]
+    assert len(samples["float32"]) == len(samples["w8a8_gemm"]) == 2
+    assert f["compute"]["float32_matmul_peak_gflops"] == max(samples["float32"])
+    assert f["compute"]["int8_matmul_peak_gops"]["w8a8_gemm"] == max(samples["w8a8_gemm"])
     for scheme, key in (("int8wo", "int8"), ("w8a8_int8", "w8a8")):
         assert f[scheme]["weight_mib"] < f["float32"]["weight_mib"] / 2
         assert 0 < report["ratios"][f"{key}_ppl"] and 0 <= report["ratios"][f"{key}_greedy_agreement"] <= 1
