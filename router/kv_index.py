@@ -318,10 +318,11 @@ class KVEventIndex:
                                 view.url, ev.block_size, view.page_size, ev.block_size)
                     view.page_size = ev.block_size
                 if len(blocks) + len(ev.block_hashes) > view.max_blocks:
-                    view.counters["overflows"] += 1
-                    log.warning("KV events of %s: more than %d blocks; view cleared", view.url, view.max_blocks)
                     self._clear(view, False)
                     blocks = view.blocks
+                    # counted once the view is cleared: a reader that sees the count sees the cleared view
+                    view.counters["overflows"] += 1
+                    log.warning("KV events of %s: more than %d blocks; view cleared", view.url, view.max_blocks)
                     if len(ev.block_hashes) > view.max_blocks:
                         continue
                 blocks.update(ev.block_hashes)
