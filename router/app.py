@@ -130,12 +130,16 @@ class RouterApp:
         if not isinstance(path, str) or path in self._tokenizer_tried:
             return
         self._tokenizer_tried.add(path)
-        template = None
         template_file = w.server_info.get("chat_template")  # the worker's --chat-template, on a shared path
-        if isinstance(template_file, str) and os.path.isfile(template_file):
-            with open(template_file, encoding="utf-8") as f:
-                template = f.read()
-        tok = await asyncio.get_running_loop().run_in_executor(None, LightTokenizer.open, path, template)
+
+        def open_tokenizer():  # file reads off the event loop
+            template = None
+            if isinstance(template_file, str) and os.path.isfile(template_file):
+                with open(template_file, encoding="utf-8") as f:
+                    template = f.read()
+            return LightTokenizer.open(path, template)
+
+        tok = await asyncio.get_running_loop().run_in_executor(None, open_tokenizer)
         if tok is None:
             log.warning("cannot read the tokenizer in %r as the nodes do (no tokenizer.json, or chat templates in "
                         "files by name): text prompts are routed by the approximate tree (give --tokenizer-path)", path)

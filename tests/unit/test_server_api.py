@@ -391,7 +391,7 @@ _ABORT_RIDS = itertools.count()
 
 def _abort_running(node, n: int, abort, tries: int = 5) -> list[dict]:
     """Start `n` requests as long as the tiny model's context allows, wait until they run, then post
-    `abort` (a body, or a function of the attempt's rids giving one); returns the requests' results. A
+    `abort(rids)` (the body, given the attempt's rids); returns the requests' results. A
     fast host can run a whole tiny context (~150 tokens) in ~0.4 s, so the abort may come after a
     request ended: such an attempt must show the request ended by length and the abort as finding
     nothing, and is tried again. Every request has a rid of its own: an abort that found nothing is
@@ -402,7 +402,7 @@ def _abort_running(node, n: int, abort, tries: int = 5) -> list[dict]:
         bodies = [{"text": f"abort me {rid}", "rid": rid, "sampling_params": greedy(ctx - 8)} for rid in rids]
         threads = [_run_in_thread(lambda b=b: generate(node, b)) for b in bodies]
         _wait_running(node, n)
-        code, raw = http_post(node.url + "/abort_request", abort(rids) if callable(abort) else abort)
+        code, raw = http_post(node.url + "/abort_request", abort(rids))
         assert code == 200, raw
         for t, _ in threads:
             t.join(60)
@@ -423,7 +423,7 @@ def test_abort_request(node):
     _abort_running(node, 1, lambda rids: {"rid": rids[0]})
     assert free_counts(wait_idle(node)) == start
     # abort_all
-    _abort_running(node, 2, {"abort_all": True})
+    _abort_running(node, 2, lambda rids: {"abort_all": True})
     assert free_counts(wait_idle(node)) == start
     # unknown rid: nothing to abort, still a valid call
     code, raw = http_post(node.url + "/abort_request", {"rid": "no-such-rid"})
