@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -60,6 +61,7 @@ class RequestResult:
     start: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    resent: bool = False  # the first try's connection closed before any response (see send_one)
 
     @property
     def tpot(self) -> float | None:
@@ -193,38 +195,49 @@ async def send_one(session: aiohttp.ClientSession, base_url: str, model: str, re
     chunks = 0
     usage = None
     try:
-        async with session.post(url, json=body) as resp:
-            if resp.status != 200:
-                res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                return res
-            buf = b""
-            async for data in resp.content.iter_any():
-                buf += data
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    line = line.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        continue
-                    event = json.loads(payload)
-                    if "error" in event:
-                        res.error = str(event["error"])[:300]
-                        return res
-                    if event.get("usage"):
-                        usage = event["usage"]
-                    for choice in event.get("choices") or []:
-                        piece = choice.get("text") if req.api != "chat" else \
-                            (choice.get("delta") or {}).get("content")
-                        if piece:
-                            now = time.perf_counter()
-                            if chunks == 0:
-                                res.ttft = now - start
-                            else:
-                                res.itl.append(now - last)
-                            last = now
-                            chunks += 1
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                resp = await session.post(url, json=body)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                # a kept-alive connection the server had closed (llama.cpp's server ends them so; the
+                # body's write or the wait for an answer fails): no response came, so the request is sent
+                # once more on a connection of its own, not on another kept-alive one it may have closed too
+                res.resent = True
+                fresh = await stack.enter_async_context(aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(force_close=True), timeout=session.timeout))
+                resp = await fresh.post(url, json=body)
+            async with resp:
+                if resp.status != 200:
+                    res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                    return res
+                buf = b""
+                async for data in resp.content.iter_any():
+                    buf += data
+                    while b"\n" in buf:
+                        line, buf = buf.split(b"\n", 1)
+                        line = line.strip()
+                        if not line.startswith(b"data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == b"[DONE]":
+                            continue
+                        event = json.loads(payload)
+                        if "error" in event:
+                            res.error = str(event["error"])[:300]
+                            return res
+                        if event.get("usage"):
+                            usage = event["usage"]
+                        for choice in event.get("choices") or []:
+                            piece = choice.get("text") if req.api != "chat" else \
+                                (choice.get("delta") or {}).get("content")
+                            if piece:
+                                now = time.perf_counter()
+                                if chunks == 0:
+                                    res.ttft = now - start
+                                else:
+                                    res.itl.append(now - last)
+                                last = now
+                                chunks += 1
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
@@ -330,6 +343,7 @@ def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float 
         "output_throughput": round(output_tokens / duration, 2),
         "total_token_throughput": round((input_tokens + output_tokens) / duration, 2),
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "resent": sum(r.resent for r in results),
     }
     for key, vals in latency_values(results).items():
         out[f"{key}_ms"] = percentiles(vals)
@@ -355,6 +369,7 @@ def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float 
 def format_summary(title: str, s: dict) -> str:
     lines = [f"{'=' * 20} {title} {'=' * 20}",
              f"{'successful requests':<32}{s['completed']}", f"{'failed requests':<32}{s['failed']}",
+             *([f"{'sent twice (connection closed)':<32}{s['resent']}"] if s.get("resent") else []),
              f"{'duration (s)':<32}{s['duration_s']:.2f}",
              f"{'request throughput (req/s)':<32}{s['request_throughput']:.3f}",
              f"{'input throughput (tok/s)':<32}{s['input_throughput']:.1f}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
@@ -105,3 +106,48 @@ def test_arrivals_and_percentiles():
     p = serve.percentiles([0.001 * i for i in range(1, 101)])
     assert p["p50"] == pytest.approx(50.5) and p["p99"] == pytest.approx(99.01) and p["n"] == 100
     assert serve.percentiles([])["p50"] is None
+
+
+async def _one_answer_per_connection(reader, writer):
+    """A server that answers the first request of each connection and closes the connection when a
+    second one arrives on it, without a reply (llama.cpp's server ends a kept-alive connection so)."""
+    served = 0
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if served:
+                break  # the body left unread: a large one cannot be written
+            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            events = [{"choices": [{"text": "x"}]}, {"choices": [{"text": "y"}]},
+                      {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 3}}]
+            body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            await writer.drain()
+            served += 1
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    writer.close()
+
+
+@pytest.mark.parametrize(("prompt_bytes", "warmup"), [(5, 0), (8 << 20, 0), (5, 4)])
+def test_request_on_a_connection_the_server_closed_is_sent_again(prompt_bytes, warmup):
+    async def run():
+        server = await asyncio.start_server(_one_answer_per_connection, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reqs = [serve.BenchRequest("h" * prompt_bytes, 3, 2) for _ in range(4)]
+        async with server:
+            return await serve.run_benchmark(f"http://127.0.0.1:{port}", reqs, model="m", max_concurrency=1,
+                                             warmup=warmup, progress=False)
+
+    results, duration = asyncio.run(run())
+    # a request on a kept-alive connection the server has closed is sent again on a connection of its own,
+    # not on another kept-alive one: 4 warmup requests at once leave 4 such connections, one for each
+    # request. Without warmup, each second request reuses the connection the one before it opened.
+    assert [r.ok for r in results] == [True] * 4
+    resent = [False, True, False, True] if warmup == 0 else [True] * 4
+    assert [r.resent for r in results] == resent
+    s = serve.summarize(results, duration)
+    assert s["failed"] == 0 and s["resent"] == sum(resent) and s["total_output_tokens"] == 8
+    assert f"sent twice (connection closed)  {sum(resent)}" in serve.format_summary("t", s)
