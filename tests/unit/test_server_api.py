@@ -411,6 +411,7 @@ def _abort_running(node, n: int, abort, tries: int = 5) -> list[dict]:
         aborted = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"]
         assert reply["aborted"] == len(aborted), (reply, outs)
         if len(aborted) == n:
+            assert reply["success"] is True
             assert all(o["meta_info"]["completion_tokens"] < ctx - 8 for o in outs)
             return outs
         assert all(o["meta_info"]["finish_reason"]["type"] in ("abort", "length") for o in outs), outs
