@@ -29,6 +29,9 @@ Measured (fp32, CPU, greedy):
   context at that bandwidth (they are read from DRAM every step: ~118 MB for SmolLM2 at the default
   contexts, more than the L3). Ratio `roofline_b16` = the sum / our b16 step. The compute bound above
   leaves the K and V traffic out; at 16 rows the float32 matmuls sit near the ridge, ~8 FLOP a byte.
+  Attention reads the pool in runs of one page of one layer and head (4 KB for SmolLM2), scattered,
+  which a host reads slower than one long buffer; the figures also give that rate (runs of that size
+  in random order) and the roofline with the K and V at it (`step_page_runs_ms`).
 * the compute bound of a `--prompt-len` prefill: every weight but the lm_head twice per prompt token,
   the lm_head once (only the last position's logits), causal attention (2 x layers x heads x
   head_dim x len^2), at the same matmul rate. Ratio `prefill_compute_bound` = bound / our prefill.
@@ -293,6 +296,27 @@ def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
             "read_gbps": nbytes / min(read_times) / 1e9}
 
 
+def page_run_read_gbps(run_bytes: int, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Best read rate over runs of `run_bytes` taken in random order from a huge-page buffer: how decode
+    attention reads the KV pool (one page of one layer and head per run, the pages scattered). Each
+    4 MiB of runs is gathered into one buffer that stays in the cache, so the traffic is the reads."""
+    from common.memory.huge_pages import huge_zeros
+
+    floats = max(1, run_bytes // 4)
+    buf = huge_zeros(nbytes // 4 // floats * floats).view(-1, floats).fill_(1.0)
+    order = torch.randperm(buf.shape[0])
+    step = max(1, 4 * 2**20 // (floats * 4))
+    out = torch.empty(step, floats)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(0, buf.shape[0], step):
+            idx = order[i:i + step]
+            torch.index_select(buf, 0, idx, out=out[:len(idx)])
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best / 1e9
+
+
 def prefill_work(cfg, weights: float, p_len: int) -> tuple[float, float]:
     """A `p_len`-token prefill's operations: (the projections' on every prompt token, the lm_head's on the
     last one plus causal attention's 2 x layers x heads x head_dim x len^2)."""
@@ -474,9 +498,16 @@ def main(argv: list[str] | None = None) -> int:
     parts = {"matmuls": (16 * 2 * weights / (peak * 1e9), w16_bytes / (best_bw * 1e9)),
              "attention": (attn_flops / (peak * 1e9), kv_bytes / (best_bw * 1e9))}
     roof_ms = sum(max(v) for v in parts.values()) * 1e3
+    # the same with the K and V at the rate this host reads the pool's scattered page runs
+    run_gbps = page_run_read_gbps(pool.head_bytes)
+    attn_runs_ms = kv_bytes / (run_gbps * 1e9) * 1e3
     figures["roofline_b16"] = {"weight_bytes": w16_bytes, "kv_bytes": kv_bytes,
                                **{f"{k}_compute_ms": v[0] * 1e3 for k, v in parts.items()},
-                               **{f"{k}_memory_ms": v[1] * 1e3 for k, v in parts.items()}, "step_ms": roof_ms}
+                               **{f"{k}_memory_ms": v[1] * 1e3 for k, v in parts.items()}, "step_ms": roof_ms,
+                               "page_run_bytes": pool.head_bytes, "page_run_read_gbps": run_gbps,
+                               "attention_page_runs_ms": attn_runs_ms,
+                               "step_page_runs_ms": max(parts["matmuls"]) * 1e3
+                               + max(parts["attention"][0] * 1e3, attn_runs_ms)}
     figures["compute"] = {"matmul_peak_gflops": peak, "matmul_peak_samples": peaks, "flops_per_token": flops_tok, "bound_b16_step_ms": cbound_ms,
                           "ours_b16_step_ms": figures["ours_decode_b16"]["step_ms_best"],
                           "prefill_flops": prefill_flops, "bound_prefill_s": pbound_s,
@@ -558,6 +589,9 @@ def print_table(figures: dict, ratios: dict, with_hf: bool) -> None:
           f"{r['matmuls_memory_ms']:.2f} ms of weights ({r['weight_bytes'] / 2**20:.0f} MiB); attention "
           f"{r['attention_compute_ms']:.2f} ms of FLOPs, {r['attention_memory_ms']:.2f} ms of K and V "
           f"({r['kv_bytes'] / 2**20:.0f} MiB); each part takes the longer")
+    print(f"  the K and V at the pool's page-run rate ({r['page_run_bytes']} B runs in random order: "
+          f"{r['page_run_read_gbps']:.1f} GB/s): attention {r['attention_page_runs_ms']:.2f} ms, "
+          f"the roofline {r['step_page_runs_ms']:.2f} ms/step")
     if "greedy_token_agreement_with_hf" in figures:
         agree = ", ".join(f"{k} {v:.0%}" for k, v in figures["greedy_token_agreement_with_hf"].items())
         print(f"  greedy tokens equal to HF's: {agree}")

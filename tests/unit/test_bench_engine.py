@@ -5,6 +5,7 @@ with identical tokens."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,13 @@ def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir,
     assert roof["step_ms"] == pytest.approx(max(roof["matmuls_compute_ms"], roof["matmuls_memory_ms"])
                                             + max(roof["attention_compute_ms"], roof["attention_memory_ms"]))
     assert roof["step_ms"] >= c["bound_b16_step_ms"] * (1 - 1e-9)  # never below the compute bound
+    # the K and V again at the rate of the pool's own runs (a page of one layer and head, scattered)
+    cfg = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert roof["page_run_bytes"] == 16 * head_dim * 4 and roof["page_run_read_gbps"] > 0  # 16-token pages
+    assert roof["attention_page_runs_ms"] == pytest.approx(roof["kv_bytes"] / (roof["page_run_read_gbps"] * 1e6))
+    assert roof["step_page_runs_ms"] == pytest.approx(max(roof["matmuls_compute_ms"], roof["matmuls_memory_ms"])
+                                                      + max(roof["attention_compute_ms"], roof["attention_page_runs_ms"]))
     assert report["ratios"]["roofline_b16"] == pytest.approx(roof["step_ms"] / c["ours_b16_step_ms"], abs=1e-4)
     spec = report["figures"]["spec_ngram_b1"]  # (a random tiny model need not copy the passage: no accept figures)
     assert spec["decoded_tokens"] == 5 and spec["draft_tokens"] == 4  # (differing tokens end the bench: exit 1)
