@@ -275,15 +275,23 @@ class HFEngine:
 
 
 # ---------------------------------------------------------------------------------------------- bandwidth
-def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
-    """Best memcpy and read (sum) rates over buffers on huge pages, as the packed weights are."""
+def memory_bandwidth(run_bytes: int, nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
+    """Best memcpy and read (sum) rates over buffers on huge pages, as the packed weights are; and the best
+    read rate over runs of `run_bytes` of the same buffer taken in random order, as decode attention reads
+    the KV pool (one page of one layer and head per run, the pages scattered). Each 4 MiB of runs is
+    gathered into one buffer that stays in the cache, so that traffic is the reads."""
     from common.memory.huge_pages import huge_zeros
 
     n = nbytes // 4
     src = huge_zeros(n).fill_(1.0)
     dst = huge_zeros(n)
     dst.copy_(src)
-    copy_times, read_times = [], []
+    floats = max(1, run_bytes // 4)
+    runs = src[:n // floats * floats].view(-1, floats)
+    order = torch.randperm(runs.shape[0])
+    step = max(1, 4 * 2**20 // (floats * 4))
+    gathered = torch.empty(step, floats)
+    copy_times, read_times, run_times = [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         dst.copy_(src)
@@ -291,30 +299,15 @@ def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
         t0 = time.perf_counter()
         float(src.sum())
         read_times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(0, runs.shape[0], step):
+            idx = order[i:i + step]
+            torch.index_select(runs, 0, idx, out=gathered[:len(idx)])
+        run_times.append(time.perf_counter() - t0)
     copy_gbps = nbytes / min(copy_times) / 1e9
     return {"buffer_mib": nbytes / 2**20, "memcpy_gbps": copy_gbps, "memcpy_traffic_gbps": 2 * copy_gbps,
-            "read_gbps": nbytes / min(read_times) / 1e9}
-
-
-def page_run_read_gbps(run_bytes: int, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Best read rate over runs of `run_bytes` taken in random order from a huge-page buffer: how decode
-    attention reads the KV pool (one page of one layer and head per run, the pages scattered). Each
-    4 MiB of runs is gathered into one buffer that stays in the cache, so the traffic is the reads."""
-    from common.memory.huge_pages import huge_zeros
-
-    floats = max(1, run_bytes // 4)
-    buf = huge_zeros(nbytes // 4 // floats * floats).view(-1, floats).fill_(1.0)
-    order = torch.randperm(buf.shape[0])
-    step = max(1, 4 * 2**20 // (floats * 4))
-    out = torch.empty(step, floats)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for i in range(0, buf.shape[0], step):
-            idx = order[i:i + step]
-            torch.index_select(buf, 0, idx, out=out[:len(idx)])
-        best = min(best, time.perf_counter() - t0)
-    return buf.numel() * 4 / best / 1e9
+            "read_gbps": nbytes / min(read_times) / 1e9,
+            "page_run_read_gbps": runs.numel() * 4 / min(run_times) / 1e9}
 
 
 def prefill_work(cfg, weights: float, p_len: int) -> tuple[float, float]:
@@ -469,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- bandwidth bound
     log("memory bandwidth")
-    bw = memory_bandwidth()
+    pool = ours.runner.kv_pool
+    bw = memory_bandwidth(pool.head_bytes)
     wbytes = ours.weight_bytes()
     best_bw = max(bw["memcpy_traffic_gbps"], bw["read_gbps"])
     bound_ms = wbytes / (best_bw * 1e9) * 1e3
@@ -492,14 +486,13 @@ def main(argv: list[str] | None = None) -> int:
     # the roofline of a b16 step: the matmuls and the attention each take at least the longer of their FLOPs
     # at the matmul peak and their bytes (weights; the requests' K and V) at the best bandwidth
     attn_flops = 16 * (flops_tok - 2 * weights)
-    pool = ours.runner.kv_pool
     kv_bytes = 16 * ctx * len(pool.layer_ids) * 2 * pool.kv_heads * pool.head_dim * pool.data.element_size()
     w16_bytes = ours.weight_bytes(16)
     parts = {"matmuls": (16 * 2 * weights / (peak * 1e9), w16_bytes / (best_bw * 1e9)),
              "attention": (attn_flops / (peak * 1e9), kv_bytes / (best_bw * 1e9))}
     roof_ms = sum(max(v) for v in parts.values()) * 1e3
     # the same with the K and V at the rate this host reads the pool's scattered page runs
-    run_gbps = page_run_read_gbps(pool.head_bytes)
+    run_gbps = bw["page_run_read_gbps"]
     attn_runs_ms = kv_bytes / (run_gbps * 1e9) * 1e3
     figures["roofline_b16"] = {"weight_bytes": w16_bytes, "kv_bytes": kv_bytes,
                                **{f"{k}_compute_ms": v[0] * 1e3 for k, v in parts.items()},
