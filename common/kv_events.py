@@ -1,21 +1,32 @@
 """KV cache events: what a node's prefix cache holds, published for routers (`--kv-events-config`).
 
-Wire format (the one vLLM's ZMQ event publisher speaks, so the consumers written for it — Dynamo's
-and llm-d's KV indexers, SGLang's router — read ours):
+Wire format: vLLM 0.32's ZMQ event publisher's, so its own subscriber (`KVEventBatch` decoded with
+msgspec) and the consumers written for it read ours:
 
 * a PUB socket sends three frames per batch: topic, an 8-byte big-endian sequence number (0, 1, ...),
-  and the msgpack of a `KVEventBatch`: an array `[ts, events, data_parallel_rank]` (the rank is nil
-  unless the node has several DP groups; a consumer that knows only the first two ignores it) whose
-  events are tagged arrays
-  `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]`,
-  `["BlockRemoved", block_hashes, medium]` and `["AllBlocksCleared"]`;
+  and the msgpack of a `KVEventBatch`, an array `[ts, events, data_parallel_rank]` (the rank is nil
+  unless the node has several DP groups; a consumer that knows only the first two ignores it);
+* each event is a msgpack map whose "type" key names it:
+  - "BlockStored": always `block_hashes`, `parent_block_hash`, `token_ids`, `block_size`, `lora_id`,
+    `medium` and `lora_name` (nil where pdserve has no value), and here also `group_idx` and
+    `kv_cache_spec_kind` (`kv_cache_spec_sliding_window` too for a sliding-window cache);
+  - "BlockRemoved": `block_hashes`, `medium`, `group_idx`;
+  - "AllBlocksCleared": no other key;
+  the schema's other optional keys (`extra_keys`, `locality`, `ownership`, `session_id`) have no value
+  in pdserve and are left out, as vLLM leaves out every optional key it has no value for;
 * a ROUTER socket answers a replay request (one frame after the delimiter: the first wanted sequence
   number, 8 bytes big-endian) with one message `[seq, payload]` per batch still in the buffer from
   that number on, then `[-1 as 8 signed bytes, b""]`.
 
 A block is one page of the radix cache. Its hash chains from its parent's: the first 8 bytes of
 SHA-256 over the parent's hash and the page's token ids, as a non-negative 63-bit int, so two nodes
-caching the same prefix publish the same hashes. `medium` is "CPU" (the KV lives in host memory).
+caching the same prefix publish the same hashes. The values pdserve fills in: `block_size` is the page
+size; `lora_id` and `lora_name` are nil (no LoRA adapters); `medium` is "CPU" (the KV lives in host
+memory); `group_idx` is 0, the one cache group (every layer's KV in the same pages); `kv_cache_spec_kind`
+is "sliding_window", with the window in tokens as `kv_cache_spec_sliding_window`, when every layer of
+the model is windowed, else "full_attention" (a model with some full-attention layers needs every page
+of a prefix, like full attention). Hybrid models (linear-attention state) run without a radix cache, so
+they publish no events.
 
 Config (a JSON object, keys as vLLM/SGLang name them): `publisher` ("zmq" or "null"), `endpoint`
 (default `tcp://<--host>:5557`: like every listener of a node it binds only the address it is given;
@@ -50,31 +61,48 @@ logger = logging.getLogger("kv_events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MEDIUM = "CPU"
+GROUP = 0  # the cache group of every block: one radix cache holds every layer's pages
 
 
 # ---------------------------------------------------------------------------------------------- wire
-class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """An event on the wire: a map, its "type" key the class name (a field with a default is left out
+    while it has it; the others are always there)."""
+
+
+class BlockStored(KVCacheEvent):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
-class BlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
-class AllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class AllBlocksCleared(KVCacheEvent):
     pass
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None  # the publishing DP group with --dp-size > 1 (absent otherwise)
+    data_parallel_rank: int | None = None  # the publishing DP group with --dp-size > 1 (nil otherwise)
 
 
 def block_hash(parent: int | None, token_ids) -> int:
@@ -174,10 +202,14 @@ class KVEventPublisher:
     """Collects a scheduler step's events (`stored`, `removed`, `cleared`, called by the radix
     cache) and, at `flush()`, hands them as one batch to a thread that owns the sockets."""
 
-    def __init__(self, cfg: KVEventsConfig, page_size: int, dp_rank: int | None = None) -> None:
+    def __init__(self, cfg: KVEventsConfig, page_size: int, dp_rank: int | None = None,
+                 sliding_window: int | None = None) -> None:
         self.cfg = cfg
         self.page_size = page_size
         self.dp_rank = dp_rank  # set with --dp-size > 1: every batch names its group
+        # the model's window when every layer is windowed (`model.kv_window()`), else None
+        self.sliding_window = sliding_window
+        self.kind = "sliding_window" if sliding_window else "full_attention"
         self.pending: list = []
         self.batches_published = 0
         self.batches_dropped = 0
@@ -200,10 +232,12 @@ class KVEventPublisher:
 
     # the radix cache's sink
     def stored(self, hashes: list[int], parent: int | None, token_ids) -> None:
-        self.pending.append(BlockStored(hashes, parent, list(token_ids), self.page_size, None, MEDIUM))
+        self.pending.append(BlockStored(hashes, parent, list(token_ids), self.page_size, None, MEDIUM, None,
+                                        group_idx=GROUP, kv_cache_spec_kind=self.kind,
+                                        kv_cache_spec_sliding_window=self.sliding_window))
 
     def removed(self, hashes: list[int]) -> None:
-        self.pending.append(BlockRemoved(hashes, MEDIUM))
+        self.pending.append(BlockRemoved(hashes, MEDIUM, group_idx=GROUP))
 
     def cleared(self) -> None:
         self.pending.append(AllBlocksCleared())

@@ -22,7 +22,11 @@ Sequence numbers (one per batch, from 0) keep a view exact:
 * a view never holds more than `max_blocks` hashes (the worker's KV capacity in pages, or
   `--kv-events-max-blocks`): past it the view is cleared and marked incomplete (`overflows`);
 * frames that are not `[topic, 8-byte seq, msgpack KVEventBatch]` (or a replay's `[b"", seq, payload]`)
-  are dropped and counted (`dropped_frames`), never raised.
+  are dropped and counted (`dropped_frames`), never raised. A batch is vLLM 0.32's (common/kv_events.py):
+  an array `[ts, events, data_parallel_rank]` of events that are maps tagged by their "type" key; one that
+  fails the schema (a missing key, a value of the wrong type, an unknown event type, an event written as
+  an array as older vLLM did, nesting too deep to decode) is dropped whole; keys the schema lacks are
+  ignored.
 """
 
 from __future__ import annotations
@@ -306,7 +310,7 @@ class KVEventIndex:
     def _apply(self, view: WorkerView, payload: bytes) -> None:
         try:
             batch = _DECODE(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # RecursionError: nesting too deep
             view.counters["dropped_frames"] += 1
             return
         view.counters["batches"] += 1

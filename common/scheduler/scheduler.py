@@ -114,7 +114,8 @@ class Scheduler:
             cfg = KVEventsConfig.parse(args.kv_events_config, args.host, args.dp_size).for_dp_rank(dp_rank)
             if cfg.enabled:
                 self.kv_events = self.tree_cache.events = KVEventPublisher(
-                    cfg, self.page_size, dp_rank if args.dp_size > 1 else None)
+                    cfg, self.page_size, dp_rank if args.dp_size > 1 else None,
+                    sliding_window=getattr(getattr(runner, "hybrid", None), "window", None))
         self.tokenizer = tokenizer if tokenizer is not None else load_stop_decoder(args.tokenizer or model_dir)
         self.priority = PriorityScheduling(args)  # --schedule-policy priority: order, preemption, full queue
         self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache, self.priority)

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from common.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, chain_hashes
+from common.kv_events import END_SEQ, chain_hashes
 from common.server.light_tokenizer import LightTokenizer
 from router.kv_index import KVEventIndex, resolve_endpoint
 from router.tokenizer import chat_messages, prompt_source, tokenize
@@ -25,12 +25,27 @@ from tests.router.conftest import ROUTER_ARGS
 _encode = msgspec.msgpack.Encoder().encode
 
 
-def stored(*hashes: int) -> BlockStored:
-    return BlockStored(list(hashes), None, [0] * len(hashes), 1, None, "CPU")
+def stored(*hashes: int) -> dict:
+    """A BlockStored event as vLLM 0.32 writes it: a map tagged by "type", with every key it requires."""
+    return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": None,
+            "token_ids": [0] * len(hashes), "block_size": 1, "lora_id": None, "medium": "CPU", "lora_name": None,
+            "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+
+
+def removed(*hashes: int) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": "CPU", "group_idx": 0}
+
+
+CLEARED = {"type": "AllBlocksCleared"}
+
+
+def batch(*events) -> bytes:
+    return _encode([time.time(), list(events), None])
 
 
 class FakePublisher:
-    """vLLM's wire format by hand: batches sent live or only kept for replay, replay from `oldest` on."""
+    """vLLM 0.32's wire format by hand (plain msgpack, none of our structs): batches sent live or only kept
+    for replay, replay from `oldest` on."""
 
     def __init__(self):
         self.ctx = zmq.Context()
@@ -49,7 +64,9 @@ class FakePublisher:
                 "kv_events_replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"}
 
     def send(self, seq: int, *events, live: bool = True) -> None:
-        payload = _encode(KVEventBatch(time.time(), list(events)))
+        self.send_payload(seq, batch(*events), live)
+
+    def send_payload(self, seq: int, payload: bytes, live: bool = True) -> None:
         self.kept[seq] = payload
         if live:
             self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
@@ -84,23 +101,35 @@ def test_views_follow_gaps_garbage_restarts_and_overflow():
         assert view.endpoint == f"tcp://127.0.0.1:{pub.port}"
         wait_until(lambda: view.synced and view.blocks == {1, 2} and view.complete, what="replay from 0")
         time.sleep(0.3)  # the SUB connection is up
-        pub.send(1, BlockRemoved([2], "CPU"))
+        pub.send(1, removed(2))
         wait_until(lambda: view.blocks == {1}, what="a live removal")
         pub.send(2, stored(3), live=False)  # lost on the way: seq 3 shows the gap, seq 2 is replayed
         pub.send(3, stored(4))
         wait_until(lambda: view.blocks == {1, 3, 4} and view.next_seq == 4, what="a replayed gap")
         assert view.counters["gaps"] == 1 and view.complete
-        for frames in ([b"x"], [b"", b"short", b"p"], [b"", (4).to_bytes(8, "big"), b"\xc1 not msgpack"]):
+        for frames in ([b"x"], [b"", b"short", b"p"]):
             pub.pub.send_multipart(frames)
-        pub.send(5, stored(5))
+        lacking = {k: v for k, v in stored(5).items() if k != "lora_name"}
+        bad = [b"\xc1 not msgpack",
+               _encode([1.0, [["BlockStored", [5], None, [0], 1, None, "CPU"]], None]),  # the older array form
+               batch(lacking),  # a required key missing
+               batch({**stored(5), "block_hashes": ["5"]}),  # a value of the wrong type
+               batch({**stored(5), "group_idx": "0"}),
+               batch({"type": "BlockMoved", "block_hashes": [5]}),  # no such event
+               batch({**stored(5), "extra_keys": msgspec.Raw(b"\x91" * 100_000 + b"\xc0")}),  # too deep
+               _encode({"ts": 1.0, "events": []})]  # a batch is an array
+        for seq, payload in enumerate(bad, 4):
+            pub.send_payload(seq, payload)
+        n = 4 + len(bad)
+        pub.send(n, {**stored(5), "a_key_of_a_later_version": [1]})  # keys the schema lacks are ignored
         wait_until(lambda: 5 in view.blocks, what="events after garbage")
-        assert view.counters["dropped_frames"] == 3
-        pub.oldest = 7  # the worker's buffer moved on: 6 cannot be replayed
-        pub.send(6, stored(6), live=False)
-        pub.send(7, stored(7), live=False)
-        pub.send(8, stored(8))
+        assert view.counters["dropped_frames"] == 2 + len(bad) and view.next_seq == n + 1
+        pub.oldest = n + 2  # the worker's buffer moved on: n + 1 cannot be replayed
+        pub.send(n + 1, stored(6), live=False)
+        pub.send(n + 2, stored(7), live=False)
+        pub.send(n + 3, stored(8))
         wait_until(lambda: view.blocks == {7, 8} and not view.complete, what="an unreplayable gap")
-        pub.send(9, AllBlocksCleared())
+        pub.send(n + 4, CLEARED)
         wait_until(lambda: not view.blocks and view.complete, what="a flush")
         pub.kept.clear()
         pub.oldest = 0

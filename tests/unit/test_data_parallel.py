@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from common.config import ConfigError, ServerArgs
-from common.kv_events import KVEventBatch, KVEventsConfig, offset_endpoint
+from common.kv_events import AllBlocksCleared, KVEventBatch, KVEventsConfig, offset_endpoint
 from common.protocol import BadRequest
 from common.scheduler.process import group_cores
 from common.server.data_parallel import DPGroups, merge_stats
@@ -91,7 +91,8 @@ def test_each_group_publishes_kv_events_on_its_own_ports():
 def test_batches_name_their_group_only_with_several_groups():
     enc = msgspec.msgpack.encode
     assert msgspec.msgpack.decode(enc(KVEventBatch(1.0, []))) == [1.0, [], None]  # vLLM's third field, unset
-    assert msgspec.msgpack.decode(enc(KVEventBatch(1.0, [], 1))) == [1.0, [], 1]
+    assert msgspec.msgpack.decode(enc(KVEventBatch(1.0, [AllBlocksCleared()], 1))) == [
+        1.0, [{"type": "AllBlocksCleared"}], 1]
 
     class TwoFields(msgspec.Struct, array_like=True):  # a consumer written before the field existed
         ts: float

@@ -1,6 +1,7 @@
 """KV events: the radix cache's block set rebuilt from its events equals the tree, hashes chain from the
-root whatever splits happened, and the ZMQ publisher speaks vLLM's wire format (decoded here with
-structs written against vLLM's published schema, not ours), replay included."""
+root whatever splits happened, and the ZMQ publisher speaks vLLM 0.32's wire format (decoded here with
+structs written against vLLM 0.32's schema, not ours, and read raw: every event a map with each key the
+schema requires), replay included."""
 
 from __future__ import annotations
 
@@ -23,23 +24,34 @@ from tests.harness.nodes import free_port
 PS = 4
 
 
-# --- a consumer's view of the wire, as vLLM documents it
-class _Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+# --- a consumer's view of the wire, as vLLM 0.32 defines it: events are maps tagged by "type"
+class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
 class BlockStored(_Event):
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
 class BlockRemoved(_Event):
-    block_hashes: list[int]
+    block_hashes: list[bytes | int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(_Event):
@@ -49,6 +61,24 @@ class AllBlocksCleared(_Event):
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+# the keys of each event that the schema requires (no default), the "type" tag included
+REQUIRED = {"BlockStored": {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                            "medium", "lora_name"},
+            "BlockRemoved": {"type", "block_hashes", "medium"},
+            "AllBlocksCleared": {"type"}}
+
+
+def raw_events(payload: bytes) -> list[dict]:
+    """The events of a batch as plain msgpack: the batch an array of three, each event a map."""
+    batch = msgspec.msgpack.decode(payload)
+    assert isinstance(batch, list) and len(batch) == 3, batch
+    for ev in batch[1]:
+        assert isinstance(ev, dict), f"an event is a map, not {ev!r}"
+        assert REQUIRED[ev["type"]] <= ev.keys(), ev
+    return batch[1]
 
 
 class Recorder:
@@ -133,6 +163,7 @@ def test_publisher_wire_and_replay_after_a_gap():
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(cfg.replay_endpoint)
     decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+    raw: list[dict] = []
     try:
         time.sleep(0.3)  # the subscription reaches the publisher
         hashes = chain_hashes(None, list(range(8)), PS)
@@ -147,12 +178,22 @@ def test_publisher_wire_and_replay_after_a_gap():
             assert sub.poll(5000), got
             topic, seq, payload = sub.recv_multipart()
             got.append((topic, int.from_bytes(seq, "big"), decode(payload)))
+            raw.extend(raw_events(payload))
         assert [(t, s) for t, s, _ in got] == [(b"kv", 0), (b"kv", 1), (b"kv", 2)]
         first = got[0][2].events[0]
         assert isinstance(first, BlockStored) and first.block_hashes == hashes and first.parent_block_hash is None
-        assert (first.token_ids, first.block_size, first.lora_id, first.medium) == (list(range(8)), PS, None, "CPU")
+        assert (first.token_ids, first.block_size, first.lora_id, first.lora_name, first.medium) == (
+            list(range(8)), PS, None, None, "CPU")
+        assert (first.group_idx, first.kv_cache_spec_kind, first.kv_cache_spec_sliding_window) == (
+            0, "full_attention", None)
         assert isinstance(got[1][2].events[0], BlockRemoved) and got[1][2].events[0].block_hashes == hashes[1:]
+        assert got[1][2].events[0].group_idx == 0
         assert isinstance(got[2][2].events[0], AllBlocksCleared)
+        assert all(batch.data_parallel_rank is None for _, _, batch in got)
+        # exactly the keys pdserve has values for: the required ones, the group and the cache's kind
+        assert [sorted(ev) for ev in raw] == [
+            sorted(REQUIRED["BlockStored"] | {"group_idx", "kv_cache_spec_kind"}),
+            sorted(REQUIRED["BlockRemoved"] | {"group_idx"}), ["type"]]
 
         # a subscriber that missed everything after seq 0 asks for a replay from 1
         dealer.send_multipart([b"", (1).to_bytes(8, "big")])
@@ -174,6 +215,25 @@ def test_publisher_wire_and_replay_after_a_gap():
         sub.close()
         dealer.close()
         ctx.term()
+        pub.close()
+
+
+def test_a_sliding_window_cache_says_so():
+    cfg = KVEventsConfig.parse(json.dumps({"endpoint": f"tcp://127.0.0.1:{free_port()}",
+                                           "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}), "127.0.0.1")
+    pub = KVEventPublisher(cfg, PS, dp_rank=1, sliding_window=64)
+    try:
+        pub.stored([7], None, [1, 2, 3, 4])
+        pub.removed([7])
+        payload = msgspec.msgpack.encode(pub.pending)
+        stored, removed = msgspec.msgpack.decode(payload)
+        assert REQUIRED["BlockStored"] <= stored.keys() and REQUIRED["BlockRemoved"] <= removed.keys()
+        assert (stored["group_idx"], stored["kv_cache_spec_kind"], stored["kv_cache_spec_sliding_window"]) == (
+            0, "sliding_window", 64)
+        assert removed == {"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU", "group_idx": 0}
+        batch = msgspec.msgpack.Decoder(KVEventBatch).decode(msgspec.msgpack.encode([1.0, pub.pending, 1]))
+        assert batch.events[0].kv_cache_spec_sliding_window == 64 and batch.data_parallel_rank == 1
+    finally:
         pub.close()
 
 
@@ -203,6 +263,10 @@ def test_a_node_publishes_its_prefix_cache(tiny_model_dir, launcher):
             _, seq, payload = dealer.recv_multipart()
             if seq == END_SEQ:
                 return nxt
+            for ev in raw_events(payload):
+                assert ev["type"] == "AllBlocksCleared" or ev["group_idx"] == 0, ev
+                assert ev["type"] != "BlockStored" or (ev["block_size"], ev["kv_cache_spec_kind"]) == (
+                    PS, "full_attention"), ev
             for ev in decode(payload).events:
                 if isinstance(ev, BlockStored):
                     rec.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids)
