@@ -1,6 +1,6 @@
 """The decode role's queues: prealloc, transfer, waiting; then the scheduler's running batch.
 
-Under --schedule-policy priority the prealloc and waiting queues serve the highest priority first.
+The prealloc and waiting queues serve the highest priority first (SGLang's `priority`; arrival order among equals).
 
 * `PreallocQueue`: the request's `KVReceiver` asks the prefill node's bootstrap server for the
   layout and the overlapping prefill ranks (page size, model and layout are checked there); once
@@ -47,7 +47,7 @@ class PreallocQueue(StageQueue):
 
     def resolved(self, polls: dict[str, KVPoll], rank: Rank | None = None) -> list[DecodeRequest]:
         """The requests whose receiver knows its prefill ranks, oldest first, or by `rank(req)` then
-        oldest first (--schedule-policy priority) (still in the queue)."""
+        oldest first (still in the queue)."""
         ready = [t for t in self if polls.get(t.rid, KVPoll.Failed) >= KVPoll.WaitingForInput]
         return ready if rank is None else sorted(ready, key=lambda t: rank(t.req))
 

@@ -98,8 +98,9 @@ class DecodeRole(PDRole):
 
     @property
     def rank(self):
-        """The order of the prealloc and waiting queues: by priority under --schedule-policy priority."""
-        return self.sched.priority.rank if self.sched.priority.enabled else None
+        """The order of the prealloc and waiting queues: by priority, oldest first among equals (so in arrival
+        order when no request names a priority)."""
+        return self.sched.priority.rank
 
     def queue_of(self, t: DecodeRequest):
         return {DecodeStage.PREALLOC: self.prealloc, DecodeStage.TRANSFER: self.transfer,

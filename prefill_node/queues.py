@@ -43,8 +43,8 @@ class BootstrapQueue(StageQueue):
         self.metadata_alloc = metadata_alloc
 
     def init_senders(self, rank=None) -> None:
-        """Give requests without one a metadata slot and init() their sender, oldest first (by
-        `rank(req)` first under --schedule-policy priority: common/scheduler/priority.py)."""
+        """Give requests without one a metadata slot and init() their sender, by `rank(req)` when given
+        (common/scheduler/priority.py), oldest first among equals."""
         for t in self if rank is None else sorted(self, key=lambda t: rank(t.req)):
             if t.metadata_index is not None:
                 continue

@@ -111,8 +111,9 @@ class PrefillRole(PDRole):
 
     @property
     def rank(self):
-        """Metadata slots go to the highest priority first under --schedule-policy priority."""
-        return self.sched.priority.rank if self.sched.priority.enabled else None
+        """Metadata slots go to the highest priority first, oldest first among equals (so in arrival order when
+        no request names a priority)."""
+        return self.sched.priority.rank
 
     # ================================================================== every iteration
     def before_schedule(self) -> None:

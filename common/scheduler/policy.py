@@ -10,11 +10,9 @@ LPM_MAX_QUEUE = 128
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache, priority=None) -> None:
+    def __init__(self, policy: str, tree_cache, priority) -> None:
         if policy not in ("fcfs", "lpm", "priority"):
             raise ValueError(f"unknown schedule policy {policy!r} (fcfs, lpm or priority)")
-        if policy == "priority" and priority is None:
-            raise ValueError("the priority policy needs its PriorityScheduling")
         self.policy = policy
         self.tree_cache = tree_cache
         self.priority = priority  # common/scheduler/priority.py
@@ -25,17 +23,16 @@ class SchedulePolicy:
         return self.policy
 
     def calc_priority(self, queue: list[Req]) -> None:
-        """Reorder `queue` in place. FCFS keeps arrival order (retracted requests were put back at
-        the front); LPM puts the longest cached prefix first (ties keep arrival order); priority puts
-        the highest priority first (ties keep arrival order)."""
-        if self.policy == "priority":
+        """Reorder `queue` in place, the highest `priority` first under every policy (a request names none:
+        0). Within a priority FCFS and priority keep arrival order (retracted requests were put back at
+        the front), so with no priority named FCFS is exactly arrival order; LPM puts the longest cached
+        prefix first (ties keep arrival order). The sorts are stable."""
+        if self.effective_policy(queue) != "lpm":
             self.priority.sort(queue)
-            return
-        if self.effective_policy(queue) == "fcfs":
             return
         for r in queue:
             r.init_next_round_input(self.tree_cache)
-        queue.sort(key=lambda r: -len(r.prefix_indices))
+        queue.sort(key=lambda r: (self.priority.rank(r), -len(r.prefix_indices)))
 
 
 class NewTokenRatio:

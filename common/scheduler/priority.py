@@ -1,17 +1,19 @@
-"""Priority scheduling (`--schedule-policy priority`, reference 000 §13), SGLang's semantics.
+"""Priority scheduling, SGLang's semantics.
 
 * A request's `priority` is an int; by default a larger value runs first (SGLang's default),
-  `--schedule-low-priority-values-first` reverses it. Requests without one have priority 0. `rank(req)`
-  folds the direction in: a smaller rank runs first.
-* The waiting queue is ordered by rank, arrival order within a rank (`SchedulePolicy.calc_priority`).
-* Preemption (`--enable-priority-preemption`): when the request at hand cannot be admitted because the
+  `--schedule-low-priority-values-first` reverses it (vLLM's order). Requests without one have priority 0.
+  `rank(req)` folds the direction in: a smaller rank runs first.
+* Under every policy the waiting queue (and a PD node's role queues) are ordered by rank, arrival order
+  within a rank (`SchedulePolicy.calc_priority`): with no priority named that is exactly FCFS.
+  `--schedule-policy priority` adds the rest:
+* preemption (`--enable-priority-preemption`): when the request at hand cannot be admitted because the
   KV budget or the running slots are short, running requests it outranks by more than
   `--priority-scheduling-preemption-threshold` are retracted, lowest priority first (the latest arrival
   first among equals), until it fits; if even all of them would not make room, none is retracted.
   Victims go back to the waiting queue through the same retraction as an out-of-memory decode step
   (their KV to the host store when `--decode-offload-size` allows), so they resume with the same tokens.
-* An out-of-memory decode step retracts the lowest priority first (`retract_key`).
-* A full queue (`--max-queued-requests`) turns away the lowest priority first: a newcomer that
+* an out-of-memory decode step retracts the lowest priority first (`retract_key`);
+* a full queue (`--max-queued-requests`) turns away the lowest priority first: a newcomer that
   outranks the lowest-ranked request still waiting to start takes its place, and that one is answered
   429 (`queue_full_victim`).
 

@@ -1,7 +1,8 @@
-"""Priority scheduling (`--schedule-policy priority`, common/scheduler/priority.py) driven in process on
-a tiny model through the scheduler's contract: the waiting order (both directions), preemption for
-running slots and for KV memory (the victims finish with the tokens of an unloaded run), a full queue
-turning away its lowest priority, and the flags' validation."""
+"""Priority scheduling (common/scheduler/priority.py) driven in process on a tiny model through the
+scheduler's contract: the waiting order under every policy (both directions; exactly arrival order when
+no request names a priority), preemption for running slots and for KV memory under `--schedule-policy
+priority` (the victims finish with the tokens of an unloaded run), a full queue turning away its lowest
+priority, and the flags' validation."""
 
 from __future__ import annotations
 
@@ -35,15 +36,24 @@ def unloaded(model_dir: str, rid: str, n: int, max_new: int, seed: int) -> list[
     return tokens(d, rid)
 
 
+@pytest.mark.parametrize("policy", ["priority", "fcfs", "lpm"])
 @pytest.mark.parametrize("low_first", [False, True])
-def test_waiting_queue_orders_by_priority_then_arrival(tiny_model_dir, low_first):
+def test_waiting_queue_orders_by_priority_then_arrival(tiny_model_dir, low_first, policy):
     d = Driver(tiny_model_dir, max_running_requests=1, max_queued_requests=8,
-               schedule_low_priority_values_first=low_first, **PRIO)
+               schedule_low_priority_values_first=low_first, schedule_policy=policy)
     for rid, p in [("a", 0), ("b", 5), ("c", -3), ("d", 5), ("e", 0)]:
         add(d, rid, 6, 2, seed=ord(rid), priority=p)
     d.run()
     order = finish_order(d)
     assert order == (["c", "a", "e", "b", "d"] if low_first else ["b", "d", "a", "e", "c"]), order
+
+
+def test_fcfs_without_priorities_is_arrival_order(tiny_model_dir):
+    d = Driver(tiny_model_dir, max_running_requests=1, max_queued_requests=8)
+    for rid in "qwerty":
+        add(d, rid, 6, 2, seed=ord(rid))
+    d.run()
+    assert finish_order(d) == list("qwerty")
 
 
 def test_preemption_for_a_running_slot(tiny_model_dir):
@@ -121,7 +131,6 @@ def test_full_queue_turns_away_the_lowest_priority(tiny_model_dir):
 
 @pytest.mark.parametrize("kw, flag", [
     (dict(enable_priority_preemption=True), "--enable-priority-preemption"),
-    (dict(schedule_low_priority_values_first=True), "--schedule-low-priority-values-first"),
     (dict(schedule_policy="priority", priority_scheduling_preemption_threshold=3),
      "--priority-scheduling-preemption-threshold"),
     (dict(schedule_policy="priority", enable_priority_preemption=True, priority_scheduling_preemption_threshold=-1),
@@ -132,14 +141,13 @@ def test_priority_flags_are_checked(kw, flag):
         ServerArgs(**kw).validate()
 
 
-def test_a_node_without_the_priority_policy_refuses_the_field():
-    from common.protocol import BadRequest, GenerateRequest
+def test_every_policy_takes_the_field():
+    from common.protocol import GenerateRequest
     from common.server.http import item_fields
 
     req = GenerateRequest(text="a", priority=3)
-    with pytest.raises(BadRequest, match=r"`priority` needs a node started with --schedule-policy priority"):
-        item_fields(ServerArgs(), req, 1, False)
-    assert item_fields(ServerArgs(schedule_policy="priority"), req, 1, False)[0]["priority"] == 3
+    for policy in ("fcfs", "lpm", "priority"):
+        assert item_fields(ServerArgs(schedule_policy=policy), req, 1, False)[0]["priority"] == 3
     assert item_fields(ServerArgs(), GenerateRequest(text="a"), 1, False)[0]["priority"] == 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.config import ServerArgs
 from common.forward_batch import ForwardMode
 from common.memory.allocator import TokenToKVPoolAllocator
 from common.memory.kv_pool import KVPool
@@ -15,6 +16,7 @@ from common.protocol import SamplingParams
 from common.scheduler.batch import ScheduleBatch
 from common.scheduler.policy import NewTokenRatio, SchedulePolicy
 from common.scheduler.prefill_adder import AddResult, PrefillAdder
+from common.scheduler.priority import PriorityScheduling
 from common.scheduler.req import Req
 
 PS = 4
@@ -156,12 +158,16 @@ def test_lpm_orders_by_cached_prefix():
     cold = req(24, rid="cold")
     hot = req(30, rid="hot", base=1000)
     queue = [cold, hot]
-    SchedulePolicy("fcfs", p.tree).calc_priority(queue)
+    prio = PriorityScheduling(ServerArgs())
+    SchedulePolicy("fcfs", p.tree, prio).calc_priority(queue)
     assert [r.rid for r in queue] == ["cold", "hot"]
-    SchedulePolicy("lpm", p.tree).calc_priority(queue)
+    SchedulePolicy("lpm", p.tree, prio).calc_priority(queue)
     assert [r.rid for r in queue] == ["hot", "cold"]
+    cold.priority = 1  # a priority comes before the cached prefix
+    SchedulePolicy("lpm", p.tree, prio).calc_priority(queue)
+    assert [r.rid for r in queue] == ["cold", "hot"]
     with pytest.raises(ValueError):
-        SchedulePolicy("random", p.tree)
+        SchedulePolicy("random", p.tree, prio)
 
 
 def test_new_token_ratio_decay_and_retract_bump():
