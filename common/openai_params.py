@@ -2,7 +2,8 @@
 before sending it on) and the node (which runs it). Torch-free: the router imports it.
 
 OpenAI's names map onto SGLang's (max_tokens or max_completion_tokens → max_new_tokens, min_tokens →
-min_new_tokens, response_format → json_schema); range errors name the field as the client sent it.
+min_new_tokens, response_format → json_schema) and so do vLLM's (`structured_outputs` → json_schema, regex or
+ebnf; `top_k` 0 → -1, both "all tokens"); range errors name the field as the client sent it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def max_tokens_field(req: OpenAIRequest) -> str:
 
 def response_schema(req: OpenAIRequest) -> str | None:
     """The JSON schema `response_format` asks for (as text), None for free text."""
-    rf = getattr(req, "response_format", None)
+    rf = req.response_format
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
@@ -34,31 +35,66 @@ def response_schema(req: OpenAIRequest) -> str | None:
     return json.dumps(schema if schema is not None else {})
 
 
+def structured_grammar(req: OpenAIRequest) -> tuple[str, str] | None:
+    """(kind, source) of vLLM's `structured_outputs`: exactly one constraint."""
+    so = req.structured_outputs
+    if so is None:
+        return None
+    given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(so, k) not in (None, False)]
+    if len(given) != 1:
+        raise BadRequest("`structured_outputs` must give exactly one of json, regex, choice, grammar or json_object"
+                         f"{', got ' + ', '.join(given) if given else ''}")
+    kind = given[0]
+    value = getattr(so, kind)
+    if kind == "json":
+        return "json_schema", value if isinstance(value, str) else json.dumps(value)
+    if kind == "json_object":
+        return "json_schema", ANY_JSON_OBJECT
+    if kind == "choice":
+        if not value or not all(isinstance(c, str) and c for c in value):
+            raise BadRequest("`structured_outputs.choice` must be a non-empty list of non-empty strings")
+        return "ebnf", "root ::= " + " | ".join(json.dumps(c) for c in value)
+    return ("regex", value) if kind == "regex" else ("ebnf", value)
+
+
+def _grammar(req: OpenAIRequest) -> tuple[str, str, str] | None:
+    """(the client's field, SamplingParams' kind, source) of the request's one grammar; two is a 400."""
+    given = [("response_format", "json_schema", response_schema(req)), ("json_schema", "json_schema", req.json_schema),
+             ("regex", "regex", req.regex), ("ebnf", "ebnf", req.ebnf)]
+    so = structured_grammar(req)
+    if so is not None:
+        given.append(("structured_outputs", *so))
+    given = [g for g in given if g[2] is not None]
+    if len(given) > 1:
+        raise BadRequest(f"`{given[1][0]}` cannot be combined with `{given[0][0]}`: give one grammar")
+    return given[0] if given else None
+
+
 def sampling_params(req: OpenAIRequest, default_max: int, grammar: tuple[str, str] | None = None) -> SamplingParams:
     """The verified sampling parameters of an OpenAI request; `default_max` is max_new_tokens when the
     client set no limit; `grammar` (kind, source) one the endpoint imposes (a forced tool call), which
     no other grammar field may contradict. Raises BadRequest naming the OpenAI field."""
     max_field = max_tokens_field(req)
     max_tokens = getattr(req, max_field)
+    own = _grammar(req)
     sp = SamplingParams(
         max_new_tokens=default_max if max_tokens is None else max_tokens, min_new_tokens=req.min_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k == 0 else req.top_k, min_p=req.min_p,
         frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
         repetition_penalty=req.repetition_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
         stop_regex=req.stop_regex, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-        no_stop_trim=req.no_stop_trim, n=req.n, seed=req.seed, logit_bias=req.logit_bias,
-        json_schema=response_schema(req), regex=req.regex, ebnf=req.ebnf)
+        spaces_between_special_tokens=req.spaces_between_special_tokens, no_stop_trim=req.no_stop_trim, n=req.n,
+        seed=req.seed, logit_bias=req.logit_bias, **({own[1]: own[2]} if own else {}))
     if grammar is not None:
-        given = sp.grammar()
-        if given is not None:
-            field = "response_format" if given[0] == "json_schema" else given[0]
-            raise BadRequest(f"`{field}` cannot be combined with `tool_choice` that forces a tool call")
+        if own is not None:
+            raise BadRequest(f"`{own[0]}` cannot be combined with `tool_choice` that forces a tool call")
         setattr(sp, grammar[0], grammar[1])
     try:
         sp.verify("$")
     except BadRequest as e:
         msg = str(e).replace("max_new_tokens", max_field).replace("min_new_tokens", "min_tokens")
-        msg = msg.replace("`$.json_schema`", "`response_format`")
+        if own is not None:
+            msg = msg.replace(f"`$.{own[1]}`", f"`{own[0]}`")
         raise BadRequest(msg.replace("`$.", "`")) from None
     return sp

@@ -28,6 +28,15 @@ class BadRequest(ValueError):
     """Client input is invalid; the message names the field. Served as HTTP 400."""
 
 
+class ModelNotFound(LookupError):
+    """A request names a model this server does not serve: HTTP 404 with code `model_not_found`, as
+    OpenAI's API and SGLang answer."""
+
+    def __init__(self, model: str, served: str) -> None:
+        shown = model if len(model) <= 128 else model[:128] + "..."
+        super().__init__(f"the model `{shown}` does not exist here: this server serves `{served}` (GET /v1/models)")
+
+
 def decode_json(body: bytes, type_: type) -> Any:
     if not body:
         raise BadRequest("request body is empty; expected a JSON object")
@@ -95,12 +104,15 @@ def error_param(message: str) -> str | None:
     return m.group(1) if m else None
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
+def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
     """Every HTTP error of a node or the router, in OpenAI's shape: {"error": {message, type, param,
     code}}: `param` the field a 400 names, `code` a string (`invalid_value`, `unknown_parameter`,
-    `context_length_exceeded`, `rate_limit_exceeded`, ...) or null, as OpenAI's API answers."""
+    `context_length_exceeded`, `rate_limit_exceeded`, `model_not_found`, ...) or null, as OpenAI's API
+    answers; `code` given wins."""
     type_ = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     param = error_param(message) if status == 400 else None
+    if code is not None:
+        return {"error": {"message": message, "type": type_, "param": param, "code": code}}
     code = _CODES.get(status)
     if status == 400:
         if "is not a field this server knows" in message:
@@ -134,8 +146,9 @@ MAX_RID_LENGTH = 256
 RequestId = Annotated[str, msgspec.Meta(max_length=MAX_RID_LENGTH, pattern=r"^[^\x00-\x1f\x7f-\x9f]*$",
                                         description="request id: at most 256 characters, no control characters")]
 
-# scheduling priority (SGLang's `priority`): a larger value runs first on a node started with
-# --schedule-policy priority (a smaller one with --schedule-low-priority-values-first); others refuse it
+# scheduling priority (SGLang's `priority`): a larger value runs first (a smaller one with
+# --schedule-low-priority-values-first), arrival order among equals, on every node; preemption and the
+# full queue's order by it need --schedule-policy priority
 MAX_PRIORITY = 2**31 - 1
 Priority = Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY,
                                        description="scheduling priority, -(2**31-1)..2**31-1")]
@@ -334,28 +347,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 # HTTP: SGLang native /generate
 
 
-# Fields of SGLang's request objects that sglang-router (and SGLang clients) send with their default
-# value on every request. At that value they ask for nothing, so they are accepted; any other value asks
-# for what this server does not do and is a 400 naming the field.
-DEFAULT_ONLY = {"log_metrics": True, "return_hidden_states": False, "background": False, "no_logs": False,
-                "return_bytes": False, "return_entropy": False}
-
-
-def _check_defaults(req) -> None:
-    for name, default in DEFAULT_ONLY.items():
-        value = getattr(req, name, default)
-        if value != default:
-            raise ValueError(f"`{name}` = {json_value(value)} is not supported by this server (only "
-                             f"{json_value(default)}, SGLang's default)")
-
-
-def json_value(v: Any) -> str:
-    return "true" if v is True else "false" if v is False else repr(v)
-
-
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """SGLang's GenerateReqInput: the fields this server honours. Strict: any other field (image_data,
-    lora_path, return_hidden_states, ...) is a 400 naming it, never dropped."""
+    """SGLang's GenerateReqInput: the fields this server honours (`common/api_fields.py` says what happens
+    to the others)."""
 
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None
@@ -372,16 +366,6 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=
     bootstrap_room: BootstrapRoom | list[BootstrapRoom] | None = None
     priority: Priority | list[Priority] | None = None
     data_parallel_rank: DataParallelRank | None = None
-    # sent by sglang-router with their defaults (DEFAULT_ONLY)
-    log_metrics: bool = True
-    return_hidden_states: bool = False
-    background: bool = False
-    no_logs: bool = False
-    return_bytes: bool = False
-    return_entropy: bool = False
-
-    def __post_init__(self) -> None:
-        _check_defaults(self)
 
 
 def item_rids(rid: str, n: int) -> list[str]:
@@ -394,8 +378,9 @@ def item_rids(rid: str, n: int) -> list[str]:
 # HTTP: OpenAI compatible
 
 
-class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    include_usage: bool = False  # a last event with the usage of the whole request
+    continuous_usage_stats: bool = False  # the usage so far in every event
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -406,6 +391,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    refusal: str | None = None  # an assistant turn that refused: its text, when it has no content
 
 
 class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -422,9 +408,19 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """vLLM's `structured_outputs`: one constraint on the answer."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None  # the answer is one of these strings
+    grammar: str | None = None  # EBNF
+    json_object: bool | None = None
+
+
 class _OpenAICommon(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
-    """The fields of OpenAI's completion APIs this server honours, plus SGLang's extensions. Strict: a
-    field not here is a 400 naming it."""
+    """The fields of OpenAI's completion APIs this server honours, with SGLang's and vLLM's extensions
+    (`common/api_fields.py` says what happens to the others)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -447,10 +443,19 @@ class _OpenAICommon(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     stop_regex: str | list[str] | None = None
+    response_format: ResponseFormat | None = None
+    json_schema: str | None = None  # SGLang's: the schema as text
     regex: str | None = None
     ebnf: str | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    # vLLM's: keep only the last k prompt tokens (-1: as many as the context leaves room for one output token),
+    # or the first k with truncation_side "right"
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] = "left"
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens named "token_id:<id>"
     # a PD router sends one entry per item when the request has several (a list of prompts, or n > 1)
     rid: RequestId | list[RequestId] | None = None
     bootstrap_host: BootstrapHost | list[BootstrapHost] | None = None
@@ -458,10 +463,6 @@ class _OpenAICommon(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     bootstrap_room: BootstrapRoom | list[BootstrapRoom] | None = None
     priority: Priority | None = None
     data_parallel_rank: DataParallelRank | None = None
-    return_hidden_states: bool = False  # sent by sglang-router with its default (DEFAULT_ONLY)
-
-    def __post_init__(self) -> None:
-        _check_defaults(self)
 
 
 class CompletionRequest(_OpenAICommon, kw_only=True):
@@ -479,8 +480,13 @@ class ChatCompletionRequest(_OpenAICommon, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # handed to the chat template when it reads them (a 400 otherwise): OpenAI's reasoning_effort,
+    # SGLang's thinking configuration, vLLM's documents (retrieval-augmented templates)
+    reasoning_effort: Annotated[str, msgspec.Meta(pattern=r"^[a-z_]{1,32}$")] | None = None
+    thinking: Any = None
+    documents: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True  # vLLM's: false ends the prompt after the last message
     # the last message is the start of the answer: the template continues it (no new turn)
     continue_final_message: bool = False
     # SGLang splits reasoning out of answers only with a reasoning parser, which this server does not

@@ -23,8 +23,9 @@ from common.protocol import (
     CompletionRequest,
     GenerateRequest,
     check_request_id,
+    error_body,
 )
-from common.server.openapi import Route, access_of, access_table, add_routes, with_openapi
+from common.server.openapi import Route, access_of, access_table, add_routes, unserved_routes, with_openapi
 from common.server.security import (
     ADMIN,
     OPEN,
@@ -174,7 +175,10 @@ class RouterApp:
         try:
             resp = await handler(request)
         except web.HTTPException as e:
-            resp = error_response(e.status, e.reason)
+            message = {404: f"no route {request.method} {request.path}",
+                       405: f"method {request.method} is not allowed on {request.path}"}.get(e.status, e.reason)
+            resp = error_response(e.status, message,
+                                  headers={k: v for k, v in e.headers.items() if k == "Allow"} or None)
         if not resp.prepared:
             resp.headers["X-Request-ID"] = request[REQUEST_ID]
         return resp
@@ -331,15 +335,37 @@ class RouterApp:
             return error_response(503, "no prefill server available")
         return json_response(info)
 
-    async def models(self, request):
+    async def _models(self) -> dict | None:
+        """A prefill worker's `/v1/models` (the pool serves one model), else a list made of what its
+        `/server_info` said at registration; None without a prefill worker."""
         data = await self._first_prefill_get(("/v1/models",))
         if data is None:
             ws = self.registry.prefill
             if not ws:
-                return error_response(503, "no prefill server available")
-            name = ws[0].model_info.get("model_path") or ws[0].server_info.get("model_path") or "default"
-            data = {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "pdserve"}]}
+                return None
+            name = ws[0].server_info.get("served_model_name") or ws[0].model_info.get("served_model_name")
+            data = {"object": "list", "data": [{"id": name or "default", "object": "model", "owned_by": "pdserve"}]}
+        return data
+
+    async def models(self, request):
+        data = await self._models()
+        if data is None:
+            return error_response(503, "no prefill server available")
         return json_response(data)
+
+    async def model(self, request):
+        """`GET /v1/models/{model}`: the served model's card; another name is a 404 `model_not_found`."""
+        data = await self._models()
+        if data is None:
+            return error_response(503, "no prefill server available")
+        name = request.match_info["model"]
+        cards = [c for c in data.get("data", ()) if isinstance(c, dict)]
+        for card in cards:
+            if card.get("id") == name:
+                return json_response(card)
+        served = ", ".join(f"`{c.get('id')}`" for c in cards)
+        return error_response(404, f"the model `{name[:128]}` does not exist here: this cluster serves {served} "
+                              "(GET /v1/models)", code="model_not_found")
 
     async def health(self, request):
         return json_response({"status": "ok"})
@@ -415,6 +441,8 @@ class RouterApp:
             Route("DELETE", "/workers/{id:.+}", self.remove_worker, access=ADMIN, summary="remove a worker"),
             Route("POST", "/flush_cache", self.flush_cache, access=ADMIN, summary="flush every worker's cache"),
             Route("GET", "/v1/models", self.models, summary="the served model"),
+            Route("GET", "/v1/models/{model:.+}", self.model, summary="the served model's card, by its name"),
+            *unserved_routes(error_body),
             *(Route("POST", p, self.tokenize, summary="text or chat messages to token ids (a prefill worker's)")
               for p in ("/tokenize", "/v1/tokenize")),
             *(Route("POST", p, self.tokenize, summary="token ids to text (a prefill worker's)")

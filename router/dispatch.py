@@ -19,6 +19,7 @@ from aiohttp import web
 from common.protocol import ERR_TYPE_HEADER, KV_TRANSFER_FAILED, LOCAL_PREFILL_REFUSED, error_body
 from common.server.security import bearer_header, client_ssl_context
 from router.config import RouterConfig
+from router.logprobs import PrefillPrompt, StreamMerger, merged_body
 from router.metrics import Metrics
 from router.policies import Policy
 from router.registry import Registry, Worker
@@ -41,7 +42,6 @@ log = logging.getLogger("router.dispatch")
 RETRYABLE = frozenset({500, 502, 504})
 RETRY_ONCE = frozenset({408, 503})
 OVERLOAD = frozenset({408, 429, 503})
-_decode = msgspec.json.decode
 _encode = msgspec.json.encode
 _DONE = b"data: [DONE]\n\n"
 _ERR_TYPE = ERR_TYPE_HEADER.lower()  # router.upstream keeps header names lower-case
@@ -57,8 +57,8 @@ def _header_value(value: str) -> bytes:
     return value.replace("\r", " ").replace("\n", " ").encode("latin-1", "replace")
 
 
-def error_response(status: int, message: str, headers=None) -> web.Response:
-    return web.Response(body=_encode(error_body(status, message)), status=status,
+def error_response(status: int, message: str, headers=None, code: str | None = None) -> web.Response:
+    return web.Response(body=_encode(error_body(status, message, code)), status=status,
                         content_type="application/json", headers=headers)
 
 
@@ -144,55 +144,6 @@ class LocalPrefill:
         if self.worker is not None:
             self.worker.local_pending -= 1
             self.worker = None
-
-
-def _merge_meta(pre, dec) -> None:
-    """Prefix the decode leg's prompt logprobs with the prefill leg's (sglang-router's merge)."""
-    if isinstance(pre, list) and isinstance(dec, list):
-        for p, d in zip(pre, dec, strict=False):
-            _merge_meta(p, d)
-        return
-    if not (isinstance(pre, dict) and isinstance(dec, dict)):
-        return
-    pm, dm = pre.get("meta_info"), dec.get("meta_info")
-    if not (isinstance(pm, dict) and isinstance(dm, dict)):
-        return
-    for key in ("input_token_logprobs", "input_top_logprobs"):
-        a, b = pm.get(key), dm.get(key)
-        if isinstance(a, list) and isinstance(b, list):
-            dm[key] = a + b
-
-
-def prefill_payload(body: bytes):
-    """The prefill leg's JSON (first SSE event when it streamed)."""
-    body = body.lstrip()
-    if body.startswith(b"data:"):
-        first = body.split(b"\n", 1)[0][5:].strip()
-        return _decode(first) if first and first != b"[DONE]" else None
-    return _decode(body) if body else None
-
-
-class StreamMerger:
-    """Rewrites complete SSE events of the decode stream with the prefill leg's logprobs merged in."""
-
-    def __init__(self, prefill):
-        self.prefill = prefill
-        self.buf = b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        self.buf += chunk
-        *events, self.buf = self.buf.split(b"\n\n")
-        out = []
-        for ev in events:
-            if ev.startswith(b"data:") and b"[DONE]" not in ev:
-                try:
-                    obj = _decode(ev[5:].strip())
-                    _merge_meta(self.prefill, obj)
-                    ev = b"data: " + _encode(obj)
-                except msgspec.DecodeError:
-                    pass
-            out.append(ev + b"\n\n")
-        return b"".join(out)
 
 
 class Dispatcher:
@@ -510,9 +461,7 @@ class Dispatcher:
                 await asyncio.wait((p_task,))
                 if p_task.exception() is None and p_task.result()[0] < 300:
                     try:
-                        pre, dec = prefill_payload(p_task.result()[1]), _decode(body)
-                        _merge_meta(pre, dec)
-                        body = _encode(dec)
+                        body = merged_body(p_task.result()[1], body)
                     except msgspec.DecodeError:
                         log.warning("request %s: logprobs not merged (a leg's body is not JSON)", request_id)
             elif not p_task.done():
@@ -572,7 +521,7 @@ class Dispatcher:
                     self._spawn(self._abort_on(d, ids))
                     return fail
                 try:
-                    merger = StreamMerger(prefill_payload(p_task.result()[1]))
+                    merger = StreamMerger(PrefillPrompt.of(p_task.result()[1]))
                 except msgspec.DecodeError:
                     merger = None
             # phase 2: stream to the client; from here errors are SSE events

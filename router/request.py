@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from common.api_fields import SCOPE_OF, screen
 from common.openai_params import sampling_params
 from common.protocol import (
     BadRequest,
@@ -22,7 +23,6 @@ from common.protocol import (
     decode_json,
     item_rids,
     normalize_hosts,
-    validation_message,
 )
 from router.registry import Worker
 
@@ -61,10 +61,8 @@ def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
     obj = decode_json(body, Any)
     if not isinstance(obj, dict):
         raise BadRequest("request body must be a JSON object")
-    try:
-        req = msgspec.convert(obj, _TYPES[path])
-    except msgspec.ValidationError as e:
-        raise BadRequest(validation_message(e)) from None
+    type_ = _TYPES[path]
+    req = convert(screen(obj, SCOPE_OF[type_]), type_, "")
     # a client's bootstrap_host/port/room are checked with the nodes' rule (the struct types bound the
     # port and room), then replaced by the router's own in `inject`, as sglang-router does
     normalize_hosts(req.bootstrap_host)

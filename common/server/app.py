@@ -21,6 +21,7 @@ from common.protocol import (
     AbortHTTPRequest,
     BadRequest,
     GenerateRequest,
+    ModelNotFound,
     TokenizedRequest,
     check_request_id,
     error_body,
@@ -40,13 +41,15 @@ from common.server.http import (
     item_fields,
     per_item,
     read_json,
+    read_request,
     respond,
     sse_done,
     sse_send,
     stream_wait,
 )
 from common.server.metrics import CONTENT_TYPE
-from common.server.openapi import Route, access_of, access_table, add_routes, with_openapi
+from common.server.openai_api import check_model
+from common.server.openapi import Route, access_of, access_table, add_routes, unserved_routes, with_openapi
 from common.server.security import ADMIN, BY_BODY, OPEN, PUBLIC, Denied, Keys, bearer_token, check_access
 from common.server.tokenize_api import DetokenizeRequest, TokenizeRequest, handle_detokenize, handle_tokenize
 from common.server.tokenizer_manager import QueueFull, ReqState, ServiceUnavailable, TokenizerManager
@@ -108,6 +111,10 @@ async def _answer(request: web.Request, handler, rid: str | None) -> web.StreamR
         logger.info("rid=%s %s %s status=400 error=%s", rid or "-", request.method, request.path, e)
         count(400)
         return error_response(400, str(e))
+    except ModelNotFound as e:
+        logger.info("rid=%s %s %s status=404 error=%s", rid or "-", request.method, request.path, e)
+        count(404)
+        return error_response(404, str(e), code="model_not_found")
     except QueueFull as e:
         logger.info("%s %s status=429 error=%s", request.method, request.path, e)
         count(429)
@@ -254,7 +261,8 @@ async def _stream_generate(tm: TokenizerManager, states: list[ReqState], notify,
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
     tm = request.app[TM_KEY]
-    req = await read_json(request, GenerateRequest)
+    req = await read_request(request, GenerateRequest)
+    check_model(request, req)
     treqs, batch = await build_generate_requests(tm, req)
     states, notify = tm.submit(treqs, endpoint="generate", return_text_in_logprobs=req.return_text_in_logprobs)
 
@@ -313,12 +321,22 @@ async def handle_health_generate(request: web.Request) -> web.Response:
             tm.release(st, 200)
 
 
-async def handle_models(request: web.Request) -> web.Response:
+def model_card(request: web.Request) -> dict[str, Any]:
     info = request.app[INFO_KEY]
-    tm = request.app[TM_KEY]
-    return web.json_response({"object": "list", "data": [{
-        "id": info["served_model_name"], "object": "model", "created": int(info["started"]),
-        "owned_by": "pdserve", "root": info["model_path"], "max_model_len": tm.context_length}]})
+    return {"id": info["served_model_name"], "object": "model", "created": int(info["started"]),
+            "owned_by": "pdserve", "root": info["model_path"], "max_model_len": request.app[TM_KEY].context_length}
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [model_card(request)]})
+
+
+async def handle_model(request: web.Request) -> web.Response:
+    """`GET /v1/models/{model}`: the served model's card, a 404 `model_not_found` for any other name."""
+    card = model_card(request)
+    if request.match_info["model"] != card["id"]:
+        raise ModelNotFound(request.match_info["model"], card["id"])
+    return web.json_response(card)
 
 
 async def handle_model_info(request: web.Request) -> web.Response:
@@ -452,6 +470,8 @@ def node_routes() -> list[Route]:
         Route("POST", "/v1/chat/completions", openai_api.handle_chat_completions, ChatCompletionRequest,
               summary=f"OpenAI chat {gen}", stream=True),
         Route("GET", "/v1/models", handle_models, summary="the served model"),
+        Route("GET", "/v1/models/{model:.+}", handle_model, summary="the served model's card, by its name"),
+        *unserved_routes(error_body),
         *(Route("POST", p, handle_tokenize, TokenizeRequest, summary="text or chat messages to token ids")
           for p in ("/tokenize", "/v1/tokenize")),
         *(Route("POST", p, handle_detokenize, DetokenizeRequest, summary="token ids to text")
@@ -479,8 +499,7 @@ def create_app(tm: TokenizerManager, *, model_path: str, served_model_name: str 
     app[TM_KEY] = tm
     app[KEYS_KEY] = keys
     app[INFO_KEY] = {"model_path": model_path, "started": time.time(),
-                     "served_model_name": served_model_name or tm.args.served_model_name
-                     or tm.node_info.get("model_config", {}).get("name") or model_path}
+                     "served_model_name": served_model_name or tm.args.served_model_name or tm.args.model}
     tm.metrics.model_name = app[INFO_KEY]["served_model_name"]  # the model_name label of every series
     routes = node_routes()
     app[ACCESS_KEY] = access_table(routes)

@@ -112,8 +112,9 @@ def _mark_final_content(message: dict) -> str:
     raise ValueError('continue_final_message: the final message has no "content" to continue')
 
 
-def render_chat(template: str, messages: list[dict], *, tools: list | None = None, add_generation_prompt: bool = False,
-                continue_final_message: bool = False, variables: dict[str, Any] | None = None) -> str:
+def render_chat(template: str, messages: list[dict], *, tools: list | None = None, documents: list | None = None,
+                add_generation_prompt: bool = False, continue_final_message: bool = False,
+                variables: dict[str, Any] | None = None) -> str:
     """The prompt text `template` makes of `messages`; raises (jinja2's errors, ValueError) where the
     template or the conversation cannot give one."""
     if not messages:
@@ -129,7 +130,7 @@ def render_chat(template: str, messages: list[dict], *, tools: list | None = Non
         if "content" not in template:
             raise ValueError('continue_final_message: the chat template does not read "content"')
         final = _mark_final_content(chat[-1])  # chat[-1] is _template_message's new dict
-    text = compile_template(template).render(messages=chat, tools=tools, documents=None,
+    text = compile_template(template).render(messages=chat, tools=tools, documents=documents,
                                              add_generation_prompt=add_generation_prompt, **(variables or {}))
     if final is None:
         return text

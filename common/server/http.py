@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from common.api_fields import decode_request
 from common.protocol import (
     ERR_TYPE_HEADER,
     BadRequest,
@@ -42,14 +43,20 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+def error_response(status: int, message: str, headers: dict[str, str] | None = None,
+                   code: str | None = None) -> web.Response:
     if status == 429:
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS), **(headers or {})}
-    return web.json_response(error_body(status, message), status=status, headers=headers, dumps=dumps)
+    return web.json_response(error_body(status, message, code), status=status, headers=headers, dumps=dumps)
 
 
 async def read_json(request: web.Request, type_: type) -> Any:
     return decode_json(await request.read(), type_)
+
+
+async def read_request(request: web.Request, type_: type) -> Any:
+    """A generation endpoint's body, its fields screened first (`common/api_fields.py`)."""
+    return decode_request(await request.read(), type_)
 
 
 async def sse_start(request: web.Request) -> web.StreamResponse:
@@ -156,9 +163,6 @@ def item_fields(args, req, n: int, batch: bool) -> list[dict[str, Any]]:
         raise BadRequest(f"`bootstrap_room` must be a list with one room per item for a batch of {n}")
     dp_ranks = data_parallel_ranks(args, req.data_parallel_rank, rooms)
     prios = per_item(req.priority, n, "priority", batch)
-    if req.priority is not None and args.schedule_policy != "priority":
-        raise BadRequest("`priority` needs a node started with --schedule-policy priority; this node schedules "
-                         f"by {args.schedule_policy} (leave `priority` out)")
     return [{"rid": r, "bootstrap_host": h, "bootstrap_port": p, "bootstrap_room": room, "priority": prio or 0,
              "data_parallel_rank": dp}
             for r, h, p, room, prio, dp in zip(rids, hosts, ports, rooms, prios, dp_ranks, strict=True)]

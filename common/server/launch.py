@@ -31,7 +31,7 @@ import time
 from aiohttp import web
 
 from common.log import exit_now, setup_logging
-from common.models.hub import HubError, is_hub_id
+from common.models.hub import HubError
 from common.scheduler.watchdog import describe_exit
 from common.server.run_dir import RunDir
 
@@ -170,9 +170,9 @@ async def _serve(args, tm, procs, names, model_dir: str, keys, ssl_context) -> N
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await tm.start()
-    # a Hub model is served under its id (as vLLM and SGLang do), not its snapshot directory's hash
-    app = create_app(tm, model_path=model_dir, keys=keys,
-                     served_model_name=args.served_model_name or (args.model if is_hub_id(args.model) else None))
+    # served under the name it was started with (`--model` as given: "default", a Hub id, a path), as vLLM and
+    # SGLang do, unless --served-model-name says otherwise
+    app = create_app(tm, model_path=model_dir, keys=keys, served_model_name=args.served_model_name or args.model)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, ssl_context=ssl_context)

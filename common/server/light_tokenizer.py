@@ -102,12 +102,14 @@ class LightTokenizer:
             ids = [ids]
         return self.backend_tokenizer.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
-    def apply_chat_template(self, messages: list[dict], tools: list | None = None, *, add_generation_prompt: bool = False,
-                            continue_final_message: bool = False, tokenize: bool = False, **variables) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list | None = None, *, documents: list | None = None,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False,
+                            tokenize: bool = False, **variables) -> str:
         if tokenize:
             raise ValueError("LightTokenizer.apply_chat_template renders text only (tokenize=False)")
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        return render_chat(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+        return render_chat(self.chat_template, messages, tools=tools, documents=documents,
+                           add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message,
                            variables={**self.special_tokens_map, **variables})

@@ -23,6 +23,7 @@ from common.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    ModelNotFound,
     TokenizedRequest,
     error_body,
 )
@@ -34,11 +35,18 @@ from common.server.http import (
     copy_of,
     failed,
     item_fields,
-    read_json,
+    read_request,
     respond,
     sse_done,
     sse_send,
     stream_wait,
+)
+from common.server.openai_logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    joined,
+    output_entries,
+    prompt_entries,
 )
 from common.server.tokenizer_manager import ReqState, TokenizerManager
 from common.server.tool_calls import ToolStream, parse_answer, plan_tools, template_messages
@@ -54,7 +62,8 @@ def top_logprobs_cap(tm: TokenizerManager) -> int:
 
 
 def _treqs(tm: TokenizerManager, req, prompts: list[list[int]], batch: bool, *, default_max: int | None,
-           prompt_field: str, logprobs: bool, top_n: int, grammar=None) -> list[TokenizedRequest]:
+           prompt_field: str, logprobs: bool, top_n: int, grammar=None,
+           logprob_start_len: int = -1) -> list[TokenizedRequest]:
     """The requests of an OpenAI call: `req.n` copies of each prompt, copy j of prompt i at i * n + j,
     each with its rid and rendezvous (`item_fields`)."""
     n = req.n
@@ -67,14 +76,33 @@ def _treqs(tm: TokenizerManager, req, prompts: list[list[int]], batch: bool, *, 
         tm.check_token_ids(sp, "")
         for j in range(n):
             out.append(TokenizedRequest(input_ids=ids, sampling=copy_of(sp, j), stream=req.stream,
-                                        return_logprob=logprobs, top_logprobs_num=top_n, **fields[i * n + j]))
+                                        return_logprob=logprobs, logprob_start_len=logprob_start_len,
+                                        top_logprobs_num=top_n, **fields[i * n + j]))
     if req.user:  # OpenAI's end-user id: it changes nothing in the answer, the log keeps it with the rids
         logger.info("rid=%s user=%r", out[0].rid, req.user[:128])
     return out
 
 
-def model_name(request: web.Request, req) -> str:
-    return req.model or request.app[INFO_KEY]["served_model_name"]
+def truncated(tm: TokenizerManager, ids: list[int], req) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (its first k with `truncation_side`
+    right); -1 keeps as many as leave room for one output token."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == -1:
+        k = tm.context_length - 1
+    if k == 0:
+        raise BadRequest("`truncate_prompt_tokens` must be -1 or >= 1")
+    return ids[:k] if req.truncation_side == "right" else ids[-k:]
+
+
+def check_model(request: web.Request, req) -> str:
+    """The model name the answer carries: the served one; a request naming another is a 404, as OpenAI's
+    API and SGLang answer."""
+    served = request.app[INFO_KEY]["served_model_name"]
+    if req.model is not None and req.model != served:
+        raise ModelNotFound(req.model, served)
+    return served
 
 
 def _finish_reason(st: ReqState) -> str | None:
@@ -94,7 +122,8 @@ def _abort_error(st: ReqState) -> tuple[int, str] | None:
 
 
 def _usage(states: list[ReqState], n: int = 1) -> dict[str, int]:
-    """Token counts of a call: each prompt counts once, whatever its number of copies `n`."""
+    """Token counts of a call (so far, while it runs): each prompt counts once, whatever its number of
+    copies `n`."""
     firsts = states[::n]
     p = sum(s.prompt_tokens for s in firsts)
     c = sum(s.completion_tokens for s in states)
@@ -102,34 +131,22 @@ def _usage(states: list[ReqState], n: int = 1) -> dict[str, int]:
             "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)}}
 
 
-# ---------------------------------------------------------------------------------------------- logprobs
-def _completion_logprobs(tm: TokenizerManager, st: ReqState, start: int, end: int, text_offset0: int) -> dict:
-    pairs = st.output_logprobs[start:end]
-    tokens = tm.token_texts([p[1] for p in pairs])
-    tops = []
-    for row in st.output_top_logprobs[start:end] if st.top_logprobs_num else []:
-        names = tm.token_texts([p[1] for p in row])
-        tops.append({n: float(p[0]) for n, p in zip(names, row, strict=True)})
-    offsets, off = [], text_offset0
-    for t in tokens:
-        offsets.append(off)
-        off += len(t)
-    return {"tokens": tokens, "token_logprobs": [float(p[0]) for p in pairs],
-            "top_logprobs": tops if st.top_logprobs_num else None, "text_offset": offsets}
+class StreamUsage:
+    """`stream_options`: `include_usage` adds a last event with the call's usage (and `usage: null` on the
+    others), `continuous_usage_stats` puts the usage so far on every event."""
 
+    def __init__(self, req, states: list[ReqState]) -> None:
+        opts = req.stream_options
+        self.final = bool(opts and opts.include_usage)
+        self.continuous = bool(opts and opts.continuous_usage_stats)
+        self.states, self.n = states, req.n
 
-def _chat_logprobs(tm: TokenizerManager, st: ReqState, start: int, end: int) -> dict:
-    pairs = st.output_logprobs[start:end]
-    tokens = tm.token_texts([p[1] for p in pairs])
-    tops = st.output_top_logprobs[start:end]
-    content = []
-    for k, (p, t) in enumerate(zip(pairs, tokens, strict=True)):
-        row = tops[k] if k < len(tops) and st.top_logprobs_num else []
-        names = tm.token_texts([q[1] for q in row])
-        content.append({"token": t, "logprob": float(p[0]), "bytes": list(t.encode("utf-8")),
-                        "top_logprobs": [{"token": n, "logprob": float(q[0]), "bytes": list(n.encode("utf-8"))}
-                                         for n, q in zip(names, row, strict=True)]})
-    return {"content": content}
+    def add(self, chunk: dict) -> dict:
+        if self.continuous:
+            chunk["usage"] = _usage(self.states, self.n)
+        elif self.final:
+            chunk["usage"] = None
+        return chunk
 
 
 async def _stream_items(resp, tm: TokenizerManager, states: list[ReqState], notify):
@@ -183,62 +200,87 @@ def fim_prompt(tm: TokenizerManager, prompt: Any, suffix: str) -> str:
     raise BadRequest("`suffix`: this model has no fill-in-the-middle tokens (<fim_prefix>, <fim_suffix>, <fim_middle>)")
 
 
+class CompletionLogprobs:
+    """The legacy `logprobs` of each choice of a completions call (`openai_logprobs.py`). With `echo` the
+    prompt's entries come first, on the node that computes them: not on a decode node that receives the
+    prompt's KV (the prefill node does), and a prefill node answers those alone."""
+
+    def __init__(self, tm: TokenizerManager, req: CompletionRequest, treqs: list[TokenizedRequest], echo: list[str]):
+        self.tm, self.echo = tm, echo
+        self.top, self.as_ids = bool(req.logprobs), req.return_tokens_as_token_ids
+        mode = tm.args.disaggregation_mode
+        self.prompt = [req.echo and not (mode == "decode" and t.bootstrap_room is not None) for t in treqs]
+        self.output = mode != "prefill"
+
+    def ready(self, i: int, st: ReqState) -> bool:
+        """Whether choice i's first event may go: its prompt's logprobs are in (or it ended without)."""
+        return not self.prompt[i] or bool(st.input_logprobs) or st.finished
+
+    def of(self, i: int, st: ReqState, start: int, end: int, first: bool = True) -> dict:
+        """Choice i's entries: with `first` (its first event, or the whole answer) its prompt's, then its
+        output's [start, end)."""
+        tm, top, as_ids = self.tm, self.top, self.as_ids
+        out = completion_logprobs(tm, output_entries(st, start, end) if self.output else [],
+                                  len(self.echo[i]) if first else 0, top, as_ids)
+        if first and self.prompt[i]:
+            out = joined(completion_logprobs(tm, prompt_entries(st), 0, top, as_ids), out)
+        return out
+
+
 async def handle_completions(request: web.Request) -> web.StreamResponse:
     tm = request.app[TM_KEY]
-    req: CompletionRequest = await read_json(request, CompletionRequest)
+    req: CompletionRequest = await read_request(request, CompletionRequest)
+    model = check_model(request, req)
     if req.logprobs is not None:
         check_top_logprobs(tm, req.logprobs, "logprobs", top_logprobs_cap(tm))
     prompt = fim_prompt(tm, req.prompt, req.suffix) if req.suffix else req.prompt
     prompts, batch = await _completion_prompts(tm, prompt)
+    prompts = [truncated(tm, ids, req) for ids in prompts]
     want_lp = req.logprobs is not None
     treqs = _treqs(tm, req, prompts, batch, default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, prompt_field="prompt",
-                   logprobs=want_lp, top_n=req.logprobs or 0)
+                   logprobs=want_lp, top_n=req.logprobs or 0, logprob_start_len=0 if want_lp and req.echo else -1)
     n = req.n
     echo = [await tm.decode(ids) if req.echo else "" for ids in prompts for _ in range(n)]  # before submit
+    lps = CompletionLogprobs(tm, req, treqs, echo) if want_lp else None
     states, notify = tm.submit(treqs, endpoint="completions")
     cid = "cmpl-" + uuid.uuid4().hex
     created = int(time.time())
-    model = model_name(request, req)
 
     def body():
-        choices = []
-        for i, st in enumerate(states):
-            lp = _completion_logprobs(tm, st, 0, len(st.output_logprobs), len(echo[i])) if want_lp else None
-            choices.append({"index": i, "text": echo[i] + st.text, "logprobs": lp,
-                            "finish_reason": _finish_reason(st)})
+        choices = [{"index": i, "text": echo[i] + st.text,
+                    "logprobs": lps.of(i, st, 0, len(st.output_logprobs)) if lps else None,
+                    "finish_reason": _finish_reason(st)} for i, st in enumerate(states)]
         return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
                 "usage": _usage(states, n)}
 
-    stream = ((lambda resp: _stream_completions(resp, tm, req, states, notify, cid, created, model, echo))
+    stream = ((lambda resp: _stream_completions(resp, tm, req, states, notify, cid, created, model, echo, lps))
               if req.stream else None)
     return await respond(request, tm, states, notify, stream, body, error_of=_abort_error)
 
 
-async def _stream_completions(resp, tm, req, states, notify, cid, created, model, echo) -> None:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    want_lp = req.logprobs is not None
+async def _stream_completions(resp, tm, req, states, notify, cid, created, model, echo, lps) -> None:
+    usage = StreamUsage(req, states)
+    started = [False] * len(states)
     sent_text = [0] * len(states)
     sent_lp = [0] * len(states)
 
-    def chunk(choices):
-        c = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-        if include_usage:
-            c["usage"] = None
-        return c
-
     async for i, st, finished in _stream_items(resp, tm, states, notify):
         delta = st.text[sent_text[i]:]
-        if sent_text[i] == 0 and echo[i]:
-            delta = echo[i] + delta
         n_lp = len(st.output_logprobs)
-        if not delta and not finished and (not want_lp or n_lp == sent_lp[i]):
+        if not started[i]:
+            if lps is not None and not lps.ready(i, st):
+                continue
+            delta = echo[i] + delta
+        if started[i] and not delta and not finished and (lps is None or n_lp == sent_lp[i]):
             continue
-        lp = _completion_logprobs(tm, st, sent_lp[i], n_lp, 0) if want_lp else None
-        await sse_send(resp, chunk([{"index": i, "text": delta, "logprobs": lp,
-                                     "finish_reason": _finish_reason(st) if finished else None}]))
+        lp = lps.of(i, st, sent_lp[i], n_lp, first=not started[i]) if lps is not None else None
+        await sse_send(resp, usage.add({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                        "choices": [{"index": i, "text": delta, "logprobs": lp,
+                                                     "finish_reason": _finish_reason(st) if finished else None}]}))
+        started[i] = True
         sent_text[i] = len(st.text)
         sent_lp[i] = n_lp
-    if include_usage:
+    if usage.final:
         await sse_send(resp, {"id": cid, "object": "text_completion", "created": created, "model": model,
                               "choices": [], "usage": _usage(states, req.n)})
     await sse_done(resp)
@@ -257,12 +299,17 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type")  # a refusal part is the text of an earlier refusing answer
+                if kind not in ("text", "refusal") or not isinstance(part.get(kind), str):
                     raise BadRequest(f"`messages[{i}].content[{j}]` must be a text part "
                                      "(only text is supported)")
-                texts.append(part["text"])
+                texts.append(part[kind])
             content = "".join(texts)
+        if not content and m.refusal is not None:
+            content = m.refusal
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
         if m.tool_calls is not None:
             if m.role != "assistant":
                 raise BadRequest(f"`messages[{i}].tool_calls` is only for assistant messages")
@@ -278,9 +325,33 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return template_messages(out)
 
 
+TEMPLATE_FIELDS = ("reasoning_effort", "thinking", "documents")
+
+
+def template_inputs(tm: TokenizerManager, req: ChatCompletionRequest) -> dict[str, Any]:
+    """`chat_template_kwargs` with the request's template fields in (`documents` goes apart, as the
+    template's own variable): each must be read by the model's chat template, as it would change nothing
+    otherwise."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    template = tm.chat_template or ""
+    for name in TEMPLATE_FIELDS:
+        value = getattr(req, name)
+        if value is None:
+            continue
+        if name not in template:
+            raise BadRequest(f"`{name}`: this model's chat template does not read it, so it would change nothing "
+                             "(start the node with a --chat-template that does)")
+        if name != "documents":
+            if name in kwargs and kwargs[name] != value:
+                raise BadRequest(f"`{name}` and `chat_template_kwargs.{name}` give different values")
+            kwargs[name] = value
+    return kwargs
+
+
 async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     tm = request.app[TM_KEY]
-    req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)
+    req: ChatCompletionRequest = await read_request(request, ChatCompletionRequest)
+    model = check_model(request, req)
     if req.top_logprobs is not None:
         check_top_logprobs(tm, req.top_logprobs, "top_logprobs", top_logprobs_cap(tm))
         if req.top_logprobs and not req.logprobs:
@@ -288,17 +359,19 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tm.chat_template)
     if req.continue_final_message and req.messages and req.messages[-1].role != "assistant":
         raise BadRequest("`continue_final_message` needs the last message to be the assistant's")
-    ids = await tm.apply_chat_template(chat_messages(req.messages), plan.tools, req.chat_template_kwargs,
-                                       continue_final_message=req.continue_final_message)
+    ids = await tm.apply_chat_template(chat_messages(req.messages), plan.tools, template_inputs(tm, req),
+                                       add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message, documents=req.documents)
+    ids = truncated(tm, ids, req)
     treqs = _treqs(tm, req, [ids], False, default_max=None, prompt_field="messages", logprobs=req.logprobs,
                    top_n=req.top_logprobs or 0, grammar=plan.grammar)
     states, notify = tm.submit(treqs, endpoint="chat_completions")
     cid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
-    model = model_name(request, req)
+    as_ids = req.return_tokens_as_token_ids
 
     def choice(i: int, st: ReqState) -> dict[str, Any]:
-        lp = _chat_logprobs(tm, st, 0, len(st.output_logprobs)) if req.logprobs else None
+        lp = chat_logprobs(tm, st, 0, len(st.output_logprobs), as_ids) if req.logprobs else None
         content, calls = parse_answer(plan, st.text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         finish = _finish_reason(st)
@@ -318,15 +391,13 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream_chat(resp, tm, req, plan, states, notify, cid, created, model) -> None:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    usage = StreamUsage(req, states)
+    as_ids = req.return_tokens_as_token_ids
 
     def chunk(i, delta, finish=None, logprobs=None):
-        c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "system_fingerprint": None,
-             "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-        if include_usage:
-            c["usage"] = None
-        return c
+        return usage.add({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                          "system_fingerprint": None,
+                          "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
 
     for i in range(len(states)):
         await sse_send(resp, chunk(i, {"role": "assistant", "content": ""}))
@@ -336,7 +407,7 @@ async def _stream_chat(resp, tm, req, plan, states, notify, cid, created, model)
         text, calls = splits[i].feed(st.text, finished)
         n_lp = len(st.output_logprobs)
         if text or (req.logprobs and n_lp > sent_lp[i]):
-            lp = _chat_logprobs(tm, st, sent_lp[i], n_lp) if req.logprobs else None
+            lp = chat_logprobs(tm, st, sent_lp[i], n_lp, as_ids) if req.logprobs else None
             await sse_send(resp, chunk(i, {"content": text}, None, lp))
             sent_lp[i] = n_lp
         first = splits[i].calls - len(calls)  # the index of this step's first call in the answer
@@ -347,7 +418,7 @@ async def _stream_chat(resp, tm, req, plan, states, notify, cid, created, model)
             if splits[i].calls and finish == "stop":
                 finish = "tool_calls"
             await sse_send(resp, chunk(i, {}, finish))
-    if include_usage:
+    if usage.final:
         await sse_send(resp, {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                               "system_fingerprint": None, "choices": [], "usage": _usage(states, req.n)})
     await sse_done(resp)

@@ -23,7 +23,14 @@ _PARAM = re.compile(r"\{(\w+)(?::[^}]*)?\}")
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"],
     "properties": {"error": {"type": "object", "required": ["message", "type", "code"], "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "integer"}}}}}
+        "message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": ["string", "null"]}}}}}
+
+# OpenAI-style endpoints clients call that this text-generation server does not serve: each answers a JSON 404
+# that says so (a 5xx would make the OpenAI SDK retry)
+UNSERVED = {"/v1/embeddings": "embeddings", "/v1/responses": "the Responses API",
+            "/v1/audio/transcriptions": "audio", "/v1/audio/translations": "audio", "/v1/audio/speech": "audio",
+            "/v1/images/generations": "images", "/v1/moderations": "moderation", "/v1/rerank": "reranking",
+            "/v1/score": "scoring", "/v1/files": "files", "/v1/batches": "batches"}
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,19 @@ def openapi_document(title: str, version: str, routes: Iterable[Route], descript
             "paths": paths,
             "components": {"schemas": schemas,
                            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
+
+
+def unserved_routes(error_body: Callable[[int, str, str], dict]) -> list[Route]:
+    """A route for each of `UNSERVED`, answering 404 with code `unsupported_endpoint`."""
+
+    async def handle(request: web.Request) -> web.Response:
+        what = UNSERVED[request.match_info.route.resource.canonical]
+        message = (f"{request.path} ({what}) is not served here: this server generates text; use "
+                   "/v1/chat/completions, /v1/completions or /generate")
+        return web.json_response(error_body(404, message, "unsupported_endpoint"), status=404)
+
+    return [Route("POST", path, handle, summary=f"not served ({what}): a JSON 404 that says so")
+            for path, what in UNSERVED.items()]
 
 
 def with_openapi(routes: Iterable[Route], title: str, version: str, description: str = "") -> list[Route]:

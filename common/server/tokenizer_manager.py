@@ -431,13 +431,15 @@ class TokenizerManager:
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                                   kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
-                                  continue_final_message: bool = False) -> list[int]:
-        """Chat messages (and the tools shown to the model) → prompt ids: the model's chat template with
-        the generation prompt and the client's `chat_template_kwargs`; rendered and tokenized off the
-        event loop when the messages are large."""
+                                  continue_final_message: bool = False,
+                                  documents: list[dict[str, Any]] | None = None) -> list[int]:
+        """Chat messages (and the tools and documents shown to the model) → prompt ids: the model's chat
+        template with the generation prompt and the client's `chat_template_kwargs`; rendered and
+        tokenized off the event loop when the messages are large."""
         size = sum(len(m.get("content") or "") for m in messages)
         return await self.run_sized(size, INLINE_TOKENIZE_CHARS, self._render_chat, messages, tools, kwargs or {},
-                                    add_generation_prompt and not continue_final_message, continue_final_message)
+                                    add_generation_prompt and not continue_final_message, continue_final_message,
+                                    documents)
 
     @property
     def chat_template(self) -> str | None:
@@ -445,7 +447,8 @@ class TokenizerManager:
         return t if isinstance(t, str) or t is None else json.dumps(t)
 
     def _render_chat(self, messages: list[dict[str, Any]], tools, kwargs: dict[str, Any],
-                     add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     documents: list[dict[str, Any]] | None = None) -> list[int]:
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise BadRequest("`messages`: this model has no chat template; start the node with --chat-template FILE, "
@@ -454,7 +457,8 @@ class TokenizerManager:
         if reserved:
             raise BadRequest(f"`chat_template_kwargs.{reserved[0]}` is set by the server and cannot be given")
         try:
-            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            text = tok.apply_chat_template(messages, tools=tools, documents=documents,
+                                           add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, tokenize=False,
                                            **kwargs)
         except Exception as e:  # jinja raises for messages a template refuses

@@ -11,8 +11,9 @@ PAGE_SIZE = 16
 CHUNK = 32  # small chunks: prompts of a few dozen tokens already cross chunk boundaries
 
 # one torch thread per node: four nodes share the machine's cores
+MODEL = "tiny"  # the name the suite's nodes serve the tiny model under (a request naming another is a 404)
 NODE_SETTINGS = {"page_size": PAGE_SIZE, "chunked_prefill_size": CHUNK, "max_total_tokens": 8192,
-                 "max_running_requests": 64, "num_threads": 1, "log_level": "info"}
+                 "max_running_requests": 64, "num_threads": 1, "log_level": "info", "served_model_name": MODEL}
 # round robin: traffic spreads over both pools deterministically; fast health checks: a killed node is
 # taken out of rotation within a few seconds
 ROUTER_ARGS = ["--policy", "round_robin", "--health-check-interval-secs", "1", "--health-failure-threshold", "2",

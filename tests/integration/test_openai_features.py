@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from tests.harness.client import http_json, stream
-from tests.harness.cluster import wait_pools
+from tests.harness.cluster import MODEL, wait_pools
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "member"],
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -63,7 +63,7 @@ def test_json_schema_answers_validate_colocated_and_pd_alike(node, cluster):
     texts = {}
     for where, c in both(node, cluster):
         for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}, {"temperature": 1.3, "top_p": 0.9}):
-            out = c.chat.completions.create(model="m", messages=ASK, max_tokens=64, response_format=fmt, **kw)
+            out = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64, response_format=fmt, **kw)
             choice = out.choices[0]
             assert choice.finish_reason == "stop", (where, kw, choice)
             jsonschema.validate(json.loads(choice.message.content), PERSON)
@@ -75,7 +75,7 @@ def test_json_schema_answers_validate_colocated_and_pd_alike(node, cluster):
 
 def test_json_object_streamed_through_the_router(cluster):
     chunks = client(cluster.url).chat.completions.create(
-        model="m", messages=ASK, max_tokens=96, temperature=0, stream=True, response_format={"type": "json_object"},
+        model=MODEL, messages=ASK, max_tokens=96, temperature=0, stream=True, response_format={"type": "json_object"},
         extra_body={"logit_bias": {"13": 5}})  # pushes towards "," so the object has members
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert isinstance(json.loads(text), dict), text
@@ -101,7 +101,7 @@ def test_bad_grammars_are_400s_before_a_stream_starts(node, cluster):
                                          "sampling_params": {"json_schema": '{"type": "object", "properties": 5}'}})
         assert res.status == 400 and "json_schema" in res.error, res
         with pytest.raises(openai.BadRequestError) as e:
-            client(url).chat.completions.create(model="m", messages=ASK, response_format={"type": "json_schema"})
+            client(url).chat.completions.create(model=MODEL, messages=ASK, response_format={"type": "json_schema"})
         assert "json_schema" in str(e.value)
 
 
@@ -112,7 +112,7 @@ def test_n_copies_share_the_prompt_and_match_across_pd(node, cluster):
     before = http_json("GET", node.url + "/server_info")[1]["stats"]["total_prefill_tokens"]
     outs = {}
     for where, c in both(node, cluster):
-        out = c.completions.create(model="m", prompt=prompt, n=4, max_tokens=8, temperature=1.0, seed=11,
+        out = c.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=8, temperature=1.0, seed=11,
                                    extra_body={"ignore_eos": True})
         assert [ch.index for ch in out.choices] == [0, 1, 2, 3]
         assert len({ch.text for ch in out.choices}) > 1  # copy j draws with seed + j
@@ -122,7 +122,7 @@ def test_n_copies_share_the_prompt_and_match_across_pd(node, cluster):
     used = http_json("GET", node.url + "/server_info")[1]["stats"]["total_prefill_tokens"] - before
     assert used < 2 * length, used  # the copies took the prompt's KV from the cache
 
-    chat = client(cluster.url).chat.completions.create(model="m", messages=ASK, n=3, max_tokens=5, stream=True,
+    chat = client(cluster.url).chat.completions.create(model=MODEL, messages=ASK, n=3, max_tokens=5, stream=True,
                                                        temperature=1.0, seed=5)
     texts = [""] * 3
     for ch in chat:
@@ -133,17 +133,17 @@ def test_n_copies_share_the_prompt_and_match_across_pd(node, cluster):
 
 def test_logit_bias_and_stop_regex(node, cluster):
     for _, c in both(node, cluster):
-        forced = c.completions.create(model="m", prompt="Hello", max_tokens=6, temperature=0,
+        forced = c.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0,
                                       logit_bias={"330": 100}, extra_body={"ignore_eos": True, "skip_special_tokens": False})
-        ids = c.completions.create(model="m", prompt="Hello", max_tokens=6, temperature=0, logprobs=1,
+        ids = c.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logprobs=1,
                                    logit_bias={"330": 100}, extra_body={"ignore_eos": True})
         assert forced.choices[0].text == ids.choices[0].text and len(ids.choices[0].logprobs.tokens) == 6
         assert len(set(ids.choices[0].logprobs.tokens)) == 1  # every token is 330
 
-        free = c.completions.create(model="m", prompt="Hello", max_tokens=12, temperature=0,
+        free = c.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True}).choices[0].text
         piece = free[len(free) // 2:len(free) // 2 + 2]
-        cut = c.completions.create(model="m", prompt="Hello", max_tokens=12, temperature=0,
+        cut = c.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0,
                                    extra_body={"ignore_eos": True, "stop_regex": re.escape(piece)}).choices[0]
         assert cut.finish_reason == "stop" and free.startswith(cut.text) and piece not in cut.text, (free, cut)
 
@@ -155,7 +155,7 @@ def test_tool_choice_required_and_named_give_valid_calls(node, cluster):
         for choice, names in (("required", set(schemas)),
                               ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
             for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 2}):
-                out = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Weather?"}],
+                out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
                                                 tools=[WEATHER, TIME], tool_choice=choice, max_tokens=120,
                                                 parallel_tool_calls=False, **kw)
                 ch = out.choices[0]
@@ -164,7 +164,7 @@ def test_tool_choice_required_and_named_give_valid_calls(node, cluster):
                 assert call.function.name in names and call.id.startswith("call_")
                 jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
-        chunks = list(c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Weather?"}],
+        chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
                                                 tools=[WEATHER], tool_choice="required", max_tokens=120,
                                                 temperature=0, stream=True))
         calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or ()]
@@ -179,7 +179,7 @@ def test_tool_turns_render_and_tool_choice_none(node):
                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
                    "name": "get_weather", "arguments": json.dumps({"city": "Oslo", "unit": "C"})}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
-    out = c.chat.completions.create(model="m", messages=history, tools=[WEATHER], tool_choice="none",
+    out = c.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
                                     max_tokens=4, temperature=0)
     assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason in ("stop", "length")
     status, tok = http_json("POST", node.url + "/tokenize", {"messages": history, "tools": [WEATHER]})
@@ -189,8 +189,8 @@ def test_tool_turns_render_and_tool_choice_none(node):
     assert "<tool_response>-3 C</tool_response>" in text["prompt"]
     # an assistant turn to continue: the template renders no new turn after it
     partial = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1 2 3"}]
-    cont = c.chat.completions.create(model="m", messages=partial, max_tokens=2, extra_body={"continue_final_message": True})
-    fresh = c.chat.completions.create(model="m", messages=partial, max_tokens=2)
+    cont = c.chat.completions.create(model=MODEL, messages=partial, max_tokens=2, extra_body={"continue_final_message": True})
+    fresh = c.chat.completions.create(model=MODEL, messages=partial, max_tokens=2)
     assert cont.usage.prompt_tokens < fresh.usage.prompt_tokens
 
 
@@ -210,7 +210,7 @@ def test_request_id_is_the_rid_on_every_process(cluster):
                  request_id=rid)
     assert res.ok, res.error
     out = client(cluster.url).with_options(default_headers={"X-Request-ID": rid + "b"}).completions.with_raw_response \
-        .create(model="m", prompt="hi", max_tokens=3)
+        .create(model=MODEL, prompt="hi", max_tokens=3)
     assert out.headers["x-request-id"] == rid + "b"
     for proc in (*cluster.nodes, cluster.router):
         log = Path(proc.log_path).read_text()
@@ -220,14 +220,14 @@ def test_request_id_is_the_rid_on_every_process(cluster):
 def test_unknown_fields_are_refused_by_name(node, cluster):
     for url in (node.url, cluster.url):
         for extra, name, code in (({"image_data": "x"}, "image_data", "unknown_parameter"),
-                                  ({"lora_path": "a"}, "lora_path", "unknown_parameter"),
+                                  ({"lora_path": "a"}, "lora_path", "unsupported_value"),
                                   ({"return_hidden_states": True}, "return_hidden_states", "unsupported_value")):
             with pytest.raises(openai.BadRequestError) as e:
-                client(url).chat.completions.create(model="m", messages=ASK, max_tokens=2, extra_body=extra)
+                client(url).chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, extra_body=extra)
             err = e.value.body
             assert err["param"] == name and err["code"] == code, err
         # sglang-router sends these with their defaults on every request: accepted
-        out = client(url).chat.completions.create(model="m", messages=ASK, max_tokens=2, extra_body={
+        out = client(url).chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, extra_body={
             "return_hidden_states": False, "separate_reasoning": True, "stream_reasoning": True,
             "continue_final_message": False})
         assert out.choices[0].finish_reason

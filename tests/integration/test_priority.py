@@ -22,6 +22,7 @@ import time
 import pytest
 
 from tests.harness.client import http, http_json, wait_until
+from tests.harness.cluster import MODEL
 
 pytestmark = pytest.mark.timeout(300)
 openai = pytest.importorskip("openai")
@@ -32,7 +33,7 @@ PRIORITY_NODE = dict(schedule_policy="priority", enable_priority_preemption=True
                      max_queued_requests=2, num_threads=1, disable_radix_cache=True,
                      # the share of max_new_tokens reserved for running requests stays at 0.7 (no decay),
                      # so what fits next to two running requests does not depend on what ran before
-                     init_new_token_ratio=0.7, min_new_token_ratio=0.7)
+                     init_new_token_ratio=0.7, min_new_token_ratio=0.7, served_model_name=MODEL)
 LOW = 150  # decode steps of a low-priority request: ~1-2 s on the tiny model
 
 
@@ -126,11 +127,11 @@ def test_bad_priority_is_a_400_naming_it(node, extra, words):
 
 def test_priority_on_the_openai_apis(node, tiny_model_dir):
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    out = client.completions.create(model="m", prompt="hello", max_tokens=3, temperature=0,
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=3, temperature=0,
                                     extra_body={"priority": 4})
     assert out.usage.completion_tokens == 3
     with pytest.raises(openai.BadRequestError, match="priority"):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        extra_body={"priority": "urgent"})
     # a batch carries one priority per prompt
     status, out = http_json("POST", node.url + "/generate", {"text": ["a", "b"], "priority": [1],
@@ -147,7 +148,7 @@ def test_pd_pair_with_priorities_through_the_router(tiny_model_dir, module_launc
     for node in cluster.nodes:  # both legs took the request with its priority
         assert re.search(r"rid=prio-pd received: .*priority=7", node.log_text()), node.name
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0, extra_body={"priority": -3})
     assert chat.usage.completion_tokens == 4
     # a bad value is refused by the router itself, naming the field

@@ -248,10 +248,15 @@ def test_completions_logprobs_and_echo(node, client):
     r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=2,
                                   echo=True, extra_body={"ignore_eos": True})
     c = r.choices[0]
+    n_prompt = r.usage.prompt_tokens
     assert c.text.startswith(PROMPTS[0])
-    assert len(c.logprobs.tokens) == 3 and len(c.logprobs.token_logprobs) == 3
-    assert all(len(t) == 2 for t in c.logprobs.top_logprobs)
-    assert c.text[len(PROMPTS[0]):] == "".join(c.logprobs.tokens)
+    # echo: the prompt's tokens first, the first one's logprob null (OpenAI's shape), then the 3 output tokens
+    assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == n_prompt + 3
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert all(isinstance(x, float) for x in c.logprobs.token_logprobs[1:])
+    assert all(len(t) == 2 for t in c.logprobs.top_logprobs[1:])
+    assert c.text[len(PROMPTS[0]):] == "".join(c.logprobs.tokens[n_prompt:])
+    assert c.logprobs.text_offset[n_prompt] == len(PROMPTS[0])
 
 
 def test_chat_openai_client(node, client):
