@@ -42,3 +42,10 @@ def mooncake_cluster(tiny_model_dir, session_launcher):
                                  role_env={r: {"PDSERVE_TRANSFER_PROTOCOL": "tcp"} for r in ("prefill", "decode")})
     c.baseline = cluster_pools(c)
     return c
+
+
+@pytest.fixture(scope="module")
+def mooncake_pd(mooncake_cluster):
+    """`mooncake_cluster` for one module: after the module every room, page and slot is back."""
+    yield mooncake_cluster
+    wait_pools(mooncake_cluster, mooncake_cluster.baseline)

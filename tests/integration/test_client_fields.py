@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.harness.client import http_json, stream
-from tests.harness.cluster import MODEL, NODE_SETTINGS, wait_pools
+from tests.harness.cluster import MODEL, NODE_SETTINGS
 
 PROMPTS = ["The capital of France is", "One, two, three, four"]
 TEMPLATE = str(Path(__file__).resolve().parent.parent / "data" / "reasoning_effort.jinja")
@@ -34,9 +34,8 @@ def node(colocated):
 
 
 @pytest.fixture(scope="module")
-def cluster(mooncake_cluster):
-    yield mooncake_cluster
-    wait_pools(mooncake_cluster, mooncake_cluster.baseline)  # every room, page and slot came back
+def cluster(mooncake_pd):
+    return mooncake_pd
 
 
 @pytest.fixture(scope="module")

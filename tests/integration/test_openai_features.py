@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from tests.harness.client import http_json, stream
-from tests.harness.cluster import MODEL, wait_pools
+from tests.harness.cluster import MODEL
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "member"],
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -44,9 +44,8 @@ def node(colocated):
 
 
 @pytest.fixture(scope="module")
-def cluster(mooncake_cluster):
-    yield mooncake_cluster
-    wait_pools(mooncake_cluster, mooncake_cluster.baseline)  # every room, page and slot came back
+def cluster(mooncake_pd):
+    return mooncake_pd
 
 
 def client(url: str) -> openai.OpenAI:
