@@ -181,3 +181,25 @@ def test_template_fields_reach_a_template_that_reads_them(node, tiny_model_dir, 
     for field, value in (("reasoning_effort", "low"), ("documents", [{"title": "t", "text": "x"}])):
         status, err = chat(node.url, **{field: value})  # its template reads neither
         assert status == 400 and err["error"]["param"] == field and "does not read it" in err["error"]["message"]
+
+
+def test_vllm_extensions(node, cluster):
+    """vLLM's own fields: prompt truncation, tokens named by id, `structured_outputs`, `top_k` 0."""
+    for url in (node.url, cluster.url):
+        full = completions(url, prompt=PROMPTS[1], max_tokens=1, temperature=0)["usage"]["prompt_tokens"]
+        for side in ("left", "right"):
+            out = completions(url, prompt=PROMPTS[1], max_tokens=1, temperature=0, echo=True, logprobs=0,
+                              truncate_prompt_tokens=2, truncation_side=side)
+            assert out["usage"]["prompt_tokens"] == 2 < full, out
+        out = completions(url, prompt=PROMPTS[0], max_tokens=2, temperature=0, logprobs=1,
+                          return_tokens_as_token_ids=True)
+        tokens = out["choices"][0]["logprobs"]["tokens"]
+        assert len(tokens) == 2 and all(t.startswith("token_id:") and t[9:].isdigit() for t in tokens), tokens
+        for so, allowed in (({"choice": ["yes", "no"]}, {"yes", "no"}), ({"regex": "[ab]{3}"}, None)):
+            out = completions(url, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=3, top_k=0,
+                              structured_outputs=so)
+            text = out["choices"][0]["text"]
+            assert text in allowed if allowed else len(text) == 3 and set(text) <= {"a", "b"}, (so, text)
+        status, err = http_json("POST", url + "/v1/completions", {"model": MODEL, "prompt": "x", "regex": "a",
+                                                                   "structured_outputs": {"regex": "b"}})
+        assert status == 400 and "`structured_outputs` cannot be combined with `regex`" in err["error"]["message"]
