@@ -9,7 +9,7 @@ STAMP := $(VENV)/.setup-done
 APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200 gcc libc6-dev chromium chromium-driver iproute2 nftables
 PORT ?= 30000
 
-.PHONY: setup bytecode run test test-fast bench lint clean
+.PHONY: setup clients-venvs bytecode run test test-fast bench lint clean
 
 setup:
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
@@ -29,7 +29,14 @@ setup:
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	# compile the native decode-attention kernel into ~/.cache/pdserve/native now, not in the first node
 	$(PY) -m common.layers.native
+	$(MAKE) --no-print-directory clients-venvs
 	touch $(STAMP)
+
+# the real client the suite runs (tests/integration/test_real_clients.py): SGLang's bench_serving in a venv of
+# its own under the temp dir (bench/clients/venvs.py; ~6 GB, a few minutes the first time, then reused: a built
+# venv whose spec is unchanged is checked in a fraction of a second, so `make test` runs it every time)
+clients-venvs:
+	$(PY) -m bench.clients.venvs build sglang
 
 $(STAMP):
 	$(MAKE) setup
@@ -53,7 +60,7 @@ PACKAGES := common router prefill_node decode_node transfer deploy bench tests
 bytecode: $(STAMP)
 	@$(PY) -m compileall -q $(PACKAGES) >/dev/null
 
-test: bytecode
+test: bytecode clients-venvs
 	$(PY) -m pytest -q $(PYTEST_PARALLEL)
 
 test-fast: bytecode

@@ -69,6 +69,7 @@ BENCHES = {
     "chaos": "bench.chaos",
     "netfaults": "bench.netfaults",
     "startup": "bench.startup",
+    "clients": "bench.clients.run",
 }
 
 
