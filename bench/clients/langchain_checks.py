@@ -9,10 +9,10 @@ Standalone (imports langchain-openai, pydantic and the standard library). One JS
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import sys
-import traceback
 
+from check_lines import expect, run_checks
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 
@@ -23,14 +23,6 @@ class Pet(BaseModel):
     name: str
     legs: int
 
-
-class Failed(Exception):
-    pass
-
-
-def expect(cond: bool, why: str) -> None:
-    if not cond:
-        raise Failed(why)
 
 
 def invoke(llm: ChatOpenAI) -> str:
@@ -73,18 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     llm = ChatOpenAI(base_url=ns.base_url, api_key="x", model=ns.model, temperature=0, max_tokens=64,
                      timeout=ns.timeout, max_retries=0, stream_usage=True)
-    failed = 0
-    for name, check in CHECKS.items():
-        try:
-            ok, detail = True, check(llm)
-        except Failed as e:
-            ok, detail = False, str(e)
-        except Exception as e:  # the client's own error is this check's failure, in one line
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            ok, detail = False, f"{type(e).__name__}: {e} ({where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
-        failed += not ok
-        print(json.dumps({"check": name, "ok": ok, "detail": detail.replace("\n", " ")[:400]}), flush=True)
-    return 1 if failed else 0
+    return run_checks({name: functools.partial(check, llm) for name, check in CHECKS.items()})
 
 
 if __name__ == "__main__":

@@ -9,26 +9,18 @@ Standalone (imports litellm and the standard library). One JSON line per check,
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import sys
-import traceback
 
 # LiteLLM fetches its model price list from the network at import unless told to read its own copy
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import litellm  # noqa: E402
+from check_lines import expect, run_checks  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Name three animals that live in the sea."}]
 
-
-class Failed(Exception):
-    pass
-
-
-def expect(cond: bool, why: str) -> None:
-    if not cond:
-        raise Failed(why)
 
 
 def call(ns, **kw):
@@ -66,18 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--timeout", type=float, default=120.0)
     ns = p.parse_args(argv)
-    failed = 0
-    for name, check in CHECKS.items():
-        try:
-            ok, detail = True, check(ns)
-        except Failed as e:
-            ok, detail = False, str(e)
-        except Exception as e:  # the client's own error is this check's failure, in one line
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            ok, detail = False, f"{type(e).__name__}: {e} ({where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
-        failed += not ok
-        print(json.dumps({"check": name, "ok": ok, "detail": detail.replace("\n", " ")[:400]}), flush=True)
-    return 1 if failed else 0
+    return run_checks({name: functools.partial(check, ns) for name, check in CHECKS.items()})
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ import argparse
 import json
 import re
 import sys
-import traceback
 
 import openai
+from check_lines import Failed, expect, run_checks
 
 PROMPT = "The three primary colors are red, blue and"
 QUESTION = [{"role": "user", "content": "Name three animals that live in the sea."}]
@@ -69,15 +69,6 @@ def close_json(prefix: str) -> str:
     elif last == ",":
         out = out.rstrip()[:-1]
     return out + "".join("}" if c == "{" else "]" for c in reversed(stack))
-
-
-class Failed(Exception):
-    """A check's expectation that did not hold; the message is its one-line reason."""
-
-
-def expect(cond: bool, why: str) -> None:
-    if not cond:
-        raise Failed(why)
 
 
 def error_body(e: openai.APIStatusError) -> dict:
@@ -319,20 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"no such check: {', '.join(unknown)}")
     client = openai.OpenAI(base_url=ns.base_url, api_key=ns.api_key, timeout=ns.timeout, max_retries=0)
     checks = Checks(client, ns.model, ns.expect_reasoning_effort, ns.json_prefix_ok)
-    failed = 0
-    for name in names:
-        try:
-            ok, detail = True, getattr(checks, name)()
-        except Failed as e:
-            ok, detail = False, str(e)
-        except openai.APIStatusError as e:
-            ok, detail = False, f"HTTP {e.status_code}: {e.response.text[:160]}"
-        except Exception as e:  # an SDK or network error is this check's failure, reported in one line
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            ok, detail = False, f"{type(e).__name__}: {e} (line {where.lineno})"
-        failed += not ok
-        print(json.dumps({"check": name, "ok": ok, "detail": detail.replace("\n", " ")}), flush=True)
-    return 1 if failed else 0
+
+    def http_error(e: Exception) -> str | None:
+        return f"HTTP {e.status_code}: {e.response.text[:160]}" if isinstance(e, openai.APIStatusError) else None
+
+    return run_checks({name: getattr(checks, name) for name in names}, http_error)
 
 
 if __name__ == "__main__":
