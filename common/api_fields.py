@@ -409,12 +409,14 @@ def _screen_nested(value: Any, scope: str, path: str, root: dict) -> Any:
     return value  # not an object: the struct's own type check names it
 
 
-def decode_request(body: bytes, type_: type) -> Any:
-    """A generation endpoint's body: screened, then decoded into `type_` (BadRequest names the field)."""
+def decode_request(body: bytes, type_: type) -> tuple[dict, Any]:
+    """A generation endpoint's body as the client sent it (the router forwards it) and as `type_` decodes it
+    after screening; BadRequest names the field."""
     obj = decode_json(body, Any)
     if not isinstance(obj, dict):
-        raise BadRequest(f"request body: Expected `object`, got `{type(obj).__name__}` - at `$`")
-    return convert(screen(obj, SCOPE_OF[type_]), type_, "")
+        kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(obj), "null")
+        raise BadRequest(f"request body must be a JSON object: Expected `object`, got `{kind}` - at `$`")
+    return obj, convert(screen(obj, SCOPE_OF[type_]), type_, "")
 
 
 # ---------------------------------------------------------------------------------------------- the document

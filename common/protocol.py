@@ -111,19 +111,21 @@ def error_body(status: int, message: str, code: str | None = None) -> dict[str, 
     answers; `code` given wins."""
     type_ = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     param = error_param(message) if status == 400 else None
-    if code is not None:
-        return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    code = _CODES.get(status)
-    if status == 400:
-        if "is not a field this server knows" in message:
-            code = "unknown_parameter"
-        elif "is not supported by this server" in message:
-            code = "unsupported_value"
-        elif "context length" in message or "context window" in message:
-            code = "context_length_exceeded"
-        else:
-            code = "invalid_value" if param else "invalid_request"
+    if code is None:
+        code = _code_of(status, message, param)
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _code_of(status: int, message: str, param: str | None) -> str | None:
+    if status != 400:
+        return _CODES.get(status)
+    if "is not a field this server knows" in message:
+        return "unknown_parameter"
+    if "is not supported by this server" in message:
+        return "unsupported_value"
+    if "context length" in message or "context window" in message:
+        return "context_length_exceeded"
+    return "invalid_value" if param else "invalid_request"
 
 
 # --------------------------------------------------------------------------------------------

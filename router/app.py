@@ -22,8 +22,8 @@ from common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    ModelNotFound,
     check_request_id,
-    error_body,
 )
 from common.server.openapi import Route, access_of, access_table, add_routes, unserved_routes, with_openapi
 from common.server.security import (
@@ -363,9 +363,8 @@ class RouterApp:
         for card in cards:
             if card.get("id") == name:
                 return json_response(card)
-        served = ", ".join(f"`{c.get('id')}`" for c in cards)
-        return error_response(404, f"the model `{name[:128]}` does not exist here: this cluster serves {served} "
-                              "(GET /v1/models)", code="model_not_found")
+        served = ", ".join(str(c.get("id")) for c in cards)
+        return error_response(404, str(ModelNotFound(name, served)), code="model_not_found")
 
     async def health(self, request):
         return json_response({"status": "ok"})
@@ -442,7 +441,7 @@ class RouterApp:
             Route("POST", "/flush_cache", self.flush_cache, access=ADMIN, summary="flush every worker's cache"),
             Route("GET", "/v1/models", self.models, summary="the served model"),
             Route("GET", "/v1/models/{model:.+}", self.model, summary="the served model's card, by its name"),
-            *unserved_routes(error_body),
+            *unserved_routes(),
             *(Route("POST", p, self.tokenize, summary="text or chat messages to token ids (a prefill worker's)")
               for p in ("/tokenize", "/v1/tokenize")),
             *(Route("POST", p, self.tokenize, summary="token ids to text (a prefill worker's)")

@@ -7,11 +7,10 @@ import math
 import random
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
-from common.api_fields import SCOPE_OF, screen
+from common.api_fields import decode_request
 from common.openai_params import sampling_params
 from common.protocol import (
     BadRequest,
@@ -20,7 +19,6 @@ from common.protocol import (
     GenerateRequest,
     SamplingParams,
     convert,
-    decode_json,
     item_rids,
     normalize_hosts,
 )
@@ -58,11 +56,7 @@ def _verify_sampling(sp, where: str) -> None:
 
 
 def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
-    obj = decode_json(body, Any)
-    if not isinstance(obj, dict):
-        raise BadRequest("request body must be a JSON object")
-    type_ = _TYPES[path]
-    req = convert(screen(obj, SCOPE_OF[type_]), type_, "")
+    obj, req = decode_request(body, _TYPES[path])
     # a client's bootstrap_host/port/room are checked with the nodes' rule (the struct types bound the
     # port and room), then replaced by the router's own in `inject`, as sglang-router does
     normalize_hosts(req.bootstrap_host)

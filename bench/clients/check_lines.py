@@ -8,6 +8,7 @@ own folder is first on its `sys.path`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import traceback
 from collections.abc import Callable
@@ -20,6 +21,15 @@ class Failed(Exception):
 def expect(cond: bool, why: str) -> None:
     if not cond:
         raise Failed(why)
+
+
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """The options every check script takes: the server's OpenAI base URL, the model, a timeout."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--base-url", required=True, help="the server's OpenAI base URL, ending in /v1")
+    p.add_argument("--model", default="default", help="the served model name")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    return p
 
 
 def run_checks(checks: dict[str, Callable[[], str]], describe_error: Callable[[Exception], str | None] = None) -> int:

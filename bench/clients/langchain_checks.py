@@ -8,11 +8,10 @@ Standalone (imports langchain-openai, pydantic and the standard library). One JS
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 
-from check_lines import expect, run_checks
+from check_lines import arguments, expect, run_checks
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 
@@ -58,11 +57,7 @@ CHECKS = {"invoke": invoke, "stream": stream, "structured_output": structured}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", required=True, help="the server's OpenAI base URL, ending in /v1")
-    p.add_argument("--model", default="default")
-    p.add_argument("--timeout", type=float, default=120.0)
-    ns = p.parse_args(argv)
+    ns = arguments(__doc__).parse_args(argv)
     llm = ChatOpenAI(base_url=ns.base_url, api_key="x", model=ns.model, temperature=0, max_tokens=64,
                      timeout=ns.timeout, max_retries=0, stream_usage=True)
     return run_checks({name: functools.partial(check, llm) for name, check in CHECKS.items()})

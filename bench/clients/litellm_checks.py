@@ -8,7 +8,6 @@ Standalone (imports litellm and the standard library). One JSON line per check,
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -17,7 +16,7 @@ import sys
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import litellm  # noqa: E402
-from check_lines import expect, run_checks  # noqa: E402
+from check_lines import arguments, expect, run_checks  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Name three animals that live in the sea."}]
 
@@ -53,11 +52,7 @@ CHECKS = {"completion": plain, "completion_stream": streaming}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", required=True, help="the server's OpenAI base URL, ending in /v1")
-    p.add_argument("--model", default="default")
-    p.add_argument("--timeout", type=float, default=120.0)
-    ns = p.parse_args(argv)
+    ns = arguments(__doc__).parse_args(argv)
     return run_checks({name: functools.partial(check, ns) for name, check in CHECKS.items()})
 
 

@@ -12,13 +12,12 @@ one JSON line per check, {"check": name, "ok": bool, "detail": str}, and exits 0
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 
 import openai
-from check_lines import Failed, expect, run_checks
+from check_lines import Failed, arguments, expect, run_checks
 
 PROMPT = "The three primary colors are red, blue and"
 QUESTION = [{"role": "user", "content": "Name three animals that live in the sea."}]
@@ -293,15 +292,12 @@ CHECKS = [name for name in vars(Checks) if not name.startswith("_") and name not
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", required=True, help="the server's OpenAI base URL, ending in /v1")
-    p.add_argument("--model", default="default", help="the served model name")
+    p = arguments(__doc__)
     p.add_argument("--expect-reasoning-effort", choices=("accepted", "refused"), default="refused")
     p.add_argument("--json-prefix-ok", action="store_true",
                    help="json_object: accept an object cut short by max_tokens once closed (a random-weight model "
                         "never closes one)")
     p.add_argument("--api-key", default="x")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--only", default="", help="comma list of checks: " + ", ".join(CHECKS))
     ns = p.parse_args(argv)
     names = [n for n in ns.only.split(",") if n] or CHECKS

@@ -471,7 +471,7 @@ def node_routes() -> list[Route]:
               summary=f"OpenAI chat {gen}", stream=True),
         Route("GET", "/v1/models", handle_models, summary="the served model"),
         Route("GET", "/v1/models/{model:.+}", handle_model, summary="the served model's card, by its name"),
-        *unserved_routes(error_body),
+        *unserved_routes(),
         *(Route("POST", p, handle_tokenize, TokenizeRequest, summary="text or chat messages to token ids")
           for p in ("/tokenize", "/v1/tokenize")),
         *(Route("POST", p, handle_detokenize, DetokenizeRequest, summary="token ids to text")

@@ -56,7 +56,7 @@ async def read_json(request: web.Request, type_: type) -> Any:
 
 async def read_request(request: web.Request, type_: type) -> Any:
     """A generation endpoint's body, its fields screened first (`common/api_fields.py`)."""
-    return decode_request(await request.read(), type_)
+    return decode_request(await request.read(), type_)[1]
 
 
 async def sse_start(request: web.Request) -> web.StreamResponse:

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from common.protocol import error_body
 from common.server.security import OPEN, PUBLIC
 
 _PARAM = re.compile(r"\{(\w+)(?::[^}]*)?\}")
@@ -111,7 +112,7 @@ def openapi_document(title: str, version: str, routes: Iterable[Route], descript
                            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
 
 
-def unserved_routes(error_body: Callable[[int, str, str], dict]) -> list[Route]:
+def unserved_routes() -> list[Route]:
     """A route for each of `UNSERVED`, answering 404 with code `unsupported_endpoint`."""
 
     async def handle(request: web.Request) -> web.Response:

@@ -29,16 +29,6 @@ TEMPLATE = str(Path(__file__).resolve().parent.parent / "data" / "reasoning_effo
 
 
 @pytest.fixture(scope="module")
-def node(colocated):
-    return colocated
-
-
-@pytest.fixture(scope="module")
-def cluster(mooncake_pd):
-    return mooncake_pd
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """transformers' log-softmax over the prompts, in float32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -60,8 +50,8 @@ def completions(url: str, **body) -> dict:
     return out
 
 
-def test_echo_logprobs_are_transformers_log_softmax(node, cluster, reference):
-    for url in (node.url, cluster.url):
+def test_echo_logprobs_are_transformers_log_softmax(colocated, mooncake_pd, reference):
+    for url in (colocated.url, mooncake_pd.url):
         out = completions(url, prompt=PROMPTS, max_tokens=2, temperature=0, echo=True, logprobs=2)
         for choice, p in zip(out["choices"], PROMPTS, strict=True):
             ids, logp = reference[p]
@@ -79,8 +69,8 @@ def test_echo_logprobs_are_transformers_log_softmax(node, cluster, reference):
             assert choice["text"].startswith(p) and lp["text_offset"][n] == len(p)
 
 
-def test_max_tokens_zero_scores_the_prompt(node, cluster, reference):
-    for url in (node.url, cluster.url):
+def test_max_tokens_zero_scores_the_prompt(colocated, mooncake_pd, reference):
+    for url in (colocated.url, mooncake_pd.url):
         out = completions(url, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1)
         choice = out["choices"][0]
         ids, logp = reference[PROMPTS[0]]
@@ -89,8 +79,8 @@ def test_max_tokens_zero_scores_the_prompt(node, cluster, reference):
             [logp[k - 1, ids[k]].item() for k in range(1, len(ids))], abs=1e-4)
 
 
-def test_streamed_echo_logprobs_equal_the_whole_answer(node, cluster):
-    for url in (node.url, cluster.url):
+def test_streamed_echo_logprobs_equal_the_whole_answer(colocated, mooncake_pd):
+    for url in (colocated.url, mooncake_pd.url):
         whole = completions(url, prompt=PROMPTS, max_tokens=3, temperature=0, echo=True, logprobs=1)
         res = stream(url + "/v1/completions", {"model": MODEL, "prompt": PROMPTS, "max_tokens": 3, "temperature": 0,
                                                "echo": True, "logprobs": 1, "stream": True})
@@ -103,9 +93,9 @@ def test_streamed_echo_logprobs_equal_the_whole_answer(node, cluster):
             assert tokens == choice["logprobs"]["tokens"] and lps == choice["logprobs"]["token_logprobs"], url
 
 
-def test_stream_usage_options(node, cluster):
+def test_stream_usage_options(colocated, mooncake_pd):
     msgs = [{"role": "user", "content": "Count to five."}]
-    for url in (node.url, cluster.url):
+    for url in (colocated.url, mooncake_pd.url):
         base = {"model": MODEL, "messages": msgs, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         res = stream(url + "/v1/chat/completions", {**base, "stream_options": {"include_usage": True}})
@@ -121,8 +111,8 @@ def test_stream_usage_options(node, cluster):
         assert status == 400 and err["error"]["param"] == "stream_options.bogus", err
 
 
-def test_model_names_and_unserved_endpoints(node, cluster):
-    for url in (node.url, cluster.url):
+def test_model_names_and_unserved_endpoints(colocated, mooncake_pd):
+    for url in (colocated.url, mooncake_pd.url):
         status, models = http_json("GET", url + "/v1/models")
         assert status == 200 and [m["id"] for m in models["data"]] == [MODEL], models
         status, card = http_json("GET", url + f"/v1/models/{MODEL}")
@@ -140,9 +130,9 @@ def test_model_names_and_unserved_endpoints(node, cluster):
             assert "not served here" in err["error"]["message"]
 
 
-def test_client_defaults_and_priority_are_served(node, cluster):
+def test_client_defaults_and_priority_are_served(colocated, mooncake_pd):
     """The fields SGLang's bench_serving and vLLM's clients send on every request, at their defaults."""
-    for url in (node.url, cluster.url):
+    for url in (colocated.url, mooncake_pd.url):
         status, out = http_json("POST", url + "/generate", {
             "text": PROMPTS[0], "sampling_params": {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True,
                                                     "sampling_seed": None, "custom_params": None},
@@ -160,7 +150,7 @@ def test_client_defaults_and_priority_are_served(node, cluster):
         assert status == 400 and err["error"]["code"] == "unsupported_value" and "`best_of`" in err["error"]["message"]
 
 
-def test_template_fields_reach_a_template_that_reads_them(node, tiny_model_dir, module_launcher):
+def test_template_fields_reach_a_template_that_reads_them(colocated, tiny_model_dir, module_launcher):
     reader = module_launcher.colocated(tiny_model_dir, **{**NODE_SETTINGS, "chat_template": TEMPLATE})
     msgs = [{"role": "user", "content": "hi"}]
 
@@ -179,13 +169,13 @@ def test_template_fields_reach_a_template_that_reads_them(node, tiny_model_dir, 
     status, err = chat(reader.url, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})
     assert status == 400 and "reasoning_effort" in err["error"]["message"]
     for field, value in (("reasoning_effort", "low"), ("documents", [{"title": "t", "text": "x"}])):
-        status, err = chat(node.url, **{field: value})  # its template reads neither
+        status, err = chat(colocated.url, **{field: value})  # its template reads neither
         assert status == 400 and err["error"]["param"] == field and "does not read it" in err["error"]["message"]
 
 
-def test_vllm_extensions(node, cluster):
+def test_vllm_extensions(colocated, mooncake_pd):
     """vLLM's own fields: prompt truncation, tokens named by id, `structured_outputs`, `top_k` 0."""
-    for url in (node.url, cluster.url):
+    for url in (colocated.url, mooncake_pd.url):
         full = completions(url, prompt=PROMPTS[1], max_tokens=1, temperature=0)["usage"]["prompt_tokens"]
         for side in ("left", "right"):
             out = completions(url, prompt=PROMPTS[1], max_tokens=1, temperature=0, echo=True, logprobs=0,

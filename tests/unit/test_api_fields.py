@@ -19,8 +19,8 @@ from common.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 # implemented fields whose objects are read as a whole by their handler, not screened field by field:
-# `tool_choice` (tool_calls.plan_tools names what it does not take), an earlier answer's `tool_calls`
-# (handed to the chat template as given), `metadata` (accepted whatever it holds)
+# `tool_choice` (tool_calls.plan_tools names what it does not take) and an earlier answer's `tool_calls`
+# (handed to the chat template as given)
 WHOLE = {("chat", "tool_choice"), ("message", "tool_calls")}
 
 
@@ -158,11 +158,11 @@ def test_decoded_requests_and_their_structs():
     """Every scope of a struct is the struct's own fields; the SGLang and vLLM spellings decode."""
     assert SCOPE_OF == {GenerateRequest: "generate", CompletionRequest: "completions",
                         ChatCompletionRequest: "chat"}
-    req = decode_request(json.dumps({"prompt": "p", "best_of": 1, "echo": None, "n": None, "top_k": None,
+    _, req = decode_request(json.dumps({"prompt": "p", "best_of": 1, "echo": None, "n": None, "top_k": None,
                                      "structured_outputs": {"choice": ["a", "b"]}, "user": "u"}).encode(),
                          CompletionRequest)
     assert req.n == 1 and req.echo is False and req.structured_outputs.choice == ["a", "b"] and req.user == "u"
-    req = decode_request(json.dumps({"text": "t", "lora_path": None, "return_routed_experts": False,
+    _, req = decode_request(json.dumps({"text": "t", "lora_path": None, "return_routed_experts": False,
                                      "routed_dp_rank": 0}).encode(), GenerateRequest)
     assert req.data_parallel_rank == 0
     with pytest.raises(BadRequest, match="Expected `object`"):
