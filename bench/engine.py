@@ -36,7 +36,7 @@ Measured (fp32, CPU, greedy):
   the lm_head once (only the last position's logits), causal attention (2 x layers x heads x
   head_dim x len^2), at the same matmul rate. Ratio `prefill_compute_bound` = bound / our prefill.
 * n-gram speculative decoding through the scheduler loop with `--speculative-algorithm NGRAM` on and
-  off (`bench/speculative.py`), on a repetitive workload (README passages given twice) and on chat
+  off (`bench/speculative.py`), on a repetitive workload (ARCHITECTURE.md passages given twice) and on chat
   questions: ratio `spec_ngram` = decode tokens/s on / off, repetitive, batch 1; `spec_ngram_b16`
   at 16; `spec_ngram_chat`, `spec_ngram_chat_b16` on chat; each with its accept length.
 * EAGLE / MTP speculation with draft layers (`bench/draft_layers.py`) at both ends of the accept
@@ -62,7 +62,7 @@ from bench.report import write_report
 from common.scheduler.speculative import DEFAULT_NUM_DRAFT_TOKENS
 
 BATCHES = (1, 16)
-SPEC_PASSAGE_TOKENS = 120  # the speculation workload's prompts: a README passage of this many tokens, twice
+SPEC_PASSAGE_TOKENS = 120  # the speculation workload's prompts: an ARCHITECTURE.md passage of this many tokens, twice
 
 
 def log(msg: str) -> None:

@@ -2,7 +2,7 @@
 activations (`--quantization w8a8_int8`) cost in quality and buy in speed, against float32 on the same
 model in the same run.
 
-* quality: perplexity of a fixed text (this project's README.md, the first `--ppl-tokens` tokens, in
+* quality: perplexity of a fixed text (this project's ARCHITECTURE.md, the first `--ppl-tokens` tokens, in
   windows of `--ppl-window` tokens scored in one prefill each), and greedy agreement: of `--prompts`
   random prompts, the fraction of the `--greedy-tokens` greedy tokens int8 generates that equal
   float32's, position by position until the first difference (`greedy_agreement`), and how many
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     a = p.add_argument
     a("--model", default="default", help="model directory or 'default' (SmolLM2-135M)")
-    a("--text", default=os.path.join(ROOT, "README.md"), help="the fixed text perplexity is measured on")
+    a("--text", default=os.path.join(ROOT, "ARCHITECTURE.md"), help="the fixed text perplexity is measured on")
     a("--ppl-tokens", type=int, default=2048, help="tokens of the text scored")
     a("--ppl-window", type=int, default=512, help="tokens per scored window (one prefill each)")
     a("--prompts", type=int, default=16, help="random prompts for greedy agreement")

@@ -1,7 +1,7 @@
 """N-gram speculative decoding through the real scheduler loop (part of `pdserve bench engine`).
 
 Two workloads: `repetitive`, where n-gram drafts pay (each prompt is a passage of this project's
-README given twice, so the model's greedy continuation copies it a third time, as in editing or
+ARCHITECTURE.md given twice, so the model's greedy continuation copies it a third time, as in editing or
 quoting text the prompt already holds), and `chat` (short questions in the model's chat template:
 natural answers, where drafts are right less often and a wrong one costs a wider forward). Each run
 is `bench/overlap.py`'s `decode_loop_run`: a `Scheduler` over the shared `ModelRunner`, the prompts
@@ -24,11 +24,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def repetitive_prompts(tokenizer_dir: str, n: int, passage_tokens: int) -> list[list[int]]:
-    """`n` prompts, each a different README passage of `passage_tokens` tokens given twice."""
+    """`n` prompts, each a different ARCHITECTURE.md passage of `passage_tokens` tokens given twice."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "ARCHITECTURE.md"), encoding="utf-8") as f:
         ids = tok(f.read())["input_ids"]
     need = n * passage_tokens
     if len(ids) < need:

@@ -135,7 +135,7 @@ class ServerArgs:
         False, "overlap scheduling: while decode step n's forward runs on a worker thread, the loop receives "
         "requests, builds step n+1 and processes step n's result (tokens identical). Off by default: on this "
         "CPU engine it does not pay yet, because the forward's OpenMP threads and the loop share the cores and "
-        "the loop's Python holds the GIL the forward needs between its kernels (README, Benchmarks: "
+        "the loop's Python holds the GIL the forward needs between its kernels (docs/benchmarks.md: "
         "`overlap_b1`). Never at --tp-size > 1")
     enable_mixed_chunk: bool = _f(
         False, "mixed chunks: when a prompt (or a chunk of one) is prefilled, the running requests decode their "

@@ -703,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {c.name:<10} {c.url}  pid {c.proc.pid}{extra}{pin}")
         print("\ntry:\n  curl -s " + url + "/v1/chat/completions -H 'content-type: application/json' \\\n"
               "    -d '{\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}],"
-              "\"max_tokens\":32}'\n\nCtrl-C stops every process.", flush=True)
+              "\"max_tokens\":32,\"temperature\":0}'\n\nCtrl-C stops every process.", flush=True)
         while not stop.is_set():
             cluster.supervise()  # restarts and their back-off, one line per event
             stop.wait(0.5)
