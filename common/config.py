@@ -43,9 +43,14 @@ class ServerArgs:
     chat_template: str | None = _f(None, "a Jinja chat template file used for chat requests instead of the model's "
                                    "own (a model without one answers chat requests with 400 unless this is given)")
     context_length: int | None = _f(None, "maximum tokens per request, prompt + output (default: the model's)")
-    dtype: str = _f("auto", "compute dtype: auto, float32 or float (all float32, the one this CPU build "
-                    "computes fast); bfloat16/float16/half are refused (no fast half-precision matmul on CPU)",
-                    choices=("auto", "float32", "float", "bfloat16", "float16", "half"))
+    dtype: str = _f("auto", "compute dtype: auto (float32 on cpu; on cuda the checkpoint's half type, bfloat16 "
+                    "for a float32 one), float32, bfloat16 or float16 (half precision on cuda only: the CPU kernels "
+                    "compute in float32)", choices=("auto", "float32", "float", "bfloat16", "float16", "half"))
+    kv_cache_dtype: str = _f("auto", "dtype of the KV cache: auto (the compute dtype), float32, bfloat16 or float16 "
+                             "(half precision on cuda only)", choices=("auto", "float32", "bfloat16", "float16"))
+    load_format: str = _f("auto", "auto: the checkpoint's safetensors; dummy: random weights of config.json's shape, "
+                          "built on the device (benchmarks; nothing is read but config.json)",
+                          choices=("auto", "dummy"))
     torchao_config: str = _f("", "weight quantization, as SGLang spells it: 'int8wo' stores every linear weight "
                              "(and a tied lm_head) as per-channel int8 and computes in float32 (a decode step "
                              "reads a quarter of the bytes); '' keeps float32. Needs the native kernels (AVX2)",
@@ -92,6 +97,22 @@ class ServerArgs:
         "send their own layers' KV and recurrent state to the decode ranks); every model family", ("--pp-size", "--pp"))
     dist_port: int | None = _f(None, "port of the torch.distributed rendezvous (default: a free port)")
     num_threads: int | None = _f(None, "torch threads per rank (default: the cores of its DP group / tp)")
+    # device
+    device: str = _f("auto", "where the model runs: auto (cuda when torch sees a GPU, else cpu), cpu or cuda",
+                     choices=("auto", "cpu", "cuda"))
+    base_gpu_id: int = _f(0, "first GPU of this node: TP rank r runs on GPU base-gpu-id + r * gpu-id-step")
+    gpu_id_step: int = _f(1, "GPU ids between consecutive TP ranks")
+    mem_fraction_static: float | None = _f(
+        None, "on cuda: the share of the GPU's memory the weights and the KV cache may take; the KV cache gets "
+        "what is left after the weights (capped by --max-total-tokens when that is given), so two nodes can share "
+        "one GPU. Default: --max-total-tokens sizes the cache")
+    attention_backend: str | None = _f(
+        None, "attention kernels: native (the CPU's C kernels), torch_native (torch ops, any device: the "
+        "reference), triton (Triton kernels, on cuda) or flashinfer (cuda, needs the gpu extra). Default: native "
+        "on cpu, triton on cuda", choices=("native", "torch_native", "triton", "flashinfer"))
+    disable_cuda_graph: bool = _f(False, "on cuda: run decode steps eagerly instead of replaying captured graphs")
+    cuda_graph_max_bs: int = _f(256, "on cuda: the largest decode batch run as a CUDA graph (batches are padded to "
+                                "the next captured size; larger ones run eagerly)")
     # memory
     page_size: int = _f(16, "tokens per KV page (prefill and decode must agree)")
     max_total_tokens: int = _f(32768, "KV cache size in tokens")
@@ -303,9 +324,7 @@ class ServerArgs:
                 otlp_traces_url(self.otlp_traces_endpoint or DEFAULT_OTLP_ENDPOINT)
             except ValueError as e:
                 raise bad("otlp-traces-endpoint", str(e)) from None
-        if self.dtype in ("bfloat16", "float16", "half"):
-            raise bad("dtype", f"{self.dtype} is not supported: the CPU kernels compute in float32 (a half-precision "
-                      "matmul runs ~100x slower on an AVX2 CPU); use --dtype auto or float32")
+        self._validate_device(bad)
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise bad("max-queued-requests", f"must be >= 1, got {self.max_queued_requests}")
         if self.max_top_logprobs_num < 0:
@@ -446,6 +465,38 @@ class ServerArgs:
             raise bad("speculative-ngram-min-match-window-size", f"must be >= 1, got {lo}")
         if hi < lo:
             raise bad("speculative-ngram-max-match-window-size", f"must be >= the min window size ({lo}), got {hi}")
+
+    def _validate_device(self, bad) -> None:
+        if self.base_gpu_id < 0:
+            raise bad("base-gpu-id", f"must be >= 0, got {self.base_gpu_id}")
+        if self.gpu_id_step < 1:
+            raise bad("gpu-id-step", f"must be >= 1, got {self.gpu_id_step}")
+        if self.cuda_graph_max_bs < 1:
+            raise bad("cuda-graph-max-bs", f"must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise bad("mem-fraction-static", f"must be in (0, 1], got {self.mem_fraction_static}")
+        gpu_only = self.mem_fraction_static is not None or self.attention_backend == "flashinfer" or \
+            self.dtype in ("bfloat16", "float16", "half") or self.kv_cache_dtype in ("bfloat16", "float16")
+        if self.device == "auto" and not gpu_only and not self.weight_quantization and self.pp_size == 1 \
+                and not self.speculative_algorithm and self.disaggregation_mode == "null":
+            return  # resolved in the rank (torch is not imported for the flags alone)
+        from common.device import DeviceError, Placement
+
+        try:
+            placement = Placement.resolve(self)
+        except DeviceError as e:
+            raise ConfigError(str(e)) from None
+        if placement.device.type == "cpu" and self.mem_fraction_static is not None:
+            raise bad("mem-fraction-static", "applies to --device cuda; on cpu --max-total-tokens sizes the KV cache")
+        if placement.device.type == "cuda" and self.weight_quantization:
+            flag = "quantization" if self.quantization else "torchao-config"
+            raise bad(flag, f"{self.weight_quantization} runs on the CPU's int8 kernels; not on cuda (--device cpu)")
+        if placement.device.type == "cuda" and (self.pp_size > 1 or self.speculative_algorithm):
+            flag = "pp-size" if self.pp_size > 1 else "speculative-algorithm"
+            raise bad(flag, "runs on the CPU engine only so far; not with --device cuda")
+        if placement.device.type == "cuda" and self.disaggregation_mode != "null":
+            raise bad("device", f"a {self.disaggregation_mode} node moves KV through host memory, which a cuda "
+                      "node's KV cache is not in; run prefill and decode nodes with --device cpu")
 
     def _validate_draft_layers(self, bad) -> None:
         for name in ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size"):

@@ -1,4 +1,4 @@
-"""Tensor- and pipeline-parallel process groups over torch.distributed (gloo on CPU).
+"""Tensor- and pipeline-parallel process groups over torch.distributed (gloo on CPU, NCCL for TP on CUDA).
 
 `init_distributed` joins the default process group (one per DP group of a node: its `pp * tp` ranks,
 rank = pp_rank * tp + tp_rank) and creates `tp_group` (the ranks of this rank's pipeline stage) for
@@ -45,10 +45,14 @@ def loopback_interface() -> str:
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, timeout_s: float = 600.0,
-                     tp_size: int | None = None) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """Join the node's gloo world of `world_size` = pp * `tp_size` ranks (default: all one stage) and
-    return `(tp_group, consensus_group)`; (None, None) for a world of one rank."""
+                     tp_size: int | None = None,
+                     device: torch.device | None = None) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Join the node's world of `world_size` = pp * `tp_size` ranks (default: all one stage) and return
+    `(tp_group, consensus_group)`; (None, None) for a world of one rank. On a CUDA `device` the TP groups
+    are NCCL groups (the all-reduces of device tensors), and gloo carries everything on the host (the
+    consensus group, the objects a stage broadcasts)."""
     global _TP_GROUP, _CONSENSUS_GROUP, _TP_SIZE
+    cuda = device is not None and device.type == "cuda"
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
     if world_size == 1 and not dist.is_initialized():
@@ -59,8 +63,8 @@ def init_distributed(rank: int, world_size: int, init_method: str, timeout_s: fl
     if not dist.is_initialized():
         # read by gloo when it creates its device: listen and connect on loopback only
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise RuntimeError(f"torch.distributed is already initialized as rank {dist.get_rank()} of "
                            f"{dist.get_world_size()}, asked for rank {rank} of {world_size}")
@@ -69,11 +73,12 @@ def init_distributed(rank: int, world_size: int, init_method: str, timeout_s: fl
         raise ValueError(f"a world of {world_size} ranks is not whole stages of {tp}")
     _TP_SIZE = tp
     for stage in range(world_size // tp):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), backend="gloo")
+        group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), backend="nccl" if cuda else "gloo")
         if stage == rank // tp:
             _TP_GROUP = group
     _CONSENSUS_GROUP = dist.new_group(list(range(world_size)), backend="gloo")
-    logger.info("distributed ready: rank %d of %d (%s)", rank, world_size, init_method)
+    logger.info("distributed ready: rank %d of %d (%s, TP over %s)", rank, world_size, init_method,
+                "nccl" if cuda else "gloo")
     return _TP_GROUP, _CONSENSUS_GROUP
 
 

@@ -10,6 +10,9 @@ import torch
 
 from common.memory.kv_pool import KVPool
 
+# the int64 tensors of a batch that follow it to the device (`ForwardBatch.to_device`)
+_INDEX_TENSORS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "logits_indices", "state_indices")
+
 
 class ForwardMode(enum.IntEnum):
     EXTEND = 1  # prefill of new tokens, possibly on top of a cached prefix (chunked prefill too)
@@ -44,8 +47,22 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return len(self.seq_lens)
 
+    def to_device(self, device: torch.device) -> None:
+        """Move the batch's index tensors (built on the host by the scheduler) to `device`, in place, with one
+        copy: they are packed into one pinned host buffer, sent without blocking, and split there."""
+        if device.type == "cpu":
+            return
+        names = [n for n in _INDEX_TENSORS if (t := getattr(self, n)) is not None and t.device != device]
+        if not names:
+            return
+        parts = [getattr(self, n) for n in names]
+        packed = torch.cat([t.reshape(-1).to(torch.int64) for t in parts]).pin_memory()
+        moved = packed.to(device, non_blocking=True).split([t.numel() for t in parts])
+        for n, t, m in zip(names, parts, moved, strict=True):
+            setattr(self, n, m.view(t.shape))
+
     def last_token_indices(self) -> torch.Tensor:
-        ends = torch.tensor(self.extend_seq_lens, dtype=torch.int64).cumsum(0)
+        ends = torch.tensor(self.extend_seq_lens, dtype=torch.int64, device=self.input_ids.device).cumsum(0)
         return ends - 1
 
     def token_slices(self, n: int) -> list[ForwardBatch]:

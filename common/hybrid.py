@@ -46,9 +46,10 @@ def first_window_page(seq_len: int, window: int | None, page_size: int) -> int:
 
 
 class HybridSupport:
-    def __init__(self, model, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, model, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.model = model
         self.dtype = dtype
+        self.device = torch.device(device)
         # a model with recurrent state; `spec` is None for a pipeline stage without linear-attention layers
         self.recurrent = bool(getattr(model, "is_hybrid", False))
         self.spec = model.state_spec() if self.recurrent else None
@@ -74,7 +75,7 @@ class HybridSupport:
         """Give `req_pool` (a fresh one: no row handed out) a state slot per row."""
         if self.spec is None:
             return
-        pool = StatePool(req_pool.size, *self.spec.pool_args(), dtype=self.dtype)
+        pool = StatePool(req_pool.size, *self.spec.pool_args(), dtype=self.dtype, device=self.device)
         req_pool.attach_state_pool(pool)
         self.model.bind_state_pool(pool)
         self.state_pool = pool

@@ -8,6 +8,11 @@ page 0) with this rank's share of the KV heads; the req pool has `max_running_re
 REQ_POOL_HEADROOM` rows (room for requests being prefilled, or preallocated by a decode node,
 while the running batch is full) of `context_length` columns.
 
+Device (`common/device.py`): the model, the KV pool, the request table and the state pool live on the
+rank's device in the dtypes its flags chose, with the attention backend it chose (handed to the model);
+`forward` moves a host-built batch there with one copy, and on CUDA replays captured graphs for decode
+batches that fit (`common/cuda_graph.py`). Sampling runs where the logits are.
+
 Pipeline parallelism (`pp_rank` of `--pp-size`): the model and the KV pool hold this stage's layers
 only; every stage runs the same forward (each its layers, the hidden state passed on in
 `LlamaForCausalLM.forward`), the last stage samples, and `run` hands its `RunnerOutput` to every
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import ServerArgs
+from common.device import Placement, kv_tokens_for_fraction
 from common.draft_layers import DraftLayers
 from common.forward_batch import ForwardBatch, ForwardMode
 from common.grammar import apply_grammars
@@ -50,7 +56,7 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_dir: str, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group=None, pp_rank: int = 0) -> None:
+                 tp_group=None, pp_rank: int = 0, dp_rank: int = 0) -> None:
         from common.models.loader import load_model
 
         self.args = args
@@ -58,22 +64,30 @@ class ModelRunner:
         self.tp_size = tp_size
         self.tp_group = tp_group
         self.pp_rank, self.pp_size = pp_rank, getattr(args, "pp_size", 1)
-        self.dtype = torch.float32
+        # the node's ranks take consecutive GPUs: DP group, then pipeline stage, then TP rank
+        device_rank = (dp_rank * self.pp_size + pp_rank) * tp_size + tp_rank
+        self.placement = placement = Placement.resolve(args, device_rank, checkpoint_dtype(model_dir))
+        self.device, self.dtype = placement.device, placement.dtype
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.model, self.model_config = load_model(model_dir, tp_rank=tp_rank, tp_size=tp_size,
                                                    tp_group=tp_group, dtype=self.dtype,
                                                    quantization=args.weight_quantization, pp_rank=pp_rank,
-                                                   pp_size=self.pp_size, draft_layers=args.draft_layers)
+                                                   pp_size=self.pp_size, draft_layers=args.draft_layers,
+                                                   device=self.device, attention_backend=placement.attention_backend,
+                                                   load_format=args.load_format)
         self.model.eval()
+        self.attn_backend = self.model.attn_backend
         cfg = self.model_config
         self.context_length = min(args.context_length or cfg.context_length, cfg.context_length)
         self.page_size = args.page_size
-        num_pages = args.max_total_tokens // self.page_size + 1  # + the padding page 0
+        num_pages = self._kv_tokens(args, cfg, tp_size) // self.page_size + 1  # + the padding page 0
         self.max_total_tokens = (num_pages - 1) * self.page_size
         self.max_running_requests = args.max_running_requests
         self.allocator = TokenToKVPoolAllocator(num_pages, self.page_size)
         # hybrid models keep KV only for their attention layers (cfg.kv_layer_ids), and a state slot
         # per request row for the others (common/hybrid.py)
-        self.hybrid = HybridSupport(self.model, self.dtype)
+        self.hybrid = HybridSupport(self.model, self.dtype, self.device)
         # a pipeline stage keeps the KV of its own layers (of a hybrid model: its full-attention ones, maybe none)
         layer_ids = cfg.kv_layer_ids or None
         if self.pp_size > 1:
@@ -85,16 +99,34 @@ class ModelRunner:
             self.draft = DraftLayers(self.model)
             layer_ids = [*(cfg.kv_layer_ids or range(cfg.num_layers)), cfg.num_layers]
         self.kv_pool = KVPool(num_pages, self.page_size, cfg.num_layers, cfg.local_kv_heads(tp_size),
-                              cfg.head_dim, dtype=self.dtype, layer_ids=layer_ids)
+                              cfg.head_dim, dtype=placement.kv_dtype, layer_ids=layer_ids, device=self.device)
+        self.graphs = None  # captured decode graphs (cuda), made for the request table below
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + REQ_POOL_HEADROOM,
-                                                self.context_length + self.page_size)
+                                                self.context_length + self.page_size, device=self.device)
         self.sampler = Sampler(seed=args.seed)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(cfg.eos_token_ids or [])  # min_new_tokens masks them
         logger.info("model %s (%s): %d layers, kv heads %d/rank, KV pool %d tokens in %d pages of %d "
-                    "(%.1f MiB), context %d", cfg.name, cfg.architecture, cfg.num_layers,
+                    "(%.1f MiB, %s), context %d, on %s", cfg.name, cfg.architecture, cfg.num_layers,
                     cfg.local_kv_heads(tp_size), self.max_total_tokens, num_pages - 1, self.page_size,
-                    self.kv_pool.nbytes() / 2**20, self.context_length)
+                    self.kv_pool.nbytes() / 2**20, str(placement.kv_dtype).removeprefix("torch."),
+                    self.context_length, self.device)
+
+    def _kv_tokens(self, args: ServerArgs, cfg, tp_size: int) -> int:
+        """--max-total-tokens, or on cuda with --mem-fraction-static what the fraction leaves after the weights
+        (at most --max-total-tokens when that was given)."""
+        if args.mem_fraction_static is None or self.device.type != "cuda":
+            return args.max_total_tokens
+        layers = len(cfg.kv_layer_ids or range(cfg.num_layers)) + (1 if args.draft_layers else 0)
+        per_token = 2 * layers * cfg.local_kv_heads(tp_size) * cfg.head_dim * self.placement.kv_dtype.itemsize
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type == "cuda")
+        tokens = kv_tokens_for_fraction(args.mem_fraction_static, self.device, weights, per_token, args.page_size)
+        default = ServerArgs.__dataclass_fields__["max_total_tokens"].default
+        return tokens if args.max_total_tokens == default else min(tokens, args.max_total_tokens)
+
+    def device_info(self) -> dict:
+        """What /server_info shows of where this rank computes."""
+        return {**self.placement.describe(), "cuda_graph_batch_sizes": self.graphs.batch_sizes if self.graphs else []}
 
     @property
     def req_to_token_pool(self):
@@ -105,6 +137,13 @@ class ModelRunner:
         # a hybrid model's state slots go with the rows: a new pool (a decode node's) gets its own
         self.hybrid.attach(pool)
         self._req_to_token_pool = pool
+        if self.placement.cuda_graph_max_bs:  # the graphs read this table's rows: captured for it
+            from common.cuda_graph import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.kv_pool, pool.req_to_token,
+                                          min(self.placement.cuda_graph_max_bs, self.max_running_requests),
+                                          self.device, state_pool=self.hybrid.state_pool)
+            self.graphs.capture_all()
 
     @property
     def supports_radix_cache(self) -> bool:
@@ -113,9 +152,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [len(fb.logits_indices), vocab] float32."""
+        """Logits [len(fb.logits_indices), vocab], on the rank's device."""
+        fb.to_device(self.device)
         if fb.state_indices is None and self.hybrid.has_state:
             fb.state_indices = self.hybrid.state_indices(self.req_to_token_pool, fb)
+        if self.graphs is not None and self.graphs.can_run(fb):
+            return self.graphs.replay(fb)
         return self.model.forward(fb)
 
     @torch.inference_mode()
@@ -176,7 +218,7 @@ class ModelRunner:
             if fb.mode == ForwardMode.DECODE and rows == list(range(logits.shape[0])):
                 picked = logits  # every row, in order: no copy (logits are not used after sampling)
             else:
-                picked = logits[torch.tensor(rows, dtype=torch.int64)]
+                picked = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
             ids, lp, tops = self._draw(sreqs, [r.output_ids for r in sreqs], picked)
             for j, i in enumerate(sample_idx):
                 out.next_token_ids[i] = ids[j]
@@ -192,7 +234,7 @@ class ModelRunner:
         Returns (token ids, their logprobs or None, their top logprobs or None)."""
         info = SamplingBatchInfo.build([r.sampling for r in reqs], outputs, logits.shape[-1],
                                        [r.generator for r in reqs], self.eos_token_ids,
-                                       prompt_ids=[r.origin_input_ids for r in reqs])
+                                       prompt_ids=[r.origin_input_ids for r in reqs]).to(logits.device)
         want_lp = any(r.return_logprob for r in reqs)
         nums = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs] if want_lp else None
         grammars = [r.grammar for r in reqs]
@@ -237,7 +279,7 @@ class ModelRunner:
                 out.input_logprobs[i] = []
                 continue
             logp = torch.log_softmax(logits[off : off + n].float(), dim=-1)
-            targets = torch.tensor(prompt[first + 1 : first + 1 + n], dtype=torch.int64)
+            targets = torch.tensor(prompt[first + 1 : first + 1 + n], dtype=torch.int64, device=logits.device)
             vals = logp.gather(1, targets[:, None]).squeeze(1).tolist()
             out.input_logprobs[i] = list(zip(vals, targets.tolist(), strict=True))
             if r.top_logprobs_num > 0:
@@ -253,3 +295,17 @@ class ModelRunner:
                                              "eos_token_ids", "name") if hasattr(cfg, k)}
         out["eos_token_ids"] = list(out.get("eos_token_ids") or [])
         return out
+
+
+def checkpoint_dtype(model_dir: str) -> str | None:
+    """The dtype config.json names (`torch_dtype`, or `dtype` in newer files), for `--dtype auto` on cuda."""
+    import json
+    import os
+
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        raw = json.load(f)
+    text = raw.get("text_config") or {}
+    return raw.get("torch_dtype") or raw.get("dtype") or text.get("torch_dtype") or text.get("dtype")

@@ -1,4 +1,9 @@
-"""Torch attention backend over the paged KV pool (CPU reference path, fp32).
+"""Torch attention backends over the paged KV pool: `native` (the CPU's C kernels) and `torch_native`.
+
+One class serves both names (`common/layers/attention_backend.py` chooses): with `native=True` (CPU,
+float32 pools) decode and prefill run the C kernels described below where they apply; with
+`native=False` every batch takes the torch paths, which run on any device (every tensor is made on
+the pool's device): the reference the Triton and FlashInfer backends are checked against.
 
 Call `init_forward_metadata(fb)` once per batch (the Llama model's forward does it when
 `fb.attn_metadata` is None); it builds every gather index and mask the layers need, so each layer
@@ -33,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from common.forward_batch import ForwardBatch, ForwardMode
+from common.layers.attention_backend import AttentionBackend
 from common.layers.native import paged_decode_attention, prefill_attention
 
 
@@ -60,22 +66,22 @@ class TorchAttentionMetadata:
     items: list[_ExtendItem] = field(default_factory=list)
 
 
-class TorchAttentionBackend:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None) -> None:
-        if num_heads % num_kv_heads:
-            raise ValueError(f"{num_heads} query heads do not group evenly over {num_kv_heads} KV heads")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.group = num_heads // num_kv_heads
-        self.head_dim = head_dim
-        self.scaling = head_dim ** -0.5 if scaling is None else scaling
-        self.native = paged_decode_attention()
-        native_prefill = prefill_attention()
+class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None, *,
+                 native: bool = True, window: int | None = None, window_layers=(),
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scaling, window=window, window_layers=window_layers,
+                         device=device)
+        native = native and self.device.type == "cpu"
+        self.name = "native" if native else "torch_native"
+        self.native = paged_decode_attention() if native else None
+        native_prefill = prefill_attention() if native else None
         self.native_prefill = native_prefill[0] if native_prefill and head_dim % native_prefill[1] == 0 else None
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, fb: ForwardBatch) -> TorchAttentionMetadata:
         pool = fb.kv_pool
+        dev = pool.data.device
         write_rows = pool.flat_rows(fb.out_cache_loc)
         verify_native = fb.mode == ForwardMode.VERIFY and self.native is not None and pool.dtype == torch.float32
         if fb.mode == ForwardMode.DECODE or verify_native:
@@ -83,9 +89,9 @@ class TorchAttentionBackend:
             if fb.mode == ForwardMode.VERIFY:
                 # each new token is a query of its own over its request's tokens up to itself
                 lens = fb.positions + 1
-                req_rows = torch.repeat_interleave(fb.req_pool_indices, torch.tensor(fb.extend_seq_lens))
+                req_rows = torch.repeat_interleave(fb.req_pool_indices, torch.tensor(fb.extend_seq_lens, device=dev))
             else:
-                lens = torch.tensor(fb.seq_lens, dtype=torch.int64)
+                lens = torch.tensor(fb.seq_lens, dtype=torch.int64, device=dev)
                 req_rows = fb.req_pool_indices
             slots = fb.req_to_token[req_rows, :lmax]
             md = TorchAttentionMetadata(mode=fb.mode, max_len=lmax)
@@ -94,9 +100,9 @@ class TorchAttentionBackend:
                 md.lens = lens
             else:
                 if int(lens.min()) < lmax:
-                    valid = torch.arange(lmax, dtype=torch.int64).unsqueeze(0) < lens.unsqueeze(1)
+                    valid = torch.arange(lmax, dtype=torch.int64, device=dev).unsqueeze(0) < lens.unsqueeze(1)
                     slots = slots.masked_fill(~valid, 0)  # padding slot
-                    bias = torch.zeros(valid.shape, dtype=pool.dtype).masked_fill_(~valid, float("-inf"))
+                    bias = torch.zeros(valid.shape, dtype=pool.dtype, device=dev).masked_fill_(~valid, float("-inf"))
                     md.mask = bias.view(len(fb.seq_lens), 1, 1, lmax)
                 md.kv_index = pool.kv_rows(pool.token_rows(slots).reshape(-1))
         else:
@@ -109,8 +115,8 @@ class TorchAttentionBackend:
                 if p > 0:
                     kv_index = pool.kv_rows(pool.token_rows(fb.req_to_token[row, :s]).reshape(-1))
                     if n > 1:
-                        q_pos = torch.arange(p, s, dtype=torch.int64).unsqueeze(1)
-                        mask = torch.arange(s, dtype=torch.int64).unsqueeze(0) <= q_pos
+                        q_pos = torch.arange(p, s, dtype=torch.int64, device=dev).unsqueeze(1)
+                        mask = torch.arange(s, dtype=torch.int64, device=dev).unsqueeze(0) <= q_pos
                 md.items.append(_ExtendItem(start, n, p, kv_index, mask, causal=p == 0 and n > 1))
                 start += n
         md.write_rows = write_rows
@@ -121,31 +127,46 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch) -> torch.Tensor:
         """q `[T, heads * D]`, k/v `[T, kv_heads * D]` (new tokens) → `[T, heads * D]`."""
+        md: TorchAttentionMetadata = fb.attn_metadata
+        if md.rows is not None:  # the native kernel: decode, or a verify step's tokens as decode queries
+            t, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
+            return self._native_decode(q, k.view(t, hkv, d), v.view(t, hkv, d), layer_id, fb.kv_pool, md)
+        if md.mode == ForwardMode.DECODE:
+            return self.forward_decode(q, k, v, layer_id, fb)
+        return self.forward_extend(q, k, v, layer_id, fb)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                       fb: ForwardBatch) -> torch.Tensor:
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        t = q.shape[0]
+        pool = fb.kv_pool
+        md: TorchAttentionMetadata = fb.attn_metadata
+        pool.set_kv_rows(layer_id, md.write_rows, k.view(t, hkv, d), v.view(t, hkv, d))
+        keys, values = pool.gather_kv(layer_id, md.kv_index)
+        keys = keys.view(t, hkv, md.max_len, d)
+        values = values.view(t, hkv, md.max_len, d)
+        out_dtype = q.dtype
+        q = q.to(pool.dtype)  # computed in the cache's dtype (a no-op unless --kv-cache-dtype differs)
+        # plain matmuls: torch's CPU flash kernel is slow for a handful of query rows
+        scores = torch.matmul(q.view(t, hkv, g, d), keys.transpose(-1, -2))
+        if md.mask is None:
+            scores = scores.mul_(self.scaling)
+        else:
+            scores = torch.add(md.mask, scores, alpha=self.scaling)
+        out = torch.matmul(scores.softmax(-1), values)
+        return out.view(t, hkv * g * d).to(out_dtype)
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                       fb: ForwardBatch) -> torch.Tensor:
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         t = q.shape[0]
         k = k.view(t, hkv, d)
         v = v.view(t, hkv, d)
         pool = fb.kv_pool
         md: TorchAttentionMetadata = fb.attn_metadata
-        if md.rows is not None:
-            return self._native_decode(q, k, v, layer_id, pool, md)
         pool.set_kv_rows(layer_id, md.write_rows, k, v)
-        if md.mode == ForwardMode.DECODE:
-            b = t
-            keys, values = pool.gather_kv(layer_id, md.kv_index)
-            keys = keys.view(b, hkv, md.max_len, d)
-            values = values.view(b, hkv, md.max_len, d)
-            # plain matmuls: torch's CPU flash kernel is slow for a handful of query rows
-            scores = torch.matmul(q.view(b, hkv, g, d), keys.transpose(-1, -2))
-            if md.mask is None:
-                scores = scores.mul_(self.scaling)
-            else:
-                scores = torch.add(md.mask, scores, alpha=self.scaling)
-            out = torch.matmul(scores.softmax(-1), values)
-            return out.view(b, hkv * g * d)
-
         h = hkv * g
-        out = torch.empty(t, h * d, dtype=q.dtype)
+        out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)
         native = self.native_prefill is not None and q.dtype == torch.float32 and q.stride(1) == 1
         for it in md.items:
             n = it.n
@@ -160,8 +181,8 @@ class TorchAttentionBackend:
             else:
                 s = it.prefix + n
                 ki, vi = pool.gather_kv(layer_id, it.kv_index)
-                ki = ki.view(1, hkv, s, d)
-                vi = vi.view(1, hkv, s, d)
+                ki = ki.view(1, hkv, s, d).to(q.dtype)
+                vi = vi.view(1, hkv, s, d).to(q.dtype)
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=it.mask, is_causal=it.causal,
                                                 scale=self.scaling, enable_gqa=g > 1)
             # [1, heads, n, D] -> [n, heads * D]

@@ -160,6 +160,12 @@ def _kernel(name: str):
     return None if lib is None else getattr(lib, name)
 
 
+def cpu_tensors(*tensors) -> bool:
+    """The guard in front of every kernel call: the kernels read and write host memory, so a tensor on
+    another device (None entries are skipped) takes the caller's torch path instead."""
+    return all(t is None or t.device.type == "cpu" for t in tensors)
+
+
 def paged_decode_attention():
     return _kernel("paged_decode_attention")
 

@@ -1,6 +1,6 @@
 """RMSNorm, computed in float32 like the Hugging Face reference, with an optional fused residual add.
 
-Float32 rows with a contiguous last dimension go through the native kernel (`rms_norm.c`: add,
+Float32 CPU rows with a contiguous last dimension go through the native kernel (`rms_norm.c`: add,
 norm and scale in one pass); anything else through `F.rms_norm`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.layers.native import add_rms_norm
+from common.layers.native import add_rms_norm, cpu_tensors
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -29,7 +29,8 @@ class RMSNorm(nn.Module):
         self.native = add_rms_norm() if dtype == torch.float32 else None
 
     def _native_ok(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        return (self.native is not None and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1
+        return (self.native is not None and cpu_tensors(x, residual) and x.dim() == 2 and x.dtype == torch.float32
+                and x.stride(1) == 1
                 and (residual is None or (residual.dtype == torch.float32 and residual.stride(1) == 1)))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from common.layers.native import rotary_apply
+from common.layers.native import cpu_tensors, rotary_apply
 
 _native_rotary = rotary_apply()
 
@@ -53,14 +53,16 @@ class RotaryEmbedding:
         self._build(max(int(max_positions), 1))
 
     def _build(self, n: int) -> None:
-        t = torch.arange(n, dtype=torch.int64).float()
+        t = torch.arange(n, dtype=torch.int64, device=self.inv_freq.device).float()
         freqs = torch.outer(t, self.inv_freq)
         self.cos_cache = freqs.cos().to(self.dtype)
         self.sin_cache = freqs.sin().to(self.dtype)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`[T, 1, rotary_dim / 2]` cos and sin for the given positions (broadcast over heads)."""
-        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+        # on a GPU the check would wait for the device (and cannot be captured in a graph): there the tables
+        # cover the model's context length, which the runner never lets a request pass
+        if positions.is_cpu and positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
             self._build(2 * int(positions.max()) + 1)
         return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
 
@@ -69,7 +71,7 @@ class RotaryEmbedding:
         """Rotate `x` `[T, heads, head_dim]` (any strides) into a new contiguous tensor. The native
         kernel (`rotary.c`) takes float32 with heads packed within a token."""
         half = x.shape[-1] // 2
-        if (_native_rotary is not None and x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1
+        if (_native_rotary is not None and cpu_tensors(x) and x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1
                 and x.stride(1) == x.shape[2] and cos.dtype == torch.float32 and cos.is_contiguous()
                 and sin.is_contiguous() and cos.shape[-1] == half and cos.shape[0] == x.shape[0]):
             t, heads, d = x.shape
@@ -78,7 +80,7 @@ class RotaryEmbedding:
             return out
         x1 = x[..., :half]
         x2 = x[..., half:]
-        out = torch.empty(x.shape, dtype=x.dtype)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         o1 = out[..., :half]
         o2 = out[..., half:]
         torch.mul(x1, cos, out=o1)

@@ -29,6 +29,11 @@ probabilities that depend only on that row. So the same seed and the same logits
 whether the request runs alone or inside any batch. Unseeded rows are sampled together, vectorised,
 with the sampler's own generator (``Sampler(seed=...)``) or torch's global one.
 
+Devices: the logits may be on a GPU. The batch's tensors follow them (``SamplingBatchInfo.to``) and every
+step above runs there; only the uniform draws come from the host generators, one number per sampled row,
+copied to the device. So a seed draws the same numbers on every device, and the same seed gives the same
+tokens on the same device.
+
 Logprobs are ``log_softmax`` of the *raw* logits (before penalties and temperature), at the chosen
 token and, per request, for its ``top_logprobs_nums[i]`` most likely tokens (0 = none).
 
@@ -38,6 +43,7 @@ probability exactly equals the threshold are all kept (the allowed set may excee
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +114,16 @@ class SamplingBatchInfo:
     @property
     def batch_size(self) -> int:
         return len(self.generators)
+
+    def to(self, device: torch.device) -> SamplingBatchInfo:
+        """The same batch with its tensors on `device` (the logits' device); the generators stay on the host."""
+        if device.type == "cpu":
+            return self
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device, non_blocking=True)
+        return SamplingBatchInfo(**moved)
 
     @property
     def has_penalties(self) -> bool:
@@ -245,7 +261,7 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tenso
     top_ps = info.top_ps if rows is None else info.top_ps[rows]
     min_ps = info.min_ps if rows is None else info.min_ps[rows]
     n, vocab = probs.shape
-    thresh = torch.zeros(n, dtype=probs.dtype)
+    thresh = torch.zeros(n, dtype=probs.dtype, device=probs.device)
     need_k = bool((top_ks < vocab).any())
     need_p = bool((top_ps < 1.0).any())
     if need_k or need_p:
@@ -272,7 +288,7 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tenso
             total = torch.where(has_k, k_mass, torch.ones_like(k_mass))
             limit = top_ps * total
             before = csum - head
-            pos = torch.arange(width).view(1, -1)
+            pos = torch.arange(width, device=probs.device).view(1, -1)
             keep = (before < limit.view(-1, 1)) & (pos < k_eff.view(-1, 1))
             # is the window enough? rows with top-p and no top-k need the window to reach the limit
             short = (top_ps < 1.0) & ~has_k & (csum[:, -1] < limit)
@@ -303,11 +319,18 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+def _uniforms(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """`[n, 1]` uniform draws from a host generator, on `device`: a request's draws are the same numbers on
+    every device, so its seed gives the same tokens wherever its logits are (and `skip_draws` stays exact)."""
+    u = torch.rand(n, 1, generator=generator)
+    return u if device.type == "cpu" else u.to(device, non_blocking=True)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise `torch.argmax(logits, dim=-1)` (first maximum; a NaN wins), through the native kernel
     for float32 rows: torch's runs one thread, ~0.5 ms on a batch of 16 x 49152 here."""
     kernel = native.argmax_rows()
-    if kernel is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+    if kernel is None or not native.cpu_tensors(logits) or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
         return torch.argmax(logits, dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     kernel(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr())
@@ -359,27 +382,27 @@ class Sampler:
         if any(greedy):
             next_ids = argmax(x)  # final for the greedy rows
         else:
-            next_ids = torch.empty(info.batch_size, dtype=torch.int64)
+            next_ids = torch.empty(info.batch_size, dtype=torch.int64, device=x.device)
         if free:
             whole = len(free) == info.batch_size
-            rows = None if whole else torch.tensor(free, dtype=torch.int64)
+            rows = None if whole else torch.tensor(free, dtype=torch.int64, device=x.device)
             sub = x if whole else x[rows]
             temps = info.temperatures if whole else info.temperatures[rows]
             probs = torch.softmax(sub / temps, dim=-1)
             if filtering:
                 probs = filter_probs(probs, info, rows)
-            draws = _draw(probs, torch.rand(len(free), 1, generator=self.generator))
+            draws = _draw(probs, _uniforms(len(free), self.generator, x.device))
             if whole:
                 next_ids = draws
             else:
                 next_ids[rows] = draws
         for i in seeded:
             # one row at a time, from this row's data only: batch composition cannot change the draw
-            row = torch.tensor([i], dtype=torch.int64)
+            row = torch.tensor([i], dtype=torch.int64, device=x.device)
             probs = torch.softmax(x[row] / info.temperatures[row], dim=-1)
             if filtering:
                 probs = filter_probs(probs, info, row)
-            next_ids[i] = _draw(probs, torch.rand(1, 1, generator=info.generators[i]))[0]
+            next_ids[i] = _draw(probs, _uniforms(1, info.generators[i], x.device))[0]
         return next_ids
 
     @staticmethod

@@ -1,5 +1,6 @@
 """Sliding-window attention over the paged KV pool: `TorchAttentionBackend` for the layers that see
-every earlier token, a window mask for the layers that see only the last `window` tokens.
+every earlier token, a window mask for the layers that see only the last `window` tokens (torch ops on
+the pool's device: the `native` and `torch_native` backends of a windowed model).
 
 A query at position i attends to keys j with `i - window < j <= i` (Hugging Face's sliding-window
 mask: the window counts the query's own token). Windowed layers gather only the keys inside the
@@ -37,7 +38,7 @@ class WindowMetadata:
 
 @dataclass
 class SlidingWindowMetadata:
-    full: object | None  # the base backend's metadata (None when every layer is windowed)
+    full: object | None  # the base backend's metadata, built when the batch's first full layer runs
     window: WindowMetadata
 
 
@@ -47,23 +48,20 @@ def window_start(seq_len: int, window: int) -> int:
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class SlidingWindowAttentionBackend(TorchAttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int,
-                 window_layers: list[int], num_layers: int, scaling: float | None = None) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scaling)
-        if window < 1:
-            raise ValueError(f"sliding window must be at least 1 token, got {window}")
-        self.window = window
-        self.window_layers = frozenset(window_layers)
-        self.has_full_layers = len(self.window_layers) < num_layers
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None, *,
+                 window: int, window_layers, native: bool = True, device: torch.device | str = "cpu") -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scaling, native=native, window=window,
+                         window_layers=window_layers, device=device)
+        if not self.window_layers:
+            raise ValueError("a sliding-window backend needs the layers that use the window")
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, fb: ForwardBatch) -> SlidingWindowMetadata:
-        full = super().init_forward_metadata(fb) if self.has_full_layers else None
-        md = SlidingWindowMetadata(full=full, window=self._window_metadata(fb))
+        md = SlidingWindowMetadata(full=None, window=self._window_metadata(fb))
         fb.attn_metadata = md
         return md
 
@@ -71,11 +69,12 @@ class SlidingWindowAttentionBackend(TorchAttentionBackend):
         pool = fb.kv_pool
         w = self.window
         dtype = fb.kv_pool.dtype
+        dev = pool.data.device
         if fb.mode == ForwardMode.DECODE:
-            lens = torch.tensor(fb.seq_lens, dtype=torch.int64)
-            width = min(w, int(lens.max()))
+            lens = torch.tensor(fb.seq_lens, dtype=torch.int64, device=dev)
+            width = min(w, max(fb.seq_lens))
             starts = (lens - w).clamp(min=0)
-            cols = starts.unsqueeze(1) + torch.arange(width, dtype=torch.int64).unsqueeze(0)
+            cols = starts.unsqueeze(1) + torch.arange(width, dtype=torch.int64, device=dev).unsqueeze(0)
             valid = cols < lens.unsqueeze(1)
             cols = cols.masked_fill(~valid, 0)
             slots = fb.req_to_token[fb.req_pool_indices.unsqueeze(1), cols].masked_fill(~valid, 0)
@@ -94,8 +93,8 @@ class SlidingWindowAttentionBackend(TorchAttentionBackend):
             kv_index = bias = None
             if p > 0:
                 kv_index = pool.kv_rows(pool.token_rows(fb.req_to_token[row, lo:s]).reshape(-1))
-            q_pos = torch.arange(p, s, dtype=torch.int64).repeat(g).unsqueeze(1)
-            k_pos = torch.arange(lo, s, dtype=torch.int64).unsqueeze(0)
+            q_pos = torch.arange(p, s, dtype=torch.int64, device=dev).repeat(g).unsqueeze(1)
+            k_pos = torch.arange(lo, s, dtype=torch.int64, device=dev).unsqueeze(0)
             allowed = (k_pos <= q_pos) & (k_pos > q_pos - w)
             if not bool(allowed.all()):
                 bias = _additive(allowed, dtype)
@@ -108,6 +107,8 @@ class SlidingWindowAttentionBackend(TorchAttentionBackend):
                 fb: ForwardBatch) -> torch.Tensor:
         md: SlidingWindowMetadata = fb.attn_metadata
         if layer_id not in self.window_layers:
+            if md.full is None:
+                md.full = super().init_forward_metadata(fb)
             fb.attn_metadata = md.full
             try:
                 return super().forward(q, k, v, layer_id, fb)
@@ -125,13 +126,13 @@ class SlidingWindowAttentionBackend(TorchAttentionBackend):
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         if md.mode == ForwardMode.DECODE:
             keys, values = pool.gather_kv(layer_id, md.kv_index)
-            keys = keys.view(t, hkv, md.width, d)
-            values = values.view(t, hkv, md.width, d)
+            keys = keys.view(t, hkv, md.width, d).to(q.dtype)
+            values = values.view(t, hkv, md.width, d).to(q.dtype)
             scores = torch.matmul(q.view(t, hkv, g, d), keys.transpose(-1, -2)) * self.scaling
             if md.bias is not None:
                 scores = scores + md.bias
             return torch.matmul(scores.softmax(-1), values).reshape(t, hkv * g * d)
-        out = torch.empty(t, hkv * g * d, dtype=q.dtype)
+        out = torch.empty(t, hkv * g * d, dtype=q.dtype, device=q.device)
         for it in md.items:
             n = it.n
             qi = q[it.start:it.start + n].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
@@ -140,8 +141,8 @@ class SlidingWindowAttentionBackend(TorchAttentionBackend):
                 vi = v[it.start:it.start + n].transpose(0, 1)
             else:
                 ki, vi = pool.gather_kv(layer_id, it.kv_index)
-                ki = ki.view(hkv, it.keys, d)
-                vi = vi.view(hkv, it.keys, d)
+                ki = ki.view(hkv, it.keys, d).to(q.dtype)
+                vi = vi.view(hkv, it.keys, d).to(q.dtype)
             scores = torch.bmm(qi, ki.transpose(1, 2)) * self.scaling
             if it.bias is not None:
                 scores = scores + it.bias

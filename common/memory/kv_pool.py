@@ -11,6 +11,9 @@ The layer views `k(layer_id)` / `v(layer_id)` (`[num_pages, kv_heads, page_size,
 strided. Attention reads and writes through the flat view `[rows, head_dim]` of the whole pool:
 `token_rows(slots)` gives the rows of K of the first layer, and a layer's K / V rows are those plus
 `layer_offset(layer_id)` / plus `v_offset` more.
+
+On the CPU the pool is one huge-page mapping (`huge_zeros`); on a GPU (`device`) one device allocation
+of the same layout, so page runs, layer views and head slices mean the same bytes on either.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from common.memory.paging import PageLayout
 
 class KVPool(PageLayout):
     def __init__(self, num_pages: int, page_size: int, num_layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, layer_ids: list[int] | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, layer_ids: list[int] | None = None,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__(page_size)
         self.num_pages = num_pages
         self.kv_heads = kv_heads
@@ -36,7 +40,11 @@ class KVPool(PageLayout):
         self._index = {lid: i for i, lid in enumerate(self.layer_ids)}
         n = len(self.layer_ids)
         shape = (num_pages, 2, n, kv_heads, page_size, head_dim)
-        self.data = huge_zeros(math.prod(shape), dtype).view(shape)
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            self.data = huge_zeros(math.prod(shape), dtype).view(shape)
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=self.device)
         self.flat = self.data.view(-1, head_dim)
         self.buffer_rows = kv_heads * page_size  # flat rows of one page of one layer's K
         self.page_rows = 2 * n * self.buffer_rows  # flat rows of one page of the pool
@@ -74,7 +82,7 @@ class KVPool(PageLayout):
         """Flat rows of the first layer's K for `slots` `[..., L]`, every KV head: `[..., kv_heads, L]`."""
         pages = self.page_of(slots).unsqueeze(-2)
         offs = self.offset_of(slots).unsqueeze(-2)
-        heads = torch.arange(self.kv_heads, dtype=torch.int64).view(-1, 1) * self.page_size
+        heads = torch.arange(self.kv_heads, dtype=torch.int64, device=slots.device).view(-1, 1) * self.page_size
         return pages * self.page_rows + heads + offs
 
     def flat_rows(self, slots: torch.Tensor) -> torch.Tensor:

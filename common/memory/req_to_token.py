@@ -9,20 +9,23 @@ class ReqToTokenPool:
     """`req_to_token[row, pos]` is the KV slot (page * page_size + offset) of token `pos`.
 
     Rows are handed out per request and returned when it ends; slot 0 of the KV pool is a
-    padding slot, so zeros in unused columns are harmless to gather.
+    padding slot, so zeros in unused columns are harmless to gather. The table lives where the KV pool
+    does (`device`): attention reads it on every step; the scheduler writes a few slots per step.
 
     Hybrid models (linear-attention layers with per-request state) attach a `StatePool`
     (`attach_state_pool`): then every row carries one state slot, taken with the row in `alloc()` and
     returned with it in `free()`, and `state_indices(rows)` maps rows to their slots.
     """
 
-    def __init__(self, size: int, max_context_len: int) -> None:
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu") -> None:
         self.size = size
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int64)
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int64, device=self.device)
         self._free: list[int] = list(range(size))
         self.state_pool = None
-        self.row_state = torch.zeros(size, dtype=torch.int64)  # state slot of each row (0: none)
+        # state slot of each row (0: none), beside the table: the forward indexes it with the batch's rows
+        self.row_state = torch.zeros(size, dtype=torch.int64, device=self.device)
 
     def attach_state_pool(self, state_pool) -> None:
         """Give every row a state slot from now on (the state pool must have a slot per row)."""
@@ -58,4 +61,7 @@ class ReqToTokenPool:
         self.req_to_token[row, start : start + slots.numel()] = slots
 
     def slots(self, row: int, start: int, end: int) -> torch.Tensor:
-        return self.req_to_token[row, start:end]
+        """A row's slots `start..end-1`: a view on the CPU, a host copy of a device table (the allocator,
+        the radix cache and the transfer layer keep their books on the host)."""
+        out = self.req_to_token[row, start:end]
+        return out if self.device.type == "cpu" else out.cpu()

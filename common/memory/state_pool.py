@@ -22,7 +22,8 @@ class OutOfStateSlots(RuntimeError):
 
 class StatePool:
     def __init__(self, size: int, layers: list[int], conv_shape: tuple[int, ...],
-                 recurrent_shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> None:
+                 recurrent_shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         if size < 1:
             raise ValueError("the state pool needs at least one slot")
         if not layers:
@@ -33,8 +34,10 @@ class StatePool:
         self.conv_shape = tuple(conv_shape)
         self.recurrent_shape = tuple(recurrent_shape)
         self.dtype = dtype
-        self.conv_buffers = [torch.zeros((size + 1, *self.conv_shape), dtype=dtype) for _ in self.layer_ids]
-        self.recurrent_buffers = [torch.zeros((size + 1, *self.recurrent_shape), dtype=dtype)
+        self.device = torch.device(device)
+        self.conv_buffers = [torch.zeros((size + 1, *self.conv_shape), dtype=dtype, device=self.device)
+                             for _ in self.layer_ids]
+        self.recurrent_buffers = [torch.zeros((size + 1, *self.recurrent_shape), dtype=dtype, device=self.device)
                                   for _ in self.layer_ids]
         self._free: list[int] = list(range(size, 0, -1))  # pop() hands out low slots first
         self._taken: set[int] = set()

@@ -88,7 +88,8 @@ class DecoderStack:
         cfg = model.config
         layers = list(model.model.layers)
         if (model.tp_size != 1 or getattr(model, "pp_size", 1) != 1 or cfg.qk_norm or not layers
-                or type(model.attn_backend) is not TorchAttentionBackend):  # e.g. sliding-window backends
+                or type(model.attn_backend) is not TorchAttentionBackend  # e.g. sliding-window backends
+                or model.attn_backend.native is None):  # torch_native: attention through the backend's torch ops
             return None
         for layer in layers:
             projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,

@@ -24,7 +24,7 @@ from torch import nn
 
 from common.forward_batch import ForwardBatch, ForwardMode
 from common.layers.activation import silu_and_mul
-from common.layers.attention import TorchAttentionBackend
+from common.layers.attention_backend import AttentionBackend
 from common.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -34,6 +34,7 @@ from common.layers.linear import (
 )
 from common.layers.norm import RMSNorm, default_weight_loader
 from common.layers.rotary import RotaryEmbedding
+from common.models.attention import attention_backend_for
 from common.models.config import ModelConfig
 from common.models.decoder_stack import DecoderStack
 from common.models.mtp import MtpHead
@@ -62,7 +63,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, backend: TorchAttentionBackend, tp_rank: int,
+    def __init__(self, cfg: ModelConfig, layer_id: int, backend: AttentionBackend, tp_rank: int,
                  tp_size: int, tp_group, dtype: torch.dtype) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -101,7 +102,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, backend: TorchAttentionBackend, tp_rank: int,
+    def __init__(self, cfg: ModelConfig, layer_id: int, backend: AttentionBackend, tp_rank: int,
                  tp_size: int, tp_group, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, backend, tp_rank, tp_size, tp_group, dtype)
@@ -122,7 +123,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, tp_rank: int, tp_size: int,
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp_rank: int, tp_size: int,
                  tp_group, dtype: torch.dtype, layers: tuple[int, int] | None = None) -> None:
         super().__init__()
         start, end = layers or (0, cfg.num_layers)
@@ -153,15 +154,15 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, pp_rank: int = 0, pp_size: int = 1,
-                 draft_layers: bool = False) -> None:
+                 draft_layers: bool = False, attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.layer_range = layer_range(config.num_layers, pp_rank, pp_size)
         self.micro_batches = 0  # run by pipelined forwards (in forwards cut into more than one)
-        local_heads = config.num_heads // tp_size
-        self.attn_backend = TorchAttentionBackend(local_heads, config.local_kv_heads(tp_size), config.head_dim)
+        # the runner's choice (--attention-backend); the CPU's native kernels for a model built on its own
+        self.attn_backend = attn_backend or attention_backend_for(config, "native", tp_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta,
                                       config.rope_type, config.rope_scaling, dtype)
         self.model = LlamaModel(config, self.attn_backend, tp_rank, tp_size, tp_group, dtype, self.layer_range)

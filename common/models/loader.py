@@ -9,6 +9,7 @@ and exposes `forward(fb)`, `attn_backend` and `load_weights(...)`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from common.layers.linear import pack_linears
+from common.models.attention import attention_backend_for
 from common.models.config import ModelConfig, ModelConfigError
 from common.models.llama import (
     LlamaForCausalLM,
@@ -89,18 +91,22 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                dtype: torch.dtype = torch.float32, quantization: str | None = None, pp_rank: int = 0,
-               pp_size: int = 1, draft_layers: bool = False) -> tuple[torch.nn.Module, ModelConfig]:
+               pp_size: int = 1, draft_layers: bool = False, device: torch.device | str = "cpu",
+               attention_backend: str = "native", load_format: str = "auto") -> tuple[torch.nn.Module, ModelConfig]:
     """Build the model for `config.json["architectures"][0]` (pipeline stage `pp_rank` of `pp_size`: its
-    layers only) and fill it from the safetensors; its linear weights packed (`common/layers/linear.py`),
-    as int8 with `quantization` ("int8wo" weight-only, "w8a8_int8" with int8 activations). `draft_layers`: the checkpoint's `mtp.*` draft layers too
+    layers only) on `device`, with the `attention_backend` the runner chose, and fill it from the
+    safetensors (`load_format` "dummy": seeded random weights, nothing read but config.json); its linear
+    weights packed for the CPU kernels (`common/layers/linear.py`), as int8 with `quantization` ("int8wo"
+    weight-only, "w8a8_int8" with int8 activations). `draft_layers`: the checkpoint's `mtp.*` draft layers too
     (common/models/mtp.py), for EAGLE / MTP speculation."""
+    device = torch.device(device)
     config = ModelConfig.from_pretrained(model_dir)
     cls = get_model_class(config.architecture)
     if config.sliding_window and config.architecture in SLIDING_WINDOW_ARCHITECTURES:
         # windowed attention layers (common/models/sliding_window.py): any context length is exact
         cls = SLIDING_WINDOW_ARCHITECTURES[config.architecture]
     config.local_kv_heads(tp_size)  # validates the head split
-    files = safetensors_files(model_dir)
+    files = safetensors_files(model_dir) if load_format != "dummy" else []
     stage = {}
     if pp_size > 1:
         if pp_size > config.num_layers:
@@ -116,15 +122,41 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
                                  "config.json has no mtp_num_hidden_layers / num_nextn_predict_layers); NGRAM "
                                  "needs none")
         stage["draft_layers"] = True
-    model = cls(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, **stage)
-    loaded = model.load_weights(iter_safetensors(files))
-    missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
-        raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {shown}")
+    backend = attention_backend_for(config, attention_backend, tp_size, device, windows=cls not in HYBRID)
+    # on a GPU every parameter and buffer is made there; on the CPU nothing changes
+    with torch.device(device) if device.type != "cpu" else contextlib.nullcontext():
+        model = cls(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, attn_backend=backend,
+                    **stage)
+    if load_format == "dummy":
+        fill_random(model, float(config.raw.get("initializer_range", 0.02)))
+    else:
+        loaded = model.load_weights(iter_safetensors(files))
+        missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+            raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {shown}")
     model.eval()
     pack_linears(model, quantization)
-    logger.info("loaded %s (%s, %d layers%s) tp %d/%d%s", config.name, config.architecture, config.num_layers,
-                f", stage {pp_rank}/{pp_size}: layers {model.layer_range[0]}..{model.layer_range[1] - 1}"
-                if pp_size > 1 else "", tp_rank, tp_size, f", weights {quantization}" if quantization else "")
+    logger.info("loaded %s (%s, %d layers%s) tp %d/%d on %s (%s, %s attention)%s", config.name, config.architecture,
+                config.num_layers, f", stage {pp_rank}/{pp_size}: layers {model.layer_range[0]}.."
+                f"{model.layer_range[1] - 1}" if pp_size > 1 else "", tp_rank, tp_size, device,
+                str(dtype).removeprefix("torch."), backend.name, f", weights {quantization}" if quantization else "")
     return model, config
+
+
+@torch.no_grad()
+def fill_random(model: torch.nn.Module, std: float, seed: int = 0) -> None:
+    """`--load-format dummy`: every parameter drawn from N(0, std) (norm weights set to one), on the device it
+    is on, from a seeded generator: the same model every time, nothing read from disk."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            continue
+        g = gens.get(p.device)
+        if g is None:
+            g = gens[p.device] = torch.Generator(device=p.device)
+            g.manual_seed(seed)
+        if "norm" in name.rsplit(".", 2)[-2] and p.dim() == 1:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, std, generator=g)

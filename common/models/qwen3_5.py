@@ -3,7 +3,7 @@ attention (transformers' `Qwen3_5ForCausalLM`, or the text part of `Qwen3_5ForCo
 
 Layers follow `layer_types` (`linear_attention` / `full_attention`):
 * full attention: q_proj yields per head `[query | output gate]`, q/k RMSNorm, rotary embedding on
-  the first `partial_rotary_factor * head_dim` dims, the paged `TorchAttentionBackend`, then
+  the first `partial_rotary_factor * head_dim` dims, the paged attention backend the runner chose, then
   `o_proj(attn * sigmoid(gate))`. Only these layers have a KV cache (`config.kv_layer_ids`).
 * linear attention (Gated DeltaNet): in_proj_qkv → causal depthwise conv1d (kernel K) → SiLU;
   per head L2-normalised q, k; `beta = sigmoid(b)`, `g = -exp(A_log) * softplus(a + dt_bias)`; the
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.forward_batch import ForwardBatch, ForwardMode
-from common.layers.attention import TorchAttentionBackend
+from common.layers.attention_backend import AttentionBackend
 from common.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -54,6 +54,7 @@ from common.layers.linear import (
 from common.layers.norm import default_weight_loader
 from common.layers.rotary import RotaryEmbedding
 from common.memory.state_pool import StatePool
+from common.models.attention import attention_backend_for
 from common.models.config import ModelConfig, ModelConfigError
 from common.models.llama import LlamaForCausalLM, LlamaMLP, final_logits, load_checkpoint
 from common.models.mtp import MtpHead
@@ -360,7 +361,7 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, backend: TorchAttentionBackend, rotary_dim: int,
+    def __init__(self, cfg: ModelConfig, layer_id: int, backend: AttentionBackend, rotary_dim: int,
                  tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -398,7 +399,7 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, layer_type: str, backend: TorchAttentionBackend,
+    def __init__(self, cfg: ModelConfig, layer_id: int, layer_type: str, backend: AttentionBackend,
                  rotary_dim: int, tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype) -> None:
         super().__init__()
         self.layer_type = layer_type
@@ -426,7 +427,7 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5TextModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, types: list[str], backend: TorchAttentionBackend, rotary_dim: int,
+    def __init__(self, cfg: ModelConfig, types: list[str], backend: AttentionBackend, rotary_dim: int,
                  tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype, layers: tuple[int, int]) -> None:
         super().__init__()
         # no random init: every weight comes from the checkpoint (the loader refuses a missing one)
@@ -455,7 +456,7 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, pp_rank: int = 0, pp_size: int = 1,
-                 draft_layers: bool = False) -> None:
+                 draft_layers: bool = False, attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -471,8 +472,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         if rotary_dim % 2 or rotary_dim <= 0:
             raise ModelConfigError(f"partial_rotary_factor {factor} of head_dim {config.head_dim} gives an "
                                    f"unusable rotary dimension {rotary_dim}")
-        self.attn_backend = TorchAttentionBackend(config.num_heads // tp_size, config.local_kv_heads(tp_size),
-                                                  config.head_dim)
+        # the runner's choice (--attention-backend); the CPU's native kernels for a model built on its own
+        self.attn_backend = attn_backend or attention_backend_for(config, "native", tp_size, windows=False)
         self.rotary = RotaryEmbedding(rotary_dim, config.context_length, theta, dtype=dtype)
         self.model = Qwen3_5TextModel(config, self.layer_types, self.attn_backend, rotary_dim, tp_rank, tp_size,
                                       tp_group, dtype, self.layer_range)

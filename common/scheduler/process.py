@@ -160,6 +160,7 @@ def _ready_info(scheduler) -> dict:
         "context_length": scheduler.context_length,
         "page_size": scheduler.page_size,
         "max_running_requests": scheduler.max_running_requests,
+        "placement": runner.device_info(),  # the device, dtypes and kernels the flags resolved to
     }
 
 
@@ -220,10 +221,14 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
     signal.signal(signal.SIGINT, on_signal)
 
     try:
+        from common.device import resolve_device
         from common.distributed import init_distributed
 
         world = args.tp * args.pp_size
-        _, consensus_group = init_distributed(rank, world, ipc.dist_init_method, tp_size=args.tp)
+        device = resolve_device(args.device, dp_rank * world + rank, args.base_gpu_id, args.gpu_id_step)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # before NCCL: each rank's communicator on its own GPU
+        _, consensus_group = init_distributed(rank, world, ipc.dist_init_method, tp_size=args.tp, device=device)
         from common.distributed import get_tp_group
 
         comm = SchedulerComm(ipc, rank, world, consensus_group)

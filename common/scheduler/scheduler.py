@@ -94,7 +94,7 @@ class Scheduler:
         if runner is None:
             from common.runner import ModelRunner
 
-            runner = ModelRunner(args, model_dir, tp_rank, tp_size, tp_group, pp_rank=pp_rank)
+            runner = ModelRunner(args, model_dir, tp_rank, tp_size, tp_group, pp_rank=pp_rank, dp_rank=dp_rank)
         self.runner = runner
         self.model_config = runner.model_config
         self.vocab_size = self.model_config.vocab_size

@@ -371,6 +371,7 @@ async def handle_server_info(request: web.Request) -> web.Response:
         "page_size": tm.node_info.get("page_size", args.page_size),
         "max_running_requests": tm.node_info.get("max_running_requests", args.max_running_requests),
     })
+    out.update(tm.node_info.get("placement") or {})  # what auto resolved to: device, dtypes, attention backend
     stats = await tm.stats() if tm.healthy else {}
     if "kv_events_published" in stats:  # a KV event publisher runs (radix cache on): where routers subscribe
         from common.kv_events import KVEventsConfig

@@ -79,6 +79,9 @@ def test_cluster_command_serves_pins_and_stops_on_ctrl_c(tiny_model_dir, tmp_pat
                                                                           os.environ.get("OMP_WAIT_POLICY"))
             status, info = http_json("GET", children[name]["url"] + "/server_info")
             assert status == 200 and info["stats"]["torch_threads"] == len(want.cores[name]), info.get("stats")
+            # what --device / --dtype / --attention-backend auto resolved to on this CPU machine
+            assert (info["device"], info["dtype"], info["attention_backend"]) == ("cpu", "float32", "native")
+            assert info["disable_cuda_graph"] is True and info["cuda_graph_batch_sizes"] == []
         if len(cores) >= 2:
             assert not set(want.cores["prefill-0"]) & set(want.cores["decode-0"])
             # the decode node borrowed the prefill node's core while it idled (common/core_loan.py)

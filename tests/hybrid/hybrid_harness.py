@@ -101,11 +101,11 @@ def make_qwen3_swa(path: str, window: int = 24, seed: int = 0, **overrides):
     return model
 
 
-def load_ours(path: str, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+def load_ours(path: str, tp_rank: int = 0, tp_size: int = 1, tp_group=None, attention_backend: str = "native"):
     """Our model for the directory, through the loader (architecture registry, weight checks)."""
     from common.models.loader import load_model
 
-    return load_model(path, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+    return load_model(path, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, attention_backend=attention_backend)
 
 
 def random_prompt(n: int, seed: int) -> list[int]:

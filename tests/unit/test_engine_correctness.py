@@ -106,15 +106,15 @@ def test_greedy_matches_hf_with_chunked_prefill(tiny_model_dir, hf_model, vocab,
     eng.assert_restored()
 
 
-def greedy_against_hf(model_dir: str, lengths: list[int], seed: int, check=None) -> None:
+def greedy_against_hf(model_dir: str, lengths: list[int], seed: int, check=None, **engine_args) -> None:
     """Greedy tokens of prompts of `lengths` equal transformers' (8 each), chunks of 32; `check(engine)`
-    first."""
+    first; `engine_args` are more ServerArgs."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
-    eng = Engine(model_dir, page_size=16, chunked_prefill_size=32)
+    eng = Engine(model_dir, page_size=16, chunked_prefill_size=32, **engine_args)
     if check is not None:
         check(eng)
     prompts = prompts_of(lengths, hf.config.vocab_size, seed=seed)

@@ -45,8 +45,8 @@ def prompt(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-def check_model(model_dir: str, page_size: int, n: int = 45) -> None:
-    model, cfg = load_model(model_dir)
+def check_model(model_dir: str, page_size: int, n: int = 45, attention_backend: str = "native") -> None:
+    model, cfg = load_model(model_dir, attention_backend=attention_backend)
     ids = prompt(n, vocab=cfg.vocab_size)
     ref = hf_logits(model_dir, ids)
 
@@ -97,10 +97,12 @@ def check_model(model_dir: str, page_size: int, n: int = 45) -> None:
         pa, pb = pa + 1, pb + 1
 
 
+@pytest.mark.parametrize("backend", ["native", "torch_native"])
 @pytest.mark.parametrize("case", list(ARCH_CASES))
-def test_tiny_matches_hf(make_tiny_model, case):
+def test_tiny_matches_hf(make_tiny_model, case, backend):
+    """Both CPU attention backends: the C kernels, and torch_native (the GPU engine's reference path)."""
     arch, overrides = ARCH_CASES[case]
-    check_model(make_tiny_model(arch, **overrides), page_size=4)
+    check_model(make_tiny_model(arch, **overrides), page_size=4, attention_backend=backend)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
