@@ -9,7 +9,7 @@ STAMP := $(VENV)/.setup-done
 APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200 gcc libc6-dev chromium chromium-driver iproute2 nftables
 PORT ?= 30000
 
-.PHONY: setup clients-venvs bytecode run test test-fast bench lint clean
+.PHONY: setup clients-venvs gpu-wheels bytecode run test test-fast bench lint clean
 
 setup:
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
@@ -38,6 +38,15 @@ setup:
 # venv whose spec is unchanged is checked in a fraction of a second, so `make test` runs it every time)
 clients-venvs:
 	$(PY) -m bench.clients.venvs build sglang
+
+# the Python packages that bench/gpu/check.sh needs on the GPU machine and its image lacks, as Python 3.12
+# wheels in .whl/ (git-ignored; the device run carries the folder)
+GPU_WHEELS := msgspec==0.22.0 pyzmq==27.3.0
+gpu-wheels:
+	mkdir -p .whl
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
 
 $(STAMP):
 	$(MAKE) setup

@@ -70,6 +70,7 @@ BENCHES = {
     "netfaults": "bench.netfaults",
     "startup": "bench.startup",
     "clients": "bench.clients.run",
+    "gpu": "bench.gpu.run",
 }
 
 

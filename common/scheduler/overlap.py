@@ -195,6 +195,8 @@ class OverlapRunner:
     # ------------------------------------------------------------------ the worker thread
     def _work(self) -> None:
         torch.set_num_threads(self._threads)  # OpenMP's thread count is per thread: the loop's setting
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)  # the current GPU is per thread too
         while True:
             item = self._jobs.get()
             if item is None:
