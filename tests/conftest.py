@@ -26,6 +26,11 @@ from __future__ import annotations
 
 import os
 
+# Without a GPU, Triton kernels run on CPU tensors in Triton's interpreter, which must be chosen before any
+# module imports triton (tests/unit/test_triton_attention.py); a machine with one compiles them for it
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The suite runs every node process, and two pytest workers, on the same few cores. OpenMP threads that
 # spin between parallel regions then take the time of whichever process shares their core: two nodes
 # loading SmolLM2 at once took ~20 s each that way, ~4.5 s with sleeping threads. So the workers and every

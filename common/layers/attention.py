@@ -67,11 +67,16 @@ class TorchAttentionMetadata:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    applies_window = False  # every key is attended; `SlidingWindowAttentionBackend` masks windows
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None, *,
                  native: bool = True, window: int | None = None, window_layers=(),
                  device: torch.device | str = "cpu") -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scaling, window=window, window_layers=window_layers,
                          device=device)
+        if self.window_layers and not self.applies_window:
+            raise ValueError("TorchAttentionBackend attends to every key: a sliding window needs "
+                             "SlidingWindowAttentionBackend (create_attention_backend chooses it)")
         native = native and self.device.type == "cpu"
         self.name = "native" if native else "torch_native"
         self.native = paged_decode_attention() if native else None

@@ -52,6 +52,8 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class SlidingWindowAttentionBackend(TorchAttentionBackend):
+    applies_window = True
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None, *,
                  window: int, window_layers, native: bool = True, device: torch.device | str = "cpu") -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scaling, native=native, window=window,
