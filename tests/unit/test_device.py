@@ -124,16 +124,17 @@ def test_torch_native_greedy_matches_hf_through_the_scheduler(make_tiny_model, a
                       attention_backend="torch_native", device="cpu")
 
 
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
 @pytest.mark.parametrize("maker", ["make_qwen3_5", "make_mistral_swa"])
-def test_torch_native_hybrid_and_window_models_match_hf(tmp_path, maker):
+def test_hybrid_and_window_models_match_hf(tmp_path, maker, backend):
     """Chunked extend then decode steps, teacher-forced, on the hybrid (state slots) and sliding-window
-    models with the torch_native backend."""
+    models with the GPU engine's backends (triton's kernels in the interpreter here)."""
     from tests.hybrid import hybrid_harness as hh
 
     kw = {"window": 12} if maker == "make_mistral_swa" else {}
     hf = getattr(hh, maker)(str(tmp_path), initializer_range=0.08, **kw)
-    model, cfg = hh.load_ours(str(tmp_path), attention_backend="torch_native")
-    assert model.attn_backend.name == "torch_native"
+    model, cfg = hh.load_ours(str(tmp_path), attention_backend=backend)
+    assert model.attn_backend.name == backend
     ids = hh.random_prompt(40, 3)
     ref = hh.hf_logits(hf, ids)
     h = hh.HybridHarness(model, cfg)
@@ -144,3 +145,19 @@ def test_torch_native_hybrid_and_window_models_match_hf(tmp_path, maker):
     err = (torch.cat(out) - ref).abs().max().item()
     assert err < 1e-4, err
     h.free_req(row)
+
+
+def test_triton_greedy_matches_hf_through_the_scheduler(make_tiny_model):
+    """The triton backend in the whole engine (its kernels in the interpreter on CPU tensors): prefill in
+    chunks over a cached prefix, batched decode steps, greedy tokens equal to transformers'."""
+    from common.layers.triton_kernels import interpreted
+    from tests.unit.test_engine_correctness import greedy_against_hf
+
+    if not interpreted() and NO_CUDA:
+        pytest.fail("triton kernels on CPU tensors need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+
+    def uses_triton(eng) -> None:
+        assert eng.sched.runner.attn_backend.name == "triton"
+
+    greedy_against_hf(make_tiny_model("qwen2", num_hidden_layers=2), [5, 40], seed=61, check=uses_triton,
+                      attention_backend="triton", device="cpu")
