@@ -1,0 +1,1 @@
+"""Tests of the GPU engine that need a CUDA device (skipped, with the reason, where there is none)."""
