@@ -12,7 +12,7 @@
 * attention backend: `native` (the C kernels) on cpu, `triton` on cuda, unless `--attention-backend`
   names one (`common/layers/attention_backend.py`).
 * CUDA graphs: on cuda, decode batches up to `--cuda-graph-max-bs` replay captured graphs unless
-  `--disable-cuda-graph`; never on cpu.
+  `--disable-cuda-graph`, with the triton and flashinfer backends (torch_native runs eagerly); never on cpu.
 
 The native C kernels run on CPU tensors only: `native.cpu_tensors(...)` is the one guard their callers
 ask before a call, so a CUDA tensor always takes the torch (or Triton) path.
@@ -27,6 +27,7 @@ import torch
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 HALF = (torch.bfloat16, torch.float16)
+GRAPH_BACKENDS = ("triton", "flashinfer")  # the attention backends whose decode a CUDA graph can replay
 
 
 class DeviceError(ValueError):
@@ -97,7 +98,8 @@ class Placement:
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype, device,
                                                                              flag="kv-cache-dtype")
         backend = resolve_attention_backend(args.attention_backend, device)
-        graphs = device.type == "cuda" and not args.disable_cuda_graph
+        # torch_native builds per-batch shapes on the host (gathers sized by the longest request): eager only
+        graphs = device.type == "cuda" and not args.disable_cuda_graph and backend in GRAPH_BACKENDS
         return cls(device, dtype, kv_dtype, backend, args.cuda_graph_max_bs if graphs else 0)
 
     def describe(self) -> dict:

@@ -161,3 +161,27 @@ def test_triton_greedy_matches_hf_through_the_scheduler(make_tiny_model):
 
     greedy_against_hf(make_tiny_model("qwen2", num_hidden_layers=2), [5, 40], seed=61, check=uses_triton,
                       attention_backend="triton", device="cpu")
+
+
+def test_placement_on_a_gpu_machine(monkeypatch):
+    """What the flags resolve to where torch sees GPUs (faked here: resolving touches no device)."""
+    import common.device as dev
+
+    monkeypatch.setattr(dev, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    p = Placement.resolve(ServerArgs(base_gpu_id=1, gpu_id_step=2), rank=1)
+    assert (p.device, p.dtype, p.kv_dtype, p.attention_backend, p.cuda_graph_max_bs) == (
+        torch.device("cuda", 3), torch.bfloat16, torch.bfloat16, "triton", 256)
+    p = Placement.resolve(ServerArgs(attention_backend="torch_native", kv_cache_dtype="float32"))
+    assert (p.attention_backend, p.cuda_graph_max_bs, p.kv_dtype) == ("torch_native", 0, torch.float32)
+    assert Placement.resolve(ServerArgs(disable_cuda_graph=True)).cuda_graph_max_bs == 0
+    with pytest.raises(DeviceError, match="rank 2 would run on GPU 4, and this machine has 4"):
+        Placement.resolve(ServerArgs(base_gpu_id=2, gpu_id_step=1), rank=2)
+    with pytest.raises(DeviceError, match="native runs the CPU kernels"):
+        Placement.resolve(ServerArgs(attention_backend="native"))
+    with pytest.raises(ConfigError, match="--quantization: w8a8_int8 runs on the CPU's int8 kernels"):
+        ServerArgs(quantization="w8a8_int8").validate()
+    with pytest.raises(ConfigError, match="--device: a prefill node moves KV through host memory"):
+        ServerArgs(disaggregation_mode="prefill").validate()
+    with pytest.raises(ConfigError, match="--pp-size: runs on the CPU engine only"):
+        ServerArgs(pp_size=2).validate()
