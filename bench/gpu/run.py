@@ -27,7 +27,7 @@ and then without them (the runner's `graphs` set aside, as `disable_cuda_graph` 
 for a backend without graph support, eager only, and its `backends` entry says why). The
 backends run one after the other, so only one runner holds the device's memory. The runner prefills
 max(`--batches`) requests of `--context` random tokens once (EXTEND forwards of at most
-`PREFILL_CHUNK_TOKENS` tokens); batch b then decodes the first b of them: `--warmup` steps, then
+`bench/gpu/workload.py`'s `PREFILL_CHUNK_TOKENS` tokens); batch b then decodes the first b of them: `--warmup` steps, then
 `--decode-steps` timed steps, best of `--repeats`, every run from the same context (the decode steps' KV
 slots are reused). A step is the runner's forward (a graph replay or eager) and greedy sampling on the
 device, the sampled tokens fed back as the next step's input without a trip to the host. Every KV slot of
@@ -43,6 +43,11 @@ Prefill: one request of `--prefill-tokens` tokens per backend (eager: graphs are
 `--repeats`. FLOPs = 2 x the weights each prompt token is multiplied by (the layers' projections) x tokens
 + 2 x the lm_head (the runner projects the last position only) + causal attention, 4 x layers x heads x
 head_dim x tokens^2 / 2; TFLOP/s = FLOPs / time; ratio = TFLOP/s / the matmul rate.
+
+Overlap (`--overlap-batches`, default 1 and 16): on the first backend that runs, decode through the real
+scheduler loop with overlap scheduling on and off (`bench/overlap.py`, as `pdserve bench engine` does on
+a CPU), tokens identical; ratios `overlap_b<B>` (and `overlap_free_core_b<B>` when the bench's torch
+threads take every core), no target: what overlap gains with a device to overlap with.
 
 Ratios, with their targets: `decode_b1_roofline` (0.75) and `decode_b64_roofline` (0.6): the best
 backend's ratio at batch 1 and 64 with CUDA graphs (eager where the device has no graphs);
@@ -70,10 +75,10 @@ import time
 
 import torch
 
+from bench.gpu.workload import Workload, sync
 from bench.report import machine_info, save_json
 
 PAGE = 16
-PREFILL_CHUNK_TOKENS = 16384  # tokens of one EXTEND forward while the decode contexts are prefilled
 BACKENDS = ("torch_native", "triton", "flashinfer")
 TARGETS = {"decode_b1_roofline": 0.75, "decode_b64_roofline": 0.6, "prefill_8k_peak": 0.6}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -123,6 +128,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps before each batch's runs")
     p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens of the one-request prefill")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each measurement (the best is kept)")
+    p.add_argument("--overlap-batches", type=lambda t: _ints(t) if t else [], default=[1, 16],
+                   help="decode batches run through the scheduler loop with overlap scheduling on and off, on the "
+                        "first backend that ran (comma-separated; empty: none)")
     p.add_argument("--json", default=None, help="write the report to this file")
     args = p.parse_args(argv)
     if args.context < 1 or args.prefill_tokens < 1:
@@ -166,11 +174,6 @@ def device_line(device: torch.device) -> dict:
     else:
         out["name"] = machine_info()["cpu"]
     return out
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _best_seconds(fn, device: torch.device, repeats: int) -> float:
@@ -249,119 +252,6 @@ def backend_unavailable(name: str, device: torch.device) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------- runner
-class Workload:
-    """One `ModelRunner` and its requests: `requests` rows of `context` random prompt tokens (KV slots for
-    `context + steps` tokens each, written into `req_to_token` once), and one row for the long prefill."""
-
-    def __init__(self, runner, requests: int, context: int, steps: int, prefill_tokens: int, seed: int = 0):
-        self.runner = r = runner
-        self.context, self.steps = context, steps
-        self.device = r.device
-        g = torch.Generator().manual_seed(seed)
-        low = min(100, r.vocab_size // 2)  # away from the special tokens at the start of a vocabulary
-        self.prompts = torch.randint(low, r.vocab_size, (requests, context), generator=g)
-        self.long_prompt = torch.randint(low, r.vocab_size, (prefill_tokens,), generator=g)
-        self.rows, slots = [], []
-        for _ in range(requests):
-            row, s = self._take(context + steps)
-            self.rows.append(row)
-            slots.append(s)
-        self.slots = torch.stack(slots)  # host copy [requests, context + steps]
-        self.long_row, self.long_slots = self._take(prefill_tokens)
-        self.first_ids = torch.zeros(requests, dtype=torch.int64)  # each request's token after its prompt
-
-    def _take(self, n: int) -> tuple[int, torch.Tensor]:
-        r = self.runner
-        row = r.req_to_token_pool.alloc()
-        if row is None:
-            raise RuntimeError("the runner's request table is full")
-        slots = r.allocator.alloc_extend(0, 0, n)
-        r.req_to_token_pool.write(row, 0, slots.to(r.req_to_token_pool.req_to_token.device))
-        return row, slots
-
-    def _batch(self, mode, input_ids, positions, out_cache_loc, rows, seq_lens, prefix_lens, new_lens):
-        from common.forward_batch import ForwardBatch
-
-        r = self.runner
-        return ForwardBatch(mode=mode, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
-                            req_pool_indices=rows, seq_lens=seq_lens, extend_prefix_lens=prefix_lens,
-                            extend_seq_lens=new_lens, kv_pool=r.kv_pool, req_to_token=r.req_to_token_pool.req_to_token)
-
-    def _greedy_info(self, b: int):
-        from common.layers.sampling import SamplingBatchInfo
-        from common.protocol import SamplingParams
-
-        info = SamplingBatchInfo.build([SamplingParams(temperature=0.0)] * b, [[] for _ in range(b)],
-                                       self.runner.vocab_size, [None] * b, [])
-        return info.to(self.device)  # where the logits are, once per batch
-
-    def prefill_contexts(self) -> None:
-        """Every request's prompt into the KV pool, a few requests per EXTEND forward."""
-        from common.forward_batch import ForwardMode
-
-        ctx, n = self.context, len(self.rows)
-        per = max(1, PREFILL_CHUNK_TOKENS // ctx)
-        for i in range(0, n, per):
-            idx = list(range(i, min(n, i + per)))
-            k = len(idx)
-            fb = self._batch(ForwardMode.EXTEND, self.prompts[idx].reshape(-1), torch.arange(ctx).repeat(k),
-                             self.slots[idx, :ctx].reshape(-1), torch.tensor([self.rows[j] for j in idx]),
-                             [ctx] * k, [0] * k, [ctx] * k)
-            out = self.runner.sample(self.runner.forward(fb), self._greedy_info(k))
-            self.first_ids[idx] = out.next_token_ids.cpu()
-        sync(self.device)
-
-    def decode(self, b: int, warmup: int, repeats: int) -> list[float]:
-        """Seconds of `steps` decode steps of the first `b` requests, once per repeat (after `warmup` steps)."""
-        from common.forward_batch import ForwardMode
-
-        if b > len(self.rows):
-            raise ValueError(f"batch {b} is larger than the {len(self.rows)} prefilled requests")
-        ctx, r = self.context, self.runner
-        info = self._greedy_info(b)
-        rows = torch.tensor(self.rows[:b])
-        positions = [torch.full((b,), ctx + j, dtype=torch.int64) for j in range(self.steps)]
-        locs = [self.slots[:b, ctx + j].contiguous() for j in range(self.steps)]
-        first = self.first_ids[:b].to(self.device)
-
-        def run(n: int) -> None:
-            ids = first
-            for j in range(n):
-                fb = self._batch(ForwardMode.DECODE, ids, positions[j], locs[j], rows, [ctx + j + 1] * b,
-                                 [ctx + j] * b, [1] * b)
-                ids = r.sample(r.forward(fb), info).next_token_ids
-
-        run(warmup)
-        times = []
-        for _ in range(repeats):
-            sync(self.device)
-            t0 = time.perf_counter()
-            run(self.steps)
-            sync(self.device)
-            times.append(time.perf_counter() - t0)
-        return times
-
-    def prefill(self, repeats: int) -> list[float]:
-        """Seconds of one EXTEND forward (and its sampling) of the long prompt, once per repeat after a
-        warmup run; each run writes the same KV slots."""
-        from common.forward_batch import ForwardMode
-
-        n = self.long_prompt.numel()
-        info = self._greedy_info(1)
-        times = []
-        for i in range(repeats + 1):
-            fb = self._batch(ForwardMode.EXTEND, self.long_prompt, torch.arange(n), self.long_slots,
-                             torch.tensor([self.long_row]), [n], [0], [n])
-            sync(self.device)
-            t0 = time.perf_counter()
-            self.runner.sample(self.runner.forward(fb), info)
-            sync(self.device)
-            if i:
-                times.append(time.perf_counter() - t0)
-        return times
-
-
 def supports_graphs(backend: str, device: torch.device) -> bool:
     """Whether `backend` can run decode steps inside a CUDA graph on `device` (asked of a small instance
     from the backend factory, before the runner would try to capture with it)."""
@@ -376,7 +266,7 @@ def build_runner(model_dir: str, args, backend: str, dtype: str, graphs: bool = 
     from common.config import ServerArgs
     from common.runner import ModelRunner
 
-    requests = max(args.batches)
+    requests = max([*args.batches, *args.overlap_batches])  # the overlap runs' requests reuse the same memory
     per_req = -(-(args.context + args.decode_steps) // PAGE) * PAGE
     long_req = -(-args.prefill_tokens // PAGE) * PAGE
     server_args = ServerArgs(
@@ -446,9 +336,26 @@ def measure_backend(model_dir: str, args, backend: str, dtype: str, report: dict
     report["prefill"].append(row)
     log(f"{backend}: prefill {args.prefill_tokens} tokens {row['ms']:.1f} ms, {tflops:.3g} TFLOP/s, "
         f"ratio {row['ratio']:.3f}")
+    work.release()
+    if args.overlap_batches and "overlap" not in report:
+        report["overlap"] = measure_overlap(runner, model_dir, args, backend)
     del work, runner, graphs
     release(device)
     return info
+
+
+def measure_overlap(runner, model_dir: str, args, backend: str) -> dict:
+    """Decode through the real scheduler loop with overlap scheduling on and off (`bench/overlap.py`), on
+    this runner: with a device to run the forward, the loop's host work can hide behind it. Ratio
+    `overlap_b<B>` = step time in sequence / overlapped (higher is better)."""
+    from bench.overlap import measure
+
+    g = torch.Generator().manual_seed(1)
+    low = min(100, runner.vocab_size // 2)
+    prompts = {b: torch.randint(low, runner.vocab_size, (b, args.context), generator=g).tolist()
+               for b in sorted(args.overlap_batches)}
+    figures, ratios = measure(runner, model_dir, prompts, args.decode_steps, args.repeats, log)
+    return {"backend": backend, "graphs": runner.graphs is not None, "figures": figures, "ratios": ratios}
 
 
 def summarize(report: dict) -> dict:
@@ -462,6 +369,9 @@ def summarize(report: dict) -> dict:
         out[key] = _ratio(key, best, graphs=graphs)
     best = max(report["prefill"], key=lambda r: r["ratio"], default=None)
     out["prefill_8k_peak"] = _ratio("prefill_8k_peak", best)
+    overlap = report.get("overlap")
+    for key, value in (overlap["ratios"] if overlap else {}).items():
+        out[key] = {"value": round(value, 4), "target": None, "met": None, "backend": overlap["backend"]}
     return out
 
 
@@ -489,7 +399,8 @@ def print_table(report: dict) -> None:
     for key, v in report["ratios"].items():
         shown = "n/a" if v["value"] is None else f"{v['value']:.3f}"
         source = v["backend"] or "not measured"
-        print(f"  {key}: {shown} (target {v['target']}, {'met' if v['met'] else 'missed'}; {source})")
+        verdict = "no target" if v["target"] is None else f"target {v['target']}, {'met' if v['met'] else 'missed'}"
+        print(f"  {key}: {shown} ({verdict}; {source})")
 
 
 def main(argv: list[str] | None = None) -> int | dict:

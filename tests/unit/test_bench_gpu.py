@@ -25,7 +25,7 @@ def test_bench_gpu_on_cpu_reports_decode_prefill_and_ratios(tmp_path):
     out = tmp_path / "gpu.json"
     argv = ["--shape", "tiny", "--device", "cpu", "--backends", "torch_native,flashinfer", "--batches", "3,1",
             "--context", "20", "--decode-steps", "3", "--warmup", "1", "--prefill-tokens", "40", "--repeats", "2",
-            "--json", str(out)]
+            "--overlap-batches", "1,3", "--json", str(out)]
     result = bench_gpu.main(argv)
     assert isinstance(result, dict)
     report = json.loads(out.read_text())
@@ -57,6 +57,17 @@ def test_bench_gpu_on_cpu_reports_decode_prefill_and_ratios(tmp_path):
     assert p["ratio"] == pytest.approx(p["tflops"] / ref["matmul_tflops"])
 
     ratios = report["ratios"]
+    # overlap through the scheduler loop, on the first backend that ran (no target); one torch thread here
+    overlap = report["overlap"]
+    assert overlap["backend"] == "torch_native" and overlap["graphs"] is False
+    assert {k for k in ratios if k.startswith("overlap_")} == {"overlap_b1", "overlap_b3"}
+    for b in (1, 3):
+        fig = overlap["figures"][f"loop_decode_b{b}"]
+        assert fig["tokens_identical"] is True and fig["step_ms_overlap"] > 0
+        assert ratios[f"overlap_b{b}"]["value"] == pytest.approx(fig["step_ms_sequential"] / fig["step_ms_overlap"],
+                                                                 abs=1e-4)
+        assert ratios[f"overlap_b{b}"]["target"] is None
+    ratios = {k: v for k, v in ratios.items() if not k.startswith("overlap_")}
     assert set(ratios) == set(bench_gpu.TARGETS)
     b1 = ratios["decode_b1_roofline"]
     assert b1["target"] == 0.75 and b1["backend"] == "torch_native" and b1["graphs"] is False
@@ -76,7 +87,8 @@ def test_decode_steps_write_their_own_kv_slots_only():
 
     with tempfile.TemporaryDirectory() as model_dir:
         bench_gpu.write_config(model_dir, "tiny")
-        args = SimpleNamespace(batches=[3], context=5, decode_steps=4, prefill_tokens=8, device="cpu")
+        args = SimpleNamespace(batches=[3], overlap_batches=[], context=5, decode_steps=4, prefill_tokens=8,
+                               device="cpu")
         runner = bench_gpu.build_runner(model_dir, args, "torch_native", "float32")
         work = bench_gpu.Workload(runner, 3, 5, 4, 8)
         work.prefill_contexts()
