@@ -44,7 +44,8 @@ Prefill: one request of `--prefill-tokens` tokens per backend (eager: graphs are
 + 2 x the lm_head (the runner projects the last position only) + causal attention, 4 x layers x heads x
 head_dim x tokens^2 / 2; TFLOP/s = FLOPs / time; ratio = TFLOP/s / the matmul rate.
 
-Overlap (`--overlap-batches`, default 1 and 16): on the first backend that runs, decode through the real
+Overlap (`--overlap-batches`, default 1 and 16): on triton on cuda (the engine's default there; else the
+first backend asked for), decode through the real
 scheduler loop with overlap scheduling on and off (`bench/overlap.py`, as `pdserve bench engine` does on
 a CPU), tokens identical; ratios `overlap_b<B>` (and `overlap_free_core_b<B>` when the bench's torch
 threads take every core), no target: what overlap gains with a device to overlap with.
@@ -129,8 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens of the one-request prefill")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each measurement (the best is kept)")
     p.add_argument("--overlap-batches", type=lambda t: _ints(t) if t else [], default=[1, 16],
-                   help="decode batches run through the scheduler loop with overlap scheduling on and off, on the "
-                        "first backend that ran (comma-separated; empty: none)")
+                   help="decode batches run through the scheduler loop with overlap scheduling on and off, with "
+                        "triton on cuda, else the first backend (comma-separated; empty: none)")
     p.add_argument("--json", default=None, help="write the report to this file")
     args = p.parse_args(argv)
     if args.context < 1 or args.prefill_tokens < 1:
@@ -337,11 +338,17 @@ def measure_backend(model_dir: str, args, backend: str, dtype: str, report: dict
     log(f"{backend}: prefill {args.prefill_tokens} tokens {row['ms']:.1f} ms, {tflops:.3g} TFLOP/s, "
         f"ratio {row['ratio']:.3f}")
     work.release()
-    if args.overlap_batches and "overlap" not in report:
+    if args.overlap_batches and backend == overlap_backend(args, device):
         report["overlap"] = measure_overlap(runner, model_dir, args, backend)
     del work, runner, graphs
     release(device)
     return info
+
+
+def overlap_backend(args, device: torch.device) -> str:
+    """Where overlap is measured: the engine's own choice on cuda (triton) when it is asked for, else the
+    first backend asked for."""
+    return "triton" if device.type == "cuda" and "triton" in args.backends else args.backends[0]
 
 
 def measure_overlap(runner, model_dir: str, args, backend: str) -> dict:
