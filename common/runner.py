@@ -163,7 +163,8 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo, top_logprobs_nums: list[int] | None = None,
                return_logprob: bool | None = None) -> SampleOutput:
-        return self.sampler(logits, info, top_logprobs_nums, return_logprob=return_logprob)
+        """Sample where the logits are: the batch's sampling tensors follow them to the device."""
+        return self.sampler(logits, info.to(logits.device), top_logprobs_nums, return_logprob=return_logprob)
 
     def run(self, batch) -> RunnerOutput:
         """Forward a prepared `ScheduleBatch`, sample its next tokens and gather the logprobs (with
@@ -234,7 +235,7 @@ class ModelRunner:
         Returns (token ids, their logprobs or None, their top logprobs or None)."""
         info = SamplingBatchInfo.build([r.sampling for r in reqs], outputs, logits.shape[-1],
                                        [r.generator for r in reqs], self.eos_token_ids,
-                                       prompt_ids=[r.origin_input_ids for r in reqs]).to(logits.device)
+                                       prompt_ids=[r.origin_input_ids for r in reqs])
         want_lp = any(r.return_logprob for r in reqs)
         nums = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs] if want_lp else None
         grammars = [r.grammar for r in reqs]

@@ -59,7 +59,7 @@ class Workload:
 
         info = SamplingBatchInfo.build([SamplingParams(temperature=0.0)] * b, [[] for _ in range(b)],
                                        self.runner.vocab_size, [None] * b, [])
-        return info.to(self.device)  # where the logits are, once per batch
+        return info.to(self.device)  # moved once per batch, not at every step's sample
 
     def prefill_contexts(self) -> None:
         """Every request's prompt into the KV pool, a few requests per EXTEND forward."""

@@ -117,6 +117,18 @@ class Engine:
 
             self.r.graphs.replay = counted
 
+    def take(self, prompt_ids: list[list[int]]) -> tuple[list[int], list[torch.Tensor]]:
+        """A request row and KV slots for each prompt, written into the request table."""
+        r = self.r
+        rows, slots = [], []
+        for p in prompt_ids:
+            row = r.req_to_token_pool.alloc()
+            s = r.allocator.alloc_extend(0, 0, len(p))
+            r.req_to_token_pool.write(row, 0, s)
+            rows.append(row)
+            slots.append(s)
+        return rows, slots
+
     def generate(self, prompt_ids: list[list[int]], steps: int, params=None, seeds=None) -> list[list[int]]:
         """`steps` tokens per prompt (the prefill's and steps - 1 decode steps), greedy unless `params`
         (one SamplingParams for all) with per-request `seeds`."""
@@ -129,13 +141,8 @@ class Engine:
         b = len(prompt_ids)
         params = params or SamplingParams(temperature=0.0)
         gens = [make_generator(s) for s in seeds] if seeds else [None] * b
-        rows, slots, lens = [], [], [len(p) for p in prompt_ids]
-        for p in prompt_ids:
-            row = pool.alloc()
-            s = r.allocator.alloc_extend(0, 0, len(p))
-            pool.write(row, 0, s)
-            rows.append(row)
-            slots.append(s)
+        lens = [len(p) for p in prompt_ids]
+        rows, slots = self.take(prompt_ids)
         outputs: list[list[int]] = [[] for _ in range(b)]
 
         def draw(logits):

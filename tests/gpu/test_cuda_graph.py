@@ -17,13 +17,7 @@ TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=2e-2, atol=5
 def _prefill(eng: Engine, ps: list[list[int]]) -> tuple[list[int], list[int]]:
     r = eng.r
     pool = r.req_to_token_pool
-    rows, slots = [], []
-    for p in ps:
-        row = pool.alloc()
-        s = r.allocator.alloc_extend(0, 0, len(p))
-        pool.write(row, 0, s)
-        rows.append(row)
-        slots.append(s)
+    rows, slots = eng.take(ps)
     lens = [len(p) for p in ps]
     r.forward(ForwardBatch(ForwardMode.EXTEND, torch.tensor([t for p in ps for t in p]),
                            torch.cat([torch.arange(n) for n in lens]), torch.cat(slots), torch.tensor(rows),
