@@ -52,6 +52,7 @@ import os
 from dataclasses import dataclass, field
 
 from common.cluster_secret import ClusterSecret, load_configured
+from transfer.memory import HOST, memory_of, parse_memory
 
 # How KV buffers are laid out; both sides of a transfer must agree (checked at bootstrap).
 KV_LAYOUT = "page,head,token,dim"
@@ -198,6 +199,8 @@ class KVArgs:
     model: str = ""
     kv_layout: str = KV_LAYOUT
     decode_tp: int = 0  # a prefill rank's --disaggregation-decode-tp: decode ranks of another TP are refused (0: any)
+    kv_memory: str = HOST  # where the kv buffers live: "host" or "cuda:N" (transfer/memory.py)
+    state_memory: str = HOST  # where the state buffers live; aux (metadata) rows are always host memory
 
     def __post_init__(self) -> None:
         if self.total_kv_heads == 0:
@@ -219,6 +222,8 @@ class KVArgs:
             raise ValueError("state_data_ptrs, state_data_lens and state_item_lens must have equal length")
         if n_state and len(self.state_dim_per_tensor) != n_state:
             raise ValueError("state_dim_per_tensor needs one leading dimension per state buffer")
+        parse_memory(self.kv_memory)
+        parse_memory(self.state_memory)
         if self.state_type not in STATE_TYPES:
             raise ValueError(f"state_type must be one of {STATE_TYPES}, got {self.state_type!r}")
         if self.total_kv_heads % self.tp_size or self.total_kv_heads // self.tp_size != self.kv_head_num:
@@ -280,6 +285,8 @@ class KVArgs:
         dims = state_dim_per_tensor or [int(t.shape[1]) if t.dim() > 1 else 1 for t in states]
         if states and state_type == "none":
             raise ValueError("state buffers given with state_type 'none'")
+        kv_memory = _one_kind("kv", bufs)
+        state_memory = _one_kind("state", states)
         return cls(
             kv_data_ptrs=[b.data_ptr() for b in bufs],
             kv_data_lens=[(b.shape[0] - 1) * st + kv_pool.page_bytes for b, st in zip(bufs, strides, strict=True)],
@@ -298,5 +305,15 @@ class KVArgs:
             state_item_lens=[t[0].numel() * t.element_size() for t in states],
             state_type=state_type,
             state_dim_per_tensor=dims,
+            kv_memory=kv_memory,
+            state_memory=state_memory,
             **rank,
         )
+
+
+def _one_kind(what: str, tensors) -> str:
+    """The memory kind all of `tensors` share ("host" for none)."""
+    kinds = {memory_of(t) for t in tensors}
+    if len(kinds) > 1:
+        raise ValueError(f"{what} buffers must all live in one memory, got {sorted(kinds)}")
+    return kinds.pop() if kinds else HOST

@@ -102,6 +102,8 @@ class RegisterPeer(msgspec.Struct, tag="register"):
     kv_num_pages: int = 0  # pages per kv buffer (page 0 is padding); 0: not sent (rejected)
     aux_num_rows: int = 0  # metadata rows per aux buffer
     state_num_slots: int = 0  # items per state buffer
+    kv_memory: str = "host"  # where the kv buffers live: "host" or "cuda:N" (transfer/memory.py)
+    state_memory: str = "host"  # where the state buffers live (aux rows are host memory)
 
 
 Traceparent = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")]
@@ -164,7 +166,8 @@ def peer_registration(a: KVArgs, src: str, engine_desc: bytes) -> RegisterPeer:
         state_layer_ids=a.state_layer_ids,
         kv_num_pages=(a.kv_data_lens[0] - a.kv_item_lens[0]) // a.kv_item_strides[0] + 1,
         aux_num_rows=_items(a.aux_data_lens, a.aux_item_lens),
-        state_num_slots=_items(a.state_data_lens, a.state_item_lens))
+        state_num_slots=_items(a.state_data_lens, a.state_item_lens), kv_memory=a.kv_memory,
+        state_memory=a.state_memory)
 
 
 def _items(lens: list[int], item_lens: list[int]) -> int:

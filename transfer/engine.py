@@ -6,6 +6,11 @@ regions into a peer's registered memory. Everything above it (control plane, chu
 coalescing, TP head slicing, metadata, heartbeats, timeouts) is shared code in `transfer/`, so the
 protocol logic is written once and every backend gets the same failure handling.
 
+Memory kinds. Every registration says where its memory lives ("host" or "cuda:N",
+`transfer/memory.py`), and every write names the kind of its local and remote regions: a GPU node's
+KV pages are device memory, its metadata rows host memory, and an engine registers and moves each
+kind its own way.
+
 Writes are one-sided pushes from the prefill side into the decode side's registered buffers.
 `write` blocks until the batch is complete (callers run it on a worker thread) and raises
 `TransferError` with a reason on any failure.
@@ -27,6 +32,8 @@ import time
 from collections.abc import Sequence
 
 import psutil
+
+from transfer.memory import HOST
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 POLL_FIRST_S = 20e-6
@@ -61,8 +68,10 @@ class TransferEngine(abc.ABC):
         self.device_name = device_name
 
     @abc.abstractmethod
-    def register(self, ptr: int, length: int) -> None:
-        """Register [ptr, ptr+length) of host memory for remote writes (and as a write source).
+    def register(self, ptr: int, length: int, memory: str = HOST) -> None:
+        """Register [ptr, ptr+length) for remote writes (and as a write source); `memory` is where it
+        lives, "host" or "cuda:N" (`transfer/memory.py`). An engine that cannot reach that kind of memory
+        raises `BackendUnavailable` naming what to install.
 
         Must be called for every buffer before `describe()` is sent to peers."""
 
@@ -77,8 +86,10 @@ class TransferEngine(abc.ABC):
         Idempotent for the same description."""
 
     @abc.abstractmethod
-    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int]) -> None:
-        """Copy each local region src[i] of lengths[i] bytes to the peer's dst[i]; blocking."""
+    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int],
+              src_memory: str = HOST, dst_memory: str = HOST) -> None:
+        """Copy each local region src[i] of lengths[i] bytes to the peer's dst[i]; blocking. Every local
+        region is memory of kind `src_memory`, every remote one of `dst_memory` (registered as such)."""
 
     def remove_peer(self, peer: str) -> None:  # noqa: B027 - optional hook
         """Forget a peer (it died or was deregistered)."""

@@ -7,7 +7,8 @@ bootstrap server, tells them where each request's pages must land (`TransferInfo
 their `Status`. Each request (room) is one `KVSender` / `KVReceiver`, which owns the room's state.
 
 This base owns the engine (built from a backend name, or given) and the registration of the
-rank's buffers (the union of their spans: the page-first pool is one registration), the control
+rank's buffers (the union of their spans per memory kind, `registrations`: the page-first pool is one
+registration; on a GPU the metadata rows are host memory registered apart from the device's), the control
 plane (`transfer/control.py`) with its message dispatch, the bootstrap client, peer liveness and
 the timer thread, and `close()`. One re-entrant lock per manager guards the manager's state and
 that of its rooms; the control plane's receiver thread, the timer, the worker threads and the
@@ -50,12 +51,27 @@ from transfer.bootstrap import BootstrapClient
 from transfer.control import ControlPlane, Message, Ping, Pong
 from transfer.engine import TransferEngine
 from transfer.liveness import Liveness
+from transfer.memory import HOST
 from transfer.plan import union
 
 logger = logging.getLogger(__name__)
 
 TICK = 0.05
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+def registrations(args: KVArgs) -> list[tuple[int, int, str]]:
+    """(ptr, length, memory kind) of what a rank registers: the union of its spans, per memory kind (page-first
+    kv buffers interleave, so one registration covers the whole pool; on a GPU the kv and state spans are
+    device memory and the metadata rows host memory, registered apart)."""
+    by_kind: dict[str, tuple[list[int], list[int]]] = {}
+    for kind, ptrs, lens in ((args.kv_memory, args.kv_data_ptrs, args.kv_data_lens),
+                             (HOST, args.aux_data_ptrs, args.aux_data_lens),
+                             (args.state_memory, args.state_data_ptrs, args.state_data_lens)):
+        spans = by_kind.setdefault(kind, ([], []))
+        spans[0].extend(ptrs)
+        spans[1].extend(lens)
+    return [(ptr, n, kind) for kind, (ptrs, lens) in by_kind.items() for ptr, n in union(ptrs, lens)]
 
 
 class KVManager:
@@ -78,10 +94,8 @@ class KVManager:
         self.host = host
         self.engine = backend if isinstance(backend, TransferEngine) else create_engine(backend, host, self.settings)
         self.moves_bytes = getattr(self.engine, "moves_bytes", True)
-        # page-first kv buffers interleave: one registration covers the whole pool
-        for ptr, n in union(args.kv_data_ptrs + args.aux_data_ptrs + args.state_data_ptrs,
-                            args.kv_data_lens + args.aux_data_lens + args.state_data_lens):
-            self.engine.register(ptr, n)
+        for ptr, n, memory in registrations(args):
+            self.engine.register(ptr, n, memory)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._liveness = Liveness(self.settings.heartbeat_interval, self.settings.heartbeat_window,

@@ -6,6 +6,9 @@ node fills its slot after the forward pass (`set_buf`), the sender writes the ro
 rank's slot of the same buffers, and the decode receiver checks that the row's `bootstrap_room`
 equals its own room before it reports Success (`get_room`).
 
+The rows are always host memory (the decode side's CPU reads them); on a node whose KV is on a GPU
+they are pinned (`pinned=True`), page-locked memory that the engines' device transports can also reach.
+
 Fields per slot: first output token id, cached tokens, the token's logprob value / index, top
 logprobs values / indices, speculative decoding top-k p / index and the hidden state, and the room.
 
@@ -46,7 +49,7 @@ class MetadataBuffers:
               "top_logprobs_idx", "topk_p", "topk_index", "hidden_states", "bootstrap_room")
 
     def __init__(self, size: int, max_top_logprobs: int = 20, hidden_size: int = 0, spec_topk: int = 1,
-                 hidden_dtype: torch.dtype = torch.float32) -> None:
+                 hidden_dtype: torch.dtype = torch.float32, pinned: bool = False) -> None:
         self.size = size
         self.max_top_logprobs = max_top_logprobs
         self.hidden_size = hidden_size
@@ -65,6 +68,8 @@ class MetadataBuffers:
         }
         self._tensors: dict[str, torch.Tensor] = {
             name: torch.zeros((size, _row_len(n, dt)), dtype=dt) for name, (n, dt) in specs.items()}
+        if pinned:  # a node on a GPU: page-locked, so a device transport can read and write the rows directly
+            self._tensors = {name: t.pin_memory() for name, t in self._tensors.items()}
         self.room_index = self.FIELDS.index("bootstrap_room")
 
     def tensor(self, name: str) -> torch.Tensor:

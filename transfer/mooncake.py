@@ -12,6 +12,11 @@ are finished, any failure raises `TransferError`. One batch per region because
 done, which on a 2-core host takes CPU from Mooncake's own TCP threads (24 MB in 12 regions:
 ~20 ms instead of ~12 ms).
 
+Memory kinds. The CUDA build registers device memory as it registers host memory (it finds a
+pointer's device itself, and its transports move device memory); the CPU-only build
+(`mooncake-transfer-engine-non-cuda`, the pinned CPU default) refuses a cuda kind at registration,
+naming the package to install, instead of reading a device address as host memory.
+
 Settings: protocol "tcp" (default; the only one on hosts without RDMA NICs) or "rdma" on clusters
 (`TransferSettings.protocol` / PDSERVE_TRANSFER_PROTOCOL); RDMA device names such as "mlx5_0,mlx5_1"
 (`device_name` / PDSERVE_TRANSFER_DEVICES; empty = auto-discovery). Large batches need Mooncake's
@@ -31,6 +36,7 @@ deployment needs (deploy/README.md, "Security model"); on a shared network use n
 
 from __future__ import annotations
 
+import importlib.metadata
 import ipaddress
 import logging
 import os
@@ -41,6 +47,7 @@ from collections.abc import Sequence
 import psutil
 
 from transfer.engine import BackendUnavailable, TransferEngine, TransferError, host_addresses, poll_pause
+from transfer.memory import HOST, is_device
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +61,23 @@ _ENV_DEFAULTS = {
     "GLOG_minloglevel": "1",  # Mooncake logs every connection at INFO; keep warnings and errors
 }
 _STATUS = {-1: "failed", -2: "timed out (MC_TRANSFER_TIMEOUT)"}
+NON_CUDA_PACKAGE = "mooncake-transfer-engine-non-cuda"
+
+
+def cuda_build() -> bool:
+    """Whether the installed Mooncake is its CUDA build (`mooncake-transfer-engine`), which tells device
+    pointers from host ones itself; the CPU-only build would read a device address as host memory."""
+    try:
+        importlib.metadata.distribution(NON_CUDA_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    else:
+        return False
+    try:
+        importlib.metadata.distribution("mooncake-transfer-engine")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _listening() -> set[tuple[str, int]]:
@@ -108,7 +132,11 @@ class MooncakeEngine(TransferEngine):
         self._registered: list[tuple[int, int]] = []
         self._lock = threading.Lock()
 
-    def register(self, ptr: int, length: int) -> None:
+    def register(self, ptr: int, length: int, memory: str = HOST) -> None:
+        if is_device(memory) and not cuda_build():
+            raise BackendUnavailable(f"mooncake cannot register {memory} memory: the installed Mooncake is its "
+                                     f"CPU-only build ({NON_CUDA_PACKAGE}); pip install mooncake-transfer-engine "
+                                     "(its CUDA build) on GPU hosts")
         ret = self._engine.register_memory(ptr, length)
         if ret != 0:
             raise TransferError(f"Mooncake register_memory({ptr:#x}, {length}) failed with {ret}")
@@ -121,7 +149,8 @@ class MooncakeEngine(TransferEngine):
     def add_peer(self, description: bytes) -> str:
         return description.decode()
 
-    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int]) -> None:
+    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int],
+              src_memory: str = HOST, dst_memory: str = HOST) -> None:
         if not (len(src) == len(dst) == len(lengths)):
             raise TransferError("src, dst and lengths differ in length")
         if not src:

@@ -1,11 +1,13 @@
 """NIXL backend: one-sided WRITEs through a NIXL agent with its UCX plugin.
 
-* `register` registers host regions with the agent (`mem_type` "DRAM"; "VRAM" on GPUs, where the
-  region's device id would come from the caller's tensor; here it is always 0).
+* `register` registers a region with the agent by its memory kind: host memory as "DRAM", CUDA
+  device N's as "VRAM" with device id N (NIXL's UCX plugin then moves it with UCX's cuda_ipc /
+  cuda_copy transports on one host and GPUDirect RDMA across hosts, where the NICs support it).
 * `describe()` is the agent's full metadata (connection info + registered regions), msgpack-framed
   with the agent name so a repeated `add_peer` is a cheap no-op.
 * `add_peer` loads the remote metadata and returns the remote agent name.
-* `write` builds Nx3 (addr, len, dev 0) descriptor lists for both sides, creates a WRITE request,
+* `write` builds Nx3 (addr, len, device id) descriptor lists for both sides, each with its side's
+  memory type,, creates a WRITE request,
   posts it and polls it to DONE (NIXL's own progress thread drives UCX); "ERR" or the timeout
   raises `TransferError`. Lists are not prepped once (`prep_xfer_dlist`): the region set differs
   on every call and prepping pays off only for a fixed descriptor grid, which this interface does
@@ -46,6 +48,7 @@ import msgspec
 import numpy as np
 
 from transfer.engine import BackendUnavailable, TransferEngine, TransferError, poll_pause, ucx_net_devices
+from transfer.memory import HOST, parse_memory
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,13 @@ def _ucx_net_devices_env(devices: str | None):
             os.environ.pop("UCX_NET_DEVICES", None)
 
 
+def _nixl_memory(memory: str) -> tuple[str, int]:
+    """NIXL's (memory type, device id) for a memory kind: host memory is "DRAM" (device 0), CUDA device
+    N's memory "VRAM" with device id N."""
+    kind, device = parse_memory(memory)
+    return ("DRAM", 0) if kind == HOST else ("VRAM", device)
+
+
 class _Description(msgspec.Struct, array_like=True):
     agent_name: str
     metadata: bytes
@@ -98,7 +108,6 @@ class NixlEngine(TransferEngine):
         self,
         hostname: str = "127.0.0.1",
         device_name: str | None = None,
-        mem_type: str = "DRAM",
         timeout: float = 30.0,
         num_threads: int = 0,
     ) -> None:
@@ -107,7 +116,6 @@ class NixlEngine(TransferEngine):
             from nixl._api import nixl_agent_config, nixl_thread_sync_t
         except ImportError as exc:
             raise BackendUnavailable(f"nixl backend needs nixl: {_INSTALL_HINT} ({exc})") from exc
-        self.mem_type = mem_type
         self.timeout = timeout
         self._agent_name = f"pdserve-{hostname}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # STRICT: NIXL serialises its own API calls, so writer threads need no lock around it.
@@ -135,8 +143,12 @@ class NixlEngine(TransferEngine):
         self._reg_descs: list[object] = []
         self._peers: set[str] = set()
 
-    def register(self, ptr: int, length: int) -> None:
-        descs = self._agent.register_memory([(ptr, length, 0, "")], self.mem_type)
+    def register(self, ptr: int, length: int, memory: str = HOST) -> None:
+        mem_type, device = _nixl_memory(memory)
+        try:
+            descs = self._agent.register_memory([(ptr, length, device, "")], mem_type)
+        except Exception as exc:  # nixlBind raises its own types; a VRAM region needs NIXL's CUDA support
+            raise TransferError(f"nixl could not register {length} bytes of {memory} memory at {ptr:#x}: {exc}") from exc
         with self._lock:
             self._reg_descs.append(descs)
 
@@ -155,13 +167,16 @@ class NixlEngine(TransferEngine):
                 self._peers.add(name)
         return desc.agent_name
 
-    def _dlist(self, addrs: Sequence[int], lengths: Sequence[int]):
-        arr = np.zeros((len(addrs), 3), dtype=np.uint64)
+    def _dlist(self, addrs: Sequence[int], lengths: Sequence[int], memory: str):
+        mem_type, device = _nixl_memory(memory)
+        arr = np.empty((len(addrs), 3), dtype=np.uint64)
         arr[:, 0] = addrs
         arr[:, 1] = lengths
-        return self._agent.get_xfer_descs(arr, self.mem_type)
+        arr[:, 2] = device
+        return self._agent.get_xfer_descs(arr, mem_type)
 
-    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int]) -> None:
+    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int],
+              src_memory: str = HOST, dst_memory: str = HOST) -> None:
         if not (len(src) == len(dst) == len(lengths)):
             raise ValueError("src, dst and lengths must have the same length")
         keep = [i for i, n in enumerate(lengths) if n > 0]
@@ -171,8 +186,8 @@ class NixlEngine(TransferEngine):
             known = peer in self._peers
         if not known:
             raise TransferError(f"unknown nixl peer {peer!r}")
-        local = self._dlist([src[i] for i in keep], [lengths[i] for i in keep])
-        remote = self._dlist([dst[i] for i in keep], [lengths[i] for i in keep])
+        local = self._dlist([src[i] for i in keep], [lengths[i] for i in keep], src_memory)
+        remote = self._dlist([dst[i] for i in keep], [lengths[i] for i in keep], dst_memory)
         try:
             handle = self._agent.initialize_xfer("WRITE", local, remote, peer)
         except Exception as exc:  # nixlBind raises its own exception types (e.g. nixlNotFoundError)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from transfer.memory import parse_memory
 from transfer.plan import match_buffers
 
 if TYPE_CHECKING:
@@ -77,8 +78,18 @@ def reject(mgr, what: str, reason: str) -> None:
 # ---------------------------------------------------------------------------------------- RegisterPeer
 def check_registration(a: KVArgs, reg: RegisterPeer) -> str | None:
     """None if a decode rank's registration is consistent and matches this prefill rank."""
-    return (_check_place(a, reg) or _check_kv(a, reg) or _check_aux_state(a, reg)
+    return (_check_place(a, reg) or _check_memory(reg) or _check_kv(a, reg) or _check_aux_state(a, reg)
             or _check_overlaps(reg))
+
+
+def _check_memory(reg: RegisterPeer) -> str | None:
+    """The memory kinds name host memory or a CUDA device (the engine registers and writes by kind)."""
+    for name in ("kv_memory", "state_memory"):
+        try:
+            parse_memory(getattr(reg, name))
+        except ValueError:
+            return _want("RegisterPeer", name, getattr(reg, name), "'host' or 'cuda:N'")
+    return None
 
 
 def _check_place(a: KVArgs, reg: RegisterPeer) -> str | None:

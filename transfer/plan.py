@@ -2,6 +2,8 @@
 
 Pure address arithmetic, no I/O: the prefill sender asks a `PairPlan` for the regions of every
 chunk it writes to one decode rank, and `union` gives a manager the spans it registers.
+A plan also knows the memory kind of each family on both sides (kv, state, aux), since the engine
+writes one pair of kinds per batch (`transfer/memory.py`).
 
 Buffers and items. A KV buffer holds one item per page (the page of one layer's K or V), item k
 of buffer b at `base[b] + k * stride[b]`; state buffers hold one item per state slot; aux
@@ -32,6 +34,8 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from transfer.memory import HOST
 
 if TYPE_CHECKING:
     from transfer.base import KVArgs
@@ -149,6 +153,10 @@ class PairPlan:
                                np.array([reg.state_item_lens[m]], dtype=np.int64),
                                (u0 - s_lo) * unit, (u0 - d_lo_) * unit, (u1 - u0) * unit))
         self.aux = list(zip(args.aux_data_ptrs, args.aux_item_lens, reg.aux_ptrs, reg.aux_item_lens, strict=True))
+        # (source, destination) memory kinds of each family: the engine writes a batch of one pair of kinds
+        self.kv_memory = (args.kv_memory, reg.kv_memory)
+        self.state_memory = (args.state_memory, reg.state_memory)
+        self.aux_memory = (HOST, HOST)
 
     def kv_regions(self, src_pages: np.ndarray, dst_pages: np.ndarray):
         """Regions moving this pair's head slice of pages src_pages[i] -> dst_pages[i], all layers."""

@@ -20,7 +20,12 @@ this rank's; each info says whether that decode rank expects this rank to write 
 Chunks. `send()` takes the next pages of the request (full pages before the last chunk; the last
 adds the partial page, the state slots and the metadata row); until the sender is ready the chunks
 wait in its queue. Each chunk is a job on the manager's worker threads that asks the plan for its
-regions and issues one engine `write()` per decode rank, covering all layers, K and V. When the
+regions and issues one engine `write()` per decode rank and pair of memory kinds, covering all
+layers, K and V (on the host one write; on a GPU the device's pages and state, then the host's
+metadata row). Ordering on a GPU: kernels run asynchronously, so a chunk handed over when the
+scheduler has launched its forward may not be written yet; `send(..., ready=event)` carries the
+event recorded after that forward, and the job waits on it (`synchronize()`, on the worker thread)
+before the first write, instead of the scheduler synchronising the whole step. When the
 last chunk and all earlier ones are done, the sender reports Success to its decode ranks.
 
 States. Bootstrapping (waiting for `init()` and the TransferInfo of every overlapping decode rank)
@@ -79,6 +84,7 @@ class _Chunk:
     pages: np.ndarray
     state_indices: np.ndarray | None
     last: bool
+    ready: object = None  # the forward's completion on the device (`synchronize()`); None: written already
 
 
 class PrefillKVManager(KVManager):
@@ -451,7 +457,9 @@ class PrefillKVManager(KVManager):
         self._pool.submit(sender._run_chunk, chunk)
 
     def _chunk_regions(self, rank: int, info: TransferInfo, chunk: _Chunk, metadata_index: int):
-        """(engine peer handle, src, dst, lengths) of one chunk for one decode rank."""
+        """(engine peer handle, batches) of one chunk for one decode rank: a batch is (source memory kind,
+        destination memory kind, src, dst, lengths); kv pages, then the state slots, then the metadata row
+        (the last chunk), one batch for each run of families that share their kinds (on the host: one)."""
         peer = self._decode_peers.get(info.src)
         if peer is None or peer.plan is None:
             raise TransferError(f"decode rank tp {rank} ({info.src}) is gone")
@@ -460,22 +468,25 @@ class PrefillKVManager(KVManager):
         dst_pages = np.asarray(info.dst_page_indices[chunk.offset: chunk.offset + n], dtype=np.int64)
         if dst_pages.size and dst_pages.min() <= 0:
             raise TransferError("page 0 is the padding page and is never transferred")
-        src, dst, lens = plan.kv_regions(chunk.pages, dst_pages)
+        families = [(plan.kv_memory, plan.kv_regions(chunk.pages, dst_pages))]
         if chunk.last and plan.state:  # (a pipeline stage of a hybrid model may hold no state)
             s_idx = chunk.state_indices if chunk.state_indices is not None else np.zeros(0, np.int64)
             if s_idx.size != len(info.state_indices):
                 raise TransferError(f"state slot count mismatch: prefill {s_idx.size}, decode tp {rank} "
                                     f"{len(info.state_indices)}")
-            a, b, c = plan.state_regions(s_idx, np.asarray(info.state_indices, dtype=np.int64))
-            src += a
-            dst += b
-            lens += c
+            families.append((plan.state_memory,
+                             plan.state_regions(s_idx, np.asarray(info.state_indices, dtype=np.int64))))
         if chunk.last and info.expects_metadata and plan.aux:
-            a, b, c = plan.aux_regions(metadata_index, info.metadata_index)
-            src += a
-            dst += b
-            lens += c
-        return peer.handle, src, dst, lens
+            families.append((plan.aux_memory, plan.aux_regions(metadata_index, info.metadata_index)))
+        batches: list[tuple[str, str, list, list, list]] = []
+        for (src_kind, dst_kind), (src, dst, lens) in families:
+            if batches and batches[-1][:2] == (src_kind, dst_kind):
+                batches[-1][2].extend(src)
+                batches[-1][3].extend(dst)
+                batches[-1][4].extend(lens)
+            else:
+                batches.append((src_kind, dst_kind, list(src), list(dst), list(lens)))
+        return peer.handle, batches
 
 
 class KVSender(KVRoom):
@@ -508,9 +519,11 @@ class KVSender(KVRoom):
             self._metadata_index = metadata_index
             self.mgr._check_ready(self.room)
 
-    def send(self, page_indices, state_indices=None, last: bool = False) -> None:
+    def send(self, page_indices, state_indices=None, last: bool = False, ready=None) -> None:
         """Queue one chunk of pages (full pages unless `last`); the last chunk also moves the state
-        slots and the metadata row. Returns at once."""
+        slots and the metadata row. Returns at once. `ready`, when given, is the device's completion of
+        the forward that wrote the chunk (an event with `synchronize()`): the chunk's job waits on it
+        before it reads a byte."""
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         states = None if state_indices is None else np.asarray(state_indices, dtype=np.int64).reshape(-1)
         with self.mgr._lock:
@@ -527,7 +540,7 @@ class KVSender(KVRoom):
             if self._next_offset + pages.size > self._num_pages:
                 self._fail(f"more pages sent ({self._next_offset + pages.size}) than declared ({self._num_pages})")
                 return
-            chunk = _Chunk(self._next_offset, pages, states, last)
+            chunk = _Chunk(self._next_offset, pages, states, last, ready)
             self._next_offset += pages.size
             if last:
                 self._last_enqueued = True
@@ -594,13 +607,16 @@ class KVSender(KVRoom):
         try:
             if self._status in TERMINAL:
                 return
+            if chunk.ready is not None:
+                chunk.ready.synchronize()  # the device has written the chunk's pages (a GPU node's event)
             for rank, info in self._targets.items():
-                handle, src, dst, lens = mgr._chunk_regions(rank, info, chunk, self._metadata_index)
-                if self._status in TERMINAL:
-                    return
-                mgr.engine.write(handle, src, dst, lens)
-                with mgr._lock:
-                    self.bytes_sent += sum(lens)
+                handle, batches = mgr._chunk_regions(rank, info, chunk, self._metadata_index)
+                for src_kind, dst_kind, src, dst, lens in batches:
+                    if self._status in TERMINAL:
+                        return
+                    mgr.engine.write(handle, src, dst, lens, src_kind, dst_kind)
+                    with mgr._lock:
+                        self.bytes_sent += sum(lens)
         except TransferError as e:
             with mgr._lock:
                 self._fail(f"transfer failed: {e}")

@@ -6,7 +6,9 @@ rkey pack/unpack, put, flush) are called with ctypes on the very libucp that ucx
 the raw UCP handles ucxx exposes. The worker is created by ucxx in UCS_THREAD_MODE_MULTI, so those
 calls are safe next to ucxx's progress thread and from several writer threads.
 
-* `register` maps the region with `ucp_mem_map` and packs its remote key.
+* `register` maps the region with `ucp_mem_map`, with its memory type (host, or CUDA: UCX's
+  cuda_copy / cuda_ipc transports and GPUDirect RDMA lanes then carry it), and packs its remote key
+  (which carries the type to the peer). A put's local buffer type UCX detects from the pointer.
 * `describe()` is msgpack of {id, worker address, [(base, length, packed rkey), ...]}.
 * `add_peer` creates an endpoint to the worker address (peer error handling on) and unpacks rkeys.
 * `write` posts one `ucp_put_nbx` per region, then `ucp_ep_flush_nbx`, and polls the flush while
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from transfer.engine import BackendUnavailable, TransferEngine, TransferError, poll_pause, ucx_net_devices
+from transfer.memory import HOST, parse_memory
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,13 @@ _UCS_OK = 0
 _UCS_INPROGRESS = 1
 _UCS_ERR_LAST = -100
 _MEM_MAP_ADDRESS_LENGTH = (1 << 0) | (1 << 1)  # UCP_MEM_MAP_PARAM_FIELD_ADDRESS | _LENGTH
+_MEM_MAP_MEMORY_TYPE = 1 << 4  # UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
+_UCS_MEMORY_TYPE = {"host": 0, "cuda": 1}  # ucs_memory_type_t: UCS_MEMORY_TYPE_HOST, UCS_MEMORY_TYPE_CUDA
+
+
+def _ucs_memory_type(memory: str) -> int:
+    """UCX's memory type of a memory kind (the device index is the pointer's own: UCX finds it)."""
+    return _UCS_MEMORY_TYPE[parse_memory(memory)[0]]
 
 
 class _MemMapParams(ctypes.Structure):
@@ -174,9 +184,10 @@ class UcxEngine(TransferEngine):
         self._memhs: list[int] = []
         self._peers: dict[str, _Peer] = {}
 
-    def register(self, ptr: int, length: int) -> None:
+    def register(self, ptr: int, length: int, memory: str = HOST) -> None:
         ucp = self._ucp
-        params = _MemMapParams(field_mask=_MEM_MAP_ADDRESS_LENGTH, address=ptr, length=length)
+        params = _MemMapParams(field_mask=_MEM_MAP_ADDRESS_LENGTH | _MEM_MAP_MEMORY_TYPE, address=ptr,
+                               length=length, memory_type=_ucs_memory_type(memory))
         memh = ctypes.c_void_p()
         ucp.check(ucp.mem_map(self._ctx_h, ctypes.byref(params), ctypes.byref(memh)), "ucp_mem_map")
         buf, buf_len = ctypes.c_void_p(), ctypes.c_size_t()
@@ -227,7 +238,8 @@ class UcxEngine(TransferEngine):
             raise TransferError(f"remote range 0x{addr:x}+{length} is outside the peer's registered memory")
         return peer.rkeys[i]
 
-    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int]) -> None:
+    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int],
+              src_memory: str = HOST, dst_memory: str = HOST) -> None:
         with self._lock:
             p = self._peers.get(peer)
         if p is None:

@@ -7,7 +7,8 @@ the decode ones start at zero. `Pair.transfer(room, src_pages, dst_pages, ...)` 
 end; `Pair.pages_hold(dst_pages, src_pages)` / `state_holds` / `row_room` say whether the decode
 side holds exactly the source's bytes. `GatedEngine` wraps an engine so that the next write after
 `arm()` waits before it reaches the engine until `release()` (or fails on `fail()`): a write in
-progress, for as long as a test needs. `Garbage(answers)` is an HTTP server (a hostile bootstrap
+progress, for as long as a test needs. `memory={"kv_memory": "cuda:0", ...}` declares both sides' buffers in that
+memory kind (for the fake engine's kind checks). `Garbage(answers)` is an HTTP server (a hostile bootstrap
 server) answering every GET with whatever `answers(path)` gives.
 """
 
@@ -77,8 +78,8 @@ class GatedEngine(TransferEngine):
         self._fail = True
         self._open.set()
 
-    def register(self, ptr: int, length: int) -> None:
-        self.inner.register(ptr, length)
+    def register(self, ptr: int, length: int, memory: str = "host") -> None:
+        self.inner.register(ptr, length, memory)
 
     def describe(self) -> bytes:
         return self.inner.describe()
@@ -89,18 +90,19 @@ class GatedEngine(TransferEngine):
     def remove_peer(self, peer: str) -> None:
         self.inner.remove_peer(peer)
 
-    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int]) -> None:
+    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int],
+              src_memory: str = "host", dst_memory: str = "host") -> None:
         with self._lock:
             gated, self._armed = self._armed, False
         if not gated:
-            self.inner.write(peer, src, dst, lengths)
+            self.inner.write(peer, src, dst, lengths, src_memory, dst_memory)
             return
         self.entered.set()
         self._open.wait(120)
         try:
             if self._fail:
                 raise TransferError("gated write dropped by the test")
-            self.inner.write(peer, src, dst, lengths)
+            self.inner.write(peer, src, dst, lengths, src_memory, dst_memory)
         finally:
             self.done.set()
 
@@ -113,16 +115,16 @@ class Pair:
     """A prefill manager (engine `prefill_engine`) and a decode manager (engine `decode_engine`)."""
 
     def __init__(self, prefill_engine: TransferEngine, decode_engine: TransferEngine, seed: int = 5,
-                 **settings) -> None:
+                 memory: dict | None = None, **settings) -> None:
         self.seed = seed
         self.server = BootstrapServer("127.0.0.1", 0)
         self.server.start()
         self.addr = f"127.0.0.1:{self.server.port}"
         s = {**SETTINGS, **settings}
         self.prefill, self.ppool, self.pmeta, self.pstate = h._build(
-            "prefill", 0, 1, {"seed": seed, "backend": prefill_engine}, self.addr, s)
-        self.decode, self.dpool, self.dmeta, self.dstate = h._build("decode", 0, 1, {"backend": decode_engine},
-                                                                    None, s)
+            "prefill", 0, 1, {"seed": seed, "backend": prefill_engine, **(memory or {})}, self.addr, s)
+        self.decode, self.dpool, self.dmeta, self.dstate = h._build(
+            "decode", 0, 1, {"backend": decode_engine, **(memory or {})}, None, s)
         self.src_kv = h.global_kv(seed)
         self.src_state = h.global_state(seed)
 

@@ -125,6 +125,13 @@ def _build(role: str, tp_rank: int, tp_size: int, spec: dict, bootstrap_addr: st
         state.copy_(global_state(spec["seed"])[:, tp_rank * sd:(tp_rank + 1) * sd])
     args = KVArgs.from_pool(pool, meta, [state], state_type="mamba", engine_rank=tp_rank, tp_size=tp_size,
                             model=spec.get("model", MODEL))
+    # the memory kind the buffers are declared in ("cuda:0" over host tensors: the fake engine, which reads
+    # nothing, checks that every region is written with the kind it was registered with)
+    kinds = {k: spec[k] for k in ("kv_memory", "state_memory") if k in spec}
+    if kinds:
+        import dataclasses
+
+        args = dataclasses.replace(args, **kinds)
     return manager(args), pool, meta, state
 
 

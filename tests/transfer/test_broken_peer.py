@@ -35,8 +35,8 @@ class StickyEngine(TransferEngine):
         with self._lock:
             self.broken |= self.peers
 
-    def register(self, ptr: int, length: int) -> None:
-        self.inner.register(ptr, length)
+    def register(self, ptr: int, length: int, memory: str = "host") -> None:
+        self.inner.register(ptr, length, memory)
 
     def describe(self) -> bytes:
         return self.inner.describe()
@@ -54,12 +54,13 @@ class StickyEngine(TransferEngine):
             self.peers.discard(peer)
         self.inner.remove_peer(peer)
 
-    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int]) -> None:
+    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int],
+              src_memory: str = "host", dst_memory: str = "host") -> None:
         with self._lock:
             broken = peer in self.broken
         if broken:
             raise TransferError(f"write to {peer} failed: REMOTE_DISCONNECT (the test's broken connection)")
-        self.inner.write(peer, src, dst, lengths)
+        self.inner.write(peer, src, dst, lengths, src_memory, dst_memory)
 
     def close(self) -> None:
         self.inner.close()

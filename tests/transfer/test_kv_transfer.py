@@ -82,6 +82,18 @@ def test_fake_backend_reaches_success(rank_pool, warm_backend):
     assert len(results) == 3 and all(r["poll"] == OK for r in results), results
 
 
+@pytest.mark.parametrize("tp", [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
+def test_head_sliced_chunks_and_state_in_device_memory_keep_their_kinds(rank_pool, warm_backend, tp):
+    """M:N TP, chunked page-aligned sends and the hybrid state, every buffer but the metadata rows declared
+    cuda:0 on both sides: the fake engine refuses any region written with another kind than it lives in
+    (transfer/memory.py), so Success means the planner kept every region's kind."""
+    warm_backend("fake")
+    p, d = tp
+    kinds = {"kv_memory": "cuda:0", "state_memory": "cuda:0"}
+    results = rank_pool.run(make_spec("fake", seed=17 * p + d, **kinds), p, d)
+    assert len(results) == p + d and all(r["poll"] == OK for r in results), results
+
+
 def test_room_mismatch_fails_receiver(rank_pool, warm_backend):
     warm_backend("mooncake")
     spec = make_spec("mooncake", seed=5)
