@@ -478,7 +478,7 @@ class ServerArgs:
         gpu_only = self.mem_fraction_static is not None or self.attention_backend == "flashinfer" or \
             self.dtype in ("bfloat16", "float16", "half") or self.kv_cache_dtype in ("bfloat16", "float16")
         if self.device == "auto" and not gpu_only and not self.weight_quantization and self.pp_size == 1 \
-                and not self.speculative_algorithm and self.disaggregation_mode == "null":
+                and not self.speculative_algorithm:
             return  # resolved in the rank (torch is not imported for the flags alone)
         from common.device import DeviceError, Placement
 
@@ -494,9 +494,6 @@ class ServerArgs:
         if placement.device.type == "cuda" and (self.pp_size > 1 or self.speculative_algorithm):
             flag = "pp-size" if self.pp_size > 1 else "speculative-algorithm"
             raise bad(flag, "runs on the CPU engine only so far; not with --device cuda")
-        if placement.device.type == "cuda" and self.disaggregation_mode != "null":
-            raise bad("device", f"a {self.disaggregation_mode} node moves KV through host memory, which a cuda "
-                      "node's KV cache is not in; run prefill and decode nodes with --device cpu")
 
     def _validate_draft_layers(self, bad) -> None:
         for name in ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size"):

@@ -151,6 +151,17 @@ class ModelRunner:
         return self.hybrid.supports_radix_cache
 
     @torch.inference_mode()
+    def work_done(self):
+        """The completion of the work launched on the device so far, an event recorded now on the
+        current stream (the KV of every forward launched before is written once it has completed); None
+        on the CPU, whose forwards return with their KV written. The prefill role hands it to the KV
+        sender, whose worker waits on it before reading the pages."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [len(fb.logits_indices), vocab], on the rank's device."""
         fb.to_device(self.device)

@@ -10,17 +10,21 @@ rows and keeps two budgets:
 
 so preallocation can never take the rows running (or retracted) requests need, and a burst of
 running requests can never block the transfers already admitted. `promote(row)` moves a row whose
-request joins the running batch from the preallocated budget to the running one.
+request joins the running batch from the preallocated budget to the running one. The table lives
+where the node computes (`device`), like the pool it replaces.
 """
 
 from __future__ import annotations
+
+import torch
 
 from common.memory.req_to_token import ReqToTokenPool
 
 
 class DecodeReqToTokenPool(ReqToTokenPool):
-    def __init__(self, max_running_requests: int, prealloc_size: int, max_context_len: int) -> None:
-        super().__init__(max_running_requests + prealloc_size, max_context_len)
+    def __init__(self, max_running_requests: int, prealloc_size: int, max_context_len: int,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(max_running_requests + prealloc_size, max_context_len, device=device)
         self.max_running_requests = max_running_requests
         self.prealloc_size = prealloc_size
         self._kind: dict[int, str] = {}  # row -> "running" | "prealloc"

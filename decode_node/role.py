@@ -80,7 +80,8 @@ class DecodeRole(PDRole):
         self.alloc = sched.allocator
         self.num_reserved_decode_tokens = args.num_reserved_decode_tokens
         self.metadata = MetadataBuffers(self.num_metadata_slots, max_top_logprobs=MAX_TOP_LOGPROBS,
-                                        hidden_size=sched.model_config.hidden_size if args.draft_layers else 0)
+                                        hidden_size=sched.model_config.hidden_size if args.draft_layers else 0,
+                                        pinned=sched.runner.device.type == "cuda")
         self.draft_layers = args.draft_layers
         self.kv_manager = build_kv_manager(args, sched.runner, self.metadata, tp_rank, tp_size, "decode",
                                            dp_rank=sched.dp_rank)
@@ -189,7 +190,7 @@ class DecodeRole(PDRole):
         # sliding window: only the window's pages arrive; hybrid: the row's state slot receives the state
         hybrid = self.sched.runner.hybrid
         first = hybrid.first_sent_page(len(req.origin_input_ids), self.alloc.page_size)
-        states = [int(self.pool.row_state[t.row])] if hybrid.has_state else None
+        states = [self.pool.state_of(t.row)] if hybrid.has_state else None
         t.conn.init(t.pages[first:], t.metadata_index, state_indices=states)
         t.sent_at = time.monotonic()
         logger.info("rid=%s room=%d transfer: %d pages preallocated, metadata slot %d, TransferInfo sent", req.rid,
@@ -352,7 +353,7 @@ class DecodeScheduler(Scheduler):
         prealloc_size = args.disaggregation_prealloc_size or args.max_running_requests
         old = runner.req_to_token_pool
         runner.req_to_token_pool = DecodeReqToTokenPool(args.max_running_requests, prealloc_size,
-                                                        old.max_context_len)
+                                                        old.max_context_len, device=old.device)
         del old
         super().__init__(args, model_dir, tp_rank, tp_size, tp_group, runner=runner, **kw)
         self.hooks = DecodeRole(self, args, tp_rank, tp_size, prealloc_size)

@@ -5,7 +5,8 @@ A request goes bootstrap → waiting → inflight (`prefill_node/queues.py`):
 * on arrival (`on_new_request`) its `max_new_tokens` becomes 1 (the first token is all a prefill node
   samples) and its `KVSender` is created; it waits in the bootstrap queue for a metadata slot and the
   decode side's `TransferInfo`, then `add_request` hands it to the scheduler;
-* after every chunk but the last (`on_chunk_done`) the full pages computed so far are sent; when
+* after every chunk but the last (`on_chunk_done`) the full pages computed so far are sent (with the
+  device's completion of the work launched so far, on a GPU: the sender writes once it is done); when
   the prefill is done (`on_prefill_done`) the request's `MetadataBuffers` row (first token, its
   logprob and top logprobs, cached tokens, room) is written and the remaining pages, the partial one
   included, are sent with `last=True` (with the hybrid state slot);
@@ -71,7 +72,8 @@ class PrefillRole(PDRole):
         super().__init__(sched, MetadataAllocator(self.num_metadata_slots))
         # EAGLE / MTP: the first draft and the draft layers' hidden state go with the first token
         self.metadata = MetadataBuffers(self.num_metadata_slots, max_top_logprobs=MAX_TOP_LOGPROBS,
-                                        hidden_size=sched.model_config.hidden_size if args.draft_layers else 0)
+                                        hidden_size=sched.model_config.hidden_size if args.draft_layers else 0,
+                                        pinned=sched.runner.device.type == "cuda")
         # one bootstrap server per node, in DP group 0's first rank: every rank of every group and stage
         # registers with it
         first = tp_rank == 0 and sched.dp_rank == 0 and sched.pp_rank == 0
@@ -140,14 +142,16 @@ class PrefillRole(PDRole):
 
     # ================================================================== sending
     def _pages(self, req: Req, start_page: int, end_page: int) -> list[int]:
-        row = self.sched.req_to_token_pool.req_to_token[req.req_pool_idx]
-        return self.sched.allocator.pages_of_slots(row, start_page, end_page).tolist()
+        ps = self.sched.allocator.page_size
+        slots = self.sched.req_to_token_pool.slots(req.req_pool_idx, start_page * ps, end_page * ps)
+        return self.sched.allocator.pages_of_slots(slots).tolist()
 
     def _send(self, t: PrefillRequest, end_page: int, **kw) -> int:
         """Send pages sent_pages .. end_page - 1; returns the first of them."""
         if t.first_send is None:
             t.first_send = time.monotonic()
-        t.conn.send(self._pages(t.req, t.sent_pages, end_page), **kw)
+        # on a GPU the forward that wrote these pages may still be running: the chunk job waits on this
+        t.conn.send(self._pages(t.req, t.sent_pages, end_page), ready=self.sched.runner.work_done(), **kw)
         start, t.sent_pages = t.sent_pages, end_page
         return start
 
@@ -177,7 +181,7 @@ class PrefillRole(PDRole):
                               room=t.room, **draft_fields(req))
         # hybrid models: the request's state slot goes with the last chunk
         pool = self.sched.req_to_token_pool
-        states = [int(pool.row_state[req.req_pool_idx])] if self.sched.runner.hybrid.has_state else None
+        states = [pool.state_of(req.req_pool_idx)] if self.sched.runner.hybrid.has_state else None
         end = t.first_page + t.num_pages
         start = self._send(t, end, state_indices=states, last=True)
         logger.info("rid=%s room=%d last chunk sent: pages %d..%d with metadata (first token %d)%s", req.rid,

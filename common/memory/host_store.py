@@ -8,9 +8,10 @@ too small, or the entry was evicted) the request re-prefills prompt + output, as
 * The store is its own pool with its own budget, separate from the KV pool: `capacity_pages` pages in
   the KV pool's page layout (`[pages, 2, layers, kv_heads, page_size, head_dim]`), so one page of
   every layer's K and V is one contiguous region on both sides and a run of pages that is consecutive
-  on both sides is one copy. Here the "device" is the CPU too; on a GPU machine this would be pinned
-  host memory, preallocated for the same reason (pinning is costly; the budget is fixed up front).
-  The buffer is `torch.empty`, so the OS backs only the pages that were ever written.
+  on both sides is one copy. On a CPU node the "device" is the CPU too; on a GPU node the store is
+  pageable host memory and its copies to and from the device are synchronous (pinning would touch the
+  whole budget up front). The buffer is `torch.empty`, so the OS backs only the pages that were ever
+  written.
 * Hybrid models: each entry also keeps the request's recurrent/conv state slot (every buffer of the
   `StatePool`), in a host state array with one slot per request row of the node (on top of the token
   budget: a slot has a fixed size).

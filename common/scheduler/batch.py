@@ -92,7 +92,7 @@ class ScheduleBatch:
                     self.req_to_token_pool.write(row, 0, r.prefix_indices)
             pre = len(r.prefix_indices)
             n = r.extend_input_len
-            last_slot = int(self.req_to_token_pool.req_to_token[r.req_pool_idx, pre - 1]) if pre else 0
+            last_slot = int(self.req_to_token_pool.slots(r.req_pool_idx, pre - 1, pre)[0]) if pre else 0
             slots = self.allocator.alloc_extend(pre, last_slot, n)
             self.req_to_token_pool.write(r.req_pool_idx, pre, slots)
             r.kv_len = pre + n

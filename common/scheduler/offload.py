@@ -42,7 +42,7 @@ def restore(sched, req: Req) -> None:
         raise RuntimeError("no free req pool row (the scheduler checks this before)")
     pages = sched.allocator.alloc_pages(num_pages)
     pool = sched.req_to_token_pool
-    store.load(req.rid, pages, int(pool.row_state[row]) if pool.state_pool is not None else None)
+    store.load(req.rid, pages, pool.state_of(row) if pool.state_pool is not None else None)
     req.release_kv_state()  # drops a prefix match the schedule policy may have made (never locked)
     pool.write(row, 0, sched.allocator.slots_of_pages(pages, n))
     req.req_pool_idx, req.kv_len = row, n
@@ -56,6 +56,6 @@ def offload_victim(sched, req: Req) -> None:
     row, n = req.req_pool_idx, req.kv_len
     pool = sched.req_to_token_pool
     pages = sched.allocator.pages_of_slots(pool.slots(row, 0, n)).tolist()
-    state = int(pool.row_state[row]) if pool.state_pool is not None else None
+    state = pool.state_of(row) if pool.state_pool is not None else None
     if sched.host_store.store(req.rid, pages, n, state):
         sched.num_retract_offloaded += 1

@@ -5,6 +5,8 @@
 * a bootstrap server answering garbage fails that request with a reason, never the decode's resolver;
 * a metadata row whose first token is outside the vocabulary fails the request on the decode node
   instead of its forward; an exception inside a role hook fails that request only;
+* the ordering rule: no page is written before the forward's completion the prefill role handed its
+  sender is signalled (held by a hook);
 * the late write, end to end (mooncake; tests/transfer/test_late_writes.py has it on mooncake and nixl
   inside one process): a request is aborted on the decode node while the
   prefill node is held inside the engine's write of its KV, another request is run at once into the
@@ -139,6 +141,32 @@ def test_an_exception_in_a_role_hook_fails_that_request_only(pair, backend, colo
     assert ps == 500 and "on_prefill_done" in pb["error"]["message"], pb
     assert ds == 500, db
     serves_normally(pair, colocated, pd_tok, seed=5)
+
+
+# ---------------------------------------------------------------------------------------------- ordering
+def test_no_page_is_sent_before_the_forward_that_wrote_it_is_signalled_done(pair, colocated, pd_tok, restored,
+                                                                            control_dir):
+    """The ordering rule with the CPU engine: the prefill role hands each chunk's send the device's
+    completion of the work launched so far (`ModelRunner.work_done`; on a GPU an event); here that
+    completion is held: no engine write happens until it is signalled, then the answer is exact."""
+    prompt = make_prompts(pd_tok, 1, seed=21, lo=40, hi=41)[0]
+    want = colocated_tokens(colocated, [prompt])[0]
+    for name in ("work_waited", "work_done", "written"):
+        (control_dir / name).unlink(missing_ok=True)
+    (control_dir / "hold_work").write_text("")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            leg = ex.submit(pair.generate, {"input_ids": prompt, "sampling_params": greedy()})
+            wait_until((control_dir / "work_waited").exists, 60, "the sender to wait for the forward's completion")
+            time.sleep(1.0)
+            assert not (control_dir / "written").exists(), "a page was written before its forward was done"
+            (control_dir / "work_done").write_text("")
+            (ps, pb), (ds, db) = leg.result(timeout=120)
+    finally:
+        (control_dir / "work_done").write_text("")
+        (control_dir / "hold_work").unlink(missing_ok=True)
+    assert ps == 200 and ds == 200, (pb, db)
+    assert (control_dir / "written").exists() and db["output_ids"] == want
 
 
 # ---------------------------------------------------------------------------------------------- late write

@@ -181,7 +181,7 @@ def test_placement_on_a_gpu_machine(monkeypatch):
         Placement.resolve(ServerArgs(attention_backend="native"))
     with pytest.raises(ConfigError, match="--quantization: w8a8_int8 runs on the CPU's int8 kernels"):
         ServerArgs(quantization="w8a8_int8").validate()
-    with pytest.raises(ConfigError, match="--device: a prefill node moves KV through host memory"):
-        ServerArgs(disaggregation_mode="prefill").validate()
+    for mode in ("prefill", "decode"):  # a PD node's KV is registered as device memory (transfer/memory.py)
+        ServerArgs(disaggregation_mode=mode, transfer_backend="nixl").validate()
     with pytest.raises(ConfigError, match="--pp-size: runs on the CPU engine only"):
         ServerArgs(pp_size=2).validate()

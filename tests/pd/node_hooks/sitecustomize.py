@@ -7,6 +7,9 @@ that acts on it (renamed to `<name>.taken`), so it fires once:
 
 * `gate_armed`: the next engine `write` creates `gate_entered` and waits, before it reaches the
   engine, until `gate_release` exists (a write in progress, held as long as the test needs);
+* `hold_work` (read, not taken): while it exists, every completion a prefill rank hands its KV sender
+  (`ModelRunner.work_done`) is signalled only once `work_done` exists; its `synchronize()` creates
+  `work_waited` first. Every engine write creates `written`;
 * `bad_token` (holding a number): the next metadata row a prefill writes carries that first token;
 * `raise`: the next metadata row write raises (an exception inside the role's on_prefill_done).
 * `hang_forward`: the next forward of a scheduler rank never returns (a hung kernel or collective).
@@ -39,6 +42,21 @@ def _take(name: str) -> str | None:
         return f.read()
 
 
+def _wait_for(name: str, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(_DIR, name)) and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+class _HeldCompletion:
+    """A forward's completion that is signalled when the test creates `work_done` (a GPU event that the
+    device has not reached yet): `synchronize()` creates `work_waited`, then waits."""
+
+    def synchronize(self) -> None:
+        open(os.path.join(_DIR, "work_waited"), "w").close()
+        _wait_for("work_done")
+
+
 def _install() -> None:
     # the repository root is on PYTHONPATH ahead of this directory (tests.harness.nodes.ServerProcess)
     import transfer.backends as backends
@@ -50,13 +68,12 @@ def _install() -> None:
         engine = create(*args, **kwargs)
         write = engine.write
 
-        def gated_write(peer, src, dst, lengths):
+        def gated_write(peer, src, dst, lengths, *kinds):
+            open(os.path.join(_DIR, "written"), "w").close()
             if _take("gate_armed") is not None:
                 open(os.path.join(_DIR, "gate_entered"), "w").close()
-                end = time.monotonic() + 120
-                while not os.path.exists(os.path.join(_DIR, "gate_release")) and time.monotonic() < end:
-                    time.sleep(0.01)
-            return write(peer, src, dst, lengths)
+                _wait_for("gate_release")
+            return write(peer, src, dst, lengths, *kinds)
 
         engine.write = gated_write
         return engine
@@ -95,6 +112,12 @@ def _install_in_scheduler() -> None:
         return run(self, batch)
 
     runner.ModelRunner.run = hung_run
+    work_done = runner.ModelRunner.work_done
+
+    def held_work_done(self):
+        return _HeldCompletion() if os.path.exists(os.path.join(_DIR, "hold_work")) else work_done(self)
+
+    runner.ModelRunner.work_done = held_work_done
 
     import json
 
