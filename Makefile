@@ -40,13 +40,17 @@ clients-venvs:
 	$(PY) -m bench.clients.venvs build sglang
 
 # the Python packages that bench/gpu/check.sh needs on the GPU machine and its image lacks, as Python 3.12
-# wheels in .whl/ (git-ignored; the device run carries the folder)
-GPU_WHEELS := msgspec==0.22.0 pyzmq==27.3.0
+# wheels in .whl/ (git-ignored; the device run carries the folder). nixl is the meta package (`import nixl`
+# picks nixl_cuNN by torch's CUDA major); nixl-cu13 the build for the machine's torch (+cu130, CUDA 13), by
+# far the largest of these: the tree and the carried folders together may take 64 MiB, so its expert-parallel
+# library (nixl_ep_cu13: built for other torch versions, never imported here) is dropped (bench/gpu/slim_wheel.py)
+GPU_WHEELS := msgspec==0.22.0 pyzmq==27.3.0 nixl==1.5.1 nixl-cu13==1.5.1
 gpu-wheels:
 	mkdir -p .whl
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $(GPU_WHEELS)
+	python3 -m bench.gpu.slim_wheel .whl/nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl nixl_ep_cu13
 
 $(STAMP):
 	$(MAKE) setup

@@ -22,6 +22,16 @@ Ratios `<backend>_<tokens>` = pagelist GB/s / raw GB/s (target >= 0.8), taken as
 repeats of raw time / pagelist time of the same repeat (both timed back to back). On a 2-core host
 single transfers vary by up to 2x with thread placement, which tends to hold for a whole process
 pair's life, so the repeats are spread over several rounds of fresh processes (3 x 7 by default).
+
+`--device cuda` puts both sides' pools on the GPU (`cuda:0`; two processes on one device, as on the
+CPU), registered and written as "cuda:0" memory (`transfer/memory.py`); the metadata rows stay in host
+memory, pinned, as on a GPU node. Besides the figures above it measures, in the same run, the device's
+own copy rate for the same bytes: one `dst.copy_(src)` of a contiguous buffer of equal size,
+between `torch.cuda.synchronize()` calls, best of max(3, repeats). GB/s counts the bytes moved once,
+for the copy as for the transfers. Ratios `<backend>_<tokens>_vram` = the best `engine_pagelist`
+GB/s (the page-list regions in one bare engine write) / that copy GB/s (target >= 0.8), and
+`transfer_vram` is that ratio for the first backend measured, at the largest size. The fake backend
+moves no bytes, so on cuda it is recorded as skipped. Without a CUDA device `--device cuda` exits 2.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -39,6 +50,9 @@ LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE, DTYPE_BYTES = 30, 3, 64, 16, 4
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 REAL_BACKENDS = ("mooncake", "nixl", "ucx")
 CHUNK_PAGES = 128  # chunked prefill of 2048 tokens
+CUDA_DEVICE = "cuda:0"
+NO_CUDA = "--device cuda: no CUDA device (torch.cuda.is_available() is False)"
+NO_BYTES = "moves no bytes: no bandwidth to measure"
 
 
 def page_bytes() -> int:
@@ -57,7 +71,7 @@ def fragmented_pages(n: int, pool_pages: int, rng: random.Random) -> list[int]:
     return [p for run in runs for p in run][:n]
 
 
-def _build(role: str, backend: str, pool_pages: int, bootstrap_addr: str | None):
+def _build(role: str, backend: str, pool_pages: int, bootstrap_addr: str | None, device: str):
     import torch
 
     from common.memory.kv_pool import KVPool
@@ -67,16 +81,18 @@ def _build(role: str, backend: str, pool_pages: int, bootstrap_addr: str | None)
     from transfer.sender import PrefillKVManager
 
     torch.set_num_threads(1)
-    pool = KVPool(pool_pages, PAGE_SIZE, LAYERS, KV_HEADS, HEAD_DIM, dtype=torch.float32)
+    pool = KVPool(pool_pages, PAGE_SIZE, LAYERS, KV_HEADS, HEAD_DIM, dtype=torch.float32, device=device)
     # write every page: untouched (lazily mapped) destination pages would charge page faults to
     # whichever transfer touches them first
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(device=pool.device).manual_seed(1)
     for b in pool.buffers():
         if role == "prefill":
             b.normal_(generator=gen)
         else:
             b.fill_(0.5)
-    meta = MetadataBuffers(8)
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize(pool.device)
+    meta = MetadataBuffers(8, pinned=pool.device.type == "cuda")  # host rows, pinned beside a GPU pool
     args = KVArgs.from_pool(pool, meta, model=MODEL)
     if role == "prefill":
         mgr = PrefillKVManager(args, backend, host="127.0.0.1", bootstrap_addr=bootstrap_addr)
@@ -97,12 +113,12 @@ def _plan(tokens_list: list[int], repeats: int, pool_pages: int, seed: int) -> l
     return jobs
 
 
-def _decode_main(backend, addr, jobs, pool_pages, to_prefill, out) -> None:
+def _decode_main(backend, addr, jobs, pool_pages, device, to_prefill, out) -> None:
     from transfer.base import KVPoll
     from transfer.control import peer_registration
     from transfer.receiver import KVReceiver
 
-    mgr, pool, meta = _build("decode", backend, pool_pages, None)
+    mgr, pool, meta = _build("decode", backend, pool_pages, None, device)
     to_prefill.put((peer_registration(mgr.args, "bench", mgr.engine.describe()), pool.data.data_ptr()))
     ok = True
     for job in jobs:
@@ -119,15 +135,23 @@ def _decode_main(backend, addr, jobs, pool_pages, to_prefill, out) -> None:
     mgr.close()
 
 
-def _prefill_main(backend, addr, jobs, pool_pages, from_decode, out) -> None:
+def _prefill_main(backend, addr, jobs, pool_pages, device, from_decode, out) -> None:
+    import torch
+
     from transfer.base import KVPoll
     from transfer.plan import PairPlan
     from transfer.sender import KVSender
 
-    mgr, pool, meta = _build("prefill", backend, pool_pages, addr)
+    mgr, pool, meta = _build("prefill", backend, pool_pages, addr, device)
     reg, dst_pool = from_decode.get(timeout=600)
     peer = mgr.engine.add_peer(reg.engine_desc)
     plan = PairPlan(mgr.args, reg)  # the same region planning the sender uses, for the bare-engine figure
+    kinds = plan.kv_memory  # (source, destination) memory kind of the pools: "host" or "cuda:0"
+
+    def settle() -> None:  # nothing of this process's own may still run on the device when a timer starts
+        if pool.device.type == "cuda":
+            torch.cuda.synchronize(pool.device)
+
     results = []
     for job in jobs:
         n_pages = len(job["src"])
@@ -148,12 +172,14 @@ def _prefill_main(backend, addr, jobs, pool_pages, from_decode, out) -> None:
             out.put({"side": "prefill", "error": sender.failure_exception().reason})
             return
         src, dst, lens = plan.kv_regions(np.array(job["src"], dtype=np.int64), np.array(job["dst"], dtype=np.int64))
+        settle()
         t0 = time.perf_counter()
-        mgr.engine.write(peer, src, dst, lens)
+        mgr.engine.write(peer, src, dst, lens, *kinds)
         t_engine = time.perf_counter() - t0
+        settle()
         t0 = time.perf_counter()
         k = job["raw_start"]
-        mgr.engine.write(peer, [pool.data[k].data_ptr()], [dst_pool + k * pool.page_stride], [nbytes])
+        mgr.engine.write(peer, [pool.data[k].data_ptr()], [dst_pool + k * pool.page_stride], [nbytes], *kinds)
         t_raw = time.perf_counter() - t0
         if job["timed"]:
             results.append({"tokens": job["tokens"], "bytes": nbytes, "regions": len(lens), "pagelist_s": t_pagelist,
@@ -162,7 +188,7 @@ def _prefill_main(backend, addr, jobs, pool_pages, from_decode, out) -> None:
     mgr.close()
 
 
-def _run_round(backend: str, tokens_list: list[int], repeats: int, seed: int) -> list[dict]:
+def _run_round(backend: str, tokens_list: list[int], repeats: int, seed: int, device: str = "cpu") -> list[dict]:
     """One prefill and one decode process; the timed rows of every repeat."""
     from transfer.bootstrap import BootstrapServer
 
@@ -173,8 +199,8 @@ def _run_round(backend: str, tokens_list: list[int], repeats: int, seed: int) ->
     addr = f"127.0.0.1:{server.port}"
     ctx = mp.get_context("spawn")
     link, out = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_prefill_main, args=(backend, addr, jobs, pool_pages, link, out)),
-             ctx.Process(target=_decode_main, args=(backend, addr, jobs, pool_pages, link, out))]
+    procs = [ctx.Process(target=_prefill_main, args=(backend, addr, jobs, pool_pages, device, link, out)),
+             ctx.Process(target=_decode_main, args=(backend, addr, jobs, pool_pages, device, link, out))]
     try:
         for p in procs:
             p.start()
@@ -206,23 +232,31 @@ def _run_round(backend: str, tokens_list: list[int], repeats: int, seed: int) ->
     return prefill["results"]
 
 
-def run_backend(backend: str, tokens_list: list[int], repeats: int, rounds: int) -> dict:
-    results = [row for i in range(rounds) for row in _run_round(backend, tokens_list, repeats, 1234 + i)]
+def summarize(rows: list[dict], tokens_list: list[int], best: bool = False) -> dict:
+    """A backend's figures per size from the timed rows of all its rounds; `best` adds the fastest
+    engine page-list write (what `--device cuda` sets against the device's best copy)."""
     figures = {}
     for tokens in tokens_list:
-        rows = [r for r in results if r["tokens"] == tokens]
-        nbytes = rows[0]["bytes"]
+        mine = [r for r in rows if r["tokens"] == tokens]
+        nbytes = mine[0]["bytes"]
         figures[str(tokens)] = {
-            "bytes": nbytes, "regions": statistics.median_low(r["regions"] for r in rows),
-            "pagelist_gbps": nbytes / statistics.median(r["pagelist_s"] for r in rows) / 1e9,
-            "engine_pagelist_gbps": nbytes / statistics.median(r["engine_pagelist_s"] for r in rows) / 1e9,
-            "raw_gbps": nbytes / statistics.median(r["raw_s"] for r in rows) / 1e9,
+            "bytes": nbytes, "regions": statistics.median_low(r["regions"] for r in mine),
+            "pagelist_gbps": nbytes / statistics.median(r["pagelist_s"] for r in mine) / 1e9,
+            "engine_pagelist_gbps": nbytes / statistics.median(r["engine_pagelist_s"] for r in mine) / 1e9,
+            "raw_gbps": nbytes / statistics.median(r["raw_s"] for r in mine) / 1e9,
             # the two are timed back to back in each repeat; the median of per-repeat ratios resists
             # load changes on a shared machine better than a ratio of medians
-            "pagelist_over_raw": statistics.median(r["raw_s"] / r["pagelist_s"] for r in rows),
-            "repeats": len(rows),
+            "pagelist_over_raw": statistics.median(r["raw_s"] / r["pagelist_s"] for r in mine),
+            "repeats": len(mine),
         }
+        if best:
+            figures[str(tokens)]["engine_pagelist_best_gbps"] = nbytes / min(r["engine_pagelist_s"] for r in mine) / 1e9
     return figures
+
+
+def run_backend(backend: str, tokens_list: list[int], repeats: int, rounds: int, device: str = "cpu") -> dict:
+    rows = [row for i in range(rounds) for row in _run_round(backend, tokens_list, repeats, 1234 + i, device)]
+    return summarize(rows, tokens_list, best=device != "cpu")
 
 
 def memcpy_gbps(nbytes: int, repeats: int) -> float:
@@ -239,31 +273,114 @@ def memcpy_gbps(nbytes: int, repeats: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def main(argv: list[str] | None = None) -> dict:
+def device_copy_gbps(nbytes: int, repeats: int, device: str = CUDA_DEVICE) -> float:
+    """The device's own copy rate for `nbytes`: one copy of a contiguous buffer, synchronized on both
+    sides, best of max(3, repeats); bytes moved once per second."""
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # the first copy pays for the kernel's first launch
+    best = float("inf")
+    for _ in range(max(3, repeats)):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()  # leave the device's memory to the bench's processes
+    return nbytes / best / 1e9
+
+
+def vram_ratios(backends: dict, copy_gbps: dict[str, float]) -> dict[str, float]:
+    """For `--device cuda`: each measured backend's best engine page-list GB/s over the copy GB/s of the
+    same size, written into its figures (`copy_gbps`, `transfer_vram`) and returned as ratios
+    `<backend>_<tokens>_vram`, plus `transfer_vram`: the first measured backend's at the largest size.
+    Backends that failed (`error`) or were skipped (`skipped`) have none."""
+    ratios: dict[str, float] = {}
+    headline = None
+    for backend, figs in backends.items():
+        if "error" in figs or "skipped" in figs:
+            continue
+        for tokens, f in figs.items():
+            f["copy_gbps"] = copy_gbps[tokens]
+            f["transfer_vram"] = f["engine_pagelist_best_gbps"] / copy_gbps[tokens]
+            ratios[f"{backend}_{tokens}_vram"] = f["transfer_vram"]
+        if headline is None and figs:
+            headline = figs[max(figs, key=int)]["transfer_vram"]
+    if headline is not None:
+        ratios["transfer_vram"] = headline
+    return ratios
+
+
+def _device_info(device: str) -> dict:
+    if device == "cpu":
+        return {"kind": "cpu"}
+    import torch
+
+    props = torch.cuda.get_device_properties(CUDA_DEVICE)
+    return {"kind": CUDA_DEVICE, "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+            "cuda": torch.version.cuda}
+
+
+def _print_table(figures: dict, reference: str) -> None:
+    print(f"\n{'backend':<10}{'tokens':>7}{'MB':>8}{'regions':>9}{'pagelist':>10}{'engine pl':>11}{'raw':>8}"
+          f"{'copy' if reference == 'device_copy_gbps' else 'memcpy':>8}   (GB/s)")
+    for backend, figs in figures["backends"].items():
+        if "error" in figs or "skipped" in figs:
+            print(f"{backend:<10} {'error: ' + figs['error'] if 'error' in figs else 'skipped: ' + figs['skipped']}")
+            continue
+        for tokens, f in figs.items():
+            print(f"{backend:<10}{tokens:>7}{f['bytes'] / 1e6:>8.1f}{f['regions']:>9}{f['pagelist_gbps']:>10.2f}"
+                  f"{f['engine_pagelist_gbps']:>11.2f}{f['raw_gbps']:>8.2f}{figures[reference][tokens]:>8.2f}")
+
+
+def main(argv: list[str] | None = None) -> dict | int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--backend", action="append", default=None,
-                    help="mooncake, nixl, ucx (repeatable) or 'all' (default: all)")
+                    help="mooncake, nixl, ucx, fake (repeatable) or 'all' (default: all real ones)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where both sides' KV pools live: host memory, or the first GPU (cuda:0)")
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096],
-      help="KV lengths in tokens to transfer, one run each")
+                    help="KV lengths in tokens to transfer, one run each")
     ap.add_argument("--repeats", type=int, default=7, help="timed transfers per size and round")
     ap.add_argument("--rounds", type=int, default=3, help="fresh process pairs per backend")
     args = ap.parse_args(argv)
+    if any(t < 1 for t in args.tokens):
+        ap.error(f"--tokens: every length must be >= 1, got {args.tokens}")
+    if args.repeats < 1 or args.rounds < 1:
+        ap.error(f"--repeats and --rounds must be >= 1, got {args.repeats} and {args.rounds}")
     names = args.backend or ["all"]
     backends = list(REAL_BACKENDS) if "all" in names else names
+    cuda = args.device == "cuda"
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(NO_CUDA, file=sys.stderr)
+            return 2
     from bench.report import write_report
 
-    figures: dict = {"layout": {"model": MODEL, "layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+    reference = "device_copy_gbps" if cuda else "memcpy_gbps"
+    figures: dict = {"command": "pdserve bench transfer " + shlex.join(argv), "device": _device_info(args.device),
+                     "layout": {"model": MODEL, "layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                                 "page_size": PAGE_SIZE, "dtype": "float32", "chunk_pages": CHUNK_PAGES},
-                     "backends": {}, "memcpy_gbps": {}}
+                     "backends": {}, reference: {}}
     ratios: dict[str, float] = {}
     for tokens in args.tokens:
         nbytes = -(-tokens // PAGE_SIZE) * page_bytes() * 2 * LAYERS
-        figures["memcpy_gbps"][str(tokens)] = memcpy_gbps(nbytes, args.repeats)
+        figures[reference][str(tokens)] = (device_copy_gbps(nbytes, args.repeats) if cuda
+                                           else memcpy_gbps(nbytes, args.repeats))
     for backend in backends:
+        if cuda and backend == "fake":
+            figures["backends"][backend] = {"skipped": NO_BYTES}
+            continue
         try:
-            figs = run_backend(backend, args.tokens, args.repeats, args.rounds)
+            figs = run_backend(backend, args.tokens, args.repeats, args.rounds, CUDA_DEVICE if cuda else "cpu")
         except Exception as e:
             print(f"{backend}: {e}", file=sys.stderr)
             figures["backends"][backend] = {"error": str(e)}
@@ -271,17 +388,12 @@ def main(argv: list[str] | None = None) -> dict:
         figures["backends"][backend] = figs
         for tokens, f in figs.items():
             ratios[f"{backend}_{tokens}"] = f["pagelist_over_raw"]
-    print(f"\n{'backend':<10}{'tokens':>7}{'MB':>8}{'regions':>9}{'pagelist':>10}{'engine pl':>11}{'raw':>8}"
-          f"{'memcpy':>8}   (GB/s)")
-    for backend, figs in figures["backends"].items():
-        if "error" in figs:
-            print(f"{backend:<10} error: {figs['error']}")
-            continue
-        for tokens, f in figs.items():
-            print(f"{backend:<10}{tokens:>7}{f['bytes'] / 1e6:>8.1f}{f['regions']:>9}{f['pagelist_gbps']:>10.2f}"
-                  f"{f['engine_pagelist_gbps']:>11.2f}{f['raw_gbps']:>8.2f}{figures['memcpy_gbps'][tokens]:>8.2f}")
+    if cuda:
+        ratios.update(vram_ratios(figures["backends"], figures[reference]))
+    _print_table(figures, reference)
     return write_report(args.json, "transfer", figures, ratios)
 
 
 if __name__ == "__main__":
-    main()
+    rc = main()
+    sys.exit(rc if isinstance(rc, int) else 0)
