@@ -20,7 +20,10 @@ launcher prints what it chose. Decode node i also borrows prefill node i's cores
 nothing to run (common/core_loan.py; `--no-core-loan`: never). `--cpu-affinity "prefill=0;decode=1"` pins every process of a role to
 those cores instead (`0-3,6` lists work; `router=` is accepted too), `--cpu-affinity none` pins
 nothing. A pinned process's scheduler processes inherit the mask, and a node's torch threads default
-to the cores it may run on divided by its TP size. Flags that are not the launcher's own
+to the cores it may run on divided by its TP size. `--device cuda` (or auto on a machine with GPUs) also
+places the nodes on the GPUs of `--gpu-ids`, a GPU set of its own per node or, with fewer GPUs,
+shared with `--mem-fraction-static` shares, and prints what it chose (deploy/gpu_placement.py).
+Flags that are not the launcher's own
 are passed to every node unchanged (checked against the node parser first); `--router-args "..."`
 adds router flags.
 
@@ -63,6 +66,7 @@ from dataclasses import dataclass, field
 
 from common import core_loan
 from common.models.hub import is_hub_id
+from deploy.gpu_placement import GpuPlan, plan_from_flags
 from deploy.placement import Placement, plan
 from deploy.procs import (
     ClusterError,
@@ -161,6 +165,7 @@ class Cluster:
     # with auto_placement: decode node i borrows prefill node i's cores while it idles (common/core_loan.py)
     core_loan: bool = True
     node_args: list[str] = field(default_factory=list)  # extra ServerArgs flags for every node
+    gpu_plan: GpuPlan | None = None  # --device / GPUs per node (deploy/gpu_placement.py); None: the nodes' default
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
@@ -215,7 +220,8 @@ class Cluster:
         if not self.quiet:
             print(msg, flush=True)
 
-    def _node_cmd(self, role: str, port: int, bootstrap_port: int, host: str | None = None) -> list[str]:
+    def _node_cmd(self, role: str, port: int, bootstrap_port: int, host: str | None = None,
+                  name: str | None = None) -> list[str]:
         module = "prefill_node" if role == "prefill" else "decode_node"
         cmd = [sys.executable, "-m", module, "--model", self.model, "--host", host or self.host, "--port", str(port),
                "--transfer-backend", self.transfer_backend]
@@ -225,6 +231,7 @@ class Cluster:
             cmd += ["--disaggregation-local-prefill", "--chunked-prefill-size", str(LOCAL_PREFILL_CHUNK)]
             if not _has_flag(self.node_args + self.decode_args, "--speculative-algorithm"):  # (they exclude each other)
                 cmd.append("--enable-mixed-chunk")
+        cmd += self.gpu_plan.node_flags(name) if self.gpu_plan else []
         return cmd + self.node_args + (self.prefill_args if role == "prefill" else self.decode_args)
 
     def _no_core_loan(self) -> str | None:
@@ -308,7 +315,7 @@ class Cluster:
         if c.role == "prefill":
             c.bootstrap_port = free_port(self.host, used)
         c.cmd = self._router_cmd(c.port, c.host) if c.role == "router" else \
-            self._node_cmd(c.role, c.port, c.bootstrap_port or 0, c.host)
+            self._node_cmd(c.role, c.port, c.bootstrap_port or 0, c.host, c.name)
         self._say(f"  {c.name}: a port was taken while it started; retrying on port {c.port}")
         self._spawn(c)
         self.write_manifest()
@@ -358,6 +365,8 @@ class Cluster:
             self.placement = plan(self.num_prefill, self.num_decode, sorted(self.cores or os.sched_getaffinity(0)),
                                   loans=why_not is None)
             self._say(self.placement.describe() + (f" (no core loan: {why_not})" if why_not else ""))
+        if self.gpu_plan and self.gpu_plan.describe():
+            self._say(self.gpu_plan.describe())
         if self.local_prefill_queue > 0:
             self._say(f"conditional disaggregation: a decode node prefills a request itself while its prefill node "
                       f"has {self.local_prefill_queue}+ prefills in flight ({2 * self.local_prefill_queue}+ for a second), in chunks of {LOCAL_PREFILL_CHUNK} tokens "
@@ -369,7 +378,7 @@ class Cluster:
                 name = f"{role}-{i}"
                 cores = self.placement.cores[name] if self.auto_placement else self.cpu_affinity.get(role)
                 host, netns = places[len(self.children) + 1]
-                self.children.append(Child(name, role, self._node_cmd(role, port, bport or 0, host) +
+                self.children.append(Child(name, role, self._node_cmd(role, port, bport or 0, host, name) +
                                            self._loan_args(name), port,
                                            os.path.join(self.log_dir, f"{name}.log"), bport, cores, host, netns))
         self._say(f"starting {self.num_prefill} prefill + {self.num_decode} decode nodes "
@@ -573,6 +582,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--host", default="127.0.0.1", help="address every process binds to")
     a("--hosts", action="store_true", help="each process on a host of its own: a network namespace with its own "
       "address in 10.77.N.0/24 on a bridge, as on separate machines (needs root; removed on exit)")
+    a("--device", default=None, choices=("auto", "cpu", "cuda"), help="where the nodes run (default: their own "
+      "default, auto). cuda, or auto where torch sees a GPU: each node on GPUs of its own from --gpu-ids, or "
+      "sharing them with --mem-fraction-static shares when there are fewer (deploy/gpu_placement.py)")
+    a("--gpu-ids", default=None, metavar="IDS", help="with --device cuda/auto: the GPUs the nodes may use, e.g. "
+      "0,1,2,3, as torch numbers them (after CUDA_VISIBLE_DEVICES); default: every GPU torch sees")
     a("--tp", type=int, default=None, help="tensor parallel size of every node")
     a("--page-size", type=int, default=None, help="KV page size of every node (default: the node's)")
     a("--chunked-prefill-size", type=int, default=None,
@@ -658,6 +672,8 @@ def cluster_from_args(argv: list[str]) -> Cluster:
         if ns.local_prefill_queue < 0:
             raise ValueError(f"--local-prefill-queue must be >= 0 (0: off), got {ns.local_prefill_queue}")
         affinity = {} if ns.cpu_affinity in ("auto", "none") else parse_affinity(ns.cpu_affinity)
+        gpu_plan = plan_from_flags(ns.device, ns.gpu_ids, ns.prefill, ns.decode, node_args, prefill_args,
+                                   decode_args, node_parser())
     except ValueError as e:
         parser.error(str(e))
     if ns.model != "default" and not os.path.exists(ns.model) and not is_hub_id(ns.model):
@@ -667,7 +683,7 @@ def cluster_from_args(argv: list[str]) -> Cluster:
                    transfer_backend=ns.transfer_backend, port=ns.port or None, host=ns.host, hosts=ns.hosts,
                    log_dir=ns.log_dir,
                    cpu_affinity=affinity, auto_placement=ns.cpu_affinity == "auto", core_loan=not ns.no_core_loan,
-                   node_args=node_args,
+                   node_args=node_args, gpu_plan=gpu_plan,
                    prefill_args=prefill_args,
                    decode_args=decode_args, router_args=router_args, startup_timeout=ns.startup_timeout,
                    local_prefill_queue=ns.local_prefill_queue,
