@@ -66,7 +66,10 @@ def child_env(ns: argparse.Namespace) -> dict[str, str]:
     collapse when the machine is shared (a 2-thread node measured 8x slower per token at load 10 than
     with OMP_WAIT_POLICY=PASSIVE); both setups get the same policy."""
     env = {"OMP_WAIT_POLICY": ns.omp_wait_policy} if ns.omp_wait_policy else {}
-    return {**env, **getattr(ns, "node_env", {})}
+    # mooncake listens on every interface whatever --host says (transfer/mooncake.py); a node refuses that
+    # unless acknowledged, and a measurement on this machine acknowledges it
+    ack = {"PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN": "1"} if ns.transfer_backend == "mooncake" else {}
+    return {**env, **ack, **getattr(ns, "node_env", {})}
 
 
 def build_workload(maker: PromptMaker, ns: argparse.Namespace) -> list[BenchRequest]:

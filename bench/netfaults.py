@@ -307,6 +307,8 @@ def one_backend(ns, backend: str, reference: dict[str, str]) -> dict:
 
     log_dir = os.path.join(ns.log_dir, backend)
     env = {"PDSERVE_HEARTBEAT_INTERVAL": "0.5", "PDSERVE_TRANSFER_PROTOCOL": "tcp"}
+    if backend == "mooncake":  # its listeners take every interface of the namespace (transfer/mooncake.py)
+        env["PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN"] = "1"
     tp = ["--tp", str(ns.prefill_tp)] if ns.prefill_tp > 1 else []
     cluster = Cluster(num_prefill=2, num_decode=2, model=ns.model_path, transfer_backend=backend, hosts=True,
                       log_dir=log_dir, node_args=NODE_SETTINGS, prefill_args=tp,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import random
 import shlex
 import statistics
@@ -338,6 +339,9 @@ def _print_table(figures: dict, reference: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict | int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # mooncake listens on every interface whatever its host (transfer/mooncake.py) and is refused on a specific
+    # host unless acknowledged: a measurement inside this process acknowledges it
+    os.environ.setdefault("PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN", "1")
     ap = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--backend", action="append", default=None,

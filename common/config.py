@@ -210,9 +210,15 @@ class ServerArgs:
     # disaggregation
     disaggregation_mode: str = _f("null", "role of this node", choices=("null", "prefill", "decode"))
     disaggregation_bootstrap_port: int = _f(8998, "port of the prefill node's bootstrap server")
-    transfer_backend: str = _f("mooncake", "KV transfer backend",
+    transfer_backend: str = _f("nixl", "KV transfer backend (default nixl, which listens on --host only; SGLang's "
+                               "default, mooncake, listens on every interface whatever --host says)",
                                ("--transfer-backend", "--disaggregation-transfer-backend"),
                                choices=("mooncake", "nixl", "ucx", "fake"))
+    transfer_allow_wildcard_listen: bool = _f(
+        False, "let the mooncake backend start on a specific --host although its handshake and TCP listeners "
+        "bind 0.0.0.0 and :: (every interface), where anyone who reaches their ports can read and write this "
+        "node's KV buffers without authentication: firewall them (deploy/README.md, Security model). Without it "
+        "such a node refuses to start; a wildcard --host implies it (or $PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN=1)")
     disaggregation_decode_tp: int | None = _f(None, "prefill: the decode TP size this node serves; a decode rank "
                                               "of another TP size is refused at registration (default: any)")
     disaggregation_ib_device: str | None = _f(None, "RDMA device names for the transfer engine")

@@ -38,6 +38,11 @@ if not os.path.exists("/dev/nvidiactl"):
 # (deploy/placement.py). Set before torch, hence OpenMP, is loaded; a policy in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# The suite runs mooncake on 127.0.0.1 throughout, where a node refuses it unless its wildcard listeners
+# are acknowledged (transfer/mooncake.py); every process the tests start inherits the acknowledgement.
+# tests/transfer/test_listeners.py takes it away to see the refusal.
+os.environ.setdefault("PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN", "1")
+
 import json
 import shutil
 

@@ -26,6 +26,9 @@ DISAGGREGATION_TEST_FAILURE_PROB  share of rooms the sender fails     0.0
 PDSERVE_TRANSFER_WORKERS       worker threads per manager             4
 PDSERVE_TRANSFER_PROTOCOL      mooncake protocol: tcp | rdma          tcp
 PDSERVE_TRANSFER_DEVICES       engine device names (e.g. mlx5_0,...)  ""
+PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN  1: mooncake may start on a     0
+                               specific host although it listens on
+                               every interface (transfer/mooncake.py)
 PDSERVE_CLUSTER_SECRET_FILE    file of the cluster secret that signs  none
                                the control plane and bootstrap
                                traffic (`common/cluster_secret.py`)
@@ -100,6 +103,7 @@ class TransferSettings:
     num_workers: int = 4
     protocol: str = "tcp"
     device_name: str = ""
+    allow_wildcard_listen: bool = False  # mooncake may listen on every interface (it cannot be confined)
     cluster_secret: ClusterSecret | None = None
     auth_window: float = 30.0
     control_max_peers: int = 256
@@ -119,6 +123,8 @@ class TransferSettings:
             num_workers=_env("PDSERVE_TRANSFER_WORKERS", int, cls.num_workers),
             protocol=_env("PDSERVE_TRANSFER_PROTOCOL", str, cls.protocol),
             device_name=_env("PDSERVE_TRANSFER_DEVICES", str, cls.device_name),
+            allow_wildcard_listen=_env("PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN", lambda v: bool(int(v)),
+                                       cls.allow_wildcard_listen),
             auth_window=_env("PDSERVE_AUTH_WINDOW", float, cls.auth_window),
             control_max_peers=_env("PDSERVE_CONTROL_MAX_PEERS", int, cls.control_max_peers),
             max_decode_peers=_env("PDSERVE_MAX_DECODE_PEERS", int, cls.max_decode_peers),

@@ -26,12 +26,28 @@ opens (and closes) one connection per region unless MC_TCP_ENABLE_CONNECTION_POO
 costs ~0.1-0.2 ms a region on loopback and seconds for thousands of regions (head-sliced M:N TP
 batches); it defaults to 1 here (~0.03 ms a region).
 
-Where it listens: nowhere we can choose. Mooncake 0.3.13 binds its P2P handshake/RPC listener to
-0.0.0.0 and its TCP transport to :: (dual stack) whatever host it is given (MC_TCP_BIND_ADDRESS only
-changes the address it advertises), and its TCP server reads and writes whatever address of this
-process a request names, registered or not. So anyone who reaches those ports can read and write the
-process's memory. Each engine logs one warning at start-up naming its ports and the firewall rule the
-deployment needs (deploy/README.md, "Security model"); on a shared network use nixl or ucx.
+Where it listens. Mooncake binds both of its listeners to a wildcard address whatever host it is
+given, and no setting of 0.3.13 confines them (its sources, mooncake-transfer-engine/src/):
+- the P2P handshake / RPC listener: `TransferEngineImpl::init` (transfer_engine_impl.cpp) takes its
+  socket from `findAvailableTcpPort` (transfer_metadata_plugin.cpp), which binds INADDR_ANY (IN6ADDR_ANY
+  with MC_USE_IPV6); `SocketHandShakePlugin::startDaemon` listens on that socket (or binds the same
+  wildcard itself);
+- the TCP transport: `TcpTransport::install` (transport/tcp_transport/tcp_transport.cpp) starts a
+  `TcpContext` whose acceptor binds `asio::ip::tcp::v6()`, dual stack (:: for IPv4 too), falling back
+  to the IPv4 wildcard.
+MC_TCP_BIND_ADDRESS is read only in the metadata-server mode, as the address advertised (not bound);
+MC_LEGACY_RPC_PORT_BINDING only chooses the port (the handshake mode picks its own anyway);
+MC_RDMA_BIND_ADDRESS names the address the RDMA transport advertises. So nothing is set here to confine
+them: the engine starts, then looks at what it opened (`_listening`). Every new listener on a specific
+address: one info line. A wildcard one while the node was given a specific host: the engine is dropped
+(which closes its sockets; no memory is registered yet, and Mooncake's TCP server serves only addresses
+within registered buffers, so nothing was reachable) and `UnconfinedListener` says what to do, unless
+`allow_wildcard_listen` acknowledges it (`--transfer-allow-wildcard-listen`, or a wildcard `--host`,
+which asks for every interface anyway): then it starts with one warning naming its ports and the
+firewall rule the deployment needs (deploy/README.md, "Security model"). Exposed there, without any
+authentication: reads and writes of the buffers the engine registered (KV pages, metadata rows,
+state), and the segment description the handshake hands out. nixl, the node's default backend, listens
+on the given host only.
 """
 
 from __future__ import annotations
@@ -96,12 +112,38 @@ def _cluster_subnet(host: str) -> str:
     return "CLUSTER_SUBNET"
 
 
+class UnconfinedListener(TransferError):
+    """The engine listens on a wildcard address although the node was given a specific host."""
+
+
+def is_wildcard(ip: str) -> bool:
+    """Whether a listening address is every interface's (0.0.0.0, ::)."""
+    try:
+        return ipaddress.ip_address(ip.split("%", 1)[0]).is_unspecified
+    except ValueError:
+        return False
+
+
+def _where(opened: list[tuple[str, int]]) -> str:
+    return ", ".join(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip, port in opened)
+
+
+def refusal(host: str, opened: list[tuple[str, int]]) -> str:
+    """Why a mooncake engine on a specific host is not started, and the two ways on."""
+    wild = [lst for lst in opened if is_wildcard(lst[0])]
+    return (f"mooncake would listen on all interfaces ({_where(wild)}) although --host is {host}: Mooncake cannot "
+            f"bind its handshake and TCP listeners to one address, and they serve reads and writes of the KV "
+            f"buffers to anyone who reaches them. Use --transfer-backend nixl (listens on --host only), or accept "
+            f"the exposure with --transfer-allow-wildcard-listen (PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN=1) and "
+            f"firewall those ports to the cluster's hosts (deploy/README.md, Security model)")
+
+
 def exposure_warning(host: str, opened: list[tuple[str, int]]) -> str:
     """The start-up warning: mooncake's listeners, what they expose and the rule that confines them."""
-    where = ", ".join(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip, port in opened)
+    where = _where(opened)
     ports = ", ".join(str(port) for port in sorted({port for _, port in opened}))
-    return (f"mooncake listens on all interfaces ({where}) whatever --host ({host}) says, and serves raw reads "
-            f"and writes of this process's memory to anyone who can reach those ports: firewall them to the "
+    return (f"mooncake listens on all interfaces ({where}) whatever --host ({host}) says, and serves reads and "
+            f"writes of the KV buffers it registered to anyone who can reach those ports: firewall them to the "
             f"cluster's hosts, e.g. `nft add rule inet filter input ip saddr != {_cluster_subnet(host)} "
             f"tcp dport {{ {ports} }} drop` (and the same for IPv6), or use --transfer-backend nixl "
             f"(deploy/README.md, Security model)")
@@ -110,7 +152,8 @@ def exposure_warning(host: str, opened: list[tuple[str, int]]) -> str:
 class MooncakeEngine(TransferEngine):
     name = "mooncake"
 
-    def __init__(self, hostname: str = "127.0.0.1", device_name: str | None = None, protocol: str = "tcp") -> None:
+    def __init__(self, hostname: str = "127.0.0.1", device_name: str | None = None, protocol: str = "tcp",
+                 allow_wildcard_listen: bool = False) -> None:
         super().__init__(hostname, device_name)
         for key, value in _ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
@@ -127,8 +170,17 @@ class MooncakeEngine(TransferEngine):
                                 f"{device_name or ''!r}) failed with {ret}")
         rpc_port = self._engine.get_rpc_port()
         self.session_id = f"{hostname}:{rpc_port}"
+        # nothing new in the table would be a surprise: count the handshake port as the wildcard it binds
         self.listeners = sorted(_listening() - before) or [("0.0.0.0", rpc_port)]
-        logger.warning("%s", exposure_warning(hostname, self.listeners))
+        if not any(is_wildcard(ip) for ip, _ in self.listeners):
+            logger.info("mooncake listens on %s only (--host %s)", _where(self.listeners), hostname)
+        elif allow_wildcard_listen or is_wildcard(hostname):
+            logger.warning("%s", exposure_warning(hostname, self.listeners))
+        else:
+            self._engine = None  # the last reference: Mooncake's destructor closes both listeners
+            left = sorted(_listening() & set(self.listeners))
+            raise UnconfinedListener(refusal(hostname, self.listeners)
+                                     + (f" (still open after the engine was dropped: {_where(left)})" if left else ""))
         self._registered: list[tuple[int, int]] = []
         self._lock = threading.Lock()
 

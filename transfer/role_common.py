@@ -74,11 +74,14 @@ def build_kv_manager(args, runner, metadata: MetadataBuffers, tp_rank: int, tp_s
 
 
 def node_settings(args) -> TransferSettings:
-    """The transfer settings of a node: the environment's, with the node's flags winning."""
+    """The transfer settings of a node: the environment's, with the node's flags winning. A wildcard
+    --host asked for every interface, which acknowledges mooncake's wildcard listeners as the flag does."""
+    wildcard_ok = getattr(args, "transfer_allow_wildcard_listen", False) or args.host in ("", "0.0.0.0", "::")
     return TransferSettings.from_env(bootstrap_timeout=args.disaggregation_bootstrap_timeout,
                                      waiting_timeout=args.disaggregation_waiting_timeout,
                                      device_name=args.disaggregation_ib_device,
-                                     cluster_secret=getattr(args, "cluster_secret", None))
+                                     cluster_secret=getattr(args, "cluster_secret", None),
+                                     allow_wildcard_listen=True if wildcard_ok else None)
 
 
 @dataclass
