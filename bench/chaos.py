@@ -36,7 +36,11 @@ and after the drain.
 Outcomes per request: completed, error (an HTTP error or an SSE error event; its message is kept,
 and an error whose message names no cause is counted apart), rejected (429), disconnected (the
 client left), aborted (ended after an explicit abort), hung. `fault_to_error` is the time from a
-kill to the error of each request that was open at that moment and failed.
+kill to the error of each request that was open at that moment and failed;
+`fault_errors_before_first_token` counts those of them that had received no token (the router runs
+such a request again on another pair, so it should be 0). `kv_transfer_error_rate` (and its `_stream`
+/ `_full` parts) is the share of requests whose client saw "KV transfer failed": the injected failures
+the router could not hide.
 
 Output: a progress line every `--progress-every` seconds, a summary line, `--json FILE`. Exit code 0
 when no request hung, no node leaked and every node is healthy at the end; 1 otherwise.
@@ -87,6 +91,7 @@ class Outcome:
     status: int = 0
     message: str = ""
     events: int = 0
+    events_before_error: int = -1  # stream events the client had when its error came (-1: no error event)
 
 
 @dataclass
@@ -213,6 +218,8 @@ class Driver:
                     continue
                 if isinstance(event, dict) and "error" in event:
                     o.result, o.message = "error", error_text(event)
+                    if o.events_before_error < 0:
+                        o.events_before_error = o.events
                 o.events += 1
                 if o.events == 1 and on_first is not None:
                     on_first()
@@ -459,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     line = (f"chaos: {'OK' if ok else 'FAILED'} sent {f['sent']} completed {f['completed']} failed {f['error']} "
             f"(unexplained {f['error_unexplained']}) rejected_429 {f['rejected_429']} disconnected "
             f"{f['disconnected']} aborted {f['aborted']} hung {f['hung']}; fault->error p50 "
-            f"{f['fault_to_error_p50_s']}s p99 {f['fault_to_error_p99_s']}s; leaked nodes {f['nodes_leaked']}; "
+            f"{f['fault_to_error_p50_s']}s p99 {f['fault_to_error_p99_s']}s; before a first token at a fault "
+            f"{f['fault_errors_before_first_token']}; KV transfer failed {f['kv_transfer_errors']} "
+            f"({100 * f['kv_transfer_error_rate']:.2f}%); leaked nodes {f['nodes_leaked']}; "
             f"RSS growth max {f['rss_growth_max']}")
     print(line, flush=True)
     report["summary"] = line
@@ -587,6 +596,12 @@ async def soak(ns, cluster) -> dict:
         for o in errors:
             if o.started <= ft <= (o.ended or ft):
                 fault_to_error.append(o.ended - ft)
+    # requests open at a kill that failed before any token reached their client (a non-streaming one
+    # receives nothing before its answer): the router should have run them again on another pair
+    untouched_at_fault = {o.idx for ft, _ in driver.run.faults for o in errors
+                          if o.started <= ft <= (o.ended or ft) and (not o.stream or o.events_before_error == 0)}
+    kv_errors = [o for o in errors if "KV transfer failed" in o.message]
+    n_stream = sum(1 for o in outs if o.stream)
     error_latency = [o.ended - o.started for o in errors]
     causes = Counter(normalize(o.message) for o in errors)
     growths = [e["rss_growth"] for e in nodes_state.values() if "rss_growth" in e]
@@ -596,6 +611,12 @@ async def soak(ns, cluster) -> dict:
         "aborted": res["aborted"], "hung": res["hung"],
         "fault_to_error_n": len(fault_to_error), "fault_to_error_p50_s": percentile(fault_to_error, 0.5),
         "fault_to_error_p99_s": percentile(fault_to_error, 0.99),
+        "fault_errors_before_first_token": len(untouched_at_fault),
+        "kv_transfer_errors": len(kv_errors),
+        "kv_transfer_error_rate": round(len(kv_errors) / max(len(outs), 1), 5),
+        "kv_transfer_error_rate_stream": round(sum(1 for o in kv_errors if o.stream) / max(n_stream, 1), 5),
+        "kv_transfer_error_rate_full": round(sum(1 for o in kv_errors if not o.stream)
+                                             / max(len(outs) - n_stream, 1), 5),
         "error_latency_p50_s": percentile(error_latency, 0.5), "error_latency_p99_s": percentile(error_latency, 0.99),
         "completed_latency_p50_s": percentile([o.ended - o.started for o in outs if o.result == "completed"], 0.5),
         "run_s": round(run_end - start, 1), "drain_s": round(drain_s, 1),

@@ -40,6 +40,7 @@ from router import dashboard
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, NoWorkers, Trace, error_response
 from router.limits import Admission, Rejected, check_length, read_body
+from router.liveness import SilenceWatch
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import Metrics
 from router.policies import make_policy
@@ -94,6 +95,9 @@ class RouterApp:
         self.dispatcher = Dispatcher(cfg, self.registry, session, self.metrics, self.prefill_policy,
                                      self.decode_policy)
         self.registry.on_unhealthy = self.dispatcher.cut_off
+        self.silence = SilenceWatch(self.registry, session, cfg.worker_silence_timeout_secs,
+                                    cfg.health_check_endpoint, on_silent=self.dispatcher.cut_off,
+                                    metrics=self.metrics) if cfg.worker_silence_timeout_secs > 0 else None
         self.keys = cfg.resolved_keys
         self.routes = self._routes()
         self.access = access_table(self.routes)
@@ -502,6 +506,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
         watcher = PodWatcher(cfg, ra.registry, asyncio.get_running_loop())
         watcher.start()
     evict = asyncio.get_running_loop().create_task(ra.evict_loop())
+    silence = asyncio.get_running_loop().create_task(ra.silence.run()) if ra.silence is not None else None
     log.info("router listening on %s://%s:%d (prefill policy %s, decode policy %s, %d prefill, %d decode, %r)",
              "https" if tls_in else "http", cfg.host, cfg.port, cfg.effective_prefill_policy,
              cfg.effective_decode_policy, len(cfg.prefill), len(cfg.decode), ra.keys)
@@ -521,6 +526,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
         await stop.wait()
     finally:
         evict.cancel()
+        if silence is not None:
+            silence.cancel()
         if watcher is not None:
             watcher.stop()
         await ra.registry.stop()

@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--worker-connect-timeout-secs", type=float, default=d.worker_connect_timeout_secs,
       help="a connection to a worker that is not made within this time fails (a worker cut off the network "
       "drops it silently); the request is retried on another pair")
+    a("--worker-silence-timeout-secs", type=float, default=d.worker_silence_timeout_secs,
+      help="a worker that answers nothing, not even its health endpoint, for this long leaves rotation and the "
+      "requests it holds are cut off (run again on another pair where no byte reached the client); it comes back "
+      "when it answers again; 0: off (only the health checks notice)")
     a("--request-id-headers", nargs="*", default=None,
       help="headers a client request id is read from, in order (default: x-request-id, x-correlation-id, x-trace-id, request-id)")
     a("--api-key", default=None, help="client key as a value (sglang-router's flag; shows in `ps`): clients "
@@ -214,6 +218,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         raise ValueError("--worker-connect-timeout-secs must be > 0")
     if cfg.stream_idle_timeout_secs < 0:
         raise ValueError("--stream-idle-timeout-secs must be >= 0 (0: no idle limit)")
+    if cfg.worker_silence_timeout_secs < 0:
+        raise ValueError("--worker-silence-timeout-secs must be >= 0 (0: off)")
     cfg.prefill = [parse_prefill(v) for v in ns.prefill]
     cfg.decode = [check_worker_url(u.rstrip("/"), "--decode") for u in ns.decode]
     cfg.keys = Keys.load(api_key=ns.api_key, api_key_file=ns.api_key_file, admin_api_key_file=ns.admin_api_key_file,

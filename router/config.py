@@ -86,6 +86,9 @@ class RouterConfig:
     # every --stream-keepalive-secs, 5 s by default): its request fails, both legs are aborted
     stream_idle_timeout_secs: float = 30.0
     worker_connect_timeout_secs: float = 10.0  # a connection to a worker not made by then fails
+    # a worker that answers nothing (not even its health endpoint) for this long is out of rotation and its
+    # requests are cut off (router/liveness.py); 0: off
+    worker_silence_timeout_secs: float = 10.0
     request_id_headers: tuple[str, ...] = DEFAULT_REQUEST_ID_HEADERS
     api_key: str | None = field(default=None, repr=False)  # --api-key VALUE (sglang-router's flag)
     # admission (router/limits.py), sglang-router's flags and defaults; -1: no concurrency limit

@@ -48,9 +48,48 @@ _ERR_TYPE = ERR_TYPE_HEADER.lower()  # router.upstream keeps header names lower-
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
-def _only_comments(data: bytes) -> bool:
-    """Whether a read of an SSE stream holds only comment lines (a node's `: keep-alive`)."""
-    return all(not line or line.startswith(b":") for line in data.split(b"\n"))
+# a decode stream's lead event (its first event that carries a token or an error) that is an error: the request
+# failed before its first token (a KV transfer that failed, the decode node's own failure), and nothing reached
+# the client yet, so it runs again on another pair; an error of another type (the request itself was refused)
+# is relayed as it is
+_RERUN_TYPES = {"internal_error": 500, "upstream_error": 502, "service_unavailable": 503}
+
+
+def _preamble(event) -> bool:
+    """A token-less event a stream opens with: a chat stream's role chunk (`delta` with its role and empty
+    content, no finish reason). The router holds it back until the first token, so that a failure before that
+    token leaves the client with nothing and can be run again."""
+    if not isinstance(event, dict) or "error" in event or event.get("usage"):
+        return False
+    choices = event.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    for c in choices:
+        delta = c.get("delta") if isinstance(c, dict) else None
+        if not isinstance(delta, dict) or set(delta) - {"role", "content"} or delta.get("content") \
+                or c.get("finish_reason") is not None or c.get("logprobs"):
+            return False
+    return True
+
+
+def lead_event(data: bytes) -> tuple[bool, object]:
+    """(found, event) for the first whole SSE event of `data` that is neither a comment (a node's keep-alive)
+    nor a preamble: found is False while `data` holds no such event yet (read more); the event is its decoded
+    JSON, or None for [DONE] or an event that is not JSON."""
+    *whole, _rest = data.split(b"\n\n")
+    for event in whole:
+        lines = [ln for ln in event.split(b"\n") if ln and not ln.startswith(b":")]
+        if not lines:
+            continue
+        if not lines[0].startswith(b"data: ") or lines[0] == b"data: [DONE]":
+            return True, None
+        try:
+            obj = msgspec.json.decode(lines[0][6:])
+        except msgspec.DecodeError:
+            return True, None
+        if not _preamble(obj):
+            return True, obj
+    return False, None
 
 
 def _header_value(value: str) -> bytes:
@@ -273,17 +312,25 @@ class Dispatcher:
                          resp.headers.get(_ERR_TYPE))
 
     async def _open_stream(self, w: Worker, path: str, payload: bytes, headers: bytes):
-        """The decode leg's status and first event. Keep-alive comments before it are skipped: until an
-        event comes nothing is sent to the client, so a failure is still retried on another pair; each
-        read is bounded by --stream-idle-timeout-secs."""
+        """The decode leg's status, its bytes up to and including its lead event (the first with a token or an
+        error: `lead_event`), and that event. Until it comes nothing is sent to the client (keep-alives and a
+        chat stream's role chunk are held back), so a failure is still run again on another pair; each read is
+        bounded by --stream-idle-timeout-secs."""
         resp = await self._idle_bound(self._pool(w).request(path, payload, headers))
         try:
             if resp.status >= 300:
-                return resp.status, resp, None, await resp.read()
+                return resp.status, resp, None, await resp.read(), None
             first = await self._idle_bound(resp.readany())
-            while first and _only_comments(first):
-                first = await self._idle_bound(resp.readany())
-            return resp.status, resp, first, None
+            found, lead = lead_event(first)
+            while first and not found:
+                more = await self._idle_bound(resp.readany())
+                if not more:
+                    break
+                first += more
+                found, lead = lead_event(first)
+            if not found:  # the stream ended before a whole event: nothing but keep-alives, or a cut
+                first = b"" if all(not ln or ln.startswith(b":") for ln in first.split(b"\n")) else first
+            return resp.status, resp, first, None, lead
         except BaseException:
             resp.close()
             raise
@@ -504,7 +551,7 @@ class Dispatcher:
                 self._abandon(p_task, p, ids)
                 self._spawn(self._abort_on(d, ids))
                 return self._failure(d_task, d, "decode")
-            status, resp, first, err_body = d_task.result()
+            status, resp, first, err_body, lead = d_task.result()
             if local is not None:  # its prefill is over: the decode worker may take the next one
                 local.done()
             if err_body is not None:
@@ -512,6 +559,16 @@ class Dispatcher:
                 self._abandon(p_task, p, ids)
                 return leg_failure(status, "decode", d, err_body, resp.headers.get("content-type"),
                                    resp.headers.get("retry-after"), resp.headers.get(_ERR_TYPE))
+            early = lead.get("error") if isinstance(lead, dict) else None
+            status_of = _RERUN_TYPES.get(early.get("type")) if isinstance(early, dict) else None
+            if status_of is not None:  # failed before its first token: nothing sent yet, so run it again
+                err_type = KV_TRANSFER_FAILED if early.get("code") == KV_TRANSFER_FAILED else None
+                self._record(d, status_of, err_type)
+                self._abandon(p_task, p, ids)
+                resp.close()
+                self.metrics.reruns_before_first_token += 1
+                return Failure(status_of, f"decode worker {d.url} failed the request before its first token: "
+                                          f"{str(early.get('message'))[:300]}", d, err_type=err_type)
             merger = None
             if req.return_logprob:  # the prompt logprobs come from the prefill leg: wait for its answer
                 await asyncio.wait((p_task,))
@@ -567,60 +624,39 @@ class Dispatcher:
 
     async def _relay(self, out, resp, data, merger, p_task, p, trace: Trace) -> str | None:
         """Copy decode bytes to the client. None when the stream ended cleanly, "client" when the client
-        went away, else why the stream broke (the decode leg failed, or the prefill leg did)."""
-        me = asyncio.current_task()
-        broken: list[str] = []
-
-        def prefill_done(t: asyncio.Task) -> None:
-            if t.cancelled():
-                return
-            fail = self._failure(t, p, "prefill")
-            if fail is not None and not me.done():
-                broken.append(f"prefill leg failed mid-stream: {fail.message}")
-                me.cancel()
-
-        if not p_task.done():
-            p_task.add_done_callback(prefill_done)
-        elif self._failure(p_task, p, "prefill") is not None:
-            return "prefill leg failed"
+        went away, else why the stream broke. The relay starts at the decode's first token, when its KV has
+        arrived, so the prefill leg's own ending (even a failure: its node died after the transfer, say) no
+        longer matters to this stream."""
         tail = b""
-        try:
-            while data:
-                if merger is not None:
-                    data = merger.feed(data)
-                if data:
-                    trace.events += data.count(b"data: ")
-                    # an error event: the decode's request failed after its stream began (as a JSON key,
-                    # the quote before `error` is never escaped; the tail covers a key split across reads)
-                    if b'"error":' in tail + data:
-                        trace.decode_failed = True
-                    # the [DONE] event (at an event's start: JSON escapes newlines, so no text can fake it)
-                    finished = (b"\n\n" + tail + data if not tail else tail + data).find(b"\n\ndata: [DONE]") >= 0
-                    tail = data[-16:]
-                    try:
-                        await out.write(data)
-                    except ConnectionError:
-                        return "client"
-                    if finished:  # the client has the whole answer and may hang up now; the connection goes back
-                        # to the pool by itself when the worker's last chunk arrives
-                        return None
+        while data:
+            if merger is not None:
+                data = merger.feed(data)
+            if data:
+                trace.events += data.count(b"data: ")
+                # an error event: the decode's request failed after its stream began (as a JSON key,
+                # the quote before `error` is never escaped; the tail covers a key split across reads)
+                if b'"error":' in tail + data:
+                    trace.decode_failed = True
+                # the [DONE] event (at an event's start: JSON escapes newlines, so no text can fake it)
+                finished = (b"\n\n" + tail + data if not tail else tail + data).find(b"\n\ndata: [DONE]") >= 0
+                tail = data[-16:]
                 try:
-                    data = await self._idle_bound(resp.readany())
-                except TimeoutError:
-                    return (f"decode worker sent nothing for {self.cfg.stream_idle_timeout_secs:g}s "
-                            "(--stream-idle-timeout-secs): presumed gone")
-                except _UPSTREAM_ERRORS as e:
-                    return f"decode leg failed mid-stream: {e!r}"
-            if merger is not None and merger.buf:
-                try:
-                    await out.write(merger.buf)
+                    await out.write(data)
                 except ConnectionError:
                     return "client"
-            return None
-        except asyncio.CancelledError:
-            if broken:
-                me.uncancel()
-                return broken[0]
-            raise
-        finally:
-            p_task.remove_done_callback(prefill_done)
+                if finished:  # the client has the whole answer and may hang up now; the connection goes back
+                    # to the pool by itself when the worker's last chunk arrives
+                    return None
+            try:
+                data = await self._idle_bound(resp.readany())
+            except TimeoutError:
+                return (f"decode worker sent nothing for {self.cfg.stream_idle_timeout_secs:g}s "
+                        "(--stream-idle-timeout-secs): presumed gone")
+            except _UPSTREAM_ERRORS as e:
+                return f"decode leg failed mid-stream: {e!r}"
+        if merger is not None and merger.buf:
+            try:
+                await out.write(merger.buf)
+            except ConnectionError:
+                return "client"
+        return None

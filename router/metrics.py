@@ -62,6 +62,8 @@ class Metrics:
         self.orphan_aborts = 0
         self.client_disconnects = 0
         self.stream_errors = 0
+        self.reruns_before_first_token = 0  # streams whose decode failed before a token reached the client
+        self.silent_workers = 0  # workers taken out of rotation for going silent (router/liveness.py)
         self.overload_passed = 0  # workers' 429/503 answers given to the client as they were
         self.admission = None  # router.limits.Admission, set by the app
         self.kv_index = None  # router.kv_index.KVEventIndex with --kv-events
@@ -142,6 +144,10 @@ class _Collector:
                 ("orphan_aborts", m.orphan_aborts, "abandoned legs aborted on their node"),
                 ("client_disconnects", m.client_disconnects, "clients gone before their answer ended"),
                 ("stream_errors", m.stream_errors, "streams broken by a failed leg"),
+                ("reruns_before_first_token", m.reruns_before_first_token,
+                 "streams whose decode failed before their first token, run again on another pair"),
+                ("silent_workers", m.silent_workers, "times a worker was taken out of rotation for going silent "
+                 "(--worker-silence-timeout-secs)"),
                 ("worker_overload_answers", m.overload_passed, "workers' 429/503 answers passed to the client")):
             yield _family("counter", f"pdserve_router_{name}", help, (), [((), value)])
         adm = m.admission

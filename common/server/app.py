@@ -24,7 +24,6 @@ from common.protocol import (
     ModelNotFound,
     TokenizedRequest,
     check_request_id,
-    error_body,
 )
 from common.server import openai_api
 from common.server.http import (
@@ -35,6 +34,7 @@ from common.server.http import (
     check_top_logprobs,
     copy_of,
     dumps,
+    error_event,
     error_response,
     failed,
     incoming_request_id,
@@ -248,7 +248,7 @@ async def _stream_generate(tm: TokenizerManager, states: list[ReqState], notify,
                 continue
             if st.finished and failed(st):
                 code, msg = failed(st)
-                await sse_send(resp, error_body(code, msg))
+                await sse_send(resp, error_event(st, code, msg))
                 sent[i] = -2
                 continue
             if len(st.output_ids) != sent[i] or st.finished:

@@ -192,6 +192,13 @@ def err_type_header(st: ReqState) -> dict[str, str] | None:
     return {ERR_TYPE_HEADER: err_type} if err_type else None
 
 
+def error_event(st: ReqState, status: int, message: str) -> dict:
+    """A stream's error event for a request that failed after its stream began: the error body, its `code`
+    the cause the scheduler named when it named one (`kv_transfer`: a router runs the request again on
+    another pair when no token had reached its client yet)."""
+    return error_body(status, message, code=(st.finish_reason or {}).get("err_type"))
+
+
 def failed(st: ReqState) -> tuple[int, str] | None:
     """(status, message) when the request ended in an error the client should see as one."""
     if st.error_status:

@@ -25,7 +25,6 @@ from common.protocol import (
     CompletionRequest,
     ModelNotFound,
     TokenizedRequest,
-    error_body,
 )
 from common.server.http import (
     INFO_KEY,
@@ -33,6 +32,7 @@ from common.server.http import (
     check_batch_size,
     check_top_logprobs,
     copy_of,
+    error_event,
     failed,
     item_fields,
     read_request,
@@ -161,7 +161,7 @@ async def _stream_items(resp, tm: TokenizerManager, states: list[ReqState], noti
                 continue
             err = _abort_error(st)
             if err:
-                await sse_send(resp, error_body(*err))
+                await sse_send(resp, error_event(st, *err))
                 done[i] = True
                 continue
             finished = st.finished

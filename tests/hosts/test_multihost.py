@@ -100,7 +100,8 @@ def fake_hosts(tiny_model_dir, tmp_path_factory):
     c = cluster_from_args(["--hosts", "--prefill", "1", "--decode", "1", "--transfer-backend", "fake",
                            "--model", tiny_model_dir, "--log-dir", str(tmp_path_factory.mktemp("launcher")),
                            "--page-size", "16", "--max-total-tokens", "8192", "--num-threads", "1",
-                           "--stream-keepalive-secs", "0.5", "--router-args", "--stream-idle-timeout-secs 3"])
+                           "--stream-keepalive-secs", "0.5", "--router-args",
+                           "--stream-idle-timeout-secs 3 --worker-silence-timeout-secs 4"])
     c.quiet = True
     try:
         c.start()
@@ -277,3 +278,50 @@ def test_a_partitioned_decode_host_ends_its_stream_and_comes_back(fake_hosts):
     wait_pools(fake_hosts, fake_hosts.baseline)  # the healed host freed the aborted request
     assert greedy(fake_hosts.url, "again")
 
+
+
+def test_a_cut_decode_host_ends_non_streaming_and_streaming_requests_within_the_window(fake_hosts):
+    """Non-streaming requests have no keep-alives to miss: the router's silence watch
+    (--worker-silence-timeout-secs 4 here) takes the cut decode host out of rotation and cuts off what it
+    holds, so every request open on it ends (this cluster has no other decode host to run it again on), and
+    the host is back in rotation once its link is mended."""
+    url = fake_hosts.url
+    long = {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    results: list = []
+    running = threading.Event()
+
+    def full(i: int):
+        results.append(http_json("POST", url + "/v1/completions", {"prompt": f"n{i}", **long}, timeout=60))
+
+    def streamed():
+        results.append(stream(url + "/v1/completions", {"prompt": "s", **long, "stream": True},
+                              on_event=lambda i, e: running.set()))
+
+    threads = [threading.Thread(target=full, args=(i,)) for i in range(3)] + [threading.Thread(target=streamed)]
+    for t in threads:
+        t.start()
+    assert running.wait(60)
+    time.sleep(0.5)  # the non-streaming ones are decoding too
+    decode = next(n for n in fake_hosts.nodes if n.role == "decode")
+    hosts = fake_hosts.hosts
+    k = fake_hosts.nodes.index(decode) + 1
+    hosts.cut(k)
+    t0 = time.monotonic()
+    try:
+        for t in threads:
+            t.join(max(0.1, 20 - (time.monotonic() - t0)))
+        assert not any(t.is_alive() for t in threads), "a request still waits on the cut host"
+        assert time.monotonic() - t0 < 15
+        statuses = [r[0] for r in results if isinstance(r, tuple)]
+        assert len(statuses) == 3 and all(s >= 500 for s in statuses), statuses
+        assert any(not r.ok for r in results if not isinstance(r, tuple))
+    finally:
+        hosts.mend(k)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # re-admitted by the watch once it answers again
+        status, _ = http_json("POST", url + "/v1/completions", {"prompt": "back", "max_tokens": 4})
+        if status == 200:
+            break
+        time.sleep(0.5)
+    assert status == 200
+    wait_pools(fake_hosts, fake_hosts.baseline)

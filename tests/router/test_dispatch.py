@@ -6,6 +6,8 @@ import http.client as httpclient
 import json
 import threading
 
+import pytest
+
 from tests.harness.client import http, metric_total, wait_until
 
 
@@ -225,6 +227,40 @@ def test_a_decode_stream_ending_in_an_error_aborts_the_waiting_prefill_leg(worke
     assert status == 200 and b'"error":' in body and body.rstrip().endswith(b"data: [DONE]")
     wait_until(lambda: p.aborts() == [d.requests()[0]["body"]["rid"]], what="the prefill leg aborted")
     p.release()
+
+
+@pytest.mark.parametrize("path,body", [("/generate", {"text": "hi"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_a_stream_whose_decode_fails_before_its_first_token_runs_again_on_another_pair(workers, make_router,
+                                                                                        path, body):
+    """A decode whose KV transfer failed before its first token (its stream's first event with a token is an
+    error; a chat stream's role chunk before it is held back) has sent the client nothing: the router runs the
+    request again on the other pair, with a fresh room and the abandoned prefill leg aborted, and the client
+    sees one clean stream."""
+    p, (d0, d1) = workers["p"][0], workers["d"]
+    r = make_router([p], [d0, d1], "--prefill-policy", "random", "--decode-policy", "round_robin")
+    p.config(hold=-1)  # a prefill leg waits for its transfer, as a real one would
+    d0.config(error_first=1)
+    d1.config(error_first=1)  # each fails its first request: attempts 1 and 2 fail, the third answers
+    status, _, out = r.post(path, {**body, "stream": True})
+    assert status == 200 and b'"error"' not in out and b"out2" in out, out
+    assert out.rstrip().endswith(b"data: [DONE]")
+    attempts = sorted(d0.requests() + d1.requests(), key=lambda x: x["t"])
+    assert len(attempts) == 3 and len({a["body"]["bootstrap_room"] for a in attempts}) == 3
+    assert attempts[0]["body"]["bootstrap_room"] != attempts[1]["body"]["bootstrap_room"]
+    wait_until(lambda: all(a["body"]["rid"] in p.aborts() for a in attempts[:2]),
+               what="the failed attempts' prefill legs aborted")
+    assert metric_total(r.url, "pdserve_router_reruns_before_first_token_total") == 2
+    p.release()
+
+
+def test_an_error_before_the_first_token_that_is_the_requests_own_is_relayed(workers, make_router):
+    p, d = workers["p"][0], workers["d"][0]
+    r = make_router([p], [d], "--policy", "round_robin")
+    d.config(error_event=True, chunks=0)  # an error event of another type (server_error): not re-run
+    status, _, body = r.post("/generate", {"text": "hi", "stream": True})
+    assert status == 200 and b'"error"' in body, body
+    assert len(d.requests()) == 1 and metric_total(r.url, "pdserve_router_reruns_before_first_token_total") == 0
 
 
 def test_mid_stream_failure_is_sse_error_then_done(workers, make_router):

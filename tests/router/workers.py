@@ -17,6 +17,9 @@ every abort, and its behaviour is set at runtime through `POST /debug/config`:
   err_type     X-PD-Error-Type header of error answers (None: none), the cause a node names
   error_event  a streamed answer ends with an SSE error event after its chunks (as a node whose request
                failed after its stream began), then [DONE]
+  error_first  how many upcoming streamed answers are one error event (as a decode node whose KV transfer
+               failed before its first token: type internal_error, code kv_transfer), then [DONE]
+  silent       /health does not answer while this is true (a host cut off the network, as the router sees it)
   info         extra fields of /server_info (e.g. a kv_events_endpoint)
   text         the text of answer i, formatted with {i} (default " out{i}")
   eof_delay    seconds between a stream's [DONE] and the end of its body
@@ -38,7 +41,7 @@ from aiohttp import web
 
 DEFAULTS = {"status": 200, "health": 200, "hold": 0, "delay": 0.0, "chunks": 3, "chunk_delay": 0.0,
             "break_after": -1, "load": 0, "retry_after": None, "err_type": None,
-            "error_event": False, "info": {}, "text": " out{i}", "eof_delay": 0.0, "refuse_local": False}
+            "error_event": False, "error_first": 0, "silent": False, "info": {}, "text": " out{i}", "eof_delay": 0.0, "refuse_local": False}
 
 
 class Recorder:
@@ -54,6 +57,8 @@ class Recorder:
     # ------------------------------------------------------------------ info endpoints
 
     async def health(self, request):
+        while self.cfg["silent"]:
+            await asyncio.sleep(0.05)
         return web.Response(status=self.cfg["health"], text="ok")
 
     async def server_info(self, request):
@@ -188,6 +193,18 @@ class Recorder:
             return web.json_response(self._answer(request.path, body, rid))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if cfg["error_first"]:
+            cfg["error_first"] -= 1
+            entry["done"] = True
+            if request.path == "/v1/chat/completions":  # a chat stream opens with its role chunk
+                await resp.write(b"data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}).encode()
+                    + b"\n\n")
+            await resp.write(b": keep-alive\n\ndata: " + json.dumps({"error": {
+                "message": "KV transfer failed: injected", "type": "internal_error", "param": None,
+                "code": "kv_transfer"}}).encode() + b"\n\ndata: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         for i in range(cfg["chunks"]):
             if i == cfg["break_after"]:
                 request.transport.close()

@@ -1,0 +1,68 @@
+"""Silent workers (router/liveness.py): a worker that answers nothing for --worker-silence-timeout-secs leaves
+rotation and the requests it holds are cut off and run again elsewhere, non-streaming ones included; it comes
+back once it answers again. The decision rule on made-up times, then through a real router and recording
+workers (a worker whose health endpoint stops answering is a host cut off, as the router sees it)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from types import SimpleNamespace
+
+from router.liveness import SilenceWatch
+from tests.harness.client import get_json, metric_total, wait_until
+
+
+def test_a_worker_silent_for_the_window_leaves_rotation_and_comes_back_when_it_answers():
+    cut = []
+    metrics = SimpleNamespace(silent_workers=0)
+    watch = SilenceWatch(None, None, window=4.0, on_silent=cut.append, metrics=metrics)
+    w = SimpleNamespace(url="http://w", healthy=True)
+    watch.observe(w, 200, 0.0)
+    watch.observe(w, None, 2.0)
+    watch.observe(w, None, 3.9)
+    assert w.healthy and not cut  # silent for 3.9 s < 4 s
+    watch.observe(w, None, 4.0)
+    assert not w.healthy and cut == [w] and metrics.silent_workers == 1
+    watch.observe(w, None, 9.0)
+    assert cut == [w]  # declared once
+    watch.observe(w, 503, 10.0)
+    assert not w.healthy  # it answers, but not as healthy: the health checks decide
+    watch.observe(w, 200, 11.0)
+    assert w.healthy and watch.silenced == set()
+    watch.observe(w, None, 14.0)
+    assert w.healthy  # silent for 3 s since its last answer
+
+
+def test_an_unhealthy_worker_the_watch_did_not_silence_is_not_readmitted_by_it():
+    watch = SilenceWatch(None, None, window=4.0)
+    w = SimpleNamespace(url="http://w", healthy=False)  # the health checks took it out
+    watch.observe(w, 200, 0.0)
+    assert not w.healthy
+
+
+def _worker(router, url):
+    return next(w for w in get_json(router.url + "/workers")["workers"] if w["url"] == url)
+
+
+def test_a_non_streaming_request_on_a_silent_decode_runs_again_on_the_other(workers, make_router):
+    p, (d0, d1) = workers["p"][0], workers["d"]
+    r = make_router([p], [d0, d1], "--policy", "round_robin", "--worker-silence-timeout-secs", "1")
+    d0.config(hold=-1)
+    d1.config(hold=-1)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(res=r.post("/generate", {"text": "hi"})))
+    t.start()
+    wait_until(lambda: d0.requests() or d1.requests(), what="the decode leg at a worker")
+    held, other = (d0, d1) if d0.requests() else (d1, d0)
+    other.config(hold=0)
+    held.config(silent=True)  # its host is cut off: nothing answers, the held leg never will
+    t.join(30)
+    assert not t.is_alive(), "the request still waits on the silent worker"
+    status, _, body = out["res"]
+    assert status == 200 and json.loads(body)["meta_info"]["worker"] == f"decode:{other.port}", body
+    assert metric_total(r.url, "pdserve_router_silent_workers_total") == 1
+    assert not _worker(r, held.url)["is_healthy"]
+    held.config(silent=False, hold=0)
+    wait_until(lambda: _worker(r, held.url)["is_healthy"], 20, "the worker back in rotation")
+    assert r.post("/generate", {"text": "again"})[0] == 200
