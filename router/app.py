@@ -37,6 +37,7 @@ from common.server.security import (
 )
 from common.version import VERSION
 from router import dashboard
+from router.capacity import DecodeCapacity
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, NoWorkers, Trace, error_response
 from router.limits import Admission, Rejected, check_length, read_body
@@ -95,6 +96,9 @@ class RouterApp:
         self.dispatcher = Dispatcher(cfg, self.registry, session, self.metrics, self.prefill_policy,
                                      self.decode_policy)
         self.registry.on_unhealthy = self.dispatcher.cut_off
+        self.capacity = DecodeCapacity(self.registry, session, cfg.load_check_interval_secs,
+                                       cfg.health_check_timeout_secs, self.dispatcher.base_headers)
+        self.dispatcher.capacity = self.capacity
         self.silence = SilenceWatch(self.registry, session, cfg.worker_silence_timeout_secs,
                                     cfg.health_check_endpoint, on_silent=self.dispatcher.cut_off,
                                     metrics=self.metrics) if cfg.worker_silence_timeout_secs > 0 else None
@@ -507,6 +511,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
         watcher.start()
     evict = asyncio.get_running_loop().create_task(ra.evict_loop())
     silence = asyncio.get_running_loop().create_task(ra.silence.run()) if ra.silence is not None else None
+    capacity = asyncio.get_running_loop().create_task(ra.capacity.run())
     log.info("router listening on %s://%s:%d (prefill policy %s, decode policy %s, %d prefill, %d decode, %r)",
              "https" if tls_in else "http", cfg.host, cfg.port, cfg.effective_prefill_policy,
              cfg.effective_decode_policy, len(cfg.prefill), len(cfg.decode), ra.keys)
@@ -526,6 +531,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
         await stop.wait()
     finally:
         evict.cancel()
+        capacity.cancel()
         if silence is not None:
             silence.cancel()
         if watcher is not None:

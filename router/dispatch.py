@@ -170,6 +170,10 @@ class NoWorkers(Exception):
     pass
 
 
+class DecodesFull(Exception):
+    """Every available decode worker is full (router/capacity.py): a 429, before any leg is sent."""
+
+
 class LocalPrefill:
     """A request a decode worker prefills itself, counted in its `local_pending` from when it is sent
     until its first event streamed or its leg ended (`done`, once)."""
@@ -201,6 +205,7 @@ class Dispatcher:
         self.ssl_context = client_ssl_context(cfg.ssl_ca_certs) if _any_https(cfg) else None
         self.background: set[asyncio.Task] = set()
         self.pools: dict[str, Pool] = {}
+        self.capacity = None  # router.capacity.DecodeCapacity, set by the app
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -220,11 +225,18 @@ class Dispatcher:
             ok = [w for w in workers if w.available]
             if not ok:
                 raise NoWorkers(f"no available {kind} workers (unhealthy, circuit open or not registered)")
+            if kind == "decode" and self.capacity is not None:
+                ok = self.capacity.usable(ok)
+                if not ok:
+                    raise DecodesFull("every decode worker is full (no preallocation row or KV left); retry later")
             if exclude and len(ok) > 1:
                 ok = [w for w in ok if w not in exclude] or ok
             pairs.append(ok)
-        return (self.prefill_policy.select(pairs[0], text if prefill_key is None else prefill_key),
+        p, d = (self.prefill_policy.select(pairs[0], text if prefill_key is None else prefill_key),
                 self.decode_policy.select(pairs[1], text))
+        if self.capacity is not None:
+            self.capacity.routed(d)
+        return p, d
 
     async def _abort_on(self, w: Worker, rids: list[str]) -> None:
         for rid in rids:
@@ -382,6 +394,10 @@ class Dispatcher:
             except NoWorkers as e:
                 failure = Failure(503, str(e))
                 continue
+            except DecodesFull as e:
+                self.metrics.decodes_full += 1
+                failure = Failure(429, str(e), retry_after="1")
+                break
             if req.dp_rank is not None and req.dp_rank >= d.dp_size:
                 failure = Failure(400, f"`data_parallel_rank` = {req.dp_rank}, but decode worker {d.url} has "
                                        f"{d.dp_size} DP group(s)")

@@ -64,6 +64,7 @@ class Metrics:
         self.stream_errors = 0
         self.reruns_before_first_token = 0  # streams whose decode failed before a token reached the client
         self.silent_workers = 0  # workers taken out of rotation for going silent (router/liveness.py)
+        self.decodes_full = 0  # requests answered 429 because every decode was full (router/capacity.py)
         self.overload_passed = 0  # workers' 429/503 answers given to the client as they were
         self.admission = None  # router.limits.Admission, set by the app
         self.kv_index = None  # router.kv_index.KVEventIndex with --kv-events
@@ -146,6 +147,8 @@ class _Collector:
                 ("stream_errors", m.stream_errors, "streams broken by a failed leg"),
                 ("reruns_before_first_token", m.reruns_before_first_token,
                  "streams whose decode failed before their first token, run again on another pair"),
+                ("decodes_full_answers", m.decodes_full, "requests answered 429 because every decode worker "
+                 "was full"),
                 ("silent_workers", m.silent_workers, "times a worker was taken out of rotation for going silent "
                  "(--worker-silence-timeout-secs)"),
                 ("worker_overload_answers", m.overload_passed, "workers' 429/503 answers passed to the client")):

@@ -413,9 +413,16 @@ def _group_load(s: dict[str, Any], rank: int) -> dict[str, int]:
     queues = s.get("num_queue_reqs") or {}
     held = int(queues.get("inflight", 0)) if isinstance(queues, dict) else 0  # prefill: sending its KV
     waiting = int(s.get("num_queued_reqs", 0))  # every stage before running, the role's queues included
-    return {"dp_rank": rank, "num_reqs": running + waiting + held, "num_waiting_reqs": waiting,
-            "num_tokens": int(s.get("num_tokens_used", 0)), "num_queued_reqs": waiting,
-            "max_queued_requests": int(s.get("max_queued_requests", 0))}
+    out = {"dp_rank": rank, "num_reqs": running + waiting + held, "num_waiting_reqs": waiting,
+           "num_tokens": int(s.get("num_tokens_used", 0)), "num_queued_reqs": waiting,
+           "max_queued_requests": int(s.get("max_queued_requests", 0)),
+           # what the group can still take in: KV tokens free or evictable, and on a decode node its free
+           # preallocation rows and the requests waiting for one (the router's decode choice reads them)
+           "kv_available_tokens": int(s.get("kv_free_tokens", 0)) + int(s.get("kv_evictable_tokens", 0))}
+    if "prealloc_slots_free" in s:
+        out["prealloc_slots_free"] = int(s["prealloc_slots_free"])
+        out["num_prealloc_reqs"] = int(queues.get("prealloc", 0)) if isinstance(queues, dict) else 0
+    return out
 
 
 async def handle_version(request: web.Request) -> web.Response:

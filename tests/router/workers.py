@@ -19,6 +19,8 @@ every abort, and its behaviour is set at runtime through `POST /debug/config`:
                failed after its stream began), then [DONE]
   error_first  how many upcoming streamed answers are one error event (as a decode node whose KV transfer
                failed before its first token: type internal_error, code kv_transfer), then [DONE]
+  prealloc_free  /get_load's prealloc_slots_free (None: the field is left out, as a prefill node does)
+  kv_available   /get_load's kv_available_tokens
   silent       /health does not answer while this is true (a host cut off the network, as the router sees it)
   info         extra fields of /server_info (e.g. a kv_events_endpoint)
   text         the text of answer i, formatted with {i} (default " out{i}")
@@ -41,7 +43,7 @@ from aiohttp import web
 
 DEFAULTS = {"status": 200, "health": 200, "hold": 0, "delay": 0.0, "chunks": 3, "chunk_delay": 0.0,
             "break_after": -1, "load": 0, "retry_after": None, "err_type": None,
-            "error_event": False, "error_first": 0, "silent": False, "info": {}, "text": " out{i}", "eof_delay": 0.0, "refuse_local": False}
+            "error_event": False, "error_first": 0, "silent": False, "prealloc_free": None, "kv_available": 8192, "info": {}, "text": " out{i}", "eof_delay": 0.0, "refuse_local": False}
 
 
 class Recorder:
@@ -90,8 +92,11 @@ class Recorder:
                                             "param": None, "code": None}}, status=400)
 
     async def get_load(self, request):
-        return web.json_response([{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0,
-                                   "num_tokens": self.cfg["load"]}])
+        group = {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": self.cfg["load"],
+                 "kv_available_tokens": self.cfg["kv_available"]}
+        if self.cfg["prealloc_free"] is not None:
+            group.update(prealloc_slots_free=self.cfg["prealloc_free"], num_prealloc_reqs=0)
+        return web.json_response([group])
 
     async def abort(self, request):
         rid = (await request.json()).get("rid", "")

@@ -1,12 +1,15 @@
-"""Silent workers (router/liveness.py): a worker that answers nothing for --worker-silence-timeout-secs leaves
+"""Silent and full workers. Silent (router/liveness.py): a worker that answers nothing for --worker-silence-timeout-secs leaves
 rotation and the requests it holds are cut off and run again elsewhere, non-streaming ones included; it comes
 back once it answers again. The decision rule on made-up times, then through a real router and recording
-workers (a worker whose health endpoint stops answering is a host cut off, as the router sees it)."""
+workers (a worker whose health endpoint stops answering is a host cut off, as the router sees it). Full
+(router/capacity.py): the decode choice skips a decode with no preallocation row or KV left, and answers 429
+when every decode is full."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from types import SimpleNamespace
 
 from router.liveness import SilenceWatch
@@ -66,3 +69,49 @@ def test_a_non_streaming_request_on_a_silent_decode_runs_again_on_the_other(work
     held.config(silent=False, hold=0)
     wait_until(lambda: _worker(r, held.url)["is_healthy"], 20, "the worker back in rotation")
     assert r.post("/generate", {"text": "again"})[0] == 200
+
+
+# ---------------------------------------------------------------------------------------------- capacity
+def test_the_decode_choice_skips_full_decodes_and_answers_429_when_every_one_is_full(workers, make_router):
+    """Decode capacity (router/capacity.py): a decode that reports no free preallocation row gets no request
+    while another has room, and when none has room the router answers 429 with Retry-After before sending
+    any leg (no prefill work queued for a decode that cannot take it)."""
+    p, (d0, d1) = workers["p"][0], workers["d"]
+    d0.config(prealloc_free=0)
+    d1.config(prealloc_free=64)
+    r = make_router([p], [d0, d1], "--policy", "round_robin", "--load-check-interval-secs", "0.2")
+    time.sleep(1.0)  # a few capacity polls
+    for _ in range(6):
+        assert r.post("/generate", {"text": "x"})[0] == 200
+    assert not d0.requests() and len(d1.requests()) == 6
+    d1.config(prealloc_free=0)
+    time.sleep(1.0)  # a few capacity polls
+    sent = len(p.requests())
+    status, headers, body = r.post("/generate", {"text": "x"})
+    assert status == 429 and headers.get("retry-after") == "1" and b"every decode worker is full" in body, body
+    assert len(p.requests()) == sent  # no prefill leg for a request no decode can take
+    assert metric_total(r.url, "pdserve_router_decodes_full_answers_total") == 1
+    d1.config(prealloc_free=8)
+    wait_until(lambda: r.post("/generate", {"text": "x"})[0] == 200, 10, "the decode's room seen again")
+
+
+def test_a_capacity_report_is_checked_and_summed_over_dp_groups():
+    from router.capacity import DecodeCapacity, Report, parse_report
+
+    g = {"prealloc_slots_free": 3, "num_prealloc_reqs": 1, "kv_available_tokens": 100}
+    assert parse_report([g, g]) == Report(6, 2, 200)
+    for bad in ([], [{"prealloc_slots_free": -1, "kv_available_tokens": 1}], [{"kv_available_tokens": 5}],
+                [{"prealloc_slots_free": True, "kv_available_tokens": 5}], {"a": 1}, [3]):
+        assert parse_report(bad) is None, bad
+    cap = DecodeCapacity(None, None, 1.0, 1.0)
+    w = SimpleNamespace(url="http://d")
+    assert not cap.full(w)  # nothing reported: not full
+    cap.observe(w.url, Report(2, 0, 100))
+    cap.routed(w)
+    assert not cap.full(w)
+    cap.routed(w)
+    assert cap.full(w)  # two sent since its report took both rows
+    cap.observe(w.url, Report(2, 1, 100))
+    assert not cap.full(w)  # a new report: one row left after the one waiting
+    cap.observe(w.url, Report(5, 0, 0))
+    assert cap.full(w)  # no KV token left
