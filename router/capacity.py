@@ -5,10 +5,11 @@ A decode node admits a PD request into preallocation: a request row (`prealloc_s
 pages for its prompt. When it has neither, the request waits in its preallocation queue while its prefill
 leg runs and then waits for a destination, so prefill work piles up behind a full decode. `DecodeCapacity`
 polls every decode worker's `/get_load` every `--load-check-interval-secs` (each DP group's
-`prealloc_slots_free`, `num_prealloc_reqs` and `kv_available_tokens`, summed over groups) and counts the
-requests this router has sent each one since its last report (`routed`), which the report cannot show yet.
-A decode is full when the free rows it reported, less those requests and less the requests already waiting
-there for a row, are used up, or when it reported no KV token available. The dispatcher routes among the
+`prealloc_slots_free`, `num_prealloc_reqs` and `kv_available_tokens`, summed over groups) and remembers how
+many of this router's requests the decode held then (`Worker.active`); the requests it holds beyond those
+(a burst since the report, which the report cannot show yet) take rows too, while those that ended give
+theirs back. A decode is full when the free rows it reported, less that growth and less the requests already
+waiting there for a row, are used up, or when it reported no KV token available. The dispatcher routes among the
 decodes that are not full (`usable`) and answers 429 with Retry-After when every decode is full, before
 any leg is sent. A decode that reports nothing (an older node, or a failed poll) counts as not full.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from dataclasses import dataclass
 
 import aiohttp
@@ -56,28 +56,25 @@ class DecodeCapacity:
         self.session = session
         self.interval = interval
         self.timeout = timeout
-        self.reports: dict[str, Report] = {}
-        self.pending: Counter[str] = Counter()  # requests routed to a decode since its last report
-
-    def routed(self, w) -> None:
-        self.pending[w.url] += 1
+        self.reports: dict[str, tuple[Report, int]] = {}  # url -> (its last report, its active count then)
 
     def full(self, w) -> bool:
-        r = self.reports.get(w.url)
-        if r is None:
+        seen = self.reports.get(w.url)
+        if seen is None:
             return False
-        return r.kv_available <= 0 or r.prealloc_free - r.prealloc_waiting - self.pending[w.url] <= 0
+        r, active_then = seen
+        grown = max(0, w.active - active_then)  # requests sent since the report, less those that ended
+        return r.kv_available <= 0 or r.prealloc_free - r.prealloc_waiting - grown <= 0
 
     def usable(self, workers: list) -> list:
         """The decode workers of `workers` that can take a request (empty: every one is full)."""
         return [w for w in workers if not self.full(w)]
 
-    def observe(self, url: str, report: Report | None) -> None:
+    def observe(self, w, report: Report | None) -> None:
         if report is None:
-            self.reports.pop(url, None)
+            self.reports.pop(w.url, None)
         else:
-            self.reports[url] = report
-        self.pending.pop(url, None)
+            self.reports[w.url] = (report, w.active)
 
     async def run(self) -> None:
         while True:
@@ -89,12 +86,16 @@ class DecodeCapacity:
 
     async def refresh(self) -> None:
         workers = list(self.registry.decode)
+        actives = [w.active for w in workers]  # what each held when its report was asked for
         answers = await asyncio.gather(*(self._get(w.url) for w in workers))
         known = {w.url for w in workers}
         for url in [u for u in self.reports if u not in known]:
-            self.observe(url, None)
-        for w, report in zip(workers, answers, strict=True):
-            self.observe(w.url, report)
+            del self.reports[url]
+        for w, active, report in zip(workers, actives, answers, strict=True):
+            if report is None:
+                self.reports.pop(w.url, None)
+            else:
+                self.reports[w.url] = (report, active)
 
     async def _get(self, url: str) -> Report | None:
         try:

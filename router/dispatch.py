@@ -232,11 +232,8 @@ class Dispatcher:
             if exclude and len(ok) > 1:
                 ok = [w for w in ok if w not in exclude] or ok
             pairs.append(ok)
-        p, d = (self.prefill_policy.select(pairs[0], text if prefill_key is None else prefill_key),
+        return (self.prefill_policy.select(pairs[0], text if prefill_key is None else prefill_key),
                 self.decode_policy.select(pairs[1], text))
-        if self.capacity is not None:
-            self.capacity.routed(d)
-        return p, d
 
     async def _abort_on(self, w: Worker, rids: list[str]) -> None:
         for rid in rids:

@@ -104,14 +104,16 @@ def test_a_capacity_report_is_checked_and_summed_over_dp_groups():
                 [{"prealloc_slots_free": True, "kv_available_tokens": 5}], {"a": 1}, [3]):
         assert parse_report(bad) is None, bad
     cap = DecodeCapacity(None, None, 1.0, 1.0)
-    w = SimpleNamespace(url="http://d")
+    w = SimpleNamespace(url="http://d", active=3)
     assert not cap.full(w)  # nothing reported: not full
-    cap.observe(w.url, Report(2, 0, 100))
-    cap.routed(w)
+    cap.observe(w, Report(2, 0, 100))  # it held 3 of this router's requests then
+    w.active = 4
     assert not cap.full(w)
-    cap.routed(w)
-    assert cap.full(w)  # two sent since its report took both rows
-    cap.observe(w.url, Report(2, 1, 100))
-    assert not cap.full(w)  # a new report: one row left after the one waiting
-    cap.observe(w.url, Report(5, 0, 0))
+    w.active = 5
+    assert cap.full(w)  # the two sent since its report took both rows
+    w.active = 3
+    assert not cap.full(w)  # they ended: their rows are back
+    cap.observe(w, Report(2, 2, 100))
+    assert cap.full(w)  # two requests already wait there for a row
+    cap.observe(w, Report(5, 0, 0))
     assert cap.full(w)  # no KV token left
