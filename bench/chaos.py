@@ -11,8 +11,8 @@ seconds or `--requests` requests, with at once:
   5..~300 tokens, 1..`--max-tokens` output tokens;
 * client disconnects (`--disconnect-prob`) at a random point: after k stream events, or after a
   random delay for non-streaming requests;
-* explicit aborts (`--abort-prob`): a `/generate` stream with its own rid, aborted on every node
-  with `/abort_request` 0-0.5 s after its first token (timed from the send, an abort could reach the
+* explicit aborts (`--abort-prob`): a `/generate` stream with its own rid and at least 256 output
+  tokens, aborted on every node with `/abort_request` 0-0.5 s after its first token (timed from the send, an abort could reach the
   nodes ahead of a request the router had queued, and be lost);
 * injected transfer failures on every node (`--failure-prob`, `DISAGGREGATION_TEST_FAILURE_PROB`);
 * a `kill -9` of one decode node and later of one prefill node (their front-end processes, as a
@@ -143,6 +143,8 @@ class Driver:
         self.run.outcomes.append(o)
         self.run.open[idx] = o
         max_tokens = rng.randint(1, ns.max_tokens)
+        if plan == "abort":  # still decoding when its abort comes (0-0.5 s after its first token)
+            max_tokens = max(256, ns.max_tokens)
         text = prompt(rng)
         rid = f"chaos-{ns.seed}-{idx}"
         if kind == "chat":

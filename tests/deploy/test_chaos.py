@@ -2,7 +2,8 @@
 with a tiny model, ~6 s of traffic (longer until both restarted nodes have served) with disconnects,
 explicit aborts, 20 % injected transfer failures, bursts past the router's limits and a kill -9 of a decode and a prefill node that the launcher restarts.
 Every request must end (0 hung), every error must name its cause, every node must be back at rest
-(0 leaked) and healthy."""
+(0 leaked) and healthy; injected transfer failures and the kills reach no client that had no token yet (the
+router runs those requests again)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ def test_short_chaos_soak_no_hang_no_leak(tiny_model_dir, tmp_path):
     # every fault kind happened
     assert f["sent"] >= 200 and f["completed"] > 0, detail
     assert f["disconnected"] > 0 and f["aborted"] > 0 and f["rejected_429"] > 0, detail
-    assert any("injected failure" in cause for cause in report["error_causes"]), detail
+    # the injected transfer failures happened on the nodes; the router ran those requests again, so a client
+    # sees one only after five in a row (the retry limit)
+    assert sum(n["counters"].get("transfer_failures", 0) for n in report["nodes"].values()) > 0, detail
+    assert f["kv_transfer_errors"] <= 2 and f["fault_errors_before_first_token"] == 0, detail
     assert [x["what"] for x in report["faults"]] == ["kill -9 decode-1", "kill -9 prefill-1"], detail
     healed = {e["child"] for e in report["events"] if e["event"] == "healthy"}
     assert healed == {"decode-1", "prefill-1"}, report["events"]
