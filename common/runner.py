@@ -29,6 +29,7 @@ import torch
 from common.config import ServerArgs
 from common.device import Placement, kv_tokens_for_fraction
 from common.draft_layers import DraftLayers
+from common.fingerprint import KV_LAYOUT, PROTOCOL_VERSION, Compatibility, pairing_key
 from common.forward_batch import ForwardBatch, ForwardMode
 from common.grammar import apply_grammars
 from common.hybrid import HybridSupport
@@ -103,6 +104,9 @@ class ModelRunner:
         self.graphs = None  # captured decode graphs (cuda), made for the request table below
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + REQ_POOL_HEADROOM,
                                                 self.context_length + self.page_size, device=self.device)
+        # what a prefill and a decode node must share to pair (common/fingerprint.py), the same on every rank
+        self.compatibility = self._compatibility(args, model_dir)
+        self.fingerprint = pairing_key(self.compatibility)
         self.sampler = Sampler(seed=args.seed)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(cfg.eos_token_ids or [])  # min_new_tokens masks them
@@ -123,6 +127,23 @@ class ModelRunner:
         tokens = kv_tokens_for_fraction(args.mem_fraction_static, self.device, weights, per_token, args.page_size)
         default = ServerArgs.__dataclass_fields__["max_total_tokens"].default
         return tokens if args.max_total_tokens == default else min(tokens, args.max_total_tokens)
+
+    def _compatibility(self, args: ServerArgs, model_dir: str) -> Compatibility:
+        """This node's compatibility facts: its weights as loaded, dtypes, KV pages, shape and transfer."""
+        from common.models.loader import weights_digest
+
+        cfg, p = self.model_config, self.placement
+        role = getattr(args, "disaggregation_mode", "null")
+        return Compatibility(
+            weights=weights_digest(model_dir, args.load_format, self.tp_size, self.pp_size), model=cfg.name,
+            dtype=str(p.dtype).removeprefix("torch."), kv_cache_dtype=str(p.kv_dtype).removeprefix("torch."),
+            kv_layout=KV_LAYOUT, page_size=self.page_size, head_dim=cfg.head_dim,
+            kv_heads=cfg.local_kv_heads(self.tp_size) * self.tp_size,  # as the transfer layer counts them
+            layers=cfg.num_layers, quantization=args.weight_quantization or "none",
+            draft_layers=bool(args.draft_layers), tp_size=self.tp_size, pp_size=self.pp_size,
+            dp_size=getattr(args, "dp_size", 1),
+            decode_tp=(getattr(args, "disaggregation_decode_tp", None) or 0) if role == "prefill" else 0,
+            transfer_backend=getattr(args, "transfer_backend", "") or "", protocol=PROTOCOL_VERSION)
 
     def device_info(self) -> dict:
         """What /server_info shows of where this rank computes."""

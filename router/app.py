@@ -251,8 +251,10 @@ class RouterApp:
 
     async def list_workers(self, request):
         ws = [self._describe(w) for w in self.registry.all()]
+        # workers refused as unable to pair with the pool (common/fingerprint.py), with the difference named
         return json_response({"workers": ws, "total": len(ws),
-                              "prefill": len(self.registry.prefill), "decode": len(self.registry.decode)})
+                              "prefill": len(self.registry.prefill), "decode": len(self.registry.decode),
+                              "refused": list(self.registry.refused.values())})
 
     def _describe(self, w) -> dict:
         d = w.describe()

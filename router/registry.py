@@ -1,5 +1,13 @@
 """Workers: registration (wait for /health, read /server_info and /model_info), periodic health
-checks with failure/success thresholds, a circuit breaker per worker, and load polling."""
+checks with failure/success thresholds, a circuit breaker per worker, and load polling.
+
+Compatible pairs only. A node's `/server_info` carries its `compatibility` (common/fingerprint.py: its
+weights digest, dtypes, KV layout and page size, heads and layers, parallel shape, transfer backend and
+protocol). A worker is registered only when it can pair with every registered worker of the other kind
+and shares the pairing fields of its own kind's (one consistent pool); otherwise it is refused with a
+409 naming the first difference, logged once as an error and listed with its reason under `refused` on
+`/workers` (a start-up worker is not retried). A worker that advertises none (an older node) is
+registered with a warning and compared with no one."""
 
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
+from common.fingerprint import Compatibility, mismatch, pair_problem, pairing_key, parse
 from common.protocol import BadRequest, normalize_host
 from common.server.data_parallel import DPGroups
 from common.server.security import bearer_header
@@ -22,6 +31,7 @@ from router.config import RouterConfig
 log = logging.getLogger("router.registry")
 
 PREFILL, DECODE = "prefill", "decode"
+MAX_REFUSED = 256  # refused workers remembered for /workers (the oldest forgotten first)
 
 
 class CircuitBreaker:
@@ -127,7 +137,7 @@ MAX_DP_SIZE = 1024  # the largest dp_size a worker may report (as `data_parallel
 class Worker:
     __slots__ = ("id", "url", "kind", "bootstrap_host", "bootstrap_port", "healthy", "breaker", "active",
                  "load", "server_info", "model_info", "fail_streak", "ok_streak", "requests", "errors", "dp_groups",
-                 "local_pending", "local_prefills", "local_refused")
+                 "local_pending", "local_prefills", "local_refused", "compatibility")
 
     def __init__(self, url: str, kind: str, bootstrap_port: int | None, cfg: RouterConfig):
         self.id = worker_id(url)
@@ -149,6 +159,7 @@ class Worker:
         self.local_pending = 0  # --local-prefill-queue: requests it prefills itself, before their first byte
         self.local_prefills = 0  # and all it was sent so far
         self.local_refused = 0  # of those, the ones it refused as too long (sent again with both legs)
+        self.compatibility: Compatibility | None = None  # what it advertised at registration (None: nothing)
 
     @property
     def prefills_locally(self) -> bool:
@@ -187,6 +198,7 @@ class Worker:
                 "local_prefills": self.local_prefills, "local_prefills_refused": self.local_refused,
                 "model_path": self.model_info.get("model_path") or self.server_info.get("model_path"),
                 "disaggregation_mode": self.server_info.get("disaggregation_mode"), "dp_size": self.dp_size,
+                "fingerprint": pairing_key(self.compatibility) if self.compatibility is not None else None,
                 **({"dp_active_requests": list(self.dp_groups.live)} if self.dp_groups.size > 1 else {})}
 
 
@@ -194,6 +206,10 @@ class RegistryError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
+
+
+class Refused(RegistryError):
+    """A worker whose compatibility cannot pair with the pool (already logged and listed as refused)."""
 
 
 def parse_load(data) -> int | None:
@@ -220,6 +236,7 @@ class Registry:
         # /server_info read again (--kv-events subscribes to what it names)
         self.on_admit = None
         self.on_unhealthy = None  # on_unhealthy(worker): it just failed its health checks
+        self.refused: dict[str, dict] = {}  # url -> what /workers shows of a worker refused as incompatible
         self.auth = bearer_header(cfg.resolved_keys.outgoing())  # the node key (health, info, load polls)
         self._tasks: list[asyncio.Task] = []
 
@@ -299,6 +316,7 @@ class Registry:
                 raise RegistryError(409, f"worker {url} is already registered")
         finally:
             self.pending.discard(url)
+        compatibility = self._check_compatibility(url, kind, server_info)  # no await from here to the append
         mode = server_info.get("disaggregation_mode")
         if mode not in (None, "null", kind):
             log.warning("worker %s registered as %s but reports disaggregation_mode=%s", url, kind, mode)
@@ -306,7 +324,8 @@ class Registry:
             port = server_info.get("disaggregation_bootstrap_port")
             bootstrap_port = int(port) if isinstance(port, int) else None
         w = Worker(url, kind, bootstrap_port if kind == PREFILL else None, self.cfg)
-        w.server_info, w.model_info = server_info, model_info
+        w.server_info, w.model_info, w.compatibility = server_info, model_info, compatibility
+        self.refused.pop(url, None)
         if kind == PREFILL:
             self.prefill = self.prefill + [w]
         else:
@@ -316,6 +335,48 @@ class Registry:
         self.on_change()
         await self._admitted(w)
         return w
+
+    def _check_compatibility(self, url: str, kind: str, server_info: dict) -> Compatibility | None:
+        """The worker's compatibility when it can join the pool (None: it advertises none); raises
+        `Refused` (409, or 502 for a compatibility that does not parse) naming the difference."""
+        if server_info.get("compatibility") is None:
+            log.warning("%s worker %s advertises no compatibility fingerprint (an older node?): registered "
+                        "without the pairing check", kind, url)
+            return None
+        try:
+            mine = parse(server_info["compatibility"])
+        except ValueError as e:
+            raise self._refusal(url, kind, 502, f"{kind} worker {url}: its /server_info {e}") from None
+        problem = self.pool_problem(url, kind, mine)
+        if problem:
+            raise self._refusal(url, kind, 409, problem)
+        return mine
+
+    def pool_problem(self, url: str, kind: str, mine: Compatibility) -> str | None:
+        """Why a `kind` worker at `url` with `mine` cannot join the pool (None: it can): the first registered
+        worker of the other kind it cannot pair with, else the first of its own kind it differs from."""
+        others = [w for w in self.all() if w.compatibility is not None and w.url != url]
+        for w in sorted(others, key=lambda w: w.kind == kind):  # the other kind first
+            if w.kind != kind:
+                prefill, decode = (mine, w.compatibility) if kind == PREFILL else (w.compatibility, mine)
+                problem = pair_problem(prefill, decode)
+                if problem:
+                    return f"{kind} worker {url} cannot pair with {w.kind} worker {w.url}: {problem}"
+            else:
+                problem = mismatch(w.compatibility, mine, (f"{kind} {w.url}", f"{kind} {url}"))
+                if problem:
+                    return f"{kind} worker {url} differs from the pool's {kind} worker {w.url}: {problem}"
+        return None
+
+    def _refusal(self, url: str, kind: str, status: int, reason: str) -> Refused:
+        """Log a refused worker once and keep it for /workers; the `Refused` to raise."""
+        log.error("refused %s worker %s: %s", kind, url, reason)
+        self.refused.pop(url, None)
+        self.refused[url] = {"id": worker_id(url), "url": url, "worker_type": kind, "reason": reason,
+                             "refused_at": time.time()}
+        while len(self.refused) > MAX_REFUSED:
+            self.refused.pop(next(iter(self.refused)))
+        return Refused(status, reason)
 
     async def _admitted(self, w: Worker) -> None:
         if self.on_admit is not None and w.kind == PREFILL:
@@ -346,6 +407,8 @@ class Registry:
     async def _register_startup(self, url, kind, port, explicit_none) -> None:
         try:
             await self.add(url, kind, port, explicit_none)
+        except Refused:
+            pass  # logged and listed under `refused` on /workers
         except RegistryError as e:
             log.error("could not register %s worker %s: %s", kind, url, e)
 

@@ -55,10 +55,11 @@ import os
 from dataclasses import dataclass, field
 
 from common.cluster_secret import ClusterSecret, load_configured
+from common.fingerprint import KV_LAYOUT as _KV_LAYOUT
 from transfer.memory import HOST, memory_of, parse_memory
 
 # How KV buffers are laid out; both sides of a transfer must agree (checked at bootstrap).
-KV_LAYOUT = "page,head,token,dim"
+KV_LAYOUT = _KV_LAYOUT  # "page,head,token,dim", kept in common/fingerprint.py (part of a node's fingerprint)
 
 STATE_TYPES = ("none", "mamba", "swa")
 
@@ -207,6 +208,7 @@ class KVArgs:
     decode_tp: int = 0  # a prefill rank's --disaggregation-decode-tp: decode ranks of another TP are refused (0: any)
     kv_memory: str = HOST  # where the kv buffers live: "host" or "cuda:N" (transfer/memory.py)
     state_memory: str = HOST  # where the state buffers live; aux (metadata) rows are always host memory
+    fingerprint: str = ""  # the node's pairing key (common/fingerprint.py); "": none, not compared
 
     def __post_init__(self) -> None:
         if self.total_kv_heads == 0:
@@ -263,9 +265,10 @@ class KVArgs:
     def from_runner(cls, runner, metadata=None, **rank) -> KVArgs:
         """Describe a `common.runner.ModelRunner`'s KV pool and, for hybrid / sliding-window models,
         the state its `hybrid` reports (state buffers, state type, their leading dimensions), with
-        the model's name; `rank` as in `from_pool`."""
+        the model's name and the node's pairing key; `rank` as in `from_pool`."""
         hybrid = runner.hybrid
         rank.setdefault("model", runner.model_config.name)
+        rank.setdefault("fingerprint", getattr(runner, "fingerprint", "") or "")
         rank.setdefault("state_layer_ids", hybrid.state_layer_ids())
         return cls.from_pool(runner.kv_pool, metadata, hybrid.state_buffers(), hybrid.state_type,
                              hybrid.state_leading_dims() or None, **rank)

@@ -2,11 +2,13 @@
 
 Server routes:
 * `PUT /route` — a prefill rank registers itself: JSON with role, tp/dp/pp rank and size, rank_ip,
-  rank_port (its ZMQ control socket), page_size, model, kv_layout, kv_heads_total. The first registration fixes the node's layout; a later one whose page size, model,
-  KV layout, head count or parallel sizes differ is rejected with 409 and a message naming both values.
+  rank_port (its ZMQ control socket), page_size, model, kv_layout, kv_heads_total, and optionally the
+  node's compatibility `fingerprint` (common/fingerprint.py; "" when not given). The first
+  registration fixes the node's layout; a later one whose page size, model, KV layout, head count,
+  fingerprint or parallel sizes differ is rejected with 409 and a message naming both values.
 * `GET /route?engine_rank=-1&target_dp_group=-1&target_pp_rank=-1` — the parallel layout
-  `{"tp_size", "dp_size", "pp_size", "page_size", "model", "kv_heads_total", "kv_layout", "ranks"}`
-  (404 until a rank registered).
+  `{"tp_size", "dp_size", "pp_size", "page_size", "model", "kv_heads_total", "kv_layout", "fingerprint",
+  "ranks"}` (404 until a rank registered); the decode side refuses a fingerprint other than its own.
 * `GET /route?engine_rank=R&target_dp_group=G&target_pp_rank=P` — that rank's
   `{"rank_ip", "rank_port"}` (404 until it registered).
 * `GET /health` — 200 "OK" (always open).
@@ -51,7 +53,8 @@ PROBE_TIMEOUT = 1.0  # seconds to connect to a registered rank's control port be
 _REQUIRED = ("role", "tp_rank", "tp_size", "dp_rank", "dp_size", "pp_rank", "pp_size", "rank_ip",
              "rank_port", "page_size", "model", "kv_layout", "kv_heads_total")
 # fields every rank of one prefill node must agree on
-_LAYOUT_KEYS = ("page_size", "model", "kv_layout", "kv_heads_total", "tp_size", "dp_size", "pp_size")
+_LAYOUT_KEYS = ("page_size", "model", "kv_layout", "kv_heads_total", "tp_size", "dp_size", "pp_size", "fingerprint")
+MAX_FINGERPRINT = 128  # characters of a registration's optional `fingerprint`
 _INT_FIELDS = ("tp_rank", "tp_size", "dp_rank", "dp_size", "pp_rank", "pp_size", "rank_port", "page_size",
                "kv_heads_total")
 _STR_FIELDS = ("role", "rank_ip", "model", "kv_layout")
@@ -65,6 +68,9 @@ def _field_problem(body: dict) -> str | None:
     for k in _STR_FIELDS:
         if not isinstance(body[k], str) or len(body[k]) > 256:
             return f"{k} must be a string of at most 256 characters"
+    fingerprint = body.get("fingerprint", "")
+    if not isinstance(fingerprint, str) or len(fingerprint) > MAX_FINGERPRINT:
+        return f"fingerprint must be a string of at most {MAX_FINGERPRINT} characters"
     if not 0 < body["rank_port"] < 65536:
         return f"rank_port must be a TCP port (1-65535), got {body['rank_port']}"
     for kind in ("tp", "dp", "pp"):
@@ -155,6 +161,7 @@ class BootstrapServer:
             return self._bad(f"PUT /route: {problem}")
         if body["role"] != "prefill":
             return self._bad(f"only prefill ranks register, got role {body['role']!r}"[:200])
+        body.setdefault("fingerprint", "")  # a rank that names none (older nodes): not compared by the decode side
         key = (body["dp_rank"], body["tp_rank"], body["pp_rank"])
         new = {"rank_ip": body["rank_ip"], "rank_port": body["rank_port"]}
         with self._lock:

@@ -6,9 +6,9 @@ PULL socket, which every message carries in `src`. Messages are msgspec structs 
 with a type tag:
 
 * decode -> prefill: `RegisterPeer` (once per prefill rank: the decode rank's engine description,
-  buffer addresses, item sizes and strides, TP place), then `TransferInfo` per room (destination
-  pages, metadata slot, state slots, whether this prefill rank writes the metadata row), `Abort`
-  when the decode side gives a room up.
+  buffer addresses, item sizes and strides, TP place, its node's compatibility fingerprint), then
+  `TransferInfo` per room (destination pages, metadata slot, state slots, whether this prefill rank
+  writes the metadata row), `Abort` when the decode side gives a room up.
 * prefill -> decode: `Status` per room (`ok` = Success, or Failed with a reason); `AbortAck` once a
   room the decode side aborted has no chunk job left that could still write into its memory (the
   decode keeps the room's pages out of use until then).
@@ -104,6 +104,8 @@ class RegisterPeer(msgspec.Struct, tag="register"):
     state_num_slots: int = 0  # items per state buffer
     kv_memory: str = "host"  # where the kv buffers live: "host" or "cuda:N" (transfer/memory.py)
     state_memory: str = "host"  # where the state buffers live (aux rows are host memory)
+    # the decode node's pairing key (common/fingerprint.py); "" from a node that sends none
+    fingerprint: Annotated[str, msgspec.Meta(max_length=128)] = ""
 
 
 Traceparent = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")]
@@ -167,7 +169,7 @@ def peer_registration(a: KVArgs, src: str, engine_desc: bytes) -> RegisterPeer:
         kv_num_pages=(a.kv_data_lens[0] - a.kv_item_lens[0]) // a.kv_item_strides[0] + 1,
         aux_num_rows=_items(a.aux_data_lens, a.aux_item_lens),
         state_num_slots=_items(a.state_data_lens, a.state_item_lens), kv_memory=a.kv_memory,
-        state_memory=a.state_memory)
+        state_memory=a.state_memory, fingerprint=a.fingerprint)
 
 
 def _items(lens: list[int], item_lens: list[int]) -> int:

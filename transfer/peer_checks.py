@@ -5,11 +5,12 @@ written or freed with it. Each check returns None or a reason naming the message
 both values ("TransferInfo.metadata_index = 99, expected 0..15 (the decode's metadata rows)").
 
 * `check_registration(args, reg)`: a decode rank's `RegisterPeer` against this prefill rank's own
-  layout: TP place, page size, model and heads; 2 x layers kv buffers whose item lengths are the
-  page size x heads x head dim bytes of this model, strides at least one item, a positive bounded
-  page count, addresses that fit the address space, kv items that never overlap one another
-  (interleaved in one pool, or separate spans) nor the metadata and state buffers, and metadata
-  and state buffers shaped like this rank's.
+  layout: TP place, page size, model and heads, the compatibility fingerprint
+  (`common/fingerprint.py`: weights, dtypes, KV layout, transfer protocol; not compared when either
+  side has none); 2 x layers kv buffers whose item lengths are the page size x heads x head dim
+  bytes of this model, strides at least one item, a positive bounded page count, addresses that fit
+  the address space, kv items that never overlap one another (interleaved in one pool, or separate
+  spans) nor the metadata and state buffers, and metadata and state buffers shaped like this rank's.
 * `check_info(reg, info)`: a `TransferInfo` against the registration of the rank that sent it:
   its TP place, destination pages within 1 .. pages - 1 without duplicates, the metadata row and
   the state slots within the decode's rows and slots.
@@ -112,7 +113,15 @@ def _check_place(a: KVArgs, reg: RegisterPeer) -> str | None:
     if reg.kv_head_num != reg.total_kv_heads // reg.tp_size:
         return _want(m, "kv_head_num", reg.kv_head_num, f"{reg.total_kv_heads // reg.tp_size} "
                      f"({reg.total_kv_heads} kv heads over tp {reg.tp_size})")
-    return None
+    return fingerprint_problem(a.fingerprint, reg.fingerprint)
+
+
+def fingerprint_problem(prefill: str, decode: str) -> str | None:
+    """None unless both nodes name a compatibility fingerprint and they differ."""
+    if not prefill or not decode or prefill == decode:
+        return None
+    return (f"compatibility fingerprint mismatch: prefill {prefill[:16]}, decode {decode[:16]} (other weights, "
+            "dtype, KV cache dtype or transfer protocol: compare the nodes' /server_info `compatibility`)")
 
 
 def _check_kv(a: KVArgs, reg: RegisterPeer) -> str | None:
@@ -271,7 +280,7 @@ def check_layout(layout) -> str | None:
         v = layout.get(key)
         if not _int(v) or not 1 <= v <= hi:
             return f"layout {key} = {v!r}, expected an integer 1..{hi}"
-    for key in ("model", "kv_layout"):
+    for key in ("model", "kv_layout", "fingerprint"):
         if key in layout and not isinstance(layout[key], str):
             return f"layout {key} = {layout[key]!r}, expected a string"
     if "model" not in layout:

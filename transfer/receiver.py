@@ -1,17 +1,18 @@
 """Decode side of the transfer protocol: `DecodeKVManager` and a `KVReceiver` per request (room).
 
-Resolving. A receiver names the prefill node's bootstrap server ("host:port", from the router).
-The manager's resolver thread asks it for the node's layout, checks it against this rank's (page
-size, model, KV layout, kv head count; hybrid state and prefill pp > 1 do not mix) and looks up
-the prefill ranks this rank reads from: every tp rank whose kv heads overlap this rank's, in every
-pp stage, of the prefill DP group that holds the room (room mod the layout's dp_size, unless the
-receiver was given one). The one that writes the metadata row is the lowest of them in the last pp
-stage. Lookups are grouped per bootstrap server, then per dp group, and cached by the bootstrap client. A server that
-refuses connections for a whole heartbeat window fails its rooms at once (the prefill node is
-gone); one that answers without the ranks yet (404) is retried until `bootstrap_timeout`. Its
-answers are peer values like any other: an address that is not host:port, an answer that is not
-JSON or not of the layout's / rank's shape and types (`transfer/peer_checks.py`) fails the rooms of
-that address with the reason; nothing a bootstrap server answers ends the resolver thread.
+Resolving. A receiver names the prefill node's bootstrap server ("host:port", from the router). The
+manager's resolver thread asks it for the node's layout, checks it against this rank's (page size,
+model, KV layout, compatibility fingerprint when the layout names one, kv head count; hybrid state
+and prefill pp > 1 do not mix) and looks up the prefill ranks this rank reads from: every tp rank
+whose kv heads overlap this rank's, in every pp stage, of the prefill DP group that holds the room
+(room mod the layout's dp_size, unless the receiver was given one). The one that writes the metadata
+row is the lowest of them in the last pp stage. Lookups are grouped per bootstrap server, then per
+dp group, and cached by the bootstrap client. A server that refuses connections for a whole
+heartbeat window fails its rooms at once (the prefill node is gone); one that answers without the
+ranks yet (404) is retried until `bootstrap_timeout`. Its answers are peer values like any other: an
+address that is not host:port, an answer that is not JSON or not of the layout's / rank's shape and
+types (`transfer/peer_checks.py`) fails the rooms of that address with the reason; nothing a
+bootstrap server answers ends the resolver thread.
 
 Sending the info. Once resolved and `init()`-ed, the receiver registers this rank with each
 target prefill rank (once per manager: `RegisterPeer`, built by `peer_registration`) and sends it
@@ -57,7 +58,7 @@ from transfer.base import KVArgs, KVPoll, TransferSettings
 from transfer.control import Abort, AbortAck, Message, Status, TransferInfo, peer_registration
 from transfer.engine import TransferEngine
 from transfer.manager import TERMINAL, KVManager, KVRoom
-from transfer.peer_checks import check_bootstrap_addr, check_layout, check_rank, reject
+from transfer.peer_checks import check_bootstrap_addr, check_layout, check_rank, fingerprint_problem, reject
 from transfer.plan import ranks_overlapping
 
 logger = logging.getLogger(__name__)
@@ -304,6 +305,9 @@ class DecodeKVManager(KVManager):
             return None, f"model mismatch: prefill {layout['model']!r}, decode {a.model!r}", True
         if layout.get("kv_layout", a.kv_layout) != a.kv_layout:
             return None, f"kv layout mismatch: prefill {layout['kv_layout']!r}, decode {a.kv_layout!r}", True
+        problem = fingerprint_problem(layout.get("fingerprint") or "", a.fingerprint)
+        if problem:
+            return None, problem, True
         total, ptp = layout["kv_heads_total"], layout["tp_size"]
         if total != a.total_kv_heads:
             return None, f"kv head count mismatch: prefill {total}, decode {a.total_kv_heads}", True

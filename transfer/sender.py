@@ -124,7 +124,7 @@ class PrefillKVManager(KVManager):
         info = {"role": "prefill", "tp_rank": a.engine_rank, "tp_size": a.tp_size, "dp_rank": a.dp_rank,
                 "dp_size": a.dp_size, "pp_rank": a.pp_rank, "pp_size": a.pp_size, "rank_ip": self.host,
                 "rank_port": self.control.port, "page_size": a.page_size, "model": a.model,
-                "kv_layout": a.kv_layout, "kv_heads_total": a.total_kv_heads}
+                "kv_layout": a.kv_layout, "kv_heads_total": a.total_kv_heads, "fingerprint": a.fingerprint}
         deadline = time.monotonic() + 30.0
         while True:
             try:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
+from common.fingerprint import checkpoint_digest, dummy_digest
 from common.layers.linear import pack_linears
 from common.models.attention import attention_backend_for
 from common.models.config import ModelConfig, ModelConfigError
@@ -44,7 +45,9 @@ ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
 }
 
 __all__ = ["ARCHITECTURES", "ModelConfig", "ModelConfigError", "ModelLoadError", "UnsupportedArchitecture",
-           "get_model_class", "load_model", "iter_safetensors"]
+           "get_model_class", "load_model", "iter_safetensors", "weights_digest"]
+
+DUMMY_SEED = 0  # the seed of `--load-format dummy`'s random fill
 
 
 class UnsupportedArchitecture(ModelConfigError):
@@ -128,7 +131,7 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
         model = cls(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, attn_backend=backend,
                     **stage)
     if load_format == "dummy":
-        fill_random(model, float(config.raw.get("initializer_range", 0.02)))
+        fill_random(model, float(config.raw.get("initializer_range", 0.02)), DUMMY_SEED)
     else:
         loaded = model.load_weights(iter_safetensors(files))
         missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
@@ -144,8 +147,24 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
     return model, config
 
 
+def weights_digest(model_dir: str, load_format: str = "auto", tp_size: int = 1, pp_size: int = 1) -> str:
+    """The digest of the weights `load_model` fills the model of `model_dir` with (common/fingerprint.py): of
+    its config as parsed and its checkpoint's tensors as stored, a few KiB of each read through the
+    safetensors header, the same on every rank; for `load_format` "dummy" of the config, the fill's seed and
+    spread and the node's TP / PP shape (each rank fills its own shard)."""
+    config = ModelConfig.from_pretrained(model_dir)  # as read, before a model's constructor adjusts it
+    facts = config.to_dict()
+    if load_format == "dummy":
+        return dummy_digest(facts, DUMMY_SEED, float(config.raw.get("initializer_range", 0.02)), tp_size, pp_size)
+    files = safetensors_files(model_dir)
+    try:
+        return checkpoint_digest(files, facts)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{model_dir}: could not read the checkpoint's tensors for its digest: {e}") from e
+
+
 @torch.no_grad()
-def fill_random(model: torch.nn.Module, std: float, seed: int = 0) -> None:
+def fill_random(model: torch.nn.Module, std: float, seed: int = DUMMY_SEED) -> None:
     """`--load-format dummy`: every parameter drawn from N(0, std) (norm weights set to one), on the device it
     is on, from a seeded generator: the same model every time, nothing read from disk."""
     gens: dict[torch.device, torch.Generator] = {}

@@ -161,6 +161,9 @@ def _ready_info(scheduler) -> dict:
         "page_size": scheduler.page_size,
         "max_running_requests": scheduler.max_running_requests,
         "placement": runner.device_info(),  # the device, dtypes and kernels the flags resolved to
+        # what a peer must share to pair with this node (common/fingerprint.py), the same on every rank
+        "compatibility": msgspec.to_builtins(runner.compatibility) if hasattr(runner, "compatibility") else None,
+        "fingerprint": getattr(runner, "fingerprint", None),
     }
 
 

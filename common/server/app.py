@@ -372,6 +372,8 @@ async def handle_server_info(request: web.Request) -> web.Response:
         "max_running_requests": tm.node_info.get("max_running_requests", args.max_running_requests),
     })
     out.update(tm.node_info.get("placement") or {})  # what auto resolved to: device, dtypes, attention backend
+    # what a peer must share to pair with this node: the facts and their pairing key (common/fingerprint.py)
+    out.update(compatibility=tm.node_info.get("compatibility"), fingerprint=tm.node_info.get("fingerprint"))
     stats = await tm.stats() if tm.healthy else {}
     if "kv_events_published" in stats:  # a KV event publisher runs (radix cache on): where routers subscribe
         from common.kv_events import KVEventsConfig

@@ -332,7 +332,8 @@ def test_info_endpoints(node, client):
     assert get_json(node, "/get_model_info") == mi
     load = get_json(node, "/get_load")
     assert isinstance(load, list) and set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens",
-                                                        "num_queued_reqs", "max_queued_requests"}
+                                                        "num_queued_reqs", "max_queued_requests",
+                                                        "kv_available_tokens"}
     code, body = http_post(node.url + "/flush_cache", b"")
     assert code == 200, body
 

@@ -51,4 +51,4 @@ def test_router_imports_no_torch():
                                        "common.log",
                                        "common.server", "common.server.security", "common.server.openapi",
                                        "common.server.data_parallel",
-                                       "common.cluster_secret", "common.version"}
+                                       "common.cluster_secret", "common.version", "common.fingerprint"}
