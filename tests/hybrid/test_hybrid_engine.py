@@ -5,6 +5,8 @@ request rows and state slots are back at their start."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -27,18 +29,20 @@ def swa_dir(tmp_path_factory):
     return path, make_mistral_swa(path, window=20, seed=4, initializer_range=0.1)
 
 
-_refs: dict[tuple, list[int]] = {}
+_refs: dict[tuple, tuple[weakref.ref, list[int]]] = {}
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     key = (id(model), tuple(ids), n)
-    if key not in _refs:
+    hit = _refs.get(key)
+    # an id() can be a later model's once the first is freed: an answer counts only for the model it came from
+    if hit is None or hit[0]() is not model:
         model.generation_config.eos_token_id = None  # exactly n tokens, like ignore_eos
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0,
                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        _refs[key] = out[0, len(ids):].tolist()
-    return _refs[key]
+        hit = _refs[key] = (weakref.ref(model), out[0, len(ids):].tolist())
+    return hit[1]
 
 
 class Engine:
