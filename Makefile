@@ -51,6 +51,7 @@ gpu-wheels:
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $(GPU_WHEELS)
 	python3 -m bench.gpu.slim_wheel .whl/nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl nixl_ep_cu13
+	$(PY) -m bench.gpu.carry_tokenizer .whl/tokenizer
 
 $(STAMP):
 	$(MAKE) setup

@@ -6,8 +6,10 @@
 # to the bench when the tests fail. Exit status: 0 when both passed, 1 otherwise.
 #
 # What comes back in $OUT: device.txt, wheels.txt (the wheels installed), pip.log, tests_gpu.log,
-# tests_gpu.xml (junit), bench_gpu.log, bench_gpu.json, and whatever tests/gpu writes under
-# $PDSERVE_GPU_RESULTS. The wheels: `make gpu-wheels` downloads them into .whl/ (name it in the run's carry).
+# tests_gpu.xml (junit), bench_gpu.log, bench_gpu.json, bench_transfer_gpu.log/.json (nixl's VRAM page lists
+# against the GPU's own copy), and whatever tests/gpu writes under $PDSERVE_GPU_RESULTS (tests/gpu/test_pd.py:
+# PD on the one GPU over nixl against a colocated CUDA node). The wheels and the default model's tokenizer:
+# `make gpu-wheels` puts them into .whl/ (name it in the run's carry).
 set -u
 
 if [ -z "${OUT:-}" ]; then
@@ -16,8 +18,9 @@ if [ -z "${OUT:-}" ]; then
 fi
 mkdir -p "$OUT"
 
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-270}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-240}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
+TRANSFER_TIMEOUT=${TRANSFER_TIMEOUT:-45}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # the machine has no network
 export TRITON_INTERPRET=0  # compiled for the GPU (tests/conftest.py chooses the interpreter only where it sees none)
 
@@ -84,7 +87,15 @@ bench_rc=$?
 tail -n 45 "$OUT/bench_gpu.log"
 echo "== bench gpu exit $bench_rc"
 
-if [ "$tests_rc" -ne 0 ] || [ "$bench_rc" -ne 0 ]; then
+echo "== pdserve bench transfer --device cuda (timeout ${TRANSFER_TIMEOUT} s)"
+timeout -k 5 "$TRANSFER_TIMEOUT" python3 -m deploy.cli bench transfer --device cuda --backend nixl --tokens 4096 \
+  --repeats 3 --json "$OUT/bench_transfer_gpu.json" > "$OUT/bench_transfer_gpu.log" 2>&1
+transfer_rc=$?
+tail -n 20 "$OUT/bench_transfer_gpu.log"
+echo "== bench transfer exit $transfer_rc"
+
+echo "== summary: tests/gpu $tests_rc, bench gpu $bench_rc, bench transfer $transfer_rc"
+if [ "$tests_rc" -ne 0 ] || [ "$bench_rc" -ne 0 ] || [ "$transfer_rc" -ne 0 ]; then
   exit 1
 fi
 exit 0
