@@ -71,6 +71,7 @@ BENCHES = {
     "startup": "bench.startup",
     "clients": "bench.clients.run",
     "gpu": "bench.gpu.run",
+    "gpu-pd": "bench.gpu.pd",
 }
 
 

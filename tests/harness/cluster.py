@@ -1,8 +1,14 @@
 """What the cluster tests share: the settings of the integration suite's clusters (router + prefill
-and decode nodes on 127.0.0.1, started by `Launcher.cluster`) and pool snapshots of every node."""
+and decode nodes on 127.0.0.1, started by `Launcher.cluster`) and pool snapshots of every node.
+
+`PDSERVE_TEST_DEVICE=cuda` puts every node of the suite on the GPU (`device_settings`): each gets
+`--device cuda` and a `--mem-fraction-static` share small enough for a whole cluster and a colocated node
+side by side on one GPU (bench/gpu/check.sh runs the fake-backend scenarios so). Unset, empty or "cpu",
+the settings are the CPU suite's, unchanged."""
 
 from __future__ import annotations
 
+import os
 import time
 
 from tests.harness.client import http_json
@@ -14,6 +20,22 @@ CHUNK = 32  # small chunks: prompts of a few dozen tokens already cross chunk bo
 MODEL = "tiny"  # the name the suite's nodes serve the tiny model under (a request naming another is a 404)
 NODE_SETTINGS = {"page_size": PAGE_SIZE, "chunked_prefill_size": CHUNK, "max_total_tokens": 8192,
                  "max_running_requests": 64, "num_threads": 1, "log_level": "info", "served_model_name": MODEL}
+DEVICE_ENV = "PDSERVE_TEST_DEVICE"
+# each node's share of the GPU on cuda: 2 prefill + 2 decode nodes and a colocated one take 0.6 of it together
+CUDA_SHARE = 0.12
+
+
+def device_settings(device: str | None) -> dict:
+    """The node settings `$PDSERVE_TEST_DEVICE` adds: none for unset, empty or "cpu"; on "cuda" the device and
+    each node's memory share."""
+    if device in (None, "", "cpu"):
+        return {}
+    if device == "cuda":
+        return {"device": "cuda", "mem_fraction_static": CUDA_SHARE}
+    raise ValueError(f"${DEVICE_ENV}: expected cuda, cpu or nothing, got {device!r}")
+
+
+NODE_SETTINGS.update(device_settings(os.environ.get(DEVICE_ENV)))
 # round robin: traffic spreads over both pools deterministically; fast health checks: a killed node is
 # taken out of rotation within a few seconds
 ROUTER_ARGS = ["--policy", "round_robin", "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
