@@ -600,7 +600,7 @@ class Dispatcher:
                 "Cache-Control": "no-cache", "X-Request-ID": request_id})
             await out.prepare(request)
             trace.first_byte = time.perf_counter()
-            reason = await self._relay(out, resp, first, merger, p_task, p, trace)
+            reason = await self._relay(out, resp, first, merger, trace)
             if reason is None:
                 clean = True
                 if trace.decode_failed:  # its decode will not take the KV: the prefill leg must not wait for it
@@ -635,7 +635,7 @@ class Dispatcher:
                 if resp.status < 300:
                     d.breaker.record(not upstream_broken)
 
-    async def _relay(self, out, resp, data, merger, p_task, p, trace: Trace) -> str | None:
+    async def _relay(self, out, resp, data, merger, trace: Trace) -> str | None:
         """Copy decode bytes to the client. None when the stream ended cleanly, "client" when the client
         went away, else why the stream broke. The relay starts at the decode's first token, when its KV has
         arrived, so the prefill leg's own ending (even a failure: its node died after the transfer, say) no

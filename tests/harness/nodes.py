@@ -375,6 +375,23 @@ def start_together(servers: list[ServerProcess]) -> None:
         raise
 
 
+class NodeGroup:
+    """Servers a Launcher starts together and stops with the rest (`launcher.start(NodeGroup([...]))`)."""
+
+    def __init__(self, nodes: list[ServerProcess]) -> None:
+        self.nodes = nodes
+
+    def start(self):
+        start_together(self.nodes)
+        return self
+
+    def stop(self) -> None:
+        stop_all(self.nodes)
+
+    def servers(self) -> list[ServerProcess]:
+        return list(self.nodes)
+
+
 # ---------------------------------------------------------------------------------------------- cluster
 class RouterCluster:
     """N prefill + M decode nodes (`prefill-0`, `decode-1`, ...) and the router in front of them, each

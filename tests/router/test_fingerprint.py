@@ -17,25 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from common.models.loader import safetensors_files
 from tests.harness.client import free_port, get_json, http, wait_until
-from tests.harness.nodes import PDPair, RoleNode, start_together, stop_all
+from tests.harness.nodes import NodeGroup, PDPair, RoleNode
 from tests.harness.pd import BASE, FAST_ENV
 
 BODY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
-
-
-class _Nodes:
-    def __init__(self, nodes):
-        self.nodes = nodes
-
-    def start(self):
-        start_together(self.nodes)
-        return self
-
-    def stop(self):
-        stop_all(self.nodes)
-
-    def servers(self):
-        return list(self.nodes)
 
 
 def _other_weights(src: str, dst) -> str:
@@ -64,7 +49,7 @@ def nodes(tiny_model_dir, module_launcher, tmp_path_factory):
 
     ns = {"prefill": node("prefill", a, "prefill"), "decode": node("decode", a, "decode"),
           "decode_b": node("decode", b, "decode-b"), "decode_page8": node("decode", a, "decode-page8", page_size=8)}
-    module_launcher.start(_Nodes(list(ns.values())))
+    module_launcher.start(NodeGroup(list(ns.values())))
     return ns
 
 

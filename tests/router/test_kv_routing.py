@@ -19,7 +19,7 @@ from common.server.light_tokenizer import LightTokenizer
 from router.kv_index import KVEventIndex, resolve_endpoint
 from router.tokenizer import chat_messages, prompt_source, tokenize
 from tests.harness.client import free_port, get_json, http, http_post, metric_total, wait_until
-from tests.harness.nodes import RoleNode, start_together, stop_all
+from tests.harness.nodes import NodeGroup, RoleNode
 from tests.router.conftest import ROUTER_ARGS
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -181,21 +181,6 @@ NODE = {"page_size": PS, "max_total_tokens": 4096, "max_running_requests": 16, "
         "log_level": "info", "transfer_backend": "fake"}
 
 
-class _Nodes:
-    def __init__(self, nodes):
-        self.nodes = nodes
-
-    def start(self):
-        start_together(self.nodes)
-        return self
-
-    def stop(self):
-        stop_all(self.nodes)
-
-    def servers(self):
-        return list(self.nodes)
-
-
 @pytest.fixture
 def kv_cluster(tiny_model_dir, launcher):
     prefills = [RoleNode("prefill", tiny_model_dir, name=f"prefill-{i}", log_path=launcher.log_path(f"prefill-{i}"),
@@ -203,7 +188,7 @@ def kv_cluster(tiny_model_dir, launcher):
                              {"endpoint": f"tcp://127.0.0.1:{free_port()}",
                               "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}), **NODE) for i in range(2)]
     decode = RoleNode("decode", tiny_model_dir, log_path=launcher.log_path("decode"), **NODE)
-    launcher.start(_Nodes(prefills + [decode]))
+    launcher.start(NodeGroup(prefills + [decode]))
     router = launcher.router(prefills, [decode], *ROUTER_ARGS, "--policy", "cache_aware", "--kv-events",
                              "--kv-events-pending-secs", "0")
     return router, prefills, decode
