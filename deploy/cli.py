@@ -39,13 +39,17 @@ def _cluster(argv: list[str]) -> int:
     return main(argv) or 0
 
 
-def _convert(argv: list[str]) -> int:
+def convert_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve convert", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      description="convert the default model (or a GGUF file) into a "
                                      "safetensors directory in the cache")
     parser.add_argument("gguf", nargs="?", default="default", help="a .gguf file, or 'default'")
     parser.add_argument("--out", default=None, help="output directory (default: the cache)")
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def _convert(argv: list[str]) -> int:
+    ns = convert_parser().parse_args(argv)
     from common.models.default_model import convert_gguf, resolve_model_path
 
     out = convert_gguf(ns.gguf, ns.out) if ns.out else resolve_model_path(ns.gguf)
