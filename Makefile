@@ -71,7 +71,7 @@ PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # The project's bytecode, written once: with PYTHONDONTWRITEBYTECODE set (as on this project's machines)
 # every process would otherwise compile the modules it imports from source, ~0.1-0.3 s of a core per
 # node process, and a test run starts ~300 of them. compileall skips what is up to date.
-PACKAGES := common router prefill_node decode_node transfer deploy bench tests
+PACKAGES := common router disaggregation prefill_node decode_node transfer deploy bench tests
 bytecode: $(STAMP)
 	@$(PY) -m compileall -q $(PACKAGES) >/dev/null
 

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from common.scheduler.req import Req
+from disaggregation.requests import PDRequest, StageQueue
 from transfer.base import KVPoll
-from transfer.role_common import PDRequest, StageQueue
 
 Rank = Callable[[Req], int]  # smaller first: common/scheduler/priority.py
 

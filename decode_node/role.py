@@ -55,10 +55,13 @@ from common.scheduler.scheduler import Scheduler
 from decode_node.quarantine import Quarantine, QuarantinedRoom
 from decode_node.queues import DecodeRequest, DecodeStage, PreallocQueue, TransferQueue, WaitingQueue
 from decode_node.req_pool import DecodeReqToTokenPool
+from disaggregation.kv import build_kv_manager
+from disaggregation.requests import MAX_TOP_LOGPROBS
+from disaggregation.role import PDRole
 from transfer.consensus import poll_and_all_reduce
 from transfer.metadata import MetadataAllocator, MetadataBuffers
 from transfer.peer_checks import check_bootstrap_addr
-from transfer.role_common import MAX_TOP_LOGPROBS, PDRole, build_kv_manager
+from transfer.receiver import DecodeKVManager
 
 logger = logging.getLogger("decode")
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 2048  # --disaggregation-local-prefill-max-tokens
@@ -83,7 +86,7 @@ class DecodeRole(PDRole):
                                         hidden_size=sched.model_config.hidden_size if args.draft_layers else 0,
                                         pinned=sched.runner.device.type == "cuda")
         self.draft_layers = args.draft_layers
-        self.kv_manager = build_kv_manager(args, sched.runner, self.metadata, tp_rank, tp_size, "decode",
+        self.kv_manager = build_kv_manager(DecodeKVManager, args, sched.runner, self.metadata, tp_rank, tp_size,
                                            dp_rank=sched.dp_rank)
         self.bytes_per_page = sched.kv_pool.page_stride  # every layer's K and V of one page
         self.prealloc = PreallocQueue()

@@ -14,8 +14,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from disaggregation.requests import PDRequest, StageQueue
 from transfer.base import KVPoll
-from transfer.role_common import PDRequest, StageQueue
 
 
 class PrefillStage(enum.Enum):

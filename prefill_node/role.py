@@ -38,10 +38,13 @@ import torch
 
 from common.scheduler.req import Req
 from common.scheduler.scheduler import Scheduler
+from disaggregation.kv import advertised_host, build_kv_manager
+from disaggregation.requests import MAX_TOP_LOGPROBS
+from disaggregation.role import PDRole
 from prefill_node.queues import BootstrapQueue, InflightQueue, PrefillRequest, PrefillStage
 from transfer.bootstrap import BootstrapServer
 from transfer.metadata import MetadataAllocator, MetadataBuffers
-from transfer.role_common import MAX_TOP_LOGPROBS, PDRole, advertised_host, build_kv_manager
+from transfer.sender import PrefillKVManager
 
 logger = logging.getLogger("prefill")
 
@@ -80,8 +83,9 @@ class PrefillRole(PDRole):
         self.bootstrap_server = start_bootstrap_server(args) if first else None
         self.bootstrap_addr = f"{advertised_host(args.host)}:{args.disaggregation_bootstrap_port}"
         try:
-            self.kv_manager = build_kv_manager(args, sched.runner, self.metadata, tp_rank, tp_size, "prefill",
-                                               bootstrap_addr=self.bootstrap_addr, dp_rank=sched.dp_rank)
+            self.kv_manager = build_kv_manager(PrefillKVManager, args, sched.runner, self.metadata, tp_rank, tp_size,
+                                               dp_rank=sched.dp_rank, decode_tp=args.disaggregation_decode_tp or 0,
+                                               bootstrap_addr=self.bootstrap_addr)
         except Exception:
             if self.bootstrap_server is not None:
                 self.bootstrap_server.stop()

@@ -175,7 +175,7 @@ def test_injected_transfer_failures(flaky_cluster):
     for msg in failed:
         assert "inject" in msg.lower() or "transfer" in msg.lower(), msg
     wait_pools(cluster, cluster.baseline)
-    # each request counts once per node (transfer/role_common.py, "Counting"): the prefill failed every
+    # each request counts once per node (disaggregation/stats.py): the prefill failed every
     # injected room itself; the decode saw each failure (transfer_failures, also when the router's abort
     # of the decode leg was handled before the poll saw the prefill's Status) unless that abort overtook
     # the Status, which leaves a healthy transfer given up (transfer_aborts)

@@ -36,7 +36,7 @@ from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from transfer.control import Abort, ControlPlane, Ping, Status, TransferInfo
 from transfer.engine import BackendUnavailable
 from transfer.receiver import KVReceiver
-from transfer.role_common import PDRole
+from disaggregation.role import PDRole
 from transfer.sender import KVSender
 
 MAX_PEERS = 64

@@ -22,7 +22,7 @@ from tests.harness.client import free_port
 from tests.harness.nodes import RoleNode
 from transfer.backends import create_engine
 from transfer.base import TransferSettings
-from transfer.role_common import node_settings
+from disaggregation.kv import node_settings
 
 ACK_ENV = "PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN"
 NODE = {"page_size": 4, "max_total_tokens": 2048, "max_running_requests": 4, "num_threads": 1}

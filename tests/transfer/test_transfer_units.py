@@ -220,7 +220,7 @@ def test_decode_receiver_fails_fast_when_the_bootstrap_server_is_gone():
 
 def test_node_flags_win_over_the_environment(monkeypatch):
     from common.config import ServerArgs
-    from transfer.role_common import node_settings
+    from disaggregation.kv import node_settings
 
     monkeypatch.setenv("PDSERVE_TRANSFER_DEVICES", "mlx5_9")
     monkeypatch.setenv("PDSERVE_WAITING_TIMEOUT", "40")

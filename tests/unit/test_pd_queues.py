@@ -9,7 +9,7 @@ from decode_node.queues import DecodeRequest, DecodeStage, PreallocQueue, Transf
 from prefill_node.queues import BootstrapQueue, InflightQueue, PrefillRequest, PrefillStage
 from transfer.base import KVPoll
 from transfer.metadata import MetadataAllocator
-from transfer.role_common import PDRole
+from disaggregation.role import PDRole
 
 
 class Conn:
