@@ -1,7 +1,8 @@
 """KV events: the radix cache's block set rebuilt from its events equals the tree, hashes chain from the
-root whatever splits happened, and the ZMQ publisher speaks vLLM 0.32's wire format (decoded here with
-structs written against vLLM 0.32's schema, not ours, and read raw: every event a map with each key the
-schema requires), replay included."""
+root whatever splits happened, and the ZMQ publisher speaks vLLM 0.32's wire format (decoded with
+tests/harness/kv_wire.py's structs, written against vLLM 0.32's schema, not ours, and read raw: every event
+a map with each key the schema requires), replay included. A real node's events:
+tests/integration/test_kv_events_node.py."""
 
 from __future__ import annotations
 
@@ -18,84 +19,18 @@ from common.kv_events import END_SEQ, KVEventPublisher, KVEventsConfig, chain_ha
 from common.memory.allocator import TokenToKVPoolAllocator
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token import ReqToTokenPool
-from tests.harness.client import http_post
+from tests.harness.kv_wire import (
+    REQUIRED,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    Recorder,
+    raw_events,
+)
 from tests.harness.nodes import free_port
 
 PS = 4
-
-
-# --- a consumer's view of the wire, as vLLM 0.32 defines it: events are maps tagged by "type"
-class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(_Event):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class BlockRemoved(_Event):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(_Event):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-# the keys of each event that the schema requires (no default), the "type" tag included
-REQUIRED = {"BlockStored": {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                            "medium", "lora_name"},
-            "BlockRemoved": {"type", "block_hashes", "medium"},
-            "AllBlocksCleared": {"type"}}
-
-
-def raw_events(payload: bytes) -> list[dict]:
-    """The events of a batch as plain msgpack: the batch an array of three, each event a map."""
-    batch = msgspec.msgpack.decode(payload)
-    assert isinstance(batch, list) and len(batch) == 3, batch
-    for ev in batch[1]:
-        assert isinstance(ev, dict), f"an event is a map, not {ev!r}"
-        assert REQUIRED[ev["type"]] <= ev.keys(), ev
-    return batch[1]
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.blocks: set[int] = set()
-
-    def stored(self, hashes, parent, tokens) -> None:
-        assert parent is None or parent in self.blocks, "a block's parent is stored before it"
-        assert len(tokens) == PS * len(hashes)
-        self.blocks |= set(hashes)
-
-    def removed(self, hashes) -> None:
-        assert set(hashes) <= self.blocks, "only stored blocks are removed"
-        self.blocks -= set(hashes)
-
-    def cleared(self) -> None:
-        self.blocks.clear()
 
 
 def tree_blocks(tree: RadixCache) -> set[int]:
@@ -124,7 +59,7 @@ ops = st.lists(st.one_of(
 def test_blocks_rebuilt_from_events_equal_the_tree(seq):
     alloc = TokenToKVPoolAllocator(200, PS)
     tree = RadixCache(ReqToTokenPool(4, 256), alloc, PS)
-    tree.events = rec = Recorder()
+    tree.events = rec = Recorder(PS)
     for op, arg in seq:
         if op == "insert":
             n = len(arg) - len(arg) % PS
@@ -235,61 +170,3 @@ def test_a_sliding_window_cache_says_so():
         assert batch.events[0].kv_cache_spec_sliding_window == 64 and batch.data_parallel_rank == 1
     finally:
         pub.close()
-
-
-def test_a_node_publishes_its_prefix_cache(tiny_model_dir, launcher):
-    """A real node: a subscriber that joins late replays from 0 and rebuilds the node's exact block count
-    (and every full prompt page's chained hash); a flush clears it."""
-    port, replay = free_port(), free_port()
-    node = launcher.colocated(tiny_model_dir, page_size=PS, max_total_tokens=2048, kv_events_config=json.dumps(
-        {"endpoint": f"tcp://127.0.0.1:{port}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}))
-    shared = list(range(200, 220))
-    prompts = [shared + [300 + i] * (3 + i) for i in range(4)]
-    for p in prompts:
-        code, raw = http_post(node.url + "/generate", {"input_ids": p, "sampling_params": {
-            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}})
-        assert code == 200, raw
-    ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(f"tcp://127.0.0.1:{replay}")
-    decode = msgspec.msgpack.Decoder(KVEventBatch).decode
-    rec = Recorder()
-
-    def replay_from(start: int) -> int:
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        nxt = start
-        while True:
-            assert dealer.poll(10000)
-            _, seq, payload = dealer.recv_multipart()
-            if seq == END_SEQ:
-                return nxt
-            for ev in raw_events(payload):
-                assert ev["type"] == "AllBlocksCleared" or ev["group_idx"] == 0, ev
-                assert ev["type"] != "BlockStored" or (ev["block_size"], ev["kv_cache_spec_kind"]) == (
-                    PS, "full_attention"), ev
-            for ev in decode(payload).events:
-                if isinstance(ev, BlockStored):
-                    rec.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids)
-                elif isinstance(ev, BlockRemoved):
-                    rec.removed(ev.block_hashes)
-                else:
-                    rec.cleared()
-            nxt = int.from_bytes(seq, "big") + 1
-
-    try:
-        nxt = replay_from(0)
-        stats = node.stats()
-        assert len(rec.blocks) * PS == stats["radix_cache_tokens"] > 0
-        assert stats["kv_events_published"] == nxt
-        for p in prompts:
-            assert set(chain_hashes(None, p, PS)) <= rec.blocks
-        code, raw = http_post(node.url + "/flush_cache", b"")
-        assert code == 200, raw
-        deadline = time.time() + 10
-        while rec.blocks and time.time() < deadline:
-            nxt = replay_from(nxt)
-            time.sleep(0.1)
-        assert not rec.blocks and node.stats()["radix_cache_tokens"] == 0
-    finally:
-        dealer.close()
-        ctx.term()

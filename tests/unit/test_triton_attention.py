@@ -2,7 +2,7 @@
 reference and against the torch backend: extend without and with a cached prefix (chunked prefill),
 decode, verify, GQA groups 1/3/4/7, a sliding window, float32 / bfloat16 / float16, a KV cache dtype
 other than q's, page sizes 1, 4 and 16, head sizes 16, 80 and 256, strided inputs, the CUDA tile
-sizes, and the CUDA-graph metadata path; and the kernels compile for sm_90 (no GPU needed).
+sizes, and the CUDA-graph metadata path. That they compile for sm_90: tests/fresh_process/test_triton_compile.py.
 
 Shapes are tiny (the interpreter runs every program in Python) but cross the kernels' 16-wide query
 and key blocks and their split boundaries."""
@@ -285,60 +285,3 @@ def test_strided_inputs(mode):
         pools.append(h.kv.data.clone())
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(pools[0], pools[1])
-
-
-COMPILE_CHECK = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-from common.layers import triton_kernels as tk
-
-assert not tk.interpreted()
-P = {"float32": "*fp32", "bfloat16": "*bf16"}
-
-
-def build(fn, pointers, consts, **opts):
-    sig = {name: pointers.get(name, "constexpr" if name in consts else "fp32" if name == "qk_scale" else "i32")
-           for name in fn.arg_names}
-    return triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=opts)
-
-
-for q, kv, d, group, extend in (("bfloat16", "bfloat16", 128, 4, True), ("float32", "bfloat16", 80, 7, False)):
-    half = q == kv != "float32"
-    bd = triton.next_power_of_2(d)
-    idx = dict(r2t_ptr="*i64", req_rows_ptr="*i64", loc_ptr="*i64", seq_lens_ptr="*i32", q_start_ptr="*i32",
-               ext_lens_ptr="*i32", prefix_lens_ptr="*i32", block_req_ptr="*i32", block_m_ptr="*i32",
-               mid_o_ptr="*fp32", mid_lse_ptr="*fp32")
-    ptrs = dict(idx, q_ptr=P[q], k_ptr=P[kv], v_ptr=P[kv], out_ptr=P[q], flat_ptr=P[kv])
-    build(tk._store_kv_kernel, ptrs, dict(PAGE_SIZE=16, HEAD_DIM=d, BLOCK_D=bd))
-    build(tk._decode_stage1_kernel, ptrs, dict(NUM_HEADS=2 * group, GROUP=group, HEAD_DIM=d, PAGE_SIZE=16,
-                                               NUM_SPLITS=16, BLOCK_G=16, BLOCK_D=bd, BLOCK_N=64, HALF_DOT=half),
-                                               num_warps=4, num_stages=2)
-    build(tk._decode_stage2_kernel, ptrs, dict(NUM_HEADS=2 * group, HEAD_DIM=d, NUM_SPLITS=16, BLOCK_S=16,
-                                               BLOCK_D=bd))
-    if extend:
-        ptrs.update(k_ptr=P[q], v_ptr=P[q])
-        build(tk._extend_kernel, ptrs, dict(GROUP=group, HEAD_DIM=d, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=64,
-                                            BLOCK_D=bd, HALF_DOT=half), num_warps=4, num_stages=2)
-print("compiled")
-"""
-
-
-def test_kernels_compile_for_sm90(tmp_path):
-    """The kernels as a GPU runs them (the `for` loops, the half and IEEE dots) compile for sm_90 with the
-    ptxas that ships in the triton wheel; no GPU needed. A fresh interpreter, without TRITON_INTERPRET."""
-    import pathlib
-    import subprocess
-    import sys
-
-    import triton
-
-    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this triton wheel carries no ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, and leave no cache behind
-    root = pathlib.Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", COMPILE_CHECK], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
