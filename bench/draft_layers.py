@@ -27,9 +27,9 @@ import shutil
 import torch
 
 from bench.speculative import compare_on_off
-from bench.tiny_model import exact_draft_head, random_draft_head
 from common.config import ServerArgs
 from common.models.default_model import cache_root
+from common.models.tiny_model import exact_draft_head, random_draft_head
 from common.runner import ModelRunner
 
 VARIANTS = ("exact", "random")

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from bench.report import HelpFormatter, write_report
-from bench.tiny_model import gguf_round_trip
 from common.layers import native
 from common.layers.linear import pack_weight
+from common.models.tiny_model import gguf_round_trip
 
 ROOT = Path(__file__).resolve().parents[1]
 # SmolLM2-135M's projections, [out, in]: qkv, o, gate+up, down

@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model(name: str) -> str:
     if name == "tiny":
-        from bench.tiny_model import tiny_model_dir
+        from common.models.tiny_model import tiny_model_dir
 
         return tiny_model_dir()
     if name == "default":

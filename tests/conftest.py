@@ -48,7 +48,7 @@ import shutil
 
 import pytest
 
-from bench.tiny_model import TOKENIZER_FILES, build_tiny_model
+from common.models.tiny_model import TOKENIZER_FILES, build_tiny_model
 from tests.harness.backends import backend_problem
 from tests.harness.nodes import Launcher
 

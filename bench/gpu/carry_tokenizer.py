@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 
-from bench.tiny_model import TOKENIZER_FILES
+from common.models.tiny_model import TOKENIZER_FILES
 
 
 def main(argv: list[str]) -> int:

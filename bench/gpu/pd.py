@@ -115,8 +115,8 @@ def write_default_stand_in(cache_root: str, tokenizer_dir: str | None = None, vo
     not a model, and nothing may load its weights. Returns its directory."""
     import shutil
 
-    from bench.tiny_model import TOKENIZER_FILES
     from common.models.default_model import DEFAULT_MODEL_NAME
+    from common.models.tiny_model import TOKENIZER_FILES
 
     out = os.path.join(cache_root, DEFAULT_MODEL_NAME)
     os.makedirs(out, exist_ok=True)

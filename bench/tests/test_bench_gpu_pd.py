@@ -150,8 +150,8 @@ def test_the_tokenizer_made_here_has_the_vocabulary_and_a_word_per_id(tmp_path):
 
 
 def test_the_default_model_stand_in_is_what_the_suite_reads(tmp_path, monkeypatch, tokenizer_dir):
-    from bench.tiny_model import build_tiny_model
     from common.models.default_model import resolve_model_path
+    from common.models.tiny_model import build_tiny_model
 
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
     made = pd.write_default_stand_in(str(tmp_path / "cache"), str(tmp_path / "no-tokenizer-here"), vocab_size=600)

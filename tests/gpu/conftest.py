@@ -58,7 +58,7 @@ def exact_float32():
 def _build(path: str, arch: str, seed: int = 0) -> None:
     import transformers
 
-    from bench.tiny_model import ARCHS, TINY_BASE
+    from common.models.tiny_model import ARCHS, TINY_BASE
 
     torch.manual_seed(seed)
     if arch == "qwen3_5":

@@ -40,7 +40,7 @@ def _needs_nixl() -> None:
 def models(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from bench.tiny_model import TOKENIZER_FILES, build_tiny_model
+    from common.models.tiny_model import TOKENIZER_FILES, build_tiny_model
     from tests.hybrid.hybrid_harness import make_qwen3_5
 
     tok_dir = _tokenizer_dir()

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.tiny_model import exact_draft_head
 from common.config import ConfigError, ServerArgs
 from common.models.llama import ModelLoadError
+from common.models.tiny_model import exact_draft_head
 from common.protocol import SamplingParams
 from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 from tests.unit.test_engine_correctness import Engine, hf_greedy, prompts_of
@@ -125,7 +125,7 @@ def test_retraction_through_the_host_store_keeps_the_tokens(make_tiny_model, hf_
 
 
 def bigram_checkpoint(model_dir: str, out_dir, draft_attention: float = 0.0) -> str:
-    """The checkpoint with draft layers that predict it exactly (`bench.tiny_model.exact_draft_head`: its
+    """The checkpoint with draft layers that predict it exactly (`tiny_model.exact_draft_head`: its
     layers' output projections zeroed, so it predicts the next token from the current one alone);
     `draft_attention` > 0 makes some drafts wrong."""
     import shutil

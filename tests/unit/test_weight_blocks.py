@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.tiny_model import gguf_round_trip
 from common.layers import native
 from common.layers.linear import Panels, pack_weight
 from common.layers.weight_blocks import find_blocks
 from common.models.loader import load_model
+from common.models.tiny_model import gguf_round_trip
 from tests.model_harness import (
     Harness,
     one_torch_thread,  # noqa: F401  (autouse)

@@ -4,10 +4,11 @@
 4 layers, 4 heads, 2 KV heads, head_dim 16, intermediate 128, 2048 positions) with seeded random fp32
 weights and the tokenizer's vocabulary and files, so real text works; with `mtp_num_hidden_layers=1`
 also random draft layers (`mtp.*`, for EAGLE / MTP speculation); with `gguf_blocks=True` its weights
-are rounded as a Q4_1 GGUF file's (`gguf_round_trip`: Q4_1 projections, Q8_0 embedding and lm_head). `tiny_model_dir()` builds one
-over the default model's tokenizer once per machine, in `${PDSERVE_CACHE:-~/.cache/pdserve}/tiny-*`,
-and returns its directory (the chaos bench's default model). `tests/conftest.py` builds its
-`make_tiny_model` fixture on the same function.
+are rounded as a Q4_1 GGUF file's (`gguf_round_trip`: Q4_1 projections, Q8_0 embedding and lm_head).
+`tiny_model_dir()` builds one over the default model's tokenizer once per machine, in
+`${PDSERVE_CACHE:-~/.cache/pdserve}/tiny-*`, and returns its directory (the chaos bench's default model).
+`tests/conftest.py` builds its `make_tiny_model` fixture on the same function. It lives here, not in bench/,
+because both the benches and the tests use it and the tests import nothing from bench/.
 """
 
 from __future__ import annotations
