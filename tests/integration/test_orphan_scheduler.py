@@ -25,7 +25,7 @@ def test_scheduler_ranks_and_their_fork_server_exit_when_the_front_end_is_killed
     ranks = [c for s in servers for c in s.children()]
     try:
         assert len(servers) == 1 and len(ranks) == 2, [c.cmdline() for c in front.children(recursive=True)]
-        # two ranks reduce over gloo (a single rank joins no group: tests/unit/test_server_api.py)
+        # two ranks reduce over gloo (a single rank joins no group: tests/integration/test_server_api.py)
         assert all("gloo_tcp_loop" in thread_names(r.pid) for r in ranks)
         front.send_signal(signal.SIGKILL)
         node.proc.wait(timeout=30)

@@ -1,5 +1,5 @@
 """How a node starts its scheduler ranks (`common/server/launch.py`): one rank is spawned, several fork
-from a fork server (the orphan test, tests/unit/test_orphan_scheduler.py, runs such a node); a rank
+from a fork server (the orphan test, tests/integration/test_orphan_scheduler.py, runs such a node); a rank
 that cannot be started ends the launch with a LaunchError naming why, and the ranks started before it
 are listed so the launch stops them."""
 
