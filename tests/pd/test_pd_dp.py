@@ -204,15 +204,3 @@ def test_dp_aware_router_balances_the_decode_groups(dp_pair, module_launcher, pd
     plain = module_launcher.router([dp_pair.prefill], [dp_pair.decode])
     code, _, raw = plain.post("/generate", {"input_ids": [3, 4, 5], "data_parallel_rank": 1})
     assert code == 400 and "--dp-aware" in error_message(raw), raw
-
-
-# ---------------------------------------------------------------------------------------------- bench
-def test_bench_dp_ratios_are_dp_over_one_group():
-    from bench import dp
-
-    one = {"output_throughput": 40.0, "tpot_ms": {"p50": 90.0}, "ttft_ms": {"p99": 800.0}}
-    two = {"output_throughput": 60.0, "tpot_ms": {"p50": 60.0}, "ttft_ms": {"p99": 1000.0}}
-    assert dp.compute_ratios({"dp1": one, "dp2": two}, "dp2") == {
-        "dp_output_throughput": 1.5, "dp_tpot_p50": 1.5, "dp_ttft_p99": 0.8}
-    assert dp.compute_ratios({"dp2": two}, "dp2") == {}
-    assert dp.main(["--dp-size", "1"]) == 2 and dp.main(["--setups", "dp3"]) == 2

@@ -67,15 +67,3 @@ def test_prefill_stages_send_their_own_layers(make_tiny_model, module_launcher, 
     assert 0 < sum(g["spec_accepted_tokens"] for g in groups) < sum(g["spec_draft_tokens"] for g in groups)
     assert pair.prefill.stats()["pp_micro_batches"] > 0  # the chunks ran pipelined
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
-
-
-def test_bench_pp_ratios_and_refusals():
-    from bench import pp
-
-    one = {"ttft_ms": {"p50": 2400.0}, "input_throughput": 720.0}
-    two = {"ttft_ms": {"p50": 3000.0}, "input_throughput": 576.0}
-    seq = {"ttft_ms": {"p50": 4500.0}, "input_throughput": 380.0}
-    assert pp.compute_ratios({"pp1": one, "pp2": two, "pp2_sequential": seq}, "pp2") == {
-        "pp_ttft_p50": 0.8, "pp_input_throughput": 0.8, "pp_microbatch_ttft_p50": 1.5}
-    assert pp.compute_ratios({"pp2": two}, "pp2") == {}
-    assert pp.main(["--pp-size", "1"]) == 2 and pp.main(["--setups", "pp9"]) == 2

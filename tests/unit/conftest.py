@@ -1,9 +1,53 @@
-"""Fixtures of the in-process engine tests: transformers' copy of the tiny model and its vocabulary size."""
+"""Fixtures of the in-process tests: transformers' copy of the tiny model and its vocabulary size; and the
+rule of this directory, that a unit test starts no process and serves on no socket.
+
+The rule is kept by `no_processes`, on for every test here: starting a subprocess, a multiprocessing
+process, a fork or `os.system`, or listening on a socket fails the test, naming the directories where such a
+test belongs (tests/integration for nodes and ranks, tests/fresh_process for a fresh interpreter,
+tests/deploy for the launcher and the CLI). The native CPU kernels are compiled before it, once per session,
+where the library's cache lacks this version (a machine set up by `make setup` has it already).
+"""
 
 from __future__ import annotations
 
+import multiprocessing.process
+import os
+import socket
+import subprocess
+
 import pytest
 import torch
+
+WHERE = ("a unit test starts no process and serves on no socket; one that must belongs in tests/integration "
+         "(nodes, ranks), tests/fresh_process (a fresh interpreter) or tests/deploy (the launcher, the CLI)")
+
+
+class ProcessInUnitTest(AssertionError):
+    pass
+
+
+def _refuse(what: str):
+    def refuse(*args, **kwargs):
+        raise ProcessInUnitTest(f"{what}: {WHERE}")
+
+    return refuse
+
+
+@pytest.fixture(scope="session")
+def native_kernels_built() -> None:
+    from common.layers import native
+
+    native.build()
+
+
+@pytest.fixture(autouse=True)
+def no_processes(native_kernels_built, monkeypatch):
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", _refuse("a subprocess"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("a multiprocessing process"))
+    for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, _refuse(f"os.{name}"))
+    monkeypatch.setattr(socket.socket, "listen", _refuse("a listening socket"))
 
 
 @pytest.fixture(scope="module")
