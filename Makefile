@@ -9,7 +9,7 @@ STAMP := $(VENV)/.setup-done
 APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200 gcc libc6-dev chromium chromium-driver iproute2 nftables
 PORT ?= 30000
 
-.PHONY: setup clients-venvs gpu-wheels bytecode run test test-fast bench lint clean
+.PHONY: setup clients-venvs gpu-wheels bytecode run test test-fast test-unit bench lint clean
 
 setup:
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
@@ -63,8 +63,9 @@ run: bytecode
 
 # The suite on TEST_WORKERS pytest-xdist workers. Half its time one core idles while tests wait on
 # nodes, sockets and timeouts; two workers fill it. Each test file runs whole on one worker (its module
-# fixtures start their clusters once), files handed out in collection order: the directories whose
-# tests start clusters come first, tests/unit's many short files last, so the two workers end together.
+# fixtures start their clusters once), files handed out in collection order (pyproject.toml's testpaths:
+# bench/tests, then tests/): the directories whose tests start clusters come first, tests/unit's many short
+# files last, so the two workers end together.
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
@@ -80,6 +81,10 @@ test: bytecode clients-venvs
 
 test-fast: bytecode
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
+
+# the quick check: tests/unit only, in-process tests that start no node and no process
+test-unit: bytecode
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) tests/unit
 
 bench: $(STAMP)
 	mkdir -p bench/results
