@@ -39,7 +39,7 @@ from common.version import VERSION
 from router import dashboard
 from router.capacity import DecodeCapacity
 from router.config import RouterConfig
-from router.dispatch import Dispatcher, NoWorkers, Trace, error_response
+from router.dispatch import Dispatcher, NoWorkers, Trace
 from router.limits import Admission, Rejected, check_length, read_body
 from router.liveness import SilenceWatch
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -47,6 +47,7 @@ from router.metrics import Metrics
 from router.policies import make_policy
 from router.registry import PREFILL, Registry, RegistryError
 from router.request import parse
+from router.retry import error_response
 
 log = logging.getLogger("router")
 REQUEST_ID = web.RequestKey("request_id", str)  # the id this router answers with (X-Request-ID)
@@ -93,14 +94,13 @@ class RouterApp:
         self.registry = Registry(cfg, session, on_change=self._workers_changed)
         if self.kv_index is not None:
             self.registry.on_admit = self._admit_prefill
-        self.dispatcher = Dispatcher(cfg, self.registry, session, self.metrics, self.prefill_policy,
-                                     self.decode_policy)
-        self.registry.on_unhealthy = self.dispatcher.cut_off
+        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics, self.prefill_policy, self.decode_policy)
+        self.registry.on_unhealthy = self.dispatcher.legs.cut_off
         self.capacity = DecodeCapacity(self.registry, session, cfg.load_check_interval_secs,
-                                       cfg.health_check_timeout_secs, self.dispatcher.base_headers)
+                                       cfg.health_check_timeout_secs, self.dispatcher.legs.auth)
         self.dispatcher.capacity = self.capacity
         self.silence = SilenceWatch(self.registry, session, cfg.worker_silence_timeout_secs,
-                                    cfg.health_check_endpoint, on_silent=self.dispatcher.cut_off,
+                                    cfg.health_check_endpoint, on_silent=self.dispatcher.legs.cut_off,
                                     metrics=self.metrics) if cfg.worker_silence_timeout_secs > 0 else None
         self.keys = cfg.resolved_keys
         self.routes = self._routes()
@@ -112,7 +112,7 @@ class RouterApp:
 
     def _workers_changed(self) -> None:
         urls = {w.url for w in self.registry.all()}
-        self.dispatcher.forget(urls)
+        self.dispatcher.legs.forget(urls)
         for policy in (self.prefill_policy, self.decode_policy):
             for url in set(getattr(policy, "trees", {})) | set(getattr(policy, "recent", {})):
                 if url not in urls:
@@ -487,7 +487,7 @@ class RouterApp:
 async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
     stop = stop or asyncio.Event()
     tls_in = server_ssl_context(cfg.ssl_certfile, cfg.ssl_keyfile)
-    # https:// workers (health, info, loads, aborts) verified against --ssl-ca-certs or the system's CAs
+    # https:// workers (health, info, loads) verified against --ssl-ca-certs or the system's CAs
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=120,
                                      ssl=client_ssl_context(cfg.ssl_ca_certs))
     session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(

@@ -7,8 +7,9 @@ router joins the two legs' answers into the one the client reads.
   choice's prompt entries alone, a decode node its output's; the prefill's go before the decode's in the
   choice's first event (or its whole answer), matched by choice `index`.
 
-`PrefillPrompt.of(body)` reads what the prefill leg answered (a JSON body, or every event of its stream);
-`merge` rewrites one decode answer or event; `StreamMerger` rewrites a decode stream event by event.
+`PrefillPrompt.of(body)` reads what the prefill leg answered (a JSON body, or every event of its stream,
+framed by router/sse.py); `merge` rewrites one decode answer or event; `StreamMerger` rewrites a decode
+stream's events one by one.
 """
 
 from __future__ import annotations
@@ -17,22 +18,19 @@ from typing import Any
 
 import msgspec
 
+from router import sse
+
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 
-def _events(body: bytes) -> list[Any]:
-    """The JSON objects of an answer: the body, or each `data:` event of a stream."""
+def _objects(body: bytes) -> list[Any]:
+    """The JSON objects of an answer: the body, or each JSON event of a stream."""
     body = body.lstrip()
     if not body.startswith(b"data:"):
         return [_decode(body)] if body else []
-    out = []
-    for ev in body.split(b"\n\n"):
-        ev = ev.strip()
-        if ev.startswith(b"data:") and ev[5:].strip() != b"[DONE]":
-            out.append(_decode(ev[5:].strip()))
-    return out
+    return [e.obj for e in sse.events(body) if e.obj is not None]
 
 
 class PrefillPrompt:
@@ -45,7 +43,7 @@ class PrefillPrompt:
 
     @classmethod
     def of(cls, body: bytes) -> PrefillPrompt:
-        events = _events(body)
+        events = _objects(body)
         choices: dict[int, dict] = {}
         for obj in events:
             for c in obj.get("choices", ()) if isinstance(obj, dict) else ():
@@ -101,24 +99,17 @@ def merged_body(prefill: bytes, body: bytes) -> bytes:
 
 
 class StreamMerger:
-    """Rewrites complete SSE events of the decode stream with the prefill leg's logprobs merged in."""
+    """Rewrites the decode stream's events with the prefill leg's logprobs merged in."""
 
     def __init__(self, prefill: PrefillPrompt):
         self.prefill = prefill
         self.merged: set[int] = set()
-        self.buf = b""
 
-    def feed(self, chunk: bytes) -> bytes:
-        self.buf += chunk
-        *events, self.buf = self.buf.split(b"\n\n")
-        out = []
-        for ev in events:
-            if ev.startswith(b"data:") and b"[DONE]" not in ev:
-                try:
-                    obj = _decode(ev[5:].strip())
-                    self.prefill.merge(obj, self.merged)
-                    ev = b"data: " + _encode(obj)
-                except msgspec.DecodeError:
-                    pass
-            out.append(ev + b"\n\n")
-        return b"".join(out)
+    def rewrite(self, event: sse.Event) -> bytes:
+        """The bytes of `event` with the prompt's logprobs in (a comment, [DONE] or data that is not JSON
+        unchanged)."""
+        obj = event.obj
+        if obj is None:
+            return event.raw
+        self.prefill.merge(obj, self.merged)
+        return b"data: " + _encode(obj) + b"\n\n"

@@ -1,6 +1,6 @@
-"""A lean HTTP/1.1 client for the generation legs: keep-alive connection pools per worker, requests
-written in one syscall, responses (Content-Length, chunked or until close) parsed incrementally;
-`https://` workers through an `ssl.SSLContext` (asyncio's TLS transport).
+"""A lean HTTP/1.1 client for the generation legs and their aborts (router/legs.py): keep-alive connection
+pools per worker, requests written in one syscall, responses (Content-Length, chunked or until close) parsed
+incrementally; `https://` workers through an `ssl.SSLContext` (asyncio's TLS transport).
 
 aiohttp's ClientSession costs several times more CPU per request; the legs are the router's hot path.
 """
@@ -311,8 +311,9 @@ class Pool:
             raise OSError(f"no answer within {self.connect_timeout:g}s") from None
         return conn
 
-    async def request(self, path: str, body: bytes, headers: bytes = b"") -> Response:
-        """POST `body` (JSON) to `path`; `headers` is extra raw header lines ending in CRLF."""
+    async def request(self, path: str, body: bytes, headers: bytes = b"", timeout: float | None = None) -> Response:
+        """POST `body` (JSON) to `path`; `headers` is extra raw header lines ending in CRLF; the whole exchange
+        is bounded by `timeout` (the pool's own when None)."""
         try:
             conn = await self._acquire()
         except OSError as e:
@@ -321,7 +322,7 @@ class Pool:
         resp = Response(conn, loop)
         conn.resp = resp
         self.busy.add(conn)
-        resp._timer = loop.call_later(self.timeout, resp._timeout)
+        resp._timer = loop.call_later(self.timeout if timeout is None else timeout, resp._timeout)
         conn.transport.write(b"".join((b"POST ", path.encode(), b" HTTP/1.1\r\n", self._head_tail, headers,
                                        b"Content-Length: ", str(len(body)).encode(), b"\r\n\r\n", body)))
         try:
