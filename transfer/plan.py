@@ -26,6 +26,10 @@ all layers' K and V of a run of pages become one region. Head slices of M:N TP a
 and stay apart. Buffers whose items follow each other on both sides for every page (same strides)
 are fused once per peer (`fuse_buffers`), so a chunk does the per-page merge over 1 buffer instead
 of 60.
+
+Batches. The engine writes one (source, destination) pair of memory kinds per batch, so the
+regions of a chunk's families (kv pages, state slots, metadata row) are joined into one batch per
+run of families that share their kinds (`write_batches`; on the host: one batch).
 """
 
 from __future__ import annotations
@@ -119,6 +123,23 @@ def fuse_buffers(src_base: np.ndarray, dst_base: np.ndarray, src_stride: np.ndar
                & (ss[:-1] == ss[1:]) & (ds[:-1] == ds[1:]))
     starts = np.flatnonzero(np.concatenate(([True], ~follows)))
     return sb[starts], db[starts], ss[starts], ds[starts], np.diff(np.append(starts, sb.size)) * length
+
+
+Batch = tuple[str, str, list, list, list]  # (source kind, destination kind, src, dst, lengths)
+
+
+def write_batches(families: list[tuple[tuple[str, str], tuple[list, list, list]]]) -> list[Batch]:
+    """((source kind, destination kind), (src, dst, lengths)) of each family, in order → one batch
+    per run of families with the same pair of kinds."""
+    batches: list[Batch] = []
+    for (src_kind, dst_kind), (src, dst, lens) in families:
+        if batches and batches[-1][:2] == (src_kind, dst_kind):
+            batches[-1][2].extend(src)
+            batches[-1][3].extend(dst)
+            batches[-1][4].extend(lens)
+        else:
+            batches.append((src_kind, dst_kind, list(src), list(dst), list(lens)))
+    return batches
 
 
 class PairPlan:
