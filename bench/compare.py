@@ -57,8 +57,9 @@ from bench.serve import (
 )
 from bench.slo import max_rate, points_of, pooled, sweep
 from common.cores import parse_cores
-from deploy.cluster import DEFAULT_LOCAL_PREFILL_QUEUE, ROOT, Cluster
-from deploy.procs import ClusterError, die_with_parent, free_port, http_status
+from deploy.cluster import DEFAULT_LOCAL_PREFILL_QUEUE, Cluster
+from deploy.process import ROOT, die_with_parent
+from deploy.procs import ClusterError, free_port, http_status
 
 
 def child_env(ns: argparse.Namespace) -> dict[str, str]:

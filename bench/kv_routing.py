@@ -33,7 +33,7 @@ import time
 import urllib.request
 
 from bench.report import write_report
-from deploy.cluster import ROOT
+from deploy.process import ROOT
 from deploy.procs import free_port, http_status
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "

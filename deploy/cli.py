@@ -34,7 +34,7 @@ def _router(argv: list[str]) -> int:
 
 
 def _cluster(argv: list[str]) -> int:
-    from deploy.cluster import main
+    from deploy.cluster_cli import main
 
     return main(argv) or 0
 

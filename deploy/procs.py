@@ -1,5 +1,10 @@
-"""Process, port and secret helpers of the cluster launcher (`deploy/cluster.py`): free ports, core
-lists, a fresh cluster secret file, a child that dies with its parent, and tiny HTTP probes."""
+"""Small helpers of the launcher (deploy/process.py, deploy/nodes.py, deploy/cluster.py): free ports,
+core lists, a fresh cluster secret file, and tiny HTTP probes.
+
+Ports: `free_port()` picks a port that is free now and that this process never handed out before, so
+two servers started side by side (the nodes of a cluster, the tests' servers) never draw the same one;
+processes that start servers at the same time (pytest-xdist workers) each take a share of the numbers
+(`set_port_share`)."""
 
 from __future__ import annotations
 
@@ -7,7 +12,6 @@ import json
 import os
 import random
 import secrets
-import signal
 import socket
 import urllib.error
 import urllib.request
@@ -16,9 +20,12 @@ from common.cores import parse_cores
 
 ROLES = ("prefill", "decode", "router")
 
+_given: set[int] = set()  # every port free_port handed out in this process
+_share = (0, 1)  # (index, count): only ports with port % count == index
+
 
 class ClusterError(RuntimeError):
-    """The cluster could not start; the message names the child and shows its log tail."""
+    """A server or a cluster could not start; the message names the process and shows its log tail."""
 
 
 def _ephemeral_low() -> int:
@@ -29,22 +36,29 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
-    """A port that is free now, chosen below the kernel's ephemeral range when possible: transfer
-    engines and ZMQ bind ephemeral ports at start-up and could take a port we picked from there."""
+def set_port_share(index: int, count: int) -> None:
+    """From now on `free_port` returns only ports `p` with `p % count == index % count`."""
+    global _share
+    _share = (index % max(count, 1), max(count, 1))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now, chosen below the kernel's ephemeral range when possible (transfer
+    engines and ZMQ bind ephemeral ports at start-up and could take a port picked from there), never
+    one this process handed out before, and within this process's share."""
     rng = random.Random()
     low = _ephemeral_low()
-    for attempt in range(200):
-        port = rng.randrange(20000, low) if low > 21000 and attempt < 150 else 0
+    index, count = _share
+    for attempt in range(200 * count):
+        port = rng.randrange(20000, low) if low > 21000 and attempt < 150 * count else 0
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
             port = s.getsockname()[1]
-        if avoid is None or port not in avoid:
-            if avoid is not None:
-                avoid.add(port)
+        if port not in _given and port % count == index:
+            _given.add(port)
             return port
     raise ClusterError("no free TCP port found")
 
@@ -81,18 +95,8 @@ def parse_affinity(spec: str | None) -> dict[str, list[int]]:
     return out
 
 
-def die_with_parent() -> None:
-    """Linux: SIGTERM this process when its parent dies, so a launcher killed hard leaves no orphans."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def http_status(url: str, timeout: float = 2.0) -> int:
+    """The HTTP status of a GET (0: no answer)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from common.cores import parse_cores
-from deploy import cluster as cl
+from deploy import cluster_cli as cl
 from deploy import procs
 from deploy.placement import plan
 from tests.harness.client import http_json

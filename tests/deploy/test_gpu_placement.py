@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from deploy import cluster as cl
+from deploy import cluster_cli as cl
 from deploy import gpu_placement as gp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -31,7 +31,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from deploy.cluster import ROOT, Cluster, cluster_from_args
+from deploy.cluster import Cluster
+from deploy.cluster_cli import cluster_from_args
+from deploy.process import ROOT
 from deploy.procs import free_port, http_status
 
 MOONCAKE_WARNING = "mooncake listens on all interfaces"

@@ -1,6 +1,7 @@
 """The client side of the tests: free ports, HTTP calls, SSE reading, Prometheus counters, polling.
 
 * `free_port()`: a free port below the ephemeral range that no other server of this test run was given
+  (deploy/procs.py; each pytest-xdist worker draws from its own share)
 
 * `http(method, url, body, headers, timeout) -> (status, headers with lower-case names, body bytes)`
 * `http_get(url) / http_post(url, body) -> (status, body bytes)`; an HTTP error is a status, not an exception
@@ -20,23 +21,21 @@ import urllib.request
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from deploy.procs import free_port as _free_port
+from deploy.procs import free_port as free_port  # the ports of every server the suite starts, clusters too
+from deploy.procs import set_port_share
 
-_given: set[int] = set()  # every port this process handed out
 
-
-def free_port() -> int:
-    """A port that is free now (below the kernel's ephemeral range, where transfer engines and ZMQ bind at
-    start-up), never one this process handed out before, and of this pytest-xdist worker's parity (gw0
-    even, gw1 odd, ...): two servers of one run never draw the same port. (Two nodes of a cluster once did:
-    the one that lost the bind looked ready, as its /health check reached the other.)"""
+def _share_ports_with_other_workers() -> None:
+    """Each pytest-xdist worker (gw0, gw1, ...) takes the ports of its own parity: two servers of one run
+    never draw the same port. (Two nodes of a cluster once did: the one that lost the bind looked ready,
+    as its /health check reached the other.)"""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    while True:
-        port = _free_port(avoid=_given)
-        if index is None or count < 2 or port % count == index % count:
-            return port
+    if worker.startswith("gw") and worker[2:].isdigit() and count > 1:
+        set_port_share(int(worker[2:]), count)
+
+
+_share_ports_with_other_workers()
 
 
 def http(method: str, url: str, body=None, headers=None, timeout: float = 30.0):
