@@ -38,7 +38,7 @@ def router_parser() -> argparse.ArgumentParser:
 
 
 def cluster_parser() -> argparse.ArgumentParser:
-    from deploy.cluster import build_parser
+    from deploy.cluster_cli import build_parser
 
     return build_parser()
 

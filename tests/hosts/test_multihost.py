@@ -95,7 +95,7 @@ def ucx_family_hosts(request, tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fake_hosts(tiny_model_dir, tmp_path_factory):
     """`pdserve cluster --hosts`: the launcher's own multi-host cluster (fake backend)."""
-    from deploy.cluster import cluster_from_args
+    from deploy.cluster_cli import cluster_from_args
 
     c = cluster_from_args(["--hosts", "--prefill", "1", "--decode", "1", "--transfer-backend", "fake",
                            "--model", tiny_model_dir, "--log-dir", str(tmp_path_factory.mktemp("launcher")),
