@@ -13,10 +13,10 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from common import core_loan
 from common.cluster_secret import ClusterSecret, ClusterSecretError, load_configured, warn_unauthenticated
 from common.cores import parse_cores
 from common.models.hub import is_hub_id
+from common.role_rules import RoleRules, rules_for
 
 DEFAULT_OTLP_ENDPOINT = "localhost:4318"
 MAX_DP_SIZE = 64
@@ -311,6 +311,7 @@ class ServerArgs:
             raise bad("quantization", f"{self.quantization} quantizes the weights itself; drop --torchao-config "
                       f"{self.torchao_config}")
         self._validate_dp(bad)
+        self.role_rules.check(self, bad)  # what this node's role refuses (common/role_rules.py)
         if self.kv_events_config is not None:
             from common.kv_events import KVEventsConfig
 
@@ -354,17 +355,11 @@ class ServerArgs:
             raise bad("disaggregation-decode-tp", "must be >= 1")
         if self.disaggregation_prealloc_size is not None and self.disaggregation_prealloc_size < 1:
             raise bad("disaggregation-prealloc-size", "must be >= 1")
-        if self.disaggregation_local_prefill and self.disaggregation_mode != "decode":
-            raise bad("disaggregation-local-prefill", "is a decode node's option (--disaggregation-mode decode); "
-                      "a colocated node prefills every request itself")
         if self.disaggregation_local_prefill_max_tokens is not None:
             if not self.disaggregation_local_prefill:
                 raise bad("disaggregation-local-prefill-max-tokens", "needs --disaggregation-local-prefill")
             if self.disaggregation_local_prefill_max_tokens < 1:
                 raise bad("disaggregation-local-prefill-max-tokens", "must be >= 1")
-        if self.enable_mixed_chunk and self.disaggregation_mode == "prefill":
-            raise bad("enable-mixed-chunk", "is for nodes that decode (colocated or --disaggregation-mode decode); "
-                      "a prefill node has no running requests to mix in")
         if self.enable_mixed_chunk and self.speculative_algorithm:
             raise bad("enable-mixed-chunk", "cannot be combined with --speculative-algorithm (a decode step there "
                       "verifies drafts, which a prefill forward does not)")
@@ -386,14 +381,13 @@ class ServerArgs:
             self._cluster_secret = load_configured(self.cluster_secret_file)
         except ClusterSecretError as e:
             raise bad("cluster-secret-file", str(e)) from None
-        if self._cluster_secret is None and self.disaggregation_mode != "null":
+        if self._cluster_secret is None and self.role_rules.transfers_kv:
             warn_unauthenticated(logging.getLogger("server"), "this node's bootstrap and control-plane traffic")
 
     def _validate_core_loan(self, bad) -> None:
-        """common/core_loan.py: a prefill node lends, a decode node with the lent cores borrows."""
+        """common/core_loan.py: a prefill node lends, a decode node with the lent cores borrows (which node
+        may take which flag, and in what shape, is its role's rule)."""
         if self.core_loan_cores is not None:
-            if self.disaggregation_mode != "decode":
-                raise bad("core-loan-cores", "is a decode node's option (it borrows the prefill node's cores)")
             if not self.core_loan_file:
                 raise bad("core-loan-cores", "needs --core-loan-file")
             try:
@@ -402,14 +396,6 @@ class ServerArgs:
                 raise bad("core-loan-cores", str(e)) from None
         if not self.core_loan_file:
             return
-        if self.disaggregation_mode == "null":
-            raise bad("core-loan-file", "is for the prefill and decode nodes of a pair (--disaggregation-mode)")
-        if self.disaggregation_mode == "decode" and self.core_loan_cores is None:
-            raise bad("core-loan-file", "a decode node borrows only with --core-loan-cores (the prefill node's cores)")
-        why = core_loan.unsupported(self.disaggregation_mode, self.tp, self.pp_size, self.dp_size,
-                                    self.enable_overlap_schedule)
-        if why:
-            raise bad("core-loan-file", why)
         parent = os.path.dirname(os.path.abspath(self.core_loan_file))
         if not os.path.isdir(parent):
             raise bad("core-loan-file", f"no such directory: {parent!r}")
@@ -420,9 +406,6 @@ class ServerArgs:
         if not 1 <= self.pp_size <= MAX_DP_SIZE:
             raise bad("pp-size", f"must be in 1..{MAX_DP_SIZE}, got {self.pp_size}")
         if self.pp_size > 1:
-            if self.disaggregation_mode == "decode":
-                raise bad("pp-size", "a decode node runs one token per request per step, which would cross every "
-                          "stage in turn with nothing to overlap; scale decode with --tp-size or --dp-size")
             if self.enable_overlap_schedule:
                 raise bad("pp-size", "cannot be combined with --enable-overlap-schedule")
             if self.speculative_algorithm:
@@ -451,9 +434,6 @@ class ServerArgs:
             for name in ("speculative_num_steps", "speculative_eagle_topk"):
                 if getattr(self, name) is not None:
                     raise bad(name.replace("_", "-"), "is for EAGLE/MTP, not NGRAM")
-        if self.disaggregation_mode == "prefill" and algo == "NGRAM":
-            raise bad("speculative-algorithm", "a prefill node only samples the first token, so it has nothing "
-                      "to draft; give it to the decode node")
         if self.enable_overlap_schedule:
             raise bad("speculative-algorithm", "cannot be combined with --enable-overlap-schedule (a verify "
                       "step's output decides the next step's input)")
@@ -546,9 +526,14 @@ class ServerArgs:
         return 2 * max(1, min(self.max_running_requests, self.max_total_tokens // max(self.page_size, 1)))
 
     @property
+    def role_rules(self) -> RoleRules:
+        """What this node's role allows (common/role_rules.py)."""
+        return rules_for(self.disaggregation_mode)
+
+    @property
     def decode_offload_tokens(self) -> int:
         """--decode-offload-size, or its default (half the KV budget); 0 on prefill nodes (they never decode)."""
-        if self.disaggregation_mode == "prefill":
+        if not self.role_rules.decodes:
             return 0
         if self.decode_offload_size is not None:
             return self.decode_offload_size
@@ -557,4 +542,4 @@ class ServerArgs:
     @property
     def radix_cache_enabled(self) -> bool:
         # decode nodes receive KV from prefill; a prefix cache there would never be hit
-        return not self.disable_radix_cache and self.disaggregation_mode != "decode"
+        return not self.disable_radix_cache and self.role_rules.radix_cache

@@ -133,23 +133,20 @@ class Borrower:
                 "core_loan_forwards": self.forwards, "core_loan_contended_forwards": self.contended_forwards}
 
 
-def unsupported(role: str, tp: int, pp_size: int, dp_size: int, overlap: bool) -> str | None:
-    """Why a `role` node of this shape cannot take part in a core loan (None: it can). Config validation
-    refuses such a node's flags; the launcher leaves them out."""
-    if dp_size > 1 or pp_size > 1:
+def unsupported(args) -> str | None:
+    """Why a node of this shape cannot take part in a core loan whatever its role (None: it can); each role
+    adds its own reasons (`RoleRules.core_loan_unsupported`, common/role_rules.py). Config validation refuses
+    such a node's flags; the launcher leaves them out."""
+    if args.dp_size > 1 or args.pp_size > 1:
         return "needs --dp-size 1 and --pp-size 1 (one scheduler says when the node idles)"
-    if role == "decode" and tp > 1:
-        return "a decode node borrows cores only at --tp-size 1"
-    if role == "decode" and overlap:
-        return ("cannot be combined with --enable-overlap-schedule on a decode node (its forwards would run on "
-                "another thread than the one whose threads are pinned)")
     return None
 
 
 def widen_for_openmp(args, own_cores: list[int]) -> None:
     """A borrower's scheduler process, before torch loads: may run on `own_cores` and the lent cores, so
-    OpenMP counts them at start-up (the caller narrows the process to `own_cores` once torch is loaded)."""
-    if args.core_loan_file and args.core_loan_cores and args.disaggregation_mode == "decode":
+    OpenMP counts them at start-up (the caller narrows the process to `own_cores` once torch is loaded).
+    The borrower is the node given the lent cores (`--core-loan-cores`, a decode node's flag)."""
+    if args.core_loan_file and args.core_loan_cores:
         wide = sorted(set(own_cores) | set(parse_cores(args.core_loan_cores)))
         try:
             os.sched_setaffinity(0, wide)
@@ -160,9 +157,10 @@ def widen_for_openmp(args, own_cores: list[int]) -> None:
 
 def for_node(args, tp_rank: int):
     """(lender, borrower) of this scheduler rank from `--core-loan-file` / `--core-loan-cores` (validated
-    by ServerArgs): the prefill node's rank 0 lends, a decode node borrows; (None, None) otherwise."""
+    by ServerArgs: the file goes to both nodes of a pair, the lent cores to the decode node only): the
+    node given the lent cores borrows, the other's rank 0 lends; (None, None) without a loan file."""
     if not args.core_loan_file or tp_rank != 0:
         return None, None
-    if args.disaggregation_mode == "prefill":
+    if args.core_loan_cores is None:
         return Lender(args.core_loan_file), None
     return None, Borrower(args.core_loan_file, sorted(os.sched_getaffinity(0)), parse_cores(args.core_loan_cores))

@@ -5,8 +5,9 @@ requests whose prefill completes, every request of a decode step) and the logpro
 logprobs included. `forward(fb) -> logits` and `sample(logits, info, ...)` are its two halves.
 Pools: the KV pool holds `max_total_tokens` tokens in pages of `page_size` (plus the padding
 page 0) with this rank's share of the KV heads; the req pool has `max_running_requests +
-REQ_POOL_HEADROOM` rows (room for requests being prefilled, or preallocated by a decode node,
-while the running batch is full) of `context_length` columns.
+REQ_POOL_HEADROOM` rows (room for requests being prefilled while the running batch is full) of
+`context_length` columns, unless the node gives its own (`make_req_pool`: a decode node's
+`DecodeReqToTokenPool`, with rows for preallocated requests).
 
 Device (`common/device.py`): the model, the KV pool, the request table and the state pool live on the
 rank's device in the dtypes its flags chose, with the attention backend it chose (handed to the model);
@@ -22,6 +23,7 @@ rank of the group, so all schedulers go on with the same tokens.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +59,10 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_dir: str, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group=None, pp_rank: int = 0, dp_rank: int = 0) -> None:
+                 tp_group=None, pp_rank: int = 0, dp_rank: int = 0,
+                 make_req_pool: Callable[[int, torch.device], ReqToTokenPool] | None = None) -> None:
+        """`make_req_pool(max_context_len, device)` builds the request table (default: a `ReqToTokenPool` of
+        `max_running_requests + REQ_POOL_HEADROOM` rows; a decode node gives its `DecodeReqToTokenPool`)."""
         from common.models.loader import load_model
 
         self.args = args
@@ -101,9 +106,19 @@ class ModelRunner:
             layer_ids = [*(cfg.kv_layer_ids or range(cfg.num_layers)), cfg.num_layers]
         self.kv_pool = KVPool(num_pages, self.page_size, cfg.num_layers, cfg.local_kv_heads(tp_size),
                               cfg.head_dim, dtype=placement.kv_dtype, layer_ids=layer_ids, device=self.device)
-        self.graphs = None  # captured decode graphs (cuda), made for the request table below
-        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + REQ_POOL_HEADROOM,
-                                                self.context_length + self.page_size, device=self.device)
+        row_len = self.context_length + self.page_size
+        self.req_to_token_pool = make_req_pool(row_len, self.device) if make_req_pool is not None else \
+            ReqToTokenPool(args.max_running_requests + REQ_POOL_HEADROOM, row_len, device=self.device)
+        self.hybrid.attach(self.req_to_token_pool)  # a hybrid model's state slots go with the rows
+        self.graphs = None  # captured decode graphs (cuda): they read the request table's rows
+        if self.placement.cuda_graph_max_bs:
+            from common.cuda_graph import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.kv_pool,
+                                          self.req_to_token_pool.req_to_token,
+                                          min(self.placement.cuda_graph_max_bs, self.max_running_requests),
+                                          self.device, state_pool=self.hybrid.state_pool)
+            self.graphs.capture_all()
         # what a prefill and a decode node must share to pair (common/fingerprint.py), the same on every rank
         self.compatibility = self._compatibility(args, model_dir)
         self.fingerprint = pairing_key(self.compatibility)
@@ -148,23 +163,6 @@ class ModelRunner:
     def device_info(self) -> dict:
         """What /server_info shows of where this rank computes."""
         return {**self.placement.describe(), "cuda_graph_batch_sizes": self.graphs.batch_sizes if self.graphs else []}
-
-    @property
-    def req_to_token_pool(self):
-        return self._req_to_token_pool
-
-    @req_to_token_pool.setter
-    def req_to_token_pool(self, pool) -> None:
-        # a hybrid model's state slots go with the rows: a new pool (a decode node's) gets its own
-        self.hybrid.attach(pool)
-        self._req_to_token_pool = pool
-        if self.placement.cuda_graph_max_bs:  # the graphs read this table's rows: captured for it
-            from common.cuda_graph import CudaGraphRunner
-
-            self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.kv_pool, pool.req_to_token,
-                                          min(self.placement.cuda_graph_max_bs, self.max_running_requests),
-                                          self.device, state_pool=self.hybrid.state_pool)
-            self.graphs.capture_all()
 
     @property
     def supports_radix_cache(self) -> bool:

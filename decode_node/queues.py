@@ -1,6 +1,7 @@
 """The decode role's queues: prealloc, transfer, waiting; then the scheduler's running batch.
 
-The prealloc and waiting queues serve the highest priority first (SGLang's `priority`; arrival order among equals).
+The prealloc and waiting queues serve the highest priority first (SGLang's `priority`; arrival order
+among equals).
 
 * `PreallocQueue`: the request's `KVReceiver` asks the prefill node's bootstrap server for the
   layout and the overlapping prefill ranks (page size, model and layout are checked there); once

@@ -55,11 +55,10 @@ from common.scheduler.scheduler import Scheduler
 from decode_node.quarantine import Quarantine, QuarantinedRoom
 from decode_node.queues import DecodeRequest, DecodeStage, PreallocQueue, TransferQueue, WaitingQueue
 from decode_node.req_pool import DecodeReqToTokenPool
-from disaggregation.kv import build_kv_manager
-from disaggregation.requests import MAX_TOP_LOGPROBS
+from disaggregation.kv import build_kv_manager, build_metadata
 from disaggregation.role import PDRole
 from transfer.consensus import poll_and_all_reduce
-from transfer.metadata import MetadataAllocator, MetadataBuffers
+from transfer.metadata import MetadataAllocator
 from transfer.peer_checks import check_bootstrap_addr
 from transfer.receiver import DecodeKVManager
 
@@ -82,12 +81,10 @@ class DecodeRole(PDRole):
         self.pool: DecodeReqToTokenPool = sched.req_to_token_pool
         self.alloc = sched.allocator
         self.num_reserved_decode_tokens = args.num_reserved_decode_tokens
-        self.metadata = MetadataBuffers(self.num_metadata_slots, max_top_logprobs=MAX_TOP_LOGPROBS,
-                                        hidden_size=sched.model_config.hidden_size if args.draft_layers else 0,
-                                        pinned=sched.runner.device.type == "cuda")
+        self.metadata = build_metadata(self.num_metadata_slots, sched, args.draft_layers)
         self.draft_layers = args.draft_layers
-        self.kv_manager = build_kv_manager(DecodeKVManager, args, sched.runner, self.metadata, tp_rank, tp_size,
-                                           dp_rank=sched.dp_rank)
+        self.kv_manager = build_kv_manager(DecodeKVManager, args, sched.runner, self.metadata, tp_rank,
+                                           tp_size, dp_rank=sched.dp_rank)
         self.bytes_per_page = sched.kv_pool.page_stride  # every layer's K and V of one page
         self.prealloc = PreallocQueue()
         self.transfer = TransferQueue()
@@ -344,20 +341,18 @@ class DecodeRole(PDRole):
 
 
 class DecodeScheduler(Scheduler):
-    """The scheduler of a decode rank: the common one over a `DecodeReqToTokenPool`, with `DecodeRole`
-    as its hooks."""
+    """The scheduler of a decode rank: the common one over a `DecodeReqToTokenPool` (the runner it builds is
+    given one; a `runner` passed in must have been), with `DecodeRole` as its hooks."""
 
     def __init__(self, args, model_dir: str, tp_rank: int = 0, tp_size: int = 1, tp_group=None, *,
                  runner=None, **kw) -> None:
-        if runner is None:
+        prealloc_size = args.disaggregation_prealloc_size or args.max_running_requests
+        if runner is None:  # built here, not by the base, so that its request table is the decode's
             from common.runner import ModelRunner
 
-            runner = ModelRunner(args, model_dir, tp_rank, tp_size, tp_group)
-        prealloc_size = args.disaggregation_prealloc_size or args.max_running_requests
-        old = runner.req_to_token_pool
-        runner.req_to_token_pool = DecodeReqToTokenPool(args.max_running_requests, prealloc_size,
-                                                        old.max_context_len, device=old.device)
-        del old
+            make_req_pool = functools.partial(DecodeReqToTokenPool, args.max_running_requests, prealloc_size)
+            runner = ModelRunner(args, model_dir, tp_rank, tp_size, tp_group, pp_rank=kw.get("pp_rank", 0),
+                                 dp_rank=kw.get("dp_rank", 0), make_req_pool=make_req_pool)
         super().__init__(args, model_dir, tp_rank, tp_size, tp_group, runner=runner, **kw)
         self.hooks = DecodeRole(self, args, tp_rank, tp_size, prealloc_size)
         self.decode_between_chunks = True  # a local or re-prefilled prompt never stalls the running batch for long

@@ -3,7 +3,7 @@
 A role names its manager class (the prefill role `PrefillKVManager`, transfer/sender.py; the decode
 role `DecodeKVManager`, transfer/receiver.py) and `build_kv_manager` gives it this rank's share of
 the pools: the KV heads (and a hybrid model's state) of its pipeline stage's layers in its DP group,
-and the role's metadata rows (`KVArgs.from_runner`). The manager listens on the address peers reach
+and the role's metadata rows (`build_metadata`, `KVArgs.from_runner`). The manager listens on the address peers reach
 the node at (`advertised_host`) with the node's timeouts and secret (`node_settings`: the
 environment's settings, the node's flags winning).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 from typing import TypeVar
 
+from disaggregation.requests import MAX_TOP_LOGPROBS
 from transfer.base import KVArgs, TransferSettings
 from transfer.manager import KVManager
 from transfer.metadata import MetadataBuffers
@@ -36,12 +37,20 @@ def build_kv_manager(manager_cls: type[Manager], args, runner, metadata: Metadat
     in DP group `dp_rank`, with the node's transfer settings. A prefill rank passes the decode TP size it
     serves (`decode_tp`, 0: any) and its `bootstrap_addr` (in `manager_kw`)."""
     stage = {}
-    if getattr(runner, "pp_size", 1) > 1:  # a pipeline stage sends its own layers (KVArgs' layer ids place them)
+    if getattr(runner, "pp_size", 1) > 1:  # a stage sends its own layers (KVArgs' layer ids place them)
         stage = {"pp_rank": runner.pp_rank, "pp_size": runner.pp_size}
     kv_args = KVArgs.from_runner(runner, metadata, engine_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
                                  dp_size=getattr(args, "dp_size", 1), decode_tp=decode_tp, **stage)
-    return manager_cls(kv_args, args.transfer_backend, settings=node_settings(args), host=advertised_host(args.host),
-                       **manager_kw)
+    return manager_cls(kv_args, args.transfer_backend, settings=node_settings(args),
+                       host=advertised_host(args.host), **manager_kw)
+
+
+def build_metadata(num_slots: int, sched, draft_layers: bool) -> MetadataBuffers:
+    """The role's metadata rows: per request, the first token with its logprob and top logprobs and, with
+    EAGLE / MTP (`draft_layers`), the first draft and the draft layers' hidden state; pinned on a GPU."""
+    return MetadataBuffers(num_slots, max_top_logprobs=MAX_TOP_LOGPROBS,
+                           hidden_size=sched.model_config.hidden_size if draft_layers else 0,
+                           pinned=sched.runner.device.type == "cuda")
 
 
 def node_settings(args) -> TransferSettings:

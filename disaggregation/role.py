@@ -59,14 +59,16 @@ class PDRole(SchedulerHooks):
             return 400, (f"this is a {self.role} node; requests need bootstrap_host/bootstrap_port/"
                          "bootstrap_room (send them through a PD router)")
         if not 0 <= req.bootstrap_room <= MAX_ROOM:
-            return 400, f"bootstrap_room must be 0..{MAX_ROOM} (it travels as an int64), got {req.bootstrap_room}"
+            return 400, (f"bootstrap_room must be 0..{MAX_ROOM} (it travels as an int64), "
+                         f"got {req.bootstrap_room}")
         if not 1 <= req.bootstrap_port <= 65535:
             return 400, f"bootstrap_port must be 1..65535, got {req.bootstrap_port}"
         owner = next((t.rid for t in self.requests.values() if t.room == req.bootstrap_room), None)
         if owner is not None:
             return 400, f"bootstrap_room {req.bootstrap_room} is already in use by request {owner}"
         if req.top_logprobs_num > MAX_TOP_LOGPROBS:
-            return 400, f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS} on a PD cluster, got {req.top_logprobs_num}"
+            return 400, (f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS} on a PD cluster, "
+                         f"got {req.top_logprobs_num}")
         return None  # then the scheduler's own checks, with the client's max_new_tokens, so both legs agree
 
     def guard_stats(self) -> dict[str, int]:
@@ -85,11 +87,12 @@ class PDRole(SchedulerHooks):
     def poll(self, states: list[PDRequest]) -> dict[str, KVPoll]:
         """One TP-wide poll (MIN over the consensus group) of the given requests' senders/receivers;
         those that failed (on any rank) are ended here."""
-        polls = dict(zip([t.rid for t in states], poll_and_all_reduce([t.conn for t in states], self.consensus_group),
-                         strict=True))
+        agreed = poll_and_all_reduce([t.conn for t in states], self.consensus_group)
+        polls = dict(zip([t.rid for t in states], agreed, strict=True))
         failed = [t for t in states if polls[t.rid] == KVPoll.Failed]
         if failed:  # every rank got the same polls, so every rank shares its reasons here
-            own = [str(t.conn.failure_exception()) if t.conn.poll() == KVPoll.Failed else None for t in failed]
+            own = [str(t.conn.failure_exception()) if t.conn.poll() == KVPoll.Failed else None
+                   for t in failed]
             for t, reason in zip(failed, share_failure_reasons(own, self.consensus_group), strict=True):
                 self.fail(t, reason or failure_reason(t.conn))
         return polls
@@ -98,7 +101,8 @@ class PDRole(SchedulerHooks):
         """The transfer failed: end the request (HTTP 500) wherever it is; `on_release` frees the rest."""
         t.failed = True
         self.transfer_stats.failure(t.before_transfer)
-        self.logger.warning("rid=%s room=%d transfer failed at stage %s: %s", t.rid, t.room, t.stage.value, reason)
+        self.logger.warning("rid=%s room=%d transfer failed at stage %s: %s", t.rid, t.room, t.stage.value,
+                            reason)
         self.sched.finish_requests(t.rid, FinishStatus.abort(f"KV transfer failed: {reason}", 500,
                                                                  err_type=KV_TRANSFER_FAILED))
 
@@ -108,8 +112,8 @@ class PDRole(SchedulerHooks):
             return fn(*args)
         except Exception:
             self.logger.exception("rid=%s room=%d %s failed; the request fails", t.rid, t.room, what)
-            self.sched.finish_requests(t.rid, FinishStatus.abort(f"internal error while {what} (see the node's log)",
-                                                                 500))
+            why = f"internal error while {what} (see the node's log)"
+            self.sched.finish_requests(t.rid, FinishStatus.abort(why, 500))
             return None
 
     def pd_stats(self) -> dict[str, Any]:
@@ -134,8 +138,8 @@ class PDRole(SchedulerHooks):
         if state == KVPoll.Failed and not t.failed:
             t.failed = True
             self.transfer_stats.failure(t.before_transfer)
-            self.logger.warning("rid=%s room=%d transfer had failed when the request ended: %s", t.rid, t.room,
-                                failure_reason(t.conn))
+            self.logger.warning("rid=%s room=%d transfer had failed when the request ended: %s", t.rid,
+                                t.room, failure_reason(t.conn))
         elif state not in (KVPoll.Success, KVPoll.Failed):
             self.transfer_stats.aborts += 1
             t.conn.abort()

@@ -61,7 +61,8 @@ class BootstrapQueue(StageQueue):
         for t in ready:
             self.discard(t)
             t.stage = PrefillStage.WAITING
-            if t.req.traceparent and t.conn.peer_traceparent:  # its transfer span links to the decode's request
+            # traced on both sides: its transfer span links to the decode's request
+            if t.req.traceparent and t.conn.peer_traceparent:
                 t.req.trace_links["inflight"] = t.conn.peer_traceparent
         return ready
 

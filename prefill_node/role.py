@@ -38,12 +38,12 @@ import torch
 
 from common.scheduler.req import Req
 from common.scheduler.scheduler import Scheduler
-from disaggregation.kv import advertised_host, build_kv_manager
+from disaggregation.kv import advertised_host, build_kv_manager, build_metadata
 from disaggregation.requests import MAX_TOP_LOGPROBS
 from disaggregation.role import PDRole
 from prefill_node.queues import BootstrapQueue, InflightQueue, PrefillRequest, PrefillStage
 from transfer.bootstrap import BootstrapServer
-from transfer.metadata import MetadataAllocator, MetadataBuffers
+from transfer.metadata import MetadataAllocator
 from transfer.sender import PrefillKVManager
 
 logger = logging.getLogger("prefill")
@@ -73,18 +73,16 @@ class PrefillRole(PDRole):
         # one metadata row per request between bootstrap and the end of its transfer
         self.num_metadata_slots = 2 * sched.req_to_token_pool.size + sched.max_running_requests
         super().__init__(sched, MetadataAllocator(self.num_metadata_slots))
-        # EAGLE / MTP: the first draft and the draft layers' hidden state go with the first token
-        self.metadata = MetadataBuffers(self.num_metadata_slots, max_top_logprobs=MAX_TOP_LOGPROBS,
-                                        hidden_size=sched.model_config.hidden_size if args.draft_layers else 0,
-                                        pinned=sched.runner.device.type == "cuda")
+        self.metadata = build_metadata(self.num_metadata_slots, sched, args.draft_layers)
         # one bootstrap server per node, in DP group 0's first rank: every rank of every group and stage
         # registers with it
         first = tp_rank == 0 and sched.dp_rank == 0 and sched.pp_rank == 0
         self.bootstrap_server = start_bootstrap_server(args) if first else None
         self.bootstrap_addr = f"{advertised_host(args.host)}:{args.disaggregation_bootstrap_port}"
         try:
-            self.kv_manager = build_kv_manager(PrefillKVManager, args, sched.runner, self.metadata, tp_rank, tp_size,
-                                               dp_rank=sched.dp_rank, decode_tp=args.disaggregation_decode_tp or 0,
+            self.kv_manager = build_kv_manager(PrefillKVManager, args, sched.runner, self.metadata, tp_rank,
+                                               tp_size, dp_rank=sched.dp_rank,
+                                               decode_tp=args.disaggregation_decode_tp or 0,
                                                bootstrap_addr=self.bootstrap_addr)
         except Exception:
             if self.bootstrap_server is not None:

@@ -1,4 +1,7 @@
-"""Import rules of the HTTP layers: no module of common/server imports one that imports it back, and the
+"""Import rules of the layers. From the top: the node roles (prefill_node/, decode_node/), the PD role layer
+they share (disaggregation/), the KV transfer (transfer/), the engine (common/). A layer imports only those
+below it: common/ no layer above it (it names a role's scheduler and flag rules by import path), transfer/
+neither the roles nor the scheduler. No module of common/server imports one that imports it back, and the
 router stays torch-free."""
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _imports(path: Path, package: str) -> set[str]:
-    """Modules of `package` that a file imports (at the top or inside functions)."""
+def _imports(path: Path, package: str = "") -> set[str]:
+    """Modules of `package` (all: "") that a file imports (at the top or inside functions)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -20,7 +23,34 @@ def _imports(path: Path, package: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             out.add(node.module)
             out.update(f"{node.module}.{a.name}" for a in node.names)
-    return {m for m in out if m.startswith(package + ".")}
+    return {m for m in out if not package or m.startswith(package + ".")}
+
+
+def _under(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_layers_import_only_those_below():
+    above_transfer = ("disaggregation", "prefill_node", "decode_node", "common.scheduler")
+    rules = [("common", ("transfer", "disaggregation", "prefill_node", "decode_node")),
+             ("transfer", above_transfer),
+             ("disaggregation", ("prefill_node", "decode_node"))]
+    wrong = []
+    for layer, banned in rules:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            bad = sorted(m for m in _imports(path) if _under(m, banned))
+            if bad:
+                wrong.append(f"{path.relative_to(ROOT)} imports {', '.join(bad)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_checking_a_pd_nodes_flags_loads_neither_torch_nor_transfer():
+    code = ("import sys; from common.config import ServerArgs; "
+            "[ServerArgs(disaggregation_mode=m).validate() for m in ('null', 'prefill', 'decode')]; "
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transfer'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == []
 
 
 def test_common_server_has_no_import_cycle():

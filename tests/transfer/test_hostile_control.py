@@ -28,6 +28,7 @@ import zmq
 
 from common.cluster_secret import ClusterSecret, load_secret
 from common.server.metrics import Metrics
+from disaggregation.role import PDRole
 from tests.transfer import kv_harness as h
 from tests.transfer.inproc_pair import wait as wait_for
 from transfer.auth import CONTROL, Authenticator
@@ -36,7 +37,6 @@ from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from transfer.control import Abort, ControlPlane, Ping, Status, TransferInfo
 from transfer.engine import BackendUnavailable
 from transfer.receiver import KVReceiver
-from disaggregation.role import PDRole
 from transfer.sender import KVSender
 
 MAX_PEERS = 64

@@ -18,11 +18,11 @@ import psutil
 import pytest
 
 from common.config import ServerArgs
+from disaggregation.kv import node_settings
 from tests.harness.client import free_port
 from tests.harness.nodes import RoleNode
 from transfer.backends import create_engine
 from transfer.base import TransferSettings
-from disaggregation.kv import node_settings
 
 ACK_ENV = "PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN"
 NODE = {"page_size": 4, "max_total_tokens": 2048, "max_running_requests": 4, "num_threads": 1}

@@ -6,10 +6,10 @@ from __future__ import annotations
 from common.protocol import SamplingParams
 from common.scheduler.req import Req
 from decode_node.queues import DecodeRequest, DecodeStage, PreallocQueue, TransferQueue, WaitingQueue
+from disaggregation.role import PDRole
 from prefill_node.queues import BootstrapQueue, InflightQueue, PrefillRequest, PrefillStage
 from transfer.base import KVPoll
 from transfer.metadata import MetadataAllocator
-from disaggregation.role import PDRole
 
 
 class Conn:
