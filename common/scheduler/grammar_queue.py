@@ -1,4 +1,4 @@
-"""The grammar queue (reference 000 §13): a request with a grammar (`json_schema`, `regex`, `ebnf`) waits
+"""The grammar queue: a request with a grammar (`json_schema`, `regex`, `ebnf`) waits
 here while its grammar compiles on the compiler's thread, then goes on as any other request (the role's
 queues, or the waiting queue). It is admitted (the front end starts its answer) only when it leaves:
 a grammar that does not compile is a 400 with xgrammar's reason, before any byte of a stream.

@@ -1,17 +1,27 @@
-"""What a new request goes through before the scheduler takes it: admission against the queue limit
-(`Admission`), a `Req` built from the front end's `TokenizedRequest`, the checks that refuse it (HTTP
-status and message), and the decoder that stop strings are matched with."""
+"""The way in: what a new request goes through before the scheduler's queues take it.
+
+`Intake.accept(msg)`, in order: a `Req` built from the front end's `TokenizedRequest` (`make_req`);
+admission against the queue limit (`Admission`; under priority scheduling a newcomer may take the place
+of the lowest-priority request not started yet); a rid already live is refused; the role's checks
+(`hooks.validate`) and the scheduler's own (`check_request`: HTTP status and message). An accepted
+request waits in the grammar queue while its grammar compiles, then `start` hands it to the role's
+queues (`hooks.on_new_request`) or the waiting queue, and records it as admitted for the front end.
+`add_prebuilt` is the way in of requests whose prompt KV is already in the pool (a decode node's).
+Also here: the decoder that stop strings are matched with.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 from common.layers.sampling import make_generator
 from common.protocol import BadRequest, TokenizedRequest
-from common.scheduler.req import Req
+from common.scheduler.hooks import SchedulerHooks
+from common.scheduler.req import FinishStatus, Req
 
 logger = logging.getLogger("scheduler")
 
@@ -134,3 +144,99 @@ def check_request(req: Req, vocab_size: int, context_length: int, kv_capacity: i
     if bad:
         return 400, f"`logit_bias` has token id {bad[0]} outside the vocabulary (0..{vocab_size - 1})"
     return None
+
+
+class Intake:
+    def __init__(self, args, runner, tokenizer, queues, priority, results, counters) -> None:
+        self.runner = runner  # the model's limits, and its EOS tokens (a test may change them)
+        self.tokenizer = tokenizer
+        self.max_top_logprobs_num = args.max_top_logprobs_num
+        self.queues = queues
+        self.priority = priority
+        self.results = results  # reports refusals; ends a request displaced from a full queue
+        self.counters = counters
+        self.admission = Admission(args.queued_requests_limit)  # --max-queued-requests
+        self.hooks = SchedulerHooks()  # the scheduler's `hooks` setter installs the role's
+
+    def make_req(self, msg: TokenizedRequest) -> Req:
+        return make_req(msg, self.runner.eos_token_ids, self.tokenizer)
+
+    def accept(self, msg: TokenizedRequest) -> None:
+        """A new request from the front end: refused, or on its way to the queues."""
+        req = self.make_req(msg)
+        live = self.queues.live_reqs
+        full = self.admission.check(msg, self.queues.num_queued)
+        # a full queue turns away its lowest priority first: a newcomer that outranks it takes its place
+        displaced = (self.priority.queue_full_victim(live.values(), req)
+                     if full is not None and msg.batch_size <= 1 else None)
+        if full is not None and displaced is None:
+            self.refuse(req, *full)
+            return
+        if msg.rid in live:
+            self.refuse(req, 400, f"a request with rid {msg.rid!r} is already running")
+            return
+        try:
+            err = self.hooks.validate(req) or self.check(req)
+        except Exception:
+            logger.exception("rid=%s validate hook failed; the request is refused", req.rid)
+            err = (500, "internal error while validating the request (see the node's log)")
+        if err is not None:
+            self.refuse(req, *err)
+            return
+        if displaced is not None:
+            self.results.end([displaced.rid], self.priority.turn_away(displaced, req))
+        live[req.rid] = req
+        self.counters.total_prompt_tokens += len(req.origin_input_ids)
+        logger.info("rid=%s received: %d prompt tokens, max_new_tokens=%d, priority=%d", req.rid,
+                    len(req.origin_input_ids), req.max_new_tokens, req.priority)
+        if req.sampling.grammar() is not None:
+            self.queues.grammar_queue.add(req)  # admitted once its grammar is ready
+            return
+        self.start(req)
+
+    def start(self, req: Req) -> None:
+        """An accepted request goes to its role's queues (or the waiting queue) and is admitted."""
+        try:
+            kept = self.hooks.on_new_request(req)
+        except Exception:
+            self.results.hook_failed("on_new_request", req)
+            return
+        if not kept:
+            self.queues.add_waiting(req)
+        self.admission.admitted(req.rid)
+
+    def add_prebuilt(self, reqs: list[Req]) -> None:
+        """Requests whose prompt KV is already in the pool join the running batch without prefill:
+        each has `req_pool_idx`, `kv_len` = prompt length and `output_ids` = [first token]."""
+        for req in reqs:
+            if req.req_pool_idx is None or req.kv_len != len(req.origin_input_ids) or not req.output_ids:
+                raise ValueError(f"rid={req.rid}: a prebuilt request needs a req pool row, its prompt's "
+                                 "KV and its first output token")
+            if self.queues.live_reqs.setdefault(req.rid, req) is not req:
+                raise ValueError(f"rid={req.rid} is already live here")
+            req.input_logprobs_done = True
+            req.scheduled_once = True
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            if req.check_finished():
+                self.results.finish(req)
+            else:
+                self.queues.running_batch.merge([req])
+                req.mark("decode")
+            self.results.report(req)
+
+    def grammar_failed(self, req: Req, message: str) -> None:
+        self.queues.live_reqs.pop(req.rid, None)
+        self.refuse(req, 400, message)
+
+    def check(self, req: Req) -> tuple[int, str] | None:
+        """(HTTP status, message) when the request cannot be served here, else None."""
+        runner = self.runner
+        return check_request(req, runner.model_config.vocab_size, runner.context_length, runner.allocator.capacity,
+                             self.tokenizer, self.max_top_logprobs_num)
+
+    def refuse(self, req: Req, status: int, message: str, err_type: str | None = None) -> None:
+        """End a request that will not be served here; `err_type` names a cause a router acts on."""
+        logger.info("rid=%s refused (%d): %s", req.rid, status, message)
+        req.finish(FinishStatus.abort(message, err_type=err_type).reason, error_status=status)
+        self.results.report(req)

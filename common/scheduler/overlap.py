@@ -1,4 +1,4 @@
-"""Overlap scheduling (reference 000 §2, 004): the forward of decode step n runs on a worker thread
+"""Overlap scheduling: the forward of decode step n runs on a worker thread
 while the scheduler loop receives requests, builds step n+1 and then processes step n's result.
 
 Step n+1 is built before step n's tokens are known, so its input ids for requests of step n are
@@ -6,13 +6,17 @@ placeholders: `-slot` of a `FutureMap` row. The worker runs forwards one at a ti
 before a forward it replaces the placeholders with the tokens the previous forward stored there,
 and after sampling it stores this forward's tokens in the rows the batch reserved.
 
-What the loop must respect (`OverlapRunner.step`, `before_building`, `decode_batch_ahead`):
+What the loop must respect (`OverlapRunner.run`, `before_building`, `decode_batch_ahead`):
 * only decode steps stay in flight across a loop iteration; a prefill batch is waited for at once;
 * a request whose memory is released while a forward that writes it is in flight (it finished in
   the step before, or was aborted) keeps that memory until the forward is done (`in_flight`,
   `defer`, `completed`): pages and rows are never handed to anyone while a kernel may write them;
 * a step whose sampling reads the tokens generated so far (penalties, grammars, min_new_tokens not
   reached) or that must retract, prefill or preempt waits for the step in flight first.
+
+The scheduler's step is the same three phases with or without overlap: `schedule()`, then `run(out)`
+here instead of the runner's forward, and the update phase, which this runner calls back
+(`on_result(out, result)`) for each forward it has finished, oldest first.
 """
 
 from __future__ import annotations
@@ -77,8 +81,9 @@ class Launched:
 class OverlapRunner:
     """Runs the scheduler's forwards on one daemon thread, in launch order."""
 
-    def __init__(self, runner, batch_rows: int) -> None:
+    def __init__(self, runner, batch_rows: int, on_result) -> None:
         self.runner = runner
+        self.on_result = on_result  # the scheduler's update phase: on_result(scheduler output, RunnerOutput)
         self.futures = FutureMap(4 * batch_rows)
         self.in_flight_batches: collections.deque[Launched] = collections.deque()
         self.launched = 0  # sequence number of the last launched batch
@@ -124,39 +129,34 @@ class OverlapRunner:
         return bool(self.in_flight_batches or self._deferred)
 
     # ------------------------------------------------------------------ the loop's side
-    def step(self, sched) -> bool:
-        """One step of `sched`: launch its forward on the worker, then process the step before it. A
-        decode step stays in flight while the loop goes on; a prefill batch is waited for at once."""
-        out = sched.schedule()
-        if out.batch is None:
-            self.drain(sched)
-            sched.emit(sched.update_from_output(out, None))
-            return False
-        if out.batch is sched.running_batch:  # its list of requests changes while the forward runs
+    def run(self, out, running: ScheduleBatch) -> None:
+        """Launch `out.batch`'s forward on the worker, then process the results that are due: a decode
+        step stays in flight while the loop goes on; a prefill batch is waited for at once."""
+        if out.batch is running:  # its list of requests changes while the forward runs
             out.batch = out.batch.snapshot()
-        sched.before_forward()
         self.launch(out)
-        self.drain(sched, keep=0 if out.batch.mode == ForwardMode.EXTEND else 1)
-        return True
+        self.drain(keep=0 if out.batch.mode == ForwardMode.EXTEND else 1)
 
-    def drain(self, sched, keep: int = 0) -> None:
+    def drain(self, keep: int = 0) -> None:
         """Process the results of the forwards in flight, oldest first, until `keep` are left."""
         while len(self.in_flight_batches) > keep:
             out, result = self.take_oldest()
-            sched.emit(sched.update_from_output(out, result))
+            self.on_result(out, result)
             self.release_completed()
 
-    def before_building(self, sched) -> None:
-        """Called by `schedule()` before it builds a batch: the step in flight is processed first
-        unless the next is another decode step of the same requests, with memory for it, whose
-        sampling does not read the tokens generated so far (the last one is not known yet)."""
+    def before_building(self, queues) -> None:
+        """Called by `schedule()` before it builds a batch from `queues` (common/scheduler/queues.py):
+        the step in flight is processed first unless the next is another decode step of the same
+        requests, with memory for it, whose sampling does not read the tokens generated so far (the
+        last one is not known yet)."""
         if not self.in_flight_batches:
             return
-        ahead = (not sched.waiting_queue and sched.chunked_req is None and sched.running_batch.reqs
+        running = queues.running_batch
+        ahead = (not queues.waiting_queue and queues.chunked_req is None and running.reqs
                  and self.in_flight_batches[-1].out.batch.mode == ForwardMode.DECODE
-                 and sched.running_batch.check_decode_mem() and all(map(needs_no_history, sched.running_batch.reqs)))
+                 and running.check_decode_mem() and all(map(needs_no_history, running.reqs)))
         if not ahead:
-            self.drain(sched)
+            self.drain()
 
     def decode_batch_ahead(self, running: ScheduleBatch) -> ScheduleBatch | None:
         """The decode batch to build from the running batch: without the requests the step in flight

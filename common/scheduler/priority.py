@@ -11,13 +11,15 @@
   `--priority-scheduling-preemption-threshold` are retracted, lowest priority first (the latest arrival
   first among equals), until it fits; if even all of them would not make room, none is retracted.
   Victims go back to the waiting queue through the same retraction as an out-of-memory decode step
-  (their KV to the host store when `--decode-offload-size` allows), so they resume with the same tokens.
+  (`Retraction.preempt`: their KV to the host store when `--decode-offload-size` allows), so they
+  resume with the same tokens.
 * an out-of-memory decode step retracts the lowest priority first (`retract_key`);
 * a full queue (`--max-queued-requests`) turns away the lowest priority first: a newcomer that
   outranks the lowest-ranked request still waiting to start takes its place, and that one is answered
   429 (`queue_full_victim`).
 
-`sched` below is the Scheduler; this module only reads and moves its queues.
+This object holds the priority settings and counters; the queues and the retraction it acts on are
+handed to each call.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ import logging
 from typing import TYPE_CHECKING
 
 from common.scheduler.batch import ScheduleBatch
-from common.scheduler.offload import offload_victim
 from common.scheduler.prefill_adder import CLIP_MAX_NEW_TOKENS
 from common.scheduler.req import FinishStatus, Req, Stage
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from common.scheduler.prefill_adder import PrefillAdder
+    from common.scheduler.retraction import Retraction
 
 logger = logging.getLogger("scheduler")
 
@@ -62,11 +66,13 @@ class PriorityScheduling:
         queue.sort(key=self.rank)
 
     # ------------------------------------------------------------------ preemption
-    def preempt(self, sched, adder: PrefillAdder, req: Req, slot: bool) -> list[Req]:
-        """Retract running requests `req` outranks by more than the threshold so that it can be admitted:
-        for a running slot and req pool row (`slot`: at least one victim), and for its KV (prompt +
-        clipped output) beyond what the adder has left. Returns the victims (out of the running batch, stage WAITING, not yet in
-        the waiting queue: the caller puts them there), [] when preemption cannot make room."""
+    def preempt(self, adder: PrefillAdder, req: Req, slot: bool, running: ScheduleBatch,
+                retraction: Retraction) -> list[Req]:
+        """Retract requests of `running` that `req` outranks by more than the threshold so that it can be
+        admitted: for a running slot and req pool row (`slot`: at least one victim), and for its KV
+        (prompt + clipped output) beyond what the adder has left. Returns the victims (out of the
+        running batch, stage WAITING, not yet in the waiting queue: the caller puts them there), []
+        when preemption cannot make room."""
         if not self.preemption:
             return []
         page = adder.page_size
@@ -76,7 +82,7 @@ class PriorityScheduling:
         short = need - adder.rem_total_tokens  # KV tokens missing (a slot is missing too when `slot`)
         if short <= 0 and not slot:
             return []
-        cands = [r for r in sched.running_batch.reqs if self.outranks(req, r, self.threshold)]
+        cands = [r for r in running.reqs if self.outranks(req, r, self.threshold)]
         cands.sort(key=lambda r: (-self.rank(r), -r.arrival_time))
         victims: list[Req] = []
         freed = 0
@@ -89,41 +95,35 @@ class PriorityScheduling:
             return []
         for v in victims:
             adder.running_reserved -= adder.reserve_running(v)
-            sched.running_batch.filter(lambda r, v=v: r is not v)
-            if sched.host_store is not None:
-                offload_victim(sched, v)
-            sched.tree_cache.cache_finished_req(v)
-            v.reset_for_retract()
+            retraction.preempt(v)
             logger.info("rid=%s preempted by rid=%s (priority %d over %d) after %d output tokens; %s", v.rid,
                         req.rid, req.priority, v.priority, len(v.output_ids),
-                        "KV in the host store" if sched.host_store is not None and v.rid in sched.host_store
-                        else "will prefill again")
+                        "KV in the host store" if retraction.holds(v.rid) else "will prefill again")
         self.num_preemptions += len(victims)
-        sched.num_retractions += len(victims)
         return victims
 
     # ------------------------------------------------------------------ full queue
-    def queue_full_victim(self, sched, newcomer: Req) -> Req | None:
+    def queue_full_victim(self, live_reqs: Iterable[Req], newcomer: Req) -> Req | None:
         """The request a full queue turns away for `newcomer`: the lowest-ranked one not started yet
         (waiting, or in a role's queue; retracted requests have started), the latest arrival among
         equals, if `newcomer` outranks it; else None (the newcomer is turned away)."""
         if not self.enabled:
             return None
-        waiting = [r for r in sched.live_reqs.values()
+        waiting = [r for r in live_reqs
                    if r.stage in (Stage.WAITING, Stage.NEW) and not r.scheduled_once and not r.is_retracted]
         if not waiting:
             return None
         lowest = max(waiting, key=lambda r: (self.rank(r), r.arrival_time))
         return lowest if self.outranks(newcomer, lowest) else None
 
-    def displace(self, sched, victim: Req, newcomer: Req) -> None:
-        """Turn `victim` away (429, with Retry-After at the front end) so that `newcomer` takes its place."""
+    def turn_away(self, victim: Req, newcomer: Req) -> FinishStatus:
+        """How `victim` ends (429, with Retry-After at the front end) so that `newcomer` takes its place."""
         self.num_queue_full_displaced += 1
         logger.info("rid=%s turned away from the full queue for rid=%s (priority %d over %d)", victim.rid,
                     newcomer.rid, newcomer.priority, victim.priority)
-        sched.finish_requests(victim.rid, FinishStatus.abort(
+        return FinishStatus.abort(
             f"the node's queue is full and a request of higher priority ({newcomer.priority}) arrived; this "
-            f"request (priority {victim.priority}) is turned away first (--max-queued-requests); retry later", 429))
+            f"request (priority {victim.priority}) is turned away first (--max-queued-requests); retry later", 429)
 
     def stats(self) -> dict[str, int]:
         return {"num_priority_preemptions": self.num_preemptions,

@@ -1,5 +1,5 @@
 """Speculative decoding: the verify step both algorithms share, and n-gram drafting
-(`--speculative-algorithm NGRAM`, reference 003 §5.5). EAGLE / MTP chains come from the checkpoint's
+(`--speculative-algorithm NGRAM`). EAGLE / MTP chains come from the checkpoint's
 draft layers, which the model runner runs (common/draft_layers.py; `DraftLayerDrafter` here only asks for
 a chain of the right length starting at the request's first draft).
 
@@ -186,3 +186,14 @@ def rollback(req: Req, allocator, req_to_token: torch.Tensor, reserved_len: int)
     keep_to = -(-req.kv_len // ps) * ps
     if reserved_len > keep_to:
         allocator.free_slots(req_to_token[req.req_pool_idx, keep_to:reserved_len])
+
+
+def make_drafter(args) -> Drafter | None:
+    """The drafter `--speculative-algorithm` asks for (None: no speculation). EAGLE / MTP: the runner
+    drafts with the checkpoint's draft layers; NGRAM: from each request's own tokens."""
+    if not args.speculative_algorithm:
+        return None
+    if args.draft_layers:
+        return DraftLayerDrafter(args.speculative_num_draft_tokens, args.speculative_disable_by_batch_size)
+    return NgramDrafter(args.speculative_num_draft_tokens, args.speculative_ngram_min_match_window_size,
+                        args.speculative_ngram_max_match_window_size, args.speculative_disable_by_batch_size)

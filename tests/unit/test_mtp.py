@@ -16,6 +16,7 @@ from common.config import ConfigError, ServerArgs
 from common.models.llama import ModelLoadError
 from common.models.tiny_model import exact_draft_head
 from common.protocol import SamplingParams
+from common.scheduler.hooks import SchedulerHooks
 from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 from tests.unit.test_engine_correctness import Engine, hf_greedy, prompts_of
 
@@ -38,13 +39,13 @@ def _run(model_dir, prompts, spec=True, sampling=GREEDY, **kw):
     """Tokens per request, and each request's (draft token, draft hidden, all tokens) when it finished."""
     eng = Engine(model_dir, **(MTP if spec else {}), **kw)
     ends = {}
-    finish = eng.sched._finish
 
-    def record(req):
-        ends[req.rid] = (req.draft_token, req.draft_hidden, req.all_token_ids())
-        finish(req)
+    class Recording(SchedulerHooks):
+        def on_finished(self, req) -> bool:
+            ends[req.rid] = (req.draft_token, req.draft_hidden, req.all_token_ids())
+            return False
 
-    eng.sched._finish = record
+    eng.sched.hooks = Recording()
     for i, p in enumerate(prompts):
         eng.submit(f"r{i}", p, sampling=sampling)
     toks = eng.run()
