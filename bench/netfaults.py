@@ -37,7 +37,9 @@ import sys
 import time
 from collections import Counter
 
-from bench.chaos import ROUTER_ARGS, Driver, counters, leak_report, normalize
+from bench.chaos import ROUTER_ARGS
+from bench.chaos_report import counters, leak_report
+from bench.chaos_traffic import Driver, normalize
 from bench.report import HelpFormatter, machine_info, save_json
 
 BACKENDS = ("mooncake", "nixl", "ucx")
