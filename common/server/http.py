@@ -26,7 +26,8 @@ from common.protocol import (
     item_rids,
     normalize_hosts,
 )
-from common.server.tokenizer_manager import ReqState, TokenizerManager
+from common.server.request_state import ReqState
+from common.server.tokenizer_manager import TokenizerManager
 
 # the client's X-Request-ID (checked by the middleware): the rid of a request whose body names none
 REQUEST_ID_HEADER = "X-Request-ID"

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.server.tokenizer_manager import ReqState, TokenizerManager
+from common.server.request_state import ReqState
+from common.server.tokenizer_manager import TokenizerManager
 
 Entry = tuple[int, float | None, list[tuple[float, int]] | None]  # token id, its logprob, its top row
 
