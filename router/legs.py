@@ -97,8 +97,13 @@ class Legs:
     def hold(self, task: asyncio.Future) -> asyncio.Future:
         """Keep `task` referenced until it ends."""
         self.background.add(task)
-        task.add_done_callback(self.background.discard)
+        task.add_done_callback(self._release)
         return task
+
+    def _release(self, task: asyncio.Future) -> None:
+        self.background.discard(task)
+        if not task.cancelled():
+            task.exception()  # an abandoned leg's error is nobody's to hear: not logged as never retrieved
 
     async def idle_bound(self, aw):
         """`aw`, failing with TimeoutError when the worker sends nothing for --stream-idle-timeout-secs."""

@@ -11,8 +11,8 @@ and, with logprobs asked for, for the prompt's logprobs it answers. An attempt i
           `--HUNG_UP--> CLIENT_GONE <--HUNG_UP--'
 
 * WAITING_FIRST_TOKEN: nothing has reached the client. A stream's keep-alives and a chat stream's role
-  chunk are held back (HELD keeps the state), so any failure leaves the client with nothing and can run
-  again: a leg's error answer, a broken or silent connection, a decode stream whose lead (its first event
+  chunk are held back (the state stays), so any failure leaves the client with nothing and can run again:
+  a leg's error answer, a broken or silent connection, a decode stream whose lead (its first event
   with a token) is an error event of the node's own (a failed KV transfer, say; router/retry.py tells it
   from the request's own error, which is relayed). FAILED ends the attempt in FAILED_RETRYABLE with a
   `Failure` that the retry table judges. A whole (not streamed) answer ends it in DONE (ANSWERED).
@@ -23,8 +23,9 @@ and, with logprobs asked for, for the prompt's logprobs it answers. An attempt i
   [DONE] end the client's stream, and nothing is retried.
 * CLIENT_GONE: the client went away; both legs are aborted on their nodes.
 
-`TRANSITIONS` is every move the machine makes; `Attempt.advance` refuses any other. The actions of each end
-(which leg to abort, what to count) are in `Attempt._settle`.
+`TRANSITIONS` is every move the machine makes; `Attempt.advance` refuses any other. What each end leaves
+to do (which leg to abort on its node, what to count) is in `Attempt._fail` for FAILED_RETRYABLE and in
+`Attempt._settle` for the others.
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ class State(enum.Enum):
 
 
 class Signal(enum.Enum):
-    HELD = "a keep-alive or a chat stream's role chunk, held back"
     FAILED = "a leg failed, or the decode stream's lead is the node's error"
     LEAD = "the decode stream's first event with a token (or its end without one)"
     ANSWERED = "the decode's whole answer"
@@ -72,7 +72,6 @@ class Signal(enum.Enum):
 
 _W, _S = State.WAITING_FIRST_TOKEN, State.STREAMING
 TRANSITIONS: dict[tuple[State, Signal], State] = {
-    (_W, Signal.HELD): _W,
     (_W, Signal.FAILED): State.FAILED_RETRYABLE,
     (_W, Signal.LEAD): _S,
     (_W, Signal.ANSWERED): State.DONE,
@@ -225,7 +224,6 @@ class Attempt:
                     if event.kind not in _HELD_BACK:
                         self.lead = event
                         return None
-                    self.advance(Signal.HELD)
             # the stream ended without a lead: relay what it sent, unless that was only keep-alives
             if all(e.kind is Kind.COMMENT for e in self.pending) and \
                     all(not line or line.startswith(b":") for line in self.splitter.rest.split(b"\n")):
