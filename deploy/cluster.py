@@ -285,7 +285,7 @@ class Cluster:
                 new_secret_file(os.path.join(self.log_dir, "cluster-secret"))
         self.children = []
         places = self._places()
-        self._describe_plan()
+        self._choose_placement()
         for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(n):
                 self.children.append(self._node(role, f"{role}-{i}", *places[len(self.children) + 1]))
@@ -312,7 +312,7 @@ class Cluster:
         self.write_manifest()
         return self
 
-    def _describe_plan(self) -> None:
+    def _choose_placement(self) -> None:
         """Choose the automatic placement, and say what was chosen."""
         if self.auto_placement:
             why_not = self._no_core_loan()
