@@ -41,8 +41,11 @@ class Event:
 
     def __init__(self, raw: bytes) -> None:
         self.raw = raw
-        values = [line[5:] for line in raw.split(b"\n") if line.startswith(b"data:")]
-        self.data = b"\n".join(v[1:] if v.startswith(b" ") else v for v in values) if values else None
+        if raw.startswith(b"data: ") and raw.find(b"\n") == len(raw) - 2:  # one data line, as nodes write
+            self.data = raw[6:-2]
+        else:
+            values = [line[5:] for line in raw.split(b"\n") if line.startswith(b"data:")]
+            self.data = b"\n".join(v[1:] if v.startswith(b" ") else v for v in values) if values else None
         self._obj = None  # decoded on first use
         self._kind: Kind | None = None
 
@@ -93,8 +96,8 @@ def _is_preamble(obj) -> bool:
         return False
     for c in choices:
         delta = c.get("delta") if isinstance(c, dict) else None
-        if not isinstance(delta, dict) or set(delta) - {"role", "content"} or delta.get("content") \
-                or c.get("finish_reason") is not None or c.get("logprobs"):
+        if not isinstance(delta, dict) or delta.get("content") or c.get("finish_reason") is not None \
+                or c.get("logprobs") or set(delta) - {"role", "content"}:
             return False
     return True
 

@@ -115,14 +115,15 @@ def test_the_transitions_start_waiting_and_end_in_a_final_state():
 
 
 class FakeResponse:
-    """A decode stream's response: its reads scripted (bytes, or an exception to raise)."""
+    """A decode stream's response: its reads scripted (bytes, an exception to raise, or seconds to wait)."""
 
-    def __init__(self, status: int, reads, body: bytes = b"", delay: float = 0.0) -> None:
+    def __init__(self, status: int, reads, body: bytes = b"") -> None:
         self.status, self.reads, self.body, self.headers, self.closed = status, list(reads), body, {}, False
-        self.delay = delay  # before each read
 
     async def readany(self) -> bytes:
-        await asyncio.sleep(self.delay)
+        await asyncio.sleep(0)
+        while self.reads and isinstance(self.reads[0], float):
+            await asyncio.sleep(self.reads.pop(0))
         if not self.reads:
             return b""
         r = self.reads.pop(0)
@@ -176,8 +177,8 @@ def _writer(sent: list[bytes], fail: bool) -> mock.Mock:
 OK = LegAnswer(200, b'{"meta_info": {}}', "application/json", None, None)
 
 
-def _run(reads, prefill=OK, status=200, client_fails=False, body=b"", delay=0.0, prefill_delay=0.01):
-    legs = ScriptedLegs(prefill, FakeResponse(status, reads, body, delay), prefill_delay)
+def _run(reads, prefill=OK, status=200, client_fails=False, body=b"", prefill_delay=0.01):
+    legs = ScriptedLegs(prefill, FakeResponse(status, reads, body), prefill_delay)
     p, d = _worker("prefill", "p0"), _worker("decode", "d0")
     req = SimpleNamespace(path="/v1/chat/completions", stream=True, return_logprob=False)
     trace = SimpleNamespace(first_byte=0.0, events=0)
@@ -216,12 +217,12 @@ def test_a_node_error_before_the_first_token_is_a_retryable_failure_with_nothing
 
 
 def test_the_prefill_legs_failure_before_the_first_token_ends_the_attempt_and_after_it_does_not():
-    attempt, result, sent, legs, _ = _run([b": keep-alive\n\n"] * 10, prefill=ConnectionResetError("gone"),
-                                          delay=0.01)
+    reads = [b": keep-alive\n\n", 0.5, _data(TOKEN)]  # the prefill fails while the decode waits for its KV
+    attempt, result, sent, legs, _ = _run(reads, prefill=ConnectionResetError("gone"))
     assert attempt.state is State.FAILED_RETRYABLE and result.kind is Kind.BROKEN and result.status == 502
     assert sent == b"" and legs.aborted == ["d0"]  # the decode leg it fed is aborted
-    attempt, result, sent, legs, _ = _run([_data(TOKEN), b"data: [DONE]\n\n"], prefill=ConnectionResetError("gone"),
-                                          delay=0.005)
+    reads = [_data(TOKEN), 0.3, b"data: [DONE]\n\n"]  # the prefill fails after the first token
+    attempt, result, sent, legs, _ = _run(reads, prefill=ConnectionResetError("gone"), prefill_delay=0.1)
     assert attempt.state is State.DONE and sent == _data(TOKEN) + b"data: [DONE]\n\n"
 
 
