@@ -4,9 +4,9 @@ The health checks (`--health-check-interval-secs` x `--health-failure-threshold`
 default) take minutes to notice a host whose link was cut, and until then a non-streaming leg waits on it
 with nothing to bound it (a stream at least has the node's keep-alives). `SilenceWatch` bounds both: every
 worker is pinged on its health endpoint every quarter of the window (each ping bounded by the same quarter);
-a worker that has not answered anything for the whole window is declared silent: it leaves rotation, and the
-dispatcher cuts its connections (`Dispatcher.cut_off`), so the requests it holds fail at once and run again on
-another pair when nothing of them reached the client yet (`router/dispatch.py`), or end with a clear error
+a worker that has not answered anything for the whole window is declared silent: it leaves rotation, and its
+connections are cut (`Legs.cut_off` in router/legs.py), so the requests it holds fail at once and run again
+on another pair when nothing of them reached the client yet (router/relay.py), or end with a clear error
 when something had. Any answer counts as a sign of life (a 503 of a node that is up but unhealthy is the
 health checks' business, not this watch's); a worker this watch declared silent is taken back into rotation
 by it as soon as it answers 200 again. One log line per change, with the worker and how long it was silent.
