@@ -9,40 +9,36 @@ Contract
   when KV memory runs out), else no batch;
 * `update_from_output(out, runner_output) -> BatchOut | None`: append the sampled tokens and logprobs,
   check stops, release finished requests' memory (into the radix cache); returns the iteration's
-  per-request updates (`common/scheduler/output.py`), every end reported exactly once;
+  per-request updates (`output.py`), every end reported exactly once;
 * `finish_requests(ids, status)`: end requests wherever they are and free their memory (unknown or
   already ended ids are skipped); `release_held(rid)`: end a request whose memory a role held;
 * `get_request_counts() -> (running, waiting)`, `has_unfinished_requests()`.
 
-One engine step (`step`) is three phases: `out = schedule()`, `result = runner.run(out.batch)`
-(`common/runner.py`: forward, sampling, logprobs), `update(out, result)` (`update_from_output`, and the
-BatchOut goes out). With overlap scheduling (`--enable-overlap-schedule`, TP 1) the middle phase is
-`OverlapRunner.run`: a decode step's forward runs on a worker thread while the loop receives requests
-and builds the next step, and the runner calls `update` back for each forward it has finished
-(`common/scheduler/overlap.py` says what waits for what). Around the step `event_loop` receives the
-front end's messages: new requests (validated; refused with error_status 400 when they cannot fit),
-aborts, stats queries, cache flushes. Without a communicator (`comm=None`) the scheduler is driven in
-process: `process_input_requests([...])`, `step()`, and `send_fn` receives what it sends.
+`step()` is three phases: `out = schedule()`, `result = runner.run(out.batch)` (`common/runner.py`),
+`update(out, result)` (`update_from_output`, then the BatchOut goes out). With overlap scheduling
+(`--enable-overlap-schedule`, TP 1) the middle phase is `OverlapRunner.run`: a decode step's forward
+runs on a worker thread, and the runner calls `update` back for each forward it has finished.
+`event_loop` receives the front end's messages around the step; without a communicator (`comm=None`)
+the scheduler is driven in process: `process_input_requests([...])`, `step()`, and `send_fn`
+receives what it sends.
 
 Who owns what (each component is given its collaborators here, in `__init__`):
 * `queues` (`queues.py`): every request by stage: live, grammar, waiting, chunked, running, held;
+* `intake` (`intake.py`: admission, validation) and the grammar queue (`grammar_queue.py`): the way in;
 * `prefill` (`prefill.py`): the prefill batch: chunking, priority preemption, host-store restore,
   deferral of a prompt the batch already prefills, the mixed chunk;
 * `decode` (`decode.py`): the running batch's decode (or verify) step, retracting when KV is short;
 * `retraction` (`retraction.py`): retraction and the host store that keeps retracted requests' KV;
 * `priority` (`priority.py`), `policy` and `new_token_ratio` (`policy.py`): order and budgets;
 * `results` (`results.py`): the update phase and how a request ends (held, released, reported);
-* `output` (`output.py`): the iteration's updates, one `BatchOut`;
-* `intake` (`intake.py`: admission, validation) and the grammar queue (`grammar_queue.py`): the way in;
-* `overlap` (`overlap.py`), `drafter` (`speculative.py`): the worker-thread forward, speculative drafts;
-* `counters`, `stats` (`stats.py`): the figures of `/server_info`.
-The scheduler itself keeps the wiring, the contract, the input dispatch and the loop.
+* `output` (`output.py`), `counters` and `stats` (`stats.py`), `overlap`, `drafter` (`speculative.py`).
+The scheduler keeps the wiring, the contract, the input dispatch and the loop.
 
-A node role plugs in through `hooks` (`common/scheduler/hooks.py`), set after construction (the
-setter hands them to `results` too). An exception in a hook never ends the loop: a per-request hook's
-failure ends that request with error_status 500 (one log record with the rid and the traceback);
-`before_schedule` and `stats` failures are logged and the loop goes on; `on_release` failures are
-logged and the release completes.
+A node role plugs in through `hooks` (`hooks.py`), set after construction (the setter hands them to
+`intake` and `results`). A hook's exception never ends the loop: a per-request hook's failure ends
+that request with error_status 500 (one log record with the rid and the traceback); `before_schedule`
+and `stats` failures are logged and the loop goes on; `on_release` failures are logged and the
+release completes.
 """
 
 from __future__ import annotations
@@ -56,7 +52,6 @@ from common import core_loan
 from common.config import ServerArgs
 from common.forward_batch import ForwardMode
 from common.grammar import GrammarCompiler
-from common.kv_events import KVEventPublisher, KVEventsConfig
 from common.memory.radix_cache import make_tree_cache
 from common.protocol import (
     AbortRequest,
@@ -83,7 +78,7 @@ from common.scheduler.results import ResultProcessor
 from common.scheduler.retraction import Retraction, make_host_store
 from common.scheduler.speculative import make_drafter
 from common.scheduler.stats import Counters, SchedulerStats, log_progress
-from common.scheduler.trace import make_tracer
+from common.scheduler.trace import make_kv_events, make_tracer
 
 logger = logging.getLogger("scheduler")
 
@@ -123,7 +118,7 @@ class Scheduler:
         self.tree_cache = make_tree_cache(args.radix_cache_enabled and getattr(runner, "supports_radix_cache", True),
                                           self.req_to_token_pool, self.allocator, self.page_size)
         self.tracer = make_tracer(args) if first else None  # stage spans of released requests
-        self.kv_events = self._kv_event_publisher() if first else None  # rank 0's: the ranks' caches are equal
+        self.kv_events = make_kv_events(args, self.tree_cache, self.page_size, dp_rank, runner) if first else None
         self.tokenizer = tokenizer if tokenizer is not None else load_stop_decoder(args.tokenizer or model_dir)
         self.send_fn, self.comm = send_fn, comm
         self.stopping = False
@@ -160,25 +155,11 @@ class Scheduler:
         self.prefill = PrefillBuilder(args, self.queues, self.policy, self.priority, self.retraction,
                                       self.new_token_ratio, self.counters, self.results)
         self.intake = Intake(args, runner, self.tokenizer, self.queues, self.priority, self.results, self.counters)
-        self.admission = self.intake.admission
         self.stats = SchedulerStats(args, dp_rank, runner, self.queues, self.counters, tree_cache=self.tree_cache,
-                                    admission=self.admission, retraction=self.retraction,
+                                    admission=self.intake.admission, retraction=self.retraction,
                                     new_token_ratio=self.new_token_ratio, priority=self.priority,
                                     overlap=self.overlap, drafter=self.drafter, kv_events=self.kv_events)
         self.hooks = SchedulerHooks()
-
-    def _kv_event_publisher(self) -> KVEventPublisher | None:
-        """--kv-events-config: the prefix cache's blocks published as KV events."""
-        args = self.args
-        if not getattr(args, "kv_events_config", None) or not self.tree_cache.enabled:
-            return None
-        cfg = KVEventsConfig.parse(args.kv_events_config, args.host, args.dp_size).for_dp_rank(self.dp_rank)
-        if not cfg.enabled:
-            return None
-        self.tree_cache.events = KVEventPublisher(cfg, self.page_size, self.dp_rank if args.dp_size > 1 else None,
-                                                  sliding_window=getattr(getattr(self.runner, "hybrid", None),
-                                                                         "window", None))
-        return self.tree_cache.events
 
     @property
     def hooks(self) -> SchedulerHooks:
@@ -319,7 +300,7 @@ class Scheduler:
         front end has read each admission the stats count by the time it reads them: its own count of
         requests still in the pipe and the scheduler's queue then agree (a full queue in the stats is
         full for the front end's guard too)."""
-        admitted = self.admission.take_admitted()
+        admitted = self.intake.admission.take_admitted()
         if admitted:
             self.send(BatchOut(updates=[], admitted=admitted))
 
@@ -353,9 +334,6 @@ class Scheduler:
         return (self.has_unfinished_requests() or self.hooks.has_work() or bool(self.queues.grammar_queue)
                 or (self.overlap is not None and self.overlap.busy()))
 
-    def recv_requests(self, timeout_ms: int) -> list:
-        return self.comm.recv(timeout_ms) if self.comm is not None else []
-
     def event_loop(self, beat=None) -> None:
         """Serve until told to stop; `beat()` (the watchdog's) runs once per iteration."""
         ran = False
@@ -373,7 +351,7 @@ class Scheduler:
                     timeout = 0
                 else:
                     timeout = self.busy_poll_ms
-                msgs = self.recv_requests(timeout)
+                msgs = self.comm.recv(timeout) if self.comm is not None else []
                 if msgs is None:  # the communicator says stop
                     break
                 self.process_input_requests(msgs)
@@ -415,15 +393,7 @@ class Scheduler:
         logger.info("cache flush: %s", "done" if ok else "refused (locked nodes)")
         return ok
 
-    def queue_counts(self) -> dict[str, int]:
-        """Requests per stage queue (the role's stages when it has its own)."""
-        return self.hooks.queue_counts() or self.queues.counts()
-
     def get_stats(self) -> dict[str, Any]:
-        """/server_info's figures (`stats.py`); the role's are read now, as a role installs its hooks late."""
-        try:
-            role = self.hooks.stats()
-        except Exception:
-            logger.exception("stats hook failed; stats without the role's figures")
-            role = {}
-        return self.stats.collect(self.queue_counts(), role, self.lender, self.borrower)
+        """/server_info's figures (`stats.py`), the role's and the core loan's read now: a role installs
+        its hooks after construction, and a test may swap the lender."""
+        return self.stats.collect(self.hooks, self.lender, self.borrower)

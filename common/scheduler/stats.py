@@ -3,8 +3,8 @@
 `Counters` holds the step counters the scheduler's components add to (forwards, prefill and generated
 tokens, the queue-time histogram). `SchedulerStats` is given, once, every component whose figures it
 reports (queues, memory, retraction, priority, overlap, speculation, ...) and assembles them on
-`collect`; the role's figures and queue counts and the core loan's are handed to `collect` because a
-role installs its hooks after the scheduler is built.
+`collect`; the role's hooks (its figures and queue counts) and the core loan are handed to `collect`
+because a role installs its hooks after the scheduler is built.
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ class SchedulerStats:
         self.drafter = drafter
         self.kv_events = kv_events
 
-    def collect(self, queue_counts: dict[str, int], role_stats: dict[str, Any], lender, borrower) -> dict[str, Any]:
+    def collect(self, hooks, lender, borrower) -> dict[str, Any]:
         """What /server_info shows of a scheduler: queues, KV use, caches, retractions, the role's figures
-        and the core loan's (`lender`, `borrower`: common/core_loan.py, None when the node has none)."""
+        (`hooks`, `SchedulerHooks`) and the core loan's (`lender`, `borrower`: common/core_loan.py, None
+        when the node has none)."""
         c, queues, runner = self.counters, self.queues, self.runner
         free, total = self.allocator.available_size(), self.allocator.capacity
         evictable = self.tree_cache.evictable_size()
@@ -78,7 +79,7 @@ class SchedulerStats:
             "dp_rank": self.dp_rank,
             "num_running_reqs": queues.num_running_slots_used(),
             "num_waiting_reqs": len(queues.waiting_queue),
-            "num_queue_reqs": queue_counts,
+            "num_queue_reqs": hooks.queue_counts() or queues.counts(),  # the role's stages when it has its own
             "num_queued_reqs": queues.num_queued(),
             "max_queued_requests": self.admission.limit,
             "num_queue_full_refused": self.admission.refused,
@@ -116,7 +117,7 @@ class SchedulerStats:
             **(runner.hybrid.stats() if hasattr(runner, "hybrid") else {}),
             **self.priority.stats(),
             **queues.grammar_queue.stats(),
-            **role_stats,
+            **_role_stats(hooks),
             **((lender or borrower).stats() if (lender or borrower) is not None else {}),
         }
 
@@ -126,3 +127,11 @@ def log_progress(s: dict[str, Any]) -> None:
     logger.info("decode: %d running, %d waiting, kv used %d/%d, evictable %d, gen %.1f tok/s, new_token_ratio %.3f",
                 s["num_running_reqs"], s["num_waiting_reqs"], s["num_tokens_used"], s["kv_total_tokens"],
                 s["kv_evictable_tokens"], s["gen_throughput"], s["new_token_ratio"])
+
+
+def _role_stats(hooks) -> dict[str, Any]:
+    try:
+        return hooks.stats()
+    except Exception:
+        logger.exception("stats hook failed; stats without the role's figures")
+        return {}
