@@ -1,4 +1,5 @@
-"""Shared output of every `pdserve bench ...`: the machine, raw figures and a `ratios` object.
+"""Shared output of every `pdserve bench ...`: the machine (with the commit the bench ran from), raw figures
+and a `ratios` object.
 
 A ratio is ours / reference measured in the same run, oriented so that higher is better.
 """
@@ -9,9 +10,23 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import time
+from pathlib import Path
 
 import psutil
+
+
+def source_commit() -> str | None:
+    """The checkout's commit, with `-dirty` when its tree has changes; None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                             text=True, timeout=10, cwd=Path(__file__).resolve().parents[1])
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
 
 
 def machine_info() -> dict:
@@ -40,6 +55,7 @@ def machine_info() -> dict:
         "torch_threads": threads,
         "platform": platform.platform(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "commit": source_commit(),
     }
 
 
