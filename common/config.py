@@ -42,6 +42,10 @@ class ServerArgs:
                                        "another model is a 404 (default: --model as given)")
     chat_template: str | None = _f(None, "a Jinja chat template file used for chat requests instead of the model's "
                                    "own (a model without one answers chat requests with 400 unless this is given)")
+    sampling_defaults: str = _f("model", "what a request that leaves a sampling field out gets: 'model' takes "
+                                "temperature, top_p, top_k, min_p and repetition_penalty from the model's "
+                                "generation_config.json where it sets them; 'openai' the API's own defaults "
+                                "(temperature 1.0)", choices=("model", "openai"))
     context_length: int | None = _f(None, "maximum tokens per request, prompt + output (default: the model's)")
     dtype: str = _f("auto", "compute dtype: auto (float32 on cpu; on cuda the checkpoint's half type, bfloat16 "
                     "for a float32 one), float32, bfloat16 or float16 (half precision on cuda only: the CPU kernels "

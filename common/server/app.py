@@ -367,6 +367,8 @@ async def handle_server_info(request: web.Request) -> web.Response:
         "disaggregation_bootstrap_port": args.disaggregation_bootstrap_port,
         "version": VERSION, "healthy": tm.healthy,
         "context_length": tm.context_length,
+        # the values --sampling-defaults gave a request's left-out sampling fields
+        "default_sampling_params": tm.sampling_defaults,
         "max_total_num_tokens": tm.node_info.get("max_total_tokens"),
         "page_size": tm.node_info.get("page_size", args.page_size),
         "max_running_requests": tm.node_info.get("max_running_requests", args.max_running_requests),

@@ -227,6 +227,7 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
         sys.exit(2)
     keys.announce(logger, "/flush_cache and abort-all (/abort_request with abort_all)")
     from common.models.default_model import resolve_model_path
+    from common.sampling_defaults import describe as describe_sampling
     from common.scheduler.process import IpcConfig
     from common.scheduler.trace import make_tracer
     from common.server.tokenizer_manager import TokenizerManager
@@ -262,6 +263,8 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
         # ZMQ waits)
         tm = TokenizerManager(args, model_dir, [ipc.to_scheduler for ipc in ipcs], ipcs[0].from_scheduler)
         tm.tracer = make_tracer(args)
+        logger.info("sampling defaults (--sampling-defaults %s): %s", args.sampling_defaults,
+                    describe_sampling(tm.sampling_defaults))
         starter.finish()
         conns, names = starter.conns, starter.names
         infos = _wait_ready(procs, conns, READY_TIMEOUT, names)

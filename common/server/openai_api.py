@@ -67,7 +67,8 @@ def _treqs(tm: TokenizerManager, req, prompts: list[list[int]], batch: bool, *, 
     """The requests of an OpenAI call: `req.n` copies of each prompt, copy j of prompt i at i * n + j,
     each with its rid and rendezvous (`item_fields`)."""
     n = req.n
-    sps = [sampling_params(req, tm.room(len(ids), default_max), grammar) for ids in prompts]
+    sps = [sampling_params(req, tm.room(len(ids), default_max), grammar, tm.sampling_defaults)
+           for ids in prompts]
     check_batch_size(tm, len(prompts) * n, prompt_field if n == 1 else "n")
     fields = item_fields(tm.args, req, len(prompts) * n, batch or n > 1)
     out = []

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from common.protocol import BadRequest, SamplingParams, convert
+from common.sampling_defaults import fill
 from common.server.detokenizer import token_texts
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params has no max_new_tokens
@@ -60,9 +61,11 @@ class PromptInput:
     """`context_length` and `vocab_size` start from the tokenizer and the command line; the node's
     scheduler may correct them once it is ready (`TokenizerManager.configure`)."""
 
-    def __init__(self, tokenizer, context_length: int) -> None:
+    def __init__(self, tokenizer, context_length: int, sampling_defaults: dict | None = None) -> None:
         self.tokenizer = tokenizer
         self.context_length = context_length
+        # what a request's left-out sampling fields get (common/sampling_defaults.py)
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.vocab_size = len(tokenizer)
         self.max_token_chars = max_chars_per_token(tokenizer)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenizer")
@@ -180,6 +183,7 @@ class PromptInput:
         if not isinstance(raw, dict):
             raise BadRequest(f"`{where}` must be a JSON object")
         sp = convert(raw, SamplingParams, where)
+        fill(sp, (k for k, v in raw.items() if v is not None), self.sampling_defaults)
         if "max_new_tokens" not in raw:
             sp.max_new_tokens = self.room(prompt_len, DEFAULT_MAX_NEW_TOKENS)
         sp.verify(where)

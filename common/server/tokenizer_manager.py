@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from common import sampling_defaults
 from common.protocol import (
     AbortRequest,
     BadRequest,
@@ -82,7 +83,8 @@ class TokenizerManager(PromptInput):
             tokenizer = load_tokenizer(self.tokenizer_path, template)
         elif template is not None:
             tokenizer.chat_template = template
-        super().__init__(tokenizer, args.context_length or 0)
+        super().__init__(tokenizer, args.context_length or 0,
+                         sampling_defaults.load(model_dir, args.sampling_defaults))
         self.special_ids = special_token_ids(tokenizer)
         self.metrics = metrics or Metrics()
         # filled from the scheduler's ready message by configure()
