@@ -24,4 +24,5 @@ def test_a_row_shows_the_named_ratios_or_the_first_four():
     assert results_index.headline(report) == "`decode_b1` 9.24, `prefill_512` 1.33"
     other = {"bench": "new", "ratios": {f"r{i}": float(i) for i in range(6)}}
     assert results_index.headline(other) == "`r0` 0, `r1` 1, `r2` 2, `r3` 3"
-    assert results_index.headline({"bench": "chaos", "ok": False, "figures": {"hung": 2}}) == "**failed**, hung 2"
+    failed = {"bench": "chaos", "ok": False, "figures": {"hung": 2}}
+    assert results_index.headline(failed) == "**failed**, hung 2"
