@@ -15,7 +15,6 @@ legs.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ from router.policies import Policy
 from router.registry import Registry, Worker
 from router.relay import Attempt
 from router.request import ParsedRequest, combine, inject, new_rids, rid_list
-from router.retry import OVERLOAD, Failure, Kind, Retries, backoff, header_value
+from router.retry import OVERLOAD, Failure, Kind, Retries
 
 log = logging.getLogger("router.dispatch")
 
@@ -82,15 +81,12 @@ class Dispatcher:
 
     async def handle(self, request: web.Request, req: ParsedRequest, request_id: str,
                      trace: Trace) -> web.StreamResponse:
-        headers = self._leg_headers(request, request_id, trace)
+        headers = self.legs.headers(request, request_id, trace.traceparent)
         key = await self.prefill_policy.prepare(req) if self.prefill_policy.prepares else None
-        retries = Retries(self.cfg.max_attempts, self._other_available)
+        retries = Retries(self.cfg, self.metrics, self._other_available, request_id)
         exclude: tuple[Worker, ...] = ()
         too_long = False  # a decode worker refused to prefill it itself (--local-prefill-queue)
         for attempt in range(self.cfg.max_attempts):
-            if attempt:
-                self.metrics.retries += 1
-                await asyncio.sleep(backoff(self.cfg, attempt))
             trace.attempts = attempt + 1
             pair = self._pair(req, exclude, key)
             if isinstance(pair, Failure):
@@ -112,31 +108,12 @@ class Dispatcher:
                 # a next attempt goes to another pair where there is one: a failed KV transfer may be either
                 # node's (or their link's) doing, and a worker that failed its leg is best avoided at once
                 exclude = (p, d)
-            again = retries.again(failure, attempt)
-            if failure.worker is not None:
-                if again:
-                    log.warning("request %s attempt %d failed, retrying: %s", request_id, attempt + 1,
-                                failure.message)
-                elif failure.status not in OVERLOAD:
-                    log.warning("request %s attempt %d failed: %s", request_id, attempt + 1, failure.message)
-            if not again:
+            if not await retries.again(failure, attempt):
                 break
         trace.status = failure.status
         if failure.status in OVERLOAD and failure.body is not None:
             self.metrics.overload_passed += 1
         return failure.response(request_id)
-
-    def _leg_headers(self, request: web.Request, request_id: str, trace: Trace) -> bytes:
-        """The raw header lines both legs carry: the request id, the trace's span, and, on a router without
-        a node key, the client's own credentials."""
-        headers = b"X-Request-ID: " + header_value(request_id) + b"\r\n"
-        if trace.traceparent:
-            headers += b"traceparent: " + header_value(trace.traceparent) + b"\r\n"
-        if not self.legs.node_key:
-            auth = request.headers.get("Authorization")
-            if auth:
-                headers += b"Authorization: " + header_value(auth) + b"\r\n"
-        return headers
 
     # ------------------------------------------------------------------------------ picking the workers
 

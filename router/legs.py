@@ -22,7 +22,7 @@ from common.server.security import bearer_header, client_ssl_context
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.registry import Worker
-from router.retry import Failure, count_answer, count_broken
+from router.retry import Failure, count_answer, count_broken, header_value
 from router.upstream import Pool, Response
 
 log = logging.getLogger("router.legs")
@@ -111,6 +111,18 @@ class Legs:
         return await (asyncio.wait_for(aw, idle) if idle > 0 else aw)
 
     # ------------------------------------------------------------------ legs
+
+    def headers(self, request, request_id: str, traceparent: str | None) -> bytes:
+        """The raw header lines both legs of a request carry: its id, the router's span (--enable-trace),
+        and, on a router without a node key, the client's own credentials."""
+        headers = b"X-Request-ID: " + header_value(request_id) + b"\r\n"
+        if traceparent:
+            headers += b"traceparent: " + header_value(traceparent) + b"\r\n"
+        if not self.node_key:
+            auth = request.headers.get("Authorization")
+            if auth:
+                headers += b"Authorization: " + header_value(auth) + b"\r\n"
+        return headers
 
     def send(self, w: Worker | None, path: str, payload: bytes, headers: bytes) -> asyncio.Future:
         """A leg whose whole answer is read (a `LegAnswer`), counted on `w` until it ends. With no worker (the

@@ -2,8 +2,8 @@
 circuit breaker.
 
 An attempt that ends before the client got a byte ends in a `Failure`: its `kind` (who failed, and how) and
-its HTTP status. `RETRY_TABLE` maps (kind, status) to a budget, and `Retries.again` is the one function that
-reads it. The budgets: `NONE`, the failure is the client's answer; `ONCE`, one more try per request, and only
+its HTTP status. `RETRY_TABLE` maps (kind, status) to a budget, and `Retries.allows` is the one function that
+reads it (`Retries.again` logs the failure and waits the backoff). The budgets: `NONE`, the failure is the client's answer; `ONCE`, one more try per request, and only
 while another worker of the kind that failed is available (an overloaded node: trying every worker in turn is
 the retry storm that turns an overloaded cluster into a dead one); `ATTEMPTS`, up to --retry-max-retries
 attempts in all, each after a backoff and on another pair where there is one (a broken worker or link). A
@@ -19,6 +19,7 @@ answers that say "busy" or "too late" (408, 429, 503, 504) and a failed KV trans
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import random
@@ -30,7 +31,7 @@ from aiohttp import web
 from common.protocol import KV_TRANSFER_FAILED, error_body
 from router.registry import Worker
 
-log = logging.getLogger("router.retry")
+log = logging.getLogger("router.dispatch")  # the request's walk, as its other lines
 
 
 class Kind(enum.Enum):
@@ -134,15 +135,17 @@ class Failure:
 
 
 class Retries:
-    """One request's retry budget: `again` reads `RETRY_TABLE` for each failure; the one extra try of the
-    `once` budget is spent once per request."""
+    """One request's retries: `allows` is the one reader of `RETRY_TABLE`; `again` logs each failure and
+    waits the backoff before the next attempt. The `once` budget's extra try is spent once per request."""
 
-    def __init__(self, max_attempts: int, other_available) -> None:
-        self.max_attempts = max_attempts
+    def __init__(self, cfg, metrics, other_available, request_id: str) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
         self.other_available = other_available  # worker -> whether another of its kind can take a request
+        self.request_id = request_id
         self.once_spent = False
 
-    def again(self, failure: Failure, attempt: int) -> bool:
+    def allows(self, failure: Failure, attempt: int) -> bool:
         """Whether attempt `attempt` (0 for the first), which ended in `failure`, is followed by another."""
         budget = RETRY_TABLE.get((failure.kind, failure.status), Budget.NONE)
         if budget is Budget.ONCE:
@@ -150,13 +153,28 @@ class Retries:
             self.once_spent = True
         else:
             allowed = budget is Budget.ATTEMPTS
-        return allowed and attempt + 1 < self.max_attempts
+        return allowed and attempt + 1 < self.cfg.max_attempts
 
+    async def again(self, failure: Failure, attempt: int) -> bool:
+        """`allows`, after logging a worker's failure (an overload answer that ends the request quietly), and
+        once the backoff before the next attempt has passed."""
+        allowed = self.allows(failure, attempt)
+        if failure.worker is not None:
+            if allowed:
+                log.warning("request %s attempt %d failed, retrying: %s", self.request_id, attempt + 1,
+                            failure.message)
+            elif failure.status not in OVERLOAD:
+                log.warning("request %s attempt %d failed: %s", self.request_id, attempt + 1, failure.message)
+        if allowed:
+            self.metrics.retries += 1
+            await asyncio.sleep(self.backoff(attempt + 1))
+        return allowed
 
-def backoff(cfg, attempt: int) -> float:
-    """Seconds to wait before attempt `attempt` (1 for the first retry): exponential, capped, jittered."""
-    ms = min(cfg.retry_initial_backoff_ms * cfg.retry_backoff_multiplier ** (attempt - 1), cfg.retry_max_backoff_ms)
-    return max(0.0, ms * (1 + random.uniform(-cfg.retry_jitter_factor, cfg.retry_jitter_factor)) / 1000)
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before attempt `attempt` (1 for the first retry): exponential, capped, jittered."""
+        c = self.cfg
+        ms = min(c.retry_initial_backoff_ms * c.retry_backoff_multiplier ** (attempt - 1), c.retry_max_backoff_ms)
+        return max(0.0, ms * (1 + random.uniform(-c.retry_jitter_factor, c.retry_jitter_factor)) / 1000)
 
 
 def count_answer(w: Worker, status: int, err_type: str | None = None) -> None:

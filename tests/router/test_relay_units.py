@@ -83,10 +83,11 @@ def _worker(kind: str, name: str) -> Worker:
 def test_the_retry_table_gives_each_failure_its_budget():
     d = _worker("decode", "d0")
     others = {"yes": True}
-    retries = lambda: Retries(3, lambda w: others["yes"])  # noqa: E731
+    cfg = RouterConfig(retry_max_retries=3)
+    retries = lambda: Retries(cfg, Metrics(), lambda w: others["yes"], "rid")  # noqa: E731
 
     def again(kind, status, attempt=0, r=None, body=b"{}"):
-        return (r or retries()).again(Failure(kind, status, "x", d, body), attempt)
+        return (r or retries()).allows(Failure(kind, status, "x", d, body), attempt)
 
     assert not again(Kind.ANSWER, 429) and not again(Kind.ANSWER, 504) and not again(Kind.ANSWER, 400)
     assert again(Kind.ANSWER, 500) and again(Kind.BROKEN, 504) and again(Kind.LEAD_ERROR, 502)
@@ -97,6 +98,9 @@ def test_the_retry_table_gives_each_failure_its_budget():
     assert not again(Kind.LEAD_ERROR, 503)
     assert again(Kind.NO_WORKERS, 503) and not again(Kind.DECODES_FULL, 429) and not again(Kind.BAD_REQUEST, 400)
     assert {budget for budget in RETRY_TABLE.values()} == set(Budget)
+    r = Retries(RouterConfig(retry_max_retries=2, retry_initial_backoff_ms=1), Metrics(), lambda w: True, "rid")
+    assert asyncio.run(r.again(Failure(Kind.BROKEN, 502, "x", d), 0)) and r.metrics.retries == 1
+    assert not asyncio.run(r.again(Failure(Kind.BROKEN, 502, "x", d), 1)) and r.metrics.retries == 1
 
 
 # ---------------------------------------------------------------------------------------------- state machine
