@@ -1,8 +1,8 @@
 """Core lending between the prefill node and the decode node of a pair on one machine.
 
 `pdserve cluster` gives each node cores of its own (deploy/placement.py), so a prefill never slows a
-decode step. But in a busy run the prefill node has nothing to run for a tenth of the time (every
-request is at the decode node), and its cores idle while the decode node steps on its own. The pair
+decode step. But even in a busy run the prefill node often has nothing to run (every request is at
+the decode node), and its cores idle while the decode node steps on its own. The pair
 shares one byte in a file (`--core-loan-file`, created by the launcher): the lender (the prefill
 node's scheduler) writes IDLE while it has no forward to run and BUSY from the moment it schedules
 one; the borrower (a decode node's scheduler, `--core-loan-cores` naming the lender's cores) reads
@@ -10,12 +10,12 @@ it before each forward and runs that forward with extra OpenMP threads on the le
 byte says IDLE, on its own threads otherwise. The borrower's OpenMP threads are pinned at start-up
 (`threads.c`): its own threads to its own cores, the extra ones to the lent cores, so a borrowed
 thread never runs anywhere else. A forward that started on lent cores finishes there even if the
-lender wakes up meanwhile (one decode step or local chunk: tens to a few hundred milliseconds); the
-next one runs on the borrower's own cores.
+lender wakes up meanwhile (it is one decode step or one local chunk); the next one runs on the
+borrower's own cores.
 
 OpenMP threads must spin between the parallel regions of a lent forward: waking a sleeping thread costs
-so much on a VM that a forward on two threads with OMP_WAIT_POLICY=PASSIVE is no faster than on one
-(SmolLM2-135M, batch 1: 36 ms against 32), while spinning ones bring it from 30-34 to 21-24 ms. The
+so much on a VM that a forward on two threads with OMP_WAIT_POLICY=PASSIVE is no faster than on one,
+while spinning threads make the extra cores pay (bench/placement.py measures the loan). The
 launcher sets the borrower's GOMP_SPINCOUNT (deploy/placement.py), and since libgomp spins only a
 few times when it manages more threads than the process had cores when it loaded,
 the borrower's scheduler process widens its affinity to the lent cores before torch loads OpenMP
@@ -25,7 +25,7 @@ The byte is all the pair shares: any value but IDLE reads as BUSY (a lender that
 or a file someone else wrote, lends nothing), and a lender that dies while idle only leaves cores
 lent that no one else uses. Only the TP-1, PP-1, DP-1 decode node without overlap scheduling
 borrows (its forwards run on the scheduler's own thread, whose OpenMP team is the one pinned);
-config validation refuses the rest.
+config validation refuses the rest (`unsupported` here, and each role's rules: common/role_rules.py).
 """
 
 from __future__ import annotations

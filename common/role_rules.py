@@ -44,6 +44,7 @@ class RoleRules:
     radix_cache = True  # a prompt's KV computed here may serve the next prompt with the same prefix
 
     def check(self, args, bad) -> None:
+        """Raise `bad(flag, why)` for the first flag of `args` this role refuses."""
         refuse_decode_flags(args, bad)
         if args.core_loan_file:
             raise bad("core-loan-file", "is for the prefill and decode nodes of a pair "
