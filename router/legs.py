@@ -1,8 +1,10 @@
 """The router's one client to the nodes: the generation legs and the aborts, over a keep-alive pool per worker
-(router/upstream.py), each hop with the node key.
+(router/upstream.py, leaner than aiohttp's client on this hot path), each hop with the node key. The app's
+aiohttp session serves the rest: health checks, loads, worker info, admin fan-outs.
 
 A leg is counted on its worker while it runs (`Worker.active`, `requests`) and judged when it ends, for the
-worker's circuit breaker (`router.retry.count_answer`). Every leg task and every abort is held in
+worker's circuit breaker (`router.retry.count_answer`); a stream's decode leg is counted and judged by the
+relay (router/relay.py), when its stream ends. Every leg task and every abort is held in
 `background` until it ends, so nothing is collected while it runs, a leg the relay stopped waiting for
 included. `abandon` stops waiting for a leg that was fine and aborts it on its node (an orphan, counted);
 `abort` tells a node to drop a leg that failed.
