@@ -335,3 +335,14 @@ def test_news_from_the_schedule_goes_out_before_the_forward(tiny_model_dir, tmp_
     d.assert_ended_once(["short", "long"])
     if s.overlap is not None:
         s.overlap.close()
+
+
+def test_components_are_given_their_collaborators_not_the_scheduler(tiny_model_dir):
+    """Each part of the scheduler is built with what it needs (queues, pools, retraction, ...), never with
+    the scheduler itself, so none reaches back into it."""
+    d = Driver(tiny_model_dir, enable_overlap_schedule=True)
+    s = d.sched
+    for part in (s.queues, s.intake, s.prefill, s.decode, s.retraction, s.results, s.stats, s.overlap,
+                 s.priority, s.policy, s.output, s.counters):
+        assert all(v is not s for v in vars(part).values()), type(part).__name__
+    s.overlap.close()
