@@ -1,13 +1,12 @@
 """The compatibility fingerprint (common/fingerprint.py): the weights digest of a checkpoint as read,
-the pairing key and the named difference, and the transfer handshake's refusal of another key (the
-prefill's RegisterPeer check, the bootstrap layout and the decode's resolver)."""
+the pairing key and the named difference. The transfer handshake's refusal of another key:
+tests/transfer/test_fingerprint_handshake.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import time
 
 import msgspec
 import pytest
@@ -26,15 +25,7 @@ from common.fingerprint import (
     pairing_key,
     parse,
 )
-from common.memory.kv_pool import KVPool
 from common.models.loader import safetensors_files, weights_digest
-from tests.transfer.kv_harness import free_port
-from transfer.base import KVArgs, KVPoll
-from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
-from transfer.control import peer_registration
-from transfer.metadata import MetadataBuffers
-from transfer.peer_checks import check_layout, check_registration
-from transfer.receiver import DecodeKVManager
 
 BASE = Compatibility(weights="ab" * 32, model="model", dtype="float32", kv_cache_dtype="float32",
                      kv_layout="page,head,token,dim", page_size=1, head_dim=16, kv_heads=2, layers=4,
@@ -169,58 +160,3 @@ def test_the_runner_reports_what_it_loaded(tiny_model_dir):
     assert r.fingerprint == pairing_key(c)
     # what a rank of another TP shape computes: its shard does not enter the weights digest
     assert weights_digest(tiny_model_dir, args.load_format, 2, 1) == c.weights
-
-
-# ------------------------------------------------------------------------------------------ the transfer handshake
-def _args(fingerprint: str) -> KVArgs:
-    return KVArgs.from_pool(KVPool(8, 4, 2, 2, 16), MetadataBuffers(2), model="test-model", fingerprint=fingerprint)
-
-
-def test_the_prefill_refuses_a_decode_of_another_fingerprint():
-    prefill = _args("a" * 32)
-    same = peer_registration(_args("a" * 32), "tcp://127.0.0.1:5555", b"")
-    assert check_registration(prefill, same) is None
-    problem = check_registration(prefill, peer_registration(_args("b" * 32), "tcp://127.0.0.1:5555", b""))
-    assert problem.startswith(f"compatibility fingerprint mismatch: prefill {'a' * 16}, decode {'b' * 16}")
-    # a node that sends none (an older one) is not compared
-    assert check_registration(prefill, peer_registration(_args(""), "tcp://127.0.0.1:5555", b"")) is None
-
-
-def _info(**kw) -> dict:
-    return {"role": "prefill", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
-            "rank_ip": "127.0.0.1", "rank_port": 5555, "page_size": 4, "model": "test-model",
-            "kv_layout": "page,head,token,dim", "kv_heads_total": 2, **kw}
-
-
-@pytest.fixture
-def server():
-    srv = BootstrapServer("127.0.0.1", free_port())
-    srv.start()
-    yield f"127.0.0.1:{srv.port}"
-    srv.stop()
-
-
-def test_the_bootstrap_layout_carries_the_fingerprint(server):
-    client = BootstrapClient(timeout=30.0)
-    client.register(server, _info(tp_size=2, fingerprint="a" * 32))
-    layout = client.layout(server)
-    assert layout["fingerprint"] == "a" * 32 and check_layout(layout) is None
-    with pytest.raises(BootstrapError, match="409.*fingerprint mismatch"):
-        client.register(server, _info(tp_size=2, tp_rank=1, rank_port=5556, fingerprint="b" * 32))
-    assert "fingerprint = 5" in check_layout({**layout, "fingerprint": 5})
-
-
-def test_the_decode_refuses_a_prefill_of_another_fingerprint(server):
-    BootstrapClient(timeout=30.0).register(server, _info(fingerprint="a" * 32))
-    mgr = DecodeKVManager(_args("b" * 32), "fake")
-    try:
-        recv = mgr.create_receiver(server, room=77)
-        recv.init([1, 2], 0)
-        for _ in range(500):
-            if recv.poll() == KVPoll.Failed:
-                break
-            time.sleep(0.02)
-        assert recv.poll() == KVPoll.Failed
-        assert "compatibility fingerprint mismatch" in recv.failure_exception().reason
-    finally:
-        mgr.close()

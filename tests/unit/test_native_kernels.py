@@ -1,5 +1,6 @@
 """The native CPU kernels (common/layers/*.c) against the torch paths they replace, on the shapes and
-strides the models hand them; and the torch fallbacks when the kernels are off."""
+strides the models hand them; and the torch fallbacks when the kernels are off. A second, AVX2-only build
+against this one: tests/fresh_process/test_native_builds.py."""
 
 from __future__ import annotations
 
@@ -294,61 +295,6 @@ def test_argmax_matches_torch():
     assert out[:7].tolist()[1:] == [7, 1001, 0, 500, 1002, 0]
     big = torch.randn(40, 49152, generator=g)  # the OpenMP path
     assert torch.equal(argmax(big), torch.argmax(big, dim=-1))
-
-
-def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
-    """Where the CPU has AVX-512 the GEMM tile is one or two 16-column panels of one register each
-    (gemm.c); each output still gets the same fused multiply-adds in the same order as the AVX2 tile, so
-    a prefill node and a decode node on different CPUs agree (pairs of panels, a last panel alone, the
-    second of a pair cut short, one and two row blocks below). The w8a8 GEMM sums exact integers either way (VNNI's byte dot
-    products or AVX2's int16 pairs, gemm_w8a8.c). Built here both ways and compared bit for bit."""
-    import ctypes
-
-    from common.layers.linear import pack_weight, quantize_int8, w8a8_panels
-
-    if "avx512f" not in native._cpu_flags() or native.packed_gemm() is None:
-        pytest.skip("this CPU has no AVX-512: only the AVX2 build exists here")
-    flags = native._cpu_flags()
-    monkeypatch.setattr(native, "_cpu_flags", lambda: flags - {"avx512f"})
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    avx2 = ctypes.CDLL(str(native.build()))
-    default = native._library()
-    assert avx2.packed_gemm_w8a8_group() == 2
-    assert default.packed_gemm_w8a8_group() == (4 if {"avx512bw", "avx512_vnni"} <= flags else 2)
-    g = torch.Generator().manual_seed(11)
-    for rows, out, inp in ((1, 100, 576), (16, 1536, 64), (37, 49, 200), (13, 81, 96)):
-        w, b, x = torch.randn(out, inp, generator=g), torch.randn(out, generator=g), torch.randn(rows, inp, generator=g)
-        for quant in (None, "int8wo", "w8a8_int8"):
-            p = pack_weight(w, quantization=quant)
-            ys = []
-            for lib in (avx2, default):
-                y = torch.empty(rows, out)
-                weight = p.weight
-                if quant == "w8a8_int8":  # each build reads its own grouping of k (AVX2 2, VNNI 4)
-                    layout = (lib.packed_gemm_w8a8_group(), lib.packed_gemm_w8a8_block())
-                    weight = w8a8_panels(quantize_int8(w)[0], layout)
-                args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(inp), ctypes.c_void_p(weight.data_ptr())]
-                if quant:
-                    args.append(ctypes.c_void_p(p.scale.data_ptr()))
-                args += [ctypes.c_void_p(b.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(out),
-                         ctypes.c_int64(rows), ctypes.c_int64(out), ctypes.c_int64(inp)]
-                {None: lib.packed_gemm, "int8wo": lib.packed_gemm_i8, "w8a8_int8": lib.packed_gemm_w8a8}[quant](*args)
-                ys.append(y)
-            assert torch.equal(ys[0], ys[1]), (rows, out, inp, quant)
-    # causal prefill attention: the same FMAs and exp in either build (AVX2: tiles one vector wide)
-    assert avx2.prefill_attention_block() == 16 and default.prefill_attention_block() == 32
-    for n, prefix, heads, group, d in ((40, 0, 6, 3, 64), (13, 21, 4, 1, 32)):
-        q = torch.randn(n, heads * d, generator=g)
-        k, v = (torch.randn(prefix + n, heads // group, d, generator=g) for _ in range(2))
-        ys = []
-        for lib in (avx2, default):
-            y = torch.empty(n, heads * d)
-            assert lib.prefill_attention(*[ctypes.c_void_p(t.data_ptr()) if isinstance(t, torch.Tensor) else t for t in (
-                q, ctypes.c_int64(heads * d), k, v, ctypes.c_int64(k.stride(0)), ctypes.c_int64(d), ctypes.c_int64(n),
-                ctypes.c_int64(prefix), ctypes.c_int64(heads), ctypes.c_int64(group), ctypes.c_int64(d),
-                ctypes.c_float(d ** -0.5), y, ctypes.c_int64(heads * d))]) == 0
-            ys.append(y)
-        assert torch.equal(ys[0], ys[1]), (n, prefix, heads, group, d)
 
 
 @pytest.mark.parametrize("n,prefix", [(300, 0), (50, 200), (1, 7)])
