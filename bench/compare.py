@@ -39,7 +39,6 @@ import math
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 
@@ -58,8 +57,7 @@ from bench.serve import (
 from bench.slo import max_rate, points_of, pooled, sweep
 from common.cores import parse_cores
 from deploy.cluster import DEFAULT_LOCAL_PREFILL_QUEUE, Cluster
-from deploy.process import ROOT, die_with_parent
-from deploy.procs import ClusterError, free_port, http_status
+from deploy.process import ServerProcess
 
 
 def child_env(ns: argparse.Namespace) -> dict[str, str]:
@@ -69,7 +67,8 @@ def child_env(ns: argparse.Namespace) -> dict[str, str]:
     env = {"OMP_WAIT_POLICY": ns.omp_wait_policy} if ns.omp_wait_policy else {}
     # mooncake listens on every interface whatever --host says (transfer/mooncake.py); a node refuses that
     # unless acknowledged, and a measurement on this machine acknowledges it
-    ack = {"PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN": "1"} if ns.transfer_backend == "mooncake" else {}
+    mooncake = getattr(ns, "transfer_backend", None) == "mooncake"  # (a colocated-only bench has none)
+    ack = {"PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN": "1"} if mooncake else {}
     return {**env, **ack, **getattr(ns, "node_env", {})}
 
 
@@ -115,34 +114,25 @@ def _without_flag(args: list[str], flag: str) -> list[str]:
     return out
 
 
-def start_colocated(ns: argparse.Namespace, cores: list[int], log_dir: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+class ColocatedNode(ServerProcess):
+    """One colocated node as `pdserve serve` starts it: the bench's node flags as given, on 127.0.0.1."""
+
+    def __init__(self, model: str, flags: list[str], **kw):
+        super().__init__("colocated", **kw)
+        self.model, self.flags = model, list(flags)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "deploy.cli", "serve", "--model", self.model, "--host", self.host,
+                "--port", str(self.port), *self.flags]
+
+
+def colocated_node(ns: argparse.Namespace, cores: list[int], log_dir: str) -> ColocatedNode:
+    """Setup (b), not started (`with colocated_node(...) as node`): `ns.node_args` on `cores`, with
+    `ns.colocated_threads` torch threads (default: one per core), its log `<log_dir>/colocated.log`."""
     threads = ns.colocated_threads or len(cores)
-    cmd = [sys.executable, "-m", "deploy.cli", "serve", "--model", ns.model, "--host", "127.0.0.1",
-           "--port", str(port), "--num-threads", str(threads), *shlex.split(ns.node_args)]
-    log_path = os.path.join(log_dir, "colocated.log")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **child_env(ns)}
-
-    def pin() -> None:
-        die_with_parent()
-        os.sched_setaffinity(0, cores)
-
-    with open(log_path, "ab") as log:
-        log.write(f"$ {shlex.join(cmd)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=pin)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + ns.startup_timeout
-    while http_status(url + "/health") != 200:
-        if proc.poll() is not None or time.time() > deadline:
-            stop_proc(proc)
-            with open(log_path, encoding="utf-8", errors="replace") as f:
-                tail = "\n".join(f.read().splitlines()[-30:])
-            raise ClusterError(f"colocated node did not start (log {log_path}):\n{tail}")
-        time.sleep(0.25)
-    return proc, url
+    return ColocatedNode(ns.model, ["--num-threads", str(threads), *shlex.split(ns.node_args)], cores=cores,
+                         env=child_env(ns), log_path=os.path.join(log_dir, "colocated.log"),
+                         startup_timeout=ns.startup_timeout, echo_command=True)
 
 
 def run_colocated_setups(ns: argparse.Namespace, setups: list[tuple[str, str, int, dict]], cores: list[int],
@@ -160,26 +150,9 @@ def run_colocated_setups(ns: argparse.Namespace, setups: list[tuple[str, str, in
         print(f"\n[{name}] on cores {cores}: {node_args.strip() or 'defaults'}, {threads} torch threads per rank"
               + (f", {env}" if env else ""), file=sys.stderr, flush=True)
         os.makedirs(os.path.join(log_dir, name), exist_ok=True)
-        proc, url = start_colocated(setup, cores, os.path.join(log_dir, name))
-        try:
-            runs[name] = measure_setup(name, url, requests, ns)
-        finally:
-            stop_proc(proc)
+        with colocated_node(setup, cores, os.path.join(log_dir, name)) as node:
+            runs[name] = measure_setup(name, node.url, requests, ns)
     return runs
-
-
-def stop_proc(proc: subprocess.Popen, grace: float = 20.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(10)
 
 
 def run_setup(name: str, url: str, requests: list[BenchRequest], ns: argparse.Namespace,
@@ -416,11 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             measure("disaggregated", cluster.url, round_)
 
     def colocated(round_: int, log: str) -> None:
-        proc, url = start_colocated(ns, all_cores, log)
-        try:
-            measure("colocated", url, round_)
-        finally:
-            stop_proc(proc)
+        with colocated_node(ns, all_cores, log) as node:
+            measure("colocated", node.url, round_)
 
     setups = {"both": [disaggregated, colocated], "disaggregated": [disaggregated], "colocated": [colocated]}[ns.only]
     for i in range(ns.rounds):

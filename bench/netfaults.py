@@ -5,7 +5,7 @@
 For each backend: a router, 2 prefill and 2 decode hosts, each a network namespace with its own address
 (`deploy.cluster.Cluster(hosts=True)`, deploy/netns.py), a tiny random-weight model by default, and one
 colocated node on 127.0.0.1 as the reference. Then phases of `--phase-secs` each, under a closed loop of
-`--concurrency` clients (bench/chaos.py's traffic, without disconnects or aborts) and greedy probes
+`--concurrency` clients (bench/chaos_traffic.py's traffic, without disconnects or aborts) and greedy probes
 compared token for token with the reference:
 
     clean                     no fault
@@ -19,7 +19,7 @@ compared token for token with the reference:
 Per phase: requests completed, failed and hung, their error causes, probes exact / different / failed,
 KV bytes the decode hosts received and at what rate; for a partition, how long the requests open at
 the cut took to fail and how long after the heal the host served again. After the run every request
-must have ended (else it is hung) and every node must be at rest (bench/chaos.py's leak counters), and
+must have ended (else it is hung) and every node must be at rest (bench/chaos_report.py's leak counters), and
 no namespace or link may be left behind. The ratios are each faulty phase's completions per second and KV
 rate over the same backend's clean phase. Exit 0 when no request hung, no probe differed from the
 reference, no node leaked, both partitioned hosts served again and the last, clean phase failed no
@@ -283,16 +283,16 @@ def drain(ns, cluster) -> dict[str, dict]:
 
 def reference_answers(ns, log_dir: str) -> dict[str, str]:
     """Each probe's greedy answer from one colocated node on 127.0.0.1 (stopped again)."""
-    from bench.compare import start_colocated, stop_proc
+    from bench.compare import colocated_node
 
     settings = argparse.Namespace(model=ns.model_path, colocated_threads=1, node_args=shlex.join(NODE_SETTINGS),
                                   startup_timeout=600.0, omp_wait_policy=None)
-    proc, url = start_colocated(settings, list(range(os.cpu_count() or 1)), log_dir)
+    node = colocated_node(settings, list(range(os.cpu_count() or 1)), log_dir).start()
     async def answers() -> dict[str, str]:
         import aiohttp
 
         async with aiohttp.ClientSession() as s:
-            out = {p: await probe(s, url, p) for p in PROBES}
+            out = {p: await probe(s, node.url, p) for p in PROBES}
         bad = {p: a for p, a in out.items() if a[0] != "text"}
         if bad:
             raise RuntimeError(f"the reference node failed: {bad}")
@@ -301,7 +301,7 @@ def reference_answers(ns, log_dir: str) -> dict[str, str]:
     try:
         return asyncio.run(answers())
     finally:
-        stop_proc(proc)
+        node.stop()
 
 
 def one_backend(ns, backend: str, reference: dict[str, str]) -> dict:

@@ -38,7 +38,7 @@ import statistics
 import sys
 import urllib.request
 
-from bench.compare import start_colocated, stop_proc
+from bench.compare import colocated_node
 from bench.report import HelpFormatter, write_report
 from bench.serve import format_summary, measure_setup, setup_workload
 from deploy.cluster import DEFAULT_LOCAL_PREFILL_QUEUE, Cluster
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cores, log_dir, requests = setup_workload(ns, "placement")
     node_args = shlex.split(ns.node_args)
-    # start_colocated reads these: the colocated node as `pdserve serve` starts it (every core's threads)
+    # colocated_node reads these: the colocated node as `pdserve serve` starts it (every core's threads)
     ns.colocated_threads, ns.omp_wait_policy = None, ""
     old_handler = signal.signal(signal.SIGTERM, _terminate)  # the children are stopped on SIGTERM too
     rounds = []
@@ -144,11 +144,8 @@ def _run_setups(setups, ns, cores, log_dir, requests, node_args) -> tuple[dict, 
     for name in setups:
         print(f"\n[{name}] on cores {cores}", file=sys.stderr, flush=True)
         if name == "colocated":
-            proc, url = start_colocated(ns, cores, log_dir)
-            try:
-                runs[name] = measure_setup(name, url, requests, ns)
-            finally:
-                stop_proc(proc)
+            with colocated_node(ns, cores, log_dir) as node:
+                runs[name] = measure_setup(name, node.url, requests, ns)
             continue
         cluster = Cluster(num_prefill=1, num_decode=1, model=ns.model, transfer_backend=ns.transfer_backend,
                           log_dir=os.path.join(log_dir, name), auto_placement=name != "cluster_unpinned",

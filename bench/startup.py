@@ -1,8 +1,9 @@
 """`pdserve bench startup`: how long a node takes to serve, and the CPU its start costs, with the light
 tokenizer against transformers' tokenizer.
 
-A colocated node (`pdserve serve`) is started and stopped `--rounds` times in each of three ways, the
-ways interleaved, all through `common/server/tokenizer_load.py` as a user's start goes:
+A colocated node (`pdserve serve`, bench/compare.py's `ColocatedNode`) is started and stopped `--rounds`
+times in each of three ways, the ways interleaved, all through `common/server/tokenizer_load.py` as a
+user's start goes:
 
 * `first`: no remembered entry for the model's tokenizer: transformers' `AutoTokenizer`, then the check
   of the light tokenizer against it (a new model's first start);
@@ -10,10 +11,12 @@ ways interleaved, all through `common/server/tokenizer_load.py` as a user's star
   loaded directly (every start before the light tokenizer; the reference);
 * `light`: the entry says the light one matched: no transformers (every later start since).
 
-The bench writes the entry before each start (`first` deletes it) from what the first start found. A start
-is timed from the command to the first 200 of `/health`; its CPU is the user + system time of the node's
-process tree at that moment (front end and scheduler ranks), and of the front end alone. The log must
-say the start took the way asked (exit 1 if not, or if the first start's check failed).
+The bench writes the entry before each start (`first` deletes it) from what the first start found. A
+start is timed from the command to the first 200 of `/health` (the bench's own checks around the
+launcher's spawn: they come closer together than the launcher's ready wait); its CPU is the user +
+system time of the node's process tree at that moment (front end and scheduler ranks), and of the front
+end alone. The log must say the start took the way asked (exit 1 if not, or if the first start's check
+failed).
 
 Ratios (transformers / light, higher is better): `startup_cpu_speedup`, `startup_front_end_cpu_speedup`,
 `startup_ready_speedup`, on the medians.
@@ -24,15 +27,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import psutil
 
+from bench.compare import ColocatedNode
 from bench.report import write_report
-from deploy.procs import free_port, http_status
 
 MODES = ("first", "transformers", "light")
 LOG_SAYS = {"first": "checked against transformers'", "transformers": "the light one differed at its check",
@@ -71,34 +74,28 @@ def _tree_cpu(proc: psutil.Process) -> tuple[float, float]:
 
 
 def start_once(model_dir: str, log_path: str, timeout: float) -> dict:
-    port = free_port()
-    cmd = [sys.executable, "-m", "deploy.cli", "serve", "--model", model_dir, "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "info"]
-    with open(log_path, "w") as out:
-        t0 = time.perf_counter()
-        node = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        proc = psutil.Process(node.pid)
-        try:
-            while True:
-                if node.poll() is not None:
-                    raise RuntimeError(f"the node exited with {node.returncode} before serving (log: {log_path})")
-                if time.perf_counter() - t0 > timeout:
-                    raise RuntimeError(f"the node did not serve within {timeout:.0f}s (log: {log_path})")
-                if http_status(f"http://127.0.0.1:{port}/health", timeout=1) == 200:
-                    break
-                time.sleep(0.02)
-            ready = time.perf_counter() - t0
-            cpu, front = _tree_cpu(proc)
-        finally:
-            node.terminate()
-            try:
-                node.wait(60)
-            except subprocess.TimeoutExpired:
-                node.kill()
-                node.wait()
-    with open(log_path, errors="replace") as f:
-        text = f.read()
-    return {"ready_s": ready, "cpu_s": cpu, "front_end_cpu_s": front, "log": text}
+    """One start of `pdserve serve`, timed from the spawn to the first 200 of /health, then stopped."""
+    Path(log_path).unlink(missing_ok=True)  # the log checked afterwards holds this start only
+    node = ColocatedNode(model_dir, ["--log-level", "info"], log_path=log_path, startup_timeout=timeout)
+    # no step of the launcher's runs in the child before exec (die_with_parent=False), as in a user's start
+    t0 = time.perf_counter()
+    node.spawn(die_with_parent=False)
+    try:
+        proc = psutil.Process(node.proc.pid)
+        while True:
+            if not node.alive():
+                raise RuntimeError(f"the node exited with {node.proc.returncode} before serving "
+                                   f"(log: {log_path})")
+            if time.perf_counter() - t0 > timeout:
+                raise RuntimeError(f"the node did not serve within {timeout:.0f}s (log: {log_path})")
+            if node.is_ready(timeout=1):
+                break
+            time.sleep(0.02)
+        ready = time.perf_counter() - t0
+        cpu, front = _tree_cpu(proc)
+    finally:
+        node.stop(timeout=60)
+    return {"ready_s": ready, "cpu_s": cpu, "front_end_cpu_s": front, "log": node.log_text()}
 
 
 def main(argv: list[str] | None = None) -> int:

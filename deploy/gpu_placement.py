@@ -198,7 +198,7 @@ def plan_from_flags(device: str | None, gpu_ids: str | None, num_prefill: int, n
                     node_args: list[str], prefill_args: list[str], decode_args: list[str],
                     parser: argparse.ArgumentParser, gpu_count: int | None = None) -> GpuPlan | None:
     """The plan for the launcher's `--device` / `--gpu-ids` (None: `--device` not given, nothing
-    changes). `parser` reads the node flags (deploy.cluster.node_parser()); `gpu_count` stands in for
+    changes). `parser` reads the node flags (deploy.nodes.node_parser()); `gpu_count` stands in for
     the GPUs torch sees (None: ask torch)."""
     roles = (("prefill", num_prefill, node_args + prefill_args), ("decode", num_decode, node_args + decode_args))
     if device is None:

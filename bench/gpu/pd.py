@@ -15,7 +15,7 @@ non-empty chunk and the client sees every inter-token gap). Nothing is downloade
 The two setups run one after the other, each started, measured and stopped before the next:
 
 * colocated: one `pdserve serve` node, `--mem-fraction-static` `--colocated-fraction` (0.8), started with
-  the launcher `pdserve bench compare` uses (`bench.compare.start_colocated`);
+  the launcher `pdserve bench compare` uses (`bench.compare.colocated_node`);
 * pd: a prefill node, a decode node and the router (`deploy.cluster.Cluster`, as `pdserve cluster` and
   `bench compare` start them), both nodes on the same GPU with `--mem-fraction-static` `--pd-fraction`
   (0.4) each, the KV moving between them over `--transfer-backend` (nixl).
@@ -243,7 +243,7 @@ def measure(name: str, url: str, ns: argparse.Namespace, requests: list[BenchReq
 
 
 def run_colocated(ns, model_dir: str, dtype: str, log_dir: str, requests, warm) -> dict:
-    from bench.compare import start_colocated, stop_proc
+    from bench.compare import colocated_node
 
     flags = node_flags(ns, dtype, ns.colocated_fraction)
     setup = argparse.Namespace(model=model_dir, colocated_threads=None, node_args=shlex.join(flags),
@@ -251,14 +251,11 @@ def run_colocated(ns, model_dir: str, dtype: str, log_dir: str, requests, warm) 
                                node_env={})
     os.makedirs(log_dir, exist_ok=True)
     t0 = time.perf_counter()
-    proc, url = start_colocated(setup, sorted(os.sched_getaffinity(0)), log_dir)
-    try:
+    with colocated_node(setup, sorted(os.sched_getaffinity(0)), log_dir) as node:
         entry = {"flags": flags, "startup_s": round(time.perf_counter() - t0, 1), "log_dir": log_dir,
-                 "nodes": {"colocated": node_info(url)}}
-        log(f"colocated: ready at {url} in {entry['startup_s']} s")
-        entry.update(measure("colocated", url, ns, requests, warm))
-    finally:
-        stop_proc(proc)
+                 "nodes": {"colocated": node_info(node.url)}}
+        log(f"colocated: ready at {node.url} in {entry['startup_s']} s")
+        entry.update(measure("colocated", node.url, ns, requests, warm))
     return entry
 
 
