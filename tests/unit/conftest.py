@@ -3,9 +3,10 @@ rule of this directory, that a unit test starts no process and serves on no sock
 
 The rule is kept by `no_processes`, on for every test here: starting a subprocess, a multiprocessing
 process, a fork or `os.system`, or listening on a socket fails the test, naming the directories where such a
-test belongs (tests/integration for nodes and ranks, tests/fresh_process for a fresh interpreter,
-tests/deploy for the launcher and the CLI). The native CPU kernels are compiled before it, once per session,
-where the library's cache lacks this version (a machine set up by `make setup` has it already).
+test belongs (tests/integration for nodes and ranks, tests/transfer for its servers, tests/fresh_process for
+a fresh interpreter or the compiler, tests/deploy for the launcher and the CLI). The native CPU kernels are
+compiled before it, once per session, where the library's cache lacks this version (a machine set up by
+`make setup` has it already).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import subprocess
 import pytest
 import torch
 
-WHERE = ("a unit test starts no process and serves on no socket; one that must belongs in tests/integration "
-         "(nodes, ranks), tests/fresh_process (a fresh interpreter) or tests/deploy (the launcher, the CLI)")
+WHERE = ("a unit test starts no process and serves on no socket; one that must belongs beside those that do: "
+         "tests/integration (nodes, ranks), tests/transfer (its servers), tests/fresh_process (a fresh "
+         "interpreter, the compiler) or tests/deploy (the launcher, the CLI)")
 
 
 class ProcessInUnitTest(AssertionError):
