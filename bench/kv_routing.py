@@ -12,9 +12,13 @@ caches flushed before each run:
 
 Each workload has its own system prompts. Requests of all groups are interleaved and sent
 `--concurrency` at a time, streamed, `--output-len` tokens each; each mode runs twice per workload in
-the order tree, exact, exact, tree, so a drift of a shared machine's speed weighs on both alike. Per run: the prefix-hit rate (the prefill nodes' cached prompt tokens / prompt tokens,
-from their /metrics), TTFT p50/p99 and the spread of requests over the nodes. Ratios (higher is
-better): `hit_rate_<w>` exact / tree, `ttft_p50_<w>` and `ttft_p99_<w>` tree / exact.
+the order tree, exact, exact, tree, so a drift of a shared machine's speed weighs on both alike. Per
+run: the prefix-hit rate (the prefill nodes' cached prompt tokens / prompt tokens, from their /metrics),
+TTFT p50/p99 and the spread of requests over the nodes. Ratios (higher is better): `hit_rate_<w>`
+exact / tree, `ttft_p50_<w>` and `ttft_p99_<w>` tree / exact.
+
+The nodes and routers are deploy's processes (`RoleNode`, `RouterProcess`: deploy/nodes.py), each with
+its log `<log-dir>/<name>.log` (`prefill-0`, `decode`, `router-tree`, `router-exact`).
 """
 
 from __future__ import annotations
@@ -25,16 +29,15 @@ import json
 import os
 import random
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
 from bench.report import write_report
-from deploy.process import ROOT
-from deploy.procs import free_port, http_status
+from deploy.nodes import RoleNode, RouterProcess
+from deploy.process import start_together, stop_all
+from deploy.procs import free_port
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone cloud maple orbit "
@@ -59,37 +62,23 @@ def _post(url: str, body: dict | None = None) -> int:
         return r.status
 
 
-class Procs:
-    def __init__(self, log_dir: str):
-        self.log_dir = log_dir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+def nodes(ns: argparse.Namespace, model: str, log_dir: str) -> tuple[list[RoleNode], RoleNode]:
+    """The prefill nodes, each publishing its KV events on endpoints of its own, and the decode node
+    (not started); fake transfer, one torch thread each, passive OpenMP threads."""
+    settings = {"page_size": ns.page_size, "max_total_tokens": ns.max_total_tokens, "num_threads": 1,
+                "chunked_prefill_size": 1024, "transfer_backend": "fake", "log_level": None}
 
-    def spawn(self, name: str, cmd: list[str]) -> None:
-        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-        self.procs.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                  stdin=subprocess.DEVNULL, start_new_session=True)))
+    def node(role: str, name: str, **more) -> RoleNode:
+        return RoleNode(role, model, name=name, env={"OMP_WAIT_POLICY": "PASSIVE"}, echo_command=True,
+                        log_path=os.path.join(log_dir, f"{name}.log"), **settings, **more)
 
-    def wait(self, url: str, path: str, timeout: float = 300) -> None:
-        deadline = time.time() + timeout
-        while http_status(url + path) != 200:
-            for name, p in self.procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {p.returncode} (logs in {self.log_dir})")
-            if time.time() > deadline:
-                raise RuntimeError(f"{url}{path} not ready after {timeout:.0f}s (logs in {self.log_dir})")
-            time.sleep(0.3)
+    def events() -> str:
+        return json.dumps({"endpoint": f"tcp://127.0.0.1:{free_port()}",
+                           "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"})
 
-    def stop(self) -> None:
-        for _, p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.time() + 20
-        for _, p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+    prefills = [node("prefill", f"prefill-{i}", disaggregation_bootstrap_port=free_port(),
+                     kv_events_config=events()) for i in range(ns.prefill)]
+    return prefills, node("decode", "decode")
 
 
 def workload(ns: argparse.Namespace, suffix_tokens: int, seed: int) -> list[str]:
@@ -204,39 +193,18 @@ def main(argv: list[str] | None = None) -> dict | int:
     model = _model(ns.model)
     log_dir = ns.log_dir or tempfile.mkdtemp(prefix="pdserve-kv-routing-")
     os.makedirs(log_dir, exist_ok=True)
-    procs = Procs(log_dir)
-    py = sys.executable
-    node = ["--model", model, "--host", "127.0.0.1", "--page-size", str(ns.page_size), "--transfer-backend", "fake",
-            "--max-total-tokens", str(ns.max_total_tokens), "--num-threads", "1", "--chunked-prefill-size", "1024"]
-    prefills, bootstraps = [], []
+    prefills, decode = nodes(ns, model, log_dir)
+    routers = {mode: RouterProcess(prefills, [decode], "--policy", "cache_aware",
+                                   "--worker-startup-check-interval", "0.2", *extra, name=f"router-{mode}",
+                                   log_path=os.path.join(log_dir, f"router-{mode}.log"), echo_command=True)
+               for mode, extra in (("tree", []), ("exact", ["--kv-events"]))}
+    servers = [*routers.values(), *prefills, decode]
     try:
-        for i in range(ns.prefill):
-            port, boot = free_port(), free_port()
-            cfg = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
-            procs.spawn(f"prefill-{i}", [py, "-m", "prefill_node", *node, "--port", str(port),
-                                         "--disaggregation-bootstrap-port", str(boot),
-                                         "--kv-events-config", json.dumps(cfg)])
-            prefills.append(f"http://127.0.0.1:{port}")
-            bootstraps.append(boot)
-        dport = free_port()
-        procs.spawn("decode", [py, "-m", "decode_node", *node, "--port", str(dport)])
-        for u in prefills + [f"http://127.0.0.1:{dport}"]:
-            procs.wait(u, "/health")
-        routers = {}
-        for mode, extra in (("tree", []), ("exact", ["--kv-events"])):
-            rport = free_port()
-            cmd = [py, "-m", "router", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(rport),
-                   "--prometheus-port", "0", "--policy", "cache_aware", "--decode", f"http://127.0.0.1:{dport}",
-                   "--worker-startup-check-interval", "0.2", *extra]
-            for u, b in zip(prefills, bootstraps, strict=True):
-                cmd += ["--prefill", u, str(b)]
-            procs.spawn(f"router-{mode}", cmd)
-            routers[mode] = f"http://127.0.0.1:{rport}"
-        for u in routers.values():
-            procs.wait(u, "/readiness")
+        start_together([*prefills, decode])
+        start_together(list(routers.values()))
         time.sleep(1.0)  # the exact router's first replays
         # warm-up (not measured): every node compiles and allocates once
-        asyncio.run(_drive(routers["tree"], workload(ns, 32, ns.seed + 99)[:2 * ns.prefill], ns))
+        asyncio.run(_drive(routers["tree"].url, workload(ns, 32, ns.seed + 99)[:2 * ns.prefill], ns))
         figures: dict = {"config": {k: v for k, v in vars(ns).items() if k not in ("json", "log_dir")},
                          "command": "pdserve bench kv_routing " + " ".join(shlex.quote(a) for a in (argv or []))}
         ratios = {}
@@ -244,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict | int:
             texts = workload(ns, suffix, ns.seed + k)  # new system prompts: the tree's older entries do not match
             runs: dict[str, list[dict]] = {"tree": [], "exact": []}
             for mode in ("tree", "exact", "exact", "tree")[:2 * ns.repeats]:  # ABBA: drift of a shared machine cancels
-                runs[mode].append(run_once(routers[mode], prefills, texts, ns))
+                runs[mode].append(run_once(routers[mode].url, [p.url for p in prefills], texts, ns))
             res = {mode: summary(r) for mode, r in runs.items()}
             for mode in ("tree", "exact"):
                 print(f"{wname:5s} {mode:5s} hit rate {res[mode]['hit_rate']:.3f}  TTFT p50 "
@@ -255,10 +223,10 @@ def main(argv: list[str] | None = None) -> dict | int:
             ratios[f"hit_rate_{wname}"] = e["hit_rate"] / t["hit_rate"] if t["hit_rate"] else float(e["hit_rate"] > 0)
             ratios[f"ttft_p50_{wname}"] = t["ttft_p50_ms"] / e["ttft_p50_ms"]
             ratios[f"ttft_p99_{wname}"] = t["ttft_p99_ms"] / e["ttft_p99_ms"]
-        with urllib.request.urlopen(routers["exact"] + "/get_server_info", timeout=10) as r:
+        with urllib.request.urlopen(routers["exact"].url + "/get_server_info", timeout=10) as r:
             figures["exact_router"] = json.loads(r.read())["router"].get("kv_events")
     finally:
-        procs.stop()
+        stop_all(servers, timeout=20)
     return write_report(ns.json, "kv_routing", figures, ratios)
 
 

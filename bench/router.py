@@ -1,15 +1,16 @@
 """`pdserve bench router`: this router against sglang-router (Rust, from PyPI) in PD mode, same recording
 workers, same load, one run. Reports requests/s, p50/p99 latency and the router's CPU seconds per request
-(user+sys of the router process, threads included) at each concurrency, and the ratios."""
+(user+sys of the router process, threads included) at each concurrency, and the ratios.
+
+The stand-ins (tests/router/workers.py) and both routers are deploy's processes (deploy/process.py,
+deploy/nodes.py's `RouterProcess` with sglang-router's module swapped in), each with this run's log in
+`--log-dir` (`prefill-0.log`, `decode-1.log`, `ours.log`, `sglang_router.log`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,85 +19,74 @@ import aiohttp
 import psutil
 
 from bench.report import write_report
+from deploy.nodes import RouterProcess
+from deploy.process import ServerProcess, start_together, stop_all
+from deploy.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER_SCRIPT = REPO / "tests" / "router" / "workers.py"
 MINI_LB_CPU_MS = 2.9  # SGLang's Python mini load balancer, CPU ms per request (figure quoted in the issue)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def fresh_log(log_dir: Path, name: str) -> Path:
+    """`<log_dir>/<name>.log`, without what an earlier run wrote there (the folder is the same every run)."""
+    path = log_dir / f"{name}.log"
+    path.unlink(missing_ok=True)
+    return path
 
 
-async def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while True:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"process for {url} exited with {proc.returncode}")
-            try:
-                async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status == 200:
-                        return
-            except (TimeoutError, aiohttp.ClientError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} not ready after {timeout}s")
-            await asyncio.sleep(0.1)
+class StandIn(ServerProcess):
+    """A recording stand-in for a prefill or decode node (tests/router/workers.py), keeping nothing."""
+
+    def __init__(self, role: str, bootstrap_port: int | None, log_dir: Path, index: int):
+        name = f"{role}-{index}"
+        super().__init__(name, log_path=fresh_log(log_dir, name), startup_timeout=60.0)
+        self.role, self.bootstrap_port = role, bootstrap_port
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, str(WORKER_SCRIPT), "--port", str(self.port), "--role", self.role]
+        boot = [] if self.bootstrap_port is None else ["--bootstrap-port", str(self.bootstrap_port)]
+        return cmd + boot + ["--no-record"]
 
 
-def start_workers(n_prefill: int, n_decode: int):
-    procs, prefill, decode = [], [], []
-    for i in range(n_prefill + n_decode):
-        role = "prefill" if i < n_prefill else "decode"
-        port = free_port()
-        cmd = [sys.executable, str(WORKER_SCRIPT), "--port", str(port), "--role", role, "--no-record"]
-        if role == "prefill":
-            cmd += ["--bootstrap-port", str(8998 + i)]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        (prefill if role == "prefill" else decode).append((f"http://127.0.0.1:{port}", 8998 + i))
-    return procs, prefill, decode
+def stand_ins(n_prefill: int, n_decode: int, log_dir: Path) -> tuple[list[StandIn], list[StandIn]]:
+    """The prefill stand-ins (bootstrap ports 8998, 8999, ...: they only report them) and the decode ones."""
+    prefill = [StandIn("prefill", 8998 + i, log_dir, i) for i in range(n_prefill)]
+    decode = [StandIn("decode", None, log_dir, i) for i in range(n_decode)]
+    return prefill, decode
 
 
-def pd_args(prefill, decode, policy: str) -> list[str]:
-    args = ["--pd-disaggregation", "--policy", policy]
-    for url, bport in prefill:
-        args += ["--prefill", url, str(bport)]
-    for url, _ in decode:
-        args += ["--decode", url]
-    return args
+class Router(RouterProcess):
+    """Ours (`python -m router`) or sglang-router (`python -m sglang_router.launch_router`) with the same
+    flags in front of the same stand-ins, its metrics on a port of its own; ready at /health, as both are."""
+
+    ready_path = "/health"
+
+    def __init__(self, kind: str, prefill: list[StandIn], decode: list[StandIn], policy: str, log_dir: Path):
+        super().__init__(prefill, decode, "--policy", policy, "--prometheus-host", "127.0.0.1",
+                         "--prometheus-port", str(free_port()), name=kind, log_path=fresh_log(log_dir, kind),
+                         startup_timeout=60.0)
+        self.module = "router" if kind == "ours" else "sglang_router.launch_router"
+
+    def command(self) -> list[str]:
+        python, _, _, *flags = super().command()  # python -m router <flags>
+        return [python, "-m", self.module, *flags]
 
 
-def start_router(kind: str, prefill, decode, policy: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
-    port, prom = free_port(), free_port()
-    common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-              "--prometheus-port", str(prom)] + pd_args(prefill, decode, policy)
-    if kind == "ours":
-        cmd = [sys.executable, "-m", "router"] + common
-    else:
-        cmd = [sys.executable, "-m", "sglang_router.launch_router"] + common
-    log = open(log_dir / f"{kind}.log", "w")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-async def wait_router(url: str, proc: subprocess.Popen) -> None:
-    await wait_http(url + "/health", proc=proc)
+async def serves_a_request(router: Router) -> None:
+    """Wait until a request goes through the router end to end."""
     deadline = time.monotonic() + 60
     async with aiohttp.ClientSession() as s:
-        while True:  # ready when a request goes through end to end
+        while True:
             try:
-                async with s.post(url + "/generate", json={"text": "warm up"}) as r:
+                async with s.post(router.url + "/generate", json={"text": "warm up"}) as r:
                     await r.read()
                     if r.status == 200:
                         return
             except (aiohttp.ClientError, OSError):
                 pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"router {url} never served a request")
+            if time.monotonic() > deadline or not router.alive():
+                raise RuntimeError(f"router {router.url} never served a request")
             await asyncio.sleep(0.2)
 
 
@@ -152,35 +142,25 @@ async def measure(url: str, pid: int, n: int, concurrency: int) -> dict:
 async def run(args) -> dict:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs, prefill, decode = start_workers(args.prefill_workers, args.decode_workers)
-    routers: dict[str, tuple[subprocess.Popen, str]] = {}
+    prefill, decode = stand_ins(args.prefill_workers, args.decode_workers, log_dir)
+    routers = {kind: Router(kind, prefill, decode, args.policy, log_dir) for kind in ("ours", "sglang_router")}
     try:
-        for url, _ in prefill + decode:
-            await wait_http(url + "/health")
-        for kind in ("ours", "sglang_router"):
-            routers[kind] = start_router(kind, prefill, decode, args.policy, log_dir)
-        for proc, url in routers.values():
-            await wait_router(url, proc)
+        start_together(prefill + decode)
+        start_together(list(routers.values()))
+        for router in routers.values():
+            await serves_a_request(router)
         results: dict[str, dict] = {"ours": {}, "sglang_router": {}}
         for c in args.concurrency:
             for kind in ("sglang_router", "ours"):
-                proc, url = routers[kind]
-                r = await measure(url, proc.pid, args.requests, c)
+                router = routers[kind]
+                r = await measure(router.url, router.proc.pid, args.requests, c)
                 results[kind][f"c{c}"] = r
                 print(f"{kind:>14} c={c:<4} rps={r['rps']:>8.1f} p50={r['p50_ms']:>7.2f}ms "
                       f"p99={r['p99_ms']:>7.2f}ms cpu/req={r['cpu_ms_per_req']:.3f}ms errors={r['errors']}",
                       flush=True)
         return results
     finally:
-        for proc, _ in routers.values():
-            proc.terminate()
-        for proc in procs:
-            proc.terminate()
-        for proc in [p for p, _ in routers.values()] + procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all([*routers.values(), *prefill, *decode], timeout=10)
 
 
 def main(argv: list[str] | None = None) -> dict:
