@@ -252,13 +252,13 @@ class Attempt:
         if answer is not None:  # the decode answered an error status
             count_answer(d, answer.status, answer.err_type)
             return failure_of(self.decode, d, "decode")
-        self.stream_answered = True
         if self.lead is not None and self.lead.kind is Kind.ERROR:
             failure = Failure.lead_error(self.lead.error, d)
             if failure is not None:  # the node failed the request before its first token: run it again
-                count_answer(d, failure.status, failure.err_type)
+                count_answer(d, failure.status, failure.err_type)  # its breaker hears this, not a success
                 self.metrics.reruns_before_first_token += 1
                 return failure
+        self.stream_answered = True
         if self.req.return_logprob:  # the prompt's logprobs are the prefill leg's: wait for its answer
             await asyncio.wait((self.prefill,))
             if failure := failure_of(self.prefill, self.p, "prefill"):

@@ -245,3 +245,12 @@ def test_a_client_gone_mid_stream_aborts_both_legs():
     attempt, result, sent, legs, _ = _run([_data(TOKEN), _data(TOKEN)], client_fails=True, prefill_delay=1.0)
     assert attempt.state is State.CLIENT_GONE and legs.metrics.client_disconnects == 1
     assert sorted(legs.aborted) == ["d0", "p0"]
+
+
+def test_a_node_error_before_the_first_token_counts_against_its_breaker():
+    crash = {"error": {"message": "the forward raised", "type": "internal_error"}}
+    attempt, result, _, _, d = _run([_data(crash) + b"data: [DONE]\n\n"])
+    assert attempt.state is State.FAILED_RETRYABLE and result.status == 500
+    assert len(d.breaker.failures) == 1  # not cleared by the stream's end, so a node that keeps failing trips it
+    attempt, _, _, _, d = _run([_data(NODE_ERROR) + b"data: [DONE]\n\n"])
+    assert len(d.breaker.failures) == 0  # a failed KV transfer is the pair's, not the decode node's
