@@ -3,9 +3,9 @@
 A role names its manager class (the prefill role `PrefillKVManager`, transfer/sender.py; the decode
 role `DecodeKVManager`, transfer/receiver.py) and `build_kv_manager` gives it this rank's share of
 the pools: the KV heads (and a hybrid model's state) of its pipeline stage's layers in its DP group,
-and the role's metadata rows (`build_metadata`, `KVArgs.from_runner`). The manager listens on the address peers reach
-the node at (`advertised_host`) with the node's timeouts and secret (`node_settings`: the
-environment's settings, the node's flags winning).
+and the role's metadata rows (`build_metadata`), as `KVArgs.from_runner` describes them. The manager
+listens on the address peers reach the node at (`advertised_host`) with the node's timeouts and
+secret (`node_settings`: the environment's settings, the node's flags winning).
 """
 
 from __future__ import annotations
