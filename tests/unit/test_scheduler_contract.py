@@ -1,4 +1,4 @@
-"""The scheduler's contract (vLLM's, reference 002), driven through it alone, in process on a tiny model:
+"""The scheduler's contract (the shape of vLLM's scheduler interface), driven through it alone, in process on a tiny model:
 `schedule()` → `runner.run()` → `update_from_output()`, `add_request`, `finish_requests`,
 `get_request_counts`, `has_unfinished_requests`, and the hooks a node role plugs in through.
 
