@@ -21,6 +21,11 @@ other sweep prompts: one run's crossing moves by up to 2x on a shared 2-core hos
 every round's requests (the sweep per rate, weighting each rate by the requests sent there), and gives
 each round's own highest rates and `slo_rate` beside the pooled ones.
 
+Both setups start through deploy's launcher: (a) is a `Cluster` (deploy/cluster.py), (b) a
+`ColocatedNode`, a `ServerProcess` (deploy/process.py) running `pdserve serve` with the bench's node
+flags on the given cores; the other benches with a colocated node (dp, pp, placement, gpu-pd, netfaults,
+startup) start theirs with it too.
+
 Reports, for each setup and for each class of request, TTFT/TPOT/ITL/E2E (mean, p50, p90, p99),
 throughput and goodput (requests meeting `--slo-ttft-ms` and `--slo-tpot-ms`), a markdown table of the
 ratios (`--markdown`), latency CDFs (`--plot`), and `--json` with `"ratios"`:

@@ -2,8 +2,8 @@
 
 Every process the launcher starts -- a node, a router, a test's stand-in worker -- is a
 `ServerProcess`; subclasses say how to start it (`command()`) and where it answers when ready
-(`ready_path`). The `Cluster` of deploy/cluster.py (`pdserve cluster` and the benches' clusters) and
-the tests (tests/harness/nodes.py) start their servers through it.
+(`ready_path`). The `Cluster` of deploy/cluster.py (`pdserve cluster` and the benches' clusters), the
+tests (tests/harness/nodes.py) and the benches' own nodes, routers and stand-ins start through it.
 
 * Start: the child runs in a session (process group) of its own, with stdout and stderr in its log
   file, optionally pinned to cores and inside a network namespace (`ip netns exec`). A child started

@@ -1,6 +1,6 @@
 """`pdserve bench placement` end to end on the tiny model (fake backend, a few short requests) with the
 cluster as it starts by default (the colocated node it is compared with is `bench compare`'s
-`start_colocated`), and the ratios' orientation."""
+`colocated_node`), and the ratios' orientation."""
 
 from __future__ import annotations
 
