@@ -143,7 +143,8 @@ async def run(args) -> dict:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     prefill, decode = stand_ins(args.prefill_workers, args.decode_workers, log_dir)
-    routers = {kind: Router(kind, prefill, decode, args.policy, log_dir) for kind in ("ours", "sglang_router")}
+    routers = {kind: Router(kind, prefill, decode, args.policy, log_dir)
+               for kind in ("ours", "sglang_router")}
     try:
         start_together(prefill + decode)
         start_together(list(routers.values()))
