@@ -187,8 +187,8 @@ class ServerArgs:
         "(vLLM's flag): a wide batch is compute-bound, where wrong drafts cost most (default: always speculate)")
     speculative_ngram_min_match_window_size: int = _f(
         3, "with NGRAM: shortest suffix of a request's tokens looked up in its history (shorter matches draft "
-        "more often and are right less often: at batch 16 on chat text, 1 cost a third of the decode "
-        "speed, 3 about a tenth; bench/results/README.md)")
+        "more often and are right less often; pdserve bench engine's spec_ngram_chat figures measure the "
+        "cost of wrong drafts)")
     speculative_ngram_max_match_window_size: int = _f(
         12, "with NGRAM: longest suffix looked up (the longest one found wins)")
     kv_events_config: str | None = _f(
