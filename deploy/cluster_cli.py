@@ -104,25 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_node_flags(flags: list[str]) -> None:
-    """Raise ValueError if a flag is not a node flag (the node would exit at start-up otherwise)."""
-    try:
-        _, unknown = node_parser().parse_known_args(flags)
-    except SystemExit:
-        raise ValueError(f"invalid node flags: {shlex.join(flags)}") from None
-    if unknown:
-        raise ValueError(f"not node flags: {' '.join(unknown)} (see `pdserve serve --help`)")
-
-
-def check_router_flags(flags: list[str]) -> None:
+def check_flags(flags: list[str], role: str) -> None:
+    """Raise ValueError if a flag is not one of `role`'s ("node" or "router"): the child would exit at
+    start-up otherwise."""
     from router.cli import build_parser as router_parser
 
+    parser = node_parser() if role == "node" else router_parser()
     try:
-        _, unknown = router_parser().parse_known_args(flags)
+        _, unknown = parser.parse_known_args(flags)
     except SystemExit:
-        raise ValueError(f"invalid router flags: {shlex.join(flags)}") from None
+        raise ValueError(f"invalid {role} flags: {shlex.join(flags)}") from None
     if unknown:
-        raise ValueError(f"not router flags: {' '.join(unknown)} (see `pdserve router --help`)")
+        command = "serve" if role == "node" else "router"
+        raise ValueError(f"not {role} flags: {' '.join(unknown)} (see `pdserve {command} --help`)")
 
 
 def cluster_from_args(argv: list[str]) -> Cluster:
@@ -139,8 +133,8 @@ def cluster_from_args(argv: list[str]) -> Cluster:
         router_args += ["--policy", ns.policy]
     try:
         for flags in (node_args, prefill_args, decode_args):
-            check_node_flags(flags)
-        check_router_flags(router_args)
+            check_flags(flags, "node")
+        check_flags(router_args, "router")
         if ns.local_prefill_queue < 0:
             raise ValueError(f"--local-prefill-queue must be >= 0 (0: off), got {ns.local_prefill_queue}")
         affinity = {} if ns.cpu_affinity in ("auto", "none") else parse_affinity(ns.cpu_affinity)
