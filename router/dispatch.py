@@ -85,10 +85,11 @@ class Dispatcher:
         key = await self.prefill_policy.prepare(req) if self.prefill_policy.prepares else None
         retries = Retries(self.cfg, self.metrics, self._other_available, request_id)
         exclude: tuple[Worker, ...] = ()
+        broken: tuple[Worker, ...] = ()  # workers whose leg broke in this request: avoided while others are up
         too_long = False  # a decode worker refused to prefill it itself (--local-prefill-queue)
         for attempt in range(self.cfg.max_attempts):
             trace.attempts = attempt + 1
-            pair = self._pair(req, exclude, key)
+            pair = self._pair(req, exclude, broken, key)
             if isinstance(pair, Failure):
                 failure = pair
             else:
@@ -106,8 +107,12 @@ class Dispatcher:
                     return result
                 failure = result
                 # a next attempt goes to another pair where there is one: a failed KV transfer may be either
-                # node's (or their link's) doing, and a worker that failed its leg is best avoided at once
+                # node's (or their link's) doing, and a worker that failed its leg is best avoided at once; one
+                # whose connection broke (killed, cut off) stays avoided for the rest of the request, as its
+                # health checks may not have caught up yet
                 exclude = (p, d)
+                if failure.kind is Kind.BROKEN and failure.worker is not None and failure.worker not in broken:
+                    broken += (failure.worker,)
             if not await retries.again(failure, attempt):
                 break
         trace.status = failure.status
@@ -117,8 +122,11 @@ class Dispatcher:
 
     # ------------------------------------------------------------------------------ picking the workers
 
-    def pick(self, text: str | None, exclude: tuple[Worker, ...], prefill_key=None) -> tuple[Worker, Worker]:
-        """A prefill and a decode worker; the prefill policy routes by `prefill_key` when it prepared one."""
+    def pick(self, text: str | None, exclude: tuple[Worker, ...], prefill_key=None,
+             broken: tuple[Worker, ...] = ()) -> tuple[Worker, Worker]:
+        """A prefill and a decode worker; the prefill policy routes by `prefill_key` when it prepared one.
+        A retry avoids the pair it failed on (`exclude`) and every worker whose leg broke (`broken`), or at
+        least the broken ones when that leaves no worker of a kind."""
         pairs = []
         for workers, kind in ((self.registry.prefill, "prefill"), (self.registry.decode, "decode")):
             ok = [w for w in workers if w.available]
@@ -128,16 +136,20 @@ class Dispatcher:
                 ok = self.capacity.usable(ok)
                 if not ok:
                     raise DecodesFull("every decode worker is full (no preallocation row or KV left); retry later")
-            if exclude and len(ok) > 1:
-                ok = [w for w in ok if w not in exclude] or ok
+            for skip in (exclude + broken, broken):
+                rest = [w for w in ok if w not in skip]
+                if skip and rest:
+                    ok = rest
+                    break
             pairs.append(ok)
         return (self.prefill_policy.select(pairs[0], text if prefill_key is None else prefill_key),
                 self.decode_policy.select(pairs[1], text))
 
-    def _pair(self, req: ParsedRequest, exclude: tuple[Worker, ...], key) -> tuple[Worker, Worker] | Failure:
+    def _pair(self, req: ParsedRequest, exclude: tuple[Worker, ...], broken: tuple[Worker, ...],
+              key) -> tuple[Worker, Worker] | Failure:
         """`pick`'s pair for this attempt, or the Failure that leaves no pair to try."""
         try:
-            p, d = self.pick(req.text, exclude, key)
+            p, d = self.pick(req.text, exclude, key, broken)
         except NoWorkers as e:
             return Failure(Kind.NO_WORKERS, 503, str(e))
         except DecodesFull as e:

@@ -105,7 +105,6 @@ def fake_hosts(tiny_model_dir, tmp_path_factory):
     c.quiet = True
     try:
         c.start()
-        c.nodes = [x for x in c.children if x.role != "router"]  # what tests.harness.cluster reads
         c.hosts = c.net
         assert c.router.url.startswith("http://10.77.") and len({x.netns for x in c.children}) == 3
         c.baseline = cluster_pools(c)

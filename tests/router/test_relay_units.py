@@ -254,3 +254,25 @@ def test_a_node_error_before_the_first_token_counts_against_its_breaker():
     assert len(d.breaker.failures) == 1  # not cleared by the stream's end, so a node that keeps failing trips it
     attempt, _, _, _, d = _run([_data(NODE_ERROR) + b"data: [DONE]\n\n"])
     assert len(d.breaker.failures) == 0  # a failed KV transfer is the pair's, not the decode node's
+
+
+def test_a_retry_avoids_the_failed_pair_and_every_worker_whose_leg_broke():
+    from router.dispatch import Dispatcher
+    from router.policies import make_policy
+
+    cfg = RouterConfig(policy="round_robin")
+    p0, p1 = _worker("prefill", "p0"), _worker("prefill", "p1")
+    d0, d1 = _worker("decode", "d0"), _worker("decode", "d1")
+    for w in (p0, p1, d0, d1):
+        w.healthy = True
+    registry = SimpleNamespace(prefill=[p0, p1], decode=[d0, d1])
+    dispatcher = Dispatcher(cfg, registry, Metrics(), make_policy("round_robin", cfg),
+                            make_policy("round_robin", cfg))
+    dispatcher.capacity = None
+    # p1 broke on the first attempt, the pair (p0, d0) failed on the second: p1 is still not tried again
+    for _ in range(4):
+        p, d = dispatcher.pick(None, (p0, d0), None, (p1,))
+        assert (p, d) == (p0, d1)
+    # with one worker of a kind left up, it is tried again rather than none
+    p1.healthy = False
+    assert dispatcher.pick(None, (p0, d0), None, (p0,))[0] is p0
