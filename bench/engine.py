@@ -21,8 +21,8 @@ Measured (fp32, CPU, greedy):
   attention over the average context) / the best measured fp32 matmul rate (a 1024^3 and 2048^3
   `torch.mm`, more than a 16-row matmul can reach), sampled right after each of our timed decode and
   prefill runs and once at the end, the best sample taken: the host's speed drifts, and a peak measured
-  only at the end once put a prefill above its own bound (1.06). Ratio `compute_bound_b16` = bound step / our b16
-  step. HF's b16 step / the bound is the most any engine could gain over HF here.
+  only at the end once put a prefill above its own bound (1.06). Ratio `compute_bound_b16` = bound step / our
+  b16 step. HF's b16 step / the bound is the most any engine could gain over HF here.
 * the roofline of that b16 step: the matmuls take at least the longer of their FLOPs at that rate and
   the weights they read at 16 rows (float32 panels above `native.block_rows()` rows) at the best
   bandwidth; the attention the longer of its FLOPs and the 16 requests' K and V over the average
@@ -58,11 +58,13 @@ import time
 
 import torch
 
+from bench.host_peaks import matmul_peak_gflops, memory_bandwidth, prefill_work
 from bench.report import write_report
 from common.scheduler.speculative import DEFAULT_NUM_DRAFT_TOKENS
 
 BATCHES = (1, 16)
-SPEC_PASSAGE_TOKENS = 120  # the speculation workload's prompts: an ARCHITECTURE.md passage of this many tokens, twice
+# the speculation workload's prompts: an ARCHITECTURE.md passage of this many tokens, twice
+SPEC_PASSAGE_TOKENS = 120
 
 
 def log(msg: str) -> None:
@@ -79,7 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the prefill measurement")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--repeats", type=int, default=5,
-                   help="timed repeats of each measurement (this VM's speed drifts by up to 1.5x over seconds)")
+                   help="timed repeats of each measurement (this VM's speed drifts by up to 1.5x over "
+                        "seconds)")
     p.add_argument("--skip-hf", action="store_true", help="measure only our engine (no ratios vs HF)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
                    help="tokens per verify forward of the n-gram speculation measurement")
@@ -173,7 +176,8 @@ class OurEngine:
         nxt = self._greedy(r.forward(fb), [[] for _ in prompts])
         outputs = [[t] for t in nxt.tolist()]
         row_t = torch.tensor(rows, dtype=torch.int64)
-        last_slot = [int(r.req_to_token_pool.req_to_token[row, n - 1]) for row, n in zip(rows, lens, strict=True)]
+        last_slot = [int(r.req_to_token_pool.req_to_token[row, n - 1])
+                     for row, n in zip(rows, lens, strict=True)]
         c0, t0 = time.process_time(), time.perf_counter()
         for _ in range(steps):
             slots = []
@@ -216,8 +220,8 @@ class OurEngine:
         return sum(nbytes(t) for t in self._step_weights())
 
     def weight_count(self) -> int:
-        """How many weights a decode step multiplies each token by (the same weights as `weight_bytes`, counted
-        as numbers, whatever their storage; packed ones with their panels' zero padding)."""
+        """How many weights a decode step multiplies each token by (the same weights as `weight_bytes`,
+        counted as numbers, whatever their storage; packed ones with their panels' zero padding)."""
         from common.layers.linear import Panels
 
         return sum(t.weight.numel() if isinstance(t, Panels) else t.numel() for t in self._step_weights())
@@ -229,7 +233,8 @@ class OurEngine:
         out = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
         seen: set[int] = set()
         for p in model.parameters():
-            if id(p) in seen or p.device.type == "meta" or (p is emb and (lm is not emb or lm_packed is not None)):
+            if id(p) in seen or p.device.type == "meta" \
+                    or (p is emb and (lm is not emb or lm_packed is not None)):
                 continue  # (a packed layer keeps a meta parameter for its shape: its packed copy is above)
             seen.add(id(p))
             out.append(p)
@@ -245,7 +250,8 @@ class HFEngine:
         self.model.eval()
         gc = self.model.generation_config
         eos = gc.eos_token_id
-        self.pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+        self.pad = gc.pad_token_id if gc.pad_token_id is not None \
+            else (eos[0] if isinstance(eos, list) else eos)
 
     def _inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
@@ -261,9 +267,10 @@ class HFEngine:
         """(seconds, CPU seconds of this process, generated tokens) of one `generate` call."""
         ids, mask = self._inputs(prompts)
         c0, t0 = time.process_time(), time.perf_counter()
-        out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, pad_token_id=self.pad, temperature=None, top_p=None,
-                                  top_k=None)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                  max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, pad_token_id=self.pad,
+                                  temperature=None, top_p=None, top_k=None)
         return time.perf_counter() - t0, time.process_time() - c0, out[:, ids.shape[1]:]
 
     @torch.inference_mode()
@@ -272,61 +279,6 @@ class HFEngine:
         t0 = time.perf_counter()
         self.model(input_ids=ids, logits_to_keep=1)
         return time.perf_counter() - t0
-
-
-# ---------------------------------------------------------------------------------------------- bandwidth
-def memory_bandwidth(run_bytes: int, nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
-    """Best memcpy and read (sum) rates over buffers on huge pages, as the packed weights are; and the best
-    read rate over runs of `run_bytes` of the same buffer taken in random order, as decode attention reads
-    the KV pool (one page of one layer and head per run, the pages scattered). Each 4 MiB of runs is
-    gathered into one buffer that stays in the cache, so that traffic is the reads."""
-    from common.memory.huge_pages import huge_zeros
-
-    n = nbytes // 4
-    src = huge_zeros(n).fill_(1.0)
-    dst = huge_zeros(n)
-    dst.copy_(src)
-    floats = max(1, run_bytes // 4)
-    runs = src[:n // floats * floats].view(-1, floats)
-    order = torch.randperm(runs.shape[0])
-    step = max(1, 4 * 2**20 // (floats * 4))
-    gathered = torch.empty(step, floats)
-    copy_times, read_times, run_times = [], [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        copy_times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        float(src.sum())
-        read_times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for i in range(0, runs.shape[0], step):
-            idx = order[i:i + step]
-            torch.index_select(runs, 0, idx, out=gathered[:len(idx)])
-        run_times.append(time.perf_counter() - t0)
-    copy_gbps = nbytes / min(copy_times) / 1e9
-    return {"buffer_mib": nbytes / 2**20, "memcpy_gbps": copy_gbps, "memcpy_traffic_gbps": 2 * copy_gbps,
-            "read_gbps": nbytes / min(read_times) / 1e9,
-            "page_run_read_gbps": runs.numel() * 4 / min(run_times) / 1e9}
-
-
-def prefill_work(cfg, weights: float, p_len: int) -> tuple[float, float]:
-    """A `p_len`-token prefill's operations: (the projections' on every prompt token, the lm_head's on the
-    last one plus causal attention's 2 x layers x heads x head_dim x len^2)."""
-    lm = cfg.vocab_size * cfg.hidden_size
-    return 2 * (weights - lm) * p_len, 2 * lm + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * p_len * p_len
-
-
-def matmul_peak_gflops(repeats: int = 5, sizes: tuple[int, ...] = (1024, 2048)) -> float:
-    best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        torch.mm(a, b)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0) / 1e9)
-    return best
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -351,10 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     n = args.decode_steps
     log(f"model {model_dir}, torch threads {torch.get_num_threads()}, decode steps {n}, "
         f"decode prompt {args.decode_prompt_len}, prefill prompt {args.prompt_len}")
-    ours = OurEngine(model_dir, max(args.prompt_len, args.decode_prompt_len + n, 2 * SPEC_PASSAGE_TOKENS + n) + 1,
+    ours = OurEngine(model_dir,
+                     max(args.prompt_len, args.decode_prompt_len + n, 2 * SPEC_PASSAGE_TOKENS + n) + 1,
                      max(BATCHES))
-    log(f"ours loaded: {ours.cfg.name} ({ours.cfg.architecture}), {ours.weight_bytes() / 2**20:.1f} MiB of weights "
-        f"read per decode step")
+    log(f"ours loaded: {ours.cfg.name} ({ours.cfg.architecture}), {ours.weight_bytes() / 2**20:.1f} MiB of "
+        "weights read per decode step")
     hf = None if args.skip_hf else HFEngine(model_dir)
     if hf is not None:
         log("HF transformers loaded")
@@ -422,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
 
     log("decode through the scheduler loop, overlap scheduling on and off")
     loop_figures, loop_ratios = measure_overlap(
-        ours.runner, model_dir, {b: _prompts(b, args.decode_prompt_len, vocab, seed=b) for b in BATCHES}, n - 1,
-        args.repeats, log)
+        ours.runner, model_dir,
+        {b: _prompts(b, args.decode_prompt_len, vocab, seed=b) for b in BATCHES}, n - 1, args.repeats, log)
     figures.update(loop_figures)
 
     # ---- n-gram speculative decoding, repetitive and chat workloads
@@ -433,8 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     log("n-gram speculative decoding through the scheduler loop, on and off")
     spec_prompts = {"repetitive": {b: repetitive_prompts(model_dir, b, SPEC_PASSAGE_TOKENS) for b in BATCHES},
                     "chat": {b: chat_prompts(model_dir, b) for b in BATCHES}}
-    spec_figures, spec_ratios = measure_spec(ours.runner, model_dir, spec_prompts, n, args.speculative_num_draft_tokens,
-                                             args.repeats, log)
+    spec_figures, spec_ratios = measure_spec(ours.runner, model_dir, spec_prompts, n,
+                                             args.speculative_num_draft_tokens, args.repeats, log)
     figures.update(spec_figures)
 
     # ---- EAGLE / MTP draft layers, at both ends of the accept length
@@ -442,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
 
     log("EAGLE / MTP draft layers through the scheduler loop, on and off")
     draft_figures, draft_ratios = measure_draft_layers(
-        ours.runner.args, model_dir, {b: _prompts(b, args.decode_prompt_len, vocab, seed=b) for b in BATCHES}, n,
+        ours.runner.args, model_dir,
+        {b: _prompts(b, args.decode_prompt_len, vocab, seed=b) for b in BATCHES}, n,
         args.speculative_num_steps, args.repeats, log)
     figures.update(draft_figures)
 
@@ -451,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeats):
         ours_t.append(ours.prefill(pp))
         peaks.append(matmul_peak_gflops(repeats=2))
-        msg = f"prefill {args.prompt_len} run {rep + 1}/{args.repeats}: ours {args.prompt_len / ours_t[-1]:8.1f} tok/s"
+        msg = (f"prefill {args.prompt_len} run {rep + 1}/{args.repeats}: "
+               f"ours {args.prompt_len / ours_t[-1]:8.1f} tok/s")
         if hf is not None:
             hf_t.append(hf.prefill(pp))
             msg += f", HF {args.prompt_len / hf_t[-1]:8.1f} tok/s"
@@ -501,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
                                "attention_page_runs_ms": attn_runs_ms,
                                "step_page_runs_ms": max(parts["matmuls"]) * 1e3
                                + max(parts["attention"][0] * 1e3, attn_runs_ms)}
-    figures["compute"] = {"matmul_peak_gflops": peak, "matmul_peak_samples": peaks, "flops_per_token": flops_tok, "bound_b16_step_ms": cbound_ms,
+    figures["compute"] = {"matmul_peak_gflops": peak, "matmul_peak_samples": peaks,
+                          "flops_per_token": flops_tok, "bound_b16_step_ms": cbound_ms,
                           "ours_b16_step_ms": figures["ours_decode_b16"]["step_ms_best"],
                           "prefill_flops": prefill_flops, "bound_prefill_s": pbound_s,
                           "ours_prefill_s": figures["ours_prefill"]["best_s"]}
@@ -511,11 +467,13 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {"bandwidth_bound": bound_ms / our_step_ms,
               "compute_bound_b16": cbound_ms / figures["ours_decode_b16"]["step_ms_best"],
               "roofline_b16": roof_ms / figures["ours_decode_b16"]["step_ms_best"],
-              "prefill_compute_bound": pbound_s / figures["ours_prefill"]["best_s"], **loop_ratios, **spec_ratios,
-              **draft_ratios}
+              "prefill_compute_bound": pbound_s / figures["ours_prefill"]["best_s"],
+              **loop_ratios, **spec_ratios, **draft_ratios}
     if hf is not None:
-        ratios = {"decode_b1": figures["ours_decode_b1"]["tok_s_best"] / figures["hf_decode_b1"]["tok_s_best"],
-                  "decode_b16": figures["ours_decode_b16"]["tok_s_best"] / figures["hf_decode_b16"]["tok_s_best"],
+        ratios = {"decode_b1": figures["ours_decode_b1"]["tok_s_best"]
+                  / figures["hf_decode_b1"]["tok_s_best"],
+                  "decode_b16": figures["ours_decode_b16"]["tok_s_best"]
+                  / figures["hf_decode_b16"]["tok_s_best"],
                   "prefill_512": figures["ours_prefill"]["tok_s_best"] / figures["hf_prefill"]["tok_s_best"],
                   **ratios}
     print_table(figures, ratios, hf is not None)
@@ -541,7 +499,8 @@ def print_table(figures: dict, ratios: dict, with_hf: bool) -> None:
             print(f"  {label:24s} {ours_s:>22s}")
     for bsz in BATCHES:
         o = figures[f"ours_decode_b{bsz}"]
-        line = f"  decode b{bsz} ms/step (best): ours {o['step_ms_best']:.2f} wall, {o['cpu_step_ms_best']:.2f} CPU"
+        line = (f"  decode b{bsz} ms/step (best): ours {o['step_ms_best']:.2f} wall, "
+                f"{o['cpu_step_ms_best']:.2f} CPU")
         if with_hf:
             h = figures[f"hf_decode_b{bsz}"]
             line += f"; HF {h['step_ms_best']:.2f} wall, {h['cpu_step_ms_best']:.2f} CPU"
@@ -549,9 +508,10 @@ def print_table(figures: dict, ratios: dict, with_hf: bool) -> None:
     for key, o in figures.items():
         if key.startswith("loop_decode_"):
             r = ratios["overlap_" + key.removeprefix("loop_decode_")]
-            print(f"  scheduler loop {key.removeprefix('loop_decode_')} at {o['torch_threads']} threads, ms/step "
-                  f"(best): {o['step_ms_overlap']:.2f} overlapped, {o['step_ms_sequential']:.2f} in sequence (x{r:.2f}); "
-                  f"the loop's own work {o['loop_ms_sequential']:.2f} of it (overlap could gain x{o['overlap_ceiling']:.3f} at most)")
+            print(f"  scheduler loop {key.removeprefix('loop_decode_')} at {o['torch_threads']} threads, "
+                  f"ms/step (best): {o['step_ms_overlap']:.2f} overlapped, {o['step_ms_sequential']:.2f} in "
+                  f"sequence (x{r:.2f}); the loop's own work {o['loop_ms_sequential']:.2f} of it (overlap "
+                  f"could gain x{o['overlap_ceiling']:.3f} at most)")
     for tag, label in (("", "repetitive"), ("_chat", "chat")):
         for bsz in BATCHES:
             o = figures[f"spec_ngram{tag}_b{bsz}"]
@@ -563,17 +523,18 @@ def print_table(figures: dict, ratios: dict, with_hf: bool) -> None:
         for bsz in BATCHES:
             o = figures[f"spec_mtp_{variant}_b{bsz}"]
             r = ratios[f"spec_mtp_{variant}" + ("" if bsz == 1 else f"_b{bsz}")]
-            print(f"  MTP draft layers ({variant}) b{bsz} ({o['num_steps']} steps): {o['tok_s_plain']:.1f} -> "
-                  f"{o['tok_s_spec']:.1f} tok/s (x{r:.2f}), accept length {o['spec_accept_length']:.2f}")
+            print(f"  MTP draft layers ({variant}) b{bsz} ({o['num_steps']} steps): {o['tok_s_plain']:.1f} "
+                  f"-> {o['tok_s_spec']:.1f} tok/s (x{r:.2f}), accept length {o['spec_accept_length']:.2f}")
     b = figures["bandwidth"]
-    print(f"  memory: memcpy {b['memcpy_gbps']:.1f} GB/s copied ({b['memcpy_traffic_gbps']:.1f} GB/s traffic), "
-          f"read {b['read_gbps']:.1f} GB/s; weights {b['weight_bytes_per_step'] / 2**20:.1f} MiB/step "
-          f"-> bound {b['bound_step_ms']:.2f} ms/step; ours b1 {b['ours_b1_step_ms']:.2f} ms/step "
+    print(f"  memory: memcpy {b['memcpy_gbps']:.1f} GB/s copied ({b['memcpy_traffic_gbps']:.1f} GB/s "
+          f"traffic), read {b['read_gbps']:.1f} GB/s; weights {b['weight_bytes_per_step'] / 2**20:.1f} "
+          f"MiB/step -> bound {b['bound_step_ms']:.2f} ms/step; ours b1 {b['ours_b1_step_ms']:.2f} ms/step "
           f"({b['ours_b1_effective_gbps']:.1f} GB/s effective)")
     c = figures["compute"]
-    line = (f"  compute: matmul peak {c['matmul_peak_gflops']:.0f} GFLOPS; {c['flops_per_token'] / 1e6:.0f} MFLOP/token "
-            f"-> b16 bound {c['bound_b16_step_ms']:.2f} ms/step; ours b16 {c['ours_b16_step_ms']:.2f} ms/step; "
-            f"prefill bound {c['bound_prefill_s']:.3f} s, ours {c['ours_prefill_s']:.3f} s")
+    line = (f"  compute: matmul peak {c['matmul_peak_gflops']:.0f} GFLOPS; {c['flops_per_token'] / 1e6:.0f} "
+            f"MFLOP/token -> b16 bound {c['bound_b16_step_ms']:.2f} ms/step; ours b16 "
+            f"{c['ours_b16_step_ms']:.2f} ms/step; prefill bound {c['bound_prefill_s']:.3f} s, ours "
+            f"{c['ours_prefill_s']:.3f} s")
     if "hf_b16_step_over_bound" in c:
         line += f"; HF b16 step / bound = {c['hf_b16_step_over_bound']:.2f} (the most any engine could gain)"
     print(line)

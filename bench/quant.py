@@ -34,7 +34,8 @@ import time
 
 import torch
 
-from bench.engine import OurEngine, _prompts, matmul_peak_gflops, prefill_work
+from bench.engine import OurEngine, _prompts
+from bench.host_peaks import matmul_peak_gflops, prefill_work
 from bench.report import HelpFormatter, write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,14 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     a = p.add_argument
     a("--model", default="default", help="model directory or 'default' (SmolLM2-135M)")
-    a("--text", default=os.path.join(ROOT, "ARCHITECTURE.md"), help="the fixed text perplexity is measured on")
+    a("--text", default=os.path.join(ROOT, "ARCHITECTURE.md"),
+      help="the fixed text perplexity is measured on")
     a("--ppl-tokens", type=int, default=2048, help="tokens of the text scored")
     a("--ppl-window", type=int, default=512, help="tokens per scored window (one prefill each)")
     a("--prompts", type=int, default=16, help="random prompts for greedy agreement")
     a("--greedy-tokens", type=int, default=32, help="greedy tokens per prompt")
     a("--decode-steps", type=int, default=32, help="decode steps timed per run")
     a("--repeats", type=int, default=3, help="timed runs per figure (best is kept)")
-    a("--peak-size", type=int, default=2048, help="n of the n^3 matmuls that measure the float32 and int8 peaks")
+    a("--peak-size", type=int, default=2048,
+      help="n of the n^3 matmuls that measure the float32 and int8 peaks")
     a("--threads", type=int, default=None, help="torch threads (default: every core this process may use)")
     a("--json", default=None, help="write the report here")
     return p
@@ -92,7 +95,8 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, int]:
 
 def quality(eng: OurEngine, label: str, ns, text_ids, prompts) -> dict:
     fig = {"weight_mib": eng.weight_bytes() / 2**20, "perplexity": perplexity(eng, text_ids, ns.ppl_window)}
-    log(f"{label}: {fig['weight_mib']:.1f} MiB of weights per decode step, perplexity {fig['perplexity']:.4f}")
+    log(f"{label}: {fig['weight_mib']:.1f} MiB of weights per decode step, perplexity "
+        f"{fig['perplexity']:.4f}")
     _, _, fig["greedy"] = eng.generate(prompts, ns.greedy_tokens - 1)
     return fig
 
@@ -113,14 +117,17 @@ def speed(engines: dict[str, OurEngine], ns, peaks: dict[str, list[float]]) -> d
         for label, eng in engines.items():
             t = times[label]
             for b, ps in batches.items():
-                t.setdefault(f"decode_b{b}_ms", []).append(1e3 * eng.generate(ps, ns.decode_steps)[0] / ns.decode_steps)
+                t.setdefault(f"decode_b{b}_ms",
+                             []).append(1e3 * eng.generate(ps, ns.decode_steps)[0] / ns.decode_steps)
             t.setdefault("prefill_512_s", []).append(eng.prefill(pp))
-            log(f"round {rep + 1}/{ns.repeats} {label}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in t.items()))
+            log(f"round {rep + 1}/{ns.repeats} {label}: "
+                + ", ".join(f"{k} {v[-1]:.3f}" for k, v in t.items()))
         sample_peaks(peaks, ns.peak_size, repeats=2)
     return {label: {k: min(v) for k, v in t.items()} for label, t in times.items()}
 
 
-def int8_peak_gops(n: int, repeats: int = 5, names: tuple[str, ...] = ("w8a8_gemm", "torch_int_mm")) -> dict[str, float]:
+def int8_peak_gops(n: int, repeats: int = 5,
+                   names: tuple[str, ...] = ("w8a8_gemm", "torch_int_mm")) -> dict[str, float]:
     """Best int8 matmul rates on an n^3 product (2 operations per multiply-add) of `names`: torch's
     `_int_mm` (oneDNN) where this torch has it on CPU, and this project's w8a8 GEMM."""
     from common.layers.linear import linear, pack_weight
@@ -175,7 +182,8 @@ def compute_bounds(engines: dict[str, OurEngine], runs: dict[str, dict], n: int,
                "float32_bound_prefill_512_s": bound_f32, "w8a8_bound_prefill_512_s": bound_w8a8}
     ratios = {"float32_prefill_compute_bound": bound_f32 / runs["float32"]["prefill_512_s"],
               "w8a8_prefill_compute_bound": bound_w8a8 / runs["w8a8_int8"]["prefill_512_s"]}
-    log(f"compute bound: float32 {fp32:.0f} GFLOPS (samples {min(peaks['float32']):.0f}-{fp32:.0f}), int8 " + ", ".join(f"{k} {v:.0f}" for k, v in int8.items())
+    log(f"compute bound: float32 {fp32:.0f} GFLOPS (samples {min(peaks['float32']):.0f}-{fp32:.0f}), int8 "
+        + ", ".join(f"{k} {v:.0f}" for k, v in int8.items())
         + f" GOPS; 512-token prefill bound {bound_f32:.3f} s float32, {bound_w8a8:.3f} s w8a8")
     return figures, ratios
 
@@ -216,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                        f"{key}_decode_b1": ref["decode_b1_ms"] / q8["decode_b1_ms"],
                        f"{key}_decode_b16": ref["decode_b16_ms"] / q8["decode_b16_ms"],
                        f"{key}_prefill_512": ref["prefill_512_s"] / q8["prefill_512_s"]})
-        log(f"{scheme}: perplexity {q8['perplexity']:.4f} (float32 {ref['perplexity']:.4f}); greedy agreement "
-            f"{agree:.3f}, {identical[scheme]}/{ns.prompts} prompts identical")
+        log(f"{scheme}: perplexity {q8['perplexity']:.4f} (float32 {ref['perplexity']:.4f}); greedy "
+            f"agreement {agree:.3f}, {identical[scheme]}/{ns.prompts} prompts identical")
     bound_figures, bound_ratios = compute_bounds(engines, runs, ns.peak_size, peaks)
     ratios.update(bound_ratios)
     figures = {"model_dir": model_dir, "text": os.path.relpath(ns.text, ROOT), "ppl_tokens": len(text_ids),
