@@ -93,15 +93,19 @@ def build_workload(maker: PromptMaker, ns: argparse.Namespace) -> list[BenchRequ
     return reqs
 
 
-def disaggregated_setup(ns: argparse.Namespace, node_args: list[str], cores: list[int], log_dir: str) -> Cluster:
+def disaggregated_setup(ns: argparse.Namespace, node_args: list[str], cores: list[int],
+                        log_dir: str) -> Cluster:
     """Setup (a), not started: with `--cluster default` the decode node keeps the cluster's own local
     chunk size (the node flags' --chunked-prefill-size is for prefill nodes and the colocated node)."""
-    common = dict(num_prefill=1, num_decode=1, model=ns.model, transfer_backend=ns.transfer_backend, log_dir=log_dir,
-                  env=child_env(ns), startup_timeout=ns.startup_timeout, router_args=["--policy", "round_robin"])
+    common = dict(num_prefill=1, num_decode=1, model=ns.model,
+                  transfer_backend=ns.transfer_backend, log_dir=log_dir,
+                  env=child_env(ns), startup_timeout=ns.startup_timeout,
+                  router_args=["--policy", "round_robin"])
     if ns.cluster == "default":
         return Cluster(**common, auto_placement=True, cores=cores, local_prefill_queue=ns.local_prefill_queue,
                        prefill_args=node_args,
-                       decode_args=_without_flag(node_args, "--chunked-prefill-size") + shlex.split(ns.decode_args))
+                       decode_args=_without_flag(node_args, "--chunked-prefill-size")
+                       + shlex.split(ns.decode_args))
     return Cluster(**common, cpu_affinity={"prefill": ns.prefill_cores_list, "decode": ns.decode_cores_list},
                    node_args=node_args, decode_args=shlex.split(ns.decode_args))
 
@@ -152,7 +156,8 @@ def run_colocated_setups(ns: argparse.Namespace, setups: list[tuple[str, str, in
         setup = argparse.Namespace(**vars(ns))
         setup.node_args, setup.colocated_threads, setup.node_env = node_args, threads, env
         setup.omp_wait_policy = getattr(ns, "omp_wait_policy", "")
-        print(f"\n[{name}] on cores {cores}: {node_args.strip() or 'defaults'}, {threads} torch threads per rank"
+        print(f"\n[{name}] on cores {cores}: {node_args.strip() or 'defaults'}, {threads} torch threads "
+              "per rank"
               + (f", {env}" if env else ""), file=sys.stderr, flush=True)
         os.makedirs(os.path.join(log_dir, name), exist_ok=True)
         with colocated_node(setup, cores, os.path.join(log_dir, name)) as node:
@@ -196,11 +201,12 @@ def _fmt(v: float | None) -> str:
 def _setup_a(ns: argparse.Namespace) -> str:
     flags = f", decode node flags `{ns.decode_args}`" if ns.decode_args else ""
     if ns.cluster == "default":
-        return (f"- (a) the cluster as `pdserve cluster` starts it on cores {ns.prefill_cores_list + ns.decode_cores_list}: "
-                f"{getattr(ns, 'placement_note', '')}; --local-prefill-queue {ns.local_prefill_queue} "
-                f"({ns.transfer_backend} backend{flags}) + router")
-    return (f"- (a) 1 prefill node on cores {ns.prefill_cores_list} + 1 decode node on cores {ns.decode_cores_list} "
-            f"({ns.transfer_backend} backend{flags}) + router")
+        return ("- (a) the cluster as `pdserve cluster` starts it on cores "
+                f"{ns.prefill_cores_list + ns.decode_cores_list}: {getattr(ns, 'placement_note', '')}; "
+                f"--local-prefill-queue {ns.local_prefill_queue} ({ns.transfer_backend} backend{flags}) "
+                "+ router")
+    return (f"- (a) 1 prefill node on cores {ns.prefill_cores_list} + 1 decode node on cores "
+            f"{ns.decode_cores_list} ({ns.transfer_backend} backend{flags}) + router")
 
 
 def slo_rate_by_round(round_sweeps: dict[str, list[list[dict]]]) -> list[float | None]:
@@ -233,7 +239,8 @@ def markdown_table(dis: dict, col: dict, ns: argparse.Namespace, commands: list[
         v = s.get(tag, {}).get(key)
         return v.get(sub) if sub and isinstance(v, dict) else v
 
-    lines = ["| metric | disaggregated (a) | colocated (b) | ratio (higher = PD better) |", "|---|---|---|---|"]
+    lines = ["| metric | disaggregated (a) | colocated (b) | ratio (higher = PD better) |",
+             "|---|---|---|---|"]
     for label, path, kind in rows:
         if path is None:
             lines.append(f"| {label} | {dis['all']['completed']} / {dis['all']['failed']} | "
@@ -249,15 +256,18 @@ def markdown_table(dis: dict, col: dict, ns: argparse.Namespace, commands: list[
                      f"{ns.slo_rate_tpot_ms:.0f} ms (req/s) | {_fmt(best['disaggregated'])} | "
                      f"{_fmt(best['colocated'])} | {_fmt(r) + 'x' if r is not None else 'n/a'} |")
         for name in ("disaggregated", "colocated"):
-            pts = ", ".join(f"{p['rate']:g}: {p['attainment']:.0%}" + (f" of {p['requests']}" if "requests" in p else "")
+            pts = ", ".join(f"{p['rate']:g}: {p['attainment']:.0%}"
+                            + (f" of {p['requests']}" if "requests" in p else "")
                             for p in sweeps[name])
             lines.append(f"| SLO attainment by rate, {name} | {pts} | | |")
         if round_sweeps and len(round_sweeps["disaggregated"]) > 1:
             each = {name: [max_rate(points_of(r)) for r in rr] for name, rr in round_sweeps.items()}
             by_round = slo_rate_by_round(round_sweeps)
             lines.append("| the same, each round on its own (req/s) | "
-                         + " | ".join(", ".join(_fmt(v) for v in each[name]) for name in ("disaggregated", "colocated"))
-                         + " | " + ", ".join(_fmt(r) + "x" if r is not None else "n/a" for r in by_round) + " |")
+                         + " | ".join(", ".join(_fmt(v) for v in each[name])
+                                      for name in ("disaggregated", "colocated"))
+                         + " | "
+                         + ", ".join(_fmt(r) + "x" if r is not None else "n/a" for r in by_round) + " |")
     slo = f"SLO: TTFT <= {ns.slo_ttft_ms:.0f} ms, TPOT <= {ns.slo_tpot_ms:.0f} ms"
     work = (f"{ns.num_decodes} decode requests ({ns.decode_input_len} prompt / {ns.decode_output_len} output "
             f"tokens, {ns.decode_rate}/s) + {ns.num_long} long prompts ({ns.long_input_len} tokens, "
@@ -282,12 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--transfer-backend", default="mooncake", choices=("mooncake", "nixl", "ucx", "fake"),
       help="KV transfer engine of the disaggregated setup")
     a("--cluster", choices=("pinned", "default"), default="pinned",
-      help="(a): 'pinned', one prefill and one decode node on the given cores and nothing more; 'default', the "
-           "cluster as `pdserve cluster` starts it on those cores (its own placement, the decode node borrowing "
-           "the prefill node's cores while it idles, and prefilling itself while the prefill node's queue is long)")
+      help="(a): 'pinned', one prefill and one decode node on the given cores and nothing more; 'default', "
+           "the cluster as `pdserve cluster` starts it on those cores (its own placement, the decode node "
+           "borrowing the prefill node's cores while it idles, and prefilling itself while the prefill "
+           "node's queue is long)")
     a("--local-prefill-queue", type=int, default=None, metavar="N",
-      help=f"with --cluster default: the router's --local-prefill-queue (default {DEFAULT_LOCAL_PREFILL_QUEUE}, "
-           "`pdserve cluster`'s; 0: off)")
+      help="with --cluster default: the router's --local-prefill-queue (default "
+           f"{DEFAULT_LOCAL_PREFILL_QUEUE}, `pdserve cluster`'s; 0: off)")
     a("--prefill-cores", default="0", help="cores of the prefill node in (a)")
     a("--decode-cores", default="1", help="cores of the decode node in (a); (b) gets both sets")
     a("--node-args", default="--chunked-prefill-size 256 --max-total-tokens 32768",
@@ -305,20 +316,20 @@ def build_parser() -> argparse.ArgumentParser:
     a("--long-interval", type=float, default=8.0, help="seconds between long prompts")
     a("--slo-ttft-ms", type=float, default=30000.0, help="goodput: TTFT limit")
     a("--slo-tpot-ms", type=float, default=1500.0, help="goodput: TPOT limit")
-    a("--rates", default="0.5,0.75,1,1.25,1.5,2,2.5,3,4", help="request rates (req/s) of the SLO sweep, comma-separated "
-      "('' skips it)")
-    a("--min-rate", type=float, default=0.1, help="when a setup misses the SLOs at the lowest rate, the sweep halves "
-      "the rate until it keeps them, down to this (req/s)")
+    a("--rates", default="0.5,0.75,1,1.25,1.5,2,2.5,3,4", help="request rates (req/s) of the SLO sweep, "
+      "comma-separated ('' skips it)")
+    a("--min-rate", type=float, default=0.1, help="when a setup misses the SLOs at the lowest rate, the "
+      "sweep halves the rate until it keeps them, down to this (req/s)")
     a("--sweep-requests", type=int, default=32, help="requests per rate of the sweep")
-    a("--rounds", type=int, default=1, help="measure both setups this many times, restarted each round and in "
-      "alternating order, other sweep requests each round; the report pools every round's requests (per rate "
-      "for the SLO sweep) and gives each round's own highest rates and slo_rate beside")
+    a("--rounds", type=int, default=1, help="measure both setups this many times, restarted each round and "
+      "in alternating order, other sweep requests each round; the report pools every round's requests (per "
+      "rate for the SLO sweep) and gives each round's own highest rates and slo_rate beside")
     a("--sweep-input-len", type=int, default=256, help="longest prompt of the sweep's requests (tokens)")
     a("--sweep-output-len", type=int, default=64, help="longest output of the sweep's requests (tokens)")
     a("--slo-rate-ttft-ms", type=float, default=2000.0, help="the sweep's TTFT SLO (fixed before any run)")
     a("--slo-rate-tpot-ms", type=float, default=100.0, help="the sweep's TPOT SLO (fixed before any run)")
-    a("--decode-args", default="", help="more flags for the disaggregated setup's decode node, one string (e.g. "
-      "\"--torchao-config int8wo\")")
+    a("--decode-args", default="", help="more flags for the disaggregated setup's decode node, one string "
+      "(e.g. \"--torchao-config int8wo\")")
     a("--warmup-requests", type=int, default=2, help="requests sent and discarded before each measured run")
     a("--seed", type=int, default=1, help="seed of prompts")
     a("--startup-timeout", type=float, default=900.0, help="seconds for every node to become healthy")
@@ -397,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         with colocated_node(ns, all_cores, log) as node:
             measure("colocated", node.url, round_)
 
-    setups = {"both": [disaggregated, colocated], "disaggregated": [disaggregated], "colocated": [colocated]}[ns.only]
+    setups = {"both": [disaggregated, colocated], "disaggregated": [disaggregated],
+              "colocated": [colocated]}[ns.only]
     for i in range(ns.rounds):
         log = os.path.join(log_dir, f"round{i + 1}") if ns.rounds > 1 else log_dir
         os.makedirs(log, exist_ok=True)

@@ -57,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         r.output_len = ns.random_output_len
     dp = f"dp{ns.dp_size}"
     # threads per rank: every core in the one group; a core share per group with DP
-    runs = run_colocated_setups(ns, [(name, f"{ns.node_args} --dp-size {size}", max(1, len(cores) // size), {})
-                                     for name, size, key in (("dp1", 1, "dp1"), (dp, ns.dp_size, "dpN"))
-                                     if key in setups], cores, log_dir, requests)
+    runs = run_colocated_setups(ns,
+                                [(name, f"{ns.node_args} --dp-size {size}", max(1, len(cores) // size), {})
+                                 for name, size, key in (("dp1", 1, "dp1"), (dp, ns.dp_size, "dpN"))
+                                 if key in setups], cores, log_dir, requests)
     summaries = {name: run["summary"] for name, run in runs.items()}
     for name, s in summaries.items():
         print(format_summary(name, s))

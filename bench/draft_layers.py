@@ -75,11 +75,13 @@ def checkpoints(model_dir: str) -> dict[str, str]:
     return out
 
 
-def measure(base_args: ServerArgs, model_dir: str, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int,
+def measure(base_args: ServerArgs, model_dir: str,
+            prompts_by_batch: dict[int, list[list[int]]], new_tokens: int,
             num_steps: int, repeats: int, log) -> tuple[dict, dict]:
     """Figures `spec_mtp_<variant>_b<B>` and ratios `spec_mtp_<variant>[_b<B>]` (batch 1 without suffix)."""
     figures, ratios = {}, {}
-    spec = {"speculative_algorithm": "MTP", "speculative_num_steps": num_steps, "speculative_num_draft_tokens": None}
+    spec = {"speculative_algorithm": "MTP", "speculative_num_steps": num_steps,
+            "speculative_num_draft_tokens": None}
     for variant, d in checkpoints(model_dir).items():
         plain = ModelRunner(dataclasses.replace(base_args, model=d), d)
         spec_args = dataclasses.replace(base_args, model=d, **spec)
@@ -90,8 +92,8 @@ def measure(base_args: ServerArgs, model_dir: str, prompts_by_batch: dict[int, l
                                                   f"draft layers ({variant}) b{b}")
             figures[f"spec_mtp_{variant}_b{b}"] = {"num_steps": num_steps, "decoded_tokens": decoded,
                                                    "tok_s_plain": decoded / best[False],
-                                                   "tok_s_spec": decoded / best[True], "tokens_identical": True,
-                                                   **stats}
+                                                   "tok_s_spec": decoded / best[True],
+                                                   "tokens_identical": True, **stats}
             ratios[f"spec_mtp_{variant}" + ("" if b == 1 else f"_b{b}")] = best[False] / best[True]
         del plain, drafting
     return figures, ratios

@@ -1,13 +1,16 @@
 """`pdserve bench kernels`: this checkout's panel GEMMs (`common/layers/gemm.c`, float32 and int8-weight;
-`gemm_w8a8.c`, int8 weights and activations) and causal prefill attention (`common/layers/prefill_attention.c`) against the same kernels built from
+`gemm_w8a8.c`, int8 weights and activations) and causal prefill attention
+(`common/layers/prefill_attention.c`) against the same kernels built from
 another git revision (`--baseline`), in one process, on SmolLM2-135M's shapes: both libraries are loaded
 side by side and every timed call of one is followed by the same call of the other (in alternating
 order), so the host's drifts hit both alike.
 
-Ratios (higher is better): `fp32_r{rows}`, `int8_r{rows}` and `w8a8_r{rows}` = the baseline's median time / ours, summed
+Ratios (higher is better): `fp32_r{rows}`, `int8_r{rows}` and `w8a8_r{rows}` = the baseline's median time /
+ours, summed
 over the projection shapes, at each row count of `--rows` (1 and 16: decode batches; 64 and 512: prefill
 chunks). `q4_r{rows}` and `q8_r{rows}`: weights rounded as a GGUF file's Q4_1 / Q8_0 (`gguf_round_trip`),
-ours read as their blocks (`gemm_blocks.c`, whatever the row count), the baseline's as float32 panels. One layer's weights (14 MB in float32) stay in this host's 32 MB L3 between calls; `--layers 30`
+ours read as their blocks (`gemm_blocks.c`, whatever the row count), the baseline's as float32 panels. One
+layer's weights (14 MB in float32) stay in this host's 32 MB L3 between calls; `--layers 30`
 gives each shape 30 copies, one per layer as in SmolLM2, and a timed call runs them all, so the weights
 stream from DRAM as they do in a decode step. `attn_r{rows}`: the same for one sequence's prefill
 attention of that many tokens (row counts of 16 and more), and `attn_torch_r{rows}` = torch's
@@ -117,7 +120,8 @@ def _attention(libs: list[ctypes.CDLL], rows: int, calls: int) -> tuple[list[flo
     kt, vt = (x.view(rows, KV_HEADS, d).transpose(0, 1).unsqueeze(0) for x in (k, v))
     flash = functools.partial(torch.nn.functional.scaled_dot_product_attention, qt, kt, vt, is_causal=True,
                               scale=d ** -0.5, enable_gqa=True)
-    ours_and_base = [functools.partial(_attention_call, fn, q, k, v, o) for fn, o in zip(fns, outs, strict=True)]
+    ours_and_base = [functools.partial(_attention_call, fn, q, k, v, o)
+                     for fn, o in zip(fns, outs, strict=True)]
     medians = _alternate(calls, ours_and_base + [flash])
     return medians, torch.equal(outs[0], outs[1])
 
@@ -130,8 +134,8 @@ def main(argv: list[str] | None = None):
     if args.layers < 1:
         raise SystemExit("--layers must be >= 1")
     ours_path, base_path = native.build(), baseline_library(args.baseline)
-    log(f"ours {ours_path.name}, baseline {args.baseline} {base_path.name}, {torch.get_num_threads()} threads, "
-        f"{args.layers} layer(s) of weights per call")
+    log(f"ours {ours_path.name}, baseline {args.baseline} {base_path.name}, {torch.get_num_threads()} "
+        f"threads, {args.layers} layer(s) of weights per call")
     libs = [ctypes.CDLL(str(ours_path)), ctypes.CDLL(str(base_path))]
     torch.manual_seed(0)
     figures: dict = {"baseline": args.baseline, "shapes": [list(s) for s in SHAPES], "layers": args.layers}
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None):
         # q4 / q8: ours reads the weights' blocks, the baseline its float32 panels of the same weights
         fns = [_gemm(libs[0], "blocks" if blocks else scheme), _gemm(libs[1], "fp32" if blocks else scheme)]
         quantization = {"int8": "int8wo", "w8a8": "w8a8_int8"}.get(scheme)
-        make = {"q4": lambda w: gguf_round_trip(w, 4), "q8": lambda w: gguf_round_trip(w, 8)}.get(scheme, lambda w: w)
+        make = {"q4": lambda w: gguf_round_trip(w, 4),
+                "q8": lambda w: gguf_round_trip(w, 8)}.get(scheme, lambda w: w)
         packs = [[pack_weight(make(torch.randn(out, inp) * 0.02), quantization=quantization)
                   for _ in range(args.layers)] for out, inp in SHAPES]
         for rows in rows_list:

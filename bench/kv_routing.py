@@ -145,8 +145,10 @@ def summary(runs: list[dict]) -> dict:
     ttfts = [t for r in runs for t in r["ttfts"]]
     prompt, cached = sum(r["prompt_tokens"] for r in runs), sum(r["cached_tokens"] for r in runs)
     return {"requests": len(ttfts), "runs": len(runs), "wall_s": round(sum(r["wall_s"] for r in runs), 3),
-            "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
-            "hit_rate_per_run": [round(r["cached_tokens"] / r["prompt_tokens"], 4) if r["prompt_tokens"] else 0.0
+            "prompt_tokens": prompt, "cached_tokens": cached,
+            "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+            "hit_rate_per_run": [round(r["cached_tokens"] / r["prompt_tokens"], 4)
+                                 if r["prompt_tokens"] else 0.0
                                  for r in runs],
             "ttft_p50_ms": round(_pct(ttfts, 0.5) * 1e3, 2), "ttft_p99_ms": round(_pct(ttfts, 0.99) * 1e3, 2),
             "ttft_mean_ms": round(sum(ttfts) / len(ttfts) * 1e3, 2),
@@ -157,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench kv_routing", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
-    a("--model", default="tiny", help="'tiny' (random weights, SmolLM2's tokenizer; default), 'default' or a directory")
+    a("--model", default="tiny",
+      help="'tiny' (random weights, SmolLM2's tokenizer; default), 'default' or a directory")
     a("--prefill", type=int, default=3, help="prefill nodes (default 3)")
     a("--groups", type=int, default=8, help="distinct system prompts (default 8)")
     a("--per-group", type=int, default=12, help="requests per group and workload (default 12)")
@@ -166,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--chat-suffix-tokens", type=int, default=48, help="words of each chat request's own text (default 48)")
     a("--output-len", type=int, default=4, help="output tokens per request")
     a("--concurrency", type=int, default=4, help="requests in flight")
-    a("--max-total-tokens", type=int, default=8192, help="each prefill node's KV cache in tokens (default 8192)")
+    a("--max-total-tokens", type=int, default=8192,
+      help="each prefill node's KV cache in tokens (default 8192)")
     a("--page-size", type=int, default=16, help="KV page size of the nodes (the events' block size)")
     a("--repeats", type=int, choices=(1, 2), default=2,
       help="runs of each mode per workload: 2 (default) runs tree, exact, exact, tree; 1 runs tree, exact")
@@ -206,12 +210,15 @@ def main(argv: list[str] | None = None) -> dict | int:
         # warm-up (not measured): every node compiles and allocates once
         asyncio.run(_drive(routers["tree"].url, workload(ns, 32, ns.seed + 99)[:2 * ns.prefill], ns))
         figures: dict = {"config": {k: v for k, v in vars(ns).items() if k not in ("json", "log_dir")},
-                         "command": "pdserve bench kv_routing " + " ".join(shlex.quote(a) for a in (argv or []))}
+                         "command": "pdserve bench kv_routing "
+                         + " ".join(shlex.quote(a) for a in (argv or []))}
         ratios = {}
         for k, (wname, suffix) in enumerate((("rag", ns.suffix_tokens), ("chat", ns.chat_suffix_tokens))):
-            texts = workload(ns, suffix, ns.seed + k)  # new system prompts: the tree's older entries do not match
+            # new system prompts: the tree's older entries do not match
+            texts = workload(ns, suffix, ns.seed + k)
             runs: dict[str, list[dict]] = {"tree": [], "exact": []}
-            for mode in ("tree", "exact", "exact", "tree")[:2 * ns.repeats]:  # ABBA: drift of a shared machine cancels
+            # ABBA: drift of a shared machine cancels
+            for mode in ("tree", "exact", "exact", "tree")[:2 * ns.repeats]:
                 runs[mode].append(run_once(routers[mode].url, [p.url for p in prefills], texts, ns))
             res = {mode: summary(r) for mode, r in runs.items()}
             for mode in ("tree", "exact"):
@@ -220,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict | int:
                       f"{res[mode]['requests_per_node']}", flush=True)
             figures[wname] = res
             t, e = res["tree"], res["exact"]
-            ratios[f"hit_rate_{wname}"] = e["hit_rate"] / t["hit_rate"] if t["hit_rate"] else float(e["hit_rate"] > 0)
+            ratios[f"hit_rate_{wname}"] = e["hit_rate"] / t["hit_rate"] if t["hit_rate"] \
+                else float(e["hit_rate"] > 0)
             ratios[f"ttft_p50_{wname}"] = t["ttft_p50_ms"] / e["ttft_p50_ms"]
             ratios[f"ttft_p99_{wname}"] = t["ttft_p99_ms"] / e["ttft_p99_ms"]
         with urllib.request.urlopen(routers["exact"].url + "/get_server_info", timeout=10) as r:

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
     a = p.add_argument
     a("--transfer-backend", default="all", help="mooncake, nixl, ucx, or all of them one after another")
-    a("--model", default="tiny", help="'tiny' (a random-weight model made here), 'default' (SmolLM2) or a path")
+    a("--model", default="tiny",
+      help="'tiny' (a random-weight model made here), 'default' (SmolLM2) or a path")
     a("--prefill-tp", type=int, default=1, help="TP size of every prefill host (the decode hosts run TP 1)")
     a("--phase-secs", type=float, default=40.0, help="length of each phase")
     a("--concurrency", type=int, default=6, help="clients in the closed loop")
@@ -74,8 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def traffic_settings(ns) -> argparse.Namespace:
     """What bench/chaos.py's Driver reads: plain traffic, no disconnects, aborts or bursts."""
-    return argparse.Namespace(concurrency=ns.concurrency, max_tokens=ns.max_tokens, stream_prob=ns.stream_prob,
-                              seed=ns.seed, disconnect_prob=0.0, abort_prob=0.0, burst_size=0, burst_every=1e9)
+    return argparse.Namespace(concurrency=ns.concurrency, max_tokens=ns.max_tokens,
+                              stream_prob=ns.stream_prob,
+                              seed=ns.seed, disconnect_prob=0.0, abort_prob=0.0,
+                              burst_size=0, burst_every=1e9)
 
 
 async def probe(session, url: str, prompt: str) -> tuple[str, str]:
@@ -84,7 +87,8 @@ async def probe(session, url: str, prompt: str) -> tuple[str, str]:
 
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     try:
-        async with session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
+        async with session.post(url + "/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=120)) as r:
             out = await r.json(content_type=None)
             if r.status != 200:
                 return "error", f"HTTP {r.status}: {out}"
@@ -100,14 +104,16 @@ def node_bytes(cluster) -> dict[str, int]:
     for c in cluster.children:
         if c.role != "router":
             try:
-                out[c.name] = int(http_json(c.url + "/server_info", timeout=5)["stats"].get("transfer_bytes", 0))
+                out[c.name] = int(http_json(c.url + "/server_info",
+                                            timeout=5)["stats"].get("transfer_bytes", 0))
             except Exception:
                 out[c.name] = -1
     return out
 
 
 class Faults:
-    """The fault of each phase on the cluster's hosts (host 0 is the router, then prefill-0, -1, decode-0, -1)."""
+    """The fault of each phase on the cluster's hosts (host 0 is the router, then prefill-0, -1, decode-0,
+    -1)."""
 
     def __init__(self, cluster) -> None:
         self.net = cluster.net
@@ -161,7 +167,8 @@ async def run_phases(ns, cluster, reference: dict[str, str]) -> tuple[list[dict]
     faults = Faults(cluster)
     driver = Driver(traffic_settings(ns), cluster.url, [])
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None, sock_connect=30)) as s:
+    async with aiohttp.ClientSession(connector=conn,
+                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=30)) as s:
         phases = [await run_phase(ns, cluster, faults, driver, s, name, reference) for name in PHASES]
         hang_deadline = time.time() + ns.hang_wait
         while driver.run.open and time.time() < hang_deadline:
@@ -285,7 +292,8 @@ def reference_answers(ns, log_dir: str) -> dict[str, str]:
     """Each probe's greedy answer from one colocated node on 127.0.0.1 (stopped again)."""
     from bench.compare import colocated_node
 
-    settings = argparse.Namespace(model=ns.model_path, colocated_threads=1, node_args=shlex.join(NODE_SETTINGS),
+    settings = argparse.Namespace(model=ns.model_path, colocated_threads=1,
+                                  node_args=shlex.join(NODE_SETTINGS),
                                   startup_timeout=600.0, omp_wait_policy=None)
     node = colocated_node(settings, list(range(os.cpu_count() or 1)), log_dir).start()
     async def answers() -> dict[str, str]:
@@ -348,7 +356,8 @@ def fault_ratios(runs: list[dict]) -> dict[str, float]:
         for name, p in by.items():
             if name == "clean":
                 continue
-            for key, fig in (("completed", lambda q: q["completed"] / q["secs"]), ("kv", lambda q: q["kv_mb_per_s"])):
+            for key, fig in (("completed", lambda q: q["completed"] / q["secs"]),
+                             ("kv", lambda q: q["kv_mb_per_s"])):
                 if fig(clean):
                     out[f"{r['backend']}_{name}_{key}"] = round(fig(p) / fig(clean), 3)
     return out
@@ -378,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
               "figures": {r["backend"]: r for r in runs}, "ratios": fault_ratios(runs)}
     for r in runs:
         print(f"netfaults: {r['backend']}: {'OK' if r['ok'] else 'FAILED'} {r['completed']}/{r['requests']} "
-              f"completed, hung {r['hung']}, leaked nodes {sum(1 for v in r['nodes'].values() if v['leaks'])}, "
-              f"probes differing {sum(p['probes'].get('different', 0) for p in r['phases'])}", flush=True)
+              f"completed, hung {r['hung']}, leaked nodes "
+              f"{sum(1 for v in r['nodes'].values() if v['leaks'])}, probes differing "
+              f"{sum(p['probes'].get('different', 0) for p in r['phases'])}", flush=True)
     save_json(ns.json, report)
     return 0 if ok else 1
 

@@ -3,7 +3,8 @@
 
 Each run (`decode_loop_run`, which `bench/speculative.py` uses too) builds a `Scheduler` over one shared
 `ModelRunner` (radix cache off, so each run leaves the pools as it found them), submits `batch` streaming
-greedy requests that ignore EOS, runs the loop until every prompt is prefilled, then times the loop (`process_input_requests`, `step`, each
+greedy requests that ignore EOS, runs the loop until every prompt is prefilled, then times the loop
+(`process_input_requests`, `step`, each
 iteration's `BatchOut` encoded with msgpack as the scheduler process sends it) until every request
 has its tokens. Step time = that time / the decode steps. Tokens must be identical on and off.
 On a CPU the forward's OpenMP threads and the loop share the cores, so the runs are repeated with one
@@ -33,8 +34,8 @@ def decode_loop_run(runner: ModelRunner, model_dir: str, prompts: list[list[int]
                     **overrides) -> tuple[float, float, dict[str, list[int]], Scheduler]:
     """(wall seconds, CPU seconds of this process, tokens by rid, the scheduler) of decoding `prompts` to
     `steps` + 1 tokens each, timed from when every prompt is prefilled. `overrides`: server args of this
-    run (overlap scheduling, speculation); the radix cache is off, so each run leaves the pools as it found them.
-    `forward_times`: gets the wall time of each timed forward (`ModelRunner.run`)."""
+    run (overlap scheduling, speculation); the radix cache is off, so each run leaves the pools as it found
+    them. `forward_times`: gets the wall time of each timed forward (`ModelRunner.run`)."""
     encoder = msgspec.msgpack.Encoder()
     tokens: dict[str, list[int]] = {}
 

@@ -110,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ns = build_parser().parse_args(argv)
     setups = [x for x in ns.setups.split(",") if x]
-    if not setups or set(setups) - set(SETUPS) or ns.num_prompts < 1 or ns.rounds < 1 or ns.local_prefill_queue < 1:
-        print(f"--setups must name some of {SETUPS}; --num-prompts, --rounds and --local-prefill-queue must be "
-              ">= 1 (the cluster_remote_prefill setup is the one without local prefill)", file=sys.stderr)
+    if not setups or set(setups) - set(SETUPS) or ns.num_prompts < 1 or ns.rounds < 1 \
+            or ns.local_prefill_queue < 1:
+        print(f"--setups must name some of {SETUPS}; --num-prompts, --rounds and --local-prefill-queue must "
+              "be >= 1 (the cluster_remote_prefill setup is the one without local prefill)", file=sys.stderr)
         return 2
     cores, log_dir, requests = setup_workload(ns, "placement")
     node_args = shlex.split(ns.node_args)
@@ -149,14 +150,16 @@ def _run_setups(setups, ns, cores, log_dir, requests, node_args) -> tuple[dict, 
             continue
         cluster = Cluster(num_prefill=1, num_decode=1, model=ns.model, transfer_backend=ns.transfer_backend,
                           log_dir=os.path.join(log_dir, name), auto_placement=name != "cluster_unpinned",
-                          local_prefill_queue=0 if name == "cluster_remote_prefill" else ns.local_prefill_queue,
+                          local_prefill_queue=0 if name == "cluster_remote_prefill"
+                          else ns.local_prefill_queue,
                           node_args=node_args, prefill_args=shlex.split(ns.prefill_args),
                           decode_args=shlex.split(ns.decode_args), startup_timeout=ns.startup_timeout,
                           core_loan=name != "cluster_no_loan")
         with cluster:
             runs[name] = measure_setup(name, cluster.url, requests, ns)
             runs[name]["placement"] = {c.name: c.cores for c in cluster.children}
-            runs[name]["core_loan"] = {c.name: _loan_stats(c.url) for c in cluster.children if c.role != "router"}
+            runs[name]["core_loan"] = {c.name: _loan_stats(c.url)
+                                       for c in cluster.children if c.role != "router"}
     load["end"] = round(os.getloadavg()[0], 2)
     return load, runs
 

@@ -29,8 +29,8 @@ SEQUENTIAL = {"PDSERVE_PP_MICRO_TOKENS": str(1 << 30)}
 
 def build_parser() -> argparse.ArgumentParser:
     return setup_bench_parser("pp", __doc__, "pipeline stages of the PP setups", "pp1,ppN,ppN_sequential",
-                              "which setups to run, comma-separated", num_prompts=12, input_len=2000, output_len=1,
-                              concurrency=1)
+                              "which setups to run, comma-separated", num_prompts=12,
+                              input_len=2000, output_len=1, concurrency=1)
 
 
 def compute_ratios(s: dict[str, dict], pp: str) -> dict[str, float]:

@@ -12,7 +12,8 @@ cached pages of its own prompt.
 Reported: wall and CPU time of the whole workload per mode (best of `--repeats`, modes interleaved;
 one torch thread by default, so the CPU time is the work done even on a busy machine), the
 retractions, restores, recomputes and prefill tokens of each, and the ratios `retract_offload_speedup`
-= wall time off / on and `retract_offload_cpu_speedup` = CPU time off / on (higher is better). The two modes must produce identical tokens (exit 1 if not).
+= wall time off / on and `retract_offload_cpu_speedup` = CPU time off / on (higher is better). The two modes
+must produce identical tokens (exit 1 if not).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offload-size", type=int, default=None,
                    help="--decode-offload-size of the 'on' run (default: the KV pool's size)")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: the CPU time then measures the work done, whatever else runs)")
+                   help="torch threads (default 1: the CPU time then measures the work done, whatever "
+                        "else runs)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per mode (interleaved; best counts)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     args = p.parse_args(argv)
@@ -74,7 +76,8 @@ class Workload:
         self.max_new = a.max_new_tokens
         g = torch.Generator().manual_seed(a.seed)
         vocab = self.runner.model_config.vocab_size
-        self.prompts = [torch.randint(3, vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.requests)]
+        self.prompts = [torch.randint(3, vocab, (a.prompt_len,), generator=g).tolist()
+                        for _ in range(a.requests)]
         self.total_tokens = total
 
     def run(self, mode: str, warmup: bool = False) -> tuple[float, float, dict, dict[str, list[int]]]:
@@ -103,8 +106,8 @@ class Workload:
         if sched.allocator.available_size() != sched.allocator.capacity:
             raise RuntimeError(f"{mode}: KV pages leaked")
         keep = ("num_retractions", "num_retract_offloaded", "num_retract_restored", "num_retract_recomputed",
-                "total_prefill_tokens", "forward_ct", "total_generated_tokens", "decode_offload_capacity_tokens",
-                "decode_offload_evictions", "decode_offload_rejected")
+                "total_prefill_tokens", "forward_ct", "total_generated_tokens",
+                "decode_offload_capacity_tokens", "decode_offload_evictions", "decode_offload_rejected")
         return elapsed, cpu, {k: stats[k] for k in keep}, tokens
 
 
@@ -131,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
             times[mode].append(t)
             cpus[mode].append(c)
             stats[mode], outputs[mode] = s, toks
-            log(f"repeat {r + 1}/{a.repeats} {mode}: {t:.2f}s ({c:.2f}s CPU), {s['num_retractions']} retractions, "
-                f"{s['num_retract_restored']} restored, {s['num_retract_recomputed']} recomputed, "
-                f"{s['total_prefill_tokens']} prefill tokens")
+            log(f"repeat {r + 1}/{a.repeats} {mode}: {t:.2f}s ({c:.2f}s CPU), {s['num_retractions']} "
+                f"retractions, {s['num_retract_restored']} restored, {s['num_retract_recomputed']} "
+                f"recomputed, {s['total_prefill_tokens']} prefill tokens")
     same = outputs["off"] == outputs["on"]
     if not same:
         log("ERROR: the tokens differ between offload off and on")
@@ -141,18 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     best_cpu = {m: min(cs) for m, cs in cpus.items()}
     figures = {
         "workload": {"requests": a.requests, "prompt_len": a.prompt_len, "max_new_tokens": a.max_new_tokens,
-                     "kv_pool_tokens": w.total_tokens, "page_size": a.page_size, "offload_tokens": w.offload["on"],
+                     "kv_pool_tokens": w.total_tokens, "page_size": a.page_size,
+                     "offload_tokens": w.offload["on"],
                      "radix_cache": False, "repeats": a.repeats, "model": model_dir,
                      "torch_threads": torch.get_num_threads()},
         "time_s": {m: {"best": round(best[m], 4), "median": round(statistics.median(ts), 4),
                        "all": [round(t, 4) for t in ts]} for m, ts in times.items()},
-        "cpu_time_s": {m: {"best": round(best_cpu[m], 4), "all": [round(c, 4) for c in cs]} for m, cs in cpus.items()},
+        "cpu_time_s": {m: {"best": round(best_cpu[m], 4), "all": [round(c, 4) for c in cs]}
+                       for m, cs in cpus.items()},
         "stats": stats,
         "prefill_tokens_saved": stats["off"]["total_prefill_tokens"] - stats["on"]["total_prefill_tokens"],
         "tokens_identical": same,
     }
     write_report(a.json, "retract", figures, {"retract_offload_speedup": best["off"] / best["on"],
-                                              "retract_offload_cpu_speedup": best_cpu["off"] / best_cpu["on"]})
+                                              "retract_offload_cpu_speedup": best_cpu["off"]
+                                              / best_cpu["on"]})
     return 0 if same else 1
 
 

@@ -135,7 +135,8 @@ async def measure(url: str, pid: int, n: int, concurrency: int) -> dict:
     cpu = cpu_seconds(p) - c0
     lat.sort()
     return {"requests": n, "errors": errors, "wall_s": round(wall, 3), "rps": round(n / wall, 1),
-            "p50_ms": round(statistics.median(lat) * 1e3, 2), "p99_ms": round(lat[int(0.99 * (len(lat) - 1))] * 1e3, 2),
+            "p50_ms": round(statistics.median(lat) * 1e3, 2),
+            "p99_ms": round(lat[int(0.99 * (len(lat) - 1))] * 1e3, 2),
             "cpu_ms_per_req": round(cpu / n * 1e3, 4)}
 
 
@@ -174,9 +175,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--policy", default="round_robin", choices=["random", "round_robin", "cache_aware",
                                                                  "power_of_two"],
                     help="router policy under test")
-    ap.add_argument("--prefill-workers", type=int, default=2, help="recording prefill stand-ins behind the router")
-    ap.add_argument("--decode-workers", type=int, default=2, help="recording decode stand-ins behind the router")
-    ap.add_argument("--log-dir", default="/tmp/pdserve_bench_router", help="logs of the router and the stand-ins")
+    ap.add_argument("--prefill-workers", type=int, default=2,
+                    help="recording prefill stand-ins behind the router")
+    ap.add_argument("--decode-workers", type=int, default=2,
+                    help="recording decode stand-ins behind the router")
+    ap.add_argument("--log-dir", default="/tmp/pdserve_bench_router",
+                    help="logs of the router and the stand-ins")
     args = ap.parse_args(argv)
     try:
         import uvloop

@@ -264,7 +264,8 @@ def arrival_offsets(n: int, rate: float, arrival: str, rng: random.Random) -> li
     return out
 
 
-async def run_benchmark(base_url: str, requests: list[BenchRequest], *, model: str, request_rate: float = math.inf,
+async def run_benchmark(base_url: str, requests: list[BenchRequest], *, model: str,
+                        request_rate: float = math.inf,
                         arrival: str = "poisson", max_concurrency: int | None = None, warmup: int = 1,
                         seed: int = 0, extra_body: dict | None = None, progress: bool = True,
                         timeout: float = 3600.0) -> tuple[list[RequestResult], float]:
@@ -274,7 +275,8 @@ async def run_benchmark(base_url: str, requests: list[BenchRequest], *, model: s
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         if warmup > 0 and requests:
             warm = [requests[i % len(requests)] for i in range(warmup)]
-            warm_res = await asyncio.gather(*(send_one(session, base_url, model, r, extra_body) for r in warm))
+            warm_res = await asyncio.gather(*(send_one(session, base_url, model, r, extra_body)
+                                              for r in warm))
             bad = [r.error for r in warm_res if not r.ok]
             if len(bad) == len(warm_res):
                 raise RuntimeError(f"every warmup request failed, e.g. {bad[0]}")
@@ -375,7 +377,8 @@ def format_summary(title: str, s: dict) -> str:
              f"{'input throughput (tok/s)':<32}{s['input_throughput']:.1f}",
              f"{'output throughput (tok/s)':<32}{s['output_throughput']:.1f}"]
     if s.get("goodput") is not None:
-        lines.append(f"{'goodput (req/s)':<32}{s['goodput']:.3f}  ({s['good_requests']} within SLO {s['slo']})")
+        lines.append(f"{'goodput (req/s)':<32}{s['goodput']:.3f}  ({s['good_requests']} within SLO "
+                     f"{s['slo']})")
     for key in LATENCY_KEYS:
         p = s[f"{key}_ms"]
         if p["n"]:
@@ -438,8 +441,8 @@ def setup_bench_parser(bench: str, doc: str, size_help: str, setups: str, setups
     return p
 
 
-def add_setup_flags(p: argparse.ArgumentParser, bench: str, *, num_prompts: int, input_len: int, output_len: int,
-                    concurrency: int) -> None:
+def add_setup_flags(p: argparse.ArgumentParser, bench: str, *, num_prompts: int,
+                    input_len: int, output_len: int, concurrency: int) -> None:
     """The flags of a bench that runs `pdserve serve` setups one after the other on one workload of random
     completions (`setup_workload`, `bench.compare.run_colocated_setups`), with this bench's defaults."""
     a = p.add_argument
@@ -480,7 +483,8 @@ def measure_setup(name: str, url: str, requests: list[BenchRequest], ns: argpars
     its summary and per-request rows."""
     model = asyncio.run(fetch_model_info(url))[0]
     print(f"[{name}] {len(requests)} requests against {url}", file=sys.stderr, flush=True)
-    results, duration = asyncio.run(run_benchmark(url, requests, model=model, max_concurrency=ns.max_concurrency,
+    results, duration = asyncio.run(run_benchmark(url, requests, model=model,
+                                                  max_concurrency=ns.max_concurrency,
                                                   warmup=ns.warmup_requests, seed=ns.seed,
                                                   progress=not ns.disable_tqdm))
     return {"summary": summarize(results, duration), "requests": result_rows(results)}

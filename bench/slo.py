@@ -118,8 +118,8 @@ def sweep(url: str, model: str, make_requests, rates: list[float], ttft_ms: floa
         att = attainment(results, ttft_ms, tpot_ms)
         s = summarize(results, duration, ttft_ms, tpot_ms)
         p90 = {k: s[f"{k}_ms"]["p90"] or 0.0 for k in ("ttft", "tpot")}
-        print(f"[{name}] rate {rate:g} req/s: {att:.0%} of {len(results)} requests within TTFT {ttft_ms:.0f} ms and "
-              f"TPOT {tpot_ms:.0f} ms (TTFT p90 {p90['ttft']:.0f} ms, TPOT p90 {p90['tpot']:.0f} ms)",
+        print(f"[{name}] rate {rate:g} req/s: {att:.0%} of {len(results)} requests within TTFT {ttft_ms:.0f} "
+              f"ms and TPOT {tpot_ms:.0f} ms (TTFT p90 {p90['ttft']:.0f} ms, TPOT p90 {p90['tpot']:.0f} ms)",
               file=sys.stderr, flush=True)
         return {"rate": rate, "attainment": round(att, 4), "requests": len(results), "summary": s}
 

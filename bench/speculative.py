@@ -54,13 +54,15 @@ def loop_run(runner: ModelRunner, model_dir: str, prompts: list[list[int]], new_
              spec: dict | None) -> tuple[float, dict[str, list[int]], dict]:
     """(seconds of the decode phase, tokens by rid, the scheduler's spec stats) for one run."""
     plain = {"speculative_algorithm": None, "speculative_num_draft_tokens": None}
-    wall, _, tokens, sched = decode_loop_run(runner, model_dir, prompts, new_tokens - 1, **{**plain, **(spec or {})})
+    wall, _, tokens, sched = decode_loop_run(runner, model_dir, prompts, new_tokens - 1,
+                                             **{**plain, **(spec or {})})
     stats = sched.drafter.stats.as_dict() if sched.drafter is not None else {}
     stats["decoded_tokens"] = sum(len(t) for t in tokens.values()) - len(prompts)  # less each prefill's token
     return wall, tokens, stats
 
 
-def measure(runner: ModelRunner, model_dir: str, workloads: dict[str, dict[int, list[list[int]]]], new_tokens: int,
+def measure(runner: ModelRunner, model_dir: str,
+            workloads: dict[str, dict[int, list[list[int]]]], new_tokens: int,
             draft_tokens: int, repeats: int, log) -> tuple[dict, dict]:
     """`workloads`: name -> batch size -> prompts. Figures `spec_ngram[_<name>]_b<B>`, ratios
     `spec_ngram[_<name>][_b<B>]` (the repetitive workload and batch 1 carry no suffix)."""
@@ -86,13 +88,15 @@ def compare_on_off(plain: ModelRunner, drafting: ModelRunner, model_dir: str, pr
     out, stats, decoded = {}, {}, 0
     for rep in range(repeats):
         for on in (False, True):
-            wall, toks, st = loop_run(drafting if on else plain, model_dir, prompts, new_tokens, spec if on else None)
+            wall, toks, st = loop_run(drafting if on else plain, model_dir, prompts,
+                                      new_tokens, spec if on else None)
             best[on] = min(best[on], wall)
             out[on], decoded = toks, st["decoded_tokens"]
             if on:
                 stats = st
         log(f"{label} run {rep + 1}/{repeats}: {decoded / best[False]:7.1f} tok/s plain, "
-            f"{decoded / best[True]:7.1f} tok/s speculating (accept length {stats['spec_accept_length']:.2f})")
+            f"{decoded / best[True]:7.1f} tok/s speculating (accept length "
+            f"{stats['spec_accept_length']:.2f})")
         if out[True] != out[False]:
             raise SystemExit(f"{label}: greedy tokens differ with speculation on and off")
     return best, decoded, stats
@@ -102,10 +106,10 @@ def _measure_workload(runner, model_dir, prompts_by_batch, new_tokens, draft_tok
     spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": draft_tokens}
     figures, ratios = {}, {}
     for b, prompts in prompts_by_batch.items():
-        best, decoded, stats = compare_on_off(runner, runner, model_dir, prompts, new_tokens, spec, repeats, log,
-                                              f"n-gram speculation b{b}")
+        best, decoded, stats = compare_on_off(runner, runner, model_dir, prompts,
+                                              new_tokens, spec, repeats, log, f"n-gram speculation b{b}")
         figures[f"spec_ngram_b{b}"] = {"draft_tokens": draft_tokens, "decoded_tokens": decoded,
-                                       "tok_s_plain": decoded / best[False], "tok_s_spec": decoded / best[True],
-                                       "tokens_identical": True, **stats}
+                                       "tok_s_plain": decoded / best[False],
+                                       "tok_s_spec": decoded / best[True], "tokens_identical": True, **stats}
         ratios["spec_ngram" if b == 1 else f"spec_ngram_b{b}"] = best[False] / best[True]
     return figures, ratios

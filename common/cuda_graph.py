@@ -103,7 +103,8 @@ class CudaGraphRunner:
             state_indices=None if self.state_indices is None else self.state_indices[:bs])
 
     def _capture(self, bs: int) -> None:
-        for buf in (self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices, self.state_indices):
+        for buf in (self.input_ids, self.positions, self.out_cache_loc,
+                    self.req_pool_indices, self.state_indices):
             if buf is not None:
                 buf[:bs].zero_()
         fb = self._static_batch(bs, [1] * bs, [0] * bs)
@@ -114,7 +115,8 @@ class CudaGraphRunner:
             fb.attn_metadata = md
             logits = self.model.forward(fb)
             if self.logits is None:
-                self.logits = torch.empty(self.max_bs, logits.shape[-1], dtype=logits.dtype, device=self.device)
+                self.logits = torch.empty(self.max_bs, logits.shape[-1],
+                                          dtype=logits.dtype, device=self.device)
             out = self.logits[:bs]
             out.copy_(logits)
             return out
@@ -168,7 +170,8 @@ class CudaGraphRunner:
             if size > bs:
                 buf[bs:size].zero_()  # id 0, position 0, slot 0, row 0, state slot 0
         pad = size - bs
-        padded = self._static_batch(size, list(fb.seq_lens) + [1] * pad, list(fb.extend_prefix_lens) + [0] * pad)
+        padded = self._static_batch(size, list(fb.seq_lens) + [1] * pad,
+                                    list(fb.extend_prefix_lens) + [0] * pad)
         self.attn_backend.init_forward_metadata_replay(padded)
         self.graphs[size].replay()
         return self.outputs[size][:bs]

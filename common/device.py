@@ -56,7 +56,8 @@ def resolve_device(name: str, rank: int = 0, base_gpu_id: int = 0, gpu_id_step: 
     return torch.device("cuda", gpu)
 
 
-def resolve_dtype(name: str, device: torch.device, model_dtype: str | None = None, flag: str = "dtype") -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, model_dtype: str | None = None,
+                  flag: str = "dtype") -> torch.dtype:
     """The compute (or KV cache) dtype `--dtype` names on `device`; `model_dtype` is the checkpoint's."""
     if name == "auto":
         if device.type == "cpu":
@@ -75,8 +76,8 @@ def resolve_attention_backend(name: str | None, device: torch.device) -> str:
     if name is None:
         return "native" if device.type == "cpu" else "triton"
     if name == "native" and device.type != "cpu":
-        raise DeviceError("--attention-backend native runs the CPU kernels; on cuda choose torch_native, triton "
-                          "or flashinfer")
+        raise DeviceError("--attention-backend native runs the CPU kernels; on cuda choose torch_native, "
+                          "triton or flashinfer")
     if name == "flashinfer" and device.type != "cuda":
         raise DeviceError("--attention-backend flashinfer runs on CUDA only (--device cuda)")
     return name
@@ -122,7 +123,7 @@ def kv_tokens_for_fraction(fraction: float, device: torch.device, weight_bytes: 
     room = int(fraction * total) - weight_bytes
     tokens = room // max(bytes_per_token, 1) // page_size * page_size
     if tokens < 2 * page_size:
-        raise DeviceError(f"--mem-fraction-static {fraction}: {fraction:.2f} of {total / 2**30:.1f} GiB leaves "
-                          f"{max(room, 0) / 2**30:.2f} GiB after {weight_bytes / 2**30:.2f} GiB of weights, "
-                          "not two KV pages")
+        raise DeviceError(f"--mem-fraction-static {fraction}: {fraction:.2f} of {total / 2**30:.1f} GiB "
+                          f"leaves {max(room, 0) / 2**30:.2f} GiB after {weight_bytes / 2**30:.2f} GiB of "
+                          "weights, not two KV pages")
     return tokens

@@ -46,7 +46,8 @@ def loopback_interface() -> str:
 
 def init_distributed(rank: int, world_size: int, init_method: str, timeout_s: float = 600.0,
                      tp_size: int | None = None,
-                     device: torch.device | None = None) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+                     device: torch.device
+                     | None = None) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """Join the node's world of `world_size` = pp * `tp_size` ranks (default: all one stage) and return
     `(tp_group, consensus_group)`; (None, None) for a world of one rank. On a CUDA `device` the TP groups
     are NCCL groups (the all-reduces of device tensors), and gloo carries everything on the host (the

@@ -7,7 +7,8 @@ its last position. Two calls per forward, both from `ModelRunner.run`:
   positions and KV slots as the forward (its `ForwardBatch` reused, attention metadata and all), fed
   with each position's *next* token and the target's hidden state there, so the draft layer's KV keeps
   pace with the target's. The row at each request's last kept position gives its new d1 and g
-  (greedy over the draft logits; not for a request backing off from drafting, `Drafter`). Extend: the next token is the following prompt token, at the end
+  (greedy over the draft logits; not for a request backing off from drafting, `Drafter`). Extend: the next
+  token is the following prompt token, at the end
   the sampled one. Decode: the sampled token. Verify: the target tokens t_0..t_k; only the rows up to
   the accepted run matter (the rest are rolled back with their slots).
 * `chain(batch)`, before a verify forward: the scheduler placed [x_L, d1, ?, ...] at positions L.. and
@@ -54,7 +55,8 @@ class DraftLayers:
                 break
             rows = torch.tensor([starts[i] + j - 1 for i in idx], dtype=torch.int64)
             pre = [fb.extend_prefix_lens[i] + j - 1 for i in idx]
-            step = ForwardBatch(ForwardMode.DECODE, torch.tensor([drafts[i][j - 1] for i in idx], dtype=torch.int64),
+            step = ForwardBatch(ForwardMode.DECODE,
+                                torch.tensor([drafts[i][j - 1] for i in idx], dtype=torch.int64),
                                 fb.positions[rows], fb.out_cache_loc[rows], fb.req_pool_indices[idx],
                                 [p + 1 for p in pre], pre, [1] * len(idx), fb.kv_pool, fb.req_to_token)
             g = self.head(self.model, step, torch.stack([hidden[i] for i in idx]))

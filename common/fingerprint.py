@@ -63,13 +63,15 @@ class Compatibility(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: _Size = 1
     pp_size: _Size = 1
     dp_size: _Size = 1
-    decode_tp: Annotated[int, msgspec.Meta(ge=0, le=1 << 12)] = 0  # a prefill's --disaggregation-decode-tp (0: any)
+    # a prefill's --disaggregation-decode-tp (0: any)
+    decode_tp: Annotated[int, msgspec.Meta(ge=0, le=1 << 12)] = 0
     transfer_backend: _Name = ""
     protocol: Annotated[int, msgspec.Meta(ge=0)] = PROTOCOL_VERSION
 
 
 # what must be equal on both sides of a transfer (the parallel shape may differ: M:N TP pairs)
-PAIRING_FIELDS = ("weights", "dtype", "kv_cache_dtype", "kv_layout", "page_size", "head_dim", "kv_heads", "layers",
+PAIRING_FIELDS = ("weights", "dtype", "kv_cache_dtype", "kv_layout", "page_size",
+                  "head_dim", "kv_heads", "layers",
                   "quantization", "draft_layers", "transfer_backend", "protocol")
 
 
@@ -99,7 +101,8 @@ def _shown(field: str, value) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def mismatch(a: Compatibility, b: Compatibility, names: tuple[str, str] = ("prefill", "decode")) -> str | None:
+def mismatch(a: Compatibility, b: Compatibility,
+             names: tuple[str, str] = ("prefill", "decode")) -> str | None:
     """None when `a` and `b` share every pairing field; else the first that differs, with both values
     ("weights differ: prefill 1a2b3c4d5e6f…, decode 9f8e7d6c5b4a… (same model name 'model')")."""
     for field in PAIRING_FIELDS:
@@ -131,7 +134,7 @@ def pair_problem(prefill: Compatibility, decode: Compatibility) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------ the weights digest
+# ----------------------------------------------------------------------------------------- the weights digest
 def _config_facts(config: dict[str, Any]) -> str:
     """The model config as parsed, without its name (a directory's name is not the model)."""
     return json.dumps({k: v for k, v in config.items() if k != "name"}, sort_keys=True, default=str)
@@ -170,14 +173,16 @@ def checkpoint_digest(files: list[str], config: dict[str, Any]) -> str:
             entries = []
             for name, entry in header.items():
                 offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-                if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                if not (isinstance(offsets, list) and len(offsets) == 2
+                        and all(isinstance(o, int) for o in offsets)
                         and 0 <= offsets[0] <= offsets[1]):
                     raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets")
                 if name in per_tensor:
                     raise ValueError(f"{path}: tensor {name!r} is named twice in the checkpoint")
                 entries.append((offsets[0], offsets[1], name, entry))
             for begin, end, name, entry in sorted(entries):  # in file order: the reads move forward
-                h = hashlib.sha256(json.dumps([name, entry.get("dtype"), entry.get("shape"), end - begin]).encode())
+                h = hashlib.sha256(json.dumps([name, entry.get("dtype"),
+                                               entry.get("shape"), end - begin]).encode())
                 for off, n in _sample_offsets(end - begin):
                     f.seek(start + begin + off)
                     h.update(f.read(n))

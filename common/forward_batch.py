@@ -11,7 +11,8 @@ import torch
 from common.memory.kv_pool import KVPool
 
 # the int64 tensors of a batch that follow it to the device (`ForwardBatch.to_device`)
-_INDEX_TENSORS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "logits_indices", "state_indices")
+_INDEX_TENSORS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices",
+                  "logits_indices", "state_indices")
 
 
 class ForwardMode(enum.IntEnum):

@@ -75,7 +75,8 @@ class GrammarCompiler:
 
     def _ensure(self):
         if self.compiler is None:
-            info = tokenizer_info(self.tokenizer_path, self.vocab_size, self.eos_token_ids, self.fast_tokenizer)
+            info = tokenizer_info(self.tokenizer_path, self.vocab_size,
+                                  self.eos_token_ids, self.fast_tokenizer)
             self.compiler = _xgr().GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self.compiler
 
@@ -113,7 +114,8 @@ def tokenizer_info(path: str, vocab_size: int, eos_token_ids: list[int], fast_to
     pulls in): the first grammar request of a fresh node took 4.3-4.6 s with it, 1.5 s without (what is
     left includes importing xgrammar, which imports transformers' top package itself); all of it on the
     grammar thread, whose imports hold the GIL the scheduler loop needs. `fast_tokenizer`: `path`'s
-    `tokenizer.json` already loaded with `tokenizers`. tests/unit/test_grammar.py checks it equals `TokenizerInfo.from_huggingface`. A
+    `tokenizer.json` already loaded with `tokenizers`. tests/unit/test_grammar.py checks it equals
+    `TokenizerInfo.from_huggingface`. A
     tokenizer without `tokenizer.json`, without known stop tokens, or that `_fast_vocab` cannot vouch for
     goes through transformers as before."""
     xgr = _xgr()
@@ -125,7 +127,8 @@ def tokenizer_info(path: str, vocab_size: int, eos_token_ids: list[int], fast_to
             if i < vocab_size:
                 encoded[i] = token
         return xgr.TokenizerInfo(encoded, vocab_type=meta["vocab_type"], vocab_size=vocab_size,
-                                 stop_token_ids=list(eos_token_ids), add_prefix_space=meta["add_prefix_space"])
+                                 stop_token_ids=list(eos_token_ids),
+                                 add_prefix_space=meta["add_prefix_space"])
     from transformers import AutoTokenizer
 
     return xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(path), vocab_size=vocab_size,

@@ -123,7 +123,8 @@ class HybridSupport:
         """State slot counts for the scheduler's stats (empty for models without state)."""
         if self.state_pool is None:
             return {}
-        return {"state_slots_free": self.state_pool.available_size(), "state_slots_total": self.state_pool.size}
+        return {"state_slots_free": self.state_pool.available_size(),
+                "state_slots_total": self.state_pool.size}
 
     def first_sent_page(self, seq_len: int, page_size: int) -> int:
         """First page of a request (of `seq_len` tokens) that a prefill node sends (swa: the window's)."""

@@ -182,7 +182,8 @@ class KVEventsConfig:
 
 
 def offset_endpoint(endpoint: str, dp_rank: int) -> str:
-    """`endpoint` of DP group `dp_rank`: a tcp port + dp_rank, an ipc path + `_dp<rank>` (vLLM's numbering)."""
+    """`endpoint` of DP group `dp_rank`: a tcp port + dp_rank, an ipc path + `_dp<rank>` (vLLM's
+    numbering)."""
     if not endpoint or dp_rank == 0:
         return endpoint
     if endpoint.startswith("ipc://"):
@@ -227,8 +228,8 @@ class KVEventPublisher:
             self._replay.bind(cfg.replay_endpoint)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
-        logger.info("publishing KV events on %s (replay %s, topic %r)", cfg.endpoint, cfg.replay_endpoint or "off",
-                    cfg.topic)
+        logger.info("publishing KV events on %s (replay %s, topic %r)", cfg.endpoint,
+                    cfg.replay_endpoint or "off", cfg.topic)
 
     # the radix cache's sink
     def stored(self, hashes: list[int], parent: int | None, token_ids) -> None:
@@ -252,7 +253,8 @@ class KVEventPublisher:
             self._queue.put_nowait(payload)
         except queue.Full:
             self.batches_dropped += 1
-            logger.warning("KV event queue full (max_queue_size %d): a batch was dropped", self.cfg.max_queue_size)
+            logger.warning("KV event queue full (max_queue_size %d): a batch was dropped",
+                           self.cfg.max_queue_size)
 
     def stats(self) -> dict[str, int]:
         return {"kv_events_published": self.batches_published, "kv_events_dropped": self.batches_dropped}

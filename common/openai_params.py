@@ -20,7 +20,8 @@ ANY_JSON_OBJECT = '{"type": "object"}'
 
 def max_tokens_field(req: OpenAIRequest) -> str:
     """The field that carries the client's output limit (chat takes either name)."""
-    return "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    return "max_completion_tokens" \
+        if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
 
 
 def response_schema(req: OpenAIRequest) -> str | None:
@@ -31,7 +32,8 @@ def response_schema(req: OpenAIRequest) -> str | None:
     if rf.type == "json_object":
         return ANY_JSON_OBJECT
     if rf.json_schema is None:
-        raise BadRequest("`response_format.json_schema` is required when `response_format.type` is json_schema")
+        raise BadRequest("`response_format.json_schema` is required when `response_format.type` is "
+                         "json_schema")
     schema = rf.json_schema.schema
     return json.dumps(schema if schema is not None else {})
 
@@ -41,10 +43,11 @@ def structured_grammar(req: OpenAIRequest) -> tuple[str, str] | None:
     so = req.structured_outputs
     if so is None:
         return None
-    given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(so, k) not in (None, False)]
+    given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+             if getattr(so, k) not in (None, False)]
     if len(given) != 1:
-        raise BadRequest("`structured_outputs` must give exactly one of json, regex, choice, grammar or json_object"
-                         f"{', got ' + ', '.join(given) if given else ''}")
+        raise BadRequest("`structured_outputs` must give exactly one of json, regex, choice, grammar or "
+                         f"json_object{', got ' + ', '.join(given) if given else ''}")
     kind = given[0]
     value = getattr(so, kind)
     if kind == "json":
@@ -60,7 +63,8 @@ def structured_grammar(req: OpenAIRequest) -> tuple[str, str] | None:
 
 def _grammar(req: OpenAIRequest) -> tuple[str, str, str] | None:
     """(the client's field, SamplingParams' kind, source) of the request's one grammar; two is a 400."""
-    given = [("response_format", "json_schema", response_schema(req)), ("json_schema", "json_schema", req.json_schema),
+    given = [("response_format", "json_schema", response_schema(req)),
+             ("json_schema", "json_schema", req.json_schema),
              ("regex", "regex", req.regex), ("ebnf", "ebnf", req.ebnf)]
     so = structured_grammar(req)
     if so is not None:
@@ -86,7 +90,8 @@ def sampling_params(req: OpenAIRequest, default_max: int, grammar: tuple[str, st
         frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
         stop=req.stop, stop_token_ids=req.stop_token_ids,
         stop_regex=req.stop_regex, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-        spaces_between_special_tokens=req.spaces_between_special_tokens, no_stop_trim=req.no_stop_trim, n=req.n,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        no_stop_trim=req.no_stop_trim, n=req.n,
         seed=req.seed, logit_bias=req.logit_bias, **({own[1]: own[2]} if own else {}))
     given = {name: getattr(req, name) for name in FIELDS if getattr(req, name) is not None}
     if given.get("top_k") == 0:

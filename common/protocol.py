@@ -34,7 +34,8 @@ class ModelNotFound(LookupError):
 
     def __init__(self, model: str, served: str) -> None:
         shown = model if len(model) <= 128 else model[:128] + "..."
-        super().__init__(f"the model `{shown}` does not exist here: this server serves `{served}` (GET /v1/models)")
+        super().__init__(f"the model `{shown}` does not exist here: this server serves `{served}` (GET "
+                         "/v1/models)")
 
 
 def decode_json(body: bytes, type_: type) -> Any:
@@ -61,7 +62,8 @@ def validation_message(e: msgspec.ValidationError, where: str = "") -> str:
         path = ".".join(x for x in (where, m.group(2) or "", m.group(1)) if x)
         return f"`{path}` is not a field this server knows or supports"
     if where:
-        return message.replace("- at `$", f"- at `{where}") if " - at `$" in message else f"{message} - at `{where}`"
+        return message.replace("- at `$", f"- at `{where}") if " - at `$" in message \
+            else f"{message} - at `{where}`"
     if message.startswith("`"):  # our own check (`__post_init__`), naming its field
         return message.removesuffix(" - at `$`")
     return message if " - at `$" in message else f"request body: {message} - at `$`"
@@ -138,15 +140,18 @@ _LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 BootstrapHost = Annotated[str, msgspec.Meta(
     min_length=1, max_length=MAX_HOST_LENGTH,
-    description="prefill bootstrap server: a host name (RFC 1123) or an IPv4/IPv6 address, no scheme or port")]
+    description="prefill bootstrap server: a host name (RFC 1123) or an IPv4/IPv6 address, no "
+                "scheme or port")]
 BootstrapPort = Annotated[int, msgspec.Meta(ge=1, le=65535, description="prefill bootstrap port")]
-BootstrapRoom = Annotated[int, msgspec.Meta(ge=0, le=MAX_BOOTSTRAP_ROOM, description="rendezvous id, 0..2**63-1")]
+BootstrapRoom = Annotated[int,
+                          msgspec.Meta(ge=0, le=MAX_BOOTSTRAP_ROOM, description="rendezvous id, 0..2**63-1")]
 # request ids are logged with every event of a request: bounded, and no control characters (C0, DEL, C1),
 # so a rid cannot forge or break a log line. (The pattern stays within Latin-1: msgspec 0.22 crashes
 # formatting the error of a pattern with other characters; `check_rid` refuses U+2028/U+2029.)
 MAX_RID_LENGTH = 256
 RequestId = Annotated[str, msgspec.Meta(max_length=MAX_RID_LENGTH, pattern=r"^[^\x00-\x1f\x7f-\x9f]*$",
-                                        description="request id: at most 256 characters, no control characters")]
+                                        description="request id: at most 256 characters, no control "
+                                                    "characters")]
 
 # scheduling priority (SGLang's `priority`): a larger value runs first (a smaller one with
 # --schedule-low-priority-values-first), arrival order among equals, on every node; preemption and the
@@ -155,7 +160,8 @@ MAX_PRIORITY = 2**31 - 1
 Priority = Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY,
                                        description="scheduling priority, -(2**31-1)..2**31-1")]
 # the DP group of a node with --dp-size that runs the request (SGLang's field; a dp-aware router sets it)
-DataParallelRank = Annotated[int, msgspec.Meta(ge=0, le=1023, description="DP group of the node, 0..dp_size-1")]
+DataParallelRank = Annotated[int,
+                             msgspec.Meta(ge=0, le=1023, description="DP group of the node, 0..dp_size-1")]
 
 
 def check_rid(rid: str, where: str = "rid") -> None:
@@ -313,7 +319,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             if not s:
                 raise bad(name, "must not be an empty string")
             if len(s) > MAX_STOP_STRING_LENGTH:
-                raise bad(name, f"has {len(s)} characters; a stop string has at most {MAX_STOP_STRING_LENGTH}")
+                raise bad(name,
+                          f"has {len(s)} characters; a stop string has at most {MAX_STOP_STRING_LENGTH}")
         regexes = self.stop_regexes()
         if len(regexes) > MAX_STOP_STRINGS:
             raise bad("stop_regex", f"has {len(regexes)} patterns; at most {MAX_STOP_STRINGS} are allowed")
@@ -328,8 +335,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                 raise bad(name, f"is not a valid regular expression: {e}") from None
         if self.stop_token_ids:
             if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-                raise bad("stop_token_ids", f"has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
-                          "are allowed")
+                raise bad("stop_token_ids", f"has {len(self.stop_token_ids)} ids; at most "
+                          f"{MAX_STOP_TOKEN_IDS} are allowed")
             if any(t < 0 for t in self.stop_token_ids):
                 raise bad("stop_token_ids", "must be non-negative token ids")
 
@@ -337,10 +344,12 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         if not self.logit_bias:
             return
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise bad("logit_bias", f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+            raise bad("logit_bias",
+                      f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
         for k, v in self.logit_bias.items():
             if not k.isdigit() or len(k) > 9:
-                raise bad(f"logit_bias.{k[:32]}", "must be keyed by a token id (a non-negative integer as a string)")
+                raise bad(f"logit_bias.{k[:32]}",
+                          "must be keyed by a token id (a non-negative integer as a string)")
             if not (math.isfinite(v) and -100 <= v <= 100):
                 raise bad(f"logit_bias.{k}", f"must be a number in [-100, 100], got {v}")
 
@@ -453,8 +462,8 @@ class _OpenAICommon(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     regex: str | None = None
     ebnf: str | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's
-    # vLLM's: keep only the last k prompt tokens (-1: as many as the context leaves room for one output token),
-    # or the first k with truncation_side "right"
+    # vLLM's: keep only the last k prompt tokens (-1: as many as the context leaves room for one output
+    # token), or the first k with truncation_side "right"
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     truncation_side: Literal["left", "right"] = "left"
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens named "token_id:<id>"

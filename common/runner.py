@@ -80,7 +80,8 @@ class ModelRunner:
                                                    tp_group=tp_group, dtype=self.dtype,
                                                    quantization=args.weight_quantization, pp_rank=pp_rank,
                                                    pp_size=self.pp_size, draft_layers=args.draft_layers,
-                                                   device=self.device, attention_backend=placement.attention_backend,
+                                                   device=self.device,
+                                                   attention_backend=placement.attention_backend,
                                                    load_format=args.load_format)
         self.model.eval()
         self.attn_backend = self.model.attn_backend
@@ -94,7 +95,8 @@ class ModelRunner:
         # hybrid models keep KV only for their attention layers (cfg.kv_layer_ids), and a state slot
         # per request row for the others (common/hybrid.py)
         self.hybrid = HybridSupport(self.model, self.dtype, self.device)
-        # a pipeline stage keeps the KV of its own layers (of a hybrid model: its full-attention ones, maybe none)
+        # a pipeline stage keeps the KV of its own layers (of a hybrid model: its full-attention ones, maybe
+        # none)
         layer_ids = cfg.kv_layer_ids or None
         if self.pp_size > 1:
             start, end = self.model.layer_range
@@ -132,14 +134,16 @@ class ModelRunner:
                     self.context_length, self.device)
 
     def _kv_tokens(self, args: ServerArgs, cfg, tp_size: int) -> int:
-        """--max-total-tokens, or on cuda with --mem-fraction-static what the fraction leaves after the weights
-        (at most --max-total-tokens when that was given)."""
+        """--max-total-tokens, or on cuda with --mem-fraction-static what the fraction leaves after the
+        weights (at most --max-total-tokens when that was given)."""
         if args.mem_fraction_static is None or self.device.type != "cuda":
             return args.max_total_tokens
         layers = len(cfg.kv_layer_ids or range(cfg.num_layers)) + (1 if args.draft_layers else 0)
         per_token = 2 * layers * cfg.local_kv_heads(tp_size) * cfg.head_dim * self.placement.kv_dtype.itemsize
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type == "cuda")
-        tokens = kv_tokens_for_fraction(args.mem_fraction_static, self.device, weights, per_token, args.page_size)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters()
+                      if p.device.type == "cuda")
+        tokens = kv_tokens_for_fraction(args.mem_fraction_static, self.device, weights,
+                                        per_token, args.page_size)
         default = ServerArgs.__dataclass_fields__["max_total_tokens"].default
         return tokens if args.max_total_tokens == default else min(tokens, args.max_total_tokens)
 
@@ -162,7 +166,8 @@ class ModelRunner:
 
     def device_info(self) -> dict:
         """What /server_info shows of where this rank computes."""
-        return {**self.placement.describe(), "cuda_graph_batch_sizes": self.graphs.batch_sizes if self.graphs else []}
+        return {**self.placement.describe(),
+                "cuda_graph_batch_sizes": self.graphs.batch_sizes if self.graphs else []}
 
     @property
     def supports_radix_cache(self) -> bool:
@@ -191,7 +196,8 @@ class ModelRunner:
         return self.model.forward(fb)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo, top_logprobs_nums: list[int] | None = None,
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo,
+               top_logprobs_nums: list[int] | None = None,
                return_logprob: bool | None = None) -> SampleOutput:
         """Sample where the logits are: the batch's sampling tensors follow them to the device."""
         return self.sampler(logits, info.to(logits.device), top_logprobs_nums, return_logprob=return_logprob)

@@ -37,7 +37,8 @@ def _checked(name: str, value: Any) -> float | int:
         raise SamplingDefaultsError(f"generation_config.json: {name} must be a number, got {value!r}")
     if name == "top_k":
         if value != int(value) or value < 0:
-            raise SamplingDefaultsError(f"generation_config.json: top_k must be an integer >= 0, got {value!r}")
+            raise SamplingDefaultsError("generation_config.json: top_k must be an integer >= 0, got "
+                                        f"{value!r}")
         return int(value) if value > 0 else -1  # transformers' 0: no top-k
     ok = {"temperature": value >= 0, "top_p": 0 < value <= 1, "min_p": 0 <= value <= 1,
           "repetition_penalty": value > 0}[name]

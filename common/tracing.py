@@ -41,7 +41,8 @@ def check_available() -> str | None:
         import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
         import opentelemetry.sdk.trace  # noqa: F401
     except ImportError as e:
-        return f"--enable-trace needs the OpenTelemetry SDK and OTLP/HTTP exporter ({e}); pip install 'pdserve[trace]'"
+        return (f"--enable-trace needs the OpenTelemetry SDK and OTLP/HTTP exporter ({e}); "
+                "pip install 'pdserve[trace]'")
     return None
 
 

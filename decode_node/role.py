@@ -91,7 +91,8 @@ class DecodeRole(PDRole):
         self.waiting = WaitingQueue()
         self.quarantine = Quarantine()
         self.local_prefill = args.disaggregation_local_prefill
-        self.local_prefill_max_tokens = args.disaggregation_local_prefill_max_tokens or DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+        self.local_prefill_max_tokens = args.disaggregation_local_prefill_max_tokens \
+            or DEFAULT_LOCAL_PREFILL_MAX_TOKENS
         self.num_local_prefills = 0
         logger.info("decode rank %d/%d ready: backend %s, prealloc budget %d requests, %d reserved decode "
                     "tokens per request", tp_rank, tp_size, args.transfer_backend, prealloc_size,
@@ -112,9 +113,10 @@ class DecodeRole(PDRole):
         if self.local_prefill and is_local(req):
             n = len(req.origin_input_ids)
             if n > self.local_prefill_max_tokens:  # the router sends it again, with a prefill node
-                return 400, (f"a prompt of {n} tokens is over this node's --disaggregation-local-prefill-max-tokens "
-                             f"{self.local_prefill_max_tokens}: send it with bootstrap_host/bootstrap_port/"
-                             "bootstrap_room (through a PD router)"), LOCAL_PREFILL_REFUSED
+                return 400, (f"a prompt of {n} tokens is over this node's "
+                             f"--disaggregation-local-prefill-max-tokens {self.local_prefill_max_tokens}: "
+                             "send it with bootstrap_host/bootstrap_port/bootstrap_room (through a "
+                             "PD router)"), LOCAL_PREFILL_REFUSED
             return None  # the scheduler's own checks follow, as on a colocated node
         err = super().validate(req)
         if err is not None:
@@ -127,10 +129,11 @@ class DecodeRole(PDRole):
         return None
 
     def on_new_request(self, req: Req) -> bool:
-        if is_local(req):  # --disaggregation-local-prefill: prefilled here, from the scheduler's waiting queue
+        # --disaggregation-local-prefill: prefilled here, from the scheduler's waiting queue
+        if is_local(req):
             self.num_local_prefills += 1
-            logger.info("rid=%s local prefill: no rendezvous, %d prompt tokens prefilled on this node", req.rid,
-                        len(req.origin_input_ids))
+            logger.info("rid=%s local prefill: no rendezvous, %d prompt tokens prefilled on "
+                        "this node", req.rid, len(req.origin_input_ids))
             return False
         room = int(req.bootstrap_room)
         addr = f"{req.bootstrap_host}:{req.bootstrap_port}"
@@ -193,8 +196,8 @@ class DecodeRole(PDRole):
         states = [self.pool.state_of(t.row)] if hybrid.has_state else None
         t.conn.init(t.pages[first:], t.metadata_index, state_indices=states)
         t.sent_at = time.monotonic()
-        logger.info("rid=%s room=%d transfer: %d pages preallocated, metadata slot %d, TransferInfo sent", req.rid,
-                    t.room, n_pages, t.metadata_index)
+        logger.info("rid=%s room=%d transfer: %d pages preallocated, metadata slot %d, "
+                    "TransferInfo sent", req.rid, t.room, n_pages, t.metadata_index)
         return True
 
     # ================================================================== every iteration
@@ -204,7 +207,8 @@ class DecodeRole(PDRole):
             polls = self.poll(tracked)
             for t in self.transfer.arrived(polls):
                 self.guarded(t, "taking the received KV over", self._on_transferred, t)
-            # FCFS (priority first under --schedule-policy priority): the first that does not fit stops the rest
+            # FCFS (priority first under --schedule-policy priority): the first that does not fit stops the
+            # rest
             for t in self.prealloc.resolved(polls, self.rank):
                 ready = self.guarded(t, "preallocating", self._preallocate, t)
                 if ready is None:  # it failed, the next may fit
@@ -221,8 +225,8 @@ class DecodeRole(PDRole):
         rooms = list(self.quarantine)
         for q in self.quarantine.release(poll_and_all_reduce(rooms, self.consensus_group)):
             self._free_memory(q.pages, q.row, q.metadata_index)
-            logger.info("rid=%s room=%d quarantine over after %.3fs: %d pages, row and metadata slot free again",
-                        q.rid, q.room, time.monotonic() - q.since, len(q.pages))
+            logger.info("rid=%s room=%d quarantine over after %.3fs: %d pages, row and metadata slot "
+                        "free again", q.rid, q.room, time.monotonic() - q.since, len(q.pages))
 
     def _free_memory(self, pages: list[int] | None, row: int | None, metadata_index: int | None) -> None:
         if pages:
@@ -267,15 +271,16 @@ class DecodeRole(PDRole):
                     req.output_top_logprobs = [list(zip(meta["top_vals"][:k].tolist(),
                                                         meta["top_idxs"][:k].tolist(), strict=True))]
         self.transfer.move(t, self.waiting)
-        logger.info("rid=%s room=%d waiting: KV received (%d pages) in %.3fs, first token %d", req.rid, t.room,
-                    t.num_pages, latency, first)
+        logger.info("rid=%s room=%d waiting: KV received (%d pages) in %.3fs, first token %d",
+                    req.rid, t.room, t.num_pages, latency, first)
         if off_grammar is not None:
             self.sched.finish_requests(req.rid, FinishStatus.abort(off_grammar, 500))
 
     def _admit(self) -> None:
         """Received requests join the running batch while running slots are free."""
         def can_admit() -> bool:
-            return self.sched.get_request_counts()[0] < self.sched.max_running_requests and self.pool.can_promote()
+            return self.sched.get_request_counts()[0] < self.sched.max_running_requests \
+                and self.pool.can_promote()
 
         for t in self.waiting.admit(can_admit, self.rank):
             self.forget(t)
@@ -300,8 +305,8 @@ class DecodeRole(PDRole):
             # preallocated and not taken over: the TransferInfo may have gone out, and a prefill rank
             # may still be writing into these pages; they wait for the room to drain
             self.quarantine.add(QuarantinedRoom(t.rid, t.room, t.conn, t.pages, t.row, t.metadata_index))
-            logger.info("rid=%s room=%d quarantined: %d pages, row %s, metadata slot %s until the room drains",
-                        t.rid, t.room, len(t.pages), t.row, t.metadata_index)
+            logger.info("rid=%s room=%d quarantined: %d pages, row %s, metadata slot %s until the "
+                        "room drains", t.rid, t.room, len(t.pages), t.row, t.metadata_index)
             t.metadata_index = None
         elif t.row is not None:
             self.pool.free(t.row)
@@ -355,4 +360,5 @@ class DecodeScheduler(Scheduler):
                                  dp_rank=kw.get("dp_rank", 0), make_req_pool=make_req_pool)
         super().__init__(args, model_dir, tp_rank, tp_size, tp_group, runner=runner, **kw)
         self.hooks = DecodeRole(self, args, tp_rank, tp_size, prealloc_size)
-        self.decode_between_chunks = True  # a local or re-prefilled prompt never stalls the running batch for long
+        # a local or re-prefilled prompt never stalls the running batch for long
+        self.decode_between_chunks = True

@@ -40,7 +40,8 @@ def _cluster(argv: list[str]) -> int:
 
 
 def convert_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve convert", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = argparse.ArgumentParser(prog="pdserve convert",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      description="convert the default model (or a GGUF file) into a "
                                      "safetensors directory in the cache")
     parser.add_argument("gguf", nargs="?", default="default", help="a .gguf file, or 'default'")

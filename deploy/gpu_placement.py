@@ -94,7 +94,8 @@ class GpuPlan:
         if self.device != "cuda":
             return ""
         used = {g for n in self.nodes.values() for g in n.gpus}
-        how = "fewer GPUs than the nodes need: shared round-robin" if self.shared else "GPUs of its own per node"
+        how = "fewer GPUs than the nodes need: shared round-robin" if self.shared \
+            else "GPUs of its own per node"
         lines = [f"GPU placement ({how}; --gpu-ids {','.join(map(str, self.gpu_ids))}):"]
         lines += [n.describe() for n in self.nodes.values()]
         unused = [g for g in self.gpu_ids if g not in used]
@@ -118,7 +119,8 @@ def parse_gpu_ids(text: str, count: int) -> list[int]:
         try:
             gpu = int(word)
         except ValueError:
-            raise ValueError(f"--gpu-ids: {word!r} is not a GPU id (comma-separated integers, e.g. 0,1)") from None
+            raise ValueError(f"--gpu-ids: {word!r} is not a GPU id (comma-separated integers, "
+                             "e.g. 0,1)") from None
         if gpu < 0:
             raise ValueError(f"--gpu-ids: GPU ids are >= 0, got {gpu}")
         if gpu in ids:
@@ -146,15 +148,16 @@ def place(needs: list[tuple[str, int, float | None]], gpu_ids: list[int]) -> Gpu
     start = 0
     for name, need, given in needs:
         if need > n:
-            raise ValueError(f"--gpu-ids: {name} needs {need} GPUs (--tp x --dp-size) and --gpu-ids gives {n}")
+            raise ValueError(f"--gpu-ids: {name} needs {need} GPUs (--tp x --dp-size) and --gpu-ids "
+                             f"gives {n}")
         group = sorted(gpu_ids[(start + k) % n] for k in range(need))
         if not _evenly_spaced(group) and start + need > n:
             start = 0  # the wrapped group is not expressible: start again at the front of the list
             group = sorted(gpu_ids[:need])
         if not _evenly_spaced(group):
-            raise ValueError(f"--gpu-ids: {name} would run on GPUs {','.join(map(str, group))}, which are not "
-                             "evenly spaced (a node's ranks run on --base-gpu-id + rank x --gpu-id-step); "
-                             "list the ids so that each node's consecutive ones are")
+            raise ValueError(f"--gpu-ids: {name} would run on GPUs {','.join(map(str, group))}, which are "
+                             "not evenly spaced (a node's ranks run on --base-gpu-id + rank x "
+                             "--gpu-id-step); list the ids so that each node's consecutive ones are")
         plan.nodes[name] = NodeGpus(name, group, given=given)
         start = (start + need) % n
     _share_memory(plan)
@@ -200,7 +203,8 @@ def plan_from_flags(device: str | None, gpu_ids: str | None, num_prefill: int, n
     """The plan for the launcher's `--device` / `--gpu-ids` (None: `--device` not given, nothing
     changes). `parser` reads the node flags (deploy.nodes.node_parser()); `gpu_count` stands in for
     the GPUs torch sees (None: ask torch)."""
-    roles = (("prefill", num_prefill, node_args + prefill_args), ("decode", num_decode, node_args + decode_args))
+    roles = (("prefill", num_prefill, node_args + prefill_args),
+             ("decode", num_decode, node_args + decode_args))
     if device is None:
         if gpu_ids is not None:
             raise ValueError("--gpu-ids: places the nodes with --device cuda (or auto); give --device too")
@@ -230,6 +234,7 @@ def plan_from_flags(device: str | None, gpu_ids: str | None, num_prefill: int, n
                                  f"with --gpu-ids instead of giving the {role} nodes {flag}")
         ns, _ = parser.parse_known_args(flags)
         if ns.tp < 1 or ns.dp_size < 1:
-            raise ValueError(f"--tp and --dp-size of the {role} nodes must be >= 1, got {ns.tp} and {ns.dp_size}")
+            raise ValueError(f"--tp and --dp-size of the {role} nodes must be >= 1, got {ns.tp} and "
+                             f"{ns.dp_size}")
         needs += [(f"{role}-{i}", ns.tp * ns.dp_size, ns.mem_fraction_static) for i in range(n)]
     return place(needs, ids)

@@ -70,7 +70,8 @@ class Hosts:
         """n hosts in 10.77.`net`.0/24 (several sets at once: different `net`)."""
         sweep_stale()
         if f" {SUBNET}.{net}.1/" in _addrs_in_use():
-            raise RuntimeError(f"subnet {SUBNET}.{net}.0/24 is already in use on this machine (see free_net())")
+            raise RuntimeError(f"subnet {SUBNET}.{net}.0/24 is already in use on this machine (see "
+                               "free_net())")
         tag = f"{os.getpid() % 100000}n{net}"
         self.bridge = f"pdb{tag}"
         self.names = [f"pds{tag}h{i}" for i in range(n)]
@@ -100,7 +101,8 @@ class Hosts:
 
     def listeners(self, i: int) -> list[str]:
         """Local addresses of the TCP sockets listening in host i (`ss -ltnH`)."""
-        return [line.split()[3] for line in self.run(self.names[i], "ss", "-ltnH").splitlines() if line.strip()]
+        return [line.split()[3]
+                for line in self.run(self.names[i], "ss", "-ltnH").splitlines() if line.strip()]
 
     def cut(self, i: int) -> None:
         _ip("link", "set", self.veths[i], "down")
@@ -114,9 +116,11 @@ class Hosts:
         host owns, so it needs no packet classifier in the kernel."""
         dev, ns = self.veths[i] + "n", self.names[i]
         if undo:
-            subprocess.run(["ip", "netns", "exec", ns, "ip", "neigh", "del", dst, "dev", dev], capture_output=True)
+            subprocess.run(["ip", "netns", "exec", ns, "ip", "neigh", "del", dst, "dev", dev],
+                           capture_output=True)
         else:
-            self.run(ns, "ip", "neigh", "replace", dst, "lladdr", "02:00:00:00:77:77", "dev", dev, "nud", "permanent")
+            self.run(ns, "ip", "neigh", "replace", dst, "lladdr", "02:00:00:00:77:77", "dev",
+                     dev, "nud", "permanent")
 
     def shape(self, i: int, qdisc: str | None) -> None:
         """A root qdisc on both ends of host i's link (e.g. "netem delay 20ms loss 1%", or "tbf rate
@@ -132,14 +136,16 @@ class Hosts:
         """Drop `percent` % of host i's packets at random, sent and received (None: stop). A random-number
         rule in the host's own nftables, so it needs no `netem`; `can_lose()` says whether nft works."""
         ns = self.names[i]
-        subprocess.run(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "pdloss"], capture_output=True)
+        subprocess.run(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "pdloss"],
+                       capture_output=True)
         if percent:
             # numgen gives 0..9999: drop below percent x 100
             rules = "\n".join(f"add chain inet pdloss {hook} {{ type filter hook {hook} priority 0; }}\n"
                               f"add rule inet pdloss {hook} numgen random mod 10000 < {round(percent * 100)} "
                               "counter drop"
                               for hook in ("input", "output"))
-            subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input="add table inet pdloss\n" + rules,
+            subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"],
+                           input="add table inet pdloss\n" + rules,
                            capture_output=True, text=True, check=True)
 
     def lost(self, i: int) -> int:
@@ -175,4 +181,5 @@ class Hosts:
         """Namespaces or links of this run that still exist."""
         ns = _ip("netns", "list", check=False).stdout
         links = _ip("-o", "link", "show", check=False).stdout
-        return [x for x in (*self.names, *self.veths, self.bridge) if x in ns or f" {x}:" in links or f" {x}@" in links]
+        return [x for x in (*self.names, *self.veths, self.bridge) if x in ns
+                or f" {x}:" in links or f" {x}@" in links]

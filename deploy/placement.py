@@ -55,7 +55,8 @@ class Placement:
         how = "fewer cores than nodes: shared round-robin" if self.shared else "a core set per node"
         env = " ".join(f"{k}={v}" for k, v in self.env.items()) or "environment unchanged"
         loans = "".join(f"; {d} borrows {p}'s {_span(self.cores[p])} while {p} has nothing to run "
-                        f"({' '.join(f'{k}={v}' for k, v in BORROWER_ENV.items())})" for d, p in self.loans.items())
+                        f"({' '.join(f'{k}={v}' for k, v in BORROWER_ENV.items())})"
+                        for d, p in self.loans.items())
         return f"placement ({how}; {env}; router unpinned): {nodes}{loans}"
 
 

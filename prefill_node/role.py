@@ -90,7 +90,8 @@ class PrefillRole(PDRole):
             raise
         self.bootstrap = BootstrapQueue(self.metadata_alloc)
         self.inflight = InflightQueue()
-        logger.info("prefill rank %d/%d of dp group %d ready: bootstrap %s, backend %s, decode tp %s", tp_rank,
+        logger.info("prefill rank %d/%d of dp group %d ready: bootstrap %s, backend %s, "
+                    "decode tp %s", tp_rank,
                     tp_size, sched.dp_rank, self.bootstrap_addr, args.transfer_backend,
                     args.disaggregation_decode_tp or "any")
 
@@ -105,8 +106,8 @@ class PrefillRole(PDRole):
         alloc = self.sched.allocator
         n_pages = alloc.pages_for(len(req.origin_input_ids))
         first = self.sched.runner.hybrid.first_sent_page(len(req.origin_input_ids), alloc.page_size)
-        t = PrefillRequest(req=req, room=room, conn=self.kv_manager.create_sender(room), num_pages=n_pages - first,
-                           first_page=first, sent_pages=first)
+        t = PrefillRequest(req=req, room=room, conn=self.kv_manager.create_sender(room),
+                           num_pages=n_pages - first, first_page=first, sent_pages=first)
         self.requests[req.rid] = t
         self.bootstrap.add(t)
         logger.info("rid=%s room=%d bootstrap: %d pages to send", req.rid, room, n_pages)
@@ -115,8 +116,8 @@ class PrefillRole(PDRole):
 
     @property
     def rank(self):
-        """Metadata slots go to the highest priority first, oldest first among equals (so in arrival order when
-        no request names a priority)."""
+        """Metadata slots go to the highest priority first, oldest first among equals (so in arrival order
+        when no request names a priority)."""
         return self.sched.priority.rank
 
     # ================================================================== every iteration
@@ -178,9 +179,10 @@ class PrefillRole(PDRole):
                 tops = req.output_top_logprobs[0][:MAX_TOP_LOGPROBS]
         self.metadata.set_buf(t.metadata_index, tok, cached_tokens=req.cached_tokens, logprob_val=lp_val,
                               logprob_idx=tok,
-                              top_vals=torch.tensor([v for v, _ in tops], dtype=torch.float32) if tops else None,
-                              top_idxs=torch.tensor([i for _, i in tops], dtype=torch.int32) if tops else None,
-                              room=t.room, **draft_fields(req))
+                              top_vals=torch.tensor([v for v, _ in tops], dtype=torch.float32)
+                              if tops else None,
+                              top_idxs=torch.tensor([i for _, i in tops], dtype=torch.int32)
+                              if tops else None, room=t.room, **draft_fields(req))
         # hybrid models: the request's state slot goes with the last chunk
         pool = self.sched.req_to_token_pool
         states = [pool.state_of(req.req_pool_idx)] if self.sched.runner.hybrid.has_state else None

@@ -79,7 +79,8 @@ class RouterApp:
 
             self.tracer = Tracer("pdserve-router", cfg.otlp_traces_endpoint or "localhost:4318")
         self.kv_index = None
-        self.route_tokenizer = None  # a LightTokenizer (common/server/light_tokenizer.py), loaded at the first admission
+        # a LightTokenizer (common/server/light_tokenizer.py), loaded at the first admission
+        self.route_tokenizer = None
         self._tokenizer_tried: set[str] = set()
         if cfg.kv_events:
             from router.kv_index import KVEventIndex
@@ -89,12 +90,14 @@ class RouterApp:
         self.prefill_policy = make_policy(cfg.effective_prefill_policy, cfg, self.kv_index,
                                           lambda: self.route_tokenizer)
         self.metrics.route_counts = getattr(self.prefill_policy, "counts", None)
-        self.metrics.policies = {"prefill": cfg.effective_prefill_policy, "decode": cfg.effective_decode_policy}
+        self.metrics.policies = {"prefill": cfg.effective_prefill_policy,
+                                 "decode": cfg.effective_decode_policy}
         self.decode_policy = make_policy(cfg.effective_decode_policy, cfg)
         self.registry = Registry(cfg, session, on_change=self._workers_changed)
         if self.kv_index is not None:
             self.registry.on_admit = self._admit_prefill
-        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics, self.prefill_policy, self.decode_policy)
+        self.dispatcher = Dispatcher(cfg, self.registry, self.metrics,
+                                     self.prefill_policy, self.decode_policy)
         self.registry.on_unhealthy = self.dispatcher.legs.cut_off
         self.capacity = DecodeCapacity(self.registry, session, cfg.load_check_interval_secs,
                                        cfg.health_check_timeout_secs, self.dispatcher.legs.auth)
@@ -150,8 +153,9 @@ class RouterApp:
 
         tok = await asyncio.get_running_loop().run_in_executor(None, open_tokenizer)
         if tok is None:
-            log.warning("cannot read the tokenizer in %r as the nodes do (no tokenizer.json, or chat templates in "
-                        "files by name): text prompts are routed by the approximate tree (give --tokenizer-path)", path)
+            log.warning("cannot read the tokenizer in %r as the nodes do (no tokenizer.json, or chat "
+                        "templates in files by name): text prompts are routed by the approximate tree (give "
+                        "--tokenizer-path)", path)
             return
         self.route_tokenizer = tok
         log.info("tokenizing prompts for --kv-events routing with %s", path)
@@ -178,13 +182,15 @@ class RouterApp:
             check_access(access_of(request, self.access), request.path, bearer_token(headers), request.remote,
                          self.keys, accept_node_key=False)
         except Denied as e:
-            log.info("rid=%s %s %s status=%d error=%s", rid, request.method, request.path, e.status, e.message)
+            log.info("rid=%s %s %s status=%d error=%s", rid, request.method,
+                     request.path, e.status, e.message)
             return error_response(e.status, e.message, headers={"X-Request-ID": rid, **e.headers})
         try:
             resp = await handler(request)
         except web.HTTPException as e:
             message = {404: f"no route {request.method} {request.path}",
-                       405: f"method {request.method} is not allowed on {request.path}"}.get(e.status, e.reason)
+                       405: f"method {request.method} is not allowed on "
+                            f"{request.path}"}.get(e.status, e.reason)
             resp = error_response(e.status, message,
                                   headers={k: v for k, v in e.headers.items() if k == "Allow"} or None)
         if not resp.prepared:
@@ -202,7 +208,8 @@ class RouterApp:
         admitted = False
         span = None
         if self.tracer is not None:
-            span = self.tracer.start(f"router {path}", request.headers.get("traceparent"), {"pdserve.rid": rid})
+            span = self.tracer.start(f"router {path}",
+                                     request.headers.get("traceparent"), {"pdserve.rid": rid})
             trace.traceparent = self.tracer.traceparent_of(span)
         try:
             try:
@@ -224,8 +231,8 @@ class RouterApp:
                 return error_response(400, str(e))
             if req.dp_rank is not None and not self.cfg.dp_aware:
                 trace.status = status = 400
-                return error_response(400, "`data_parallel_rank` needs a router started with --dp-aware (without "
-                                      "it a decode node places a request by its bootstrap_room)")
+                return error_response(400, "`data_parallel_rank` needs a router started with --dp-aware "
+                                      "(without it a decode node places a request by its bootstrap_room)")
             if isinstance(req.client_rid, str):  # the body's rid names the request on every process
                 rid = request[REQUEST_ID] = req.client_rid
             resp = await self.dispatcher.handle(request, req, rid, trace)
@@ -239,9 +246,11 @@ class RouterApp:
             first = (trace.first_byte or t1) - t0
             if trace.first_byte and status == 200:  # a stream: its first event, then one per token or so
                 tokens = trace.events - 1  # its last event is [DONE]
-                self.metrics.latency.add(first, (t1 - trace.first_byte) / (tokens - 1) if tokens > 1 else None)
+                self.metrics.latency.add(first,
+                                         (t1 - trace.first_byte) / (tokens - 1) if tokens > 1 else None)
             log.info("rid=%s %s status=%d prefill=%s decode=%s attempts=%d first_byte_ms=%.1f total_ms=%.1f",
-                     rid, path, status, trace.prefill, trace.decode, trace.attempts, first * 1e3, (t1 - t0) * 1e3)
+                     rid, path, status, trace.prefill, trace.decode, trace.attempts,
+                     first * 1e3, (t1 - t0) * 1e3)
             if span is not None:
                 self.tracer.end(span, {"http.response.status_code": status, "pdserve.prefill": trace.prefill,
                                        "pdserve.decode": trace.decode, "pdserve.attempts": trace.attempts},
@@ -278,7 +287,8 @@ class RouterApp:
             return error_response(400, str(e))
         url, kind, port = ws.url, ws.worker_type, ws.bootstrap_port
         try:
-            w = await self.registry.add(url, kind, port, explicit_none="bootstrap_port" in spec and port is None)
+            w = await self.registry.add(url, kind, port,
+                                        explicit_none="bootstrap_port" in spec and port is None)
         except RegistryError as e:
             return error_response(e.status, str(e))
         return json_response({"status": "ok", "worker": w.describe()})
@@ -300,7 +310,8 @@ class RouterApp:
         for path in paths:
             try:
                 async with self.session.get(w.url + path, headers=self.registry.auth,
-                                            timeout=aiohttp.ClientTimeout(total=self.cfg.health_check_timeout_secs)) as r:
+                                            timeout=aiohttp.ClientTimeout(
+                                                total=self.cfg.health_check_timeout_secs)) as r:
                     if r.status == 200:
                         return msgspec.json.decode(await r.read())
             except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError):
@@ -308,7 +319,8 @@ class RouterApp:
         return None
 
     async def tokenize(self, request):
-        """/tokenize and /detokenize: answered by a prefill worker (every worker has the model's tokenizer)."""
+        """/tokenize and /detokenize: answered by a prefill worker (every worker has the model's
+        tokenizer)."""
         workers = [w for w in self.registry.prefill if w.available] or self.registry.prefill
         if not workers:
             return error_response(503, "no prefill server available")
@@ -335,7 +347,8 @@ class RouterApp:
         if isinstance(info, dict):  # a prefill worker's, plus the router's own admission counters
             info["router"] = self.admission.describe()
             if self.kv_index is not None:
-                info["router"]["kv_events"] = {"workers": {u: v.describe() for u, v in list(self.kv_index.views.items())},
+                info["router"]["kv_events"] = {"workers": {u: v.describe()
+                                                           for u, v in list(self.kv_index.views.items())},
                                                "routes": dict(self.metrics.route_counts or {})}
         return json_response(info)
 
@@ -354,7 +367,8 @@ class RouterApp:
             if not ws:
                 return None
             name = ws[0].server_info.get("served_model_name") or ws[0].model_info.get("served_model_name")
-            data = {"object": "list", "data": [{"id": name or "default", "object": "model", "owned_by": "pdserve"}]}
+            data = {"object": "list",
+                    "data": [{"id": name or "default", "object": "model", "owned_by": "pdserve"}]}
         return data
 
     async def models(self, request):
@@ -389,7 +403,8 @@ class RouterApp:
     async def get_loads(self, request):
         await self.registry.refresh_loads()
         ws = self.registry.all()
-        loads = [{"worker": w.url, "worker_type": w.kind, "load": -1 if w.load is None else w.load} for w in ws]
+        loads = [{"worker": w.url, "worker_type": w.kind, "load": -1 if w.load is None else w.load}
+                 for w in ws]
         ok = sum(1 for x in loads if x["load"] >= 0)
         return json_response({"workers": loads, "total_workers": len(ws), "successful": ok,
                               "failed": len(ws) - ok})
@@ -432,8 +447,8 @@ class RouterApp:
     async def dashboard_page(self, request):
         return web.Response(text=dashboard.PAGE, content_type="text/html",
                             headers={"Cache-Control": "no-cache", "Content-Security-Policy":
-                                     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-                                     "connect-src 'self'"})
+                                     "default-src 'none'; script-src 'unsafe-inline'; style-src "
+                                     "'unsafe-inline'; connect-src 'self'"})
 
     async def dashboard_data(self, request):
         return json_response(await dashboard.dashboard_data(self))
@@ -448,11 +463,13 @@ class RouterApp:
             Route("GET", "/workers", self.list_workers, access=ADMIN, summary="registered workers"),
             Route("POST", "/workers", self.add_worker, WorkerSpec, access=ADMIN, summary="register a worker"),
             Route("DELETE", "/workers/{id:.+}", self.remove_worker, access=ADMIN, summary="remove a worker"),
-            Route("POST", "/flush_cache", self.flush_cache, access=ADMIN, summary="flush every worker's cache"),
+            Route("POST", "/flush_cache", self.flush_cache, access=ADMIN,
+                  summary="flush every worker's cache"),
             Route("GET", "/v1/models", self.models, summary="the served model"),
             Route("GET", "/v1/models/{model:.+}", self.model, summary="the served model's card, by its name"),
             *unserved_routes(),
-            *(Route("POST", p, self.tokenize, summary="text or chat messages to token ids (a prefill worker's)")
+            *(Route("POST", p, self.tokenize,
+                    summary="text or chat messages to token ids (a prefill worker's)")
               for p in ("/tokenize", "/v1/tokenize")),
             *(Route("POST", p, self.tokenize, summary="token ids to text (a prefill worker's)")
               for p in ("/detokenize", "/v1/detokenize")),
@@ -464,11 +481,14 @@ class RouterApp:
             Route("GET", "/health", self.health, access=OPEN, summary="liveness"),
             Route("GET", "/version", self.version, access=OPEN, summary="the pdserve version"),
             Route("GET", "/liveness", self.health, access=OPEN, summary="liveness"),
-            Route("GET", "/readiness", self.readiness, access=OPEN, summary="a prefill and a decode worker up"),
+            Route("GET", "/readiness", self.readiness, access=OPEN,
+                  summary="a prefill and a decode worker up"),
             Route("GET", "/health_generate", self.health_generate, access=OPEN,
                   summary="readiness: one step on a prefill and a decode worker"),
-            Route("GET", "/metrics", self.metrics_handler, access=OPEN, summary="Prometheus metrics (no secrets)"),
-            Route("GET", "/dashboard", self.dashboard_page, access=OPEN, summary="the live cluster page (no data)"),
+            Route("GET", "/metrics", self.metrics_handler, access=OPEN,
+                  summary="Prometheus metrics (no secrets)"),
+            Route("GET", "/dashboard", self.dashboard_page, access=OPEN,
+                  summary="the live cluster page (no data)"),
             Route("GET", "/dashboard/data", self.dashboard_data, summary="what the live cluster page shows"),
         ], "pdserve router", VERSION)
 
@@ -495,14 +515,16 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
     ra = RouterApp(cfg, session)
     runner = web.AppRunner(ra.build(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, cfg.host, cfg.port, backlog=4096, reuse_address=True, ssl_context=tls_in).start()
+    await web.TCPSite(runner, cfg.host, cfg.port, backlog=4096, reuse_address=True,
+                      ssl_context=tls_in).start()
     prom = None
     if cfg.prometheus_port:
         papp = web.Application()
         papp.router.add_get("/metrics", ra.metrics_handler)
         prom = web.AppRunner(papp, access_log=None)
         await prom.setup()
-        await web.TCPSite(prom, cfg.prometheus_host or cfg.host, cfg.prometheus_port, reuse_address=True).start()
+        await web.TCPSite(prom, cfg.prometheus_host or cfg.host, cfg.prometheus_port,
+                          reuse_address=True).start()
     need_loads = "power_of_two" in (cfg.effective_prefill_policy, cfg.effective_decode_policy)
     ra.registry.start(need_loads)
     watcher = None
@@ -514,8 +536,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
     evict = asyncio.get_running_loop().create_task(ra.evict_loop())
     silence = asyncio.get_running_loop().create_task(ra.silence.run()) if ra.silence is not None else None
     capacity = asyncio.get_running_loop().create_task(ra.capacity.run())
-    log.info("router listening on %s://%s:%d (prefill policy %s, decode policy %s, %d prefill, %d decode, %r)",
-             "https" if tls_in else "http", cfg.host, cfg.port, cfg.effective_prefill_policy,
+    log.info("router listening on %s://%s:%d (prefill policy %s, decode policy %s, %d prefill, %d "
+             "decode, %r)", "https" if tls_in else "http", cfg.host, cfg.port, cfg.effective_prefill_policy,
              cfg.effective_decode_policy, len(cfg.prefill), len(cfg.decode), ra.keys)
     ra.keys.announce(log, ADMIN_ROUTES)
     if ra.admission.enabled:

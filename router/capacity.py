@@ -9,8 +9,8 @@ polls every decode worker's `/get_load` every `--load-check-interval-secs` (each
 many of this router's requests the decode held then (`Worker.active`); the requests it holds beyond those
 (a burst since the report, which the report cannot show yet) take rows too, while those that ended give
 theirs back. A decode is full when the free rows it reported, less that growth and less the requests already
-waiting there for a row, are used up, or when it reported no KV token available. The dispatcher routes among the
-decodes that are not full (`usable`) and answers 429 with Retry-After when every decode is full, before
+waiting there for a row, are used up, or when it reported no KV token available. The dispatcher routes among
+the decodes that are not full (`usable`) and answers 429 with Retry-After when every decode is full, before
 any leg is sent. A decode that reports nothing (an older node, or a failed poll) counts as not full.
 """
 
@@ -34,7 +34,8 @@ class Report:
 
 
 def parse_report(data) -> Report | None:
-    """A decode's `/get_load` answer summed over its DP groups; None when it carries no preallocation figures."""
+    """A decode's `/get_load` answer summed over its DP groups; None when it carries no preallocation
+    figures."""
     if not isinstance(data, list) or not data:
         return None
     free = waiting = kv = 0

@@ -29,20 +29,25 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--host", default=d.host, help="address to listen on (default loopback; 0.0.0.0 for every interface)")
     a("--port", type=int, default=d.port, help="port to listen on")
-    a("--worker-urls", nargs="*", default=[], help="regular (non-PD) mode is not supported; use --prefill/--decode")
+    a("--worker-urls", nargs="*", default=[],
+      help="regular (non-PD) mode is not supported; use --prefill/--decode")
     a("--pd-disaggregation", action="store_true", help="PD mode (the only mode; accepted for compatibility)")
-    a("--mini-lb", action="store_true", help="sglang-router's minimal load balancer: not implemented here (refused)")
+    a("--mini-lb", action="store_true",
+      help="sglang-router's minimal load balancer: not implemented here (refused)")
     a("--prefill", nargs="+", action="append", default=[], metavar="URL [BOOTSTRAP_PORT|none]",
       help="prefill server URL and optional bootstrap port; repeatable")
     a("--decode", action="append", default=[], metavar="URL", help="decode server URL; repeatable")
     a("--policy", choices=POLICIES, default=d.policy,
       help="how a worker is picked (both roles unless --prefill-policy/--decode-policy say otherwise)")
-    a("--prefill-policy", choices=POLICIES, default=None, help="policy for prefill workers (default: --policy)")
+    a("--prefill-policy", choices=POLICIES, default=None,
+      help="policy for prefill workers (default: --policy)")
     a("--decode-policy", choices=POLICIES, default=None, help="policy for decode workers (default: --policy)")
     a("--cache-threshold", type=float, default=d.cache_threshold,
-      help="cache_aware: smallest prefix-match rate that routes to the matching worker; below it the least loaded worker gets the request")
+      help="cache_aware: smallest prefix-match rate that routes to the matching worker; below it the least "
+           "loaded worker gets the request")
     a("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
-      help="cache_aware: load is imbalanced when max - min in-flight requests exceeds this (and the relative threshold)")
+      help="cache_aware: load is imbalanced when max - min in-flight requests exceeds this (and the relative "
+           "threshold)")
     a("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
       help="cache_aware: load is imbalanced when max > min x this (and the absolute threshold)")
     a("--eviction-interval-secs", type=float, default=d.eviction_interval_secs,
@@ -50,29 +55,29 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-tree-size", type=int, default=d.max_tree_size,
       help="cache_aware: characters the approximate prefix tree keeps per worker after a trim")
     a("--kv-events", action="store_true",
-      help="cache_aware routes prefill requests by each worker's exact cached blocks: the router subscribes to "
-      "the KV events of every prefill worker whose /server_info names a kv_events_endpoint (a node started with "
-      "--kv-events-config) and picks the one holding the longest prefix of the prompt's pages; workers without "
-      "events keep the approximate tree. Needs the model's tokenizer (--tokenizer-path, --model-path, or the "
-      "worker's /model_info tokenizer_path when that directory exists here)")
+      help="cache_aware routes prefill requests by each worker's exact cached blocks: the router subscribes "
+      "to the KV events of every prefill worker whose /server_info names a kv_events_endpoint (a node "
+      "started with --kv-events-config) and picks the one holding the longest prefix of the prompt's pages; "
+      "workers without events keep the approximate tree. Needs the model's tokenizer (--tokenizer-path, "
+      "--model-path, or the worker's /model_info tokenizer_path when that directory exists here)")
     a("--local-prefill-queue", type=int, default=d.local_prefill_queue, metavar="N",
       help="conditional disaggregation: a request goes to its decode worker alone, which prefills it itself, "
-      "when it was started with --disaggregation-local-prefill and the chosen prefill worker already has N or "
-      "more of this router's prefills in flight for each local prefill of that decode worker still waiting for "
-      "its first token, plus one: N for the first, 2N for a second (0: never; every request is prefilled on a "
-      "prefill worker)")
+      "when it was started with --disaggregation-local-prefill and the chosen prefill worker already has N "
+      "or more of this router's prefills in flight for each local prefill of that decode worker still "
+      "waiting for its first token, plus one: N for the first, 2N for a second (0: never; every request is "
+      "prefilled on a prefill worker)")
     a("--dp-aware", action="store_true",
-      help="pick the DP group of each request on its decode worker (a node started with --dp-size): the group "
-      "with the fewest of this router's requests in flight, or the client's `data_parallel_rank`; the router "
-      "chooses the bootstrap_room so that (room mod dp_size) is that group and sends `data_parallel_rank` to the "
-      "decode leg. Without it the decode node places each request by its random room, and a client's "
-      "`data_parallel_rank` is refused")
+      help="pick the DP group of each request on its decode worker (a node started with --dp-size): the "
+      "group with the fewest of this router's requests in flight, or the client's `data_parallel_rank`; the "
+      "router chooses the bootstrap_room so that (room mod dp_size) is that group and sends "
+      "`data_parallel_rank` to the decode leg. Without it the decode node places each request by its random "
+      "room, and a client's `data_parallel_rank` is refused")
     a("--kv-events-max-blocks", type=int, default=d.kv_events_max_blocks,
-      help="most block hashes kept per worker (default: twice the worker's KV capacity in pages); a view that "
-      "outgrows it is cleared and rebuilt from later events")
+      help="most block hashes kept per worker (default: twice the worker's KV capacity in pages); a view "
+      "that outgrows it is cleared and rebuilt from later events")
     a("--kv-events-pending-secs", type=float, default=d.kv_events_pending_secs,
-      help="seconds the pages of a request routed to a worker count as cached there before its events confirm "
-      "them (its prefill may still run; default 10, 0: only confirmed blocks)")
+      help="seconds the pages of a request routed to a worker count as cached there before its events "
+      "confirm them (its prefill may still run; default 10, 0: only confirmed blocks)")
     a("--load-check-interval-secs", type=float, default=d.load_check_interval_secs,
       help="how often power_of_two polls the workers' /get_load")
     a("--max-payload-size", type=int, default=d.max_payload_size,
@@ -91,11 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--health-check-interval-secs", type=float, default=d.health_check_interval_secs,
       help="seconds between health-check rounds")
     a("--health-check-endpoint", default=d.health_check_endpoint, help="path of the workers' health endpoint")
-    a("--disable-health-check", action="store_true", help="no periodic health checks (workers stay as registered)")
+    a("--disable-health-check", action="store_true",
+      help="no periodic health checks (workers stay as registered)")
     a("--retry-max-retries", type=int, default=d.retry_max_retries,
-      help="attempts per request for retryable failures (500/502/504, broken connections), the first included")
-    a("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_ms, help="wait before the first retry")
-    a("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_ms, help="longest wait between retries")
+      help="attempts per request for retryable failures (500/502/504, broken connections), the first "
+           "included")
+    a("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_ms,
+      help="wait before the first retry")
+    a("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_ms,
+      help="longest wait between retries")
     a("--retry-backoff-multiplier", type=float, default=d.retry_backoff_multiplier,
       help="each retry waits this many times longer than the one before")
     a("--retry-jitter-factor", type=float, default=d.retry_jitter_factor,
@@ -114,27 +123,30 @@ def build_parser() -> argparse.ArgumentParser:
       help="longest a request may take end to end through the router; then 504")
     a("--stream-idle-timeout-secs", type=float, default=d.stream_idle_timeout_secs,
       help="a decode stream silent for this long (no event, no keep-alive) fails: the client gets an error "
-      "(before the first byte the request is retried elsewhere) and both legs are aborted; 0: wait as long as "
-      "--request-timeout-secs")
+      "(before the first byte the request is retried elsewhere) and both legs are aborted; 0: wait as long "
+      "as --request-timeout-secs")
     a("--worker-connect-timeout-secs", type=float, default=d.worker_connect_timeout_secs,
       help="a connection to a worker that is not made within this time fails (a worker cut off the network "
       "drops it silently); the request is retried on another pair")
     a("--worker-silence-timeout-secs", type=float, default=d.worker_silence_timeout_secs,
-      help="a worker that answers nothing, not even its health endpoint, for this long leaves rotation and the "
-      "requests it holds are cut off (run again on another pair where no byte reached the client); it comes back "
-      "when it answers again; 0: off (only the health checks notice)")
+      help="a worker that answers nothing, not even its health endpoint, for this long leaves rotation and "
+      "the requests it holds are cut off (run again on another pair where no byte reached the client); it "
+      "comes back when it answers again; 0: off (only the health checks notice)")
     a("--request-id-headers", nargs="*", default=None,
-      help="headers a client request id is read from, in order (default: x-request-id, x-correlation-id, x-trace-id, request-id)")
+      help="headers a client request id is read from, in order (default: x-request-id, x-correlation-id, "
+           "x-trace-id, request-id)")
     a("--api-key", default=None, help="client key as a value (sglang-router's flag; shows in `ps`): clients "
       "must send `Authorization: Bearer KEY`; sent to workers when no node key is set")
-    a("--api-key-file", default=None, help="file holding the client key (or $PDSERVE_API_KEY / $PDSERVE_API_KEY_FILE)")
-    a("--admin-api-key-file", default=None, help="file holding the admin key for /workers and /flush_cache (or "
-      "$PDSERVE_ADMIN_API_KEY(_FILE)); without one those are served to loopback clients only")
+    a("--api-key-file", default=None,
+      help="file holding the client key (or $PDSERVE_API_KEY / $PDSERVE_API_KEY_FILE)")
+    a("--admin-api-key-file", default=None, help="file holding the admin key for /workers and /flush_cache "
+      "(or $PDSERVE_ADMIN_API_KEY(_FILE)); without one those are served to loopback clients only")
     a("--node-api-key-file", default=None, help="file holding the key sent to workers on every hop (or "
       "$PDSERVE_NODE_API_KEY(_FILE))")
     a("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (with --ssl-keyfile)")
     a("--ssl-keyfile", default=None, help="private key of --ssl-certfile (PEM)")
-    a("--ssl-ca-certs", default=None, help="CA bundle (PEM) that verifies https:// workers (default: the system's)")
+    a("--ssl-ca-certs", default=None,
+      help="CA bundle (PEM) that verifies https:// workers (default: the system's)")
     a("--cluster-secret-file", default=None, help="file holding the cluster secret, the same one every node "
       "uses (one line, >= 16 bytes; a second line, the previous secret, is accepted during a rotation) "
       "(or $PDSERVE_CLUSTER_SECRET_FILE)")
@@ -154,28 +166,30 @@ def build_parser() -> argparse.ArgumentParser:
     a("--service-discovery", action="store_true", help="follow the prefill and decode pods of a Kubernetes "
       "cluster (Running and Ready pods matching --prefill-selector / --decode-selector join and leave the "
       "registry; a prefill pod's bootstrap port from its sglang.ai/bootstrap-port annotation)")
-    a("--selector", nargs="+", default=None, help="sglang-router's selector of regular mode: refused (this router "
-      "is PD-only; use --prefill-selector and --decode-selector)")
+    a("--selector", nargs="+", default=None, help="sglang-router's selector of regular mode: refused (this "
+      "router is PD-only; use --prefill-selector and --decode-selector)")
     a("--prefill-selector", nargs="+", default=None, metavar="KEY=VALUE", help="labels of the prefill pods")
     a("--decode-selector", nargs="+", default=None, metavar="KEY=VALUE", help="labels of the decode pods")
     a("--service-discovery-port", type=int, default=d.service_discovery_port,
       help="port of the discovered pods' HTTP server")
-    a("--service-discovery-namespace", default=None, help="namespace to watch (default: every namespace, which "
-      "needs cluster-wide read access to pods)")
-    a("--enable-trace", action="store_true", help="OpenTelemetry tracing: a span per request, its W3C traceparent "
-      "passed to both legs, exported over OTLP/HTTP to --otlp-traces-endpoint")
-    a("--otlp-traces-endpoint", default=None, help="OTLP/HTTP collector, HOST:PORT or URL (with --enable-trace; "
-      "default localhost:4318)")
+    a("--service-discovery-namespace", default=None, help="namespace to watch (default: every namespace, "
+      "which needs cluster-wide read access to pods)")
+    a("--enable-trace", action="store_true", help="OpenTelemetry tracing: a span per request, its W3C "
+      "traceparent passed to both legs, exported over OTLP/HTTP to --otlp-traces-endpoint")
+    a("--otlp-traces-endpoint", default=None, help="OTLP/HTTP collector, HOST:PORT or URL (with "
+      "--enable-trace; default localhost:4318)")
     a("--log-level", choices=["debug", "info", "warn", "error"], default=d.log_level, help="log level")
     a("--log-dir", default=None, help="also write the log to a file in this folder")
     # sglang-router flags not implemented here: parsed so the refusal names them (_NOT_IMPLEMENTED)
     a("--enable-igw", action="store_true", help="sglang-router flag not implemented here (refused)")
-    a("--cors-allowed-origins", nargs="*", default=[], help="sglang-router flag not implemented here (refused)")
+    a("--cors-allowed-origins", nargs="*", default=[],
+      help="sglang-router flag not implemented here (refused)")
     a("--shutdown-grace-period-secs", type=float, default=None,
       help="sglang-router flag not implemented here (refused)")
     a("--prometheus-duration-buckets", nargs="+", type=float, default=None,
       help="sglang-router flag not implemented here (refused)")
-    a("--model-path", default=None, help="with --kv-events: the model directory whose tokenizer the router uses")
+    a("--model-path", default=None,
+      help="with --kv-events: the model directory whose tokenizer the router uses")
     a("--tokenizer-path", default=None, help="with --kv-events: the tokenizer directory (tokenizer.json, "
       "tokenizer_config.json, chat template) the prefill nodes use")
     a("--chat-template", default=None,
@@ -200,7 +214,8 @@ def parse_prefill(values: list[str]) -> PrefillSpec:
     try:
         n = int(port)
     except ValueError:
-        raise ValueError(f"--prefill {url}: bootstrap port must be a number or 'none', got {port!r}") from None
+        raise ValueError(f"--prefill {url}: bootstrap port must be a number or 'none', got "
+                         f"{port!r}") from None
     if not 0 < n < 65536:
         raise ValueError(f"--prefill {url}: bootstrap port {n} out of range")
     return PrefillSpec(url, n)
@@ -222,7 +237,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         raise ValueError("--worker-silence-timeout-secs must be >= 0 (0: off)")
     cfg.prefill = [parse_prefill(v) for v in ns.prefill]
     cfg.decode = [check_worker_url(u.rstrip("/"), "--decode") for u in ns.decode]
-    cfg.keys = Keys.load(api_key=ns.api_key, api_key_file=ns.api_key_file, admin_api_key_file=ns.admin_api_key_file,
+    cfg.keys = Keys.load(api_key=ns.api_key, api_key_file=ns.api_key_file,
+                         admin_api_key_file=ns.admin_api_key_file,
                          node_api_key_file=ns.node_api_key_file, logger=logging.getLogger("router"))
     server_ssl_context(cfg.ssl_certfile, cfg.ssl_keyfile)  # unreadable files: a start-up error
     client_ssl_context(cfg.ssl_ca_certs)
@@ -233,25 +249,28 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         else DEFAULT_REQUEST_ID_HEADERS
     cfg.pd_disaggregation = True
     if ns.selector:
-        raise ValueError("--selector selects the workers of sglang-router's regular mode; this router is PD-only: "
-                         "use --prefill-selector and --decode-selector")
+        raise ValueError("--selector selects the workers of sglang-router's regular mode; this router is "
+                         "PD-only: use --prefill-selector and --decode-selector")
     cfg.prefill_selector = parse_selector(ns.prefill_selector, "--prefill-selector")
     cfg.decode_selector = parse_selector(ns.decode_selector, "--decode-selector")
     if cfg.service_discovery and not (cfg.prefill_selector and cfg.decode_selector):
-        raise ValueError("--service-discovery needs --prefill-selector and --decode-selector (key=value labels)")
+        raise ValueError("--service-discovery needs --prefill-selector and --decode-selector "
+                         "(key=value labels)")
     if not cfg.service_discovery and (cfg.prefill_selector or cfg.decode_selector
                                       or ns.service_discovery_namespace is not None):
-        raise ValueError("--prefill-selector, --decode-selector and --service-discovery-namespace are refused "
-                         "without --service-discovery (nothing would read them)")
+        raise ValueError("--prefill-selector, --decode-selector and --service-discovery-namespace are "
+                         "refused without --service-discovery (nothing would read them)")
     if not 1 <= cfg.service_discovery_port <= 65535:
         raise ValueError(f"--service-discovery-port must be a port number, got {cfg.service_discovery_port}")
     if cfg.service_discovery:
         try:
             import kubernetes  # noqa: F401
         except ImportError:
-            raise ValueError("--service-discovery needs the kubernetes client: pip install 'pdserve[k8s]'") from None
+            raise ValueError("--service-discovery needs the kubernetes client: pip install "
+                             "'pdserve[k8s]'") from None
     if cfg.otlp_traces_endpoint is not None and not cfg.enable_trace:
-        raise ValueError("--otlp-traces-endpoint is refused without --enable-trace (nothing would be exported)")
+        raise ValueError("--otlp-traces-endpoint is refused without --enable-trace (nothing would be "
+                         "exported)")
     if cfg.enable_trace:
         from common.tracing import check_available, otlp_traces_url
 
@@ -267,7 +286,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     if cfg.queue_timeout_secs <= 0:
         raise ValueError(f"--queue-timeout-secs must be > 0, got {cfg.queue_timeout_secs:g}")
     if cfg.rate_limit_tokens_per_second is not None and cfg.rate_limit_tokens_per_second <= 0:
-        raise ValueError(f"--rate-limit-tokens-per-second must be > 0, got {cfg.rate_limit_tokens_per_second:g}")
+        raise ValueError("--rate-limit-tokens-per-second must be > 0, got "
+                         f"{cfg.rate_limit_tokens_per_second:g}")
     if cfg.kv_events_max_blocks is not None and cfg.kv_events_max_blocks <= 0:
         raise ValueError(f"--kv-events-max-blocks must be > 0, got {cfg.kv_events_max_blocks}")
     if cfg.kv_events_pending_secs < 0:
@@ -309,7 +329,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--{name.replace('_', '-')} is used only with --kv-events")
     for name in _NOT_IMPLEMENTED:
         if getattr(ns, name, None) not in (None, False, []):
-            parser.error(f"--{name.replace('_', '-')} is an sglang-router flag this router does not implement")
+            parser.error(f"--{name.replace('_', '-')} is an sglang-router flag this router does not "
+                         "implement")
     if cfg.max_concurrent_requests <= 0 and cfg.rate_limit_tokens_per_second is None:
         d = RouterConfig()
         for flag, value, default in (("queue-size", cfg.queue_size, d.queue_size),

@@ -35,7 +35,8 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     eviction_interval_secs: float = 60.0
     max_tree_size: int = 2**26
-    # --kv-events: cache_aware routes prefill requests by the workers' exact cached blocks (router/kv_index.py)
+    # --kv-events: cache_aware routes prefill requests by the workers' exact cached blocks
+    # (router/kv_index.py)
     kv_events: bool = False
     kv_events_max_blocks: int | None = None  # None: twice the worker's KV capacity in pages
     kv_events_pending_secs: float = 10.0
@@ -129,4 +130,5 @@ class RouterConfig:
     @property
     def resolved_keys(self) -> Keys:
         """The keys read at start-up, or (a config built in code) just the --api-key value."""
-        return self.keys if self.keys is not None else Keys(client=self.api_key.encode() if self.api_key else None)
+        return self.keys if self.keys is not None else Keys(client=self.api_key.encode()
+                                                            if self.api_key else None)

@@ -74,7 +74,8 @@ th,td{border-bottom:1px solid #ddd;padding:.35em .6em;text-align:left;white-spac
 </style></head>
 <body>
 <h1>pdserve cluster <span id="status">loading...</span></h1>
-<div id="key" hidden>Router API key: <input id="keyinput" type="password"> <button id="keybtn">use</button></div>
+<div id="key" hidden>Router API key: <input id="keyinput" type="password">
+ <button id="keybtn">use</button></div>
 <div class="cards">
  <div class="card">requests<b id="req-total">-</b></div>
  <div class="card">requests/s<b id="req-rate">-</b></div>
@@ -100,7 +101,8 @@ function render(d) {
   for (const w of d.workers) {
     const p = prev && prev.workers.find((x) => x.url === w.url);
     if (p && p.stats.transfer_bytes !== undefined && w.stats.transfer_bytes !== undefined)
-      mbps[w.url] = (w.stats.transfer_bytes - p.stats.transfer_bytes) / 1e6 / Math.max(d.time - prev.time, 1e-3);
+      mbps[w.url] = (w.stats.transfer_bytes - p.stats.transfer_bytes) / 1e6
+        / Math.max(d.time - prev.time, 1e-3);
   }
   $("req-total").textContent = d.requests.total;
   $("req-rate").textContent = fmt(rate, 1);
@@ -114,11 +116,14 @@ function render(d) {
   for (const w of d.workers) {
     const s = w.stats || {}; const tr = document.createElement("tr"); tr.dataset.url = w.url;
     const local = w.local_prefill ? ", " + w.local_prefills + " local prefills" : "";
-    tr.append(cell(w.url), cell(w.worker_type + (w.dp_size > 1 ? " (" + w.dp_size + " DP groups)" : "") + local), cell(w.is_healthy ? "healthy" : "unhealthy", w.is_healthy ? "ok" : "bad"),
+    const groups = w.dp_size > 1 ? " (" + w.dp_size + " DP groups)" : "";
+    tr.append(cell(w.url), cell(w.worker_type + groups + local),
+      cell(w.is_healthy ? "healthy" : "unhealthy", w.is_healthy ? "ok" : "bad"),
       cell(w.circuit_breaker, w.circuit_breaker === "closed" ? "ok" : "bad"), cell(w.active_requests));
     if (s.error) { const td = cell(s.error, "bad"); td.colSpan = 6; tr.append(td); }
     else {
-      const queues = s.num_queue_reqs ? Object.entries(s.num_queue_reqs).map(([q, n]) => q + " " + n).join(", ") : "-";
+      const queues = s.num_queue_reqs
+        ? Object.entries(s.num_queue_reqs).map(([q, n]) => q + " " + n).join(", ") : "-";
       const kv = s.kv_total_tokens ? (100 * s.num_tokens_used / s.kv_total_tokens).toFixed(1) + " %" : "-";
       tr.append(cell(s.num_running_reqs ?? "-"), cell(queues), cell(kv), cell(fmt(s.gen_throughput, 1)),
         cell(fmt(mbps[w.url], 2)), cell((s.transfer_successes ?? "-") + " / " + (s.transfer_failures ?? "-"),
@@ -132,7 +137,9 @@ function render(d) {
 async function poll() {
   try {
     const r = await fetch("dashboard/data", {headers: key ? {"Authorization": "Bearer " + key} : {}});
-    if (r.status === 401 || r.status === 403) { $("key").hidden = false; $("status").textContent = "needs the API key"; }
+    if (r.status === 401 || r.status === 403) {
+      $("key").hidden = false; $("status").textContent = "needs the API key";
+    }
     else if (!r.ok) $("status").textContent = "router answered " + r.status;
     else { $("key").hidden = true; render(await r.json()); }
   } catch (e) { $("status").textContent = "router unreachable"; }

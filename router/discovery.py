@@ -76,7 +76,8 @@ class PodWatcher:
             config.load_kube_config()
         self.api = client.CoreV1Api()
         for kind, selector in self.selectors.items():
-            t = threading.Thread(target=self._run, args=(kind, selector), name=f"discovery-{kind}", daemon=True)
+            t = threading.Thread(target=self._run, args=(kind, selector),
+                                 name=f"discovery-{kind}", daemon=True)
             t.start()
             self._threads.append(t)
         where = self.cfg.service_discovery_namespace or "every namespace"
@@ -103,7 +104,8 @@ class PodWatcher:
                 pods = fn(*args, label_selector=selector)
                 self._reconcile(kind, pods.items)
                 w = watch.Watch()
-                for event in w.stream(fn, *args, label_selector=selector, resource_version=pods.metadata.resource_version,
+                for event in w.stream(fn, *args, label_selector=selector,
+                                      resource_version=pods.metadata.resource_version,
                                       timeout_seconds=WATCH_SECONDS):
                     if self._stop.is_set():
                         w.stop()

@@ -85,7 +85,8 @@ class Dispatcher:
         key = await self.prefill_policy.prepare(req) if self.prefill_policy.prepares else None
         retries = Retries(self.cfg, self.metrics, self._other_available, request_id)
         exclude: tuple[Worker, ...] = ()
-        broken: tuple[Worker, ...] = ()  # workers whose leg broke in this request: avoided while others are up
+        # workers whose leg broke in this request: avoided while others are up
+        broken: tuple[Worker, ...] = ()
         too_long = False  # a decode worker refused to prefill it itself (--local-prefill-queue)
         for attempt in range(self.cfg.max_attempts):
             trace.attempts = attempt + 1
@@ -101,17 +102,19 @@ class Dispatcher:
                     # the prompt is longer than the decode worker prefills itself: the same attempt, both legs
                     d.local_refused += 1
                     too_long = True
-                    result = await self._attempt(request, req, p, d, key, rids, headers, request_id, trace, False)
+                    result = await self._attempt(request, req, p, d, key, rids, headers,
+                                                 request_id, trace, False)
                 if not isinstance(result, Failure):
                     trace.status = result.status
                     return result
                 failure = result
                 # a next attempt goes to another pair where there is one: a failed KV transfer may be either
-                # node's (or their link's) doing, and a worker that failed its leg is best avoided at once; one
-                # whose connection broke (killed, cut off) stays avoided for the rest of the request, as its
-                # health checks may not have caught up yet
+                # node's (or their link's) doing, and a worker that failed its leg is best avoided at once;
+                # one whose connection broke (killed, cut off) stays avoided for the rest of the request, as
+                # its health checks may not have caught up yet
                 exclude = (p, d)
-                if failure.kind is Kind.BROKEN and failure.worker is not None and failure.worker not in broken:
+                if failure.kind is Kind.BROKEN and failure.worker is not None \
+                        and failure.worker not in broken:
                     broken += (failure.worker,)
             if not await retries.again(failure, attempt):
                 break
@@ -135,7 +138,8 @@ class Dispatcher:
             if kind == "decode" and self.capacity is not None:
                 ok = self.capacity.usable(ok)
                 if not ok:
-                    raise DecodesFull("every decode worker is full (no preallocation row or KV left); retry later")
+                    raise DecodesFull("every decode worker is full (no preallocation row or KV left); "
+                                      "retry later")
             for skip in (exclude + broken, broken):
                 rest = [w for w in ok if w not in skip]
                 if skip and rest:
@@ -206,8 +210,8 @@ class Dispatcher:
         congruences, decode_rank = self._groups(req, key if prefill is not None else None, prefill, d)
         payloads = inject(req, prefill, rids, congruences, decode_rank)[:2]
         try:
-            return await Attempt(self.legs, self.metrics, req, prefill, d, payloads, headers, rid_list(req, rids),
-                                 request_id, trace, held).run(request)
+            return await Attempt(self.legs, self.metrics, req, prefill, d, payloads,
+                                 headers, rid_list(req, rids), request_id, trace, held).run(request)
         finally:
             if decode_rank is not None:
                 d.dp_end(decode_rank)

@@ -45,14 +45,15 @@ from common.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStore
 
 log = logging.getLogger("router.kv_events")
 
-MAX_GROUPS = 64  # DP groups of one worker followed at most (a larger list is a bad answer: its first endpoint only)
+# DP groups of one worker followed at most (a larger list is a bad answer: its first endpoint only)
+MAX_GROUPS = 64
 REPLAY_TIMEOUT = 3.0  # seconds without a replay message before the replay is given up
 MAX_FRAME = 64 * 2**20  # a larger event frame is dropped by ZMQ (MAXMSGSIZE) before it is read
 MAX_PENDING = 10_000  # live batches kept while a replay runs; past it (or MAX_PENDING_BYTES) they are dropped
 MAX_PENDING_BYTES = 256 * 2**20
 # every counter of a view, present from the start: the event loop copies them while the thread counts
-COUNTERS = ("batches", "dropped_frames", "gaps", "replays", "replay_failures", "unreplayable_gaps", "restarts",
-            "resyncs", "overflows", "pending_dropped")
+COUNTERS = ("batches", "dropped_frames", "gaps", "replays", "replay_failures",
+            "unreplayable_gaps", "restarts", "resyncs", "overflows", "pending_dropped")
 _DECODE = msgspec.msgpack.Decoder(KVEventBatch).decode
 _WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
 
@@ -145,7 +146,8 @@ class KVEventIndex:
         endpoints = server_info.get("kv_events_endpoints")
         replays = server_info.get("kv_events_replay_endpoints")
         if not (isinstance(endpoints, list) and 1 < len(endpoints) <= MAX_GROUPS):
-            endpoints, replays = [server_info.get("kv_events_endpoint")], [server_info.get("kv_events_replay_endpoint")]
+            endpoints, replays = [server_info.get("kv_events_endpoint")], [
+                server_info.get("kv_events_replay_endpoint")]
         if not isinstance(replays, list) or len(replays) != len(endpoints):
             replays = [None] * len(endpoints)
         if not all(isinstance(e, str) and e.startswith(("tcp://", "ipc://")) for e in endpoints):
@@ -153,7 +155,8 @@ class KVEventIndex:
         return [self._add(url, server_info, e, r, k, len(endpoints))
                 for k, (e, r) in enumerate(zip(endpoints, replays, strict=True))]
 
-    def _add(self, url: str, server_info: dict, endpoint: str, replay, dp_rank: int, dp_size: int) -> WorkerView:
+    def _add(self, url: str, server_info: dict, endpoint: str, replay, dp_rank: int,
+             dp_size: int) -> WorkerView:
         replay = resolve_endpoint(replay, url) if isinstance(replay, str) and replay else None
         topic = server_info.get("kv_events_topic")
         page_size = server_info.get("page_size")
@@ -163,8 +166,8 @@ class KVEventIndex:
             total = server_info.get("max_total_num_tokens")
             # a radix cache holds at most every page of the pool (slack for a view ahead of evictions)
             limit = 2 * (total // page_size) + 1024 if isinstance(total, int) and total > 0 else 1 << 22
-        view = WorkerView(url, resolve_endpoint(endpoint, url), replay, topic if isinstance(topic, str) else "",
-                          page_size, limit, dp_rank, dp_size)
+        view = WorkerView(url, resolve_endpoint(endpoint, url), replay,
+                          topic if isinstance(topic, str) else "", page_size, limit, dp_rank, dp_size)
         self.views[view.key] = view
         self._commands.put(("add", view))
         log.info("following the KV events of %s at %s (replay %s, page size %d, at most %d blocks)", view.key,
@@ -310,7 +313,8 @@ class KVEventIndex:
     def _apply(self, view: WorkerView, payload: bytes) -> None:
         try:
             batch = _DECODE(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # RecursionError: nesting too deep
+        # RecursionError: nesting too deep
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             view.counters["dropped_frames"] += 1
             return
         view.counters["batches"] += 1
@@ -326,7 +330,8 @@ class KVEventIndex:
                     blocks = view.blocks
                     # counted once the view is cleared: a reader that sees the count sees the cleared view
                     view.counters["overflows"] += 1
-                    log.warning("KV events of %s: more than %d blocks; view cleared", view.url, view.max_blocks)
+                    log.warning("KV events of %s: more than %d blocks; view cleared",
+                                view.url, view.max_blocks)
                     if len(ev.block_hashes) > view.max_blocks:
                         continue
                 blocks.update(ev.block_hashes)
@@ -388,7 +393,8 @@ class KVEventIndex:
 
     def _end_replay(self, view: WorkerView) -> None:
         self._drop_dealer(view)
-        if view.replay_first is None and view.replay_clear:  # nothing kept: the worker holds nothing we know of
+        # nothing kept: the worker holds nothing we know of
+        if view.replay_first is None and view.replay_clear:
             self._clear(view, view.replay_start == 0)
             view.next_seq = view.replay_start
         view.synced = True
@@ -398,7 +404,8 @@ class KVEventIndex:
     def _replay_failed(self, view: WorkerView, why: str) -> None:
         self._drop_dealer(view)
         view.counters["replay_failures"] += 1
-        log.warning("KV event replay from %s failed (%s): its view is rebuilt from the live events", view.url, why)
+        log.warning("KV event replay from %s failed (%s): its view is rebuilt from the "
+                    "live events", view.url, why)
         self._clear(view, False)
         view.next_seq = None
         view.synced = True

@@ -114,7 +114,8 @@ class Admission:
     # ------------------------------------------------------------------------------ admission
 
     def _retry_after(self) -> int:
-        """A hint for a refused client: when a token for everyone queued (and it) should be there, else 1 s."""
+        """A hint for a refused client: when a token for everyone queued (and it) should be there, else 1
+        s."""
         if self.bucket is not None:
             return max(1, math.ceil(self.bucket.wait(self.queued + 1.0)))
         return 1
@@ -152,9 +153,10 @@ class Admission:
                 return  # admitted at the deadline
             self._drop(fut)
             self.rejected["queue_timeout"] += 1
-            raise Rejected(408, f"request waited {self.queue_timeout:g} s in the router's queue without being "
-                                f"admitted (--queue-timeout-secs {self.queue_timeout:g}, --max-concurrent-requests "
-                                f"{self.max_concurrent or -1})", "queue_timeout", self._retry_after()) from None
+            raise Rejected(408, f"request waited {self.queue_timeout:g} s in the router's queue without "
+                                f"being admitted (--queue-timeout-secs {self.queue_timeout:g}, "
+                                f"--max-concurrent-requests {self.max_concurrent or -1})", "queue_timeout",
+                           self._retry_after()) from None
         except asyncio.CancelledError:  # the client went away while waiting
             if fut.done() and not fut.cancelled():
                 self.release()
@@ -221,6 +223,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
             return b"".join(parts)
         size += len(chunk)
         if size > limit:
-            raise Rejected(413, f"request body is over the router's limit of {limit} bytes (--max-payload-size); "
-                                f"stopped reading after {size} bytes", "payload_too_large")
+            raise Rejected(413, f"request body is over the router's limit of {limit} bytes "
+                                f"(--max-payload-size); stopped reading after {size} bytes",
+                           "payload_too_large")
         parts.append(chunk)

@@ -102,10 +102,10 @@ class _Collector:
             by_status[status] += n
         yield _family("counter", "smg_http_requests", "generation requests received", ("method", "path"),
                       [(("POST", r), n) for r, n in sorted(by_route.items())])
-        yield _family("counter", "smg_http_responses", "generation answers by status", ("status_code", "error_code"),
-                      [((s, ""), n) for s, n in sorted(by_status.items())])
-        hist = HistogramMetricFamily("smg_http_request_duration_seconds", "time from a request's arrival to the "
-                                     "end of its answer (stream included)", labels=["method", "path"])
+        yield _family("counter", "smg_http_responses", "generation answers by status",
+                      ("status_code", "error_code"), [((s, ""), n) for s, n in sorted(by_status.items())])
+        hist = HistogramMetricFamily("smg_http_request_duration_seconds", "time from a request's arrival to "
+                                     "the end of its answer (stream included)", labels=["method", "path"])
         for route, h in sorted(m.hist.items()):
             acc, buckets = 0, []
             for le, n in zip((*BUCKETS, float("inf")), h, strict=True):
@@ -113,11 +113,14 @@ class _Collector:
                 buckets.append(("+Inf" if le == float("inf") else repr(le), acc))
             hist.add_metric(["POST", route], buckets, sum_value=m.hist_sum[route])
         yield hist
-        yield _family("gauge", "smg_worker_health", "1 while the worker passes its health checks", ("worker",),
+        yield _family("gauge", "smg_worker_health",
+                      "1 while the worker passes its health checks", ("worker",),
                       [((w.url,), int(w.healthy)) for w in ws])
-        yield _family("gauge", "smg_worker_cb_state", "circuit breaker: 0 closed, 1 half-open, 2 open", ("worker",),
+        yield _family("gauge", "smg_worker_cb_state",
+                      "circuit breaker: 0 closed, 1 half-open, 2 open", ("worker",),
                       [((w.url,), _CB_STATE[w.breaker.state]) for w in ws])
-        yield _family("gauge", "smg_worker_requests_active", "requests in flight on the worker through this router",
+        yield _family("gauge", "smg_worker_requests_active",
+                      "requests in flight on the worker through this router",
                       ("worker",), [((w.url,), w.active) for w in ws])
         pools: collections.Counter = collections.Counter()
         selections: collections.Counter = collections.Counter()
@@ -125,20 +128,22 @@ class _Collector:
             model = w.model_info.get("model_path") or "default"
             pools[(w.kind, "http", model)] += 1
             selections[(w.kind, "http", model, m.policies.get(w.kind, ""))] += w.requests
-        yield _family("gauge", "smg_worker_pool_size", "registered workers", ("worker_type", "connection_mode", "model"),
-                      sorted(pools.items()))
+        yield _family("gauge", "smg_worker_pool_size", "registered workers",
+                      ("worker_type", "connection_mode", "model"), sorted(pools.items()))
         yield _family("counter", "smg_worker_selection", "legs sent to workers",
                       ("worker_type", "connection_mode", "model", "policy"), sorted(selections.items()))
-        yield _family("counter", "pdserve_router_worker_errors", "legs that failed on the worker (5xx or broken "
-                      "connection; overload answers not counted)", ("worker", "type"),
+        yield _family("counter", "pdserve_router_worker_errors", "legs that failed on the worker (5xx or "
+                      "broken connection; overload answers not counted)", ("worker", "type"),
                       [((w.url, w.kind), w.errors) for w in ws])
-        yield _family("counter", "pdserve_router_local_prefills", "requests sent to a decode worker alone, to "
-                      "prefill there (--local-prefill-queue)", ("worker",),
+        yield _family("counter", "pdserve_router_local_prefills", "requests sent to a decode worker alone, "
+                      "to prefill there (--local-prefill-queue)", ("worker",),
                       [((w.url,), w.local_prefills) for w in ws if w.kind == "decode"])
-        yield _family("counter", "pdserve_router_local_prefill_refusals", "of those, requests the decode worker "
-                      "refused as longer than it prefills itself, then sent with both legs", ("worker",),
+        yield _family("counter", "pdserve_router_local_prefill_refusals", "of those, requests the decode "
+                      "worker refused as longer than it prefills itself, then sent with "
+                      "both legs", ("worker",),
                       [((w.url,), w.local_refused) for w in ws if w.kind == "decode"])
-        yield _family("gauge", "pdserve_router_worker_load", "the worker's /get_load tokens (power_of_two; -1 unknown)",
+        yield _family("gauge", "pdserve_router_worker_load",
+                      "the worker's /get_load tokens (power_of_two; -1 unknown)",
                       ("worker", "type"), [((w.url, w.kind), -1 if w.load is None else w.load) for w in ws])
         for name, value, help in (
                 ("retries", m.retries, "attempts after the first"),
@@ -149,9 +154,10 @@ class _Collector:
                  "streams whose decode failed before their first token, run again on another pair"),
                 ("decodes_full_answers", m.decodes_full, "requests answered 429 because every decode worker "
                  "was full"),
-                ("silent_workers", m.silent_workers, "times a worker was taken out of rotation for going silent "
-                 "(--worker-silence-timeout-secs)"),
-                ("worker_overload_answers", m.overload_passed, "workers' 429/503 answers passed to the client")):
+                ("silent_workers", m.silent_workers, "times a worker was taken out of rotation for going "
+                 "silent (--worker-silence-timeout-secs)"),
+                ("worker_overload_answers", m.overload_passed,
+                 "workers' 429/503 answers passed to the client")):
             yield _family("counter", f"pdserve_router_{name}", help, (), [((), value)])
         adm = m.admission
         if adm is not None:
@@ -159,15 +165,17 @@ class _Collector:
                           [((), adm.in_flight)])
             yield _family("gauge", "pdserve_router_queued_requests", "requests waiting for admission", (),
                           [((), adm.queued)])
-            yield _family("counter", "pdserve_router_rejected_requests", "requests refused by the router's limits",
+            yield _family("counter", "pdserve_router_rejected_requests",
+                          "requests refused by the router's limits",
                           ("reason",), [((r,), adm.rejected[r]) for r in REJECT_REASONS])
         if m.kv_index is not None:
             views = list(m.kv_index.views.values())
-            yield _family("gauge", "pdserve_router_kv_event_blocks", "blocks the router knows a worker caches",
+            yield _family("gauge", "pdserve_router_kv_event_blocks",
+                          "blocks the router knows a worker caches",
                           ("worker",), [((v.key,), len(v.blocks)) for v in views])
             kinds = list(views[0].counters) if views else []  # the same kinds on every view
             yield _family("counter", "pdserve_router_kv_events", "KV events received", ("worker", "kind"),
                           [((v.key, k), v.counters[k]) for k in kinds for v in views])
         if m.route_counts is not None:
-            yield _family("counter", "pdserve_router_prefill_routes", "prefill choices of the exact cache_aware "
-                          "policy", ("by",), [((k,), n) for k, n in m.route_counts.items()])
+            yield _family("counter", "pdserve_router_prefill_routes", "prefill choices of the exact "
+                          "cache_aware policy", ("by",), [((k,), n) for k, n in m.route_counts.items()])

@@ -1,5 +1,6 @@
 """Worker selection: random, round_robin, power_of_two and cache_aware (sglang-router's rules); with
-`--kv-events`, cache_aware routes prefill requests by the workers' exact cached blocks (router/kv_index.py)."""
+`--kv-events`, cache_aware routes prefill requests by the workers' exact cached blocks
+(router/kv_index.py)."""
 
 from __future__ import annotations
 
@@ -187,7 +188,8 @@ class KVEventsCacheAwarePolicy(CacheAwarePolicy):
             ids = tokenize(tok, *src)
             try:
                 hashes = {ps: chain_hashes(None, ids, ps) for ps in sizes} if ids else {}
-            except (struct.error, OverflowError, ValueError, TypeError):  # ids no node takes (it answers 400): route by text
+            # ids no node takes (it answers 400): route by text
+            except (struct.error, OverflowError, ValueError, TypeError):
                 ids, hashes = None, {}
             return RouteKey(req.text, ids, hashes)
 
@@ -235,8 +237,9 @@ class KVEventsCacheAwarePolicy(CacheAwarePolicy):
                     chosen = best
                     self.counts["exact_hits"] += 1
                 else:
-                    chosen = min(workers, key=lambda w: (w.active, sum(len(v.blocks) + len(self.recent.get(v.key, ()))
-                                                                       for v in self.index.views_of(w.url))))
+                    chosen = min(workers,
+                                 key=lambda w: (w.active, sum(len(v.blocks) + len(self.recent.get(v.key, ()))
+                                                              for v in self.index.views_of(w.url))))
             else:
                 self.counts["load"] += 1
         self.counts["exact"] += 1

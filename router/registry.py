@@ -122,8 +122,8 @@ def check_worker_url(url: str, what: str = "`url`") -> str:
             ok = False
     if not ok:
         shown = url if len(url) <= 80 else url[:80] + "..."
-        raise ValueError(f"{what} must be http://HOST[:PORT] or https://HOST[:PORT] with HOST a host name or an "
-                         f"IP address (no path, query or user), got {shown!r}")
+        raise ValueError(f"{what} must be http://HOST[:PORT] or https://HOST[:PORT] with HOST a host name or "
+                         f"an IP address (no path, query or user), got {shown!r}")
     return url
 
 
@@ -136,7 +136,8 @@ MAX_DP_SIZE = 1024  # the largest dp_size a worker may report (as `data_parallel
 
 class Worker:
     __slots__ = ("id", "url", "kind", "bootstrap_host", "bootstrap_port", "healthy", "breaker", "active",
-                 "load", "server_info", "model_info", "fail_streak", "ok_streak", "requests", "errors", "dp_groups",
+                 "load", "server_info", "model_info", "fail_streak", "ok_streak",
+                 "requests", "errors", "dp_groups",
                  "local_pending", "local_prefills", "local_refused", "compatibility")
 
     def __init__(self, url: str, kind: str, bootstrap_port: int | None, cfg: RouterConfig):
@@ -172,7 +173,8 @@ class Worker:
 
     @property
     def dp_size(self) -> int:
-        """The worker's DP groups (its /server_info `dp_size`; 1 when it names none or a value out of range)."""
+        """The worker's DP groups (its /server_info `dp_size`; 1 when it names none or a value out of
+        range)."""
         n = self.server_info.get("dp_size", 1)
         return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_DP_SIZE else 1
 
@@ -191,7 +193,8 @@ class Worker:
             self.dp_groups.ended(rank)
 
     def describe(self) -> dict:
-        return {"id": self.id, "url": self.url, "worker_type": self.kind, "bootstrap_port": self.bootstrap_port,
+        return {"id": self.id, "url": self.url, "worker_type": self.kind,
+                "bootstrap_port": self.bootstrap_port,
                 "bootstrap_host": self.bootstrap_host, "is_healthy": self.healthy,
                 "circuit_breaker": self.breaker.state, "active_requests": self.active, "load": self.load,
                 "requests": self.requests, "errors": self.errors, "local_prefill": self.prefills_locally,
@@ -258,7 +261,8 @@ class Registry:
     # ---------------------------------------------------------------------------- registration
 
     async def _get_json(self, url: str, timeout: float):
-        async with self.session.get(url, headers=self.auth, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        async with self.session.get(url, headers=self.auth,
+                                    timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status != 200:
                 raise RegistryError(r.status, f"GET {url} -> {r.status}")
             return msgspec.json.decode(await r.read())
@@ -266,7 +270,8 @@ class Registry:
     async def _probe(self, url: str) -> bool:
         try:
             async with self.session.get(url + self.cfg.health_check_endpoint, headers=self.auth,
-                                        timeout=aiohttp.ClientTimeout(total=self.cfg.health_check_timeout_secs)) as r:
+                                        timeout=aiohttp.ClientTimeout(
+                                            total=self.cfg.health_check_timeout_secs)) as r:
                 await r.read()
                 return r.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError):
@@ -448,7 +453,8 @@ class Registry:
                 w.fail_streak, w.ok_streak = w.fail_streak + 1, 0
                 if w.healthy and w.fail_streak >= self.cfg.health_failure_threshold:
                     w.healthy = False
-                    log.warning("worker %s marked unhealthy after %d failed health checks", w.url, w.fail_streak)
+                    log.warning("worker %s marked unhealthy after %d failed health checks",
+                                w.url, w.fail_streak)
                     if self.on_unhealthy is not None:
                         self.on_unhealthy(w)
 
@@ -463,7 +469,8 @@ class Registry:
     async def fetch_load(self, w: Worker) -> int | None:
         try:
             return parse_load(await self._get_json(w.url + "/get_load", self.cfg.health_check_timeout_secs))
-        except (TimeoutError, RegistryError, aiohttp.ClientError, OSError, msgspec.DecodeError, ValueError, TypeError):
+        except (TimeoutError, RegistryError, aiohttp.ClientError, OSError,
+                msgspec.DecodeError, ValueError, TypeError):
             return None
 
     async def refresh_loads(self) -> None:

@@ -189,7 +189,8 @@ class Attempt:
             if failure is not None:
                 return self._fail(failure)
             out = web.StreamResponse(status=self.resp.status, headers={
-                "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-ID": self.request_id})
+                "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Request-ID": self.request_id})
             await out.prepare(request)
             self.trace.first_byte = time.perf_counter()
             self.advance(Signal.LEAD)
@@ -197,7 +198,8 @@ class Attempt:
             self._settle()
             if self.state is State.FAILED_FINAL:  # the client's stream ends with an error event
                 try:
-                    await out.write(b"data: " + msgspec.json.encode(error_body(502, self.broke)) + b"\n\n" + _DONE)
+                    await out.write(b"data: "
+                                    + msgspec.json.encode(error_body(502, self.broke)) + b"\n\n" + _DONE)
                 except ConnectionError:
                     pass
             return out

@@ -86,7 +86,8 @@ def parse(path: str, body: bytes, need_text: bool) -> ParsedRequest:
         if len(copies) > 1:
             raise BadRequest("`sampling_params.n` must be the same for every prompt of a batch")
         n = copies.pop()
-        return_logprob = any(req.return_logprob) if isinstance(req.return_logprob, list) else req.return_logprob
+        return_logprob = any(req.return_logprob) \
+            if isinstance(req.return_logprob, list) else req.return_logprob
         if need_text:
             if req.text is not None:
                 text = req.text if isinstance(req.text, str) else req.text[0]
@@ -185,8 +186,8 @@ def inject(req: ParsedRequest, prefill: Worker | None, rids: str | list[str], co
                  "bootstrap_room": room}
     else:
         room = _rooms(n, congruences)
-        extra = {"bootstrap_host": [prefill.bootstrap_host] * n, "bootstrap_port": [prefill.bootstrap_port] * n,
-                 "bootstrap_room": room}
+        extra = {"bootstrap_host": [prefill.bootstrap_host] * n,
+                 "bootstrap_port": [prefill.bootstrap_port] * n, "bootstrap_room": room}
     obj = req.obj
     if rids != req.client_rid:
         extra["rid"] = rids
@@ -194,7 +195,8 @@ def inject(req: ParsedRequest, prefill: Worker | None, rids: str | list[str], co
         merged = {k: v for k, v in obj.items() if k not in _INJECTED}
         merged.update(extra)
         payload = _encode(merged)
-    elif obj and extra:  # splice the fields in before the closing brace: no re-encoding of a possibly large prompt
+    # splice the fields in before the closing brace: no re-encoding of a possibly large prompt
+    elif obj and extra:
         payload = b"".join((req.body.rstrip()[:-1], b",", _encode(extra)[1:]))
     elif obj:
         payload = req.body

@@ -3,7 +3,8 @@ circuit breaker.
 
 An attempt that ends before the client got a byte ends in a `Failure`: its `kind` (who failed, and how) and
 its HTTP status. `RETRY_TABLE` maps (kind, status) to a budget, and `Retries.allows` is the one function that
-reads it (`Retries.again` logs the failure and waits the backoff). The budgets: `NONE`, the failure is the client's answer; `ONCE`, one more try per request, and only
+reads it (`Retries.again` logs the failure and waits the backoff). The budgets: `NONE`, the failure is the
+client's answer; `ONCE`, one more try per request, and only
 while another worker of the kind that failed is available (an overloaded node: trying every worker in turn is
 the retry storm that turns an overloaded cluster into a dead one); `ATTEMPTS`, up to --retry-max-retries
 attempts in all, each after a backoff and on another pair where there is one (a broken worker or link). A
@@ -61,7 +62,8 @@ RETRY_TABLE: dict[tuple[Kind, int], Budget] = {
     (Kind.LEAD_ERROR, 500): Budget.ATTEMPTS,  # the decode failed before its first token (a KV transfer, say)
     (Kind.LEAD_ERROR, 502): Budget.ATTEMPTS,
     (Kind.LEAD_ERROR, 503): Budget.ONCE,      # as a 503 answer
-    (Kind.NO_WORKERS, 503): Budget.ATTEMPTS,  # none available of a kind (unhealthy, circuit open): wait a little
+    # none available of a kind (unhealthy, circuit open): wait a little
+    (Kind.NO_WORKERS, 503): Budget.ATTEMPTS,
     (Kind.DECODES_FULL, 429): Budget.NONE,    # every decode is full: the client comes back after Retry-After
     (Kind.BAD_REQUEST, 400): Budget.NONE,     # a data_parallel_rank the decode does not have
 }
@@ -99,12 +101,13 @@ class Failure:
         """A worker's error answer, passed on as it is, except a refusal of the router's own credentials: the
         client's key was fine, so it gets a 502 that says what to fix, not the worker's 401."""
         if status in (401, 403):
-            log.error("%s worker %s refused the router's credentials (%d): check the node key", leg, w.url, status)
-            return cls(Kind.ANSWER, 502, f"{leg} worker {w.url} refused the router's credentials ({status}); the "
-                       "router's node key (--node-api-key-file / PDSERVE_NODE_API_KEY) does not match the worker's",
-                       w)
-        return cls(Kind.ANSWER, status, f"{leg} worker {w.url} answered {status}", w, body, ctype, retry_after,
-                   err_type)
+            log.error("%s worker %s refused the router's credentials (%d): check the node key",
+                      leg, w.url, status)
+            return cls(Kind.ANSWER, 502, f"{leg} worker {w.url} refused the router's credentials ({status}); "
+                       "the router's node key (--node-api-key-file / PDSERVE_NODE_API_KEY) does not match "
+                       "the worker's", w)
+        return cls(Kind.ANSWER, status, f"{leg} worker {w.url} answered {status}", w,
+                   body, ctype, retry_after, err_type)
 
     @classmethod
     def broken(cls, exc: BaseException, leg: str, w: Worker) -> Failure:
@@ -119,8 +122,8 @@ class Failure:
         if status is None:
             return None
         err_type = KV_TRANSFER_FAILED if error.get("code") == KV_TRANSFER_FAILED else None
-        return cls(Kind.LEAD_ERROR, status, f"decode worker {w.url} failed the request before its first token: "
-                                            f"{str(error.get('message'))[:300]}", w, err_type=err_type)
+        return cls(Kind.LEAD_ERROR, status, f"decode worker {w.url} failed the request before its first "
+                                            f"token: {str(error.get('message'))[:300]}", w, err_type=err_type)
 
     def response(self, request_id: str) -> web.Response:
         headers = {"X-Request-ID": request_id}
@@ -149,7 +152,8 @@ class Retries:
         """Whether attempt `attempt` (0 for the first), which ended in `failure`, is followed by another."""
         budget = RETRY_TABLE.get((failure.kind, failure.status), Budget.NONE)
         if budget is Budget.ONCE:
-            allowed = not self.once_spent and failure.worker is not None and self.other_available(failure.worker)
+            allowed = not self.once_spent and failure.worker is not None \
+                and self.other_available(failure.worker)
             self.once_spent = True
         else:
             allowed = budget is Budget.ATTEMPTS
@@ -173,7 +177,8 @@ class Retries:
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before attempt `attempt` (1 for the first retry): exponential, capped, jittered."""
         c = self.cfg
-        ms = min(c.retry_initial_backoff_ms * c.retry_backoff_multiplier ** (attempt - 1), c.retry_max_backoff_ms)
+        ms = min(c.retry_initial_backoff_ms * c.retry_backoff_multiplier ** (attempt - 1),
+                 c.retry_max_backoff_ms)
         return max(0.0, ms * (1 + random.uniform(-c.retry_jitter_factor, c.retry_jitter_factor)) / 1000)
 
 

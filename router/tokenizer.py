@@ -33,7 +33,8 @@ def chat_messages(raw: Any) -> list[dict[str, str]] | None:
         if isinstance(content, list):
             parts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if not isinstance(part, dict) or part.get("type") != "text" \
+                        or not isinstance(part.get("text"), str):
                     return None
                 parts.append(part["text"])
             content = "".join(parts)
@@ -44,7 +45,8 @@ def chat_messages(raw: Any) -> list[dict[str, str]] | None:
 
 
 def _ids(value: Any) -> list[int] | None:
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if isinstance(value, list) and value and all(isinstance(t, int)
+                                                 and not isinstance(t, bool) for t in value):
         return value
     return None
 
@@ -88,6 +90,7 @@ def tokenize(tok: LightTokenizer | None, kind: str, value: Any) -> list[int] | N
     try:
         if kind == "text":
             return tok.encode(value)
-        return tok.encode(tok.apply_chat_template(value, add_generation_prompt=True), add_special_tokens=False)
+        return tok.encode(tok.apply_chat_template(value, add_generation_prompt=True),
+                          add_special_tokens=False)
     except Exception:  # a template that refuses these messages: the node answers 400, nothing to route by
         return None

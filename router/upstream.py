@@ -58,15 +58,16 @@ class _Conn(asyncio.Protocol):
 class Response:
     """Status and headers once awaited from `Pool.request`; then `read()` or repeated `readany()`."""
 
-    __slots__ = ("conn", "status", "headers", "_buf", "_mode", "_left", "_chunks", "_waiter", "_eof", "_error",
-                 "_head_waiter", "_timer", "_keep_alive")
+    __slots__ = ("conn", "status", "headers", "_buf", "_mode", "_left", "_chunks",
+                 "_waiter", "_eof", "_error", "_head_waiter", "_timer", "_keep_alive")
 
     def __init__(self, conn: _Conn, loop: asyncio.AbstractEventLoop):
         self.conn = conn
         self.status = 0
         self.headers: dict[str, str] = {}
         self._buf = b""
-        self._mode = 0  # 0 head, 1 content-length, 2/3/6 chunked size line/data/trailer, 4 until close, 5 done
+        # 0 head, 1 content-length, 2/3/6 chunked size line/data/trailer, 4 until close, 5 done
+        self._mode = 0
         self._left = 0
         self._chunks: list[bytes] = []
         self._waiter: asyncio.Future | None = None
@@ -279,9 +280,11 @@ class Pool:
         self.port = u.port or (443 if self.ssl else 80)
         self.timeout = timeout
         self.connect_timeout = connect_timeout
-        host_header = f"{u.hostname}:{self.port}" if ":" not in (u.hostname or "") else f"[{u.hostname}]:{self.port}"
+        host_header = f"{u.hostname}:{self.port}" if ":" not in (u.hostname or "") \
+            else f"[{u.hostname}]:{self.port}"
         extra = "".join(f"{k}: {v}\r\n" for k, v in extra_headers.items())
-        self._head_tail = f"Host: {host_header}\r\nContent-Type: application/json\r\n{extra}".encode("latin-1")
+        self._head_tail = (f"Host: {host_header}\r\nContent-Type: application/json\r\n"
+                           f"{extra}").encode("latin-1")
         self.idle: collections.deque[_Conn] = collections.deque()
         self.busy: set[_Conn] = set()  # connections carrying a request now
         self.closed = False
@@ -311,9 +314,10 @@ class Pool:
             raise OSError(f"no answer within {self.connect_timeout:g}s") from None
         return conn
 
-    async def request(self, path: str, body: bytes, headers: bytes = b"", timeout: float | None = None) -> Response:
-        """POST `body` (JSON) to `path`; `headers` is extra raw header lines ending in CRLF; the whole exchange
-        is bounded by `timeout` (the pool's own when None)."""
+    async def request(self, path: str, body: bytes, headers: bytes = b"",
+                      timeout: float | None = None) -> Response:
+        """POST `body` (JSON) to `path`; `headers` is extra raw header lines ending in CRLF; the whole
+        exchange is bounded by `timeout` (the pool's own when None)."""
         try:
             conn = await self._acquire()
         except OSError as e:

@@ -222,8 +222,8 @@ class DropCounters:
             if log:
                 self._logged_at[kind] = now
         if log:
-            self._logger.warning("%s: dropped a message (%s: %s); %d dropped for this cause so far", self.plane,
-                                 kind, detail[:200], n)
+            self._logger.warning("%s: dropped a message (%s: %s); %d dropped for this "
+                                 "cause so far", self.plane, kind, detail[:200], n)
 
     def drop_auth(self, err: AuthError) -> None:
         self.drop("unauthenticated" if err.kind == "unauthenticated" else "stale_or_replayed", str(err))

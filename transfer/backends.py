@@ -39,7 +39,8 @@ def create_engine(name: str, hostname: str = "127.0.0.1", settings=None) -> Tran
     extra = {}
     if name == "mooncake":  # it cannot be confined to `hostname`: starts only where that is acknowledged
         allow = (settings if settings is not None else TransferSettings.from_env()).allow_wildcard_listen
-        extra = {"protocol": settings.protocol if settings is not None else "tcp", "allow_wildcard_listen": allow}
+        extra = {"protocol": settings.protocol if settings is not None else "tcp",
+                 "allow_wildcard_listen": allow}
     before = thread_ids()
     engine = cls(hostname=hostname, device_name=device, **extra)
     spread_over_node(thread_ids() - before)  # the engine's own threads: off a DP group's core share

@@ -205,7 +205,8 @@ class KVArgs:
     total_kv_heads: int = 0  # 0: kv_head_num * tp_size
     model: str = ""
     kv_layout: str = KV_LAYOUT
-    decode_tp: int = 0  # a prefill rank's --disaggregation-decode-tp: decode ranks of another TP are refused (0: any)
+    # a prefill rank's --disaggregation-decode-tp: decode ranks of another TP are refused (0: any)
+    decode_tp: int = 0
     kv_memory: str = HOST  # where the kv buffers live: "host" or "cuda:N" (transfer/memory.py)
     state_memory: str = HOST  # where the state buffers live; aux (metadata) rows are always host memory
     fingerprint: str = ""  # the node's pairing key (common/fingerprint.py); "": none, not compared
@@ -298,7 +299,8 @@ class KVArgs:
         state_memory = _one_kind("state", states)
         return cls(
             kv_data_ptrs=[b.data_ptr() for b in bufs],
-            kv_data_lens=[(b.shape[0] - 1) * st + kv_pool.page_bytes for b, st in zip(bufs, strides, strict=True)],
+            kv_data_lens=[(b.shape[0] - 1) * st + kv_pool.page_bytes
+                          for b, st in zip(bufs, strides, strict=True)],
             kv_item_lens=[kv_pool.page_bytes] * len(bufs),
             kv_head_num=kv_pool.kv_heads,
             kv_head_bytes=kv_pool.head_bytes,

@@ -53,7 +53,8 @@ PROBE_TIMEOUT = 1.0  # seconds to connect to a registered rank's control port be
 _REQUIRED = ("role", "tp_rank", "tp_size", "dp_rank", "dp_size", "pp_rank", "pp_size", "rank_ip",
              "rank_port", "page_size", "model", "kv_layout", "kv_heads_total")
 # fields every rank of one prefill node must agree on
-_LAYOUT_KEYS = ("page_size", "model", "kv_layout", "kv_heads_total", "tp_size", "dp_size", "pp_size", "fingerprint")
+_LAYOUT_KEYS = ("page_size", "model", "kv_layout", "kv_heads_total", "tp_size", "dp_size",
+                "pp_size", "fingerprint")
 MAX_FINGERPRINT = 128  # characters of a registration's optional `fingerprint`
 _INT_FIELDS = ("tp_rank", "tp_size", "dp_rank", "dp_size", "pp_rank", "pp_size", "rank_port", "page_size",
                "kv_heads_total")
@@ -112,7 +113,8 @@ class BootstrapServer:
         self._thread: threading.Thread | None = None
 
     def guard_stats(self) -> dict[str, int]:
-        return {**self.counters.as_stats("bootstrap_"), "bootstrap_registrations_refused": self.registrations_refused,
+        return {**self.counters.as_stats("bootstrap_"),
+                "bootstrap_registrations_refused": self.registrations_refused,
                 "bootstrap_registrations_replaced": self.registrations_replaced}
 
     # ---- handlers
@@ -122,17 +124,20 @@ class BootstrapServer:
         if request.path == "/health":
             return await handler(request)
         if (request.content_length or 0) > MAX_BODY_BYTES:
-            self.counters.drop("oversized", f"{request.content_length} byte body on {request.method} {request.path}")
+            self.counters.drop("oversized",
+                               f"{request.content_length} byte body on {request.method} {request.path}")
             return web.Response(status=413, text=f"bodies are limited to {MAX_BODY_BYTES} bytes")
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            self.counters.drop("oversized", f"body over {MAX_BODY_BYTES} bytes on {request.method} {request.path}")
+            self.counters.drop("oversized",
+                               f"body over {MAX_BODY_BYTES} bytes on {request.method} {request.path}")
             return web.Response(status=413, text=f"bodies are limited to {MAX_BODY_BYTES} bytes")
         if self._auth is None:
             return await handler(request)
         try:
-            nonce = self._auth.check_request(request.method, request.raw_path, body, request.headers.get(HTTP_HEADER))
+            nonce = self._auth.check_request(request.method, request.raw_path, body,
+                                             request.headers.get(HTTP_HEADER))
         except AuthError as e:
             self.counters.drop_auth(e)
             return web.Response(status=401, text="cluster authentication failed (missing, bad or stale "
@@ -161,7 +166,8 @@ class BootstrapServer:
             return self._bad(f"PUT /route: {problem}")
         if body["role"] != "prefill":
             return self._bad(f"only prefill ranks register, got role {body['role']!r}"[:200])
-        body.setdefault("fingerprint", "")  # a rank that names none (older nodes): not compared by the decode side
+        # a rank that names none (older nodes): not compared by the decode side
+        body.setdefault("fingerprint", "")
         key = (body["dp_rank"], body["tp_rank"], body["pp_rank"])
         new = {"rank_ip": body["rank_ip"], "rank_port": body["rank_port"]}
         with self._lock:
@@ -176,9 +182,9 @@ class BootstrapServer:
             else:
                 for k in _LAYOUT_KEYS:
                     if self._layout[k] != body[k]:
-                        msg = (f"{k} mismatch: this bootstrap server's prefill ranks use {k}={self._layout[k]!r}, "
-                               f"the registering rank (tp {body['tp_rank']}, dp {body['dp_rank']}, "
-                               f"pp {body['pp_rank']}) has {k}={body[k]!r}")
+                        msg = (f"{k} mismatch: this bootstrap server's prefill ranks use "
+                               f"{k}={self._layout[k]!r}, the registering rank (tp {body['tp_rank']}, dp "
+                               f"{body['dp_rank']}, pp {body['pp_rank']}) has {k}={body[k]!r}")
                         logger.error("bootstrap registration rejected: %s", msg)
                         return web.Response(status=409, text=msg)
             if self._ranks.get(key) not in (old, new):
@@ -186,15 +192,18 @@ class BootstrapServer:
                                     "meanwhile; retry")
             self._ranks[key] = new
         if old != new:
-            logger.info("bootstrap: registered %s at %s:%s", _rank_name(key), body["rank_ip"], body["rank_port"])
+            logger.info("bootstrap: registered %s at %s:%s", _rank_name(key),
+                        body["rank_ip"], body["rank_port"])
         return web.Response(text="OK")
 
-    async def _refuse_replacement(self, key: tuple[int, int, int], old: dict, new: dict) -> web.Response | None:
+    async def _refuse_replacement(self, key: tuple[int, int, int], old: dict,
+                                  new: dict) -> web.Response | None:
         """A 409 if the rank's registered address is still alive; None (and a warning) if it is not."""
         was, now = f"{old['rank_ip']}:{old['rank_port']}", f"{new['rank_ip']}:{new['rank_port']}"
         if await _accepts_connections(old["rank_ip"], old["rank_port"]):
             self.registrations_refused += 1
-            msg = f"{_rank_name(key)} is registered at {was}, which is alive; refusing the registration from {now}"
+            msg = (f"{_rank_name(key)} is registered at {was}, which is alive; refusing the registration "
+                   f"from {now}")
             logger.error("bootstrap registration rejected: %s", msg)
             return web.Response(status=409, text=msg)
         self.registrations_replaced += 1
@@ -216,7 +225,8 @@ class BootstrapServer:
                 return web.json_response({**self._layout, "ranks": len(self._ranks)})
             info = self._ranks.get((max(dp, 0), engine_rank, max(pp, 0)))
         if info is None:
-            return web.Response(status=404, text=f"prefill rank tp {engine_rank} dp {dp} pp {pp} not registered")
+            return web.Response(status=404,
+                                text=f"prefill rank tp {engine_rank} dp {dp} pp {pp} not registered")
         return web.json_response(info)
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -330,7 +340,8 @@ class BootstrapClient:
             try:
                 self._auth.check_response(nonce, status, raw, mac)
             except AuthError as e:
-                status, text = 401, f"the answer is not authenticated ({e}): not this cluster's bootstrap server?"
+                status, text = 401, (f"the answer is not authenticated ({e}): not this cluster's "
+                                     "bootstrap server?")
         if status == 401 and addr not in self._refused_logged:
             if len(self._refused_logged) >= 1024:  # addresses come with requests: keep the memory bounded
                 self._refused_logged.clear()
@@ -348,7 +359,8 @@ class BootstrapClient:
         """PUT /route; raises BootstrapError on a rejected registration, OSError if unreachable."""
         status, text = self._request("PUT", f"http://{bootstrap_addr}/route", info)
         if status != 200:
-            raise BootstrapError(f"bootstrap server {bootstrap_addr} rejected the registration ({status}): {text}")
+            raise BootstrapError(f"bootstrap server {bootstrap_addr} rejected the registration "
+                                 f"({status}): {text}")
 
     def layout(self, bootstrap_addr: str) -> dict | None:
         """The prefill node's parallel layout, or None if no rank registered yet / unreachable."""
@@ -397,7 +409,8 @@ class BootstrapClient:
         """Forget cached answers naming the rank at `control_addr` ("tcp://ip:port"), whichever
         bootstrap server gave them (the rank was declared dead)."""
         with self._lock:
-            stale = [k for k, v in self._ranks.items() if f"tcp://{v.get('rank_ip')}:{v.get('rank_port')}" == control_addr]
+            stale = [k for k, v in self._ranks.items()
+                     if f"tcp://{v.get('rank_ip')}:{v.get('rank_port')}" == control_addr]
             for key in stale:
                 del self._ranks[key]
                 self._layouts.pop(key[0], None)

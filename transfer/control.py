@@ -38,7 +38,8 @@ per peer (at most 20 lines per 10 s); a sender other than the receiver thread fi
 
 Heartbeats (used by `transfer/manager.py`): every `heartbeat_interval` a manager sends `Ping` to each
 peer it has live rooms with; the peer answers `Pong` at once if it knows the sender. Any message
-from such a peer counts as a sign of life. A peer silent for `heartbeat_interval * heartbeat_max_failures` seconds while rooms
+from such a peer counts as a sign of life. A peer silent for `heartbeat_interval * heartbeat_max_failures`
+seconds while rooms
 are live is declared dead and all rooms with it fail with a reason naming it. Sends never block: a
 peer whose queue is full (it is gone) simply misses messages and is then caught by the heartbeat.
 """
@@ -338,8 +339,8 @@ class ControlPlane:
             with lock:
                 sock.close(EVICT_LINGER_MS)
             self.peers_evicted += 1
-            logger.info("control plane: closed the socket to %s, the least recently used of %d peers", old[:80],
-                        self.max_peers)
+            logger.info("control plane: closed the socket to %s, the least recently used of "
+                        "%d peers", old[:80], self.max_peers)
         return entry, failure, full
 
     def _send_failed(self, addr: str, why: str) -> None:

@@ -134,7 +134,8 @@ def interfaces_of(host: str) -> list[str]:
 
 def rdma_ports() -> list[str]:
     """UCX names ("mlx5_0:1") of this host's RDMA ports; they keep hardware RMA within a confinement."""
-    return sorted(f"{p.split('/')[-3]}:{p.split('/')[-1]}" for p in glob.glob("/sys/class/infiniband/*/ports/*"))
+    return sorted(f"{p.split('/')[-3]}:{p.split('/')[-1]}"
+                  for p in glob.glob("/sys/class/infiniband/*/ports/*"))
 
 
 def ucx_net_devices(host: str) -> tuple[str | None, str]:

@@ -95,11 +95,12 @@ class FakeEngine(TransferEngine):
             if remote is None:
                 raise TransferError(f"unknown peer {peer}")
             local = self._local
-        for side, regions, kind, addrs in (("local", local, src_memory, src), ("remote", remote, dst_memory, dst)):
+        for side, regions, kind, addrs in (("local", local, src_memory, src),
+                                           ("remote", remote, dst_memory, dst)):
             i = regions.outside(kind, addrs, lengths)
             if i is not None:
-                raise TransferError(f"{side} region {addrs[i]:#x}+{lengths[i]} is not in memory registered as "
-                                    f"{kind!r}")
+                raise TransferError(f"{side} region {addrs[i]:#x}+{lengths[i]} is not in memory registered "
+                                    f"as {kind!r}")
         with self._lock:
             self.bytes_skipped += sum(lengths)
 

@@ -26,8 +26,8 @@ silent for `heartbeat_interval * heartbeat_max_failures` seconds while rooms are
 dead: its rooms fail with a reason naming it (`_on_peer_dead`, per side) and everything cached
 about it is forgotten (its socket closed), so a restarted peer starts fresh. Silence is counted in this
 process's running time (`transfer/liveness.py`): a rank that was paused does not declare its peers
-dead the moment it wakes, before it has read what they sent meanwhile. The timer checks timeouts (`_tick_timeouts`, per
-side) and heartbeats every 50 ms.
+dead the moment it wakes, before it has read what they sent meanwhile. The timer checks timeouts
+(`_tick_timeouts`, per side) and heartbeats every 50 ms.
 
 Idle registrations. Peers without rooms are not pinged (registrations are unauthenticated without a
 cluster secret, and pinging every registered address would make this rank open sockets on a
@@ -61,7 +61,8 @@ TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 
 def registrations(args: KVArgs) -> list[tuple[int, int, str]]:
-    """(ptr, length, memory kind) of what a rank registers: the union of its spans, per memory kind (page-first
+    """(ptr, length, memory kind) of what a rank registers: the union of its spans, per memory kind
+    (page-first
     kv buffers interleave, so one registration covers the whole pool; on a GPU the kv and state spans are
     device memory and the metadata rows host memory, registered apart)."""
     by_kind: dict[str, tuple[list[int], list[int]]] = {}
@@ -92,7 +93,8 @@ class KVManager:
         self.args = args
         self.settings = settings if settings is not None else TransferSettings.from_env(**overrides)
         self.host = host
-        self.engine = backend if isinstance(backend, TransferEngine) else create_engine(backend, host, self.settings)
+        self.engine = backend if isinstance(backend, TransferEngine) \
+            else create_engine(backend, host, self.settings)
         self.moves_bytes = getattr(self.engine, "moves_bytes", True)
         for ptr, n, memory in registrations(args):
             self.engine.register(ptr, n, memory)
@@ -110,7 +112,8 @@ class KVManager:
         if secret is None:
             warn_unauthenticated(logger, f"the kv {self.side} manager's control plane")
         # the control plane verifies with its own nonce store; the bootstrap client only signs
-        self.bootstrap = BootstrapClient(auth=Authenticator(secret, self.settings.auth_window) if secret else None)
+        self.bootstrap = BootstrapClient(auth=Authenticator(secret, self.settings.auth_window)
+                                         if secret else None)
         self._init_side()
         self.control = ControlPlane(host, self._on_message, name=f"kv-{self.side}",
                                     auth=Authenticator(secret, self.settings.auth_window) if secret else None,
@@ -155,7 +158,8 @@ class KVManager:
         raise NotImplementedError
 
     def _on_peer_dead(self, addr: str, rooms: list, reason: str) -> None:
-        """Under the lock: fail `rooms` (those live through `addr`) and forget the side's state of the peer."""
+        """Under the lock: fail `rooms` (those live through `addr`) and forget the side's state of the
+        peer."""
         raise NotImplementedError
 
     def _is_known_peer(self, addr: str) -> bool:
@@ -220,8 +224,8 @@ class KVManager:
             live = self._live_peers()
             dead = [(addr, live[addr], silent) for addr, silent in self._liveness.check(live, now)]
             for addr, rooms, silent in dead:
-                reason = (f"{self.peer_side} peer {addr} is dead: missed {s.heartbeat_max_failures} heartbeats "
-                          f"(silent for {silent:.1f}s)")
+                reason = (f"{self.peer_side} peer {addr} is dead: missed {s.heartbeat_max_failures} "
+                          f"heartbeats (silent for {silent:.1f}s)")
                 self._on_peer_dead(addr, rooms, reason)
                 self._forget_peer(addr)
             ping = now - self._last_ping >= s.heartbeat_interval
@@ -249,8 +253,8 @@ class KVManager:
             if now - since > timeout:
                 del self._idle_since[addr]
                 self.registrations_expired += 1
-                logger.info("kv %s: %s peer %s had no room for %.0fs (PDSERVE_PEER_IDLE_TIMEOUT): registration "
-                            "dropped", self.side, self.peer_side, addr, now - since)
+                logger.info("kv %s: %s peer %s had no room for %.0fs (PDSERVE_PEER_IDLE_TIMEOUT): "
+                            "registration dropped", self.side, self.peer_side, addr, now - since)
                 self._expire_peer(addr)
                 self._forget_peer(addr)
 

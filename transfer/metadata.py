@@ -34,7 +34,8 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 def _fits(name: str, value, bounds: tuple[int, int]) -> int:
     v = int(value)
     if not bounds[0] <= v <= bounds[1]:
-        raise ValueError(f"metadata {name} = {v} does not fit its {'int32' if bounds == _INT32 else 'int64'} field")
+        raise ValueError(f"metadata {name} = {v} does not fit its "
+                         f"{'int32' if bounds == _INT32 else 'int64'} field")
     return v
 
 
@@ -144,7 +145,8 @@ class MetadataBuffers:
         for i, (v, idx) in enumerate(zip(t["top_logprobs_val"][slot, :k].tolist(),
                                          t["top_logprobs_idx"][slot, :k].tolist(), strict=True)):
             if not 0 <= idx < vocab_size:
-                return f"metadata top_logprobs_idx[{i}] = {idx}, expected 0..{vocab_size - 1} (the vocabulary)"
+                return (f"metadata top_logprobs_idx[{i}] = {idx}, expected 0..{vocab_size - 1} "
+                        "(the vocabulary)")
             values.append((f"top_logprobs_val[{i}]", v))
         for name, v in values:
             if math.isnan(v) or v == math.inf:

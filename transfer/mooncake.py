@@ -131,22 +131,23 @@ def _where(opened: list[tuple[str, int]]) -> str:
 def refusal(host: str, opened: list[tuple[str, int]]) -> str:
     """Why a mooncake engine on a specific host is not started, and the two ways on."""
     wild = [lst for lst in opened if is_wildcard(lst[0])]
-    return (f"mooncake would listen on all interfaces ({_where(wild)}) although --host is {host}: Mooncake cannot "
-            f"bind its handshake and TCP listeners to one address, and they serve reads and writes of the KV "
-            f"buffers to anyone who reaches them. Use --transfer-backend nixl (listens on --host only), or accept "
-            f"the exposure with --transfer-allow-wildcard-listen (PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN=1) and "
-            f"firewall those ports to the cluster's hosts (deploy/README.md, Security model)")
+    return (f"mooncake would listen on all interfaces ({_where(wild)}) although --host is {host}: Mooncake "
+            "cannot bind its handshake and TCP listeners to one address, and they serve reads and writes of "
+            "the KV buffers to anyone who reaches them. Use --transfer-backend nixl (listens on --host "
+            "only), or accept the exposure with --transfer-allow-wildcard-listen "
+            "(PDSERVE_TRANSFER_ALLOW_WILDCARD_LISTEN=1) and firewall those ports to the cluster's hosts "
+            "(deploy/README.md, Security model)")
 
 
 def exposure_warning(host: str, opened: list[tuple[str, int]]) -> str:
     """The start-up warning: mooncake's listeners, what they expose and the rule that confines them."""
     where = _where(opened)
     ports = ", ".join(str(port) for port in sorted({port for _, port in opened}))
-    return (f"mooncake listens on all interfaces ({where}) whatever --host ({host}) says, and serves reads and "
-            f"writes of the KV buffers it registered to anyone who can reach those ports: firewall them to the "
-            f"cluster's hosts, e.g. `nft add rule inet filter input ip saddr != {_cluster_subnet(host)} "
-            f"tcp dport {{ {ports} }} drop` (and the same for IPv6), or use --transfer-backend nixl "
-            f"(deploy/README.md, Security model)")
+    return (f"mooncake listens on all interfaces ({where}) whatever --host ({host}) says, and serves reads "
+            "and writes of the KV buffers it registered to anyone who can reach those ports: firewall them "
+            "to the cluster's hosts, e.g. `nft add rule inet filter input ip saddr != "
+            f"{_cluster_subnet(host)} tcp dport {{ {ports} }} drop` (and the same for IPv6), or use "
+            "--transfer-backend nixl (deploy/README.md, Security model)")
 
 
 class MooncakeEngine(TransferEngine):
@@ -180,15 +181,16 @@ class MooncakeEngine(TransferEngine):
             self._engine = None  # the last reference: Mooncake's destructor closes both listeners
             left = sorted(_listening() & set(self.listeners))
             raise UnconfinedListener(refusal(hostname, self.listeners)
-                                     + (f" (still open after the engine was dropped: {_where(left)})" if left else ""))
+                                     + (f" (still open after the engine was dropped: {_where(left)})"
+                                        if left else ""))
         self._registered: list[tuple[int, int]] = []
         self._lock = threading.Lock()
 
     def register(self, ptr: int, length: int, memory: str = HOST) -> None:
         if is_device(memory) and not cuda_build():
-            raise BackendUnavailable(f"mooncake cannot register {memory} memory: the installed Mooncake is its "
-                                     f"CPU-only build ({NON_CUDA_PACKAGE}); pip install mooncake-transfer-engine "
-                                     "(its CUDA build) on GPU hosts")
+            raise BackendUnavailable(f"mooncake cannot register {memory} memory: the installed Mooncake is "
+                                     f"its CPU-only build ({NON_CUDA_PACKAGE}); pip install "
+                                     "mooncake-transfer-engine (its CUDA build) on GPU hosts")
         ret = self._engine.register_memory(ptr, length)
         if ret != 0:
             raise TransferError(f"Mooncake register_memory({ptr:#x}, {length}) failed with {ret}")

@@ -148,7 +148,8 @@ class NixlEngine(TransferEngine):
         try:
             descs = self._agent.register_memory([(ptr, length, device, "")], mem_type)
         except Exception as exc:  # nixlBind raises its own types; a VRAM region needs NIXL's CUDA support
-            raise TransferError(f"nixl could not register {length} bytes of {memory} memory at {ptr:#x}: {exc}") from exc
+            raise TransferError(f"nixl could not register {length} bytes of {memory} memory at "
+                                f"{ptr:#x}: {exc}") from exc
         with self._lock:
             self._reg_descs.append(descs)
 

@@ -120,8 +120,9 @@ def fingerprint_problem(prefill: str, decode: str) -> str | None:
     """None unless both nodes name a compatibility fingerprint and they differ."""
     if not prefill or not decode or prefill == decode:
         return None
-    return (f"compatibility fingerprint mismatch: prefill {prefill[:16]}, decode {decode[:16]} (other weights, "
-            "dtype, KV cache dtype or transfer protocol: compare the nodes' /server_info `compatibility`)")
+    return (f"compatibility fingerprint mismatch: prefill {prefill[:16]}, decode {decode[:16]} (other "
+            "weights, dtype, KV cache dtype or transfer protocol: compare the nodes' /server_info "
+            "`compatibility`)")
 
 
 def _check_kv(a: KVArgs, reg: RegisterPeer) -> str | None:
@@ -130,46 +131,51 @@ def _check_kv(a: KVArgs, reg: RegisterPeer) -> str | None:
     if n == 0 or n % 2 or n > MAX_BUFFERS:
         return _want(m, "kv_ptrs", f"{n} buffers", "K and V of every layer (2 x layers)")
     ids = reg.kv_layer_ids
-    if len(ids) != n // 2 or len(set(ids)) != len(ids) or not all(_int(i) and 0 <= i < MAX_BUFFERS for i in ids):
+    if len(ids) != n // 2 or len(set(ids)) != len(ids) \
+            or not all(_int(i) and 0 <= i < MAX_BUFFERS for i in ids):
         return _want(m, "kv_layer_ids", ids if len(ids) <= 16 else f"{len(ids)} ids",
                      f"{n // 2} distinct layer ids (one per kv layer)")
     if match_buffers(a.kv_layer_ids, ids) is None or (a.pp_size == 1 and len(ids) != a.num_layers):
         return f"decode holds kv layers {_few(ids)}, prefill kv layers {_few(a.kv_layer_ids)}" + (
-            " (each pipeline stage sends its own: the decode must hold every one of them)" if a.pp_size > 1 else "")
+            " (each pipeline stage sends its own: the decode must hold every one of them)"
+            if a.pp_size > 1 else "")
     if len(reg.kv_item_lens) != n or len(reg.kv_item_strides) != n:
         return (f"decode kv buffer description is inconsistent ({n} pointers, {len(reg.kv_item_lens)} item "
                 f"lengths, {len(reg.kv_item_strides)} strides)")
     item = reg.kv_head_num * a.head_bytes
     for i, (ln, st) in enumerate(zip(reg.kv_item_lens, reg.kv_item_strides, strict=True)):
         if ln != item:
-            return _want(m, f"kv_item_lens[{i}]", ln, f"{item} (page size x {reg.kv_head_num} heads x head dim bytes: "
-                         f"head bytes mismatch, prefill {a.head_bytes})")
+            return _want(m, f"kv_item_lens[{i}]", ln, f"{item} (page size x {reg.kv_head_num} heads x head "
+                         f"dim bytes: head bytes mismatch, prefill {a.head_bytes})")
         if st < ln:
             return _want(m, f"kv_item_strides[{i}]", st, f">= the item length {ln}")
     if not 2 <= reg.kv_num_pages <= MAX_ITEMS:
         return _want(m, "kv_num_pages", reg.kv_num_pages, f"2..{MAX_ITEMS} (page 0 is padding)")
     for i, (p, st) in enumerate(zip(reg.kv_ptrs, reg.kv_item_strides, strict=True)):
         if p <= 0 or p + (reg.kv_num_pages - 1) * st + item > ADDRESS_LIMIT:
-            return _want(m, f"kv_ptrs[{i}]", p, f"a buffer of {reg.kv_num_pages} pages inside the address space")
+            return _want(m, f"kv_ptrs[{i}]", p,
+                         f"a buffer of {reg.kv_num_pages} pages inside the address space")
     return None
 
 
 def _check_aux_state(a: KVArgs, reg: RegisterPeer) -> str | None:
     m = "RegisterPeer"
     if len(reg.aux_ptrs) != len(a.aux_data_ptrs) or list(reg.aux_item_lens) != list(a.aux_item_lens):
-        return ("metadata buffer layout differs between prefill and decode (is --speculative-algorithm EAGLE/MTP "
-                "given to one side only?)")
+        return ("metadata buffer layout differs between prefill and decode (is --speculative-algorithm "
+                "EAGLE/MTP given to one side only?)")
     if reg.aux_ptrs and not 1 <= reg.aux_num_rows <= MAX_ITEMS:
         return _want(m, "aux_num_rows", reg.aux_num_rows, f"1..{MAX_ITEMS}")
     for i, (p, ln) in enumerate(zip(reg.aux_ptrs, reg.aux_item_lens, strict=True)):
         if p <= 0 or p + reg.aux_num_rows * ln > ADDRESS_LIMIT:
-            return _want(m, f"aux_ptrs[{i}]", p, f"a buffer of {reg.aux_num_rows} rows inside the address space")
+            return _want(m, f"aux_ptrs[{i}]", p,
+                         f"a buffer of {reg.aux_num_rows} rows inside the address space")
     ns = len(reg.state_ptrs)
     if (ns != len(a.state_data_ptrs) and a.pp_size == 1) or ns < len(a.state_data_ptrs):
         return f"state buffer count mismatch: prefill {len(a.state_data_ptrs)}, decode {ns}"
     if len(reg.state_item_lens) != ns or len(reg.state_dims) != ns or len(reg.state_layer_ids) != ns:
         return (f"decode state buffer description is inconsistent ({ns} pointers, {len(reg.state_item_lens)} "
-                f"item lengths, {len(reg.state_dims)} leading dimensions, {len(reg.state_layer_ids)} layer ids)")
+                f"item lengths, {len(reg.state_dims)} leading dimensions, {len(reg.state_layer_ids)} "
+                "layer ids)")
     if not all(_int(i) and 0 <= i < MAX_BUFFERS for i in reg.state_layer_ids):
         return _want(m, "state_layer_ids", _few(reg.state_layer_ids), f"layer ids in 0..{MAX_BUFFERS - 1}")
     pairs = match_buffers(a.state_layer_ids, reg.state_layer_ids)
@@ -184,7 +190,8 @@ def _check_aux_state(a: KVArgs, reg: RegisterPeer) -> str | None:
             return f"decode state buffer {j} is inconsistent ({dl} bytes a slot, leading dimension {dd})"
         p = reg.state_ptrs[j]
         if p <= 0 or p + reg.state_num_slots * dl > ADDRESS_LIMIT:
-            return _want(m, f"state_ptrs[{j}]", p, f"a buffer of {reg.state_num_slots} slots inside the address space")
+            return _want(m, f"state_ptrs[{j}]", p,
+                         f"a buffer of {reg.state_num_slots} slots inside the address space")
     for j, k in enumerate(pairs):
         ds, dd, dl = a.state_dim_per_tensor[j], reg.state_dims[k], reg.state_item_lens[k]
         if ds * a.tp_size != dd * reg.tp_size or a.state_item_lens[j] // ds != dl // dd:
@@ -217,8 +224,8 @@ def _check_overlaps(reg: RegisterPeer) -> str | None:
             # an interleaved pool: every buffer has the pool's stride and one page of all of them fits in it
             if any(st != stride for _, _, st, _ in g) or ptrs[-1] - ptrs[0] + item > stride \
                     or any(b - a < item for a, b in zip(ptrs, ptrs[1:], strict=False)):
-                return (f"RegisterPeer.kv_ptrs: buffers {sorted(i for *_, i in g)} overlap (their pages would share "
-                        "bytes)")
+                return (f"RegisterPeer.kv_ptrs: buffers {sorted(i for *_, i in g)} overlap (their pages "
+                        "would share bytes)")
         regions.append((ptrs[0], max(e for _, e, _, _ in g), "kv"))
     regions += [(p, p + reg.aux_num_rows * ln, f"aux {i}")
                 for i, (p, ln) in enumerate(zip(reg.aux_ptrs, reg.aux_item_lens, strict=True))]
@@ -257,11 +264,13 @@ def check_info(reg: RegisterPeer, info: TransferInfo) -> str | None:
         return _want(m, "tp_rank", info.tp_rank, f"{reg.tp_rank} (the sender's registration)")
     if info.tp_size != reg.tp_size:
         return _want(m, "tp_size", info.tp_size, f"{reg.tp_size} (the sender's registration)")
-    problem = _indices(info.dst_page_indices, 1, reg.kv_num_pages, "dst_page_indices", "the decode pool's pages")
+    problem = _indices(info.dst_page_indices, 1, reg.kv_num_pages, "dst_page_indices",
+                       "the decode pool's pages")
     if problem:
         return problem
     if reg.aux_ptrs and not 0 <= info.metadata_index < reg.aux_num_rows:
-        return _want(m, "metadata_index", info.metadata_index, f"0..{reg.aux_num_rows - 1} (the decode's metadata rows)")
+        return _want(m, "metadata_index", info.metadata_index,
+                     f"0..{reg.aux_num_rows - 1} (the decode's metadata rows)")
     if info.state_indices and not reg.state_ptrs:
         return _want(m, "state_indices", info.state_indices, "none (the decode registered no state buffers)")
     return _indices(info.state_indices, 0, reg.state_num_slots, "state_indices", "the decode's state slots")

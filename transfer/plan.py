@@ -160,7 +160,8 @@ class PairPlan:
         self.kv = fuse_buffers(np.array(args.kv_data_ptrs, dtype=np.int64),
                                np.array([reg.kv_ptrs[j] for j in dst_idx], dtype=np.int64),
                                np.array(args.kv_item_strides, dtype=np.int64),
-                               np.array([reg.kv_item_strides[j] for j in dst_idx], dtype=np.int64), self.kv_len)
+                               np.array([reg.kv_item_strides[j] for j in dst_idx],
+                                        dtype=np.int64), self.kv_len)
         # state buffers: slice of the leading dimension, per buffer (contiguous: stride = item)
         self.state = []
         for j, m in enumerate(match_buffers(args.state_layer_ids, reg.state_layer_ids)):
@@ -173,7 +174,8 @@ class PairPlan:
                                np.array([args.state_item_lens[j]], dtype=np.int64),
                                np.array([reg.state_item_lens[m]], dtype=np.int64),
                                (u0 - s_lo) * unit, (u0 - d_lo_) * unit, (u1 - u0) * unit))
-        self.aux = list(zip(args.aux_data_ptrs, args.aux_item_lens, reg.aux_ptrs, reg.aux_item_lens, strict=True))
+        self.aux = list(zip(args.aux_data_ptrs, args.aux_item_lens, reg.aux_ptrs,
+                            reg.aux_item_lens, strict=True))
         # (source, destination) memory kinds of each family: the engine writes a batch of one pair of kinds
         self.kv_memory = (args.kv_memory, reg.kv_memory)
         self.state_memory = (args.state_memory, reg.state_memory)

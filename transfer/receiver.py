@@ -87,7 +87,8 @@ class DecodeKVManager(KVManager):
             raise ValueError("decode ranks must run pipeline parallel size 1")
         super().__init__(args, backend, settings, host, **overrides)
 
-    def create_receiver(self, bootstrap_addr: str, room: int, prefill_dp_rank: int | None = None) -> KVReceiver:
+    def create_receiver(self, bootstrap_addr: str, room: int,
+                        prefill_dp_rank: int | None = None) -> KVReceiver:
         return KVReceiver(self, bootstrap_addr, room, prefill_dp_rank)
 
     # ------------------------------------------------------------------ side hooks
@@ -95,7 +96,8 @@ class DecodeKVManager(KVManager):
         self._receivers: dict[int, KVReceiver] = {}
         self._registered_with: set[str] = set()  # prefill ranks that have our RegisterPeer
         self._draining: dict[int, KVReceiver] = {}  # failed rooms waiting for their prefill ranks' AbortAck
-        self._dead_peers: dict[str, float] = {}  # prefill control address -> when declared dead (oldest first)
+        # prefill control address -> when declared dead (oldest first)
+        self._dead_peers: dict[str, float] = {}
         self._dead_grace = max(5.0, 2 * self.settings.heartbeat_window)
         self._resolve_wake = threading.Event()
         self.rejected_peer_values = 0
@@ -122,10 +124,12 @@ class DecodeKVManager(KVManager):
                 else:
                     self._on_ack(msg)
             except Exception as e:  # a value no check foresaw: fail that room, keep serving
-                logger.exception("room %s: %s from %s could not be handled", msg.room, type(msg).__name__, msg.src)
+                logger.exception("room %s: %s from %s could not be handled", msg.room,
+                                 type(msg).__name__, msg.src)
                 receiver = self._receivers.get(msg.room)
                 if receiver is not None:
-                    receiver._fail(f"{type(msg).__name__} from {msg.src} could not be handled: {type(e).__name__}: {e}")
+                    receiver._fail(f"{type(msg).__name__} from {msg.src} could not be handled: "
+                                   f"{type(e).__name__}: {e}")
 
     def _on_status(self, msg: Status) -> None:
         """Under the lock: a Status counts only from a prefill rank the room's TransferInfo went to."""
@@ -165,7 +169,8 @@ class DecodeKVManager(KVManager):
                 "transfer_peers_registered": len(self._registered_with)}
 
     def _live_peers(self) -> dict[str, list[KVReceiver]]:
-        """Prefill ranks of transferring rooms, and those a draining room waits for (so a dead one ends it)."""
+        """Prefill ranks of transferring rooms, and those a draining room waits for (so a dead one ends
+        it)."""
         live: dict[str, list[KVReceiver]] = {}
         for receiver in self._receivers.values():
             if receiver._targets and receiver._status == KVPoll.Transferring:
@@ -244,9 +249,11 @@ class DecodeKVManager(KVManager):
                 time.sleep(0.05)
 
     def _resolve_pending(self) -> bool:
-        """One pass over the rooms still resolving, grouped per bootstrap server, then per prefill dp group."""
+        """One pass over the rooms still resolving, grouped per bootstrap server, then per prefill dp
+        group."""
         with self._lock:
-            todo = [r for r in self._receivers.values() if r._status == KVPoll.Bootstrapping and r._targets is None]
+            todo = [r for r in self._receivers.values()
+                    if r._status == KVPoll.Bootstrapping and r._targets is None]
         servers: dict[str, list[KVReceiver]] = {}
         for receiver in todo:
             servers.setdefault(receiver.bootstrap_addr, []).append(receiver)
@@ -258,12 +265,14 @@ class DecodeKVManager(KVManager):
                 else:
                     by_dp: dict[int, list[KVReceiver]] = {}
                     for receiver in rooms:
-                        dp = receiver._dp_rank if receiver._dp_rank is not None else receiver.room % layout["dp_size"]
+                        dp = receiver._dp_rank if receiver._dp_rank is not None \
+                            else receiver.room % layout["dp_size"]
                         by_dp.setdefault(dp, []).append(receiver)
                     outcomes = [(self._targets(addr, layout, dp), group) for dp, group in by_dp.items()]
             except Exception as e:  # whatever the server answered, only its rooms fail
                 logger.warning("bootstrap server %s: lookup failed: %s: %s", addr, type(e).__name__, e)
-                outcomes = [((None, f"bootstrap server {addr} lookup failed: {type(e).__name__}: {e}", True), rooms)]
+                outcomes = [((None, f"bootstrap server {addr} lookup failed: "
+                                    f"{type(e).__name__}: {e}", True), rooms)]
             for (targets, problem, fatal), group in outcomes:
                 if fatal:
                     self.bootstrap.invalidate(addr)
@@ -331,7 +340,8 @@ class DecodeKVManager(KVManager):
                 try:
                     info = self.bootstrap.rank(addr, tp, dp, pp)
                 except ValueError as e:
-                    return None, f"bootstrap server {addr} answered something that is not JSON for rank tp {tp}: {e}", True
+                    return None, (f"bootstrap server {addr} answered something that is not JSON for "
+                                  f"rank tp {tp}: {e}"), True
                 if info is None:
                     return None, f"prefill rank tp {tp} dp {dp} pp {pp} not registered at {addr} yet", False
                 bad = check_rank(info)
@@ -353,7 +363,8 @@ class KVReceiver(KVRoom):
 
     mgr: DecodeKVManager
 
-    def __init__(self, mgr: DecodeKVManager, bootstrap_addr: str, room: int, prefill_dp_rank: int | None = None) -> None:
+    def __init__(self, mgr: DecodeKVManager, bootstrap_addr: str, room: int,
+                 prefill_dp_rank: int | None = None) -> None:
         if not isinstance(mgr, DecodeKVManager):
             raise ValueError("KVReceiver needs a DecodeKVManager")
         super().__init__(mgr, room)
@@ -365,7 +376,8 @@ class KVReceiver(KVRoom):
         self._sent_at: float | None = None
         self._pending: set[tuple[int, int]] = set()  # (tp, pp) of the prefill ranks yet to report Success
         self._info_sent_to: set[str] = set()  # prefill ranks that have this room's TransferInfo
-        self._reregistered: set[str] = set()  # prefill ranks that forgot us during this room (registered again)
+        # prefill ranks that forgot us during this room (registered again)
+        self._reregistered: set[str] = set()
         self._drain: set[str] = set()  # after a failure: prefill ranks that may still write (no AbortAck yet)
         self._drain_since = 0.0
         # the role's check of the received metadata row (slot -> problem or None), run before Success
@@ -391,7 +403,8 @@ class KVReceiver(KVRoom):
         self._targets = targets
         self._pending = {(t.tp_rank, t.pp_rank) for t in targets}
         self._status = KVPoll.WaitingForInput
-        logger.info("room %d: resolved prefill ranks %s", self.room, [(t.tp_rank, t.pp_rank) for t in targets])
+        logger.info("room %d: resolved prefill ranks %s", self.room,
+                    [(t.tp_rank, t.pp_rank) for t in targets])
         if self._params is not None:
             self._send_infos()
 
@@ -402,8 +415,8 @@ class KVReceiver(KVRoom):
                 return
         self._sent_at = time.monotonic()
         self._status = KVPoll.Transferring
-        logger.info("room %d: TransferInfo sent to %d prefill rank(s), %d pages", self.room, len(self._targets),
-                    len(self._params[0]))
+        logger.info("room %d: TransferInfo sent to %d prefill rank(s), %d pages",
+                    self.room, len(self._targets), len(self._params[0]))
 
     def _send_info(self, t: _Target) -> bool:
         mgr, a = self.mgr, self.mgr.args
@@ -451,7 +464,8 @@ class KVReceiver(KVRoom):
                 return
 
     def _check_room(self) -> str | None:
-        """The received metadata row must hold this room (a row meant for another room means crossed wires)."""
+        """The received metadata row must hold this room (a row meant for another room means crossed
+        wires)."""
         mgr, a = self.mgr, self.mgr.args
         if not mgr.moves_bytes or a.aux_room_index < 0:
             return None
@@ -475,12 +489,14 @@ class KVReceiver(KVRoom):
     def _check_deadlines(self, now: float, bootstrap_timeout: float, waiting_timeout: float) -> None:
         if self._status in (KVPoll.Bootstrapping, KVPoll.WaitingForInput) and self._targets is None \
                 and now - self._created > bootstrap_timeout:
-            self._fail(f"bootstrap timed out after {bootstrap_timeout:g}s (PDSERVE_BOOTSTRAP_TIMEOUT): {self._problem}")
+            self._fail(f"bootstrap timed out after {bootstrap_timeout:g}s (PDSERVE_BOOTSTRAP_TIMEOUT): "
+                       f"{self._problem}")
         elif self._status == KVPoll.Transferring and now - self._sent_at > waiting_timeout:
             self._fail(f"no Success within {waiting_timeout:g}s (PDSERVE_WAITING_TIMEOUT)")
 
     def _is_target(self, addr: str, tp_rank: int, pp_rank: int) -> bool:
-        return any(t.addr == addr and t.tp_rank == tp_rank and t.pp_rank == pp_rank for t in self._targets or [])
+        return any(t.addr == addr and t.tp_rank == tp_rank and t.pp_rank == pp_rank
+                   for t in self._targets or [])
 
     def _fail(self, reason: str) -> None:
         """Fail the room and tell its prefill ranks (those already done ignore it); the ranks that had
@@ -499,8 +515,8 @@ class KVReceiver(KVRoom):
         if self._drain:
             self._drain_since = time.monotonic()
             mgr._draining[self.room] = self
-            logger.info("room %d: draining: its pages stay out of use until %s acknowledge the abort", self.room,
-                        sorted(self._drain))
+            logger.info("room %d: draining: its pages stay out of use until %s acknowledge "
+                        "the abort", self.room, sorted(self._drain))
 
     def _drained_by(self, addr: str, why: str) -> None:
         """Under the lock: prefill rank `addr` can no longer write into this room's pages."""

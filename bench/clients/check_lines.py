@@ -32,7 +32,8 @@ def arguments(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def run_checks(checks: dict[str, Callable[[], str]], describe_error: Callable[[Exception], str | None] = None) -> int:
+def run_checks(checks: dict[str, Callable[[], str]],
+               describe_error: Callable[[Exception], str | None] = None) -> int:
     """Run each check; `describe_error` may name a client's own error type in one line (None: the default)."""
     failed = 0
     for name, check in checks.items():

@@ -23,7 +23,8 @@ MESSAGES = [{"role": "user", "content": "Name three animals that live in the sea
 
 
 def call(ns, **kw):
-    return litellm.completion(model=f"openai/{ns.model}", api_base=ns.base_url, api_key="x", messages=MESSAGES,
+    return litellm.completion(model=f"openai/{ns.model}", api_base=ns.base_url,
+                              api_key="x", messages=MESSAGES,
                               max_tokens=32, temperature=0, timeout=ns.timeout, num_retries=0, **kw)
 
 
@@ -44,7 +45,8 @@ def streaming(ns) -> str:
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     expect(text == whole, f"streamed {text!r} but the plain call gave {whole!r} (temperature 0)")
     built = litellm.stream_chunk_builder(chunks, messages=MESSAGES)
-    expect(built.usage is not None and built.usage.completion_tokens > 0, f"usage of the stream: {built.usage}")
+    expect(built.usage is not None and built.usage.completion_tokens > 0,
+           f"usage of the stream: {built.usage}")
     return f"{len(chunks)} chunks spell the plain answer; {built.usage.completion_tokens} completion tokens"
 
 

@@ -74,7 +74,8 @@ def split_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], l
 
 
 def load_reference(ctx: Context):
-    """(model, tokenizer) in float32 with transformers: the default model from its GGUF, else its directory."""
+    """(model, tokenizer) in float32 with transformers: the default model from its GGUF, else its
+    directory."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
@@ -140,7 +141,8 @@ def lm_eval_row(ctx: Context, row: Row) -> tuple[bool, str]:
         ref_acc += scores.index(max(scores)) == answer
         i += len(choices)
     ref_acc /= len(DOCS)
-    summary = f"max |lm-eval - transformers| {diff:.2e} over {len(ref)} choices; acc {acc:.3f} (reference {ref_acc:.3f})"
+    summary = (f"max |lm-eval - transformers| {diff:.2e} over {len(ref)} choices; acc {acc:.3f} "
+               f"(reference {ref_acc:.3f})")
     if diff > TOLERANCE:
         context, continuation = pairs[worst]
         return False, (f"{summary}: {context!r} + {continuation!r} scored {served[worst]:.4f}, "

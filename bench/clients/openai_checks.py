@@ -25,7 +25,8 @@ UNKNOWN = "nosuchmodel"
 
 
 def close_json(prefix: str) -> str:
-    """A JSON text cut short, completed: an open string closed (an escape it cut dropped), a key given a value,
+    """A JSON text cut short, completed: an open string closed (an escape it cut dropped), a key given a
+    value,
     a cut literal or number made 0, a trailing comma dropped, the open objects and arrays closed. An invalid
     prefix stays invalid."""
     stack, in_str, esc, is_key, last, literal = [], False, False, False, "", None
@@ -74,7 +75,8 @@ def error_body(e: openai.APIStatusError) -> dict:
     try:
         body = e.response.json()
     except ValueError:
-        raise Failed(f"HTTP {e.status_code} with a body that is not JSON: {e.response.text[:120]!r}") from None
+        raise Failed(f"HTTP {e.status_code} with a body that is not JSON: "
+                     f"{e.response.text[:120]!r}") from None
     expect(isinstance(body, dict) and isinstance(body.get("error"), dict),
            f"HTTP {e.status_code} body has no error object: {e.response.text[:120]!r}")
     return body["error"]
@@ -126,7 +128,8 @@ class Checks:
         expect(len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n,
                f"{len(lp.tokens)} tokens, {len(lp.token_logprobs)} logprobs, {len(lp.top_logprobs)} top "
                f"for {n} completion tokens")
-        expect(all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs), f"logprobs {lp.token_logprobs}")
+        expect(all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs),
+               f"logprobs {lp.token_logprobs}")
         expect(all(isinstance(t, dict) and 1 <= len(t) <= 3 for t in lp.top_logprobs), "top_logprobs not 1-3")
         for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
             best = max(top.values())  # temperature 0: the chosen token is the most likely one
@@ -149,7 +152,8 @@ class Checks:
         r = self.complete(max_tokens=1, temperature=0, echo=True, logprobs=1)
         lp, u = r.choices[0].logprobs, r.usage
         expect(lp is not None, "no logprobs")
-        expect(r.choices[0].text.startswith(PROMPT), f"the text does not start with the prompt: {r.choices[0].text!r}")
+        expect(r.choices[0].text.startswith(PROMPT),
+               f"the text does not start with the prompt: {r.choices[0].text!r}")
         expect(len(lp.tokens) == u.prompt_tokens + u.completion_tokens,
                f"{len(lp.tokens)} tokens for {u.prompt_tokens} prompt + {u.completion_tokens} output tokens")
         expect(lp.token_logprobs[0] is None, f"token_logprobs[0] is {lp.token_logprobs[0]!r}, not None")
@@ -164,7 +168,8 @@ class Checks:
         expect(lp is not None, "no logprobs")
         expect(r.choices[0].text == PROMPT, f"text {r.choices[0].text!r} is not the prompt")
         expect(u.completion_tokens == 0, f"{u.completion_tokens} completion tokens")
-        expect(len(lp.tokens) == u.prompt_tokens, f"{len(lp.tokens)} tokens for {u.prompt_tokens} prompt tokens")
+        expect(len(lp.tokens) == u.prompt_tokens,
+               f"{len(lp.tokens)} tokens for {u.prompt_tokens} prompt tokens")
         expect(lp.token_logprobs[0] is None and all(isinstance(x, float) for x in lp.token_logprobs[1:]),
                f"token_logprobs {lp.token_logprobs}")
         ref = one.choices[0].logprobs.token_logprobs[1:u.prompt_tokens]
@@ -174,7 +179,8 @@ class Checks:
 
     # ------------------------------------------------------------------------------ sampling
     def seed(self) -> str:
-        texts = [self.chat(max_tokens=16, temperature=1.0, seed=1234).choices[0].message.content for _ in range(2)]
+        texts = [self.chat(max_tokens=16, temperature=1.0, seed=1234).choices[0].message.content
+                 for _ in range(2)]
         expect(texts[0] == texts[1], f"seed 1234 gave {texts[0]!r} then {texts[1]!r}")
         return f"the same {len(texts[0])} characters twice"
 
@@ -218,7 +224,8 @@ class Checks:
         try:
             value = json.loads(close_json(text) if cut else text)
         except ValueError as e:
-            raise Failed(f"not JSON{' even closed' if cut else ''} ({e}): {text[:80]!r} (finish_reason {reason})") from None
+            raise Failed(f"not JSON{' even closed' if cut else ''} ({e}): {text[:80]!r} (finish_reason "
+                         f"{reason})") from None
         expect(isinstance(value, dict), f"JSON but not an object: {text[:80]!r}")
         return f"an object{' (cut at max_tokens, closed)' if cut else ''} with keys {sorted(value)[:4]}"
 
@@ -243,9 +250,11 @@ class Checks:
         except openai.BadRequestError as e:
             msg = error_body(e).get("message", "")
             expect(self.reasoning == "refused", f"refused (expected accepted): {msg[:120]}")
-            expect("reasoning_effort" in msg, f"a 400 whose message does not name reasoning_effort: {msg[:120]}")
+            expect("reasoning_effort" in msg,
+                   f"a 400 whose message does not name reasoning_effort: {msg[:120]}")
             return f"400: {msg[:100]}"
-        expect(self.reasoning == "accepted", "accepted, but this model's template does not read it: expected a 400")
+        expect(self.reasoning == "accepted",
+               "accepted, but this model's template does not read it: expected a 400")
         return "accepted"
 
     # ------------------------------------------------------------------------------ models
@@ -274,7 +283,8 @@ class Checks:
         return self._not_found(lambda: self.c.models.retrieve(UNKNOWN))
 
     def chat_unknown_model(self) -> str:
-        return self._not_found(lambda: self.c.chat.completions.create(model=UNKNOWN, messages=QUESTION, max_tokens=2))
+        return self._not_found(lambda: self.c.chat.completions.create(model=UNKNOWN,
+                                                                      messages=QUESTION, max_tokens=2))
 
     def embeddings(self) -> str:
         try:
@@ -295,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p = arguments(__doc__)
     p.add_argument("--expect-reasoning-effort", choices=("accepted", "refused"), default="refused")
     p.add_argument("--json-prefix-ok", action="store_true",
-                   help="json_object: accept an object cut short by max_tokens once closed (a random-weight model "
-                        "never closes one)")
+                   help="json_object: accept an object cut short by max_tokens once closed (a random-weight "
+                        "model never closes one)")
     p.add_argument("--api-key", default="x")
     p.add_argument("--only", default="", help="comma list of checks: " + ", ".join(CHECKS))
     ns = p.parse_args(argv)
@@ -308,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     checks = Checks(client, ns.model, ns.expect_reasoning_effort, ns.json_prefix_ok)
 
     def http_error(e: Exception) -> str | None:
-        return f"HTTP {e.status_code}: {e.response.text[:160]}" if isinstance(e, openai.APIStatusError) else None
+        return f"HTTP {e.status_code}: {e.response.text[:160]}" \
+            if isinstance(e, openai.APIStatusError) else None
 
     return run_checks({name: getattr(checks, name) for name in names}, http_error)
 

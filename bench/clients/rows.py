@@ -63,7 +63,8 @@ def client_env() -> dict[str, str]:
     return {**env, **OFFLINE}
 
 
-def run_client(ctx: Context, row: Row, cmd: list[str], timeout: float | None = None) -> tuple[int | None, str]:
+def run_client(ctx: Context, row: Row, cmd: list[str],
+               timeout: float | None = None) -> tuple[int | None, str]:
     """Run `cmd` (in the scratch directory, its output appended to the row's log); (exit code or None when it
     ran past the timeout, its output)."""
     log_path = os.path.join(ctx.log_dir, f"{row.name}.log")
@@ -102,8 +103,8 @@ def ended(rc: int | None, out: str, row: Row) -> str | None:
 def checks_row(ctx: Context, row: Row) -> tuple[bool, str]:
     """A `*_checks.py` script: pass iff it exits 0 and every check line says ok."""
     script, *extra = row.args
-    cmd = [python(row.venvs[0]), os.path.join(HERE, script), "--base-url", ctx.url + "/v1", "--model", ctx.model,
-           *extra]
+    cmd = [python(row.venvs[0]), os.path.join(HERE, script), "--base-url",
+           ctx.url + "/v1", "--model", ctx.model, *extra]
     rc, out = run_client(ctx, row, cmd)
     results = [json.loads(line) for line in out.splitlines() if line.startswith('{"check"')]
     bad = [r for r in results if not r["ok"]]
@@ -143,7 +144,8 @@ def bench_serving_row(ctx: Context, row: Row) -> tuple[bool, str]:
         os.remove(out_file)
     cmd = [python("sglang"), "-m", "sglang.bench_serving", "--backend", backend, "--base-url", ctx.url,
            "--model", ctx.model, "--tokenizer", ctx.model_dir, "--dataset-name", "random",
-           "--dataset-path", sharegpt_file(ctx), "--num-prompts", str(BENCH_PROMPTS), "--random-input-len", "128",
+           "--dataset-path", sharegpt_file(ctx), "--num-prompts", str(BENCH_PROMPTS),
+           "--random-input-len", "128",
            "--random-output-len", "16", "--request-rate", "inf", "--seed", "1", "--output-file", out_file,
            "--output-details", "--disable-tqdm"]
     rc, out = run_client(ctx, row, cmd)
@@ -182,7 +184,8 @@ def stream_chunks(url: str, body: dict, timeout: float = 60.0) -> list[dict]:
 
 
 def guidellm_row(ctx: Context, row: Row) -> tuple[bool, str]:
-    """guidellm run (synchronous, a few synthetic requests): pass iff every request succeeded with the server's
+    """guidellm run (synchronous, a few synthetic requests): pass iff every request succeeded with the
+    server's
     usage as its token counts, and guidellm's own request bodies, sent again, get usage on every chunk."""
     fmt = row.args[0]
     report_path = os.path.join(ctx.work, f"{row.name}.json")
@@ -206,13 +209,15 @@ def guidellm_row(ctx: Context, row: Row) -> tuple[bool, str]:
     for r in good:
         body = json.loads(r["request_args"])["body"]
         if not (body.get("stream_options") or {}).get("continuous_usage_stats"):
-            return False, f"guidellm sent no stream_options.continuous_usage_stats: {body.get('stream_options')}"
+            return False, ("guidellm sent no stream_options.continuous_usage_stats: "
+                           f"{body.get('stream_options')}")
         got_in, got_out = r["input_metrics"]["text_tokens"], r["output_metrics"]["text_tokens"]
         # guidellm counts tokens only from the server's usage (0 without it); a chat prompt adds its template
         if got_out != GUIDE_OUTPUT or not (got_in == GUIDE_PROMPT if fmt == "/v1/completions" else
                                            got_in > GUIDE_PROMPT):
             return False, (f"token counts from the server's usage: {got_in} in / {got_out} out, expected "
-                           f"{'' if fmt == '/v1/completions' else 'more than '}{GUIDE_PROMPT} / {GUIDE_OUTPUT}")
+                           f"{'' if fmt == '/v1/completions' else 'more than '}{GUIDE_PROMPT} / "
+                           f"{GUIDE_OUTPUT}")
         events = stream_chunks(ctx.url + fmt, body)
         missing = [i for i, ev in enumerate(events) if not ev.get("usage")]
         if missing:
@@ -223,12 +228,14 @@ def guidellm_row(ctx: Context, row: Row) -> tuple[bool, str]:
 
 
 # ---------------------------------------------------------------------------------------- field table
-SCOPE_OF = {"GenerateReqInput": "generate", "SamplingParams": "sampling_params", "CompletionRequest": "completions",
+SCOPE_OF = {"GenerateReqInput": "generate", "SamplingParams": "sampling_params",
+            "CompletionRequest": "completions",
             "ChatCompletionRequest": "chat", "StreamOptions": "stream_options"}
 
 
 def field_table_row(ctx: Context, row: Row) -> tuple[bool, str]:
-    """Every request field of SGLang's and vLLM's API classes is in the server's table (common/api_fields.py)."""
+    """Every request field of SGLang's and vLLM's API classes is in the server's table
+    (common/api_fields.py)."""
     try:
         from common.api_fields import known_fields
     except ImportError as e:
@@ -269,5 +276,6 @@ def kv_events_row(ctx: Context, row: Row) -> tuple[bool, str]:
     res = json.loads(lines[-1])
     if not res["ok"] or rc != 0:
         return False, f"{res.get('error') or ended(rc, out, row)} (events {res.get('events')})"
-    return True, f"{res['batches']} batches decoded by vLLM's KVEventBatch: {res['events']}; replayed {res['replayed']}"
+    return True, (f"{res['batches']} batches decoded by vLLM's KVEventBatch: {res['events']}; "
+                  f"replayed {res['replayed']}")
 

@@ -55,7 +55,8 @@ def say(msg: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve bench clients", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="pdserve bench clients", description=__doc__,
+                                formatter_class=HelpFormatter)
     p.add_argument("--only", default="", metavar="ROWS",
                    help="comma list of rows or groups: " + ", ".join(dict.fromkeys(
                        [r.group for r in ROWS] + [r.name for r in ROWS])))
@@ -98,8 +99,8 @@ def run_rows(rows: list[Row], ctx: Context, broken: dict[str, str]) -> list[dict
                 ok, detail = False, f"{type(e).__name__}: {e}"
         seconds = round(time.time() - t0, 1)
         say(f"row={row.name} ok={ok} ({seconds} s) {detail}")
-        out.append({"row": row.name, "client": row.client, "version": row.version, "ok": ok, "seconds": seconds,
-                    "detail": detail})
+        out.append({"row": row.name, "client": row.client, "version": row.version,
+                    "ok": ok, "seconds": seconds, "detail": detail})
     return out
 
 
@@ -131,7 +132,8 @@ def main(argv: list[str]) -> int:
         kv_args = ["--kv-events-config", json.dumps({"endpoint": f"tcp://127.0.0.1:{kv_port}",
                                                      "replay_endpoint": f"tcp://127.0.0.1:{kv_port + 1}"})]
     cluster = Cluster(num_prefill=1, num_decode=1, model=ns.model, transfer_backend="nixl", log_dir=log_dir,
-                      auto_placement=True, local_prefill_queue=DEFAULT_LOCAL_PREFILL_QUEUE, prefill_args=kv_args)
+                      auto_placement=True,
+                      local_prefill_queue=DEFAULT_LOCAL_PREFILL_QUEUE, prefill_args=kv_args)
     t0 = time.time()
     try:
         cluster.start()
@@ -147,8 +149,10 @@ def main(argv: list[str]) -> int:
     finally:
         cluster.stop()
     passed = sum(r["ok"] for r in results)
-    say(f"{passed}/{len(results)} rows passed" + "".join(f"; FAILED {r['row']}" for r in results if not r["ok"]))
-    report = {"bench": "clients", "machine": machine_info(), "command": "pdserve bench clients " + shlex.join(argv),
+    say(f"{passed}/{len(results)} rows passed" + "".join(f"; FAILED {r['row']}"
+                                                         for r in results if not r["ok"]))
+    report = {"bench": "clients", "machine": machine_info(),
+              "command": "pdserve bench clients " + shlex.join(argv),
               "config": {"model": ns.model, "cluster": "1 prefill + 1 decode, nixl, automatic placement",
                          "log_dir": log_dir, "venvs": venvs.ROOT},
               "figures": {"rows": results, "passed": passed, "failed": len(results) - passed},

@@ -114,7 +114,8 @@ def _requires_of(spec: Spec, dist: str, exclude: str, log) -> None:
         wheel = os.path.join(tmp, next(f for f in os.listdir(tmp) if f.endswith(".whl")))
         with zipfile.ZipFile(wheel) as z:
             meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
-        reqs = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+        reqs = [line.split(":", 1)[1].strip() for line in meta.splitlines()
+                if line.startswith("Requires-Dist:")]
         reqs = [r for r in reqs if "extra ==" not in r and not re.search(exclude, r)]
         req_file = os.path.join(tmp, "requirements.txt")
         with open(req_file, "w") as f:
@@ -157,7 +158,8 @@ def build(name: str, rebuild: bool = False, keep: bool = False) -> str:
                 say(f"{spec.name}: step {i}/{len(spec.steps)} `{' '.join(step)}` ({time.time() - t:.1f} s)")
         with open(os.path.join(spec.dir, STAMP), "w") as f:
             f.write(spec.digest() + "\n")
-        say(f"{spec.name}-{spec.version}: built in {time.time() - t0:.0f} s, {_size(spec.dir) / 2**30:.2f} GiB")
+        say(f"{spec.name}-{spec.version}: built in {time.time() - t0:.0f} s, "
+            f"{_size(spec.dir) / 2**30:.2f} GiB")
         return spec.python
 
 

@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--endpoint", required=True, help="the node's KV event PUB endpoint, tcp://HOST:PORT")
     p.add_argument("--replay-endpoint", help="its replay endpoint (asked for every batch from seq 0)")
     p.add_argument("--topic", default="")
-    p.add_argument("--url", required=True, help="HTTP base URL of the pdserve node or router to send requests to")
+    p.add_argument("--url", required=True,
+                   help="HTTP base URL of the pdserve node or router to send requests to")
     p.add_argument("--api-key", help="sent as a bearer token (a router's /flush_cache wants the admin key)")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for the whole run")

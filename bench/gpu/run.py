@@ -27,7 +27,8 @@ and then without them (the runner's `graphs` set aside, as `disable_cuda_graph` 
 for a backend without graph support, eager only, and its `backends` entry says why). The
 backends run one after the other, so only one runner holds the device's memory. The runner prefills
 max(`--batches`) requests of `--context` random tokens once (EXTEND forwards of at most
-`bench/gpu/workload.py`'s `PREFILL_CHUNK_TOKENS` tokens); batch b then decodes the first b of them: `--warmup` steps, then
+`bench/gpu/workload.py`'s `PREFILL_CHUNK_TOKENS` tokens); batch b then decodes the first b of them: `--warmup`
+steps, then
 `--decode-steps` timed steps, best of `--repeats`, every run from the same context (the decode steps' KV
 slots are reused). A step is the runner's forward (a graph replay or eager) and greedy sampling on the
 device, the sampled tokens fed back as the next step's input without a trip to the host. Every KV slot of
@@ -121,17 +122,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shape", choices=tuple(SHAPES), default="llama8b",
                    help="llama8b: Llama-3.1-8B's shape in bfloat16; tiny: a tiny Llama in float32")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda when there is one")
-    p.add_argument("--backends", type=_names, default=list(BACKENDS), help="attention backends, comma-separated")
-    p.add_argument("--batches", type=_ints, default=[1, 16, 64, 256], help="decode batch sizes, comma-separated")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: cuda when there is one")
+    p.add_argument("--backends", type=_names, default=list(BACKENDS),
+                   help="attention backends, comma-separated")
+    p.add_argument("--batches", type=_ints, default=[1, 16, 64, 256],
+                   help="decode batch sizes, comma-separated")
     p.add_argument("--context", type=int, default=1024, help="prompt tokens per request before decoding")
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps before each batch's runs")
     p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens of the one-request prefill")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each measurement (the best is kept)")
     p.add_argument("--overlap-batches", type=lambda t: _ints(t) if t else [], default=[1, 16],
-                   help="decode batches run through the scheduler loop with overlap scheduling on and off, with "
-                        "triton on cuda, else the first backend (comma-separated; empty: none)")
+                   help="decode batches run through the scheduler loop with overlap scheduling on and off, "
+                        "with triton on cuda, else the first backend (comma-separated; empty: none)")
     p.add_argument("--json", default=None, help="write the report to this file")
     args = p.parse_args(argv)
     if args.context < 1 or args.prefill_tokens < 1:
@@ -153,8 +157,8 @@ def write_config(model_dir: str, shape: str) -> dict:
     """config.json of a Llama of `shape` (all the dummy load reads)."""
     cfg = dict(SHAPES[shape], architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-               rope_scaling=dict(LLAMA3_ROPE), tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-               bos_token_id=1, eos_token_id=2)
+               rope_scaling=dict(LLAMA3_ROPE), tie_word_embeddings=False,
+               attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return cfg
@@ -299,7 +303,8 @@ def measure_backend(model_dir: str, args, backend: str, dtype: str, report: dict
     if device.type == "cuda" and not capture:
         info["cuda_graphs"] = f"the {backend} backend cannot run in a CUDA graph: eager rows only"
     log(f"{backend}: runner built in {info['build_s']:.1f} s"
-        + (f", graphs for batches {info['cuda_graph_batch_sizes']}" if graphs is not None else ", no cuda graphs"))
+        + (f", graphs for batches {info['cuda_graph_batch_sizes']}" if graphs is not None
+           else ", no cuda graphs"))
     work = Workload(runner, max(args.batches), args.context, args.decode_steps, args.prefill_tokens)
     t0 = time.perf_counter()
     work.prefill_contexts()
@@ -398,15 +403,16 @@ def print_table(report: dict) -> None:
         print(f"  {r['backend']:13s} {str(r['graphs']):>6s} {r['batch']:5d} {r['step_ms']:9.3f} "
               f"{r['tokens_per_s']:10.0f} {r['roofline_ms']:9.3f} {r['ratio']:6.3f}")
     for r in report["prefill"]:
-        print(f"  prefill {r['backend']:13s} {r['tokens']} tokens: {r['ms']:.1f} ms, {r['tflops']:.3g} TFLOP/s, "
-              f"ratio {r['ratio']:.3f}")
+        print(f"  prefill {r['backend']:13s} {r['tokens']} tokens: {r['ms']:.1f} ms, {r['tflops']:.3g} "
+              f"TFLOP/s, ratio {r['ratio']:.3f}")
     for name, b in report["backends"].items():
         if b["status"] == "skipped":
             print(f"  {name}: skipped ({b['reason']})")
     for key, v in report["ratios"].items():
         shown = "n/a" if v["value"] is None else f"{v['value']:.3f}"
         source = v["backend"] or "not measured"
-        verdict = "no target" if v["target"] is None else f"target {v['target']}, {'met' if v['met'] else 'missed'}"
+        verdict = "no target" if v["target"] is None \
+            else f"target {v['target']}, {'met' if v['met'] else 'missed'}"
         print(f"  {key}: {shown} ({verdict}; {source})")
 
 
@@ -422,7 +428,8 @@ def main(argv: list[str] | None = None) -> int | dict:
                          "prefill_tokens": args.prefill_tokens, "repeats": args.repeats, "page_size": PAGE},
               "references": {}, "backends": {}, "decode": [], "prefill": [], "ratios": {}}
     log(f"device {report['device']['name']} ({device.type}), shape {args.shape} in {dtype}, backends "
-        f"{','.join(args.backends)}, batches {','.join(map(str, sorted(args.batches)))}, context {args.context}")
+        f"{','.join(args.backends)}, batches {','.join(map(str, sorted(args.batches)))}, context "
+        f"{args.context}")
     cuda = device.type == "cuda"
     gbps = copy_bandwidth_gbps(device, 2**30 if cuda else 64 * 2**20)
     tflops = matmul_tflops(device, getattr(torch, dtype) if cuda else torch.float32, 8192 if cuda else 512)

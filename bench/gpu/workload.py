@@ -51,7 +51,8 @@ class Workload:
         r = self.runner
         return ForwardBatch(mode=mode, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                             req_pool_indices=rows, seq_lens=seq_lens, extend_prefix_lens=prefix_lens,
-                            extend_seq_lens=new_lens, kv_pool=r.kv_pool, req_to_token=r.req_to_token_pool.req_to_token)
+                            extend_seq_lens=new_lens, kv_pool=r.kv_pool,
+                            req_to_token=r.req_to_token_pool.req_to_token)
 
     def _greedy_info(self, b: int):
         from common.layers.sampling import SamplingBatchInfo
@@ -78,7 +79,8 @@ class Workload:
         sync(self.device)
 
     def decode(self, b: int, warmup: int, repeats: int) -> list[float]:
-        """Seconds of `steps` decode steps of the first `b` requests, once per repeat (after `warmup` steps)."""
+        """Seconds of `steps` decode steps of the first `b` requests, once per repeat (after `warmup`
+        steps)."""
         from common.forward_batch import ForwardMode
 
         if b > len(self.rows):

@@ -1,6 +1,7 @@
 """The short chaos soak (`pdserve bench chaos`, issue 14): a real 2 prefill + 2 decode cluster on nixl
 with a tiny model, ~6 s of traffic (longer until both restarted nodes have served) with disconnects,
-explicit aborts, 20 % injected transfer failures, bursts past the router's limits and a kill -9 of a decode and a prefill node that the launcher restarts.
+explicit aborts, 20 % injected transfer failures, bursts past the router's limits and a kill -9 of a decode
+and a prefill node that the launcher restarts.
 Every request must end (0 hung), every error must name its cause, every node must be back at rest
 (0 leaked) and healthy; injected transfer failures and the kills reach no client that had no token yet (the
 router runs those requests again)."""
@@ -24,8 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_short_chaos_soak_no_hang_no_leak(tiny_model_dir, tmp_path):
     out = tmp_path / "chaos.json"
     cmd = [sys.executable, "-m", "deploy.cli", "bench", "chaos", "--model", tiny_model_dir, "--duration", "6",
-           "--concurrency", "4", "--abort-prob", "0.03", "--burst-every", "5", "--burst-size", "60", "--kills",
-           "decode-1@0.1,prefill-1@0.3", "--after-heal", "2", "--warmup", "4", "--hang-wait", "30", "--drain-timeout", "60",
+           "--concurrency", "4", "--abort-prob", "0.03", "--burst-every", "5",
+           "--burst-size", "60", "--kills",
+           "decode-1@0.1,prefill-1@0.3", "--after-heal", "2", "--warmup", "4", "--hang-wait", "30",
+           "--drain-timeout", "60",
            "--peer-idle-timeout", "8", "--progress-every", "5", "--log-dir", str(tmp_path / "logs"),
            "--json", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
@@ -34,7 +37,8 @@ def test_short_chaos_soak_no_hang_no_leak(tiny_model_dir, tmp_path):
     report = json.loads(out.read_text())
     f = report["figures"]
     detail = json.dumps({"figures": f, "nodes": report["nodes"], "causes": report["error_causes"],
-                         "hung": report["hung_requests"], "unexplained": report["unexplained_errors"]}, indent=1)
+                         "hung": report["hung_requests"],
+                         "unexplained": report["unexplained_errors"]}, indent=1)
     assert f["hung"] == 0, detail
     assert f["nodes_leaked"] == 0 and f["nodes_unhealthy"] == 0, detail
     assert r.returncode == 0 and "chaos: OK" in r.stdout, r.stdout[-3000:]

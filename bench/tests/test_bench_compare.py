@@ -55,7 +55,8 @@ def test_ratios_are_oriented_so_higher_means_pd_better():
 
 
 def test_default_cluster_keeps_its_local_chunk_and_divides_the_given_cores(tmp_path):
-    n = ns(cluster="default", decode_args="--max-running-requests 8", local_prefill_queue=compare.DEFAULT_LOCAL_PREFILL_QUEUE)
+    n = ns(cluster="default", decode_args="--max-running-requests 8",
+           local_prefill_queue=compare.DEFAULT_LOCAL_PREFILL_QUEUE)
     node_args = ["--chunked-prefill-size", "256", "--max-total-tokens=32768", "--chunked-prefill-size=128"]
     c = compare.disaggregated_setup(n, node_args, [0, 1], str(tmp_path))
     assert c.auto_placement and c.core_loan and c.cores == [0, 1]
@@ -81,11 +82,13 @@ def test_rounds_give_each_rounds_own_crossing_beside_the_pooled_one():
     s = compare.by_tag(fake_results(tpot=0.05, ttft=0.5), 10.0, n)
 
     def sweep(*atts):
-        return [{"rate": r, "attainment": a, "requests": 32} for r, a in zip((0.5, 1.0, 2.0), atts, strict=True)]
+        return [{"rate": r, "attainment": a, "requests": 32}
+                for r, a in zip((0.5, 1.0, 2.0), atts, strict=True)]
 
     rounds = {"disaggregated": [sweep(1.0, 0.95, 0.4), sweep(1.0, 0.85, 0.3)],
               "colocated": [sweep(0.95, 0.5, 0.2), sweep(0.0, 0.0, 0.0)]}
-    assert compare.slo_rate_by_round(rounds) == [round((1 + 0.05 / 0.55) / (0.5 + 0.5 * 0.05 / 0.45), 4), None]
+    assert compare.slo_rate_by_round(rounds) \
+        == [round((1 + 0.05 / 0.55) / (0.5 + 0.5 * 0.05 / 0.45), 4), None]
     assert compare.slo_rate_by_round({"colocated": rounds["colocated"]}) == []
     pooled = {name: compare.pooled(rr) for name, rr in rounds.items()}
     table = compare.markdown_table(s, s, n, [], pooled, rounds)

@@ -30,8 +30,9 @@ def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir,
     # the peak: sampled after each timed decode (b1, b16) and prefill run and once at the end, the best kept
     assert len(c["matmul_peak_samples"]) == 4 and c["matmul_peak_gflops"] == max(c["matmul_peak_samples"])
     assert c["bound_prefill_s"] == c["prefill_flops"] / (c["matmul_peak_gflops"] * 1e9) > 0
-    assert report["ratios"]["prefill_compute_bound"] == pytest.approx(c["bound_prefill_s"] / c["ours_prefill_s"],
-                                                                      abs=1e-4)  # ratios keep 4 decimals
+    assert report["ratios"]["prefill_compute_bound"] \
+        == pytest.approx(c["bound_prefill_s"] / c["ours_prefill_s"],
+                         abs=1e-4)  # ratios keep 4 decimals
     roof = report["figures"]["roofline_b16"]  # each part at the longer of its FLOPs and its bytes
     assert roof["step_ms"] == pytest.approx(max(roof["matmuls_compute_ms"], roof["matmuls_memory_ms"])
                                             + max(roof["attention_compute_ms"], roof["attention_memory_ms"]))
@@ -40,20 +41,28 @@ def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir,
     cfg = json.loads((Path(tiny_model_dir) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     assert roof["page_run_bytes"] == 16 * head_dim * 4 and roof["page_run_read_gbps"] > 0  # 16-token pages
-    assert roof["attention_page_runs_ms"] == pytest.approx(roof["kv_bytes"] / (roof["page_run_read_gbps"] * 1e6))
-    assert roof["step_page_runs_ms"] == pytest.approx(max(roof["matmuls_compute_ms"], roof["matmuls_memory_ms"])
-                                                      + max(roof["attention_compute_ms"], roof["attention_page_runs_ms"]))
-    assert report["ratios"]["roofline_b16"] == pytest.approx(roof["step_ms"] / c["ours_b16_step_ms"], abs=1e-4)
-    spec = report["figures"]["spec_ngram_b1"]  # (a random tiny model need not copy the passage: no accept figures)
-    assert spec["decoded_tokens"] == 5 and spec["draft_tokens"] == 4  # (differing tokens end the bench: exit 1)
+    assert roof["attention_page_runs_ms"] \
+        == pytest.approx(roof["kv_bytes"] / (roof["page_run_read_gbps"] * 1e6))
+    assert roof["step_page_runs_ms"] == pytest.approx(max(roof["matmuls_compute_ms"],
+                                                          roof["matmuls_memory_ms"])
+                                                      + max(roof["attention_compute_ms"],
+                                                            roof["attention_page_runs_ms"]))
+    assert report["ratios"]["roofline_b16"] \
+        == pytest.approx(roof["step_ms"] / c["ours_b16_step_ms"], abs=1e-4)
+    # (a random tiny model need not copy the passage: no accept figures)
+    spec = report["figures"]["spec_ngram_b1"]
+    # (differing tokens end the bench: exit 1)
+    assert spec["decoded_tokens"] == 5 and spec["draft_tokens"] == 4
     assert report["ratios"]["spec_ngram"] == pytest.approx(spec["tok_s_spec"] / spec["tok_s_plain"], rel=1e-3)
     for key in ("spec_ngram_b16", "spec_ngram_chat", "spec_ngram_chat_b16"):
         assert report["ratios"][key] > 0
     assert report["figures"]["spec_ngram_chat_b16"]["decoded_tokens"] == 16 * 5
     exact = report["figures"]["spec_mtp_exact_b16"]  # every draft accepted: chains of 3 + the target's own
     assert exact["decoded_tokens"] == 16 * 5 and exact["spec_accept_rate"] == 1.0
-    assert report["ratios"]["spec_mtp_exact_b16"] == pytest.approx(exact["tok_s_spec"] / exact["tok_s_plain"], rel=1e-3)
-    assert report["ratios"]["spec_mtp_random"] > 0 and report["figures"]["spec_mtp_random_b1"]["spec_draft_tokens"] > 0
+    assert report["ratios"]["spec_mtp_exact_b16"] \
+        == pytest.approx(exact["tok_s_spec"] / exact["tok_s_plain"], rel=1e-3)
+    assert report["ratios"]["spec_mtp_random"] > 0 \
+        and report["figures"]["spec_mtp_random_b1"]["spec_draft_tokens"] > 0
 
 
 def test_the_compute_bound_counts_weights_not_bytes(make_tiny_model, monkeypatch):

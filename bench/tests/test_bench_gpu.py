@@ -1,5 +1,5 @@
-"""`pdserve bench gpu` on a CPU: the tiny shape through the real runner (eager, torch_native), so the rows, the
-roofline arithmetic, the skipped backends and the headline ratios are checked without a GPU."""
+"""`pdserve bench gpu` on a CPU: the tiny shape through the real runner (eager, torch_native), so the rows,
+the roofline arithmetic, the skipped backends and the headline ratios are checked without a GPU."""
 
 from __future__ import annotations
 
@@ -18,14 +18,15 @@ TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
 
 def _tiny_config() -> ModelConfig:
     return ModelConfig.from_dict(dict(bench_gpu.SHAPES["tiny"], architectures=["LlamaForCausalLM"],
-                                      max_position_embeddings=131072, rope_scaling=dict(bench_gpu.LLAMA3_ROPE)))
+                                      max_position_embeddings=131072,
+                                      rope_scaling=dict(bench_gpu.LLAMA3_ROPE)))
 
 
 def test_bench_gpu_on_cpu_reports_decode_prefill_and_ratios(tmp_path):
     out = tmp_path / "gpu.json"
     argv = ["--shape", "tiny", "--device", "cpu", "--backends", "torch_native,flashinfer", "--batches", "3,1",
-            "--context", "20", "--decode-steps", "3", "--warmup", "1", "--prefill-tokens", "40", "--repeats", "2",
-            "--overlap-batches", "1,3", "--json", str(out)]
+            "--context", "20", "--decode-steps", "3", "--warmup", "1",
+            "--prefill-tokens", "40", "--repeats", "2", "--overlap-batches", "1,3", "--json", str(out)]
     result = bench_gpu.main(argv)
     assert isinstance(result, dict)
     report = json.loads(out.read_text())
@@ -64,8 +65,9 @@ def test_bench_gpu_on_cpu_reports_decode_prefill_and_ratios(tmp_path):
     for b in (1, 3):
         fig = overlap["figures"][f"loop_decode_b{b}"]
         assert fig["tokens_identical"] is True and fig["step_ms_overlap"] > 0
-        assert ratios[f"overlap_b{b}"]["value"] == pytest.approx(fig["step_ms_sequential"] / fig["step_ms_overlap"],
-                                                                 abs=1e-4)
+        assert ratios[f"overlap_b{b}"]["value"] \
+            == pytest.approx(fig["step_ms_sequential"] / fig["step_ms_overlap"],
+                             abs=1e-4)
         assert ratios[f"overlap_b{b}"]["target"] is None
     ratios = {k: v for k, v in ratios.items() if not k.startswith("overlap_")}
     assert set(ratios) == set(bench_gpu.TARGETS)
@@ -109,7 +111,8 @@ def test_decode_steps_write_their_own_kv_slots_only():
 
 def test_llama8b_shape_counts_the_published_parameters():
     cfg = ModelConfig.from_dict(dict(bench_gpu.SHAPES["llama8b"], architectures=["LlamaForCausalLM"],
-                                     max_position_embeddings=131072, rope_scaling=dict(bench_gpu.LLAMA3_ROPE)))
+                                     max_position_embeddings=131072,
+                                     rope_scaling=dict(bench_gpu.LLAMA3_ROPE)))
     c = bench_gpu.weight_counts(cfg)
     assert c["layers"] + c["lm_head"] + c["embedding"] == 8_030_261_248  # Llama-3.1-8B
     # a bfloat16 decode step reads every weight but the embedding (a lookup of the batch's rows)
@@ -130,8 +133,9 @@ def test_backend_availability_reasons(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert bench_gpu.backend_unavailable("torch_native", cpu) is None
-    assert bench_gpu.backend_unavailable("flashinfer", cpu) in ("the flashinfer-python package is not installed",
-                                                                 "flashinfer runs on cuda only")
+    assert bench_gpu.backend_unavailable("flashinfer", cpu) \
+        in ("the flashinfer-python package is not installed",
+             "flashinfer runs on cuda only")
     if bench_gpu.importlib.util.find_spec("triton") is None:
         assert bench_gpu.backend_unavailable("triton", cpu) == "the triton package is not installed"
         return

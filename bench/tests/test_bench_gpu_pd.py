@@ -45,9 +45,11 @@ def test_ratio_without_a_figure_is_none_and_not_met():
 
 
 def test_report_follows_each_setup_and_is_json():
-    report = pd.new_report(["--num-prompts", "8"], {"num_prompts": 8}, {"name": "made-up GPU", "type": "cuda"})
+    report = pd.new_report(["--num-prompts", "8"], {"num_prompts": 8},
+                           {"name": "made-up GPU", "type": "cuda"})
     assert report["command"] == ["pdserve", "bench", "gpu-pd", "--num-prompts", "8"]
-    assert report["bench"] == "gpu-pd" and report["device"]["name"] == "made-up GPU" and report["machine"]["cpu"]
+    assert report["bench"] == "gpu-pd" and report["device"]["name"] == "made-up GPU" \
+        and report["machine"]["cpu"]
     col = summarize(_results([0.03] * 4, 4, 5), duration=2.0)
     pd.add_setup(report, "colocated", {"flags": ["--device", "cuda"], "summary": col})
     assert report["ratios"]["pd_throughput"]["value"] is None  # the pair has not run yet
@@ -59,7 +61,8 @@ def test_report_follows_each_setup_and_is_json():
     assert pd.succeeded(report, ["colocated", "pd"])
     json.loads(json.dumps(report))  # plain JSON throughout
     # a request that failed, or a setup that could not start, is not a success
-    failed = summarize([*_results([0.01], 1, 2), RequestResult(ok=False, tag="default", prompt_len=3, error="x")], 1.0)
+    failed = summarize([*_results([0.01], 1, 2),
+                        RequestResult(ok=False, tag="default", prompt_len=3, error="x")], 1.0)
     pd.add_setup(report, "pd", {"summary": failed})
     assert not pd.succeeded(report, ["pd"])
     pd.add_setup(report, "pd", {"error": "ClusterError: decode-0 exited"})
@@ -154,7 +157,8 @@ def test_the_default_model_stand_in_is_what_the_suite_reads(tmp_path, monkeypatc
     from common.models.tiny_model import build_tiny_model
 
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
-    made = pd.write_default_stand_in(str(tmp_path / "cache"), str(tmp_path / "no-tokenizer-here"), vocab_size=600)
+    made = pd.write_default_stand_in(str(tmp_path / "cache"),
+                                     str(tmp_path / "no-tokenizer-here"), vocab_size=600)
     assert resolve_model_path("default") == made  # taken as converted: nothing to convert
     with open(os.path.join(made, "config.json")) as f:
         assert json.load(f)["vocab_size"] == 600
@@ -172,8 +176,9 @@ def test_the_default_model_stand_in_is_what_the_suite_reads(tmp_path, monkeypatc
 
 
 # ---------------------------------------------------------------------------------------------- suite device
-SUITE_SETTINGS = ('{"page_size": 16, "chunked_prefill_size": 32, "max_total_tokens": 8192, "max_running_requests": '
-                  '64, "num_threads": 1, "log_level": "info", "served_model_name": "tiny"}')
+SUITE_SETTINGS = ('{"page_size": 16, "chunked_prefill_size": 32, "max_total_tokens": 8192, '
+                  '"max_running_requests": 64, "num_threads": 1, "log_level": "info", '
+                  '"served_model_name": "tiny"}')
 
 
 def _suite_settings(device: str | None) -> subprocess.CompletedProcess:

@@ -1,5 +1,5 @@
-"""`pdserve bench kernels` (bench/kernels.py): this checkout's GEMMs and prefill attention against another revision's, built
-from git into the kernel cache; the short version compares against HEAD."""
+"""`pdserve bench kernels` (bench/kernels.py): this checkout's GEMMs and prefill attention against another
+revision's, built from git into the kernel cache; the short version compares against HEAD."""
 
 from __future__ import annotations
 
@@ -17,14 +17,16 @@ pytestmark = pytest.mark.skipif(native.packed_gemm() is None, reason="no native 
 def test_bench_kernels_reports_ratios_and_bits_against_a_revision(tmp_path):
     out = tmp_path / "kernels.json"
     report = kernels.main(["--baseline", "HEAD", "--rows", "1,16", "--calls", "2", "--json", str(out)])
-    assert set(report["ratios"]) == {"fp32_r1", "fp32_r16", "int8_r1", "int8_r16", "w8a8_r1", "w8a8_r16", "q4_r1",
+    assert set(report["ratios"]) == {"fp32_r1", "fp32_r16", "int8_r1", "int8_r16",
+                                     "w8a8_r1", "w8a8_r16", "q4_r1",
                                      "q4_r16", "q8_r1", "q8_r16", "attn_r16", "attn_torch_r16"}
     assert all(r > 0 for r in report["ratios"].values())
     saved = json.loads(out.read_text())
     # blocks against float32 panels of the same weights: the same bits, from any revision
     assert all(saved["figures"][key]["same_bits"] is True for key in ("q4_r1", "q4_r16", "q8_r1", "q8_r16"))
     assert saved["figures"]["baseline"] == "HEAD"
-    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "common/layers"], cwd=kernels.ROOT).returncode == 0
+    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--",
+                                "common/layers"], cwd=kernels.ROOT).returncode == 0
     if unchanged:  # the same sources as HEAD's compute the same bits
         compared = [key for key in report["ratios"] if not key.startswith("attn_torch")]
         assert all(saved["figures"][key]["same_bits"] is True for key in compared), saved["figures"]
@@ -38,8 +40,10 @@ def test_an_unknown_revision_is_refused_naming_it():
 def test_layers_run_each_shape_through_that_many_weight_copies(tmp_path, monkeypatch):
     seen = []
     real = kernels._gemm_call
-    monkeypatch.setattr(kernels, "_gemm_call", lambda fn, heads, *rest: (seen.append(len(heads)), real(fn, heads, *rest)))
-    report = kernels.main(["--rows", "4", "--calls", "1", "--layers", "3", "--json", str(tmp_path / "k.json")])
+    monkeypatch.setattr(kernels, "_gemm_call",
+                        lambda fn, heads, *rest: (seen.append(len(heads)), real(fn, heads, *rest)))
+    report = kernels.main(["--rows", "4", "--calls", "1", "--layers", "3", "--json",
+                           str(tmp_path / "k.json")])
     assert report["figures"]["layers"] == 3 and set(seen) == {3}
     with pytest.raises(SystemExit, match="--layers must be >= 1"):
         kernels.main(["--rows", "1", "--layers", "0"])

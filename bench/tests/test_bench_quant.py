@@ -11,7 +11,8 @@ from bench.engine import OurEngine
 
 def test_bench_quant_runs_and_reports_quality_and_speed(tiny_model_dir, tmp_path):
     out = tmp_path / "quant.json"
-    assert quant.main(["--model", tiny_model_dir, "--ppl-tokens", "96", "--ppl-window", "32", "--prompts", "3",
+    assert quant.main(["--model", tiny_model_dir, "--ppl-tokens", "96",
+                       "--ppl-window", "32", "--prompts", "3",
                        "--greedy-tokens", "5", "--decode-steps", "2", "--repeats", "1", "--threads", "1",
                        "--peak-size", "128", "--json", str(out)]) == 0
     report = json.loads(out.read_text())

@@ -22,7 +22,8 @@ def test_bench_serve_random_dataset_report(node, tmp_path, capsys):
     rc = serve.main(["--base-url", node.url, "--num-prompts", "8", "--random-input-len", "40",
                      "--random-output-len", "6", "--random-range-ratio", "1.0", "--request-rate", "50",
                      "--arrival", "fixed", "--max-concurrency", "4", "--warmup-requests", "1",
-                     "--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000", "--disable-tqdm", "--json", str(out)])
+                     "--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000",
+                     "--disable-tqdm", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["bench"] == "serve"
@@ -78,8 +79,8 @@ def test_failed_requests_are_counted_not_fatal(node, tmp_path):
     out = tmp_path / "bad.json"
     # max_tokens far beyond the context length: the node refuses each request with a 400
     rc = serve.main(["--base-url", node.url, "--num-prompts", "3", "--random-input-len", "8",
-                     "--random-output-len", "1000000", "--random-range-ratio", "1.0", "--warmup-requests", "0",
-                     "--disable-tqdm", "--json", str(out)])
+                     "--random-output-len", "1000000", "--random-range-ratio", "1.0",
+                     "--warmup-requests", "0", "--disable-tqdm", "--json", str(out)])
     assert rc == 1
     s = json.loads(out.read_text())["figures"]["summary"]
     assert s["completed"] == 0 and s["failed"] == 3
@@ -117,11 +118,13 @@ async def _one_answer_per_connection(reader, writer):
             head = await reader.readuntil(b"\r\n\r\n")
             if served:
                 break  # the body left unread: a large one cannot be written
-            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                          if h.lower().startswith(b"content-length"))
             await reader.readexactly(length)
             events = [{"choices": [{"text": "x"}]}, {"choices": [{"text": "y"}]},
                       {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 3}}]
-            body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+            body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) \
+                + b"data: [DONE]\n\n"
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
                          % (len(body), body))
             await writer.drain()

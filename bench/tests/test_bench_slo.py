@@ -7,7 +7,8 @@ from bench.serve import RequestResult
 
 
 def result(ttft: float, tpot: float, ok: bool = True, out: int = 11) -> RequestResult:
-    return RequestResult(ok=ok, tag="x", prompt_len=5, output_len=out, ttft=ttft, latency=ttft + (out - 1) * tpot)
+    return RequestResult(ok=ok, tag="x", prompt_len=5, output_len=out, ttft=ttft,
+                         latency=ttft + (out - 1) * tpot)
 
 
 def test_a_request_attains_when_both_ttft_and_tpot_are_within():
@@ -32,7 +33,8 @@ def test_attainment_is_fitted_non_increasing_before_the_crossing():
     # measured on the AVX2 host (colocated node): 0.75 req/s attained more than 0.5 did
     pts = [(0.25, 1.0), (0.5, 0.84), (0.75, 0.94), (1.0, 0.47), (1.25, 0.22)]
     assert [round(a, 9) for _, a in slo.monotone(pts)] == [1.0, 0.89, 0.89, 0.47, 0.22]
-    assert abs(slo.max_rate(pts) - (0.25 + 0.25 * 0.1 / 0.11)) < 1e-9  # not 0.41 (first miss), not 0.77 (last hit)
+    # not 0.41 (first miss), not 0.77 (last hit)
+    assert abs(slo.max_rate(pts) - (0.25 + 0.25 * 0.1 / 0.11)) < 1e-9
     assert [round(a, 9) for _, a in slo.monotone([(2, 0.5), (1, 0.4), (3, 0.9)])] == [0.6, 0.6, 0.6]
     assert slo.monotone(pts[:1]) == pts[:1] and slo.monotone([]) == []
 
@@ -69,7 +71,8 @@ def test_rounds_pool_per_rate_and_weigh_each_rate_by_its_requests():
     # two rounds of 32 requests: the second stopped earlier and halved below its lowest rate
     r1 = [{"rate": 0.5, "attainment": 1.0, "requests": 32}, {"rate": 1.0, "attainment": 0.75, "requests": 32},
           {"rate": 2.0, "attainment": 0.25, "requests": 32}]
-    r2 = [{"rate": 0.25, "attainment": 1.0, "requests": 32}, {"rate": 0.5, "attainment": 0.875, "requests": 32},
+    r2 = [{"rate": 0.25, "attainment": 1.0, "requests": 32},
+          {"rate": 0.5, "attainment": 0.875, "requests": 32},
           {"rate": 1.0, "attainment": 0.375, "requests": 32}]
     pts = slo.pooled([r1, r2])
     assert [(p["rate"], p["attainment"], p["requests"]) for p in pts] == [

@@ -21,7 +21,8 @@ def _rows(tokens: int, engine_s: list[float]) -> list[dict]:
 
 def test_the_cpu_run_measures_the_fake_backend_and_writes_its_report(tmp_path):
     out = tmp_path / "transfer.json"
-    report = bt.main(["--backend", "fake", "--tokens", "32", "--repeats", "1", "--rounds", "1", "--json", str(out)])
+    report = bt.main(["--backend", "fake", "--tokens", "32", "--repeats", "1", "--rounds",
+                      "1", "--json", str(out)])
     assert isinstance(report, dict)
     saved = json.loads(out.read_text())
     assert saved["ratios"] == report["ratios"]
@@ -61,13 +62,16 @@ def test_a_bad_device_is_refused_naming_the_flag(capsys):
 
 
 def test_vram_ratios_set_the_best_page_list_write_against_the_copy():
-    figs = bt.summarize(_rows(512, [0.004, 0.002, 0.003]) + _rows(4096, [0.010, 0.008]), [512, 4096], best=True)
+    figs = bt.summarize(_rows(512, [0.004, 0.002, 0.003]) + _rows(4096, [0.010, 0.008]),
+                        [512, 4096], best=True)
     best_512 = figs["512"]["bytes"] / 0.002 / 1e9
     best_4096 = figs["4096"]["bytes"] / 0.008 / 1e9
     assert figs["512"]["engine_pagelist_best_gbps"] == pytest.approx(best_512)
-    assert figs["512"]["engine_pagelist_gbps"] == pytest.approx(figs["512"]["bytes"] / 0.003 / 1e9)  # the median
+    # the median
+    assert figs["512"]["engine_pagelist_gbps"] == pytest.approx(figs["512"]["bytes"] / 0.003 / 1e9)
     other = bt.summarize(_rows(512, [0.001]) + _rows(4096, [0.004]), [512, 4096], best=True)
-    backends = {"fake": {"skipped": bt.NO_BYTES}, "mooncake": {"error": "refuses cuda"}, "nixl": figs, "ucx": other}
+    backends = {"fake": {"skipped": bt.NO_BYTES}, "mooncake": {"error": "refuses cuda"},
+                "nixl": figs, "ucx": other}
     copy = {"512": 2 * best_512, "4096": best_4096 / 0.5}
     ratios = bt.vram_ratios(backends, copy)
     assert ratios["nixl_512_vram"] == pytest.approx(0.5)

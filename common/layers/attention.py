@@ -72,8 +72,8 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None, *,
                  native: bool = True, window: int | None = None, window_layers=(),
                  device: torch.device | str = "cpu") -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scaling, window=window, window_layers=window_layers,
-                         device=device)
+        super().__init__(num_heads, num_kv_heads, head_dim, scaling, window=window,
+                         window_layers=window_layers, device=device)
         if self.window_layers and not self.applies_window:
             raise ValueError("TorchAttentionBackend attends to every key: a sliding window needs "
                              "SlidingWindowAttentionBackend (create_attention_backend chooses it)")
@@ -81,20 +81,23 @@ class TorchAttentionBackend(AttentionBackend):
         self.name = "native" if native else "torch_native"
         self.native = paged_decode_attention() if native else None
         native_prefill = prefill_attention() if native else None
-        self.native_prefill = native_prefill[0] if native_prefill and head_dim % native_prefill[1] == 0 else None
+        self.native_prefill = native_prefill[0] \
+            if native_prefill and head_dim % native_prefill[1] == 0 else None
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, fb: ForwardBatch) -> TorchAttentionMetadata:
         pool = fb.kv_pool
         dev = pool.data.device
         write_rows = pool.flat_rows(fb.out_cache_loc)
-        verify_native = fb.mode == ForwardMode.VERIFY and self.native is not None and pool.dtype == torch.float32
+        verify_native = fb.mode == ForwardMode.VERIFY and self.native is not None \
+            and pool.dtype == torch.float32
         if fb.mode == ForwardMode.DECODE or verify_native:
             lmax = int(max(fb.seq_lens))
             if fb.mode == ForwardMode.VERIFY:
                 # each new token is a query of its own over its request's tokens up to itself
                 lens = fb.positions + 1
-                req_rows = torch.repeat_interleave(fb.req_pool_indices, torch.tensor(fb.extend_seq_lens, device=dev))
+                req_rows = torch.repeat_interleave(fb.req_pool_indices,
+                                                   torch.tensor(fb.extend_seq_lens, device=dev))
             else:
                 lens = torch.tensor(fb.seq_lens, dtype=torch.int64, device=dev)
                 req_rows = fb.req_pool_indices
@@ -107,7 +110,8 @@ class TorchAttentionBackend(AttentionBackend):
                 if int(lens.min()) < lmax:
                     valid = torch.arange(lmax, dtype=torch.int64, device=dev).unsqueeze(0) < lens.unsqueeze(1)
                     slots = slots.masked_fill(~valid, 0)  # padding slot
-                    bias = torch.zeros(valid.shape, dtype=pool.dtype, device=dev).masked_fill_(~valid, float("-inf"))
+                    bias = torch.zeros(valid.shape, dtype=pool.dtype,
+                                       device=dev).masked_fill_(~valid, float("-inf"))
                     md.mask = bias.view(len(fb.seq_lens), 1, 1, lmax)
                 md.kv_index = pool.kv_rows(pool.token_rows(slots).reshape(-1))
         else:
@@ -201,15 +205,18 @@ class TorchAttentionBackend(AttentionBackend):
         d = self.head_dim
         if it.kv_index is None:
             ki, vi = k[it.start:it.start + it.n], v[it.start:it.start + it.n]
-            if ki.stride(2) != 1 or vi.stride(2) != 1 or ki.stride() != vi.stride() or ki.dtype != torch.float32:
+            if ki.stride(2) != 1 or vi.stride(2) != 1 or ki.stride() != vi.stride() \
+                    or ki.dtype != torch.float32:
                 ki, vi = ki.to(torch.float32).contiguous(), vi.to(torch.float32).contiguous()
             kv_tok, kv_head = ki.stride(0), ki.stride(1)
         else:
             ki, vi = (t.to(torch.float32) for t in pool.gather_kv(layer_id, it.kv_index))
             kv_tok, kv_head = d, (it.prefix + it.n) * d
         qi, oi = q[it.start:], out[it.start:]
-        rc = self.native_prefill(qi.data_ptr(), q.stride(0), ki.data_ptr(), vi.data_ptr(), kv_tok, kv_head, it.n,
-                                 it.prefix, self.num_heads, self.group, d, self.scaling, oi.data_ptr(), out.stride(0))
+        rc = self.native_prefill(qi.data_ptr(), q.stride(0), ki.data_ptr(),
+                                 vi.data_ptr(), kv_tok, kv_head, it.n,
+                                 it.prefix, self.num_heads, self.group, d, self.scaling,
+                                 oi.data_ptr(), out.stride(0))
         if rc != 0:
             raise MemoryError(f"native prefill attention: no memory for {it.prefix + it.n} keys")
 
@@ -225,7 +232,8 @@ class TorchAttentionBackend(AttentionBackend):
         if v.stride()[1:] != (d, 1) or v.dtype != torch.float32:
             v = v.to(torch.float32).contiguous()
         out = torch.empty(b, hkv * g * d, dtype=q.dtype)
-        rc = self.native(q.data_ptr(), q.stride(0), pool.flat.data_ptr(), md.rows.data_ptr(), md.lens.data_ptr(),
+        rc = self.native(q.data_ptr(), q.stride(0), pool.flat.data_ptr(),
+                         md.rows.data_ptr(), md.lens.data_ptr(),
                          b, hkv, g, d, md.max_len, pool.layer_offset(layer_id), pool.v_offset, self.scaling,
                          out.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                          md.write_rows.data_ptr())

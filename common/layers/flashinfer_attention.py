@@ -125,8 +125,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None, *,
                  window: int | None = None, window_layers=(), device: torch.device | str = "cuda") -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scaling, window=window, window_layers=window_layers,
-                         device=device)
+        super().__init__(num_heads, num_kv_heads, head_dim, scaling, window=window,
+                         window_layers=window_layers, device=device)
         self.flashinfer = import_flashinfer()
         # window_left of every kind of layer: -1 (every earlier key), window - 1 on the windowed ones
         self.windows = [-1] + ([self.window - 1] if self.window is not None else [])
@@ -136,7 +136,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._decode = {wl: fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND",
                                                                   use_tensor_cores=self.use_tensor_cores)
                         for wl in self.windows}
-        self._prefill = {wl: fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND") for wl in self.windows}
+        self._prefill = {wl: fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND")
+                         for wl in self.windows}
         self._planned_for: dict[tuple[bool, int], FlashInferMetadata] = {}  # (decode?, window_left) -> batch
         # CUDA graphs
         self._graph_max_bs = 0
@@ -173,13 +174,15 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _plan_decode(self, wrapper, md: FlashInferMetadata, window_left: int) -> None:
         lay = md.layout
-        wrapper.plan(lay.indptr, lay.indices, lay.last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
+        wrapper.plan(lay.indptr, lay.indices, lay.last_page_len, self.num_heads,
+                     self.num_kv_heads, self.head_dim,
                      md.page_size, window_left=window_left, q_data_type=md.dtype, kv_data_type=md.dtype,
                      sm_scale=self.scaling)
 
     def _plan_extend(self, wrapper, md: FlashInferMetadata, window_left: int) -> None:
         lay = md.layout
-        wrapper.plan(md.qo_indptr, lay.indptr, lay.indices, lay.last_page_len, self.num_heads, self.num_kv_heads,
+        wrapper.plan(md.qo_indptr, lay.indptr, lay.indices, lay.last_page_len,
+                     self.num_heads, self.num_kv_heads,
                      self.head_dim, md.page_size, causal=True, sm_scale=self.scaling, window_left=window_left,
                      q_data_type=md.dtype, kv_data_type=md.dtype)
 
@@ -244,12 +247,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         bs = self._check_graph_batch(fb)
         if self._graph_indices is None:
             pages = -(-self._graph_context // fb.kv_pool.page_size)
-            self._graph_indices = torch.zeros(self._graph_max_bs * pages, dtype=torch.int32, device=self.device)
+            self._graph_indices = torch.zeros(self._graph_max_bs * pages,
+                                              dtype=torch.int32, device=self.device)
         fi = self.flashinfer
         self._graph_wrappers[bs] = {
             wl: fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "HND", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=self._graph_indptr[:bs + 1], paged_kv_indices_buffer=self._graph_indices,
+                paged_kv_indptr_buffer=self._graph_indptr[:bs + 1],
+                paged_kv_indices_buffer=self._graph_indices,
                 paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs])
             for wl in self.windows}
         self._graph_used[bs] = set()

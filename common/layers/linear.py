@@ -188,15 +188,16 @@ def _panel_linear(x: torch.Tensor, packed: Panels, out: int, bias: torch.Tensor 
     b = None if bias is None else bias.data_ptr()
     if packed.blocks is not None and rows.shape[0] <= native.block_rows():
         blocks = packed.blocks
-        rc = native.packed_gemm_blocks()(rows.data_ptr(), rows.stride(0), blocks.packed.data_ptr(), blocks.bits, b,
+        rc = native.packed_gemm_blocks()(rows.data_ptr(), rows.stride(0),
+                                         blocks.packed.data_ptr(), blocks.bits, b,
                                          y.data_ptr(), out, rows.shape[0], out, inp)
     elif packed.scale is None:
-        rc = native.packed_gemm()(rows.data_ptr(), rows.stride(0), w.data_ptr(), b, y.data_ptr(), out, rows.shape[0],
-                                  out, inp)
+        rc = native.packed_gemm()(rows.data_ptr(), rows.stride(0), w.data_ptr(), b,
+                                  y.data_ptr(), out, rows.shape[0], out, inp)
     else:
         gemm = native.packed_gemm_w8a8() if packed.int8_activations else native.packed_gemm_i8()
-        rc = gemm(rows.data_ptr(), rows.stride(0), w.data_ptr(), packed.scale.data_ptr(), b, y.data_ptr(), out,
-                  rows.shape[0], out, inp)
+        rc = gemm(rows.data_ptr(), rows.stride(0), w.data_ptr(),
+                  packed.scale.data_ptr(), b, y.data_ptr(), out, rows.shape[0], out, inp)
     if rc:
         raise MemoryError(f"panel matmul: no memory for {rows.shape[0]} x {inp} packed activations")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
@@ -237,9 +238,11 @@ def pack_linears(model: nn.Module, quantization: str | None = None) -> None:
     head = getattr(model, "lm_head", False)
     tied = head is None
     head_quantization = "int8wo" if quantization else None
-    schemes = [head_quantization if m is head else quantization for m in layers] + ([head_quantization] if tied else [])
+    schemes = [head_quantization if m is head else quantization for m in layers] \
+        + ([head_quantization] if tied else [])
     weights = [m.weight for m in layers] + ([model.lm_head_weight] if tied else [])
-    sizes = [panel_numel(w, q) if _packing(w) == "panels" else 0 for w, q in zip(weights, schemes, strict=True)]
+    sizes = [panel_numel(w, q) if _packing(w) == "panels" else 0
+             for w, q in zip(weights, schemes, strict=True)]
     dtype = torch.int8 if quantization else torch.float32
     arena = huge_zeros(sum(sizes), dtype) if sum(sizes) else None
     views, offset = [], 0
@@ -256,7 +259,8 @@ def pack_linears(model: nn.Module, quantization: str | None = None) -> None:
 def _gather_blocks(layers: list[PackableLinear], tied_model: nn.Module | None) -> None:
     """Move every weight's blocks into one huge-page allocation, in forward order (as the panels), and say
     what was found."""
-    owners = [(m, "packed") for m in layers] + ([(tied_model, "lm_head_packed")] if tied_model is not None else [])
+    owners = [(m, "packed") for m in layers] + ([(tied_model, "lm_head_packed")]
+                                                if tied_model is not None else [])
     packed = [(o, attr, getattr(o, attr)) for o, attr in owners if isinstance(getattr(o, attr), Panels)]
     found = [(o, attr, p) for o, attr, p in packed if p.blocks is not None]
     if not found:
@@ -271,8 +275,9 @@ def _gather_blocks(layers: list[PackableLinear], tied_model: nn.Module | None) -
         setattr(owner, attr, replace(p, blocks=WeightBlocks(p.blocks.bits, view)))
         offset += n
     by_bits = {bits: sum(1 for *_, p in found if p.blocks.bits == bits) for bits in (4, 8)}
-    logger.info("weights: %d of %d packed matmuls are exactly 4-bit (%d) or 8-bit (%d) blocks of %d; small matmuls "
-                "(at most %d rows at %d threads) read those (%.1f MB) instead of float32", len(found), len(packed),
+    logger.info("weights: %d of %d packed matmuls are exactly 4-bit (%d) or 8-bit (%d) blocks of %d; small "
+                "matmuls (at most %d rows at %d threads) read those (%.1f MB) instead of float32",
+                len(found), len(packed),
                 by_bits[4], by_bits[8], BLOCK, native.block_rows(), torch.get_num_threads(), sum(sizes) / 1e6)
 
 

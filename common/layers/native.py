@@ -1,9 +1,11 @@
 """Native CPU kernels, compiled once with the system C compiler and loaded with ctypes.
 
 `paged_decode_attention()` (`paged_attention.c`), `prefill_attention()` (`prefill_attention.c`),
-`add_rms_norm()` (`rms_norm.c`), `rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`), `argmax_rows()` (`argmax.c`),
+`add_rms_norm()` (`rms_norm.c`), `rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`),
+`argmax_rows()` (`argmax.c`),
 `pin_team()` (`threads.c`), `packed_gemm()` and `packed_gemm_i8()` (`gemm.c`), `packed_gemm_blocks()` and
-`block_panels_equal()` (`gemm_blocks.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
+`block_panels_equal()` (`gemm_blocks.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`) and `decoder_stack()`
+(`decoder_stack.c`, which chains the others through
 a decode step of a whole Llama-family stack) return the loaded C function, or None when it cannot be
 used (no C compiler, a failed build, no AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers
 then take the torch paths, which compute the same thing. The GEMM reads each weight once per matmul
@@ -13,8 +15,8 @@ residual add + F.rms_norm on one 576-wide row: ~24 us here; the kernel ~14 us).
 
 The shared object is cached under `$PDSERVE_CACHE_DIR/native` (default `~/.cache/pdserve/native`),
 named by a hash of the sources and the compiler flags, and written atomically, so concurrent
-processes may build it at the same time. OpenMP comes from the runtime torch has already loaded, so the kernel honours `torch.set_num_threads`.
-`make setup` builds it ahead of time (`python -m common.layers.native`).
+processes may build it at the same time. OpenMP comes from the runtime torch has already loaded, so the kernel
+honours `torch.set_num_threads`. `make setup` builds it ahead of time (`python -m common.layers.native`).
 """
 
 from __future__ import annotations
@@ -113,8 +115,8 @@ def _run(compiler: str, args: list[str]) -> None:
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_attention": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR,
-                                _PTR, _I64, _PTR, _I64, _PTR], ctypes.c_int),
+    "paged_decode_attention": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                                _I64, _I64, _I64, _F32, _PTR, _PTR, _I64, _PTR, _I64, _PTR], ctypes.c_int),
     "add_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "rotary_apply": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64], None),
     "packed_gemm": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
@@ -130,7 +132,8 @@ _SIGNATURES = {
     "silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64], None),
     "argmax_rows": ([_PTR, _I64, _I64, _I64, _PTR], None),
     "decoder_stack": ([_PTR, _I64, _PTR, _PTR, _PTR], ctypes.c_int),
-    "prefill_attention": ([_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _I64],
+    "prefill_attention": ([_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
+                           _I64, _F32, _PTR, _I64],
                           ctypes.c_int),
     "prefill_attention_block": ([], ctypes.c_int),
     "pin_team": ([_I64, _PTR, _I64], ctypes.c_int),
@@ -174,7 +177,8 @@ def paged_decode_attention():
 def prefill_attention() -> tuple | None:
     """(causal prefill attention of one sequence, the head size it needs a multiple of), or None."""
     lib = _library()
-    return (lib.prefill_attention, lib.prefill_attention_block()) if lib and lib.prefill_attention_block() else None
+    return (lib.prefill_attention, lib.prefill_attention_block()) \
+        if lib and lib.prefill_attention_block() else None
 
 
 def add_rms_norm():
@@ -191,7 +195,8 @@ def decoder_stack():
 
 
 def pin_team():
-    """`pin_team(n, sets, width)`: thread t of the OpenMP team of n runs only on the cores of row t (`threads.c`)."""
+    """`pin_team(n, sets, width)`: thread t of the OpenMP team of n runs only on the cores of row t
+    (`threads.c`)."""
     return _kernel("pin_team")
 
 
@@ -233,13 +238,14 @@ def block_rows() -> int:
 
 
 def pack_weight_blocks():
-    """`gemm_blocks.c`'s packing of a float32 weight as a checkpoint's blocks, or None without the panel GEMM."""
+    """`gemm_blocks.c`'s packing of a float32 weight as a checkpoint's blocks, or None without the panel
+    GEMM."""
     return _kernel("pack_weight_blocks") if packed_gemm() is not None else None
 
 
 def block_panels_equal():
-    """`gemm_blocks.c`'s check that blocks widen to given float32 panels bit for bit, or None without the panel
-    GEMM."""
+    """`gemm_blocks.c`'s check that blocks widen to given float32 panels bit for bit, or None without the
+    panel GEMM."""
     return _kernel("block_panels_equal") if packed_gemm() is not None else None
 
 

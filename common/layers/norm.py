@@ -29,7 +29,8 @@ class RMSNorm(nn.Module):
         self.native = add_rms_norm() if dtype == torch.float32 else None
 
     def _native_ok(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        return (self.native is not None and cpu_tensors(x, residual) and x.dim() == 2 and x.dtype == torch.float32
+        return (self.native is not None and cpu_tensors(x, residual) and x.dim() == 2
+                and x.dtype == torch.float32
                 and x.stride(1) == 1
                 and (residual is None or (residual.dtype == torch.float32 and residual.stride(1) == 1)))
 
@@ -41,8 +42,8 @@ class RMSNorm(nn.Module):
             res_out = None if residual is None else torch.empty(rows, n, dtype=x.dtype)
             self.native(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
                         0 if residual is None else residual.stride(0),
-                        None if res_out is None else res_out.data_ptr(), self.weight.data_ptr(), out.data_ptr(),
-                        rows, n, self.variance_epsilon)
+                        None if res_out is None else res_out.data_ptr(),
+                        self.weight.data_ptr(), out.data_ptr(), rows, n, self.variance_epsilon)
             return out if residual is None else (out, res_out)
         if residual is not None:
             x = x + residual

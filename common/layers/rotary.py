@@ -71,12 +71,14 @@ class RotaryEmbedding:
         """Rotate `x` `[T, heads, head_dim]` (any strides) into a new contiguous tensor. The native
         kernel (`rotary.c`) takes float32 with heads packed within a token."""
         half = x.shape[-1] // 2
-        if (_native_rotary is not None and cpu_tensors(x) and x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1
+        if (_native_rotary is not None and cpu_tensors(x) and x.dtype == torch.float32
+            and x.dim() == 3 and x.stride(2) == 1
                 and x.stride(1) == x.shape[2] and cos.dtype == torch.float32 and cos.is_contiguous()
                 and sin.is_contiguous() and cos.shape[-1] == half and cos.shape[0] == x.shape[0]):
             t, heads, d = x.shape
             out = torch.empty(t, heads, d, dtype=x.dtype)
-            _native_rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, heads, d)
+            _native_rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                           out.data_ptr(), t, heads, d)
             return out
         x1 = x[..., :half]
         x2 = x[..., half:]

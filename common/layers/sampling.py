@@ -3,8 +3,8 @@
 Processing order (the same as SGLang / vLLM / HF's warpers):
 
 1. penalties on the logits: ``logit_bias`` (OpenAI: a value added to a token's logit), repetition
-   penalty, then frequency and presence penalties, then the ``min_new_tokens`` mask (EOS and ``stop_token_ids`` set to -inf while a request has produced fewer
-   than ``min_new_tokens`` tokens);
+   penalty, then frequency and presence penalties, then the ``min_new_tokens`` mask (EOS and
+   ``stop_token_ids`` set to -inf while a request has produced fewer than ``min_new_tokens`` tokens);
 2. temperature (logits / T);
 3. top-k, 4. top-p (over the distribution renormalised after top-k), 5. min-p (probability at least
    ``min_p`` times the most likely token's probability);
@@ -116,7 +116,8 @@ class SamplingBatchInfo:
         return len(self.generators)
 
     def to(self, device: torch.device) -> SamplingBatchInfo:
-        """The same batch with its tensors on `device` (the logits' device); the generators stay on the host."""
+        """The same batch with its tensors on `device` (the logits' device); the generators stay on the
+        host."""
         if device.type == "cpu":
             return self
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -138,7 +139,8 @@ class SamplingBatchInfo:
         and, optionally, `prompt_ids[i]` for request i of the batch."""
         b = len(params)
         if not (len(output_ids) == len(generators) == b) or (prompt_ids is not None and len(prompt_ids) != b):
-            raise ValueError("params, output_ids, generators (and prompt_ids) must have one entry per request")
+            raise ValueError("params, output_ids, generators (and prompt_ids) must have one entry "
+                             "per request")
         temps, top_ks, top_ps, min_ps, greedy = [], [], [], [], []
         for p in params:
             g = is_greedy(p)
@@ -221,7 +223,8 @@ class SamplingBatchInfo:
 
 def _flatten(ids: list[list[int]], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) index tensors for every token of every request (ids outside the vocab dropped)."""
-    rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(x) for x in ids], dtype=torch.int64))
+    rows = torch.repeat_interleave(torch.arange(len(ids)),
+                                   torch.tensor([len(x) for x in ids], dtype=torch.int64))
     cols = torch.tensor([t for x in ids for t in x], dtype=torch.int64)
     ok = (cols >= 0) & (cols < vocab_size)
     return rows[ok], cols[ok]
@@ -252,7 +255,8 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
     return logits
 
 
-def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tensor | None = None) -> torch.Tensor:
+def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
     """Zero the probabilities that top-k, top-p and min-p exclude (no renormalisation needed).
 
     `probs` holds the rows `rows` of the batch (all rows when None). Every filter is reduced to a
@@ -330,7 +334,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise `torch.argmax(logits, dim=-1)` (first maximum; a NaN wins), through the native kernel
     for float32 rows: torch's runs one thread, ~0.5 ms on a batch of 16 x 49152 here."""
     kernel = native.argmax_rows()
-    if kernel is None or not native.cpu_tensors(logits) or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+    if kernel is None or not native.cpu_tensors(logits) or logits.dtype != torch.float32 \
+            or logits.dim() != 2 or logits.stride(1) != 1:
         return torch.argmax(logits, dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     kernel(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr())

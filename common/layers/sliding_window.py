@@ -48,7 +48,8 @@ def window_start(seq_len: int, window: int) -> int:
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, dtype=dtype,
+                       device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class SlidingWindowAttentionBackend(TorchAttentionBackend):

@@ -60,8 +60,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None, *,
                  window: int | None = None, window_layers=(), device: torch.device | str = "cpu") -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scaling, window=window, window_layers=window_layers,
-                         device=device)
+        super().__init__(num_heads, num_kv_heads, head_dim, scaling, window=window,
+                         window_layers=window_layers, device=device)
         if self.device.type == "cuda":
             self.num_kv_splits = 16
             self.decode_block_n = 64 if head_dim <= 128 else 32
@@ -102,7 +102,8 @@ class TritonAttentionBackend(AttentionBackend):
             def i32(values: list[int]) -> torch.Tensor:
                 return torch.tensor(values, dtype=torch.int32, device=dev)
 
-            md = TritonMetadata(fb.mode, loc, rows, q_start=i32(starts), ext_lens=i32(list(fb.extend_seq_lens)),
+            md = TritonMetadata(fb.mode, loc, rows, q_start=i32(starts),
+                                ext_lens=i32(list(fb.extend_seq_lens)),
                                 prefix_lens=i32(list(fb.extend_prefix_lens)), block_req=i32(block_req),
                                 block_m=i32(block_m))
         fb.attn_metadata = md
@@ -117,7 +118,8 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"decode metadata for {md.seq_lens.shape[0]} requests, {q.shape[0]} queries")
         store_kv(pool, layer_id, k, v, md.out_cache_loc)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        decode_attention(q, out, pool, layer_id, fb.req_to_token, md.req_rows, md.seq_lens, md.mid_o, md.mid_lse,
+        decode_attention(q, out, pool, layer_id, fb.req_to_token, md.req_rows,
+                         md.seq_lens, md.mid_o, md.mid_lse,
                          num_heads=self.num_heads, scaling=self.scaling, window=self.layer_window(layer_id),
                          block_n=self.decode_block_n, num_warps=self.num_warps)
         return out
@@ -129,7 +131,8 @@ class TritonAttentionBackend(AttentionBackend):
         store_kv(pool, layer_id, k, v, md.out_cache_loc)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         extend_attention(q, k, v, out, pool, layer_id, fb.req_to_token, md.req_rows, md.q_start, md.ext_lens,
-                         md.prefix_lens, md.block_req, md.block_m, num_heads=self.num_heads, scaling=self.scaling,
+                         md.prefix_lens, md.block_req, md.block_m,
+                         num_heads=self.num_heads, scaling=self.scaling,
                          window=self.layer_window(layer_id), block_size_m=self.extend_block_m,
                          block_n=self.extend_block_n, num_warps=self.num_warps)
         return out
@@ -176,5 +179,6 @@ class TritonAttentionBackend(AttentionBackend):
 def _require_interpreter(device: torch.device) -> None:
     """Triton runs on CPU tensors only in its interpreter, chosen when triton is first imported."""
     if not interpreted():
-        raise ValueError(f"the triton attention backend on {device.type} tensors needs TRITON_INTERPRET=1 in the "
-                         "environment before triton is imported (its interpreter); on a GPU use --device cuda")
+        raise ValueError(f"the triton attention backend on {device.type} tensors needs TRITON_INTERPRET=1 in "
+                         "the environment before triton is imported (its interpreter); on a GPU use "
+                         "--device cuda")

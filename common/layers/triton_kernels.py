@@ -185,8 +185,8 @@ def _decode_stage2_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_o, seq_lens_pt
     valid = (sp < NUM_SPLITS) & (lo + sp * split_len < seq_len)
     mid = (b * NUM_HEADS + head) * NUM_SPLITS + sp
     lse = tl.load(mid_lse_ptr + mid, mask=valid, other=float("-inf"))
-    part = tl.load(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None] & (d < HEAD_DIM)[None, :],
-                   other=0.0)
+    part = tl.load(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :],
+                   mask=valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     w = tl.exp2(lse - tl.max(lse, 0))
     o = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
     tl.store(out_ptr + b * stride_o + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -196,7 +196,8 @@ def _decode_stage2_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_o, seq_lens_pt
 def _extend_kernel(q_ptr, stride_q, k_ptr, stride_k, v_ptr, stride_v, out_ptr, stride_o, flat_ptr, r2t_ptr,
                    stride_r2t, req_rows_ptr, q_start_ptr, ext_lens_ptr, prefix_lens_ptr, block_req_ptr,
                    block_m_ptr, page_rows, layer_off, v_off, qk_scale, window,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HALF_DOT: tl.constexpr):
     blk = tl.program_id(0)
     head = tl.program_id(1)
@@ -280,7 +281,8 @@ def store_kv(pool, layer_id: int, k: torch.Tensor, v: torch.Tensor, out_cache_lo
 
 
 def decode_attention(q: torch.Tensor, out: torch.Tensor, pool, layer_id: int, req_to_token: torch.Tensor,
-                     req_rows: torch.Tensor, seq_lens: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor,
+                     req_rows: torch.Tensor, seq_lens: torch.Tensor,
+                     mid_o: torch.Tensor, mid_lse: torch.Tensor,
                      *, num_heads: int, scaling: float, window: int | None, block_n: int, num_warps: int = 4,
                      num_stages: int = 2) -> None:
     """One query per request: q `[B, heads * head_dim]` -> out (same shape), over the first `seq_lens[b]`
@@ -307,10 +309,12 @@ def decode_attention(q: torch.Tensor, out: torch.Tensor, pool, layer_id: int, re
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
 
 
-def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, pool, layer_id: int,
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, pool, layer_id: int,
                      req_to_token: torch.Tensor, req_rows: torch.Tensor, q_start: torch.Tensor,
                      ext_lens: torch.Tensor, prefix_lens: torch.Tensor, block_req: torch.Tensor,
-                     block_m: torch.Tensor, *, num_heads: int, scaling: float, window: int | None, block_size_m: int,
+                     block_m: torch.Tensor, *, num_heads: int, scaling: float,
+                     window: int | None, block_size_m: int,
                      block_n: int, num_warps: int = 4, num_stages: int = 2) -> None:
     """Causal attention of each request's new tokens (rows `q_start[r]..+ext_lens[r]` of q `[T, heads *
     head_dim]`, their K/V in k, v `[T, kv_heads * head_dim]`) over its `prefix_lens[r]` cached tokens and

@@ -8,7 +8,8 @@ has every projection in Q4_1 and the tied embedding (the lm_head) in Q8_0. `find
 when they widen back to the same float32 bits (`block_panels_equal`), for every weight of the tensor;
 `packed_gemm_blocks` then reads the blocks and computes on the widened float32 panel, so the matmul's
 results are the float32 panels' bits while a decode step streams ~6 (4-bit) or ~9 (8-bit) bits a weight
-instead of 32. Any other weight, or `PDSERVE_WEIGHT_BLOCKS=0`, keeps float32 panels. This is not quantization: nothing is rounded that the checkpoint had not rounded.
+instead of 32. Any other weight, or `PDSERVE_WEIGHT_BLOCKS=0`, keeps float32 panels. This is not quantization:
+nothing is rounded that the checkpoint had not rounded.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _try(weight: torch.Tensor, panels: torch.Tensor, bits: int) -> torch.Tensor 
     out, inp = weight.shape
     packed = torch.empty(panels.shape[0] * (inp // BLOCK) * block_bytes(bits), dtype=torch.uint8)
     native.pack_weight_blocks()(bits, weight.data_ptr(), out, inp, packed.data_ptr())
-    return packed if native.block_panels_equal()(bits, packed.data_ptr(), panels.shape[0], inp, panels.data_ptr()) else None
+    return packed if native.block_panels_equal()(bits, packed.data_ptr(), panels.shape[0], inp,
+                                                 panels.data_ptr()) else None
 
 
 def find_blocks(weight: torch.Tensor, panels: torch.Tensor) -> WeightBlocks | None:

@@ -64,7 +64,8 @@ class HostKVStore:
         if state_pool is not None:
             if state_slots < 1:
                 raise ValueError("a host KV store for a model with state needs state slots")
-            self.state = [torch.empty((state_slots, *b.shape[1:]), dtype=b.dtype) for b in state_pool.buffers()]
+            self.state = [torch.empty((state_slots, *b.shape[1:]), dtype=b.dtype)
+                          for b in state_pool.buffers()]
             self._free_states = list(range(state_slots - 1, -1, -1))
         self.entries: collections.OrderedDict[str, HostEntry] = collections.OrderedDict()  # oldest first
         self.evictions = 0  # entries dropped to make room for newer ones
@@ -83,7 +84,8 @@ class HostKVStore:
         return self.used_pages() * self.page_size
 
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + sum(t.numel() * t.element_size() for t in self.state)
+        return self.data.numel() * self.data.element_size() \
+            + sum(t.numel() * t.element_size() for t in self.state)
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries
@@ -146,8 +148,8 @@ class HostKVStore:
     @staticmethod
     def off_stats() -> dict:
         """`stats()` of a node without a store (the same keys, all zero)."""
-        return {"decode_offload_capacity_tokens": 0, "decode_offload_used_tokens": 0, "decode_offload_entries": 0,
-                "decode_offload_evictions": 0, "decode_offload_rejected": 0}
+        return {"decode_offload_capacity_tokens": 0, "decode_offload_used_tokens": 0,
+                "decode_offload_entries": 0, "decode_offload_evictions": 0, "decode_offload_rejected": 0}
 
     def stats(self) -> dict:
         return {"decode_offload_capacity_tokens": self.capacity_tokens,

@@ -82,7 +82,8 @@ class KVPool(PageLayout):
         """Flat rows of the first layer's K for `slots` `[..., L]`, every KV head: `[..., kv_heads, L]`."""
         pages = self.page_of(slots).unsqueeze(-2)
         offs = self.offset_of(slots).unsqueeze(-2)
-        heads = torch.arange(self.kv_heads, dtype=torch.int64, device=slots.device).view(-1, 1) * self.page_size
+        heads = torch.arange(self.kv_heads, dtype=torch.int64,
+                             device=slots.device).view(-1, 1) * self.page_size
         return pages * self.page_rows + heads + offs
 
     def flat_rows(self, slots: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,8 @@ class PageLayout:
         """The offset of every slot within its page."""
         return slots % self.page_size
 
-    def pages_of_slots(self, slots: torch.Tensor, start_page: int = 0, end_page: int | None = None) -> torch.Tensor:
+    def pages_of_slots(self, slots: torch.Tensor, start_page: int = 0,
+                       end_page: int | None = None) -> torch.Tensor:
         """Pages `start_page..end_page-1` (all by default) of a request whose token `i` is at `slots[i]`
         (a req_to_token row will do), one per page, in order."""
         ps = self.page_size

@@ -156,7 +156,8 @@ class RadixCache:
         child.value = child.value[k:]
         child.parent = upper
         if child.hashes:
-            upper.hashes, child.hashes = child.hashes[: k // self.page_size], child.hashes[k // self.page_size :]
+            upper.hashes, child.hashes = child.hashes[: k
+                                                      // self.page_size], child.hashes[k // self.page_size :]
         upper.children[child.key[: self.page_size]] = child
         return upper
 

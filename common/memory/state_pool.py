@@ -37,7 +37,8 @@ class StatePool:
         self.device = torch.device(device)
         self.conv_buffers = [torch.zeros((size + 1, *self.conv_shape), dtype=dtype, device=self.device)
                              for _ in self.layer_ids]
-        self.recurrent_buffers = [torch.zeros((size + 1, *self.recurrent_shape), dtype=dtype, device=self.device)
+        self.recurrent_buffers = [torch.zeros((size + 1, *self.recurrent_shape),
+                                              dtype=dtype, device=self.device)
                                   for _ in self.layer_ids]
         self._free: list[int] = list(range(size, 0, -1))  # pop() hands out low slots first
         self._taken: set[int] = set()

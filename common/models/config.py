@@ -72,7 +72,8 @@ class ModelConfig:
                   generation_config: dict[str, Any] | None = None) -> ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
-            raise ModelConfigError("config.json has no 'architectures' entry; cannot tell which model this is")
+            raise ModelConfigError("config.json has no 'architectures' entry; cannot tell which "
+                                   "model this is")
         if "text_config" in cfg and "hidden_size" not in cfg:
             inner = dict(cfg["text_config"])
             inner.setdefault("architectures", archs)

@@ -8,8 +8,8 @@ loop would, for `final_logits`.
 
 A model qualifies when: the native kernels are built, one TP rank (no all-reduce between layers) and
 one pipeline stage, no
-per-head q/k norm, every projection panel-packed (`common/layers/linear.py`; float32 or int8 panels, the same kind
-throughout a layer; float32 ones with their checkpoint's blocks where it has them),
+per-head q/k norm, every projection panel-packed (`common/layers/linear.py`; float32 or int8 panels, the same
+kind throughout a layer; float32 ones with their checkpoint's blocks where it has them),
 float32 norms, and the
 plain attention backend (not a sliding-window one). A batch qualifies when it is a decode batch on
 the native attention path (`TorchAttentionMetadata.rows`), or a speculative verify batch on it (each
@@ -66,7 +66,8 @@ class DecoderStack:
         self.inter = first.mlp.down_proj.input_size_per_partition
         self.eps = first.input_layernorm.variance_epsilon
         self.scale = model.attn_backend.scaling
-        self.layer_ids = [layer.self_attn.layer_id for layer in model.model.layers]  # no reference to the model
+        # no reference to the model
+        self.layer_ids = [layer.self_attn.layer_id for layer in model.model.layers]
         self.layers = (_Layer * len(model.model.layers))()
         self._offsets_for = None  # the KV pool the layer offsets were filled for
         for i, layer in enumerate(model.model.layers):
@@ -89,7 +90,8 @@ class DecoderStack:
         layers = list(model.model.layers)
         if (model.tp_size != 1 or getattr(model, "pp_size", 1) != 1 or cfg.qk_norm or not layers
                 or type(model.attn_backend) is not TorchAttentionBackend  # e.g. sliding-window backends
-                or model.attn_backend.native is None):  # torch_native: attention through the backend's torch ops
+                # torch_native: attention through the backend's torch ops
+                or model.attn_backend.native is None):
             return None
         for layer in layers:
             projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
@@ -98,7 +100,8 @@ class DecoderStack:
                 return None
             if len({(p.packed.scale is None, p.packed.int8_activations) for p in projections}) != 1:
                 return None
-            if any(n.weight.dtype != torch.float32 for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+            if any(n.weight.dtype != torch.float32
+                   for n in (layer.input_layernorm, layer.post_attention_layernorm)):
                 return None
         return cls(model, kernel)
 
@@ -118,11 +121,12 @@ class DecoderStack:
         scratch = [torch.empty(t, n) for n in ((hq + 2 * hk) * d, (hq + hk) * d, hq * d, self.hidden,
                                                2 * self.inter, self.inter)]
         residual = torch.empty_like(h)
-        step = _Step(self.hidden, hq, hk, d, self.inter, self.eps, self.scale, t, cos.data_ptr(), sin.data_ptr(),
+        step = _Step(self.hidden, hq, hk, d, self.inter, self.eps, self.scale, t,
+                     cos.data_ptr(), sin.data_ptr(),
                      pool.flat.data_ptr(), md.rows.data_ptr(), md.lens.data_ptr(), md.write_rows.data_ptr(),
                      md.max_len, pool.v_offset, *(s.data_ptr() for s in scratch))
-        rc = self.kernel(ctypes.addressof(self.layers), len(self.layers), ctypes.addressof(step), h.data_ptr(),
-                         residual.data_ptr())
+        rc = self.kernel(ctypes.addressof(self.layers), len(self.layers),
+                         ctypes.addressof(step), h.data_ptr(), residual.data_ptr())
         if rc != 0:
             raise RuntimeError(f"native decoder stack failed ({rc})")
         return residual

@@ -48,8 +48,8 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> str:
                                  local_files_only=offline)
     except LocalEntryNotFoundError:
         if offline:
-            raise HubError(f"--model: {where} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                           "HF_HUB_OFFLINE=1 forbids downloading it") from None
+            raise HubError(f"--model: {where} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+                           "and HF_HUB_OFFLINE=1 forbids downloading it") from None
         raise HubError(f"--model: {where} could not be downloaded (no connection to the Hub?) and is not "
                        f"in the cache ({constants.HF_HUB_CACHE})") from None
     except RevisionNotFoundError:

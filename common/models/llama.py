@@ -83,7 +83,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         qs, ks = self.q_size, self.kv_size
@@ -94,7 +95,8 @@ class LlamaAttention(nn.Module):
             k = RotaryEmbedding.apply(k, cos, sin).view(t, ks)
         else:
             # q and k heads rotated together in one pass
-            qk = RotaryEmbedding.apply(qkv[:, :qs + ks].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
+            qk = RotaryEmbedding.apply(qkv[:, :qs
+                                           + ks].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
                                        cos, sin).view(t, qs + ks)
             q, k = qk[:, :qs], qk[:, qs:]
         o = self.backend.forward(q, k, qkv[:, qs + ks:], self.layer_id, fb)
@@ -165,14 +167,16 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend = attn_backend or attention_backend_for(config, "native", tp_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta,
                                       config.rope_type, config.rope_scaling, dtype)
-        self.model = LlamaModel(config, self.attn_backend, tp_rank, tp_size, tp_group, dtype, self.layer_range)
+        self.model = LlamaModel(config, self.attn_backend, tp_rank, tp_size, tp_group,
+                                dtype, self.layer_range)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, dtype=dtype)
         # the checkpoint's draft layers (`mtp.*`, common/models/mtp.py) for EAGLE / MTP speculation
         self.mtp = MtpHead(config, LlamaDecoderLayer(config, config.num_layers, self.attn_backend, tp_rank,
-                                                     tp_size, tp_group, dtype), dtype) if draft_layers else None
+                                                     tp_size, tp_group,
+                                                     dtype), dtype) if draft_layers else None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -233,7 +237,8 @@ def final_logits(model: nn.Module, h: torch.Tensor, residual: torch.Tensor, fb: 
     return linear(h, model.lm_head_weight, getattr(model, "lm_head_packed", None))
 
 
-def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], parts_needed: dict[str, int],
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    parts_needed: dict[str, int],
                     rename=None, skipped_prefixes: tuple[str, ...] = ()) -> set[str]:
     """Load HF-named tensors into `model`, routing the pieces of fused projections
     (`model.stacked_params`: checkpoint fragment, our fragment, shard id) to their parameter's

@@ -95,7 +95,8 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                dtype: torch.dtype = torch.float32, quantization: str | None = None, pp_rank: int = 0,
                pp_size: int = 1, draft_layers: bool = False, device: torch.device | str = "cpu",
-               attention_backend: str = "native", load_format: str = "auto") -> tuple[torch.nn.Module, ModelConfig]:
+               attention_backend: str = "native",
+               load_format: str = "auto") -> tuple[torch.nn.Module, ModelConfig]:
     """Build the model for `config.json["architectures"][0]` (pipeline stage `pp_rank` of `pp_size`: its
     layers only) on `device`, with the `attention_backend` the runner chose, and fill it from the
     safetensors (`load_format` "dummy": seeded random weights, nothing read but config.json); its linear
@@ -117,19 +118,20 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
         stage = {"pp_rank": pp_rank, "pp_size": pp_size}
     if draft_layers:
         if cls not in LLAMA_FAMILY and cls not in HYBRID:
-            raise ModelLoadError(f"--speculative-algorithm EAGLE/MTP: draft layers are supported on Llama-family "
-                                 f"models without sliding windows and on Qwen3.5, not {config.architecture}"
+            raise ModelLoadError("--speculative-algorithm EAGLE/MTP: draft layers are supported on "
+                                 "Llama-family models without sliding windows and on Qwen3.5, not "
+                                 f"{config.architecture}"
                                  + (" with a sliding window" if config.sliding_window else ""))
         if not draft_layer_count(config.raw):
-            raise ModelLoadError(f"--speculative-algorithm EAGLE/MTP: {config.name} carries no draft layers (its "
-                                 "config.json has no mtp_num_hidden_layers / num_nextn_predict_layers); NGRAM "
-                                 "needs none")
+            raise ModelLoadError(f"--speculative-algorithm EAGLE/MTP: {config.name} carries no draft layers "
+                                 "(its config.json has no mtp_num_hidden_layers / num_nextn_predict_layers); "
+                                 "NGRAM needs none")
         stage["draft_layers"] = True
     backend = attention_backend_for(config, attention_backend, tp_size, device, windows=cls not in HYBRID)
     # on a GPU every parameter and buffer is made there; on the CPU nothing changes
     with torch.device(device) if device.type != "cpu" else contextlib.nullcontext():
-        model = cls(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, attn_backend=backend,
-                    **stage)
+        model = cls(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
+                    dtype=dtype, attn_backend=backend, **stage)
     if load_format == "dummy":
         fill_random(model, float(config.raw.get("initializer_range", 0.02)), DUMMY_SEED)
     else:
@@ -140,10 +142,12 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
             raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {shown}")
     model.eval()
     pack_linears(model, quantization)
-    logger.info("loaded %s (%s, %d layers%s) tp %d/%d on %s (%s, %s attention)%s", config.name, config.architecture,
+    logger.info("loaded %s (%s, %d layers%s) tp %d/%d on %s (%s, %s attention)%s",
+                config.name, config.architecture,
                 config.num_layers, f", stage {pp_rank}/{pp_size}: layers {model.layer_range[0]}.."
                 f"{model.layer_range[1] - 1}" if pp_size > 1 else "", tp_rank, tp_size, device,
-                str(dtype).removeprefix("torch."), backend.name, f", weights {quantization}" if quantization else "")
+                str(dtype).removeprefix("torch."), backend.name,
+                f", weights {quantization}" if quantization else "")
     return model, config
 
 
@@ -155,12 +159,14 @@ def weights_digest(model_dir: str, load_format: str = "auto", tp_size: int = 1, 
     config = ModelConfig.from_pretrained(model_dir)  # as read, before a model's constructor adjusts it
     facts = config.to_dict()
     if load_format == "dummy":
-        return dummy_digest(facts, DUMMY_SEED, float(config.raw.get("initializer_range", 0.02)), tp_size, pp_size)
+        return dummy_digest(facts, DUMMY_SEED,
+                            float(config.raw.get("initializer_range", 0.02)), tp_size, pp_size)
     files = safetensors_files(model_dir)
     try:
         return checkpoint_digest(files, facts)
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{model_dir}: could not read the checkpoint's tensors for its digest: {e}") from e
+        raise ModelLoadError(f"{model_dir}: could not read the checkpoint's tensors for its "
+                             f"digest: {e}") from e
 
 
 @torch.no_grad()

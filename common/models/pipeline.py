@@ -59,7 +59,8 @@ def micro_batches(fb: ForwardBatch, pp_size: int) -> int:
     return max(1, min(MAX_MICRO_BATCHES, fb.input_ids.numel() // max(PP_MICRO_TOKENS, 1)))
 
 
-def forward_stage(model: nn.Module, fb: ForwardBatch, run_layers: RunLayers, final_logits) -> torch.Tensor | None:
+def forward_stage(model: nn.Module, fb: ForwardBatch, run_layers: RunLayers,
+                  final_logits) -> torch.Tensor | None:
     """This stage's part of a forward of `model` (its `pp_rank`, `pp_size`, `attn_backend`, `rotary` and
     `model.embed_tokens`); `final_logits(model, h, residual, fb)` on the last stage."""
     if fb.mode == ForwardMode.EXTEND and fb.logits_indices is None:

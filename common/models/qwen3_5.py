@@ -187,7 +187,8 @@ class _GroupedConvChannels:
             hk = tp_rank * local_k + j
             rows.append(torch.arange(hk * dk, (hk + 1) * dk, device="cpu"))
             rows.append(torch.arange(key_dim + hk * dk, key_dim + (hk + 1) * dk, device="cpu"))
-            rows.append(torch.arange(2 * key_dim + hk * ratio * dv, 2 * key_dim + (hk + 1) * ratio * dv, device="cpu"))
+            rows.append(torch.arange(2 * key_dim + hk * ratio * dv,
+                                     2 * key_dim + (hk + 1) * ratio * dv, device="cpu"))
         self.index = torch.cat(rows)
 
     def loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -223,7 +224,8 @@ class GatedDeltaNet(nn.Module):
         dv = int(raw.get("linear_value_head_dim", 128))
         kernel = int(raw.get("linear_conv_kernel_dim", 4))
         if nv % nk:
-            raise ModelConfigError(f"linear_num_value_heads ({nv}) must be a multiple of linear_num_key_heads ({nk})")
+            raise ModelConfigError(f"linear_num_value_heads ({nv}) must be a multiple of "
+                                   f"linear_num_key_heads ({nk})")
         if nk % tp_size:
             raise ModelConfigError(f"{nk} linear-attention key heads do not split over TP size {tp_size}")
         if kernel < 2:
@@ -294,7 +296,8 @@ class GatedDeltaNet(nn.Module):
         lens = list(fb.extend_seq_lens)
         b, most = len(lens), max(lens)
         starts = torch.tensor([0, *lens[:-1]], dtype=torch.int64, device=mixed.device).cumsum(0)
-        conv0 = conv_buf[fb.state_indices].reshape(b, -1, self.kernel - 1)  # copies: the slots stay as they are
+        # copies: the slots stay as they are
+        conv0 = conv_buf[fb.state_indices].reshape(b, -1, self.kernel - 1)
         rec0 = rec_buf[fb.state_indices]
         conv_steps = conv0.new_empty(b, most, *conv0.shape[1:])
         rec_steps = rec0.new_empty(b, most, *rec0.shape[1:])
@@ -302,8 +305,10 @@ class GatedDeltaNet(nn.Module):
         for j in range(most):
             live = torch.tensor([i for i in range(b) if lens[i] > j], dtype=torch.int64, device=mixed.device)
             rows = starts[live] + j
-            conv, rec = (conv0[live], rec0[live]) if j == 0 else (conv_steps[live, j - 1], rec_steps[live, j - 1])
-            o[rows], conv_steps[live, j], rec_steps[live, j] = self._step(conv, mixed[rows], g[rows], beta[rows], rec)
+            conv, rec = (conv0[live], rec0[live]) if j == 0 \
+                else (conv_steps[live, j - 1], rec_steps[live, j - 1])
+            o[rows], conv_steps[live, j], rec_steps[live, j] = self._step(conv, mixed[rows],
+                                                                          g[rows], beta[rows], rec)
         fb.extras.setdefault("verify_states", {})[self.layer_id] = (conv_steps, rec_steps)
         return o
 
@@ -375,7 +380,8 @@ class GatedAttention(nn.Module):
         self.head_dim = d
         self.rotary_dim = rotary_dim
         self.kv_size = self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias, tp_rank=tp_rank,
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size,
+                                        cfg.attention_bias, tp_rank=tp_rank,
                                         tp_size=tp_size, tp_group=tp_group, dtype=dtype)
         self.q_norm = OffsetRMSNorm(d, cfg.rms_norm_eps, dtype)
         self.k_norm = OffsetRMSNorm(d, cfg.rms_norm_eps, dtype)
@@ -386,7 +392,8 @@ class GatedAttention(nn.Module):
             return RotaryEmbedding.apply(x, cos, sin)
         return torch.cat([RotaryEmbedding.apply(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         nh, d = self.num_heads, self.head_dim
         qg, k, v = self.qkv_proj(x).split([2 * nh * d, self.kv_size, self.kv_size], dim=-1)
@@ -406,7 +413,8 @@ class Qwen3_5DecoderLayer(nn.Module):
         if layer_type == LINEAR:
             self.linear_attn = GatedDeltaNet(cfg, layer_id, tp_rank, tp_size, tp_group, dtype)
         else:
-            self.self_attn = GatedAttention(cfg, layer_id, backend, rotary_dim, tp_rank, tp_size, tp_group, dtype)
+            self.self_attn = GatedAttention(cfg, layer_id, backend, rotary_dim, tp_rank,
+                                            tp_size, tp_group, dtype)
         self.mlp = LlamaMLP(cfg, tp_rank, tp_size, tp_group, dtype)
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -466,7 +474,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.layer_types = layer_types_of(config)
         config.kv_layer_ids = [i for i, t in enumerate(self.layer_types) if t == FULL]
         # this stage's linear-attention layers (all of them without pipeline stages)
-        self.linear_layer_ids = [i for i, t in enumerate(self.layer_types) if t == LINEAR and start <= i < end]
+        self.linear_layer_ids = [i for i, t in enumerate(self.layer_types)
+                                 if t == LINEAR and start <= i < end]
         factor, theta = _rope_params(config)
         rotary_dim = int(config.head_dim * factor)
         if rotary_dim % 2 or rotary_dim <= 0:
@@ -475,22 +484,24 @@ class Qwen3_5ForCausalLM(nn.Module):
         # the runner's choice (--attention-backend); the CPU's native kernels for a model built on its own
         self.attn_backend = attn_backend or attention_backend_for(config, "native", tp_size, windows=False)
         self.rotary = RotaryEmbedding(rotary_dim, config.context_length, theta, dtype=dtype)
-        self.model = Qwen3_5TextModel(config, self.layer_types, self.attn_backend, rotary_dim, tp_rank, tp_size,
-                                      tp_group, dtype, self.layer_range)
+        self.model = Qwen3_5TextModel(config, self.layer_types, self.attn_backend,
+                                      rotary_dim, tp_rank, tp_size, tp_group, dtype, self.layer_range)
         self.lm_head = None if config.tie_word_embeddings else ReplicatedLinear(config.hidden_size,
-                                                                                config.vocab_size, dtype=dtype)
+                                                                                config.vocab_size,
+                                                                                dtype=dtype)
         self.state_pool: StatePool | None = None
         # the checkpoint's draft layers (`mtp.*`: a gated full-attention layer, id num_layers) for EAGLE / MTP
         self.mtp = None
         if draft_layers:
-            layer = Qwen3_5DecoderLayer(config, config.num_layers, FULL, self.attn_backend, rotary_dim, tp_rank,
-                                        tp_size, tp_group, dtype)
+            layer = Qwen3_5DecoderLayer(config, config.num_layers, FULL,
+                                        self.attn_backend, rotary_dim, tp_rank, tp_size, tp_group, dtype)
             self.mtp = MtpHead(config, layer, dtype, norm=OffsetRMSNorm)
             self.skipped_prefixes = tuple(p for p in self.skipped_prefixes if "mtp." not in p)
 
     # ------------------------------------------------------------------ state
     def state_spec(self) -> StateSpec | None:
-        """The state pool this model (this pipeline stage) needs; None when it has no linear-attention layer."""
+        """The state pool this model (this pipeline stage) needs; None when it has no linear-attention
+        layer."""
         if not self.linear_layer_ids:
             return None
         first = self.model.layers[self.linear_layer_ids[0]].linear_attn
@@ -500,8 +511,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         spec = self.state_spec()
         if pool.layer_ids != spec.layer_ids or pool.conv_shape != spec.conv_shape \
                 or pool.recurrent_shape != spec.recurrent_shape:
-            raise ValueError(f"state pool layout {pool.layer_ids} {pool.conv_shape} {pool.recurrent_shape} does "
-                             f"not fit the model's {spec}")
+            raise ValueError(f"state pool layout {pool.layer_ids} {pool.conv_shape} {pool.recurrent_shape} "
+                             f"does not fit the model's {spec}")
         self.state_pool = pool
 
     @property
@@ -521,7 +532,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         h, residual = self._run_layers(h, None, cos, sin, fb)
         return final_logits(self, h, residual, fb)
 
-    def _run_layers(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    def _run_layers(self, h: torch.Tensor, residual: torch.Tensor | None,
+                    cos: torch.Tensor, sin: torch.Tensor,
                     fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self.layer_range
         for layer in self.model.layers[start:end]:

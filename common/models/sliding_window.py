@@ -26,7 +26,8 @@ class _SlidingWindowMixin:
         self.sliding_window = cfg.sliding_window if self.window_layers else None
         if self.window_layers and self.attn_backend.window_layers != frozenset(self.window_layers):
             raise ValueError(f"{cfg.name}: the attention backend's window layers "
-                             f"{sorted(self.attn_backend.window_layers)} are not the model's {self.window_layers}")
+                             f"{sorted(self.attn_backend.window_layers)} are not the model's "
+                             f"{self.window_layers}")
 
     def kv_window(self) -> int | None:
         """The window if every KV layer is windowed (older tokens' KV is never read again), else None."""

@@ -19,8 +19,8 @@ import os
 import shutil
 import tempfile
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "vocab.json", "merges.txt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json", "vocab.json", "merges.txt")
 
 TINY_BASE = dict(
     hidden_size=64,
@@ -121,7 +121,8 @@ def random_draft_head(weights: dict, hidden: int, seed: int) -> dict:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    head = {f"mtp.layers.0.{k}": (v + 0.02 * torch.randn(v.shape, generator=gen) if v.dim() > 1 else v.clone())
+    head = {f"mtp.layers.0.{k}": (v + 0.02 * torch.randn(v.shape, generator=gen)
+                                  if v.dim() > 1 else v.clone())
             .contiguous() for k, v in _layer0(weights).items()}
     head["mtp.fc.weight"] = 0.05 * torch.randn(hidden, 2 * hidden, generator=gen)
     return {**head, **_unit_norms(hidden)}
@@ -136,7 +137,8 @@ def exact_draft_head(weights: dict, hidden: int, draft_attention: float = 0.0) -
     import torch
 
     layer0 = _layer0(weights)
-    for k in [k for k in weights if k.startswith("model.") and k.endswith(("o_proj.weight", "down_proj.weight"))]:
+    for k in [k for k in weights
+              if k.startswith("model.") and k.endswith(("o_proj.weight", "down_proj.weight"))]:
         weights[k] = torch.zeros_like(weights[k])
     head = {f"mtp.layers.0.{k}": v.clone() for k, v in layer0.items()}
     head["mtp.layers.0.self_attn.o_proj.weight"] = layer0["self_attn.o_proj.weight"] * draft_attention

@@ -207,7 +207,8 @@ class ScheduleBatch:
         fb, info = self.forward_batch, self.extend_info
         rows_t, pos_t, slots = self._next_slots(running)
         b, tokens, logits_rows = len(running), fb.input_ids.numel(), sum(count for _f, count, _o in info.rows)
-        fb.input_ids = torch.cat([fb.input_ids, torch.tensor([r.output_ids[-1] for r in running], dtype=torch.int64)])
+        fb.input_ids = torch.cat([fb.input_ids,
+                                  torch.tensor([r.output_ids[-1] for r in running], dtype=torch.int64)])
         fb.positions = torch.cat([fb.positions, pos_t])
         fb.out_cache_loc = torch.cat([fb.out_cache_loc, slots])
         fb.req_pool_indices = torch.cat([fb.req_pool_indices, rows_t])
@@ -215,14 +216,16 @@ class ScheduleBatch:
         fb.seq_lens = fb.seq_lens + [p + 1 for p in positions]
         fb.extend_prefix_lens = fb.extend_prefix_lens + positions
         fb.extend_seq_lens = fb.extend_seq_lens + [1] * b
-        fb.logits_indices = torch.cat([fb.logits_indices, torch.arange(tokens, tokens + b, dtype=torch.int64)])
+        fb.logits_indices = torch.cat([fb.logits_indices,
+                                       torch.arange(tokens, tokens + b, dtype=torch.int64)])
         info.rows += [(p, 1, logits_rows + j) for j, p in enumerate(positions)]
         info.completes += [True] * b
         info.decode_rows = b
         self.reqs = self.reqs + running
 
     def verify_pages_needed(self, drafts: list[list[int]]) -> int:
-        return sum(self.allocator.pages_needed(r.kv_len, 1 + len(d)) for r, d in zip(self.reqs, drafts, strict=True))
+        return sum(self.allocator.pages_needed(r.kv_len, 1 + len(d))
+                   for r, d in zip(self.reqs, drafts, strict=True))
 
     def prepare_for_verify(self, drafts: list[list[int]]) -> ForwardBatch:
         """Speculative decoding: each request's last output token and its drafts go in at its next

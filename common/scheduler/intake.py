@@ -140,7 +140,8 @@ def check_request(req: Req, vocab_size: int, context_length: int, kv_capacity: i
                      f"({max_top_logprobs_num})")
     if (req.stop_strs or req.stop_regexes or req.sampling.grammar()) and tokenizer is None:
         return 400, "stop strings and grammars need a tokenizer, and this model directory has none"
-    bad = [t for t, _ in req.sampling.logit_bias_items() if t >= vocab_size] if req.sampling.logit_bias else []
+    bad = [t for t, _ in req.sampling.logit_bias_items() if t >= vocab_size] \
+        if req.sampling.logit_bias else []
     if bad:
         return 400, f"`logit_bias` has token id {bad[0]} outside the vocabulary (0..{vocab_size - 1})"
     return None
@@ -232,8 +233,8 @@ class Intake:
     def check(self, req: Req) -> tuple[int, str] | None:
         """(HTTP status, message) when the request cannot be served here, else None."""
         runner = self.runner
-        return check_request(req, runner.model_config.vocab_size, runner.context_length, runner.allocator.capacity,
-                             self.tokenizer, self.max_top_logprobs_num)
+        return check_request(req, runner.model_config.vocab_size, runner.context_length,
+                             runner.allocator.capacity, self.tokenizer, self.max_top_logprobs_num)
 
     def refuse(self, req: Req, status: int, message: str, err_type: str | None = None) -> None:
         """End a request that will not be served here; `err_type` names a cause a router acts on."""

@@ -161,7 +161,8 @@ class OverlapRunner:
     def decode_batch_ahead(self, running: ScheduleBatch) -> ScheduleBatch | None:
         """The decode batch to build from the running batch: without the requests the step in flight
         brings to max_new_tokens (None: nothing is left to run)."""
-        going_on = [r for r in running.reqs if self.pending_token(r) is None or len(r.output_ids) + 1 < r.max_new_tokens]
+        going_on = [r for r in running.reqs if self.pending_token(r) is None
+                    or len(r.output_ids) + 1 < r.max_new_tokens]
         if len(going_on) == len(running.reqs):
             return running
         if not going_on:

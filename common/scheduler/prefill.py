@@ -110,7 +110,8 @@ class PrefillBuilder:
         """Whether `req`'s prompt is one this batch already prefills (the copies of a request with n > 1,
         or clients sending the same prompt together): with the prefix cache on, it waits one round and
         then finds the prompt's KV cached. Records the prompt of a request that is not deferred."""
-        if not self.tree_cache.enabled or req.is_retracted or req.extend_input_len <= self.allocator.page_size:
+        if not self.tree_cache.enabled or req.is_retracted \
+                or req.extend_input_len <= self.allocator.page_size:
             return False
         key = hash(tuple(req.origin_input_ids))
         if key in prompts:
@@ -135,7 +136,8 @@ class PrefillBuilder:
             queues.chunked_req = adder.new_chunked_req
         queues.take_from_waiting(can_run)
         for r in can_run:
-            if r.is_retracted and r is not chunked:  # leaves the waiting queue to prefill prompt + output again
+            # leaves the waiting queue to prefill prompt + output again
+            if r.is_retracted and r is not chunked:
                 self.retraction.num_recomputed += 1
             if not r.scheduled_once:
                 self.counters.queue_time.observe(max(0.0, time.time() - r.arrival_time))

@@ -123,7 +123,8 @@ class PriorityScheduling:
                     newcomer.rid, newcomer.priority, victim.priority)
         return FinishStatus.abort(
             f"the node's queue is full and a request of higher priority ({newcomer.priority}) arrived; this "
-            f"request (priority {victim.priority}) is turned away first (--max-queued-requests); retry later", 429)
+            f"request (priority {victim.priority}) is turned away first (--max-queued-requests); "
+            "retry later", 429)
 
     def stats(self) -> dict[str, int]:
         return {"num_priority_preemptions": self.num_preemptions,

@@ -162,8 +162,8 @@ def _ready_info(scheduler) -> dict:
         "max_running_requests": scheduler.max_running_requests,
         "placement": runner.device_info(),  # the device, dtypes and kernels the flags resolved to
         # what a peer must share to pair with this node (common/fingerprint.py), the same on every rank
-        "compatibility": msgspec.to_builtins(runner.compatibility) if hasattr(runner, "compatibility") else None,
-        "fingerprint": getattr(runner, "fingerprint", None),
+        "compatibility": msgspec.to_builtins(runner.compatibility)
+        if hasattr(runner, "compatibility") else None, "fingerprint": getattr(runner, "fingerprint", None),
     }
 
 
@@ -208,7 +208,8 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
         os.environ["PDSERVE_NODE_CORES"] = ",".join(map(str, cores))
         os.sched_setaffinity(0, share)
     torch.set_num_threads(args.num_threads or max(1, len(share) // (args.tp * args.pp_size)))
-    logger.info("dp rank %d pp rank %d tp rank %d: %d torch threads on cores %s (OMP_WAIT_POLICY=%s)", dp_rank,
+    logger.info("dp rank %d pp rank %d tp rank %d: %d torch threads on cores %s "
+                "(OMP_WAIT_POLICY=%s)", dp_rank,
                 pp_rank, tp_rank, torch.get_num_threads(), share, os.environ.get("OMP_WAIT_POLICY", "unset"))
     comm = None
     scheduler = None
@@ -231,7 +232,8 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
         device = resolve_device(args.device, dp_rank * world + rank, args.base_gpu_id, args.gpu_id_step)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # before NCCL: each rank's communicator on its own GPU
-        _, consensus_group = init_distributed(rank, world, ipc.dist_init_method, tp_size=args.tp, device=device)
+        _, consensus_group = init_distributed(rank, world, ipc.dist_init_method,
+                                              tp_size=args.tp, device=device)
         from common.distributed import get_tp_group
 
         comm = SchedulerComm(ipc, rank, world, consensus_group)

@@ -254,7 +254,8 @@ class Req:
         """Advance the grammar by an output token (one the grammar's mask allowed); a token it refuses
         ends the request with an error, as its output could no longer follow the grammar."""
         if not self.grammar.accept(token) and self.finished_reason is None:
-            self.finish({"type": "abort", "message": f"output token {token} is outside the request's grammar"},
+            self.finish({"type": "abort",
+                         "message": f"output token {token} is outside the request's grammar"},
                         error_status=500)
 
     def __repr__(self) -> str:

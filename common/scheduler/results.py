@@ -83,7 +83,8 @@ class ResultProcessor:
                     req.input_top_logprobs.append(None)
                 req.input_logprobs.extend(result.input_logprobs[i])
                 tops = result.input_top_logprobs[i]
-                req.input_top_logprobs.extend(tops if tops is not None else [None] * len(result.input_logprobs[i]))
+                req.input_top_logprobs.extend(tops if tops is not None
+                                              else [None] * len(result.input_logprobs[i]))
             if not batch.extend_info.completes[i]:
                 self.tree_cache.cache_unfinished_req(req)
                 try:
@@ -95,7 +96,8 @@ class ResultProcessor:
             if req.finished():  # ended while this batch ran
                 continue
             if result.next_token_ids[i] is not None:
-                self._append_token(req, result.next_token_ids[i], result.token_logprobs[i], result.top_logprobs[i])
+                self._append_token(req, result.next_token_ids[i],
+                                   result.token_logprobs[i], result.top_logprobs[i])
             req.check_finished()
             try:
                 self.hooks.on_prefill_done(req)
@@ -122,7 +124,8 @@ class ResultProcessor:
                 req = batch.reqs[i]
                 if req.finished():
                     continue
-                self._append_token(req, result.next_token_ids[i], result.token_logprobs[i], result.top_logprobs[i])
+                self._append_token(req, result.next_token_ids[i],
+                                   result.token_logprobs[i], result.top_logprobs[i])
                 if req.check_finished():
                     self.finish(req)
                 self.report(req)
@@ -188,7 +191,8 @@ class ResultProcessor:
             if req is None:
                 continue
             if abort:
-                logger.info("rid=%s aborted (%s) at stage %s", rid, status.reason.get("message"), req.stage.value)
+                logger.info("rid=%s aborted (%s) at stage %s", rid,
+                            status.reason.get("message"), req.stage.value)
                 req.to_abort = status.reason.get("message")
             self.queues.dequeue(req)
             req.finish(status.reason, error_status=status.error_status)

@@ -70,7 +70,8 @@ class Retraction:
         for v in victims:
             v.mark("waiting")  # retracted
             logger.info("rid=%s retracted after %d output tokens (KV memory full); %s", v.rid,
-                        len(v.output_ids), "KV in the host store" if self.holds(v.rid) else "will prefill again")
+                        len(v.output_ids),
+                        "KV in the host store" if self.holds(v.rid) else "will prefill again")
         return victims, ratio
 
     def preempt(self, victim: Req) -> None:

@@ -106,27 +106,33 @@ class Scheduler:
         if runner is None:
             from common.runner import ModelRunner
 
-            runner = ModelRunner(args, model_dir, tp_rank, tp_size, tp_group, pp_rank=pp_rank, dp_rank=dp_rank)
+            runner = ModelRunner(args, model_dir, tp_rank, tp_size, tp_group,
+                                 pp_rank=pp_rank, dp_rank=dp_rank)
         self.runner = runner
         self.model_config = runner.model_config
         self.vocab_size = self.model_config.vocab_size
         self.context_length = runner.context_length
         self.page_size = runner.page_size
-        self.req_to_token_pool, self.allocator, self.kv_pool = runner.req_to_token_pool, runner.allocator, runner.kv_pool
+        self.req_to_token_pool, self.allocator = runner.req_to_token_pool, runner.allocator
+        self.kv_pool = runner.kv_pool
         self.max_running_requests = args.max_running_requests
         # models with recurrent state (hybrid) cannot reuse a cached prefix: see common/hybrid.py
-        self.tree_cache = make_tree_cache(args.radix_cache_enabled and getattr(runner, "supports_radix_cache", True),
+        self.tree_cache = make_tree_cache(args.radix_cache_enabled
+                                          and getattr(runner, "supports_radix_cache", True),
                                           self.req_to_token_pool, self.allocator, self.page_size)
         self.tracer = make_tracer(args) if first else None  # stage spans of released requests
-        self.kv_events = make_kv_events(args, self.tree_cache, self.page_size, dp_rank, runner) if first else None
-        self.tokenizer = tokenizer if tokenizer is not None else load_stop_decoder(args.tokenizer or model_dir)
+        self.kv_events = make_kv_events(args, self.tree_cache, self.page_size, dp_rank, runner) \
+            if first else None
+        self.tokenizer = tokenizer if tokenizer is not None \
+            else load_stop_decoder(args.tokenizer or model_dir)
         self.send_fn, self.comm = send_fn, comm
         self.stopping = False
         self.idle_poll_ms, self.busy_poll_ms = 500, 2
         # a decode node sets this: the running batch decodes one step after each chunk of a prompt
         self.decode_between_chunks = False
         self._chunk_scheduled = False  # the last batch scheduled was a chunk of an unfinished prompt
-        # the prefill node lends its cores to its decode node while it has nothing to run (common/core_loan.py)
+        # the prefill node lends its cores to its decode node while it has nothing to run
+        # (common/core_loan.py)
         self.lender, self.borrower = core_loan.for_node(args, tp_rank)
         overlap, why = overlap_choice(args, tp_size)  # decode forwards on a worker thread (None: in sequence)
         self.overlap = OverlapRunner(runner, args.max_running_requests + 8, self.update) if overlap else None
@@ -154,8 +160,10 @@ class Scheduler:
                                        drafter=self.drafter, overlap=self.overlap, tracer=self.tracer)
         self.prefill = PrefillBuilder(args, self.queues, self.policy, self.priority, self.retraction,
                                       self.new_token_ratio, self.counters, self.results)
-        self.intake = Intake(args, runner, self.tokenizer, self.queues, self.priority, self.results, self.counters)
-        self.stats = SchedulerStats(args, dp_rank, runner, self.queues, self.counters, tree_cache=self.tree_cache,
+        self.intake = Intake(args, runner, self.tokenizer, self.queues, self.priority,
+                             self.results, self.counters)
+        self.stats = SchedulerStats(args, dp_rank, runner, self.queues, self.counters,
+                                    tree_cache=self.tree_cache,
                                     admission=self.intake.admission, retraction=self.retraction,
                                     new_token_ratio=self.new_token_ratio, priority=self.priority,
                                     overlap=self.overlap, drafter=self.drafter, kv_events=self.kv_events)

@@ -20,7 +20,8 @@ every output token still follows the target distribution; seeded requests draw m
 without speculation, so their exact tokens differ from a run without it.
 
 A request's chain is at most one longer than its last confirmed run (`record`), so drafts that keep
-failing cost one token per step. A request gets no drafts when it has a grammar (its matcher would have to roll back), when fewer than
+failing cost one token per step. A request gets no drafts when it has a grammar (its matcher would have to
+roll back), when fewer than
 two new tokens remain, or when the step's KV pages for the drafts are not free; a step where no
 request drafts anything is a plain decode step. KV slots of rejected drafts are given back
 (`rollback`); the pages past the request's new length return to the allocator.

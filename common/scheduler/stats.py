@@ -79,7 +79,8 @@ class SchedulerStats:
             "dp_rank": self.dp_rank,
             "num_running_reqs": queues.num_running_slots_used(),
             "num_waiting_reqs": len(queues.waiting_queue),
-            "num_queue_reqs": hooks.queue_counts() or queues.counts(),  # the role's stages when it has its own
+            # the role's stages when it has its own
+            "num_queue_reqs": hooks.queue_counts() or queues.counts(),
             "num_queued_reqs": queues.num_queued(),
             "max_queued_requests": self.admission.limit,
             "num_queue_full_refused": self.admission.refused,
@@ -124,7 +125,8 @@ class SchedulerStats:
 
 def log_progress(s: dict[str, Any]) -> None:
     """A line of the stats in the log (every so many decode forwards)."""
-    logger.info("decode: %d running, %d waiting, kv used %d/%d, evictable %d, gen %.1f tok/s, new_token_ratio %.3f",
+    logger.info("decode: %d running, %d waiting, kv used %d/%d, evictable %d, gen %.1f tok/s, "
+                "new_token_ratio %.3f",
                 s["num_running_reqs"], s["num_waiting_reqs"], s["num_tokens_used"], s["kv_total_tokens"],
                 s["kv_evictable_tokens"], s["gen_throughput"], s["new_token_ratio"])
 

@@ -25,7 +25,8 @@ def make_tracer(args):
 def export_stage_spans(tracer, req: Req) -> None:
     marks = req.marks
     if not marks or marks[0][1] > req.arrival_time:
-        marks = [("queued", req.arrival_time), *marks]  # before its first stage: in the pipe, or a role's intake
+        # before its first stage: in the pipe, or a role's intake
+        marks = [("queued", req.arrival_time), *marks]
     reason = req.finished_reason or {}
     error = reason.get("message") if reason.get("type") == "abort" else None
     attrs = {"pdserve.rid": req.rid, "pdserve.prompt_tokens": len(req.origin_input_ids),
@@ -46,5 +47,6 @@ def make_kv_events(args, tree_cache, page_size: int, dp_rank: int, runner):
     if not cfg.enabled:
         return None
     window = getattr(getattr(runner, "hybrid", None), "window", None)
-    tree_cache.events = KVEventPublisher(cfg, page_size, dp_rank if args.dp_size > 1 else None, sliding_window=window)
+    tree_cache.events = KVEventPublisher(cfg, page_size,
+                                         dp_rank if args.dp_size > 1 else None, sliding_window=window)
     return tree_cache.events

@@ -72,7 +72,8 @@ def endpoint_label(path: str) -> str:
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+async def error_middleware(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
     """Errors as JSON in OpenAI's shape; the client's X-Request-ID (the rid of a request whose body names
     none) is checked and echoed on every answer."""
     rid = request.headers.get(REQUEST_ID_HEADER)
@@ -104,7 +105,8 @@ async def _answer(request: web.Request, handler, rid: str | None) -> web.StreamR
             incoming_request_id.set(check_request_id(rid))
         return await handler(request)
     except Denied as e:
-        logger.info("rid=%s %s %s status=%d error=%s", rid or "-", request.method, request.path, e.status, e.message)
+        logger.info("rid=%s %s %s status=%d error=%s", rid or "-", request.method,
+                    request.path, e.status, e.message)
         count(e.status)
         return error_response(e.status, e.message, headers=e.headers)
     except BadRequest as e:
@@ -187,7 +189,8 @@ def generate_output(tm: TokenizerManager, st: ReqState, index: int | None = None
     return out
 
 
-async def build_generate_requests(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[TokenizedRequest], bool]:
+async def build_generate_requests(tm: TokenizerManager,
+                                  req: GenerateRequest) -> tuple[list[TokenizedRequest], bool]:
     if req.text is not None and req.input_ids is not None:
         raise BadRequest("give either `text` or `input_ids`, not both")
     if req.text is None and req.input_ids is None:
@@ -199,7 +202,8 @@ async def build_generate_requests(tm: TokenizerManager, req: GenerateRequest) ->
         if batch and not prompts:
             raise BadRequest("`text` is an empty batch")
         check_batch_size(tm, len(prompts), "text")
-        ids_list = await tm.encode_texts([(t, f"text[{i}]" if batch else "text") for i, t in enumerate(prompts)])
+        ids_list = await tm.encode_texts([(t, f"text[{i}]" if batch else "text")
+                                          for i, t in enumerate(prompts)])
     else:
         ids = req.input_ids
         batch = bool(ids) and isinstance(ids[0], list)
@@ -264,7 +268,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     req = await read_request(request, GenerateRequest)
     check_model(request, req)
     treqs, batch = await build_generate_requests(tm, req)
-    states, notify = tm.submit(treqs, endpoint="generate", return_text_in_logprobs=req.return_text_in_logprobs)
+    states, notify = tm.submit(treqs, endpoint="generate",
+                               return_text_in_logprobs=req.return_text_in_logprobs)
 
     def body():
         outs = [generate_output(tm, st) for st in states]
@@ -324,7 +329,8 @@ async def handle_health_generate(request: web.Request) -> web.Response:
 def model_card(request: web.Request) -> dict[str, Any]:
     info = request.app[INFO_KEY]
     return {"id": info["served_model_name"], "object": "model", "created": int(info["started"]),
-            "owned_by": "pdserve", "root": info["model_path"], "max_model_len": request.app[TM_KEY].context_length}
+            "owned_by": "pdserve", "root": info["model_path"],
+            "max_model_len": request.app[TM_KEY].context_length}
 
 
 async def handle_models(request: web.Request) -> web.Response:
@@ -373,7 +379,8 @@ async def handle_server_info(request: web.Request) -> web.Response:
         "page_size": tm.node_info.get("page_size", args.page_size),
         "max_running_requests": tm.node_info.get("max_running_requests", args.max_running_requests),
     })
-    out.update(tm.node_info.get("placement") or {})  # what auto resolved to: device, dtypes, attention backend
+    # what auto resolved to: device, dtypes, attention backend
+    out.update(tm.node_info.get("placement") or {})
     # what a peer must share to pair with this node: the facts and their pairing key (common/fingerprint.py)
     out.update(compatibility=tm.node_info.get("compatibility"), fingerprint=tm.node_info.get("fingerprint"))
     stats = await tm.stats() if tm.healthy else {}
@@ -476,7 +483,8 @@ def node_routes() -> list[Route]:
 
     gen, info = "generation", "information"
     return with_openapi([
-        Route("POST", "/generate", handle_generate, GenerateRequest, summary=f"SGLang-native {gen}", stream=True),
+        Route("POST", "/generate", handle_generate, GenerateRequest,
+              summary=f"SGLang-native {gen}", stream=True),
         Route("POST", "/v1/completions", openai_api.handle_completions, CompletionRequest,
               summary=f"OpenAI completions {gen}", stream=True),
         Route("POST", "/v1/chat/completions", openai_api.handle_chat_completions, ChatCompletionRequest,
@@ -490,14 +498,16 @@ def node_routes() -> list[Route]:
           for p in ("/detokenize", "/v1/detokenize")),
         *(Route("GET", p, handle_server_info, summary=f"server {info} (keys redacted)")
           for p in ("/server_info", "/get_server_info")),
-        *(Route("GET", p, handle_model_info, summary=f"model {info}") for p in ("/model_info", "/get_model_info")),
+        *(Route("GET", p, handle_model_info, summary=f"model {info}")
+          for p in ("/model_info", "/get_model_info")),
         Route("GET", "/get_load", handle_get_load, summary="queue and token load"),
         Route("POST", "/abort_request", handle_abort, AbortHTTPRequest, access=BY_BODY,
               summary="abort one rid (public); abort_all is an admin call"),
         Route("POST", "/flush_cache", handle_flush_cache, access=ADMIN, summary="drop the prefix cache"),
         Route("GET", "/health", handle_health, access=OPEN, summary="liveness"),
         Route("GET", "/version", handle_version, access=OPEN, summary="the pdserve version"),
-        Route("GET", "/health_generate", handle_health_generate, access=OPEN, summary="readiness: runs one step"),
+        Route("GET", "/health_generate", handle_health_generate, access=OPEN,
+              summary="readiness: runs one step"),
         Route("GET", "/metrics", handle_metrics, access=OPEN, summary="Prometheus metrics (no secrets)"),
     ], "pdserve node", VERSION)
 

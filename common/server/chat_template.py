@@ -1,4 +1,5 @@
-"""Render a chat template the way transformers' `apply_chat_template(..., tokenize=False)` does, with jinja2 alone.
+"""Render a chat template the way transformers' `apply_chat_template(..., tokenize=False)` does, with jinja2
+alone.
 
 Importing transformers costs a node's front end ~1.5 s of a core at every start, only to render templates
 and wrap the `tokenizers` library; `LightTokenizer` does both without it, and `tokenizer_load` uses it for a
@@ -73,7 +74,8 @@ def _raise(message: str):
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
 
 
 @functools.lru_cache(maxsize=8)
@@ -106,13 +108,15 @@ def _mark_final_content(message: dict) -> str:
         for i in range(len(content) - 1, -1, -1):
             part = content[i]
             if isinstance(part, dict) and "text" in part:
-                message["content"] = [*content[:i], {**part, "text": part["text"] + CONTINUE_MARK}, *content[i + 1:]]
+                message["content"] = [*content[:i],
+                                      {**part, "text": part["text"] + CONTINUE_MARK}, *content[i + 1:]]
                 return part["text"]
         raise ValueError("continue_final_message: the final message has no text part to continue")
     raise ValueError('continue_final_message: the final message has no "content" to continue')
 
 
-def render_chat(template: str, messages: list[dict], *, tools: list | None = None, documents: list | None = None,
+def render_chat(template: str, messages: list[dict], *, tools: list | None = None,
+                documents: list | None = None,
                 add_generation_prompt: bool = False, continue_final_message: bool = False,
                 variables: dict[str, Any] | None = None) -> str:
     """The prompt text `template` makes of `messages`; raises (jinja2's errors, ValueError) where the

@@ -108,7 +108,7 @@ def check_top_logprobs(tm: TokenizerManager, n: int, name: str, cap: int | None 
         raise BadRequest(f"`{name}` must be in [0, {limit}], got {n}")
 
 
-# ---------------------------------------------------------------------------------------------- per-item fields
+# -------------------------------------------------------------------------------------------- per-item fields
 def copy_of(sp: SamplingParams, j: int) -> SamplingParams:
     """The sampling parameters of copy j of a prompt sent with n > 1: each copy is a request of its own
     (n = 1); with a seed, copy j draws with seed + j, so the copies differ and the answer is still
@@ -142,9 +142,11 @@ def check_role(args, host: Any, port: Any, room: Any) -> None:
 
 
 def item_fields(args, req, n: int, batch: bool) -> list[dict[str, Any]]:
-    """The rid, the PD rendezvous (bootstrap_host/port/room) and the `priority` of each of the n items of a request, as
+    """The rid, the PD rendezvous (bootstrap_host/port/room) and the `priority` of each of the n items of a
+    request, as
     `TokenizedRequest` keywords. Each field is a scalar or a list with one entry per item; one rid for a
-    batch becomes `item_rids(rid, n)`; no rid is the client's X-Request-ID, else a fresh one per item. A batch on a PD node needs one
+    batch becomes `item_rids(rid, n)`; no rid is the client's X-Request-ID, else a fresh one per item. A batch
+    on a PD node needs one
     room per item. Ports and rooms were range-checked when the body was decoded (`common.protocol`'s
     `BootstrapPort` / `BootstrapRoom`); hosts are checked here (`normalize_hosts`), on every node role."""
     rid = req.rid if req.rid is not None else incoming_request_id.get()
@@ -164,8 +166,8 @@ def item_fields(args, req, n: int, batch: bool) -> list[dict[str, Any]]:
         raise BadRequest(f"`bootstrap_room` must be a list with one room per item for a batch of {n}")
     dp_ranks = data_parallel_ranks(args, req.data_parallel_rank, rooms)
     prios = per_item(req.priority, n, "priority", batch)
-    return [{"rid": r, "bootstrap_host": h, "bootstrap_port": p, "bootstrap_room": room, "priority": prio or 0,
-             "data_parallel_rank": dp}
+    return [{"rid": r, "bootstrap_host": h, "bootstrap_port": p,
+             "bootstrap_room": room, "priority": prio or 0, "data_parallel_rank": dp}
             for r, h, p, room, prio, dp in zip(rids, hosts, ports, rooms, prios, dp_ranks, strict=True)]
 
 
@@ -175,13 +177,14 @@ def data_parallel_ranks(args, rank: int | None, rooms: list[int | None]) -> list
     front end choose. A rank outside the node's groups, or one that contradicts the room, is refused."""
     size = getattr(args, "dp_size", 1)
     if rank is not None and rank >= size:
-        raise BadRequest(f"`data_parallel_rank` = {rank}, but this node has --dp-size {size} (ranks 0..{size - 1})")
+        raise BadRequest(f"`data_parallel_rank` = {rank}, but this node has --dp-size {size} (ranks "
+                         f"0..{size - 1})")
     out = []
     for room in rooms:
         by_room = room % size if room is not None else None
         if rank is not None and by_room is not None and by_room != rank:
-            raise BadRequest(f"`data_parallel_rank` = {rank} contradicts `bootstrap_room` {room}: a PD request runs "
-                             f"on DP group bootstrap_room mod {size} = {by_room}")
+            raise BadRequest(f"`data_parallel_rank` = {rank} contradicts `bootstrap_room` {room}: a PD "
+                             f"request runs on DP group bootstrap_room mod {size} = {by_room}")
         out.append(rank if rank is not None else by_room)
     return out
 

@@ -38,7 +38,8 @@ from common.server.run_dir import RunDir
 logger = logging.getLogger("server")
 
 READY_TIMEOUT = float(os.environ.get("PDSERVE_READY_TIMEOUT", "900"))
-CONNECT_TIMEOUT = 30.0  # seconds for ready ranks to connect to the sockets the front end bound after spawning them
+# seconds for ready ranks to connect to the sockets the front end bound after spawning them
+CONNECT_TIMEOUT = 30.0
 
 
 class LaunchError(RuntimeError):
@@ -92,7 +93,8 @@ class RankStarter(threading.Thread):
             for dp, ipc in enumerate(self.ipcs):
                 for rank in range(args.tp * args.pp_size):  # pipeline stage rank // tp, TP rank rank % tp
                     name = ("scheduler " + (f"dp {dp} " if args.dp_size > 1 else "")
-                            + (f"pp {rank // args.tp} tp {rank % args.tp}" if args.pp_size > 1 else f"rank {rank}"))
+                            + (f"pp {rank // args.tp} tp {rank % args.tp}"
+                               if args.pp_size > 1 else f"rank {rank}"))
                     parent, child = ctx.Pipe(duplex=False)
                     p = ctx.Process(target=run_scheduler_process,
                                     args=(args, self.model_dir, rank, ipc, child, self.scheduler_cls, dp),
@@ -172,12 +174,14 @@ async def _serve(args, tm, procs, names, model_dir: str, keys, ssl_context) -> N
     await tm.start()
     # served under the name it was started with (`--model` as given: "default", a Hub id, a path), as vLLM and
     # SGLang do, unless --served-model-name says otherwise
-    app = create_app(tm, model_path=model_dir, keys=keys, served_model_name=args.served_model_name or args.model)
+    app = create_app(tm, model_path=model_dir, keys=keys,
+                     served_model_name=args.served_model_name or args.model)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, ssl_context=ssl_context)
     await site.start()
-    logger.info("serving on %s://%s:%d (model %s, tp %d, dp %d, mode %s, %r)", "https" if ssl_context else "http",
+    logger.info("serving on %s://%s:%d (model %s, tp %d, dp %d, mode %s, %r)",
+                "https" if ssl_context else "http",
                 args.host, args.port, model_dir, args.tp, args.dp_size, args.disaggregation_mode, keys)
 
     async def watch() -> None:

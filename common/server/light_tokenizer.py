@@ -19,7 +19,8 @@ from typing import Any
 
 from common.server.chat_template import render_chat
 
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                        "cls_token", "mask_token")
 EXTRA_SPECIAL_TOKENS = ("additional_special_tokens", "extra_special_tokens")
 
 
@@ -80,7 +81,8 @@ class LightTokenizer:
         try:
             config = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
             template = _read_chat_template(path, config) if chat_template is None else chat_template
-            if not os.path.isfile(os.path.join(path, "tokenizer.json")) or config.get("clean_up_tokenization_spaces"):
+            if not os.path.isfile(os.path.join(path, "tokenizer.json")) \
+                    or config.get("clean_up_tokenization_spaces"):
                 return None
             return cls(Tokenizer.from_file(os.path.join(path, "tokenizer.json")), config, template)
         except Exception:  # unreadable files, a tokenizer.json the library refuses (its own exception type)
@@ -102,7 +104,8 @@ class LightTokenizer:
             ids = [ids]
         return self.backend_tokenizer.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
-    def apply_chat_template(self, messages: list[dict], tools: list | None = None, *, documents: list | None = None,
+    def apply_chat_template(self, messages: list[dict], tools: list | None = None, *,
+                            documents: list | None = None,
                             add_generation_prompt: bool = False, continue_final_message: bool = False,
                             tokenize: bool = False, **variables) -> str:
         if tokenize:

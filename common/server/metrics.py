@@ -29,8 +29,8 @@ SGLANG_GAUGES = {
     "sglang:cache_hit_rate": ("cache_hit_rate", "share of prompt tokens served from the prefix cache"),
     "sglang:gen_throughput": ("gen_throughput", "decode throughput (tokens/s, last 10 s)"),
     "sglang:max_running_requests": ("max_running_requests", "most requests in the running batch"),
-    "sglang:spec_accept_length": ("spec_accept_length", "speculative decoding: tokens a request gets per verify "
-                                                        "forward, since start (1: no draft accepted)"),
+    "sglang:spec_accept_length": ("spec_accept_length", "speculative decoding: tokens a request gets per "
+                                                        "verify forward, since start (1: no draft accepted)"),
 }
 
 # scheduler stats without an SGLang name: pdserve_<key>; "counter" ones only grow
@@ -43,8 +43,8 @@ STAT_METRICS = {
     "spec_verify_steps": ("counter", "speculative decoding: forwards that verified drafts"),
     "spec_draft_tokens": ("counter", "speculative decoding: draft tokens proposed"),
     "spec_accepted_tokens": ("counter", "speculative decoding: draft tokens the model confirmed"),
-    "num_overlapped_steps": ("counter", "decode steps built while the step before was still computing (overlap "
-                                        "scheduling)"),
+    "num_overlapped_steps": ("counter", "decode steps built while the step before was still computing "
+                                        "(overlap scheduling)"),
     "num_mixed_steps": ("counter", "prefill forwards the running requests decoded in (--enable-mixed-chunk)"),
     "num_prealloc_tokens": ("gauge", "decode: KV tokens preallocated for requests still being transferred"),
     "metadata_slots_free": ("gauge", "free MetadataBuffers slots"),
@@ -53,46 +53,55 @@ STAT_METRICS = {
     "prealloc_slots_total": ("gauge", "decode: request rows of the preallocation budget"),
     "req_rows_free": ("gauge", "free request rows (req-to-token rows, running and preallocated)"),
     "req_rows_total": ("gauge", "request rows (req-to-token rows, running and preallocated)"),
-    "kv_quarantined_pages": ("gauge", "decode: KV pages of failed rooms held until their prefill ranks stop writing"),
-    "kv_quarantined_rooms": ("gauge", "decode: failed rooms whose memory is held until their prefill ranks stop"),
+    "kv_quarantined_pages": ("gauge",
+                             "decode: KV pages of failed rooms held until their prefill ranks stop writing"),
+    "kv_quarantined_rooms": ("gauge",
+                             "decode: failed rooms whose memory is held until their prefill ranks stop"),
     "core_loan_idle_seconds": ("counter", "prefill, lending its cores (--core-loan-file): seconds it had no "
                                           "forward to run, its cores lent to its decode node"),
     "core_loan_forwards": ("counter", "decode, borrowing (--core-loan-cores): forwards run"),
-    "core_loan_lent_forwards": ("counter", "decode, borrowing (--core-loan-cores): forwards run with threads on the "
-                                           "prefill node's idle cores too"),
-    "core_loan_contended_forwards": ("counter", "decode, borrowing: lent forwards the prefill node woke up during "
-                                                "(they shared its cores until they ended)"),
+    "core_loan_lent_forwards": ("counter", "decode, borrowing (--core-loan-cores): forwards run with threads "
+                                           "on the prefill node's idle cores too"),
+    "core_loan_contended_forwards": ("counter", "decode, borrowing: lent forwards the prefill node woke up "
+                                                "during (they shared its cores until they ended)"),
     "num_local_prefills": ("counter", "decode: requests without a PD rendezvous prefilled on this node "
                                       "(--disaggregation-local-prefill)"),
     "pd_requests_open": ("gauge", "requests the PD role tracks (bootstrap, transfer, inflight or waiting)"),
     "transfer_rooms_open": ("gauge", "transfer rooms (senders or receivers) not ended yet"),
-    "transfer_rooms_draining": ("gauge", "failed rooms waiting for their last write (prefill) or AbortAck (decode)"),
+    "transfer_rooms_draining": ("gauge",
+                                "failed rooms waiting for their last write (prefill) or AbortAck (decode)"),
     "transfer_rooms_pending_info": ("gauge", "prefill: rooms with a TransferInfo and no sender yet"),
     "transfer_early_aborts": ("gauge", "prefill: Aborts recorded before their room's TransferInfo"),
-    "transfer_peers_registered": ("gauge", "peer ranks registered (prefill: decode RegisterPeers; decode: prefill "
-                                           "ranks told)"),
+    "transfer_peers_registered": ("gauge", "peer ranks registered (prefill: decode RegisterPeers; decode: "
+                                           "prefill ranks told)"),
     "transfer_peers_watched": ("gauge", "peer ranks under heartbeat watch"),
     "transfer_engine_peers": ("gauge", "peers added to the transfer engine"),
-    "transfer_paused_seconds": ("counter", "seconds the heartbeat timer did not run beyond one interval (process "
-                                           "paused or starved); peers' silence over them is not counted"),
+    "transfer_paused_seconds": ("counter", "seconds the heartbeat timer did not run beyond one interval "
+                                           "(process paused or starved); peers' silence over them is "
+                                           "not counted"),
     "transfer_aborts": ("counter", "KV transfers aborted (the request ended before its transfer did)"),
-    "control_registrations_expired": ("counter", "registered peers without rooms dropped after missing heartbeats"),
+    "control_registrations_expired": ("counter",
+                                      "registered peers without rooms dropped after missing heartbeats"),
     "control_dropped_unauthenticated": ("counter", "control-plane frames without a valid MAC, dropped"),
-    "control_dropped_stale_or_replayed": ("counter", "control-plane frames outside the time window or replayed"),
+    "control_dropped_stale_or_replayed": ("counter",
+                                          "control-plane frames outside the time window or replayed"),
     "control_dropped_oversized": ("counter", "control-plane frames over the size limit, dropped"),
     "control_dropped_undecodable": ("counter", "control-plane frames that did not decode, dropped"),
     "control_send_failures": ("counter", "control-plane sends that could not be queued"),
     "control_peers_open": ("gauge", "control-plane sockets open to peers"),
     "control_peers_evicted": ("counter", "control-plane sockets closed as least recently used"),
     "control_pings_ignored": ("counter", "pings from unknown senders left unanswered"),
-    "control_registrations_refused": ("counter", "RegisterPeers refused (would redirect a peer's live rooms, or "
-                                                 "every registered decode rank has rooms)"),
+    "control_registrations_refused": ("counter", "RegisterPeers refused (would redirect a peer's live rooms, "
+                                                 "or every registered decode rank has rooms)"),
     "control_registrations_evicted": ("counter", "idle decode registrations dropped for new ones"),
     "bootstrap_dropped_unauthenticated": ("counter", "bootstrap requests without a valid MAC (401)"),
-    "bootstrap_dropped_stale_or_replayed": ("counter", "bootstrap requests outside the time window or replayed (401)"),
+    "bootstrap_dropped_stale_or_replayed": ("counter",
+                                            "bootstrap requests outside the time window or replayed (401)"),
     "bootstrap_dropped_oversized": ("counter", "bootstrap requests over the body limit (413)"),
-    "bootstrap_dropped_undecodable": ("counter", "bootstrap requests with undecodable bodies or fields (400)"),
-    "bootstrap_registrations_refused": ("counter", "registrations refused: the rank is alive elsewhere (409)"),
+    "bootstrap_dropped_undecodable": ("counter",
+                                      "bootstrap requests with undecodable bodies or fields (400)"),
+    "bootstrap_registrations_refused": ("counter",
+                                        "registrations refused: the rank is alive elsewhere (409)"),
     "bootstrap_registrations_replaced": ("counter", "registrations that replaced a dead rank's address"),
 }
 
@@ -125,7 +134,8 @@ class _StatsCollector:
 
     def collect(self):
         stats, model = self.metrics.stats, self.metrics.model_name
-        yield _gauge("pdserve_healthy", "1 while every scheduler process is alive", model, self.metrics.healthy.value)
+        yield _gauge("pdserve_healthy", "1 while every scheduler process is alive", model,
+                     self.metrics.healthy.value)
         if not stats:
             return
         for name, (key, help) in SGLANG_GAUGES.items():
@@ -157,15 +167,17 @@ class _StatsCollector:
             yield fam
         if _number(stats.get("transfer_failures")):
             boot = stats.get("transfer_failures_bootstrap", 0)
-            fam = CounterMetricFamily("pdserve_kv_transfer_failures", "failed KV transfers by cause: bootstrap "
-                                      "(before any KV moved) or transfer", labels=["model_name", "cause"])
+            fam = CounterMetricFamily("pdserve_kv_transfer_failures", "failed KV transfers by cause: "
+                                      "bootstrap (before any KV moved) or transfer",
+                                      labels=["model_name", "cause"])
             fam.add_metric([model, "bootstrap"], boot)
             fam.add_metric([model, "transfer"], stats["transfer_failures"] - boot)
             yield fam
         for name, key, help in (("pdserve_kv_transfer_latency_seconds", "transfer_latency_hist",
                                  "time from a room's first KV write to its Success"),
                                 ("pdserve_queue_time_seconds", "queue_time_hist",
-                                 "time from a request's arrival to its first prefill step (every queue included)")):
+                                 "time from a request's arrival to its first prefill step (every queue "
+                                 "included)")):
             fam = _histogram(name, help, model, stats.get(key))
             if fam is not None:
                 yield fam
@@ -225,14 +237,16 @@ class Metrics:
         self.cached_tokens = counter("sglang:cached_tokens", "prompt tokens served from the prefix cache")
         self.requests = counter("pdserve_requests", "finished HTTP requests by endpoint and status",
                                 ("endpoint", "status"))
-        self.aborted = counter("pdserve_aborted_requests", "requests aborted (client gone, abort_request, error)")
+        self.aborted = counter("pdserve_aborted_requests",
+                               "requests aborted (client gone, abort_request, error)")
         self.ttft = histogram("sglang:time_to_first_token_seconds", "time from arrival to the first token",
                               LATENCY_BUCKETS)
         self.e2e = histogram("sglang:e2e_request_latency_seconds", "time from arrival to the last token",
                              LATENCY_BUCKETS)
-        self.itl = histogram("sglang:inter_token_latency_seconds", "time between two output tokens", ITL_BUCKETS)
-        self.tpot = histogram("sglang:time_per_output_token_seconds", "a request's decode time per output token "
-                              "after the first", ITL_BUCKETS)
+        self.itl = histogram("sglang:inter_token_latency_seconds",
+                             "time between two output tokens", ITL_BUCKETS)
+        self.tpot = histogram("sglang:time_per_output_token_seconds", "a request's decode time per output "
+                              "token after the first", ITL_BUCKETS)
         self.healthy = _Value(1)
         self.registry.register(_StatsCollector(self))
 

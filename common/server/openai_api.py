@@ -170,7 +170,7 @@ async def _stream_items(resp, tm: TokenizerManager, states: list[ReqState], noti
             done[i] = finished
 
 
-# ---------------------------------------------------------------------------------------------- /v1/completions
+# -------------------------------------------------------------------------------------------- /v1/completions
 async def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[list[int]], bool]:
     """The prompts' ids, and whether `prompt` is a batch (a list of strings or of id lists)."""
     if isinstance(prompt, str):
@@ -186,7 +186,8 @@ async def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[l
     return [tm.check_ids(prompt, "prompt")], False
 
 
-FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+              ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
 
 
 def fim_prompt(tm: TokenizerManager, prompt: Any, suffix: str) -> str:
@@ -198,7 +199,8 @@ def fim_prompt(tm: TokenizerManager, prompt: Any, suffix: str) -> str:
     for pre, suf, mid in FIM_TOKENS:
         if pre in vocab and suf in vocab and mid in vocab:
             return f"{pre}{prompt}{suf}{suffix}{mid}"
-    raise BadRequest("`suffix`: this model has no fill-in-the-middle tokens (<fim_prefix>, <fim_suffix>, <fim_middle>)")
+    raise BadRequest("`suffix`: this model has no fill-in-the-middle tokens (<fim_prefix>, <fim_suffix>, "
+                     "<fim_middle>)")
 
 
 class CompletionLogprobs:
@@ -206,7 +208,8 @@ class CompletionLogprobs:
     prompt's entries come first, on the node that computes them: not on a decode node that receives the
     prompt's KV (the prefill node does), and a prefill node answers those alone."""
 
-    def __init__(self, tm: TokenizerManager, req: CompletionRequest, treqs: list[TokenizedRequest], echo: list[str]):
+    def __init__(self, tm: TokenizerManager, req: CompletionRequest,
+                 treqs: list[TokenizedRequest], echo: list[str]):
         self.tm, self.echo = tm, echo
         self.top, self.as_ids = bool(req.logprobs), req.return_tokens_as_token_ids
         mode = tm.args.disaggregation_mode
@@ -239,7 +242,8 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     prompts = [truncated(tm, ids, req) for ids in prompts]
     want_lp = req.logprobs is not None
     treqs = _treqs(tm, req, prompts, batch, default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, prompt_field="prompt",
-                   logprobs=want_lp, top_n=req.logprobs or 0, logprob_start_len=0 if want_lp and req.echo else -1)
+                   logprobs=want_lp, top_n=req.logprobs or 0,
+                   logprob_start_len=0 if want_lp and req.echo else -1)
     n = req.n
     echo = [await tm.decode(ids) if req.echo else "" for ids in prompts for _ in range(n)]  # before submit
     lps = CompletionLogprobs(tm, req, treqs, echo) if want_lp else None
@@ -251,10 +255,11 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         choices = [{"index": i, "text": echo[i] + st.text,
                     "logprobs": lps.of(i, st, 0, len(st.output_logprobs)) if lps else None,
                     "finish_reason": _finish_reason(st)} for i, st in enumerate(states)]
-        return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                "usage": _usage(states, n)}
+        return {"id": cid, "object": "text_completion", "created": created,
+                "model": model, "choices": choices, "usage": _usage(states, n)}
 
-    stream = ((lambda resp: _stream_completions(resp, tm, req, states, notify, cid, created, model, echo, lps))
+    stream = ((lambda resp: _stream_completions(resp, tm, req, states, notify, cid,
+                                                created, model, echo, lps))
               if req.stream else None)
     return await respond(request, tm, states, notify, stream, body, error_of=_abort_error)
 
@@ -275,9 +280,10 @@ async def _stream_completions(resp, tm, req, states, notify, cid, created, model
         if started[i] and not delta and not finished and (lps is None or n_lp == sent_lp[i]):
             continue
         lp = lps.of(i, st, sent_lp[i], n_lp, first=not started[i]) if lps is not None else None
-        await sse_send(resp, usage.add({"id": cid, "object": "text_completion", "created": created, "model": model,
-                                        "choices": [{"index": i, "text": delta, "logprobs": lp,
-                                                     "finish_reason": _finish_reason(st) if finished else None}]}))
+        await sse_send(resp,
+                       usage.add({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                  "choices": [{"index": i, "text": delta, "logprobs": lp,
+                                               "finish_reason": _finish_reason(st) if finished else None}]}))
         started[i] = True
         sent_text[i] = len(st.text)
         sent_lp[i] = n_lp
@@ -287,7 +293,7 @@ async def _stream_completions(resp, tm, req, states, notify, cid, created, model
     await sse_done(resp)
 
 
-# ---------------------------------------------------------------------------------------------- /v1/chat/completions
+# --------------------------------------------------------------------------------------- /v1/chat/completions
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     if not messages:
         raise BadRequest("`messages` is empty; send at least one message")
@@ -308,13 +314,15 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             content = "".join(texts)
         if not content and m.refusal is not None:
             content = m.refusal
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": content or ""}
         if m.reasoning_content is not None:
             msg["reasoning_content"] = m.reasoning_content
         if m.tool_calls is not None:
             if m.role != "assistant":
                 raise BadRequest(f"`messages[{i}].tool_calls` is only for assistant messages")
-            msg["tool_calls"] = [dict(c, function=dict(c["function"])) if isinstance(c.get("function"), dict) else c
+            msg["tool_calls"] = [dict(c, function=dict(c["function"]))
+                                 if isinstance(c.get("function"), dict) else c
                                  for c in m.tool_calls]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
@@ -340,8 +348,8 @@ def template_inputs(tm: TokenizerManager, req: ChatCompletionRequest) -> dict[st
         if value is None:
             continue
         if name not in template:
-            raise BadRequest(f"`{name}`: this model's chat template does not read it, so it would change nothing "
-                             "(start the node with a --chat-template that does)")
+            raise BadRequest(f"`{name}`: this model's chat template does not read it, so it would change "
+                             "nothing (start the node with a --chat-template that does)")
         if name != "documents":
             if name in kwargs and kwargs[name] != value:
                 raise BadRequest(f"`{name}` and `chat_template_kwargs.{name}` give different values")
@@ -362,7 +370,8 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
         raise BadRequest("`continue_final_message` needs the last message to be the assistant's")
     ids = await tm.apply_chat_template(chat_messages(req.messages), plan.tools, template_inputs(tm, req),
                                        add_generation_prompt=req.add_generation_prompt,
-                                       continue_final_message=req.continue_final_message, documents=req.documents)
+                                       continue_final_message=req.continue_final_message,
+                                       documents=req.documents)
     ids = truncated(tm, ids, req)
     treqs = _treqs(tm, req, [ids], False, default_max=None, prompt_field="messages", logprobs=req.logprobs,
                    top_n=req.top_logprobs or 0, grammar=plan.grammar)
@@ -398,7 +407,8 @@ async def _stream_chat(resp, tm, req, plan, states, notify, cid, created, model)
     def chunk(i, delta, finish=None, logprobs=None):
         return usage.add({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                           "system_fingerprint": None,
-                          "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+                          "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
+                                       "finish_reason": finish}]})
 
     for i in range(len(states)):
         await sse_send(resp, chunk(i, {"role": "assistant", "content": ""}))
@@ -420,6 +430,7 @@ async def _stream_chat(resp, tm, req, plan, states, notify, cid, created, model)
                 finish = "tool_calls"
             await sse_send(resp, chunk(i, {}, finish))
     if usage.final:
-        await sse_send(resp, {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                              "system_fingerprint": None, "choices": [], "usage": _usage(states, req.n)})
+        await sse_send(resp,
+                       {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "system_fingerprint": None, "choices": [], "usage": _usage(states, req.n)})
     await sse_done(resp)

@@ -36,7 +36,8 @@ def output_entries(st: ReqState, start: int, end: int) -> list[Entry]:
             for k, (lp, tid) in enumerate(st.output_logprobs[start:end])]
 
 
-def completion_logprobs(tm: TokenizerManager, entries: list[Entry], offset: int, top: bool, as_ids: bool) -> dict:
+def completion_logprobs(tm: TokenizerManager, entries: list[Entry], offset: int,
+                        top: bool, as_ids: bool) -> dict:
     """The legacy lists of `entries`, their text offsets counted from `offset`; `top_logprobs` null
     without `top` (logprobs 0), and null at a position with no row (the prompt's first token)."""
     tokens = names(tm, [e[0] for e in entries], as_ids)
@@ -74,6 +75,7 @@ def chat_logprobs(tm: TokenizerManager, st: ReqState, start: int, end: int, as_i
         row = row or []
         row_names = names(tm, [q[1] for q in row], as_ids)
         content.append({"token": name, "logprob": float(lp), "bytes": list(name.encode("utf-8")),
-                        "top_logprobs": [{"token": n, "logprob": float(q[0]), "bytes": list(n.encode("utf-8"))}
+                        "top_logprobs": [{"token": n, "logprob": float(q[0]),
+                                          "bytes": list(n.encode("utf-8"))}
                                          for n, q in zip(row_names, row, strict=True)]})
     return {"content": content}

@@ -29,7 +29,8 @@ ERROR_SCHEMA = {
 # OpenAI-style endpoints clients call that this text-generation server does not serve: each answers a JSON 404
 # that says so (a 5xx would make the OpenAI SDK retry)
 UNSERVED = {"/v1/embeddings": "embeddings", "/v1/responses": "the Responses API",
-            "/v1/audio/transcriptions": "audio", "/v1/audio/translations": "audio", "/v1/audio/speech": "audio",
+            "/v1/audio/transcriptions": "audio", "/v1/audio/translations": "audio",
+            "/v1/audio/speech": "audio",
             "/v1/images/generations": "images", "/v1/moderations": "moderation", "/v1/rerank": "reranking",
             "/v1/score": "scoring", "/v1/files": "files", "/v1/batches": "batches"}
 
@@ -83,7 +84,8 @@ def _operation(r: Route) -> dict[str, Any]:
     if r.stream:
         ok_content["text/event-stream"] = {"schema": {"type": "string"}}
     op: dict[str, Any] = {
-        "operationId": (r.method.lower() + r.openapi_path.replace("/", "_").replace("{", "").replace("}", "")),
+        "operationId": (r.method.lower()
+                        + r.openapi_path.replace("/", "_").replace("{", "").replace("}", "")),
         "summary": r.summary or r.path,
         "responses": {"200": {"description": "OK", "content": ok_content}, "default": error},
     }
@@ -98,7 +100,8 @@ def _operation(r: Route) -> dict[str, Any]:
     return op
 
 
-def openapi_document(title: str, version: str, routes: Iterable[Route], description: str = "") -> dict[str, Any]:
+def openapi_document(title: str, version: str, routes: Iterable[Route],
+                     description: str = "") -> dict[str, Any]:
     routes = list(routes)
     bodies = list(dict.fromkeys(r.body for r in routes if r.body is not None))
     _, schemas = msgspec.json.schema_components(bodies, ref_template="#/components/schemas/{name}")

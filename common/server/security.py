@@ -2,11 +2,12 @@
 
 Keys by role, each read from a file or the environment (never printed, compared in constant time):
 
-| role   | flag / environment                                           | accepted on |
-|--------|--------------------------------------------------------------|-------------|
-| client | `--api-key-file`, `PDSERVE_API_KEY(_FILE)`; `--api-key VALUE` | public routes (generation, `/v1/*`, info) |
-| admin  | `--admin-api-key-file`, `PDSERVE_ADMIN_API_KEY(_FILE)`        | admin routes (`/workers`, `/flush_cache`, abort-all) |
-| node   | `--node-api-key-file`, `PDSERVE_NODE_API_KEY(_FILE)`          | a node: every route; the router sends it on every hop |
+* client: `--api-key-file`, `PDSERVE_API_KEY(_FILE)` or `--api-key VALUE`; accepted on the public routes
+  (generation, `/v1/*`, info);
+* admin: `--admin-api-key-file`, `PDSERVE_ADMIN_API_KEY(_FILE)`; accepted on the admin routes (`/workers`,
+  `/flush_cache`, abort-all);
+* node: `--node-api-key-file`, `PDSERVE_NODE_API_KEY(_FILE)`; accepted on every route of a node: the router
+  sends it on every hop.
 
 Open routes (liveness/readiness probes, `/metrics`, `/openapi.json`) need no key. A public route is
 open while its server has none of the keys that route accepts. Without an admin key, admin routes are
@@ -58,7 +59,8 @@ def _check_key(raw: str, where: str) -> bytes:
     if not key:
         raise KeySourceError(f"{where}: the key is empty")
     if len(key) > MAX_KEY_LENGTH or not all(0x21 <= ord(c) <= 0x7E for c in key):
-        raise KeySourceError(f"{where}: a key is 1-{MAX_KEY_LENGTH} printable ASCII characters without spaces")
+        raise KeySourceError(f"{where}: a key is 1-{MAX_KEY_LENGTH} printable ASCII characters "
+                             "without spaces")
     return key.encode()
 
 
@@ -71,7 +73,8 @@ def _read_key_file(path: str, where: str) -> bytes:
         reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
         raise KeySourceError(f"{where}: cannot read key file {path!r}: {reason}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        warn_once(log, f"key file {path} can be read by other users (mode {stat.S_IMODE(mode):o}); chmod 600 it")
+        warn_once(log,
+                  f"key file {path} can be read by other users (mode {stat.S_IMODE(mode):o}); chmod 600 it")
     return _check_key(raw, f"{where} ({path})")
 
 
@@ -104,15 +107,16 @@ class Keys:
         self.client, self.admin, self.node = client, admin, node
 
     def __repr__(self) -> str:
-        return "Keys(" + ", ".join(f"{r}={'set' if getattr(self, r) else 'unset'}" for r in self.__slots__) + ")"
+        return "Keys(" \
+            + ", ".join(f"{r}={'set' if getattr(self, r) else 'unset'}" for r in self.__slots__) + ")"
 
     @classmethod
     def load(cls, *, api_key: str | None = None, api_key_file: str | None = None,
              admin_api_key_file: str | None = None, node_api_key_file: str | None = None,
              env: Mapping[str, str] | None = None, logger: logging.Logger | None = None) -> Keys:
         if api_key:
-            warn_once(logger or log, "--api-key puts the key on the command line, where `ps` shows it to every "
-                      "user; use --api-key-file or PDSERVE_API_KEY(_FILE)")
+            warn_once(logger or log, "--api-key puts the key on the command line, where `ps` shows it to "
+                      "every user; use --api-key-file or PDSERVE_API_KEY(_FILE)")
         return cls(load_key("client", path=api_key_file, value=api_key, env=env),
                    load_key("admin", path=admin_api_key_file, env=env),
                    load_key("node", path=node_api_key_file, env=env))

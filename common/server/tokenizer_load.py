@@ -46,13 +46,16 @@ PROBE_TOOLS = [{"type": "function", "function": {
 PROBE_CHATS = (  # (messages, tools, add_generation_prompt, continue_final_message, variables)
     ([{"role": "user", "content": "Hi there"}], None, True, False, {}),
     ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "One?"},
-      {"role": "assistant", "content": "Two."}, {"role": "user", "content": "Three?"}], None, False, False, {}),
+      {"role": "assistant", "content": "Two."}, {"role": "user", "content": "Three?"}],
+     None, False, False, {}),
     ([{"role": "user", "content": "Start a list"}, {"role": "assistant", "content": "1. eggs\n2. "}],
      None, False, True, {}),
-    ([{"role": "user", "content": "Weather in Paris?"}], PROBE_TOOLS, True, False, {"enable_thinking": False}),
+    ([{"role": "user", "content": "Weather in Paris?"}], PROBE_TOOLS, True, False,
+     {"enable_thinking": False}),
     ([{"role": "user", "content": "Weather in Paris?"},
       {"role": "assistant", "content": None, "reasoning_content": "Use the tool.", "tool_calls": [
-          {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+          {"id": "c1", "type": "function",
+           "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
       {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], PROBE_TOOLS, True, False, {}),
     ([{"role": "user", "content": [{"type": "text", "text": "parts"}, {"type": "text", "text": " of text"}]}],
      None, True, False, {}),
@@ -104,7 +107,8 @@ def light_mismatch(hf, light) -> str | None:
         return "the backend tokenizer differs from tokenizer.json"
     if len(hf) != len(light) or hf.get_vocab() != light.get_vocab():
         return "the vocabulary"
-    if special_token_ids(hf) != special_token_ids(light) or set(hf.all_special_ids) != set(light.all_special_ids):
+    if special_token_ids(hf) != special_token_ids(light) \
+            or set(hf.all_special_ids) != set(light.all_special_ids):
         return "the special token ids"
     if hf.special_tokens_map != light.special_tokens_map:
         return "the special tokens' names"
@@ -183,7 +187,8 @@ def load_tokenizer(path: str, chat_template: str | None = None):
     hf = _transformers_tokenizer(path, entry.get("class"))
     if "light" in entry:
         logger.info("tokenizer at %s: transformers' %s (%s)", path, type(hf).__name__,
-                    "the light one differed at its check" if not entry["light"] else "the light one cannot read it")
+                    "the light one differed at its check" if not entry["light"]
+                    else "the light one cannot read it")
     if chat_template is not None:
         hf.chat_template = chat_template
     if cache is not None and ("light" not in entry or entry.get("class") != type(hf).__name__):
@@ -196,7 +201,7 @@ def load_tokenizer(path: str, chat_template: str | None = None):
             logger.info("tokenizer at %s: transformers' %s at every start (the light one differs in %s)",
                         path, type(hf).__name__, why)
         else:
-            logger.info("tokenizer at %s: checked against transformers' %s; later starts read it without transformers",
-                        path, type(hf).__name__)
+            logger.info("tokenizer at %s: checked against transformers' %s; later starts read it without "
+                        "transformers", path, type(hf).__name__)
         write_entry(cache, {"class": type(hf).__name__, "path": os.path.realpath(path), "light": not why})
     return hf

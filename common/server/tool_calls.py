@@ -48,7 +48,8 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for i, t in enumerate(tools):
         # vLLM's tools may leave `type` out: a function is the only kind
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+        if not isinstance(t, dict) or t.get("type", "function") != "function" \
+                or not isinstance(t.get("function"), dict):
             raise BadRequest(f"`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{...}}}}")
         f = t["function"]
         name = f.get("name")

@@ -28,7 +28,8 @@ def test_serve_rejects_bad_settings_with_the_flag_name():
 
 
 COMMAND_LINES = [["serve"], ["prefill"], ["decode"], ["router"], ["cluster"], ["convert"]] + [
-    ["bench", b] for b in ("engine", "transfer", "router", "serve", "compare", "chaos", "kv_routing", "retract")]
+    ["bench", b]
+    for b in ("engine", "transfer", "router", "serve", "compare", "chaos", "kv_routing", "retract")]
 
 
 def test_every_flag_of_every_command_has_help_and_shows_its_default(monkeypatch):

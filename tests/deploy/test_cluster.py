@@ -43,7 +43,8 @@ def read_until(proc: subprocess.Popen, marker: str, timeout: float = 600) -> lis
 
 
 def test_cluster_command_serves_pins_and_stops_on_ctrl_c(tiny_model_dir, tmp_path):
-    """With no --cpu-affinity every node gets cores of its own (deploy/placement.py) and as many torch threads."""
+    """With no --cpu-affinity every node gets cores of its own (deploy/placement.py) and as many torch
+    threads."""
     cores = sorted(os.sched_getaffinity(0))
     want = plan(1, 1, cores)
     args = ["--prefill", "1", "--decode", "1", "--transfer-backend", "fake", "--model", tiny_model_dir,
@@ -78,7 +79,8 @@ def test_cluster_command_serves_pins_and_stops_on_ctrl_c(tiny_model_dir, tmp_pat
                 assert p.environ().get("OMP_WAIT_POLICY") == want.env.get("OMP_WAIT_POLICY",
                                                                           os.environ.get("OMP_WAIT_POLICY"))
             status, info = http_json("GET", children[name]["url"] + "/server_info")
-            assert status == 200 and info["stats"]["torch_threads"] == len(want.cores[name]), info.get("stats")
+            assert status == 200 \
+                and info["stats"]["torch_threads"] == len(want.cores[name]), info.get("stats")
             # what --device / --dtype / --attention-backend auto resolved to on this CPU machine
             assert (info["device"], info["dtype"], info["attention_backend"]) == ("cpu", "float32", "native")
             assert info["disable_cuda_graph"] is True and info["cuda_graph_batch_sizes"] == []
@@ -87,9 +89,11 @@ def test_cluster_command_serves_pins_and_stops_on_ctrl_c(tiny_model_dir, tmp_pat
             # the decode node borrowed the prefill node's core while it idled (common/core_loan.py)
             stats = {n: http_json("GET", children[n]["url"] + "/server_info")[1]["stats"] for n in children
                      if n != "router"}
-            assert stats["prefill-0"]["core_loan_role"] == "lender" and stats["prefill-0"]["core_loan_idle_seconds"] > 0
+            assert stats["prefill-0"]["core_loan_role"] == "lender" \
+                and stats["prefill-0"]["core_loan_idle_seconds"] > 0
             assert stats["decode-0"]["core_loan_role"] == "borrower"
-            assert 1 <= stats["decode-0"]["core_loan_lent_forwards"] <= stats["decode-0"]["core_loan_forwards"]
+            assert 1 <= stats["decode-0"]["core_loan_lent_forwards"] \
+                <= stats["decode-0"]["core_loan_forwards"]
             scheduler = psutil.Process(children["decode-0"]["pid"]).children(recursive=True)
             lent = ",".join(map(str, want.cores["prefill-0"]))
             pinned = [_allowed(p.pid, t.id) for p in scheduler for t in p.threads()]
@@ -149,7 +153,8 @@ def test_child_dying_at_start_is_named_with_its_log(tiny_model_dir, tmp_path):
     manifest = json.loads((tmp_path / "cluster.json").read_text())
     for child in manifest["children"]:
         pid = child["pid"]
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, child["name"]
+        assert not psutil.pid_exists(pid) \
+            or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, child["name"]
 
 
 def test_launcher_rejects_bad_flags_before_starting_anything(tmp_path):
@@ -178,7 +183,8 @@ def test_affinity_and_core_parsing():
 
 def test_cluster_args_reach_every_node(tiny_model_dir):
     c = cl.cluster_from_args(["--prefill", "2", "--decode", "3", "--transfer-backend", "nixl", "--model",
-                              tiny_model_dir, "--tp", "1", "--page-size", "32", "--chunked-prefill-size", "64",
+                              tiny_model_dir, "--tp", "1", "--page-size", "32",
+                              "--chunked-prefill-size", "64",
                               "--max-running-requests", "7", "--policy", "power_of_two",
                               "--decode-args", "--max-total-tokens 4096"])
     assert (c.num_prefill, c.num_decode, c.transfer_backend) == (2, 3, "nixl")
@@ -197,7 +203,8 @@ def test_cluster_args_reach_every_node(tiny_model_dir):
 
 def test_conditional_disaggregation_is_on_by_default(tiny_model_dir):
     """Decode nodes take requests without a rendezvous, in small chunks unless a chunk size is given; the
-    router sends them while the prefill node has three prefills in flight; --local-prefill-queue 0 turns it off."""
+    router sends them while the prefill node has three prefills in flight; --local-prefill-queue 0 turns it
+    off."""
     c = cl.cluster_from_args(["--model", tiny_model_dir])
     assert c.local_prefill_queue == cl.DEFAULT_LOCAL_PREFILL_QUEUE == 3
     decode = c._node_cmd("decode", 1, 0)

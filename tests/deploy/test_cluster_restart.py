@@ -52,7 +52,8 @@ def test_killed_decode_comes_back_on_its_port_until_the_restart_limit(tiny_model
         # a crash of the node's main process: the launcher cleans up its scheduler and starts it again
         os.kill(victim["pid"], signal.SIGKILL)
         lines = read_until(proc, "decode-1: restarted on port", timeout=60)
-        assert any("decode-1: exited with code -9; restart 1/1 in 1s on port" in line for line in lines), lines
+        assert any("decode-1: exited with code -9; restart 1/1 in 1s on port" in line
+                   for line in lines), lines
         read_until(proc, "decode-1: healthy again on port", timeout=300)
         now = {c["name"]: c for c in json.loads((tmp_path / "cluster.json").read_text())["children"]}
         assert now["decode-1"]["port"] == victim["port"] and now["decode-1"]["pid"] != victim["pid"]
@@ -62,7 +63,8 @@ def test_killed_decode_comes_back_on_its_port_until_the_restart_limit(tiny_model
 
         # the second crash within the window is over --max-restarts 1: reported, not restarted
         os.kill(now["decode-1"]["pid"], signal.SIGKILL)
-        read_until(proc, "decode-1: exited with code -9; not restarted: 1 restarts in the last 600s", timeout=60)
+        read_until(proc,
+                   "decode-1: exited with code -9; not restarted: 1 restarts in the last 600s", timeout=60)
         time.sleep(2)
         assert not psutil.pid_exists(now["decode-1"]["pid"]) or \
             psutil.Process(now["decode-1"]["pid"]).status() == psutil.STATUS_ZOMBIE

@@ -85,11 +85,13 @@ def test_given_fractions_are_kept_and_must_fit_on_their_gpu():
     p = plan(1, 1, gpus=1, node=["--mem-fraction-static", "0.4"])
     assert [n.fraction for n in p.nodes.values()] == [None, None]  # the nodes already have theirs
     assert "--mem-fraction-static" not in p.node_flags("decode-0")
-    assert p.describe().splitlines()[2] == "  decode-0: cuda:0 (shared with prefill-0, --mem-fraction-static 0.4 given)"
+    assert p.describe().splitlines()[2] \
+        == "  decode-0: cuda:0 (shared with prefill-0, --mem-fraction-static 0.4 given)"
     # only the prefill nodes have one: the decode node takes what is left of the budget
     p = plan(1, 1, gpus=1, prefill=["--mem-fraction-static=0.6"])
     assert p.nodes["decode-0"].fraction == 0.28
-    with pytest.raises(ValueError, match=r"--mem-fraction-static: cuda:0 holds prefill-0 0\.5 \+ decode-0 0\.5 = 1\.00"):
+    with pytest.raises(ValueError,
+                       match=r"--mem-fraction-static: cuda:0 holds prefill-0 0\.5 \+ decode-0 0\.5 = 1\.00"):
         plan(1, 1, gpus=1, node=["--mem-fraction-static", "0.5"])
     with pytest.raises(ValueError, match="leave no memory .* for decode-0, decode-1"):
         plan(1, 2, gpus=1, prefill=["--mem-fraction-static", "0.9"], decode=[])
@@ -126,7 +128,8 @@ def test_conflicts_and_what_needs_a_gpu():
 
 def test_cluster_flags_become_each_nodes_device_flags(monkeypatch, capsys):
     monkeypatch.setattr(gp, "visible_gpu_count", lambda: 1)
-    c = cl.cluster_from_args(["--device", "cuda", "--prefill", "1", "--decode", "2", "--transfer-backend", "fake"])
+    c = cl.cluster_from_args(["--device", "cuda", "--prefill", "1", "--decode", "2",
+                              "--transfer-backend", "fake"])
     assert c.node_args == []  # --device is the launcher's flag now, placed per node
     for name, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):
         cmd = c._node_cmd(role, 1, 2, None, name)

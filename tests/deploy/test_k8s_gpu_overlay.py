@@ -80,15 +80,18 @@ def test_every_file_loads_and_the_kustomization_names_files_that_exist():
     for rel in named:
         assert (OVERLAY / rel).is_file(), f"kustomization.yaml names {rel}, which does not exist"
     used = {(OVERLAY / rel).resolve() for rel in named}
-    assert not [p.name for p in files if p.name != "kustomization.yaml" and p.resolve() not in used], "unused patch"
+    assert not [p.name for p in files
+                if p.name != "kustomization.yaml" and p.resolve() not in used], "unused patch"
     # the base's resources, one by one (kustomize refuses the parent folder itself as a resource)
     base = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
-    assert sorted((OVERLAY / r).resolve() for r in k["resources"]) == sorted((K8S / r).resolve() for r in base)
+    assert sorted((OVERLAY / r).resolve() for r in k["resources"]) \
+        == sorted((K8S / r).resolve() for r in base)
 
 
 def test_node_pods_get_a_gpu_the_taint_toleration_and_shared_memory():
     docs = rendered()
-    config = next(d["data"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "pdserve-config")
+    config = next(d["data"] for d in docs
+                  if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "pdserve-config")
     for role, (spec, c) in node_pods(docs).items():
         res = c["resources"]
         assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == "1", role
@@ -107,7 +110,8 @@ def test_node_pods_get_a_gpu_the_taint_toleration_and_shared_memory():
 
 def test_node_commands_run_on_cuda_with_nixl_and_only_node_flags():
     docs = rendered()
-    config = next(d["data"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "pdserve-config")
+    config = next(d["data"] for d in docs
+                  if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "pdserve-config")
     assert config["TRANSFER_BACKEND"] == "nixl"
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
@@ -146,8 +150,9 @@ def test_kubectl_kustomize_renders_the_same_objects():
 
 def test_the_json_patch_renderer_adds_where_it_is_told():
     doc = {"a": {"xs": [1, 2]}}
-    json_patch(doc, [{"op": "add", "path": "/a/xs/-", "value": 3}, {"op": "add", "path": "/a/xs/0", "value": 0},
-                     {"op": "add", "path": "/a/k", "value": "v"}])
+    json_patch(doc,
+               [{"op": "add", "path": "/a/xs/-", "value": 3}, {"op": "add", "path": "/a/xs/0", "value": 0},
+                {"op": "add", "path": "/a/k", "value": "v"}])
     assert doc == {"a": {"xs": [0, 1, 2, 3], "k": "v"}}
     with pytest.raises(AssertionError, match="not rendered here"):
         json_patch(doc, [{"op": "remove", "path": "/a/k"}])

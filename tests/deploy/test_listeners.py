@@ -57,8 +57,8 @@ class Listener:
 
 def start(model: str, log_dir: Path, *flags: str) -> Cluster:
     cluster = cluster_from_args(["--prefill", "1", "--decode", "1", "--model", model, "--port", "0",
-                                 "--log-dir", str(log_dir), "--max-total-tokens", "2048", "--num-threads", "1",
-                                 *flags])
+                                 "--log-dir", str(log_dir), "--max-total-tokens",
+                                 "2048", "--num-threads", "1", *flags])
     cluster.quiet, cluster.startup_timeout, cluster.grace_period = True, 600, 15
     return cluster.start()
 
@@ -98,7 +98,8 @@ def post_json(url: str, body: dict) -> tuple[int, dict]:
 def ask(cluster: Cluster) -> None:
     """One chat request through the router: the KV really moves between the nodes."""
     status, body = post_json(cluster.url + "/v1/chat/completions",
-                             {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "ignore_eos": True})
+                             {"messages": [{"role": "user", "content": "Hi"}],
+                              "max_tokens": 3, "ignore_eos": True})
     assert status == 200 and body["usage"]["completion_tokens"] == 3, (status, body)
 
 
@@ -156,7 +157,8 @@ def test_local_cluster_listens_on_loopback_only(tiny_model_dir, tmp_path):
         ask(cluster)
         found = listeners(cluster)
         outside = [str(lst) for lst in found if not lst.loopback]
-        assert not outside, "listening beyond loopback (wildcard or another interface):\n" + "\n".join(outside)
+        assert not outside, "listening beyond loopback (wildcard or another interface):\n" \
+            + "\n".join(outside)
 
         # the scan saw what it had to: every HTTP and bootstrap port, and the TP ranks' own sockets
         ports = {lst.port for lst in found}
@@ -167,7 +169,8 @@ def test_local_cluster_listens_on_loopback_only(tiny_model_dir, tmp_path):
                 assert c.bootstrap_port in ports, f"{c.name}'s bootstrap port is not among the listeners"
         prefill = cluster.prefills[0]
         rank_pids = {lst.pid for lst in found if lst.child == prefill.name and lst.pid != prefill.proc.pid}
-        assert len(rank_pids) >= 2, f"expected listeners (gloo, control plane, engine) in both TP ranks: {found}"
+        assert len(rank_pids) \
+            >= 2, f"expected listeners (gloo, control plane, engine) in both TP ranks: {found}"
 
         # front end <-> scheduler ipc sockets: in a directory no other user can enter
         for node in cluster.prefills + cluster.decodes:
@@ -190,7 +193,8 @@ def test_local_cluster_listens_on_loopback_only(tiny_model_dir, tmp_path):
         assert all(c.proc.poll() is None for c in cluster.children), "a child died of random bytes"
 
         bare = bare_router_listeners(cluster, tmp_path)
-        assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in bare), f"router defaults listen on {bare}"
+        assert all(ipaddress.ip_address(ip).is_loopback
+                   for ip, _ in bare), f"router defaults listen on {bare}"
     finally:
         cluster.stop()
 
@@ -209,7 +213,8 @@ def test_mooncake_warns_about_every_port_it_opens_on_all_interfaces(tiny_model_d
             assert "firewall" in warnings[0] and "nft add rule" in warnings[0]
             named = {int(p) for p in re.findall(r":(\d+)[,)]", warnings[0].split(" whatever ")[0])}
             mine = {lst.port for lst in outside if lst.child == node.name}
-            assert mine and mine <= named, f"{node.name}: listens on {mine} beyond loopback, warning names {named}"
+            assert mine \
+                and mine <= named, f"{node.name}: listens on {mine} beyond loopback, warning names {named}"
         assert {lst.child for lst in outside} <= {c.name for c in cluster.prefills + cluster.decodes}, outside
     finally:
         cluster.stop()

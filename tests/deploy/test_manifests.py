@@ -80,7 +80,8 @@ def merge(dst: dict, src: dict) -> None:
 def kustomize(folder: Path) -> list[dict]:
     """What `kubectl kustomize folder` renders, for the resources + patches the overlays use."""
     k = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    assert set(k) <= {"apiVersion", "kind", "resources", "patches"}, f"{folder}: a kustomize feature not rendered here"
+    assert set(k) <= {"apiVersion", "kind", "resources",
+                      "patches"}, f"{folder}: a kustomize feature not rendered here"
     docs: list[dict] = []
     for res in k.get("resources", []):
         path = (folder / res).resolve()
@@ -119,7 +120,8 @@ def containers(docs: list[dict]):
 def secret_volume(d: dict, c: dict) -> tuple[str, dict, dict]:
     """(mount path, volume, mount) of the container's one volume from the pdserve Secret."""
     spec = d["spec"] if d["kind"] == "Pod" else d["spec"]["template"]["spec"]
-    volumes = {v["name"]: v for v in spec.get("volumes", []) if v.get("secret", {}).get("secretName") == SECRET_NAME}
+    volumes = {v["name"]: v for v in spec.get("volumes", [])
+               if v.get("secret", {}).get("secretName") == SECRET_NAME}
     mounts = [m for m in c.get("volumeMounts", []) if m["name"] in volumes]
     assert len(mounts) == 1, f"{c['name']}: expected one mount of the {SECRET_NAME} Secret, got {mounts}"
     return mounts[0]["mountPath"], volumes[mounts[0]["name"]], mounts[0]
@@ -210,7 +212,8 @@ def test_container_commands_use_only_accepted_flags(variant, secret_files):
     assert len(router_cfg.decode) == decode_set["spec"]["replicas"]
     for i, spec in enumerate(router_cfg.prefill):
         host = f"{prefill_set['metadata']['name']}-{i}.{prefill_set['spec']['serviceName']}"
-        assert spec.url.startswith(f"http://{host}:") and spec.bootstrap_port == pargs.disaggregation_bootstrap_port
+        assert spec.url.startswith(f"http://{host}:") \
+            and spec.bootstrap_port == pargs.disaggregation_bootstrap_port
     for i, url in enumerate(router_cfg.decode):
         assert url.startswith(f"http://{decode_set['metadata']['name']}-{i}.{decode_set['spec']['serviceName']}:")
 
@@ -224,17 +227,20 @@ def test_keys_and_cluster_secret_come_from_the_secret_as_files(secret_files):
             role, _ = role_and_flags(argv)
             mount, volume, m = secret_volume(d, c)
             assert m.get("readOnly") is True, f"{role}: mount the Secret read-only"
-            assert volume["secret"]["defaultMode"] == 0o400, f"{role}: Secret files readable by their owner only"
+            assert volume["secret"]["defaultMode"] \
+                == 0o400, f"{role}: Secret files readable by their owner only"
             items = {i["path"]: i["key"] for i in volume["secret"]["items"]}
             flags = flag_values(argv)
             assert not [f for f in VALUE_FLAGS if f in argv], f"{role}: a key as a value on the command line"
             assert set(flags) & set(SECRET_FLAGS) == ROLE_SECRET_FLAGS[role], f"{role}: {sorted(flags)}"
             for flag in ROLE_SECRET_FLAGS[role]:
                 folder, _, name = flags[flag].rpartition("/")
-                assert folder == mount and name in items, f"{role} {flag} {flags[flag]}: not a file of the Secret"
+                assert folder == mount \
+                    and name in items, f"{role} {flag} {flags[flag]}: not a file of the Secret"
                 secret_key_of.setdefault(flag, set()).add(items[name])
             for e in c.get("env", []):
-                assert not re.search(r"KEY|SECRET", e["name"]) or "value" not in e, f"{role}: {e['name']} as a value"
+                assert not re.search(r"KEY|SECRET", e["name"]) \
+                    or "value" not in e, f"{role}: {e['name']} as a value"
             # the command starts with those files in place, and reads them
             _, parsed = check_command(with_secret_files(argv, d, c, secret_files))
             if role == "router":
@@ -323,9 +329,11 @@ def test_multi_machine_examples(secret_files):
         role, parsed = check_command(cmds[0])
         roles.setdefault(role, []).append(parsed)
         flags = flag_values(cmds[0])
-        assert not [f for f in VALUE_FLAGS if f in cmds[0]], f"{script.name}: a key as a value on the command line"
+        assert not [f for f in VALUE_FLAGS
+                    if f in cmds[0]], f"{script.name}: a key as a value on the command line"
         assert set(flags) & set(SECRET_FLAGS) == ROLE_SECRET_FLAGS[role], f"{script.name}: {sorted(flags)}"
-        assert all(flags[f].startswith(env["SECRETS_DIR"] + "/") for f in ROLE_SECRET_FLAGS[role]), script.name
+        assert all(flags[f].startswith(env["SECRETS_DIR"] + "/")
+                   for f in ROLE_SECRET_FLAGS[role]), script.name
         assert flags["--host"] != "0.0.0.0", f"{script.name}: bind the machine's address, not every interface"
     assert len(roles["prefill"]) == 2 and len(roles["decode"]) == 1 and len(roles["router"]) == 1
     router_cfg = roles["router"][0]
@@ -355,10 +363,12 @@ def test_pods_run_unprivileged_and_no_volume_hides_the_image_cache():
             pod = spec.get("securityContext", {})
             assert pod.get("runAsNonRoot") is True and pod.get("runAsUser") == 10001, d["metadata"]["name"]
             sc = c.get("securityContext", {})
-            assert sc.get("capabilities", {}).get("drop") == ["ALL"] and not sc["capabilities"].get("add"), c["name"]
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"] \
+                and not sc["capabilities"].get("add"), c["name"]
             assert sc.get("allowPrivilegeEscalation") is False, c["name"]
             for m in c.get("volumeMounts", []):
-                assert not image_cache.startswith(m["mountPath"].rstrip("/") + "/") and m["mountPath"] != image_cache, \
+                assert not image_cache.startswith(m["mountPath"].rstrip("/") + "/") \
+                    and m["mountPath"] != image_cache, \
                     f"{c['name']}: {m['mountPath']} hides the image's {image_cache}"
 
 

@@ -32,7 +32,8 @@ def test_decode_node_i_borrows_prefill_node_i_and_never_on_shared_cores():
 def test_blocks_are_contiguous_and_leftovers_go_to_prefill_nodes_first():
     assert plan(1, 1, list(range(8))).cores == {"prefill-0": [0, 1, 2, 3], "decode-0": [4, 5, 6, 7]}
     assert plan(1, 2, [0, 1, 2, 3]).cores == {"prefill-0": [0, 1], "decode-0": [2], "decode-1": [3]}
-    assert plan(2, 1, list(range(7))).cores == {"prefill-0": [0, 1, 2], "prefill-1": [3, 4], "decode-0": [5, 6]}
+    assert plan(2, 1, list(range(7))).cores == {"prefill-0": [0, 1, 2],
+                                                "prefill-1": [3, 4], "decode-0": [5, 6]}
     # more leftovers than prefill nodes: the next go to decode nodes
     assert plan(1, 3, list(range(7))).cores == {"prefill-0": [0, 1], "decode-0": [2, 3], "decode-1": [4, 5],
                                                 "decode-2": [6]}

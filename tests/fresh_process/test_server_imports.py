@@ -78,7 +78,8 @@ def test_router_imports_no_torch():
     # common/server/security.py (keys, TLS), openapi.py (route tables) and data_parallel.py (DP group choice)
     # are torch-free and shared with nodes, as are common/api_fields.py (the request field table) and
     # common/sampling_defaults.py (which common/openai_params.py applies)
-    assert set(out.stdout.split()) <= {"common", "common.protocol", "common.api_fields", "common.openai_params",
+    assert set(out.stdout.split()) <= {"common", "common.protocol",
+                                       "common.api_fields", "common.openai_params",
                                        "common.sampling_defaults", "common.log",
                                        "common.server", "common.server.security", "common.server.openapi",
                                        "common.server.data_parallel",

@@ -46,7 +46,8 @@ def test_a_checked_tokenizer_is_read_without_transformers_afterwards(tiny_model_
         assert json.load(f)["light"] is True
     second = load_tokenizer(tiny_model_dir)
     assert isinstance(second, LightTokenizer) and light_mismatch(first, second) is None
-    assert _fresh_start(tiny_model_dir, cache) == {"class": "LightTokenizer", "transformers": False, "torch": False,
+    assert _fresh_start(tiny_model_dir, cache) == {"class": "LightTokenizer",
+                                                   "transformers": False, "torch": False,
                                                    "template": first.chat_template}
 
 
@@ -57,7 +58,8 @@ def test_a_chat_template_file_gets_its_own_check(tiny_model_dir, cache):
     first = load_tokenizer(tiny_model_dir, template)
     assert first.chat_template == template and not isinstance(first, LightTokenizer)
     started = _fresh_start(tiny_model_dir, cache, template)
-    assert started["class"] == "LightTokenizer" and started["template"] == template and not started["transformers"]
+    assert started["class"] == "LightTokenizer" and started["template"] == template \
+        and not started["transformers"]
 
 
 def test_a_tokenizer_the_light_one_differs_from_keeps_transformers_class(tiny_model_dir, tmp_path, cache):
@@ -91,7 +93,8 @@ def test_remote_code_is_never_cached(tiny_model_dir, tmp_path, cache):
     d = tmp_path / "remote"
     shutil.copytree(tiny_model_dir, d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoTokenizer": ["x.Tok", None]}}))
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg,
+                                                         "auto_map": {"AutoTokenizer": ["x.Tok", None]}}))
     assert cache_path(str(d), None) is None
 
 

@@ -46,7 +46,8 @@ for q, kv, d, group, extend in CASES:
     ptrs = dict(idx, q_ptr=P[q], k_ptr=P[kv], v_ptr=P[kv], out_ptr=P[q], flat_ptr=P[kv])
     build(tk._store_kv_kernel, ptrs, dict(PAGE_SIZE=16, HEAD_DIM=d, BLOCK_D=bd))
     build(tk._decode_stage1_kernel, ptrs, dict(NUM_HEADS=2 * group, GROUP=group, HEAD_DIM=d, PAGE_SIZE=16,
-                                               NUM_SPLITS=16, BLOCK_G=16, BLOCK_D=bd, BLOCK_N=64, HALF_DOT=half),
+                                               NUM_SPLITS=16, BLOCK_G=16, BLOCK_D=bd, BLOCK_N=64,
+                                               HALF_DOT=half),
                                                num_warps=4, num_stages=2)
     build(tk._decode_stage2_kernel, ptrs, dict(NUM_HEADS=2 * group, HEAD_DIM=d, NUM_SPLITS=16, BLOCK_S=16,
                                                BLOCK_D=bd))

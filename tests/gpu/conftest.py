@@ -69,7 +69,8 @@ def _build(path: str, arch: str, seed: int = 0) -> None:
     config_name, model_name = ARCHS[arch]
     kw = dict(TINY_BASE, vocab_size=VOCAB, head_dim=HEAD_DIM, bos_token_id=1, eos_token_id=VOCAB - 1,
               pad_token_id=0)
-    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kw)).to(torch.float32).eval()
+    model = getattr(transformers,
+                    model_name)(getattr(transformers, config_name)(**kw)).to(torch.float32).eval()
     model.save_pretrained(path, safe_serialization=True)
 
 
@@ -102,9 +103,10 @@ class Engine:
 
         page = 16
         args = ServerArgs(model=model_dir, device="cuda", dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                          attention_backend=backend, disable_cuda_graph=not graphs, cuda_graph_max_bs=max_reqs,
-                          max_total_tokens=max_reqs * (context + page) + 4 * page, max_running_requests=max_reqs,
-                          page_size=page, context_length=context)
+                          attention_backend=backend, disable_cuda_graph=not graphs,
+                          cuda_graph_max_bs=max_reqs,
+                          max_total_tokens=max_reqs * (context + page) + 4 * page,
+                          max_running_requests=max_reqs, page_size=page, context_length=context)
         self.r = ModelRunner(args, model_dir)
         self.replays = 0
         if graphs:
@@ -172,7 +174,8 @@ class Engine:
         return outputs
 
 
-def hf_greedy(model_dir: str, prompt_ids: list[list[int]], steps: int, dtype=torch.float32) -> list[list[int]]:
+def hf_greedy(model_dir: str, prompt_ids: list[list[int]], steps: int,
+              dtype=torch.float32) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
@@ -182,7 +185,8 @@ def hf_greedy(model_dir: str, prompt_ids: list[list[int]], steps: int, dtype=tor
         for p in prompt_ids:
             ids = torch.tensor([p], device="cuda")
             gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=steps, pad_token_id=0, temperature=None, top_p=None, top_k=None)
+                                 max_new_tokens=steps, pad_token_id=0,
+                                 temperature=None, top_p=None, top_k=None)
             out.append(gen[0, len(p):].tolist())
     del model
     torch.cuda.empty_cache()

@@ -43,9 +43,10 @@ def _decode_batch(eng: Engine, rows: list[int], lens: list[int], tokens: list[in
     return fb
 
 
-@pytest.mark.parametrize("arch,backend,dtype", [("llama", "triton", "float32"), ("llama", "triton", "bfloat16"),
-                                                ("llama", "flashinfer", "bfloat16"),
-                                                ("qwen3_5", "triton", "float32")])
+@pytest.mark.parametrize("arch,backend,dtype",
+                         [("llama", "triton", "float32"), ("llama", "triton", "bfloat16"),
+                          ("llama", "flashinfer", "bfloat16"),
+                          ("qwen3_5", "triton", "float32")])
 def test_replay_equals_eager(make_model, arch, backend, dtype):
     if backend == "flashinfer":
         needs_flashinfer()
@@ -58,7 +59,8 @@ def test_replay_equals_eager(make_model, arch, backend, dtype):
         for step in range(2):
             fb = _decode_batch(eng, rows, lens, [7 + step] * bs)
             assert g.can_run(fb) and g.padded_size(bs) == (4 if bs == 3 else bs)
-            saved = None if states is None else [t.clone() for t in states.conv_buffers + states.recurrent_buffers]
+            saved = None if states is None else [t.clone()
+                                                 for t in states.conv_buffers + states.recurrent_buffers]
             with torch.inference_mode():
                 replayed = g.replay(fb).clone()
                 if saved is not None:

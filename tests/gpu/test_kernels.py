@@ -38,12 +38,13 @@ def _sweep(names, group, kv_heads, page_size, d, dtype, kv_dtype, window):
     dev = torch.device("cuda")
     heads = group * kv_heads
     def backend(name):
-        return create_attention_backend(name, heads, kv_heads, d, window=window, window_layers=[1] if window else (),
-                                        device=dev)
+        return create_attention_backend(name, heads, kv_heads, d, window=window,
+                                        window_layers=[1] if window else (), device=dev)
 
     backends = {n: backend(n) for n in names}
     backends["reference"] = backend("torch_native")
-    h = Harness(LAYERS, kv_heads, d, page_size=page_size, num_pages=1024 // page_size + 8, scramble_seed=group)
+    h = Harness(LAYERS, kv_heads, d, page_size=page_size,
+                num_pages=1024 // page_size + 8, scramble_seed=group)
     pools = {n: KVPool(h.kv.num_pages, page_size, LAYERS, kv_heads, d, dtype=torch.float32 if n == "reference"
                        else kv_dtype, device=dev) for n in backends}
     gen = torch.Generator(device=dev).manual_seed(group * 1000 + d)
@@ -62,7 +63,8 @@ def _sweep(names, group, kv_heads, page_size, d, dtype, kv_dtype, window):
         r2t = h.r2t.req_to_token.to(dev)
         outs = {}
         for n, b in backends.items():
-            fb = dataclasses.replace(host_fb, kv_pool=pools[n], req_to_token=r2t, attn_metadata=None, extras={})
+            fb = dataclasses.replace(host_fb, kv_pool=pools[n], req_to_token=r2t,
+                                     attn_metadata=None, extras={})
             fb.to_device(dev)
             b.init_forward_metadata(fb)
             if n == "reference":

@@ -25,7 +25,8 @@ CUDA = {"device": "cuda", "dtype": "float32", "mem_fraction_static": 0.2}
 def _tokenizer_dir() -> str:
     path = os.environ.get("PDSERVE_GPU_TOKENIZER", str(ROOT / ".whl" / "tokenizer"))
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        pytest.skip(f"no tokenizer at {path} (make gpu-wheels carries one; PDSERVE_GPU_TOKENIZER names another)")
+        pytest.skip(f"no tokenizer at {path} (make gpu-wheels carries one; PDSERVE_GPU_TOKENIZER names "
+                    "another)")
     return path
 
 
@@ -48,7 +49,8 @@ def models(tmp_path_factory):
     llama = str(tmp_path_factory.mktemp("gpu-pd-llama"))
     build_tiny_model(llama, "llama", tok_dir, {"head_dim": 64})
     hybrid = str(tmp_path_factory.mktemp("gpu-pd-qwen3_5"))
-    make_qwen3_5(hybrid, seed=1, vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    make_qwen3_5(hybrid, seed=1, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                 bos_token_id=tok.bos_token_id)
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(tok_dir, name)):
             shutil.copy(os.path.join(tok_dir, name), os.path.join(hybrid, name))

@@ -18,8 +18,9 @@ from tests.harness.nodes import ROOT
 
 REAL_BACKENDS = ("mooncake", "nixl", "ucx")
 
-_CHECK = ("import sys\nfrom transfer.backends import create_engine\nfrom transfer.engine import BackendUnavailable\n"
-          "try:\n    create_engine(sys.argv[1])\nexcept BackendUnavailable as e:\n    print('UNAVAILABLE', e)\n")
+_CHECK = ("import sys\nfrom transfer.backends import create_engine\nfrom transfer.engine import "
+          "BackendUnavailable\ntry:\n    create_engine(sys.argv[1])\nexcept BackendUnavailable as e:\n    "
+          "print('UNAVAILABLE', e)\n")
 
 
 @functools.cache

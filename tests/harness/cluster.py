@@ -19,7 +19,8 @@ CHUNK = 32  # small chunks: prompts of a few dozen tokens already cross chunk bo
 # one torch thread per node: four nodes share the machine's cores
 MODEL = "tiny"  # the name the suite's nodes serve the tiny model under (a request naming another is a 404)
 NODE_SETTINGS = {"page_size": PAGE_SIZE, "chunked_prefill_size": CHUNK, "max_total_tokens": 8192,
-                 "max_running_requests": 64, "num_threads": 1, "log_level": "info", "served_model_name": MODEL}
+                 "max_running_requests": 64, "num_threads": 1, "log_level": "info",
+                 "served_model_name": MODEL}
 DEVICE_ENV = "PDSERVE_TEST_DEVICE"
 # each node's share of the GPU on cuda: 2 prefill + 2 decode nodes and a colocated one take 0.6 of it together
 CUDA_SHARE = 0.12
@@ -38,8 +39,8 @@ def device_settings(device: str | None) -> dict:
 NODE_SETTINGS.update(device_settings(os.environ.get(DEVICE_ENV)))
 # round robin: traffic spreads over both pools deterministically; fast health checks: a killed node is
 # taken out of rotation within a few seconds
-ROUTER_ARGS = ["--policy", "round_robin", "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-               "--log-level", "info"]
+ROUTER_ARGS = ["--policy", "round_robin", "--health-check-interval-secs", "1",
+               "--health-failure-threshold", "2", "--log-level", "info"]
 ENV = {"PDSERVE_HEARTBEAT_INTERVAL": "0.5"}
 
 # per-node figures that must come back to their starting values once no request is in flight

@@ -141,8 +141,8 @@ class Launcher:
         """A colocated node (NodeProcess settings: ServerArgs fields, `env`, `startup_timeout`)."""
         return self.start(NodeProcess(model, log_path=self.log_path("node"), **settings))
 
-    def pair(self, model: str, backend: str, *, prefill_tp: int = 1, decode_tp: int = 1, env: dict | None = None,
-             settings: dict | None = None, prefill_settings: dict | None = None,
+    def pair(self, model: str, backend: str, *, prefill_tp: int = 1, decode_tp: int = 1,
+             env: dict | None = None, settings: dict | None = None, prefill_settings: dict | None = None,
              decode_settings: dict | None = None) -> PDPair:
         """A prefill node (tp `prefill_tp`, its own bootstrap port) and a decode node (tp `decode_tp`)
         over `backend`; `settings` go to both (default: tests.harness.pd.BASE), the role ones on top,
@@ -190,7 +190,8 @@ class Launcher:
 
     def log_tails(self, n: int = 25) -> str:
         """The last `n` lines of every server's log, for a failed test's report."""
-        return "\n".join(f"--- {s.name} ({s.log_path}, {'running' if s.alive() else 'exited'}):\n{s.log_tail(n)}"
+        return "\n".join(f"--- {s.name} ({s.log_path}, "
+                         f"{'running' if s.alive() else 'exited'}):\n{s.log_tail(n)}"
                          for s in self.servers())
 
     def close(self) -> None:

@@ -2,7 +2,8 @@
 address, joined by a bridge; deploy/netns.py), each listening on its own address only. Through the
 router, greedy answers equal a colocated node's (2 prefill + 2 decode hosts on mooncake over TCP, and on ucx
 with a TP-2 host among them: prompts across chunk and page boundaries, a shared prefix through the
-prefill radix cache, streamed and chat answers), faults on the links keep them exact, and a partition of the decode host mid-stream ends the stream with an error within the
+prefill radix cache, streamed and chat answers), faults on the links keep them exact, and a partition of the
+decode host mid-stream ends the stream with an error within the
 router's idle window, after which the healed host frees what it held."""
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class HostCluster:
                                            tp=(tp or {}).get(f"{role}-{k}", 1),
                                            **{**NODE_SETTINGS, **(settings or {})}, **extra))
             self.router = RouterProcess([n for n in self.nodes if n.role == "prefill"],
-                                        [n for n in self.nodes if n.role == "decode"], *ROUTER_ARGS, *router_args,
+                                        [n for n in self.nodes if n.role == "decode"],
+                                        *ROUTER_ARGS, *router_args,
                                         netns=self.hosts.names[0], host=self.hosts.addrs[0],
                                         log_path=log_dir / f"{net}-router.log")
             start_together(self.nodes)
@@ -78,9 +80,9 @@ def mooncake_hosts(tiny_model_dir, tmp_path_factory):
     c.close()
 
 
-# ucx: one prefill host and two decode hosts, one of them TP 2 (1 -> 2 and 1 -> 1); the engine keeps to its host's interface (transfer/engine.py).
-# nixl across hosts runs in `pdserve bench netfaults` (`--prefill-tp 2` for a TP-2 prefill host), to keep make
-# test within its budget
+# ucx: one prefill host and two decode hosts, one of them TP 2 (1 -> 2 and 1 -> 1); the engine keeps to its
+# host's interface (transfer/engine.py). nixl across hosts runs in `pdserve bench netfaults` (`--prefill-tp 2`
+# for a TP-2 prefill host), to keep make test within its budget
 LAYOUTS = {"ucx": {"decode-2": 2}}
 
 
@@ -116,8 +118,9 @@ def fake_hosts(tiny_model_dir, tmp_path_factory):
 
 
 def greedy(url: str, prompt: str) -> str:
-    status, out = http_json("POST", url + "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0,
-                                                               "ignore_eos": True})
+    status, out = http_json("POST", url + "/v1/completions",
+                            {"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                              "ignore_eos": True})
     assert status == 200, out
     return out["choices"][0]["text"]
 
@@ -134,7 +137,8 @@ def test_answers_across_hosts_equal_a_colocated_node(mooncake_hosts, colocated):
 def id_prompts() -> list[list[int]]:
     """Token-id prompts within one chunk, across chunk and page boundaries, and two sharing a 4-page prefix
     (the second takes it from the prefill host's radix cache)."""
-    out = [[200 + (31 * n + 7 * j) % 15000 for j in range(n)] for n in (5, CHUNK + 8, 3 * CHUNK + PAGE_SIZE + 1, 300)]
+    out = [[200 + (31 * n + 7 * j) % 15000 for j in range(n)]
+           for n in (5, CHUNK + 8, 3 * CHUNK + PAGE_SIZE + 1, 300)]
     shared = [500 + (13 * j) % 9000 for j in range(4 * PAGE_SIZE)]
     return out + [shared + [42, 43, 44], shared + [7000 + j for j in range(CHUNK + 3)]]
 
@@ -233,7 +237,8 @@ def test_a_prefill_host_cut_off_from_the_router(mooncake_hosts):
     try:
         def one(i: int) -> bool:
             if i % 2:
-                return stream(c.url + "/v1/completions", {"prompt": f"p{i}", "max_tokens": 4, "stream": True}).ok
+                return stream(c.url + "/v1/completions",
+                              {"prompt": f"p{i}", "max_tokens": 4, "stream": True}).ok
             return bool(greedy(c.url, f"q{i}"))
 
         with concurrent.futures.ThreadPoolExecutor(6) as ex:
@@ -252,7 +257,8 @@ def test_every_listener_is_on_its_hosts_address(fake_hosts):
         listening = hosts.listeners(i)
         assert f"{server.host}:{server.port}" in listening, (server.name, listening)
         # nothing on a wildcard or another address; the ranks' gloo rendezvous of one node stays on loopback
-        assert all(a.startswith((server.host + ":", "127.0.0.1:")) for a in listening), (server.name, listening)
+        assert all(a.startswith((server.host + ":", "127.0.0.1:"))
+                   for a in listening), (server.name, listening)
 
 
 def test_a_partitioned_decode_host_ends_its_stream_and_comes_back(fake_hosts):
@@ -296,7 +302,8 @@ def test_a_cut_decode_host_ends_non_streaming_and_streaming_requests_within_the_
         results.append(stream(url + "/v1/completions", {"prompt": "s", **long, "stream": True},
                               on_event=lambda i, e: running.set()))
 
-    threads = [threading.Thread(target=full, args=(i,)) for i in range(3)] + [threading.Thread(target=streamed)]
+    threads = [threading.Thread(target=full, args=(i,)) for i in range(3)] \
+        + [threading.Thread(target=streamed)]
     for t in threads:
         t.start()
     assert running.wait(60)

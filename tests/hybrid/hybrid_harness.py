@@ -33,7 +33,8 @@ def make_qwen3_5(path: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
-              linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+              linear_num_value_heads=4,
               layer_types=list(QWEN35_LAYER_TYPES), max_position_embeddings=1024, tie_word_embeddings=False,
               eos_token_id=VOCAB - 1, bos_token_id=1)
     kw.update(overrides)
@@ -101,11 +102,13 @@ def make_qwen3_swa(path: str, window: int = 24, seed: int = 0, **overrides):
     return model
 
 
-def load_ours(path: str, tp_rank: int = 0, tp_size: int = 1, tp_group=None, attention_backend: str = "native"):
+def load_ours(path: str, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
+              attention_backend: str = "native"):
     """Our model for the directory, through the loader (architecture registry, weight checks)."""
     from common.models.loader import load_model
 
-    return load_model(path, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, attention_backend=attention_backend)
+    return load_model(path, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
+                      attention_backend=attention_backend)
 
 
 def random_prompt(n: int, seed: int) -> list[int]:
@@ -153,7 +156,8 @@ def model_dir(tmp_path_factory, name: str) -> str:
     return os.fspath(tmp_path_factory.mktemp(name))
 
 
-def tp_worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[int], list[int]]], out_queue) -> None:
+def tp_worker(rank: int, world: int, port: int,
+              jobs: list[tuple[str, list[int], list[int]]], out_queue) -> None:
     """One TP rank; per job (model dir, prompt, decode ids): extend the prompt in two chunks, then
     decode; rank 0 reports the logits of every job and whether the pools came back to their start."""
     from common.distributed import init_distributed
@@ -185,7 +189,8 @@ def make_qwen3_5_multimodal(path: str, seed: int = 0):
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     torch.manual_seed(seed)
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
                 linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
                 layer_types=list(QWEN35_LAYER_TYPES), max_position_embeddings=1024, initializer_range=0.08)

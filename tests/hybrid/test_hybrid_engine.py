@@ -63,8 +63,8 @@ class Engine:
     def free_counts(self) -> tuple[int, int, int]:
         s = self.sched
         states = self.state_pool.available_size() if self.state_pool is not None else -1
-        return (s.allocator.available_size() + s.tree_cache.evictable_size(), s.req_to_token_pool.available_size(),
-                states)
+        return (s.allocator.available_size() + s.tree_cache.evictable_size(),
+                s.req_to_token_pool.available_size(), states)
 
     def assert_restored(self) -> None:
         s = self.sched
@@ -198,7 +198,8 @@ def run_like_hf(eng: Engine, hf, prompts: list[list[int]], n: int) -> None:
 
 
 def test_ngram_speculation_over_a_sliding_window_matches_hf(swa_dir):
-    """Verify forwards run as extends over the window: drafts past the window's edge still give HF's tokens."""
+    """Verify forwards run as extends over the window: drafts past the window's edge still give HF's
+    tokens."""
     path, hf = swa_dir
     prompts = [random_prompt(6, 31) * 6, random_prompt(45, 32)]  # a repetitive one drafts, past the window
     eng = Engine(path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)

@@ -94,7 +94,8 @@ def qwen35_pair(request, qwen35, module_launcher):
     # mooncake and ucx: both nodes with two DP groups (consecutive rooms alternate between them), each group
     # pinned to one core while the engine's own threads may use both (transfer/engine.py: spread_over_node;
     # confined with the group, UCX's spinning threads stalled about half of these ucx runs)
-    pair = _pair(module_launcher, qwen35[0], request.param, dp_size=2 if request.param in ("mooncake", "ucx") else 1)
+    pair = _pair(module_launcher, qwen35[0], request.param,
+                 dp_size=2 if request.param in ("mooncake", "ucx") else 1)
     yield pair
     pair.stop()  # now, not at the end of the module: one backend's pair at a time
 
@@ -150,15 +151,16 @@ def test_qwen35_prefill_tp2_to_decode_tp1(qwen35, launcher, tmp_path):
     import json
 
     env = {"PYTHONPATH": HOOKS, "PDSERVE_TEST_HOOKS_DIR": str(tmp_path)}
-    pair = _pair(launcher, qwen35[0], "mooncake", prefill_tp=2, decode_extra={"speculative_algorithm": "NGRAM"},
-                 env=env)
+    pair = _pair(launcher, qwen35[0], "mooncake", prefill_tp=2,
+                 decode_extra={"speculative_algorithm": "NGRAM"}, env=env)
     start = pair.start_counts()
     states = _state_free(pair)
     ps = prompts(3, seed=3)
     want = {f"spec-{i}": hf_greedy(qwen35[1], p, 12) for i, p in enumerate(ps)}
     (tmp_path / "drafts").write_text(json.dumps(want))
     for i, p in enumerate(ps):
-        (s1, pb), (s2, db) = pair.generate({"input_ids": p, "sampling_params": greedy(12), "rid": f"spec-{i}"})
+        (s1, pb), (s2,
+                   db) = pair.generate({"input_ids": p, "sampling_params": greedy(12), "rid": f"spec-{i}"})
         assert s1 == 200 and s2 == 200, (pb, db)
         assert pb["output_ids"] == want[f"spec-{i}"][:1]
         assert db["output_ids"] == want[f"spec-{i}"], f"prompt of {len(p)} tokens"
@@ -187,10 +189,10 @@ def test_qwen35_draft_layers_across_pd(tmp_path, launcher):
     assert _state_free(pair) == states
 
 
-# a prefill node of two pipeline stages (4 layers: linear, linear | full, linear): stage 0 holds no KV layer and
-# sends only its two layers' state, stage 1 layer 2's KV and layer 3's state; the decode's pools pair them by
-# layer id. With tp 2 each stage's ranks send their halves of the heads and of the state. Chunks of 16 run as
-# micro-batches of 8, so a request's state crosses micro-batches inside a forward as well as chunks
+# a prefill node of two pipeline stages (4 layers: linear, linear | full, linear): stage 0 holds no KV layer
+# and sends only its two layers' state, stage 1 layer 2's KV and layer 3's state; the decode's pools pair them
+# by layer id. With tp 2 each stage's ranks send their halves of the heads and of the state. Chunks of 16 run
+# as micro-batches of 8, so a request's state crosses micro-batches inside a forward as well as chunks
 # Over ucx, to a decode node of two DP groups (stages over nixl: tests/pd/test_pd_pp.py; over mooncake: the
 # sliding-window test below)
 @pytest.mark.backend("ucx")
@@ -213,7 +215,8 @@ def test_qwen35_colocated_stages(qwen35, launcher):
 
     from tests.harness.client import http_post
 
-    node = launcher.colocated(qwen35[0], pp_size=2, chunked_prefill_size=CHUNK, env={"PDSERVE_PP_MICRO_TOKENS": "8"})
+    node = launcher.colocated(qwen35[0], pp_size=2, chunked_prefill_size=CHUNK,
+                              env={"PDSERVE_PP_MICRO_TOKENS": "8"})
     for p in prompts(2, seed=9):
         status, raw = http_post(node.url + "/generate", {"input_ids": p, "sampling_params": greedy(8)})
         assert status == 200 and json.loads(raw)["output_ids"] == hf_greedy(qwen35[1], p, 8), (len(p), raw)

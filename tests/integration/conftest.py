@@ -37,9 +37,12 @@ def colocated(tiny_model_dir, session_launcher):
 
 @pytest.fixture(scope="session")
 def mooncake_cluster(tiny_model_dir, session_launcher):
-    """Router + 1 prefill + 1 decode moving the KV with mooncake over TCP: answers must equal `colocated`'s."""
-    c = session_launcher.cluster(tiny_model_dir, backend="mooncake", prefill=1, decode=1, node_settings=SETTINGS,
-                                 role_env={r: {"PDSERVE_TRANSFER_PROTOCOL": "tcp"} for r in ("prefill", "decode")})
+    """Router + 1 prefill + 1 decode moving the KV with mooncake over TCP: answers must equal
+    `colocated`'s."""
+    c = session_launcher.cluster(tiny_model_dir, backend="mooncake", prefill=1,
+                                 decode=1, node_settings=SETTINGS,
+                                 role_env={r: {"PDSERVE_TRANSFER_PROTOCOL": "tcp"}
+                                           for r in ("prefill", "decode")})
     c.baseline = cluster_pools(c)
     return c
 

@@ -54,7 +54,8 @@ def post(node, path: str, body, timeout: float = 120.0) -> tuple[int, dict, dict
 def assert_error(status: int, body: dict, want: int, *words: str) -> str:
     assert status == want, (status, body)
     err = body["error"]
-    codes = {429: ("rate_limit_exceeded",), 400: ("invalid_value", "context_length_exceeded")}.get(want, (None,))
+    codes = {429: ("rate_limit_exceeded",),
+             400: ("invalid_value", "context_length_exceeded")}.get(want, (None,))
     assert err["code"] in codes and err["param"] is not None or want != 400, body
     assert err["type"] and err["message"], body
     for w in words:
@@ -119,10 +120,12 @@ def test_a_batch_is_admitted_whole_or_refused_whole(node):
     long = dict(SLOW, max_new_tokens=3000)
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         running = ex.submit(post, node, "/generate", {"text": "busy", "rid": "busy", "sampling_params": long})
-        wait_until(lambda: load(node)["num_reqs"] == 1 and load(node)["num_queued_reqs"] == 0, what="one running")
+        wait_until(lambda: load(node)["num_reqs"] == 1
+                   and load(node)["num_queued_reqs"] == 0, what="one running")
         waiting = ex.submit(post, node, "/generate", {"text": "wait", "rid": "wait", "sampling_params": long})
         wait_until(lambda: load(node)["num_queued_reqs"] == 1, what="one queued")
-        status, headers, body = post(node, "/generate", {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2}})
+        status, headers, body = post(node, "/generate",
+                                     {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2}})
         assert_error(status, body, 429, "a batch of 2 requests")
         assert headers.get("retry-after") == "1"
         for rid in ("wait", "busy"):
@@ -136,18 +139,21 @@ def test_a_batch_is_admitted_whole_or_refused_whole(node):
 
 CAPS = [
     ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 21}, "`top_logprobs_num`"),
-    ("/generate", {"text": ["a", "b"], "return_logprob": True, "top_logprobs_num": [1, 50]}, "`top_logprobs_num[1]`"),
+    ("/generate", {"text": ["a", "b"], "return_logprob": True, "top_logprobs_num": [1, 50]},
+     "`top_logprobs_num[1]`"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                               "top_logprobs": 21}, "`top_logprobs`"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "`logprobs`"),
     ("/generate", {"text": "hi", "sampling_params": {"stop": [f"s{i}" for i in range(17)]}},
      "`sampling_params.stop`"),
-    ("/generate", {"text": "hi", "sampling_params": {"stop": ["ok", "x" * 257]}}, "`sampling_params.stop[1]`"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": ["ok", "x" * 257]}},
+     "`sampling_params.stop[1]`"),
     ("/generate", {"text": "hi", "sampling_params": {"stop": "y" * 257}}, "`sampling_params.stop`"),
     ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": list(range(257))}},
      "`sampling_params.stop_token_ids`"),
     ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, "`stop`"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["z" * 300]}, "`stop[0]`"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "stop": ["z" * 300]}, "`stop[0]`"),
     ("/generate", {"text": "hi", "rid": "r" * 257}, "$.rid"),
     ("/generate", {"text": "hi", "rid": "a\u2028b"}, "`rid`"),
     ("/generate", {"text": "hi", "rid": "a\x85b"}, "$.rid"),

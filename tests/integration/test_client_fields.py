@@ -82,8 +82,9 @@ def test_max_tokens_zero_scores_the_prompt(colocated, mooncake_pd, reference):
 def test_streamed_echo_logprobs_equal_the_whole_answer(colocated, mooncake_pd):
     for url in (colocated.url, mooncake_pd.url):
         whole = completions(url, prompt=PROMPTS, max_tokens=3, temperature=0, echo=True, logprobs=1)
-        res = stream(url + "/v1/completions", {"model": MODEL, "prompt": PROMPTS, "max_tokens": 3, "temperature": 0,
-                                               "echo": True, "logprobs": 1, "stream": True})
+        res = stream(url + "/v1/completions",
+                     {"model": MODEL, "prompt": PROMPTS, "max_tokens": 3, "temperature": 0,
+                      "echo": True, "logprobs": 1, "stream": True})
         assert res.ok, res.error
         for i, choice in enumerate(whole["choices"]):
             parts = [c for e in res.events for c in e["choices"] if c["index"] == i]
@@ -102,12 +103,14 @@ def test_stream_usage_options(colocated, mooncake_pd):
         assert res.ok, res.error
         assert all(e["usage"] is None for e in res.events[:-1]) and res.events[-1]["choices"] == []
         assert res.events[-1]["usage"]["completion_tokens"] == 5
-        res = stream(url + "/v1/chat/completions", {**base, "stream_options": {"continuous_usage_stats": True}})
+        res = stream(url + "/v1/chat/completions",
+                     {**base, "stream_options": {"continuous_usage_stats": True}})
         assert res.ok, res.error
         counts = [e["usage"]["completion_tokens"] for e in res.events]
         assert counts == sorted(counts) and counts[-1] == 5, counts
         assert all(e["usage"]["prompt_tokens"] > 0 for e in res.events[1:]), res.events
-        status, err = http_json("POST", url + "/v1/chat/completions", {**base, "stream_options": {"bogus": True}})
+        status, err = http_json("POST", url + "/v1/chat/completions",
+                                {**base, "stream_options": {"bogus": True}})
         assert status == 400 and err["error"]["param"] == "stream_options.bogus", err
 
 
@@ -134,8 +137,9 @@ def test_client_defaults_and_priority_are_served(colocated, mooncake_pd):
     """The fields SGLang's bench_serving and vLLM's clients send on every request, at their defaults."""
     for url in (colocated.url, mooncake_pd.url):
         status, out = http_json("POST", url + "/generate", {
-            "text": PROMPTS[0], "sampling_params": {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True,
-                                                    "sampling_seed": None, "custom_params": None},
+            "text": PROMPTS[0],
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True,
+                                "sampling_seed": None, "custom_params": None},
             "stream": False, "lora_path": None, "return_logprob": False, "return_routed_experts": False,
             "logprob_start_len": -1, "priority": 5})
         assert status == 200 and out["meta_info"]["completion_tokens"] == 3, out
@@ -146,8 +150,10 @@ def test_client_defaults_and_priority_are_served(colocated, mooncake_pd):
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "store": True,
             "metadata": {"run": "1"}, "service_tier": "auto", "user": "u1", "prompt_cache_key": "k"})
         assert status == 200, out
-        status, err = http_json("POST", url + "/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 2})
-        assert status == 400 and err["error"]["code"] == "unsupported_value" and "`best_of`" in err["error"]["message"]
+        status, err = http_json("POST", url + "/v1/completions",
+                                {"model": MODEL, "prompt": "hi", "best_of": 2})
+        assert status == 400 and err["error"]["code"] == "unsupported_value" \
+            and "`best_of`" in err["error"]["message"]
 
 
 def test_template_fields_reach_a_template_that_reads_them(colocated, tiny_model_dir, module_launcher):
@@ -155,8 +161,9 @@ def test_template_fields_reach_a_template_that_reads_them(colocated, tiny_model_
     msgs = [{"role": "user", "content": "hi"}]
 
     def chat(url, **extra):
-        return http_json("POST", url + "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 4,
-                                                                  "temperature": 0, **extra})
+        return http_json("POST", url + "/v1/chat/completions",
+                         {"model": MODEL, "messages": msgs, "max_tokens": 4,
+                            "temperature": 0, **extra})
 
     plain = chat(reader.url)[1]
     low = chat(reader.url, reasoning_effort="low")[1]
@@ -170,7 +177,8 @@ def test_template_fields_reach_a_template_that_reads_them(colocated, tiny_model_
     assert status == 400 and "reasoning_effort" in err["error"]["message"]
     for field, value in (("reasoning_effort", "low"), ("documents", [{"title": "t", "text": "x"}])):
         status, err = chat(colocated.url, **{field: value})  # its template reads neither
-        assert status == 400 and err["error"]["param"] == field and "does not read it" in err["error"]["message"]
+        assert status == 400 and err["error"]["param"] == field \
+            and "does not read it" in err["error"]["message"]
 
 
 def test_vllm_extensions(colocated, mooncake_pd):
@@ -192,4 +200,5 @@ def test_vllm_extensions(colocated, mooncake_pd):
             assert text in allowed if allowed else len(text) == 3 and set(text) <= {"a", "b"}, (so, text)
         status, err = http_json("POST", url + "/v1/completions", {"model": MODEL, "prompt": "x", "regex": "a",
                                                                    "structured_outputs": {"regex": "b"}})
-        assert status == 400 and "`structured_outputs` cannot be combined with `regex`" in err["error"]["message"]
+        assert status == 400 \
+            and "`structured_outputs` cannot be combined with `regex`" in err["error"]["message"]

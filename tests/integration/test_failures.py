@@ -24,7 +24,8 @@ def greedy(n: int) -> dict:
 @pytest.fixture(scope="module")
 def kill_cluster(tiny_model_dir, module_launcher):
     # a request whose peer died at a stage heartbeats do not cover ends at these timeouts (default 300 s)
-    c = module_launcher.cluster(tiny_model_dir, env={"PDSERVE_BOOTSTRAP_TIMEOUT": "30", "PDSERVE_WAITING_TIMEOUT": "30"})
+    c = module_launcher.cluster(tiny_model_dir,
+                                env={"PDSERVE_BOOTSTRAP_TIMEOUT": "30", "PDSERVE_WAITING_TIMEOUT": "30"})
     c.baseline = cluster_pools(c)
     return c
 
@@ -57,8 +58,9 @@ def test_decode_node_killed_mid_stream(kill_cluster):
 
     def one(i):
         # long enough that no stream can finish on its own; a stream still flowing 20 events and 2 s after the
-        # kill has shown it is unaffected (a lagging client thread reads the events the killed node sent before
-        # it died after the kill; those last milliseconds), and its client leaves (that request is aborted)
+        # kill has shown it is unaffected (a lagging client thread reads the events the killed node sent
+        # before it died after the kill; those last milliseconds), and its client leaves (that request is
+        # aborted)
         body = {"text": f"a long answer please {i}", "sampling_params": greedy(1500), "stream": True}
         return stream(cluster.url + "/generate", body, request_id=rids[i], timeout=300,
                       on_event=lambda k, e, i=i: seen(i, k, e),
@@ -77,8 +79,8 @@ def test_decode_node_killed_mid_stream(kill_cluster):
         results = [f.result(timeout=300) for f in futures]
 
     # the router logs each request when it ends (a client that left: when the router notices)
-    wait_until(lambda: all(router_decode_of(cluster, r) for r in rids), 60, "the router's line for each request",
-               interval=0.1)
+    wait_until(lambda: all(router_decode_of(cluster, r) for r in rids), 60,
+               "the router's line for each request", interval=0.1)
     on_victim = [r for r in results if router_decode_of(cluster, r.request_id) == victim.url]
     on_survivor = [r for r in results if router_decode_of(cluster, r.request_id) == survivor.url]
     assert on_victim and on_survivor and len(on_victim) + len(on_survivor) == n  # round robin: both
@@ -106,7 +108,8 @@ def test_prefill_node_killed_mid_prefill(kill_cluster):
 
     def busy() -> bool:
         s = node_stats(victim.url)
-        return s["num_running_reqs"] + s["num_waiting_reqs"] + sum((s.get("num_queue_reqs") or {}).values()) > 0
+        return s["num_running_reqs"] + s["num_waiting_reqs"] \
+            + sum((s.get("num_queue_reqs") or {}).values()) > 0
 
     def post(url, body):
         try:
@@ -153,7 +156,8 @@ def test_injected_transfer_failures(flaky_cluster):
         if i % 3 == 0:
             return stream(cluster.url + "/generate", {"text": f"stream {i}", "sampling_params": greedy(5),
                                                       "stream": True})
-        return http_json("POST", cluster.url + "/generate", {"text": f"plain {i}", "sampling_params": greedy(5)})
+        return http_json("POST", cluster.url + "/generate",
+                         {"text": f"plain {i}", "sampling_params": greedy(5)})
 
     with ThreadPoolExecutor(n) as pool:
         results = list(pool.map(one, range(n)))

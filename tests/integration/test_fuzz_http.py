@@ -57,7 +57,8 @@ class RecordingWorker(ServerProcess):
         self.role, self.bootstrap_port = role, bootstrap_port
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, str(WORKERS_SCRIPT), "--port", str(self.port), "--role", self.role, "--no-record"]
+        cmd = [sys.executable, str(WORKERS_SCRIPT), "--port", str(self.port), "--role",
+               self.role, "--no-record"]
         return cmd + (["--bootstrap-port", str(self.bootstrap_port)] if self.bootstrap_port else [])
 
 
@@ -75,14 +76,16 @@ def _loopback_worker_urls(case) -> None:
 
 def _problem(case, resp) -> str | None:
     status, path = resp.status_code, case.operation.path
-    where = f"{case.method} {case.formatted_path} body={str(case.body)[:300]!r} -> {status} {resp.text[:300]!r}"
+    where = (f"{case.method} {case.formatted_path} body={str(case.body)[:300]!r} -> {status} "
+             f"{resp.text[:300]!r}")
     if status >= 500:
         documented = status == 503 and (path in PROBES_503 or (case.method == "POST" and path == "/workers"))
         return None if documented else "server error: " + where
     if status >= 400:
         try:
             err = resp.json()["error"]
-            ok = isinstance(err["code"], str | None) and "param" in err and isinstance(err["message"], str) and isinstance(err["type"], str)
+            ok = isinstance(err["code"], str | None) and "param" in err and isinstance(err["message"], str) \
+                and isinstance(err["type"], str)
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
@@ -111,7 +114,8 @@ def fuzz(base_url: str, token_for, prepare=None) -> tuple[list[str], dict[str, i
                     return
                 if prepare is not None:
                     prepare(case)
-                case.headers = {**(case.headers or {}), "Authorization": f"Bearer {token_for(case.operation.path)}"}
+                case.headers = {**(case.headers or {}),
+                                "Authorization": f"Bearer {token_for(case.operation.path)}"}
                 resp = case.call(base_url=base_url, timeout=60)
                 seen[str(resp.status_code)] = seen.get(str(resp.status_code), 0) + 1
                 p = _problem(case, resp)
@@ -148,7 +152,8 @@ def test_fuzz_router(tmp_path):
     prefill = RecordingWorker("prefill", tmp_path / "p.log", bootstrap_port=free_port())
     decode = RecordingWorker("decode", tmp_path / "d.log")
     start_together([prefill, decode])
-    router = RouterProcess([prefill], [decode], "--policy", "round_robin", "--worker-startup-timeout-secs", "0.5",
+    router = RouterProcess([prefill], [decode], "--policy", "round_robin",
+                           "--worker-startup-timeout-secs", "0.5",
                            "--worker-startup-check-interval", "0.1", "--retry-initial-backoff-ms", "1",
                            env=env, log_path=tmp_path / "router.log")
     try:

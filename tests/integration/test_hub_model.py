@@ -63,7 +63,8 @@ def test_resolves_main_a_tag_and_a_commit_from_the_cache(offline):
 
 
 def test_what_cannot_be_resolved_names_the_flag(offline):
-    with pytest.raises(HubError, match=r"--model: acme/missing is not in the Hugging Face cache .*HF_HUB_OFFLINE"):
+    with pytest.raises(HubError,
+                       match=r"--model: acme/missing is not in the Hugging Face cache .*HF_HUB_OFFLINE"):
         resolve_hub_model("acme/missing")
     with pytest.raises(HubError, match=r"(--revision|--model).*nope"):
         resolve_hub_model("acme/tiny", "nope")
@@ -79,11 +80,13 @@ def test_revision_needs_a_hub_id(tiny_model_dir):
 
 def test_a_node_serves_a_hub_id_under_that_id(hub_cache, module_launcher):
     env = {"HF_HUB_CACHE": hub_cache, "HF_HUB_OFFLINE": "1"}
-    node = module_launcher.colocated("acme/tiny", revision="v2", env=env, max_total_tokens=1024, num_threads=1)
+    node = module_launcher.colocated("acme/tiny", revision="v2", env=env,
+                                     max_total_tokens=1024, num_threads=1)
     assert get_json(node.url + "/v1/models")["data"][0]["id"] == "acme/tiny"
     info = get_json(node.url + "/server_info")
     assert info["model_path"].endswith(os.path.join("snapshots", TAGGED))
-    status, body = http_post(node.url + "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 3}})
+    status, body = http_post(node.url + "/generate",
+                             {"text": "hello", "sampling_params": {"max_new_tokens": 3}})
     assert status == 200, body
 
 
@@ -91,6 +94,7 @@ def test_a_node_with_an_id_missing_from_the_cache_exits_with_the_reason(hub_cach
     script = ("from common.config import ServerArgs\nfrom common.server.launch import launch_server\n"
               "launch_server(ServerArgs(model='acme/missing', port=1))\n")
     env = {**os.environ, "HF_HUB_CACHE": hub_cache, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], env=env,
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "--model: acme/missing is not in the Hugging Face cache" in done.stderr

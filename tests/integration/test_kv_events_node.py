@@ -23,7 +23,8 @@ def test_a_node_publishes_its_prefix_cache(tiny_model_dir, launcher):
     (and every full prompt page's chained hash); a flush clears it."""
     port, replay = free_port(), free_port()
     config = {"endpoint": f"tcp://127.0.0.1:{port}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
-    node = launcher.colocated(tiny_model_dir, page_size=PS, max_total_tokens=2048, kv_events_config=json.dumps(config))
+    node = launcher.colocated(tiny_model_dir, page_size=PS, max_total_tokens=2048,
+                              kv_events_config=json.dumps(config))
     shared = list(range(200, 220))
     prompts = [shared + [300 + i] * (3 + i) for i in range(4)]
     for p in prompts:

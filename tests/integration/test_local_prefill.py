@@ -1,7 +1,8 @@
 """Conditional disaggregation on a real cluster (1 prefill + 1 decode, nixl backend, tiny model): the
 router sends a request to the decode node alone (`--local-prefill-queue 1`) while the prefill node has a
 prefill in flight, and the decode node (`--disaggregation-local-prefill`, `--enable-mixed-chunk` as
-`pdserve cluster` starts it) prefills it itself in chunks its running requests decode in; a prompt over its --disaggregation-local-prefill-max-tokens (64 here) is refused and
+`pdserve cluster` starts it) prefills it itself in chunks its running requests decode in; a prompt over its
+--disaggregation-local-prefill-max-tokens (64 here) is refused and
 sent again with both legs. Answers equal a colocated node's on every path; memory comes back."""
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ def control_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, module_launcher, control_dir):
-    c = module_launcher.cluster(tiny_model_dir, backend="nixl", prefill=1, decode=1, router_args=["--local-prefill-queue", "1"],
+    c = module_launcher.cluster(tiny_model_dir, backend="nixl", prefill=1, decode=1,
+                                router_args=["--local-prefill-queue", "1"],
                                 env={"PYTHONPATH": HOOKS, "PDSERVE_TEST_HOOKS_DIR": str(control_dir)},
-                                role_settings={"decode": {"disaggregation_local_prefill": True,
-                                                          "disaggregation_local_prefill_max_tokens": MAX_LOCAL,
-                                                          "enable_mixed_chunk": True}})
+                                role_settings={"decode": {
+                                    "disaggregation_local_prefill": True,
+                                    "disaggregation_local_prefill_max_tokens": MAX_LOCAL,
+                                    "enable_mixed_chunk": True}})
     c.baseline = cluster_pools(c)
     return c
 
@@ -66,7 +69,8 @@ def prefill_node_busy(cluster, reference, control_dir):
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(generate, cluster.url, ids, 6, False)
         try:
-            wait_until((control_dir / "gate_entered").exists, 60, "the prefill node to write the held request's KV")
+            wait_until((control_dir / "gate_entered").exists, 60,
+                       "the prefill node to write the held request's KV")
             yield
         finally:
             (control_dir / "gate_release").write_text("")
@@ -84,7 +88,8 @@ def generate(url: str, ids: list[int], new: int, streamed: bool, **extra) -> tup
     return out["output_ids"], out["meta_info"]
 
 
-def test_the_router_prefills_on_the_decode_node_while_the_prefill_node_is_busy(cluster, reference, control_dir):
+def test_the_router_prefills_on_the_decode_node_while_the_prefill_node_is_busy(cluster,
+                                                                               reference, control_dir):
     decode = cluster.decodes[0]
 
     def counts() -> tuple[int, int, int]:
@@ -141,8 +146,8 @@ def test_a_decode_node_serves_a_request_without_a_rendezvous(cluster, reference)
         want, ref_meta = generate(reference.url, ids, 8, False, **logprobs)
         assert out == want
         assert len(meta["input_token_logprobs"]) == len(ids)
-        for (a, _, _), (b, _, _) in zip(meta["input_token_logprobs"][1:], ref_meta["input_token_logprobs"][1:],
-                                        strict=True):
+        for (a, _, _), (b, _, _) in zip(meta["input_token_logprobs"][1:],
+                                        ref_meta["input_token_logprobs"][1:], strict=True):
             assert a == pytest.approx(b, abs=1e-4)
     # half a rendezvous is still refused, naming the fields
     status, body = http_json("POST", decode.url + "/generate",

@@ -55,12 +55,14 @@ class Collector:
         assert path == "/v1/traces", path
         with self.lock:
             for rs in req.resource_spans:
-                service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
+                service = next(a.value.string_value for a in rs.resource.attributes
+                               if a.key == "service.name")
                 for ss in rs.scope_spans:
                     for s in ss.spans:
                         attrs = {a.key: a.value for a in s.attributes}
                         self.spans.append({
-                            "service": service, "name": s.name, "trace": s.trace_id.hex(), "id": s.span_id.hex(),
+                            "service": service, "name": s.name,
+                            "trace": s.trace_id.hex(), "id": s.span_id.hex(),
                             "parent": s.parent_span_id.hex(), "start": s.start_time_unix_nano,
                             "end": s.end_time_unix_nano, "status": s.status.code,
                             "links": [(x.trace_id.hex(), x.span_id.hex()) for x in s.links],
@@ -122,7 +124,8 @@ def test_one_trace_covers_every_hop_and_stage(cluster, collector):
         stages = sorted((s for s in spans if s["service"] == f"pdserve-{role}" and s["name"] != "request"),
                         key=lambda s: s["start"])
         assert stages and all(s["parent"] == node["id"] for s in stages), stages
-        assert all(a["end"] <= b["start"] + 1000 for a, b in zip(stages, stages[1:], strict=False))  # in order
+        # in order
+        assert all(a["end"] <= b["start"] + 1000 for a, b in zip(stages, stages[1:], strict=False))
         assert node["start"] <= stages[0]["start"] and stages[-1]["end"] <= node["end"] + 50_000_000
     prefill_stages = [s["name"] for s in sorted((s for s in spans if s["service"] == "pdserve-prefill"
                                                  and s["name"] != "request"), key=lambda s: s["start"])]
@@ -133,7 +136,8 @@ def test_one_trace_covers_every_hop_and_stage(cluster, collector):
     assert decode_stages[-4:] == ["prealloc", "transfer", "waiting", "decode"], decode_stages
     assert all(s["status"] != 2 for s in spans)  # no error anywhere
     # the decode's TransferInfo carried its request's trace context: the prefill's transfer span links to it
-    assert by["pdserve-prefill", "inflight"]["links"] == [(CLIENT_TRACE, by["pdserve-decode", "request"]["id"])]
+    assert by["pdserve-prefill", "inflight"]["links"] == [(CLIENT_TRACE,
+                                                           by["pdserve-decode", "request"]["id"])]
 
 
 def test_a_failed_request_is_an_error_span(cluster, collector):
@@ -193,7 +197,8 @@ def test_every_endpoint_exposes_parseable_typed_metrics(cluster):
         assert causes == {"bootstrap", "transfer"}
         assert families["pdserve_kv_transfer_latency_seconds"].type == "histogram"
         queues = {s.labels["queue"] for s in families["pdserve_queue_reqs"].samples}
-        want = {"bootstrap", "waiting", "inflight"} if node.role == "prefill" else {"prealloc", "transfer", "waiting"}
+        want = {"bootstrap", "waiting", "inflight"} if node.role == "prefill" \
+            else {"prealloc", "transfer", "waiting"}
         assert want <= queues, (node.name, queues)
     families = {f.name: f for f in scrape(cluster.url)}
     assert families["smg_http_requests"].type == "counter"
@@ -213,7 +218,8 @@ def test_dashboard_in_a_real_browser_lists_the_workers_and_follows_the_traffic(c
 
     browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not browser or not driver:
-        pytest.skip("no chromium / chromedriver (Debian packages chromium, chromium-driver; make setup installs them)")
+        pytest.skip("no chromium / chromedriver (Debian packages chromium, chromium-driver; make setup "
+                    "installs them)")
     opts = webdriver.ChromeOptions()
     opts.binary_location = browser
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
@@ -233,10 +239,13 @@ def test_dashboard_in_a_real_browser_lists_the_workers_and_follows_the_traffic(c
                 if cond():
                     return
                 time.sleep(0.2)
-            raise AssertionError(f"dashboard: {what}; page says {page.find_element(By.TAG_NAME, 'body').text!r}")
+            raise AssertionError(f"dashboard: {what}; page says "
+                                 f"{page.find_element(By.TAG_NAME, 'body').text!r}")
 
-        until(lambda: len(page.find_elements(By.CSS_SELECTOR, "#workers tr")) == len(cluster.nodes), "worker rows")
-        rows = {r.get_attribute("data-url"): r.text for r in page.find_elements(By.CSS_SELECTOR, "#workers tr")}
+        until(lambda: len(page.find_elements(By.CSS_SELECTOR, "#workers tr"))
+              == len(cluster.nodes), "worker rows")
+        rows = {r.get_attribute("data-url"): r.text
+                for r in page.find_elements(By.CSS_SELECTOR, "#workers tr")}
         assert set(rows) == {n.url for n in cluster.nodes}
         for node in cluster.nodes:
             assert "healthy" in rows[node.url] and "closed" in rows[node.url], rows[node.url]

@@ -56,13 +56,14 @@ def both(node, cluster):
     return [("colocated", client(node.url)), ("pd", client(cluster.url))]
 
 
-# ---------------------------------------------------------------------------------------------- structured output
+# ------------------------------------------------------------------------------------------ structured output
 def test_json_schema_answers_validate_colocated_and_pd_alike(node, cluster):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     texts = {}
     for where, c in both(node, cluster):
         for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}, {"temperature": 1.3, "top_p": 0.9}):
-            out = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64, response_format=fmt, **kw)
+            out = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64,
+                                            response_format=fmt, **kw)
             choice = out.choices[0]
             assert choice.finish_reason == "stop", (where, kw, choice)
             jsonschema.validate(json.loads(choice.message.content), PERSON)
@@ -74,7 +75,8 @@ def test_json_schema_answers_validate_colocated_and_pd_alike(node, cluster):
 
 def test_json_object_streamed_through_the_router(cluster):
     chunks = client(cluster.url).chat.completions.create(
-        model=MODEL, messages=ASK, max_tokens=96, temperature=0, stream=True, response_format={"type": "json_object"},
+        model=MODEL, messages=ASK, max_tokens=96, temperature=0, stream=True,
+        response_format={"type": "json_object"},
         extra_body={"logit_bias": {"13": 5}})  # pushes towards "," so the object has members
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert isinstance(json.loads(text), dict), text
@@ -97,14 +99,16 @@ def test_native_regex_and_ebnf(node, cluster):
 def test_bad_grammars_are_400s_before_a_stream_starts(node, cluster):
     for url in (node.url, cluster.url):
         res = stream(url + "/generate", {"text": "x", "stream": True,
-                                         "sampling_params": {"json_schema": '{"type": "object", "properties": 5}'}})
+                                         "sampling_params": {"json_schema": '{"type": "object", '
+                                                                            '"properties": 5}'}})
         assert res.status == 400 and "json_schema" in res.error, res
         with pytest.raises(openai.BadRequestError) as e:
-            client(url).chat.completions.create(model=MODEL, messages=ASK, response_format={"type": "json_schema"})
+            client(url).chat.completions.create(model=MODEL, messages=ASK,
+                                                response_format={"type": "json_schema"})
         assert "json_schema" in str(e.value)
 
 
-# ---------------------------------------------------------------------------------------------- n, logit_bias, stop_regex
+# ---------------------------------------------------------------------------------- n, logit_bias, stop_regex
 def test_n_copies_share_the_prompt_and_match_across_pd(node, cluster):
     prompt = "Numbers: " + " ".join(str(i) for i in range(40))
     length = http_json("POST", node.url + "/tokenize", {"prompt": prompt})[1]["count"]
@@ -115,14 +119,15 @@ def test_n_copies_share_the_prompt_and_match_across_pd(node, cluster):
                                    extra_body={"ignore_eos": True})
         assert [ch.index for ch in out.choices] == [0, 1, 2, 3]
         assert len({ch.text for ch in out.choices}) > 1  # copy j draws with seed + j
-        assert out.usage.completion_tokens == 32 and out.usage.prompt_tokens == length  # the prompt counts once
+        # the prompt counts once
+        assert out.usage.completion_tokens == 32 and out.usage.prompt_tokens == length
         outs[where] = [ch.text for ch in out.choices]
     assert outs["colocated"] == outs["pd"]  # one room per copy, each copy continued exactly
     used = http_json("GET", node.url + "/server_info")[1]["stats"]["total_prefill_tokens"] - before
     assert used < 2 * length, used  # the copies took the prompt's KV from the cache
 
-    chat = client(cluster.url).chat.completions.create(model=MODEL, messages=ASK, n=3, max_tokens=5, stream=True,
-                                                       temperature=1.0, seed=5)
+    chat = client(cluster.url).chat.completions.create(model=MODEL, messages=ASK, n=3,
+                                                       max_tokens=5, stream=True, temperature=1.0, seed=5)
     texts = [""] * 3
     for ch in chat:
         for c in ch.choices:
@@ -133,7 +138,8 @@ def test_n_copies_share_the_prompt_and_match_across_pd(node, cluster):
 def test_logit_bias_and_stop_regex(node, cluster):
     for _, c in both(node, cluster):
         forced = c.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0,
-                                      logit_bias={"330": 100}, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+                                      logit_bias={"330": 100},
+                                      extra_body={"ignore_eos": True, "skip_special_tokens": False})
         ids = c.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logprobs=1,
                                    logit_bias={"330": 100}, extra_body={"ignore_eos": True})
         assert forced.choices[0].text == ids.choices[0].text and len(ids.choices[0].logprobs.tokens) == 6
@@ -144,7 +150,8 @@ def test_logit_bias_and_stop_regex(node, cluster):
         piece = free[len(free) // 2:len(free) // 2 + 2]
         cut = c.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0,
                                    extra_body={"ignore_eos": True, "stop_regex": re.escape(piece)}).choices[0]
-        assert cut.finish_reason == "stop" and free.startswith(cut.text) and piece not in cut.text, (free, cut)
+        assert cut.finish_reason == "stop" and free.startswith(cut.text) \
+            and piece not in cut.text, (free, cut)
 
 
 # ---------------------------------------------------------------------------------------------- tools
@@ -154,7 +161,8 @@ def test_tool_choice_required_and_named_give_valid_calls(node, cluster):
         for choice, names in (("required", set(schemas)),
                               ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
             for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 2}):
-                out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                out = c.chat.completions.create(model=MODEL,
+                                                messages=[{"role": "user", "content": "Weather?"}],
                                                 tools=[WEATHER, TIME], tool_choice=choice, max_tokens=120,
                                                 parallel_tool_calls=False, **kw)
                 ch = out.choices[0]
@@ -163,7 +171,8 @@ def test_tool_choice_required_and_named_give_valid_calls(node, cluster):
                 assert call.function.name in names and call.id.startswith("call_")
                 jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
-        chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+        chunks = list(c.chat.completions.create(model=MODEL,
+                                                messages=[{"role": "user", "content": "Weather?"}],
                                                 tools=[WEATHER], tool_choice="required", max_tokens=120,
                                                 temperature=0, stream=True))
         calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or ()]
@@ -175,8 +184,9 @@ def test_tool_choice_required_and_named_give_valid_calls(node, cluster):
 def test_tool_turns_render_and_tool_choice_none(node):
     c = client(node.url)
     history = [{"role": "user", "content": "Weather in Oslo?"},
-               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                   "name": "get_weather", "arguments": json.dumps({"city": "Oslo", "unit": "C"})}}]},
+               {"role": "assistant", "content": None,
+                "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": json.dumps({"city": "Oslo", "unit": "C"})}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
     out = c.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
                                     max_tokens=4, temperature=0)
@@ -188,15 +198,18 @@ def test_tool_turns_render_and_tool_choice_none(node):
     assert "<tool_response>-3 C</tool_response>" in text["prompt"]
     # an assistant turn to continue: the template renders no new turn after it
     partial = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1 2 3"}]
-    cont = c.chat.completions.create(model=MODEL, messages=partial, max_tokens=2, extra_body={"continue_final_message": True})
+    cont = c.chat.completions.create(model=MODEL, messages=partial, max_tokens=2,
+                                     extra_body={"continue_final_message": True})
     fresh = c.chat.completions.create(model=MODEL, messages=partial, max_tokens=2)
     assert cont.usage.prompt_tokens < fresh.usage.prompt_tokens
 
 
-# ---------------------------------------------------------------------------------------------- tokenize, ids, strict fields
+# ------------------------------------------------------------------------------- tokenize, ids, strict fields
 def test_tokenize_detokenize_through_the_router(cluster):
-    status, tok = http_json("POST", cluster.url + "/tokenize", {"prompt": "Hello world", "return_token_strs": True})
-    assert status == 200 and tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) and tok["max_model_len"]
+    status, tok = http_json("POST", cluster.url + "/tokenize",
+                            {"prompt": "Hello world", "return_token_strs": True})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) \
+        and tok["max_model_len"]
     status, text = http_json("POST", cluster.url + "/v1/detokenize", {"tokens": tok["tokens"]})
     assert status == 200 and text["text"] == "Hello world"
     status, err = http_json("POST", cluster.url + "/detokenize", {"tokens": [1, 10**9]})
@@ -208,7 +221,8 @@ def test_request_id_is_the_rid_on_every_process(cluster):
     res = stream(cluster.url + "/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True},
                  request_id=rid)
     assert res.ok, res.error
-    out = client(cluster.url).with_options(default_headers={"X-Request-ID": rid + "b"}).completions.with_raw_response \
+    out = client(cluster.url).with_options(default_headers={"X-Request-ID": rid
+                                                            + "b"}).completions.with_raw_response \
         .create(model=MODEL, prompt="hi", max_tokens=3)
     assert out.headers["x-request-id"] == rid + "b"
     for proc in (*cluster.nodes, cluster.router):
@@ -220,7 +234,8 @@ def test_unknown_fields_are_refused_by_name(node, cluster):
     for url in (node.url, cluster.url):
         for extra, name, code in (({"image_data": "x"}, "image_data", "unknown_parameter"),
                                   ({"lora_path": "a"}, "lora_path", "unsupported_value"),
-                                  ({"return_hidden_states": True}, "return_hidden_states", "unsupported_value")):
+                                  ({"return_hidden_states": True},
+                                   "return_hidden_states", "unsupported_value")):
             with pytest.raises(openai.BadRequestError) as e:
                 client(url).chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, extra_body=extra)
             err = e.value.body

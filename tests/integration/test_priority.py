@@ -92,7 +92,8 @@ def test_full_queue_turns_away_the_lowest_priority(node):
         # two long requests take the KV; the next two wait (same priority: no preemption) and fill the queue
         runs = [ex.submit(generate, node.url, body(ids(100, 10 + i), LOW)) for i in range(2)]
         wait_until(lambda: running(node) == 2, what="two running requests")
-        waits = [ex.submit(generate, node.url, body(ids(100, 20 + i), LOW, priority=p)) for i, p in enumerate((3, 1))]
+        waits = [ex.submit(generate, node.url, body(ids(100, 20 + i), LOW, priority=p))
+                 for i, p in enumerate((3, 1))]
         wait_until(lambda: (lambda st: st["num_waiting_reqs"] == st["num_queued_reqs"] == 2
                             and st["num_running_reqs"] == 2)(node.stats()), what="a full queue")
         # the scheduler sends its admissions before any stats: the front end has read both, so its own guard
@@ -131,7 +132,8 @@ def test_priority_on_the_openai_apis(node, tiny_model_dir):
                                     extra_body={"priority": 4})
     assert out.usage.completion_tokens == 3
     with pytest.raises(openai.BadRequestError, match="priority"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        client.chat.completions.create(model=MODEL,
+                                       messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        extra_body={"priority": "urgent"})
     # a batch carries one priority per prompt
     status, out = http_json("POST", node.url + "/generate", {"text": ["a", "b"], "priority": [1],
@@ -148,7 +150,8 @@ def test_pd_pair_with_priorities_through_the_router(tiny_model_dir, module_launc
     for node in cluster.nodes:  # both legs took the request with its priority
         assert re.search(r"rid=prio-pd received: .*priority=7", node.log_text()), node.name
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+    chat = client.chat.completions.create(model=MODEL,
+                                          messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0, extra_body={"priority": -3})
     assert chat.usage.completion_tokens == 4
     # a bad value is refused by the router itself, naming the field

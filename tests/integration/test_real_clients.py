@@ -38,7 +38,8 @@ def client_env() -> dict[str, str]:
 
 
 def test_openai_sdk_checks(mooncake_pd):
-    out = subprocess.run([sys.executable, str(CLIENTS / "openai_checks.py"), "--base-url", mooncake_pd.url + "/v1",
+    out = subprocess.run([sys.executable, str(CLIENTS / "openai_checks.py"), "--base-url",
+                          mooncake_pd.url + "/v1",
                           "--model", MODEL, "--expect-reasoning-effort", "refused", "--json-prefix-ok",
                           "--timeout", "60"],
                          capture_output=True, text=True, timeout=240, env=client_env(), cwd=str(CLIENTS))
@@ -50,24 +51,28 @@ def test_openai_sdk_checks(mooncake_pd):
 
 
 def sglang_python() -> str:
-    found = subprocess.run([sys.executable, "-m", "bench.clients.venvs", "path", "sglang"], capture_output=True,
-                           text=True, cwd=str(ROOT), timeout=60)
+    found = subprocess.run([sys.executable, "-m", "bench.clients.venvs", "path", "sglang"],
+                           capture_output=True, text=True, cwd=str(ROOT), timeout=60)
     # `make test` builds it first (`make clients-venvs`): a missing one is a failure, not a skip
-    assert found.returncode == 0, f"the sglang client venv is not built (make clients-venvs): {found.stderr.strip()}"
+    assert found.returncode \
+        == 0, f"the sglang client venv is not built (make clients-venvs): {found.stderr.strip()}"
     return found.stdout.strip()
 
 
 def test_sglang_bench_serving(mooncake_pd, tiny_model_dir, tmp_path):
     python = sglang_python()
     dataset = tmp_path / "sharegpt.json"
-    words = "the keeper counts the ships that pass the lighthouse every night and writes each one down".split()
+    words = ("the keeper counts the ships that pass the lighthouse every night and writes each one "
+             "down").split()
     dataset.write_text(json.dumps([{"conversations": [
         {"from": "human", "value": " ".join(words[(i + j) % len(words)] for j in range(40))},
         {"from": "gpt", "value": "Done."}]} for i in range(16)]))
     out_file = tmp_path / "out.jsonl"
     run = subprocess.run([python, "-m", "sglang.bench_serving", "--backend", "sglang-oai", "--base-url",
-                          mooncake_pd.url, "--model", MODEL, "--tokenizer", tiny_model_dir, "--dataset-name", "random",
-                          "--dataset-path", str(dataset), "--num-prompts", str(PROMPTS), "--random-input-len", "64",
+                          mooncake_pd.url, "--model", MODEL, "--tokenizer", tiny_model_dir,
+                          "--dataset-name", "random",
+                          "--dataset-path", str(dataset), "--num-prompts", str(PROMPTS),
+                          "--random-input-len", "64",
                           "--random-output-len", "8", "--request-rate", "inf", "--seed", "1", "--output-file",
                           str(out_file), "--output-details", "--disable-tqdm"],
                          capture_output=True, text=True, timeout=240, env=client_env(), cwd=str(tmp_path))

@@ -23,7 +23,8 @@ _HOLD = ("import sys, time\n"
 
 
 def _holder(base: Path) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(base)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(base)], cwd=ROOT,
+                         stdout=subprocess.PIPE, text=True)
     return p, p.stdout.readline().strip()
 
 
@@ -90,7 +91,8 @@ def test_a_clean_stop_leaves_nothing_and_a_crash_is_cleared_by_the_next_node(tin
     assert not os.path.exists(run_a) and not os.path.exists(mp_a)
     # (the new node's sweep removed them, or one a parallel test started first did)
     run_b, mp_b = run_dirs(node)
-    status, body = http_post(f"{node.url}/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 2}})
+    status, body = http_post(f"{node.url}/generate",
+                             {"text": "hello", "sampling_params": {"max_new_tokens": 2}})
     assert status == 200, body
     node.stop()
     assert not os.path.exists(run_b) and not os.path.exists(mp_b)

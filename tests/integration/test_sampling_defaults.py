@@ -1,6 +1,7 @@
 """A model's generation_config sampling reaches every node: a request that names no sampling is sampled
 with the model's values on a colocated node and on both legs of a PD pair, the prefill node's first
-token included (`--sampling-defaults openai`, which ignores the file: tests/unit/test_sampling_defaults.py)."""
+token included (`--sampling-defaults openai`, which ignores the file:
+tests/unit/test_sampling_defaults.py)."""
 
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ def test_generate_plain_batch_and_stream(pools_restored):
     assert meta["completion_tokens"] == 8 and meta["prompt_tokens"] > 0
     assert meta["finish_reason"]["type"] == "length"
 
-    status, outs = http_json("POST", url, {"text": ["one two three", "four five"], "sampling_params": greedy(5)})
+    status, outs = http_json("POST", url,
+                             {"text": ["one two three", "four five"], "sampling_params": greedy(5)})
     assert status == 200, outs
     assert isinstance(outs, list) and len(outs) == 2
     assert [o["meta_info"]["completion_tokens"] for o in outs] == [5, 5]
@@ -62,7 +63,8 @@ def test_openai_completions(pools_restored, client, model_name):
     assert isinstance(out.choices[0].text, str)
 
     chunks = list(client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=10,
-                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}))
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])

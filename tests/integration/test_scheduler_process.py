@@ -114,14 +114,15 @@ def _greedy(n: int) -> SamplingParams:
 
 @pytest.mark.parametrize("tp", [2])
 def test_scheduler_processes_serve_over_zmq(tiny_model_dir, tp):
-    args = ServerArgs(model=tiny_model_dir, tp=tp, page_size=4, max_total_tokens=1024, chunked_prefill_size=16,
-                      num_threads=1, log_level="warning")
+    args = ServerArgs(model=tiny_model_dir, tp=tp, page_size=4, max_total_tokens=1024,
+                      chunked_prefill_size=16, num_threads=1, log_level="warning")
     # the reference: the same scheduler in this process at TP=1
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         ref_sent: list = []
-        ref = Scheduler(ServerArgs(model=tiny_model_dir, page_size=4, max_total_tokens=1024, chunked_prefill_size=16),
+        ref = Scheduler(ServerArgs(model=tiny_model_dir, page_size=4, max_total_tokens=1024,
+                                   chunked_prefill_size=16),
                         tiny_model_dir, send_fn=ref_sent.append)
     finally:
         torch.set_num_threads(n)

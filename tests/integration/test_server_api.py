@@ -115,14 +115,16 @@ def test_generate_single_shape(node, tok):
     out = generate(node, {"text": PROMPTS[0], "sampling_params": greedy(6)})
     assert set(out) == {"text", "output_ids", "meta_info"}
     meta = out["meta_info"]
-    assert {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency"} <= set(meta)
+    assert {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason",
+            "e2e_latency"} <= set(meta)
     assert meta["finish_reason"] == {"type": "length", "length": 6}
     assert meta["completion_tokens"] == len(out["output_ids"]) == 6
     assert meta["prompt_tokens"] == len(tok.encode(PROMPTS[0]))
     assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True)
     assert isinstance(meta["id"], str) and meta["id"]
     # the same prompt as token ids, with a client rid
-    again = generate(node, {"input_ids": tok.encode(PROMPTS[0]), "sampling_params": greedy(6), "rid": "my-rid-1"})
+    again = generate(node,
+                     {"input_ids": tok.encode(PROMPTS[0]), "sampling_params": greedy(6), "rid": "my-rid-1"})
     assert again["output_ids"] == out["output_ids"]
     assert again["meta_info"]["id"] == "my-rid-1"
 
@@ -147,7 +149,8 @@ def test_generate_batch_matches_single(node, tok):
 
 def test_generate_stream(node):
     full = generate(node, {"text": PROMPTS[1], "sampling_params": greedy(8)})
-    events = stream_post(node, "/generate", {"text": PROMPTS[1], "sampling_params": greedy(8), "stream": True})
+    events = stream_post(node, "/generate",
+                         {"text": PROMPTS[1], "sampling_params": greedy(8), "stream": True})
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert len(chunks) >= 2
@@ -161,7 +164,8 @@ def test_generate_stream(node):
 
 
 def test_generate_stream_batch_has_index(node):
-    events = stream_post(node, "/generate", {"text": PROMPTS[:2], "sampling_params": greedy(3), "stream": True})
+    events = stream_post(node, "/generate",
+                         {"text": PROMPTS[:2], "sampling_params": greedy(3), "stream": True})
     assert events[-1] == "[DONE]"
     finals = {c["index"]: c for c in events[:-1] if c["meta_info"]["finish_reason"]}
     assert set(finals) == {0, 1}
@@ -222,7 +226,8 @@ def test_completions_openai_client(node, client):
     assert r.usage.prompt_tokens == ref["meta_info"]["prompt_tokens"]
     assert r.usage.total_tokens == r.usage.prompt_tokens + 7
     # default max_tokens is OpenAI's 16
-    r = client.completions.create(model="tiny", prompt=PROMPTS[0], temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], temperature=0,
+                                  extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 16
     # batch of prompts -> one choice each
     r = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=3, temperature=0,
@@ -234,8 +239,10 @@ def test_completions_openai_client(node, client):
 def test_completions_stream_openai_client(node, client):
     ref = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=6, temperature=0,
                                     extra_body={"ignore_eos": True})
-    stream = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=6, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=6,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == ref.choices[0].text
@@ -267,7 +274,8 @@ def test_chat_openai_client(node, client):
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 6
-    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, stream=True,
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                            temperature=0, stream=True,
                                             stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True})
     chunks = list(stream)
@@ -281,7 +289,8 @@ def test_chat_openai_client(node, client):
 
 def test_chat_default_max_tokens_is_context_room(node, client):
     # no max_tokens: the chat default is the rest of the context
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0,
+    r = client.chat.completions.create(model="tiny",
+                                       messages=[{"role": "user", "content": "hi"}], temperature=0,
                                        extra_body={"ignore_eos": True})
     ctx = get_json(node, "/model_info")["context_length"]
     assert r.choices[0].finish_reason == "length"
@@ -302,7 +311,8 @@ def test_chat_stop_seed_logprobs(node, client):
                                            stop=[words[0]], extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason == "stop"
         assert r.choices[0].message.content == base[:base.find(words[0])]
-    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, temperature=0, logprobs=True,
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3,
+                                       temperature=0, logprobs=True,
                                        top_logprobs=2, extra_body={"ignore_eos": True})
     content = r.choices[0].logprobs.content
     assert len(content) == 3
@@ -311,7 +321,7 @@ def test_chat_stop_seed_logprobs(node, client):
         assert e.top_logprobs[0].token == e.token
 
 
-# ---------------------------------------------------------------------------------------------- info endpoints
+# --------------------------------------------------------------------------------------------- info endpoints
 def test_info_endpoints(node, client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
@@ -323,15 +333,16 @@ def test_info_endpoints(node, client):
     assert {"disaggregation_bootstrap_port", "page_size", "max_total_tokens", "stats", "tp"} <= set(info)
     assert get_json(node, "/get_server_info")["port"] == node.port
     s = info["stats"]
-    for k in ("num_running_reqs", "num_waiting_reqs", "kv_free_tokens", "kv_total_tokens", "kv_evictable_tokens",
-              "req_slots_free", "req_slots_total"):
+    for k in ("num_running_reqs", "num_waiting_reqs", "kv_free_tokens",
+              "kv_total_tokens", "kv_evictable_tokens", "req_slots_free", "req_slots_total"):
         assert isinstance(s[k], (int, float)), k
     mi = get_json(node, "/model_info")
     assert mi["is_generation"] is True and mi["served_model_name"] == "tiny"
     assert mi["model_path"] and mi["tokenizer_path"]
     assert get_json(node, "/get_model_info") == mi
     load = get_json(node, "/get_load")
-    assert isinstance(load, list) and set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens",
+    assert isinstance(load, list) and set(load[0]) == {"dp_rank", "num_reqs",
+                                                       "num_waiting_reqs", "num_tokens",
                                                         "num_queued_reqs", "max_queued_requests",
                                                         "kv_available_tokens"}
     code, body = http_post(node.url + "/flush_cache", b"")
@@ -370,7 +381,8 @@ def test_metrics_parse(node):
     assert value("sglang:e2e_request_latency_seconds", "_count") >= 1
     assert value("sglang:time_to_first_token_seconds", "_bucket", le="+Inf") >= 1
     assert value("pdserve_queue_time_seconds", "_count") >= 1
-    for g in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
+    for g in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
+              "sglang:cache_hit_rate",
               "sglang:gen_throughput", "pdserve_kv_free_tokens", "pdserve_queue_reqs"):
         assert families[g].type == "gauge", g
     assert families["pdserve_num_retractions"].type == "counter"

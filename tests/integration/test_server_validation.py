@@ -20,8 +20,8 @@ CONTEXT = 64
 
 @pytest.fixture(scope="module")
 def node(tiny_model_dir, module_launcher):
-    return module_launcher.colocated(tiny_model_dir, max_total_tokens=2048, max_running_requests=4, api_key=KEY,
-                                     context_length=CONTEXT)
+    return module_launcher.colocated(tiny_model_dir, max_total_tokens=2048,
+                                     max_running_requests=4, api_key=KEY, context_length=CONTEXT)
 
 
 def post(node, path, body, status, *fields, headers=AUTH):
@@ -130,7 +130,8 @@ def test_completions_bad_input(node, body, fields):
     ({"messages": [{"role": "wizard", "content": "hi"}]}, ["messages[0].role"]),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      ["messages[0].content[0]"]),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, ["max_completion_tokens"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
+     ["max_completion_tokens"]),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, ["`max_tokens`"]),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 * CONTEXT}, ["`max_tokens`"]),
     ({"messages": [{"role": "user", "content": "word " * CONTEXT}]}, ["`messages`", str(CONTEXT)]),
@@ -180,9 +181,11 @@ def test_duplicate_rid(node):
     for attempt in range(4):
         rid = f"dup-rid-{attempt}"
         box = {}
-        body = {"text": "long one", "rid": rid, "sampling_params": {"max_new_tokens": CONTEXT - 8, "ignore_eos": True}}
-        t = threading.Thread(target=lambda b=body, x=box: x.setdefault("r", http_post(node.url + "/generate", b,
-                                                                                       headers=AUTH)), daemon=True)
+        body = {"text": "long one", "rid": rid,
+                "sampling_params": {"max_new_tokens": CONTEXT - 8, "ignore_eos": True}}
+        t = threading.Thread(target=lambda b=body,
+                             x=box: x.setdefault("r", http_post(node.url + "/generate", b,
+                                                                 headers=AUTH)), daemon=True)
         t.start()
         deadline = time.time() + 60
         while True:  # until the first request is in the scheduler
@@ -262,15 +265,17 @@ def test_item_fields_of_a_batch():
 
     decode = ServerArgs(disaggregation_mode="decode")
     # what a PD router sends: a list of rooms, shared host and port, one rid for the batch
-    req = CompletionRequest(prompt=["a", "b"], rid="r", bootstrap_host="h", bootstrap_port=1, bootstrap_room=[5, 6])
+    req = CompletionRequest(prompt=["a", "b"], rid="r", bootstrap_host="h",
+                            bootstrap_port=1, bootstrap_room=[5, 6])
     assert item_fields(decode, req, 2, True) == [
         {"rid": "r-0", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 5, "priority": 0,
          "data_parallel_rank": 0},
         {"rid": "r-1", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 6, "priority": 0,
          "data_parallel_rank": 0}]
     req.rid, req.bootstrap_host, req.bootstrap_port = ["x", "y"], ["h0", "h1"], [1, 2]
-    assert [(f["rid"], f["bootstrap_host"], f["bootstrap_port"]) for f in item_fields(decode, req, 2, True)] == [
-        ("x", "h0", 1), ("y", "h1", 2)]
+    assert [(f["rid"], f["bootstrap_host"], f["bootstrap_port"])
+            for f in item_fields(decode, req, 2, True)] == [
+                ("x", "h0", 1), ("y", "h1", 2)]
     req.bootstrap_room = 5  # one room cannot serve two transfers
     with pytest.raises(BadRequest, match="`bootstrap_room` must be a list"):
         item_fields(decode, req, 2, True)
@@ -286,7 +291,8 @@ def test_item_fields_of_a_batch():
     plain = item_fields(ServerArgs(), CompletionRequest(prompt=["a", "b"]), 2, True)
     assert len({f["rid"] for f in plain}) == 2 and all(f["bootstrap_room"] is None for f in plain)
     # ... and a single room sent with a batch, which only a PD node refuses
-    assert len(item_fields(ServerArgs(), CompletionRequest(prompt=["a", "b"], bootstrap_room=5), 2, True)) == 2
+    assert len(item_fields(ServerArgs(), CompletionRequest(prompt=["a", "b"],
+                                                           bootstrap_room=5), 2, True)) == 2
 
 
 def test_node_still_serves_after_bad_input(node):

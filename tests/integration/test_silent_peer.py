@@ -62,7 +62,8 @@ def test_a_stream_waiting_in_a_queue_sends_keepalives(tiny_model_dir, module_lau
 
 def test_a_frozen_decode_node_ends_its_stream_and_recovers(cluster):
     results = []
-    t = threading.Thread(target=lambda: results.append(stream(cluster.url + "/v1/completions", {"prompt": "x", **LONG},
+    t = threading.Thread(target=lambda: results.append(stream(cluster.url + "/v1/completions",
+                                                              {"prompt": "x", **LONG},
                                                               on_event=lambda i, e: started.set())))
     started = threading.Event()
     t.start()

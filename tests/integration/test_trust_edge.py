@@ -29,7 +29,8 @@ BODIES = {"/generate": {"text": "hello", "sampling_params": {"max_new_tokens": 4
 BATCHES = {"/generate": {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 4}},
            "/v1/completions": {"prompt": ["a", "b"], "max_tokens": 4}}
 # the reviewer's values and a few more; each is a 400 naming its field, at once
-BAD = [("bootstrap_room", 2**64 - 1), ("bootstrap_room", -5), ("bootstrap_room", 2**63), ("bootstrap_host", "a b"),
+BAD = [("bootstrap_room", 2**64 - 1), ("bootstrap_room", -5), ("bootstrap_room", 2**63),
+       ("bootstrap_host", "a b"),
        ("bootstrap_host", "http://node"), ("bootstrap_host", "x" * 300), ("bootstrap_port", 70000),
        ("bootstrap_port", 0)]
 GOOD = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 7}
@@ -125,15 +126,19 @@ def test_router_admin_routes_need_the_admin_key(keyed):
     decode = keyed.decodes[0]
     for headers in ({}, AUTH["client"], AUTH["node"]):
         assert call("GET", keyed.url + "/workers", None, headers)[0] == 401
-        assert call("POST", keyed.url + "/workers", {"url": decode.url, "worker_type": "decode"}, headers)[0] == 401
+        assert call("POST", keyed.url + "/workers", {"url": decode.url,
+                                                     "worker_type": "decode"}, headers)[0] == 401
         assert call("DELETE", keyed.url + "/workers/" + decode.url, None, headers)[0] == 401
         assert call("POST", keyed.url + "/flush_cache", {}, headers)[0] == 401
     status, body = call("GET", keyed.url + "/workers", None, AUTH["admin"])
     assert status == 200 and body["total"] == 2, body
-    assert call("POST", keyed.url + "/workers", {"url": decode.url, "worker_type": "decode"}, AUTH["admin"])[0] == 409
+    assert call("POST", keyed.url + "/workers", {"url": decode.url,
+                                                 "worker_type": "decode"}, AUTH["admin"])[0] == 409
     assert call("DELETE", keyed.url + "/workers/" + decode.url, None, AUTH["admin"])[0] == 200
-    assert call("POST", keyed.url + "/v1/chat/completions", CHAT, AUTH["client"])[0] == 503  # no decode worker
-    status, body = call("POST", keyed.url + "/workers", {"url": decode.url, "worker_type": "decode"}, AUTH["admin"])
+    # no decode worker
+    assert call("POST", keyed.url + "/v1/chat/completions", CHAT, AUTH["client"])[0] == 503
+    status, body = call("POST", keyed.url + "/workers",
+                        {"url": decode.url, "worker_type": "decode"}, AUTH["admin"])
     assert status == 200, body
     chat_ok(keyed.url, AUTH["client"])
     assert call("POST", keyed.url + "/flush_cache", {}, AUTH["admin"])[0] == 200  # fans out with the node key
@@ -173,12 +178,14 @@ def test_node_routes_by_key(keyed):
 
 def test_wrong_node_key_is_a_clear_error(keyed, tmp_path):
     env = {"PDSERVE_NODE_API_KEY": "not-the-node-key"}
-    router = RouterProcess(keyed.prefills, keyed.decodes, "--policy", "round_robin", "--api-key", "argv-key-5e2a91",
+    router = RouterProcess(keyed.prefills, keyed.decodes, "--policy", "round_robin",
+                           "--api-key", "argv-key-5e2a91",
                            "--retry-initial-backoff-ms", "1", env=env, log_path=tmp_path / "wrong-router.log")
     keyed.extra_logs.append(router.log_path)
     try:
         router.start()  # /health is open: the workers register
-        status, body = call("POST", router.url + "/v1/chat/completions", CHAT, {"Authorization": "Bearer argv-key-5e2a91"})
+        status, body = call("POST", router.url + "/v1/chat/completions", CHAT,
+                            {"Authorization": "Bearer argv-key-5e2a91"})
         msg = error_of(status, body)
         assert status == 502 and "node key" in msg and "refused" in msg, body
     finally:
@@ -241,7 +248,8 @@ def certificate(tmp_path_factory) -> tuple[str, str]:
     folder = tmp_path_factory.mktemp("tls")
     cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                    "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                    "-days", "2", "-subj", "/CN=127.0.0.1", "-addext",
+                    "subjectAltName=IP:127.0.0.1,DNS:localhost"],
                    check=True, capture_output=True, timeout=60)
     return cert, key
 
@@ -252,7 +260,8 @@ def test_tls_round_trip_through_the_router(tiny_model_dir, certificate, tmp_path
     prefill = TLSNode("prefill", tiny_model_dir, log_path=tmp_path / "prefill.log",
                       disaggregation_bootstrap_port=free_port(), **tls)
     decode = TLSNode("decode", tiny_model_dir, log_path=tmp_path / "decode.log", **tls)
-    router = TLSRouter([prefill], [decode], "--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca-certs", cert,
+    router = TLSRouter([prefill], [decode], "--ssl-certfile", cert, "--ssl-keyfile",
+                       key, "--ssl-ca-certs", cert,
                        "--policy", "round_robin", log_path=tmp_path / "router.log")
     router.cafile = cert
     try:
@@ -265,7 +274,8 @@ def test_tls_round_trip_through_the_router(tiny_model_dir, certificate, tmp_path
         assert body["choices"][0]["message"]["content"], body
         with urllib.request.urlopen(router.url + "/workers", timeout=30, context=_ctx(cert)) as r:
             workers = json.loads(r.read())["workers"]  # loopback client, no admin key: allowed
-        assert {w["url"] for w in workers} == {prefill.url, decode.url} and all(w["is_healthy"] for w in workers)
+        assert {w["url"] for w in workers} == {prefill.url, decode.url} \
+            and all(w["is_healthy"] for w in workers)
         with pytest.raises((OSError, HTTPException)):  # no plain HTTP on a TLS port
             http_post(f"http://127.0.0.1:{router.port}/v1/chat/completions", CHAT, timeout=10)
     finally:

@@ -71,7 +71,8 @@ def serves_normally(pair, colocated, pd_tok, seed: int) -> None:
     (ps, pb), (ds, db) = pair.generate({"input_ids": prompt, "sampling_params": greedy()})
     assert ps == 200 and ds == 200, (pb, db)
     assert db["output_ids"] == want
-    assert http_get(pair.decode.url + "/health")[0] == 200 and http_get(pair.prefill.url + "/health")[0] == 200
+    assert http_get(pair.decode.url + "/health")[0] == 200 \
+        and http_get(pair.prefill.url + "/health")[0] == 200
 
 
 def error_of(raw: bytes) -> str:
@@ -86,8 +87,8 @@ def error_of(raw: bytes) -> str:
     ("bootstrap_port", 70000, "bootstrap_port must be 1..65535"),
     ("bootstrap_port", 0, "bootstrap_port must be 1..65535"),
 ])
-def test_bootstrap_values_that_cannot_be_carried_are_400s(pair, backend, colocated, pd_tok, restored, field, value,
-                                                           word):
+def test_bootstrap_values_that_cannot_be_carried_are_400s(pair, backend, colocated,
+                                                          pd_tok, restored, field, value, word):
     body = pair.body({"input_ids": list(range(100, 130)), "sampling_params": greedy()})
     body[field] = value
     for node in (pair.prefill, pair.decode):
@@ -109,15 +110,18 @@ def test_a_host_that_is_no_host_name_is_a_400_on_the_decode_node(pair, backend, 
 # ---------------------------------------------------------------------------------------------- bootstrap
 @pytest.mark.parametrize("body,ctype", [(b"<html><body>bad gateway</body></html>", "text/html"),
                                         (b'{"page_size": "4"}', "application/json"),
-                                        (b"[1, 2, 3]", "application/json")], ids=["html", "wrong-types", "list"])
-def test_a_bootstrap_server_answering_garbage_fails_the_request_not_the_resolver(pair, backend, colocated, pd_tok,
+                                        (b"[1, 2, 3]", "application/json")],
+                         ids=["html", "wrong-types", "list"])
+def test_a_bootstrap_server_answering_garbage_fails_the_request_not_the_resolver(pair,
+                                                                                 backend, colocated, pd_tok,
                                                                                  restored, body, ctype):
     server = Garbage(lambda path: (ctype, body))
     try:
         req = {"input_ids": list(range(100, 130)), "sampling_params": greedy(), "bootstrap_host": "127.0.0.1",
                "bootstrap_port": server.port, "bootstrap_room": 777001}
         for i in range(2):  # the resolver thread survived the first one
-            status, raw = http_post(pair.decode.url + "/generate", {**req, "bootstrap_room": 777001 + i}, timeout=60)
+            status, raw = http_post(pair.decode.url + "/generate",
+                                    {**req, "bootstrap_room": 777001 + i}, timeout=60)
             assert status == 500 and "bootstrap server" in error_of(raw), raw
     finally:
         server.close()
@@ -125,7 +129,8 @@ def test_a_bootstrap_server_answering_garbage_fails_the_request_not_the_resolver
 
 
 # ---------------------------------------------------------------------------------------------- the rows
-def test_a_first_token_outside_the_vocabulary_fails_the_request_not_the_decode(pair, backend, colocated, pd_tok,
+def test_a_first_token_outside_the_vocabulary_fails_the_request_not_the_decode(pair,
+                                                                               backend, colocated, pd_tok,
                                                                                restored, control_dir):
     (control_dir / "bad_token").write_text(str(len(pd_tok) + 1000))
     (ps, pb), (ds, db) = pair.generate({"input_ids": list(range(200, 240)), "sampling_params": greedy()})
@@ -157,7 +162,8 @@ def test_no_page_is_sent_before_the_forward_that_wrote_it_is_signalled_done(pair
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             leg = ex.submit(pair.generate, {"input_ids": prompt, "sampling_params": greedy()})
-            wait_until((control_dir / "work_waited").exists, 60, "the sender to wait for the forward's completion")
+            wait_until((control_dir / "work_waited").exists, 60,
+                       "the sender to wait for the forward's completion")
             time.sleep(1.0)
             assert not (control_dir / "written").exists(), "a page was written before its forward was done"
             (control_dir / "work_done").write_text("")
@@ -179,7 +185,8 @@ def test_a_late_write_never_reaches_the_next_requests_pages(pair, colocated, pd_
     (control_dir / "gate_armed").write_text("")
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         body1 = pair.body({"input_ids": first, "sampling_params": greedy(n), "rid": "late-1"})
-        f1 = [ex.submit(http_post, node.url + "/generate", body1, None, 120) for node in (pair.prefill, pair.decode)]
+        f1 = [ex.submit(http_post, node.url + "/generate", body1, None, 120)
+              for node in (pair.prefill, pair.decode)]
         wait_until((control_dir / "gate_entered").exists, 60, "the prefill to write the first request's KV")
         status, raw = http_post(pair.decode.url + "/abort_request", {"rid": "late-1"})
         assert status == 200, raw
@@ -187,7 +194,8 @@ def test_a_late_write_never_reaches_the_next_requests_pages(pair, colocated, pd_
         quarantined = pair.decode.stats()["kv_quarantined_pages"]
         # the second request takes the memory the decode node hands out next, while the first
         # request's write is still held inside the prefill's engine
-        body2 = pair.body({"input_ids": second, "sampling_params": greedy(n), "rid": "late-2", "stream": True})
+        body2 = pair.body({"input_ids": second, "sampling_params": greedy(n),
+                           "rid": "late-2", "stream": True})
         fp2 = ex.submit(http_post, pair.prefill.url + "/generate", {**body2, "stream": False}, None, 120)
         released = threading.Event()
 

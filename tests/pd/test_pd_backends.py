@@ -44,7 +44,8 @@ SETUPS = {
     "nixl": {"prefill_tp": 2, "decode_settings": {"max_total_tokens": 256, "num_reserved_decode_tokens": 4,
                                                   "decode_offload_size": 0, "enable_overlap_schedule": True}},
     # the TP-2 decode node speculates (--speculative-algorithm NGRAM): greedy answers stay the colocated ones
-    "ucx": {"decode_tp": 2, "decode_settings": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}},
+    "ucx": {"decode_tp": 2,
+            "decode_settings": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}},
 }
 
 
@@ -113,7 +114,8 @@ def test_logprobs_travel_with_the_first_token(pair, colocated, pd_tok, restored)
     pm, dm = pb["meta_info"], db["meta_info"]
     # prompt logprobs come from the prefill node (a router merges them), output ones from decode
     assert len(pm["input_token_logprobs"]) == len(prompt)
-    for (a, ta, _), (b, tb, _) in zip(pm["input_token_logprobs"][1:], ref["input_token_logprobs"][1:], strict=True):
+    for (a, ta, _), (b, tb, _) in zip(pm["input_token_logprobs"][1:],
+                                      ref["input_token_logprobs"][1:], strict=True):
         assert ta == tb and a == pytest.approx(b, abs=1e-4)
     assert [t for _, t, _ in dm["output_token_logprobs"]] == [t for _, t, _ in ref["output_token_logprobs"]]
     for (a, _, _), (b, _, _) in zip(dm["output_token_logprobs"], ref["output_token_logprobs"], strict=True):
@@ -122,7 +124,8 @@ def test_logprobs_travel_with_the_first_token(pair, colocated, pd_tok, restored)
         [[t for _, t, _ in row] for row in ref["output_top_logprobs"]]
 
 
-@on("nixl", "ucx")  # the TP layouts that put a matcher on several ranks (compiling one costs ~5 s per process)
+# the TP layouts that put a matcher on several ranks (compiling one costs ~5 s per process)
+@on("nixl", "ucx")
 def test_grammar_answers_match_colocated(pair, colocated, pd_tok, restored):
     # the prefill node samples the first token under the grammar; the decode node's matcher (on every TP
     # rank: 2 -> 1 and 1 -> 2 layouts) accepts it and goes on: the same valid answer as one engine
@@ -299,8 +302,8 @@ def test_behind_sglang_router(pair, colocated, pd_tok, restored):
         got = None
         while time.time() < deadline:
             try:
-                status, raw = http_post(url + "/generate", {"input_ids": prompts[0], "sampling_params": greedy()},
-                                        timeout=60)
+                status, raw = http_post(url + "/generate",
+                                        {"input_ids": prompts[0], "sampling_params": greedy()}, timeout=60)
             except OSError:
                 status = 0
             if status == 200:

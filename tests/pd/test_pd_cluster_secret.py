@@ -41,7 +41,8 @@ def test_pd_pair_with_a_cluster_secret(pair, pd_tok, secret):
     _, info = http_get(pair.prefill.url + "/server_info")
     assert secret[0].encode() in info and secret[1].encode() not in info
     _, metrics = http_get(pair.prefill.url + "/metrics")
-    assert b"pdserve_bootstrap_dropped_unauthenticated_total{" in metrics and secret[1].encode() not in metrics
+    assert b"pdserve_bootstrap_dropped_unauthenticated_total{" in metrics \
+        and secret[1].encode() not in metrics
     assert b"pdserve_transfer_paused_seconds_total{" in metrics  # how long the heartbeat timer was kept off
     for node in (pair.prefill, pair.decode):  # the secret is never logged, and nothing says it is missing
         log = node.log_path.read_bytes()

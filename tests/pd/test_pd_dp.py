@@ -66,7 +66,8 @@ def test_colocated_groups_answer_as_transformers(dp_node, qwen3_dir, pd_tok):
     want = [hf_greedy(hf, p) for p in prompts]
     before = group_stat(dp_node, "total_prompt_tokens")
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
-        answers = list(ex.map(lambda p: generate(dp_node.url, {"input_ids": p, "sampling_params": greedy()}), prompts))
+        answers = list(ex.map(lambda p: generate(dp_node.url,
+                                                 {"input_ids": p, "sampling_params": greedy()}), prompts))
     for (code, body), w in zip(answers, want, strict=True):
         assert code == 200, body
         assert body["output_ids"] == w
@@ -74,7 +75,8 @@ def test_colocated_groups_answer_as_transformers(dp_node, qwen3_dir, pd_tok):
     assert all(a > b for a, b in zip(after, before, strict=True)), f"both groups prefill: {before} -> {after}"
     assert sum(after) - sum(before) == sum(map(len, prompts))
     # prompt logprobs, computed by the last stage
-    body = {"input_ids": prompts[0], "return_logprob": True, "logprob_start_len": 0, "sampling_params": greedy(1)}
+    body = {"input_ids": prompts[0], "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": greedy(1)}
     meta = generate(dp_node.url, body)[1]["meta_info"]
     with torch.no_grad():
         logp = torch.log_softmax(hf(torch.tensor([prompts[0]])).logits[0].float(), dim=-1)
@@ -144,7 +146,8 @@ def test_each_group_publishes_its_own_kv_events(dp_node):
             n = next(pokes)  # a new prompt each time: a repeated one hits the radix cache and stores no block
             for rank in (0, 1):
                 prompt = [40 + rank, 300 + n] + list(range(60, 78))
-                generate(dp_node.url, {"input_ids": prompt, "data_parallel_rank": rank, "sampling_params": greedy(2)})
+                generate(dp_node.url,
+                         {"input_ids": prompt, "data_parallel_rank": rank, "sampling_params": greedy(2)})
             return drain()
 
         wait_until(poke, timeout=30, what="a KV event batch from each group", interval=0.2)
@@ -175,12 +178,15 @@ def test_groups_take_rooms_mod_two_on_both_sides(dp_pair, colocated, pd_tok):
         (ps, pb), (ds, db) = dp_pair.generate({"input_ids": p, "sampling_params": greedy()}, room=room)
         assert ps == 200 and ds == 200, (pb, db)
         assert db["output_ids"] == w
-    for node, key, before, per_request in ((dp_pair.prefill, "total_prompt_tokens", prefilled, list(map(len, prompts))),
+    for node, key, before, per_request in ((dp_pair.prefill, "total_prompt_tokens", prefilled,
+                                            list(map(len, prompts))),
                                            (dp_pair.decode, "total_generated_tokens", decoded,
                                             [len(w) - 1 for w in want])):
         after = group_stat(node, key)
-        assert [after[k] - before[k] for k in (0, 1)] == [sum(per_request[4:]), sum(per_request[:4])], node.role
-    bad = dp_pair.body({"input_ids": [1, 2, 3], "data_parallel_rank": 0, "sampling_params": greedy(2)}, room=7)
+        assert [after[k] - before[k] for k in (0, 1)] \
+            == [sum(per_request[4:]), sum(per_request[:4])], node.role
+    bad = dp_pair.body({"input_ids": [1, 2, 3], "data_parallel_rank": 0,
+                        "sampling_params": greedy(2)}, room=7)
     code, raw = http_post(dp_pair.decode.url + "/generate", bad)
     assert code == 400 and "contradicts `bootstrap_room` 7" in error_message(raw), raw
     assert_restored((dp_pair.prefill, start[0]), (dp_pair.decode, start[1]))
@@ -194,7 +200,8 @@ def test_dp_aware_router_balances_the_decode_groups(dp_pair, module_launcher, pd
         code, _, raw = router.post("/generate", {"input_ids": p, "sampling_params": greedy(4)})
         assert code == 200, raw
     after = group_stat(dp_pair.decode, "total_generated_tokens")
-    assert [a - b for a, b in zip(after, before, strict=True)] == [12, 12]  # 4 requests x 3 decoded tokens each
+    # 4 requests x 3 decoded tokens each
+    assert [a - b for a, b in zip(after, before, strict=True)] == [12, 12]
     code, _, raw = router.post("/generate", {"input_ids": [3, 4, 5], "data_parallel_rank": 1,
                                           "sampling_params": greedy(4)})
     assert code == 200, raw

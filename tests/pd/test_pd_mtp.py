@@ -1,7 +1,8 @@
 """EAGLE / MTP across PD: the prefill node runs the draft layers over the prompt and sends the first
 draft and the draft layers' hidden state with the first token (`MetadataBuffers` `topk_index`, `topk_p`,
 `hidden_states`); the draft layer's KV moves with the other layers' pages. The decode node (mooncake:
-TP 2 from a TP-1 prefill; nixl: TP 1 from a TP-2 prefill) starts its first verify from them, answers as transformers does, and drafts and accepts exactly what one
+TP 2 from a TP-1 prefill; nixl: TP 1 from a TP-2 prefill) starts its first verify from them, answers as
+transformers does, and drafts and accepts exactly what one
 colocated engine does on the same prompts (a checkpoint whose drafts depend on
 the draft layer's KV, so a missing or wrong KV page or hidden state would show)."""
 
@@ -28,8 +29,10 @@ def colocated_spec_stats(model_dir: str, prompts: list[list[int]], n: int) -> di
 # mooncake prefill tp 1 -> decode tp 2, nixl prefill tp 2 -> decode tp 1 (ucx moves a hybrid model's draft
 # layer in tests/hybrid/test_hybrid_pd.py)
 @pytest.mark.parametrize("backend,tp", [pytest.param(b, tp, marks=pytest.mark.backend(b), id=b)
-                                        for b, tp in (("mooncake", {"decode_tp": 2}), ("nixl", {"prefill_tp": 2}))])
-def test_decode_speculates_from_the_prefill_nodes_draft(make_tiny_model, launcher, pd_tok, tmp_path, backend, tp):
+                                        for b, tp in (("mooncake", {"decode_tp": 2}),
+                                                      ("nixl", {"prefill_tp": 2}))])
+def test_decode_speculates_from_the_prefill_nodes_draft(make_tiny_model, launcher,
+                                                        pd_tok, tmp_path, backend, tp):
     model_dir = bigram_checkpoint(make_tiny_model("llama", mtp_num_hidden_layers=1), tmp_path / "m",
                                   draft_attention=3.0)
     pair = launcher.pair(model_dir, backend, prefill_settings=SPEC, decode_settings=SPEC, **tp)

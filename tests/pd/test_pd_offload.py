@@ -27,7 +27,8 @@ OFFLOAD = 4096
 
 @pytest.fixture(scope="module")
 def pair(backend, pd_model_dir, module_launcher):
-    p = module_launcher.pair(pd_model_dir, backend, decode_settings={**TINY_DECODE, "decode_offload_size": OFFLOAD})
+    p = module_launcher.pair(pd_model_dir, backend,
+                             decode_settings={**TINY_DECODE, "decode_offload_size": OFFLOAD})
     yield p
     p.stop()  # now, not at the end of the session
 
@@ -35,7 +36,8 @@ def pair(backend, pd_model_dir, module_launcher):
 def test_retracted_decode_requests_resume_without_prefill(pair, colocated, pd_tok):
     start = pair.start_counts()
     # each request ends holding 140-160 of the pool's 256 tokens: two that decode side by side for most of
-    # their 120 steps run it out, however far a loaded host spreads the six arrivals (40 steps were not enough)
+    # their 120 steps run it out, however far a loaded host spreads the six arrivals (40 steps were not
+    # enough)
     prompts = make_prompts(pd_tok, 6, seed=12, lo=20, hi=40)
     want = colocated_tokens(colocated, prompts, n=120)
     before = pair.decode.stats()

@@ -35,7 +35,8 @@ def test_layer_ranges_are_consecutive_and_cover_the_model():
 def test_pp_size_refusals_name_the_flag():
     ServerArgs(pp_size=2, disaggregation_mode="prefill").validate()
     for bad in ({"pp_size": 0}, {"pp_size": 2, "disaggregation_mode": "decode"},
-                {"pp_size": 2, "enable_overlap_schedule": True}, {"pp_size": 2, "speculative_algorithm": "NGRAM"}):
+                {"pp_size": 2, "enable_overlap_schedule": True},
+                {"pp_size": 2, "speculative_algorithm": "NGRAM"}):
         with pytest.raises(ConfigError) as e:
             ServerArgs(**bad).validate()
         assert str(e.value).startswith("--pp-size"), e.value

@@ -25,7 +25,8 @@ def chats(smollm2_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}],
+                                     add_generation_prompt=True, tokenize=False)
              for q in QUESTIONS]
     return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 

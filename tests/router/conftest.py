@@ -13,7 +13,8 @@ from tests.harness.nodes import ServerProcess, start_together, stop_all
 
 WORKER_SCRIPT = Path(__file__).resolve().parent / "workers.py"
 # the router's flags of every router test: quick worker checks and retries, every request logged
-ROUTER_ARGS = ["--worker-startup-check-interval", "0.1", "--retry-initial-backoff-ms", "5", "--log-level", "info"]
+ROUTER_ARGS = ["--worker-startup-check-interval", "0.1", "--retry-initial-backoff-ms",
+               "5", "--log-level", "info"]
 
 
 class Worker(ServerProcess):
@@ -57,7 +58,8 @@ class Worker(ServerProcess):
 def workers(tmp_path_factory):
     """Two prefill workers (bootstrap ports 8998, 8999) and two decode workers, shared by all tests."""
     logs = tmp_path_factory.mktemp("workers")
-    ws = {"p": [Worker("prefill", 8998, log_path=logs / "p0.log"), Worker("prefill", 8999, log_path=logs / "p1.log")],
+    ws = {"p": [Worker("prefill", 8998, log_path=logs / "p0.log"),
+                Worker("prefill", 8999, log_path=logs / "p1.log")],
           "d": [Worker("decode", log_path=logs / "d0.log"), Worker("decode", log_path=logs / "d1.log")]}
     start_together(ws["p"] + ws["d"])
     yield ws
@@ -75,10 +77,12 @@ def _clean_workers(request):
 
 @pytest.fixture
 def make_worker(launcher):
-    """`make_worker(role, bootstrap_port=None, record=True)`: one more worker, started, stopped after the test."""
+    """`make_worker(role, bootstrap_port=None, record=True)`: one more worker, started, stopped after the
+    test."""
 
     def make(role: str, bootstrap_port: int | None = None, record: bool = True) -> Worker:
-        return launcher.start(Worker(role, bootstrap_port, record, log_path=launcher.log_path(f"{role}-worker")))
+        return launcher.start(Worker(role, bootstrap_port, record,
+                                     log_path=launcher.log_path(f"{role}-worker")))
 
     return make
 

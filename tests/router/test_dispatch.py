@@ -176,10 +176,12 @@ def test_retry_aborts_orphan_decode_leg(workers, make_router):
         t.join(30)
     assert [x[0] for x in results] == [200, 200]
     sent = [x["body"] for x in d.requests()]
-    assert len({s["bootstrap_room"] for s in sent}) == 2 + failed and len({s["rid"] for s in sent}) == 2 + failed
+    assert len({s["bootstrap_room"] for s in sent}) == 2 + failed \
+        and len({s["rid"] for s in sent}) == 2 + failed
     assert len(p1.requests()) == 2  # the retry re-sent both legs, avoiding the failed worker
     retry = [s for s in sent if s["rid"] not in {x["body"]["rid"] for x in p0.requests()}]
-    assert sorted(x["body"]["bootstrap_room"] for x in p1.requests()) == sorted(s["bootstrap_room"] for s in retry)
+    assert sorted(x["body"]["bootstrap_room"] for x in p1.requests()) \
+        == sorted(s["bootstrap_room"] for s in retry)
 
 
 def test_a_retry_of_a_client_rid_runs_under_its_own_rid(workers, make_router):
@@ -230,7 +232,8 @@ def test_a_decode_stream_ending_in_an_error_aborts_the_waiting_prefill_leg(worke
 
 
 @pytest.mark.parametrize("path,body", [("/generate", {"text": "hi"}),
-                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+                                       ("/v1/chat/completions",
+                                        {"messages": [{"role": "user", "content": "hi"}]})])
 def test_a_stream_whose_decode_fails_before_its_first_token_runs_again_on_another_pair(workers, make_router,
                                                                                         path, body):
     """A decode whose KV transfer failed before its first token (its stream's first event with a token is an
@@ -260,7 +263,8 @@ def test_an_error_before_the_first_token_that_is_the_requests_own_is_relayed(wor
     d.config(error_event=True, chunks=0)  # an error event of another type (server_error): not re-run
     status, _, body = r.post("/generate", {"text": "hi", "stream": True})
     assert status == 200 and b'"error"' in body, body
-    assert len(d.requests()) == 1 and metric_total(r.url, "pdserve_router_reruns_before_first_token_total") == 0
+    assert len(d.requests()) == 1 \
+        and metric_total(r.url, "pdserve_router_reruns_before_first_token_total") == 0
 
 
 def test_mid_stream_failure_is_sse_error_then_done(workers, make_router):
@@ -337,10 +341,12 @@ def test_malformed_input_400_names_field(workers, make_router):
         ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 200}}, "logit_bias"),
         ("/generate", {"text": "x", "image_data": "y"}, "`image_data`"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "return_hidden_states": True},
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "hi"}], "return_hidden_states": True},
          "`return_hidden_states`"),
         ("/v1/completions", {"prompt": ["x", "y"], "rid": ["a"]}, "`rid`"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
          "`max_completion_tokens`"),
         ("/v1/chat/completions", {"model": "m"}, "messages"),
         ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "role"),
@@ -350,7 +356,9 @@ def test_malformed_input_400_names_field(workers, make_router):
     for path, body, field in cases:
         status, _, out = r.post(path, body if isinstance(body, bytes) else json.dumps(body).encode())
         err = json.loads(out)["error"]
-        assert status == 400 and err["code"] in ("invalid_value", "unknown_parameter", "invalid_request", "unsupported_value") and err["type"] == "invalid_request_error", (path, body, out)
+        assert status == 400 and err["code"] in ("invalid_value", "unknown_parameter",
+                                                 "invalid_request", "unsupported_value") \
+            and err["type"] == "invalid_request_error", (path, body, out)
         assert field in err["message"], (field, err["message"])
     assert d.requests() == [] and p.requests() == []  # nothing invalid reached a worker
 
@@ -364,7 +372,8 @@ def test_local_prefill_while_the_prefill_worker_is_busy(workers, make_router):
     d.config(info={"disaggregation_local_prefill": True})
     r = make_router([p], [d], "--policy", "round_robin", "--local-prefill-queue", "1")
     p.config(hold=1)  # the first request's prefill leg stays in flight
-    assert r.post("/generate", {"text": "first"})[0] == 200  # its decode leg answered; the prefill leg is held
+    # its decode leg answered; the prefill leg is held
+    assert r.post("/generate", {"text": "first"})[0] == 200
     assert len(p.requests()) == 1
     d.config(hold=1)  # the local request waits at the decode worker (its first byte not sent)
     held = {}
@@ -388,7 +397,8 @@ def test_local_prefill_while_the_prefill_worker_is_busy(workers, make_router):
     d.config(hold=1)
     t2 = threading.Thread(target=lambda: held.update(out2=r.post("/generate", {"text": "fourth"})))
     t2.start()
-    wait_until(lambda: any(x["body"]["text"] == "fourth" for x in d.requests()), what="the second local request")
+    wait_until(lambda: any(x["body"]["text"] == "fourth" for x in d.requests()),
+               what="the second local request")
     fourth = [x["body"] for x in d.requests() if x["body"]["text"] == "fourth"][0]
     assert "bootstrap_room" not in fourth and len(p.requests()) == 2
     d.release()

@@ -45,10 +45,12 @@ def nodes(tiny_model_dir, module_launcher, tmp_path_factory):
         settings = {**BASE, "transfer_backend": "fake", **extra}
         if role == "prefill":
             settings["disaggregation_bootstrap_port"] = free_port()
-        return RoleNode(role, str(model), name=name, env=FAST_ENV, log_path=module_launcher.log_path(name), **settings)
+        return RoleNode(role, str(model), name=name, env=FAST_ENV,
+                        log_path=module_launcher.log_path(name), **settings)
 
     ns = {"prefill": node("prefill", a, "prefill"), "decode": node("decode", a, "decode"),
-          "decode_b": node("decode", b, "decode-b"), "decode_page8": node("decode", a, "decode-page8", page_size=8)}
+          "decode_b": node("decode", b, "decode-b"),
+          "decode_page8": node("decode", a, "decode-page8", page_size=8)}
     module_launcher.start(NodeGroup(list(ns.values())))
     return ns
 
@@ -85,7 +87,8 @@ def test_other_weights_under_the_same_name_are_refused(nodes, make_router):
     status, body = _add(r, other.url, "decode")
     msg = _message(body)
     assert status == 409, body
-    assert f"decode worker {other.url} cannot pair with prefill worker {p.url}: weights differ: prefill " in msg
+    assert f"decode worker {other.url} cannot pair with prefill worker {p.url}: weights differ: prefill " \
+        in msg
     assert "(same model name 'model')" in msg
     weights = _info(p)["compatibility"]["weights"], _info(other)["compatibility"]["weights"]
     assert f"prefill {weights[0][:12]}…, decode {weights[1][:12]}…" in msg
@@ -113,7 +116,8 @@ def test_another_dtype_is_refused(nodes, make_router, make_worker):
     stand_in.config(info={"compatibility": {**_info(d)["compatibility"], "dtype": "bfloat16"}})
     r = make_router([p], [d])
     status, body = _add(r, stand_in.url, "decode")
-    assert status == 409 and _message(body).endswith("dtype differs: prefill 'float32', decode 'bfloat16'"), body
+    assert status == 409 \
+        and _message(body).endswith("dtype differs: prefill 'float32', decode 'bfloat16'"), body
     stand_in.config(info={"compatibility": {**_info(d)["compatibility"], "page_size": "four"}})
     status, body = _add(r, stand_in.url, "decode")
     assert status == 502 and "page_size" in _message(body), body
@@ -134,7 +138,8 @@ def test_a_mismatched_worker_at_start_up_is_refused_and_not_routed_to(nodes, mak
     wait_until(lambda: _up(r) and get_json(r.url + "/workers")["refused"], timeout=60, what="a refusal")
     ws = get_json(r.url + "/workers")
     assert ws["total"] == 1 and len(ws["refused"]) == 1
-    assert "weights differ" in ws["refused"][0]["reason"] and "(same model name 'model')" in ws["refused"][0]["reason"]
+    assert "weights differ" in ws["refused"][0]["reason"] \
+        and "(same model name 'model')" in ws["refused"][0]["reason"]
     assert http("GET", r.url + "/readiness")[0] == 503
     assert r.post("/generate", BODY)[0] == 503
     refused = ws["refused"][0]

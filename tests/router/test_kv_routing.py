@@ -28,8 +28,8 @@ _encode = msgspec.msgpack.Encoder().encode
 def stored(*hashes: int) -> dict:
     """A BlockStored event as vLLM 0.32 writes it: a map tagged by "type", with every key it requires."""
     return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": None,
-            "token_ids": [0] * len(hashes), "block_size": 1, "lora_id": None, "medium": "CPU", "lora_name": None,
-            "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+            "token_ids": [0] * len(hashes), "block_size": 1, "lora_id": None,
+            "medium": "CPU", "lora_name": None, "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
 
 
 def removed(*hashes: int) -> dict:
@@ -111,7 +111,8 @@ def test_views_follow_gaps_garbage_restarts_and_overflow():
             pub.pub.send_multipart(frames)
         lacking = {k: v for k, v in stored(5).items() if k != "lora_name"}
         bad = [b"\xc1 not msgpack",
-               _encode([1.0, [["BlockStored", [5], None, [0], 1, None, "CPU"]], None]),  # the older array form
+               # the older array form
+               _encode([1.0, [["BlockStored", [5], None, [0], 1, None, "CPU"]], None]),
                batch(lacking),  # a required key missing
                batch({**stored(5), "block_hashes": ["5"]}),  # a value of the wrong type
                batch({**stored(5), "group_idx": "0"}),
@@ -155,9 +156,8 @@ def test_endpoints_and_prompt_sources():
     assert prompt_source("/v1/completions", {"prompt": [[5, 6]]}) == ("ids", [5, 6])
     assert prompt_source("/v1/completions", {"prompt": ""}) is None
     assert prompt_source("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}) is None
-    assert chat_messages([{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text",
-                                                                                          "text": "b"}]}]) == \
-        [{"role": "system", "content": "ab"}]
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert chat_messages([{"role": "developer", "content": parts}]) == [{"role": "system", "content": "ab"}]
 
 
 def test_router_tokenizer_matches_the_node(tokenizer_dir):
@@ -175,7 +175,7 @@ def test_router_tokenizer_matches_the_node(tokenizer_dir):
         assert tokenize(tok, "chat", chat_messages(msgs)) == want
 
 
-# ---------------------------------------------------------------------------------------------- real processes
+# --------------------------------------------------------------------------------------------- real processes
 PS = 16
 NODE = {"page_size": PS, "max_total_tokens": 4096, "max_running_requests": 16, "num_threads": 1,
         "log_level": "info", "transfer_backend": "fake"}
@@ -183,10 +183,12 @@ NODE = {"page_size": PS, "max_total_tokens": 4096, "max_running_requests": 16, "
 
 @pytest.fixture
 def kv_cluster(tiny_model_dir, launcher):
-    prefills = [RoleNode("prefill", tiny_model_dir, name=f"prefill-{i}", log_path=launcher.log_path(f"prefill-{i}"),
+    prefills = [RoleNode("prefill", tiny_model_dir, name=f"prefill-{i}",
+                         log_path=launcher.log_path(f"prefill-{i}"),
                          disaggregation_bootstrap_port=free_port(), kv_events_config=json.dumps(
                              {"endpoint": f"tcp://127.0.0.1:{free_port()}",
-                              "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}), **NODE) for i in range(2)]
+                              "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}), **NODE)
+                for i in range(2)]
     decode = RoleNode("decode", tiny_model_dir, log_path=launcher.log_path("decode"), **NODE)
     launcher.start(NodeGroup(prefills + [decode]))
     router = launcher.router(prefills, [decode], *ROUTER_ARGS, "--policy", "cache_aware", "--kv-events",
@@ -195,7 +197,8 @@ def kv_cluster(tiny_model_dir, launcher):
 
 
 def _views(router) -> dict:
-    return {w["url"]: w for w in get_json(router.url + "/workers")["workers"] if w["worker_type"] == "prefill"}
+    return {w["url"]: w for w in get_json(router.url + "/workers")["workers"]
+            if w["worker_type"] == "prefill"}
 
 
 def _cached(url: str) -> float:
@@ -248,7 +251,8 @@ def test_requests_follow_the_cached_prefix(kv_cluster):
     blocks = {u: v["kv_events"]["blocks"] for u, v in _views(router).items()}
     assert http("POST", router.url + "/v1/chat/completions", chat)[0] == 200
     chosen = next(u for u, n in busy().items() if n > before[u])
-    wait_until(lambda: _views(router)[chosen]["kv_events"]["blocks"] >= blocks[chosen] + 5, what="the chat prefix seen")
+    wait_until(lambda: _views(router)[chosen]["kv_events"]["blocks"] >= blocks[chosen] + 5,
+               what="the chat prefix seen")
     chat["messages"][1]["content"] = "Venus?"
     hits = _cached(chosen)
     assert http("POST", router.url + "/v1/chat/completions", chat)[0] == 200
@@ -336,4 +340,5 @@ def test_exact_policy_choices():
     fresh = RouteKey(None, list(range(500, 540)), {4: chain_hashes(None, list(range(500, 540)), 4)})
     ws[0].active = 0
     first = policy.select(ws, fresh)
-    assert all(policy.select(ws, fresh) is first for _ in range(3))  # routed pages count before events confirm
+    # routed pages count before events confirm
+    assert all(policy.select(ws, fresh) is first for _ in range(3))

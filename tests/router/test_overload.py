@@ -35,11 +35,13 @@ def _message(body: bytes) -> str:
 
 def test_concurrency_limit_queue_and_429(workers, make_router):
     p, d = workers["p"][0], workers["d"][0]
-    r = make_router([p], [d], "--policy", "round_robin", "--max-concurrent-requests", "2", "--queue-size", "2")
+    r = make_router([p], [d], "--policy", "round_robin", "--max-concurrent-requests",
+                    "2", "--queue-size", "2")
     d.config(hold=2)  # the first two requests stay in flight until released
     with concurrent.futures.ThreadPoolExecutor(6) as ex:
         futs = [ex.submit(r.post, "/generate", {"text": f"q{i}"}) for i in range(6)]
-        wait_until(lambda: len(d.requests()) == 2 and _admission(r)["queued"] == 2, what="2 in flight, 2 queued")
+        wait_until(lambda: len(d.requests()) == 2 and _admission(r)["queued"] == 2,
+                   what="2 in flight, 2 queued")
         wait_until(lambda: sum(f.done() for f in futs) == 2, what="both refused")
         info = _admission(r)
         assert (info["in_flight"], info["queued"], info["rejected"]) == (2, 2, {"queue_full": 2})
@@ -72,8 +74,8 @@ def test_concurrency_limit_queue_and_429(workers, make_router):
 
 def test_queue_timeout_is_408_and_a_leaving_client_leaves_the_queue(workers, make_router):
     p, d = workers["p"][0], workers["d"][0]
-    r = make_router([p], [d], "--policy", "round_robin", "--max-concurrent-requests", "1", "--queue-size", "1",
-                    "--queue-timeout-secs", "0.5")
+    r = make_router([p], [d], "--policy", "round_robin", "--max-concurrent-requests",
+                    "1", "--queue-size", "1", "--queue-timeout-secs", "0.5")
     d.config(hold=1)
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         first = ex.submit(r.post, "/generate", {"text": "held", "stream": True})  # a stream holds its place

@@ -21,7 +21,8 @@ def test_round_robin_alternates(workers, make_router):
     r = make_router(workers["p"], workers["d"], "--policy", "round_robin")
     for _ in range(10):
         assert r.post("/generate", {"text": "x"})[0] == 200
-    # both legs go out at once and the answer is the decode leg's: the last prefill leg may still be on its way
+    # both legs go out at once and the answer is the decode leg's: the last prefill leg may still be on its
+    # way
     wait_until(lambda: sum(_counts(workers["p"])) == 10, timeout=10, what="every prefill leg received")
     assert _counts(workers["p"]) == [5, 5] and _counts(workers["d"]) == [5, 5]
     order = sorted((req["t"], w.url) for w in workers["d"] for req in w.requests())

@@ -1,5 +1,5 @@
-"""The relay's parts alone, in process: SSE framing on recorded streams cut at every boundary, the retry table,
-and one attempt's state machine driven by scripted legs (no sockets)."""
+"""The relay's parts alone, in process: SSE framing on recorded streams cut at every boundary, the retry
+table, and one attempt's state machine driven by scripted legs (no sockets)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ TOKEN = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": N
 TRICKY = {"text": "\n\ndata: [DONE]\n\n", "meta_info": {}}  # a token whose text spells the end
 NODE_ERROR = {"error": {"message": "KV transfer failed", "type": "internal_error", "code": "kv_transfer"}}
 OWN_ERROR = {"error": {"message": "too long", "type": "invalid_request_error", "code": None}}
-CHAT = b": keep-alive\n\n" + _data(ROLE) + _data(TOKEN) + _data(TRICKY) + _data(OWN_ERROR) + b"data: [DONE]\n\n"
+CHAT = b": keep-alive\n\n" + _data(ROLE) + _data(TOKEN) + _data(TRICKY) \
+    + _data(OWN_ERROR) + b"data: [DONE]\n\n"
 CHAT_KINDS = [EventKind.COMMENT, EventKind.PREAMBLE, EventKind.TOKEN, EventKind.TOKEN, EventKind.ERROR,
               EventKind.DONE]
 
@@ -61,7 +62,8 @@ def test_events_are_told_apart_and_their_json_read_once():
     assert token.kind is EventKind.TOKEN and token.obj is token.obj and token.obj == TOKEN
     err = Event(_data(NODE_ERROR))
     assert err.kind is EventKind.ERROR and err.error["code"] == "kv_transfer"
-    assert Event(b"data:" + json.dumps(TOKEN).encode() + b"\n\n").kind is EventKind.TOKEN  # no space after ':'
+    # no space after ':'
+    assert Event(b"data:" + json.dumps(TOKEN).encode() + b"\n\n").kind is EventKind.TOKEN
     assert Event(b"data: not json\n\n").kind is EventKind.OTHER and Event(b"data: not json\n\n").error == {}
     assert Event(b"\n\n").kind is EventKind.COMMENT  # an empty event, as a keep-alive
     # a role chunk that also carries content, a finish reason or usage is a token event
@@ -96,9 +98,11 @@ def test_the_retry_table_gives_each_failure_its_budget():
     assert again(Kind.ANSWER, 503, r=r) and not again(Kind.ANSWER, 408, attempt=1, r=r)  # once per request
     others["yes"] = False  # no other worker of its kind: no second try for an overload
     assert not again(Kind.LEAD_ERROR, 503)
-    assert again(Kind.NO_WORKERS, 503) and not again(Kind.DECODES_FULL, 429) and not again(Kind.BAD_REQUEST, 400)
+    assert again(Kind.NO_WORKERS, 503) and not again(Kind.DECODES_FULL, 429) \
+        and not again(Kind.BAD_REQUEST, 400)
     assert {budget for budget in RETRY_TABLE.values()} == set(Budget)
-    r = Retries(RouterConfig(retry_max_retries=2, retry_initial_backoff_ms=1), Metrics(), lambda w: True, "rid")
+    r = Retries(RouterConfig(retry_max_retries=2, retry_initial_backoff_ms=1),
+                Metrics(), lambda w: True, "rid")
     assert asyncio.run(r.again(Failure(Kind.BROKEN, 502, "x", d), 0)) and r.metrics.retries == 1
     assert not asyncio.run(r.again(Failure(Kind.BROKEN, 502, "x", d), 1)) and r.metrics.retries == 1
 
@@ -146,7 +150,8 @@ class ScriptedLegs(Legs):
     """Legs whose network is a script: the prefill leg's answer, the decode stream's response; the aborts
     recorded by worker name."""
 
-    def __init__(self, prefill: LegAnswer | BaseException, decode: FakeResponse, prefill_delay: float) -> None:
+    def __init__(self, prefill: LegAnswer | BaseException, decode: FakeResponse,
+                 prefill_delay: float) -> None:
         super().__init__(RouterConfig(), Metrics())
         self.prefill, self.decode, self.prefill_delay, self.aborted = prefill, decode, prefill_delay, []
 
@@ -251,7 +256,8 @@ def test_a_node_error_before_the_first_token_counts_against_its_breaker():
     crash = {"error": {"message": "the forward raised", "type": "internal_error"}}
     attempt, result, _, _, d = _run([_data(crash) + b"data: [DONE]\n\n"])
     assert attempt.state is State.FAILED_RETRYABLE and result.status == 500
-    assert len(d.breaker.failures) == 1  # not cleared by the stream's end, so a node that keeps failing trips it
+    # not cleared by the stream's end, so a node that keeps failing trips it
+    assert len(d.breaker.failures) == 1
     attempt, _, _, _, d = _run([_data(NODE_ERROR) + b"data: [DONE]\n\n"])
     assert len(d.breaker.failures) == 0  # a failed KV transfer is the pair's, not the decode node's
 

@@ -1,4 +1,5 @@
-"""Silent and full workers. Silent (router/liveness.py): a worker that answers nothing for --worker-silence-timeout-secs leaves
+"""Silent and full workers. Silent (router/liveness.py): a worker that answers nothing for
+--worker-silence-timeout-secs leaves
 rotation and the requests it holds are cut off and run again elsewhere, non-streaming ones included; it comes
 back once it answers again. The decision rule on made-up times, then through a real router and recording
 workers (a worker whose health endpoint stops answering is a host cut off, as the router sees it). Full
@@ -88,7 +89,8 @@ def test_the_decode_choice_skips_full_decodes_and_answers_429_when_every_one_is_
     time.sleep(1.0)  # a few capacity polls
     sent = len(p.requests())
     status, headers, body = r.post("/generate", {"text": "x"})
-    assert status == 429 and headers.get("retry-after") == "1" and b"every decode worker is full" in body, body
+    assert status == 429 and headers.get("retry-after") == "1" \
+        and b"every decode worker is full" in body, body
     assert len(p.requests()) == sent  # no prefill leg for a request no decode can take
     assert metric_total(r.url, "pdserve_router_decodes_full_answers_total") == 1
     d1.config(prealloc_free=8)

@@ -43,7 +43,8 @@ from aiohttp import web
 
 DEFAULTS = {"status": 200, "health": 200, "hold": 0, "delay": 0.0, "chunks": 3, "chunk_delay": 0.0,
             "break_after": -1, "load": 0, "retry_after": None, "err_type": None,
-            "error_event": False, "error_first": 0, "silent": False, "prealloc_free": None, "kv_available": 8192, "info": {}, "text": " out{i}", "eof_delay": 0.0, "refuse_local": False}
+            "error_event": False, "error_first": 0, "silent": False, "prealloc_free": None,
+            "kv_available": 8192, "info": {}, "text": " out{i}", "eof_delay": 0.0, "refuse_local": False}
 
 
 class Recorder:
@@ -76,19 +77,22 @@ class Recorder:
                                                               "owned_by": self.name}]})
 
     async def tokenize(self, request):
-        """/tokenize: one id per character; /detokenize: the characters back (a 400 for a body without a list)."""
+        """/tokenize: one id per character; /detokenize: the characters back (a 400 for a body without a
+        list)."""
         try:
             body = await request.json()
         except ValueError:
             body = None
-        if request.path.endswith("/tokenize") and isinstance(body, dict) and isinstance(body.get("prompt"), str):
+        if request.path.endswith("/tokenize") and isinstance(body, dict) \
+                and isinstance(body.get("prompt"), str):
             ids = [ord(c) for c in body["prompt"]]
             return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 4096})
         if isinstance(body, dict) and isinstance(body.get("tokens"), list) \
                 and all(isinstance(t, int) and 0 <= t < 0x110000 for t in body["tokens"]):
             text = "".join(map(chr, body["tokens"]))
             return web.json_response({"prompt": text, "text": text})
-        return web.json_response({"error": {"message": "`tokens` or `prompt` is missing", "type": "invalid_request_error",
+        return web.json_response({"error": {"message": "`tokens` or `prompt` is missing",
+                                            "type": "invalid_request_error",
                                             "param": None, "code": None}}, status=400)
 
     async def get_load(self, request):
@@ -186,14 +190,17 @@ class Recorder:
                 headers["Retry-After"] = str(cfg["retry_after"])
             if err_type is not None:
                 headers["X-PD-Error-Type"] = err_type
-            return web.json_response({"error": {"message": f"{self.name} says {status}", "type": "worker_error",
-                                                "param": None, "code": {429: "rate_limit_exceeded"}.get(status)}},
+            return web.json_response({"error": {"message": f"{self.name} says {status}",
+                                                "type": "worker_error",
+                                                "param": None,
+                                                "code": {429: "rate_limit_exceeded"}.get(status)}},
                                      status=status, headers=headers)
         if not body.get("stream"):
             entry["done"] = True
             if isinstance(body.get("text"), list):
                 n = len(body["text"])
-                return web.json_response([self._answer(request.path, body, rid[i] if isinstance(rid, list) else rid,
+                return web.json_response([self._answer(request.path, body,
+                                                       rid[i] if isinstance(rid, list) else rid,
                                                        i) for i in range(n)])
             return web.json_response(self._answer(request.path, body, rid))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -202,8 +209,10 @@ class Recorder:
             cfg["error_first"] -= 1
             entry["done"] = True
             if request.path == "/v1/chat/completions":  # a chat stream opens with its role chunk
-                await resp.write(b"data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}).encode()
+                await resp.write(b"data: "
+                                 + json.dumps({"id": rid, "object": "chat.completion.chunk", "choices": [
+                                     {"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "finish_reason": None}]}).encode()
                     + b"\n\n")
             await resp.write(b": keep-alive\n\ndata: " + json.dumps({"error": {
                 "message": "KV transfer failed: injected", "type": "internal_error", "param": None,
@@ -214,7 +223,8 @@ class Recorder:
             if i == cfg["break_after"]:
                 request.transport.close()
                 return resp
-            await resp.write(b"data: " + json.dumps(self._answer(request.path, body, rid, i)).encode() + b"\n\n")
+            await resp.write(b"data: "
+                             + json.dumps(self._answer(request.path, body, rid, i)).encode() + b"\n\n")
             if cfg["chunk_delay"]:
                 await asyncio.sleep(cfg["chunk_delay"])
         if cfg["error_event"]:
@@ -258,7 +268,8 @@ def main(argv=None) -> None:
     ap.add_argument("--role", choices=["prefill", "decode"], required=True)
     ap.add_argument("--bootstrap-port", type=int, default=None)
     ap.add_argument("--no-record", action="store_true", help="keep nothing (benchmarks)")
-    ap.add_argument("--host", default="127.0.0.1", help="loopback address to listen on (127.x.y.z: a pod's IP)")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="loopback address to listen on (127.x.y.z: a pod's IP)")
     a = ap.parse_args(argv)
 
     async def make():

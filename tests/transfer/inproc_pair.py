@@ -7,7 +7,8 @@ the decode ones start at zero. `Pair.transfer(room, src_pages, dst_pages, ...)` 
 end; `Pair.pages_hold(dst_pages, src_pages)` / `state_holds` / `row_room` say whether the decode
 side holds exactly the source's bytes. `GatedEngine` wraps an engine so that the next write after
 `arm()` waits before it reaches the engine until `release()` (or fails on `fail()`): a write in
-progress, for as long as a test needs. `memory={"kv_memory": "cuda:0", ...}` declares both sides' buffers in that
+progress, for as long as a test needs. `memory={"kv_memory": "cuda:0", ...}` declares both sides' buffers in
+that
 memory kind (for the fake engine's kind checks). `Garbage(answers)` is an HTTP server (a hostile bootstrap
 server) answering every GET with whatever `answers(path)` gives.
 """
@@ -134,7 +135,8 @@ class Pair:
         self.server.stop()
 
     # ------------------------------------------------------------------ one room
-    def start(self, room: int, src_pages: list[int], dst_pages: list[int], src_meta: int = 0, dst_meta: int = 0,
+    def start(self, room: int, src_pages: list[int], dst_pages: list[int],
+              src_meta: int = 0, dst_meta: int = 0,
               src_state: int = 0, dst_state: int = 0) -> tuple[KVSender, KVReceiver]:
         """Both sides of a room, inited; the prefill's metadata row holds the room and FIRST_TOKEN."""
         self.pmeta.set_buf(src_meta, FIRST_TOKEN, cached_tokens=1, logprob_val=-0.5, logprob_idx=FIRST_TOKEN,

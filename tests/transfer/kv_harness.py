@@ -155,7 +155,8 @@ def prefill_main(spec: dict, tp_rank: int, tp_size: int, bootstrap_addr: str, ou
     if spec.get("light"):
         meta[spec["src_meta"], 0] = spec.get("meta_room", room)
     else:
-        meta.set_buf(spec["src_meta"], first_token_id=4242, cached_tokens=7, logprob_val=-0.5, logprob_idx=4242,
+        meta.set_buf(spec["src_meta"], first_token_id=4242, cached_tokens=7,
+                     logprob_val=-0.5, logprob_idx=4242,
                      top_vals=[-0.5, -1.5, -2.5], top_idxs=[4242, 17, 99], room=spec.get("meta_room", room),
                      topk_p=[0.75, 0.25], topk_index=[4242, 17], hidden_state=list(range(8)))
     sender = KVSender(mgr, room)
@@ -190,7 +191,8 @@ def decode_main(spec: dict, tp_rank: int, tp_size: int, bootstrap_addr: str, out
     from transfer.base import KVPoll
     from transfer.receiver import KVReceiver
 
-    mgr, pool, meta, state = _build("decode", tp_rank, tp_size, spec, None, {**FAST, **spec.get("decode_settings", {})})
+    mgr, pool, meta, state = _build("decode", tp_rank, tp_size, spec, None,
+                                    {**FAST, **spec.get("decode_settings", {})})
     room = spec["room"]
     recv = KVReceiver(mgr, bootstrap_addr, room)
     recv.init(spec["dst_pages"], spec["dst_meta"], None if spec.get("light") else spec["dst_state"])

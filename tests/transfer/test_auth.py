@@ -33,7 +33,8 @@ class Clock:
 def pair(window: float = 30.0, max_nonces: int = 100_000, secret: ClusterSecret = SECRET):
     """(signer, verifier, the verifier's clock); the signer shares the clock."""
     clock = Clock()
-    return Authenticator(secret, window, clock=clock), Authenticator(SECRET, window, max_nonces, clock=clock), clock
+    return Authenticator(secret, window,
+                         clock=clock), Authenticator(SECRET, window, max_nonces, clock=clock), clock
 
 
 def kind(fn) -> str | None:
@@ -64,7 +65,8 @@ def test_wrong_secret_other_receiver_and_bare_frames_are_refused():
     assert kind(lambda: verifier.open(CTX, signer.seal(CTX, b"x"))) == "unauthenticated"
     good, verifier, _ = pair()
     # a MAC made for another receiver (or another plane) is worthless here
-    assert kind(lambda: verifier.open(CTX, good.seal(CONTROL + b"tcp://127.0.0.1:5001\0", b"x"))) == "unauthenticated"
+    assert kind(lambda: verifier.open(CTX, good.seal(CONTROL + b"tcp://127.0.0.1:5001\0", b"x"))) \
+        == "unauthenticated"
     assert kind(lambda: verifier.open(CTX, b"\x81\xa3src\xa1x")) == "unauthenticated"  # bare msgpack
     assert kind(lambda: verifier.open(CTX, b"")) == "unauthenticated"
 
@@ -135,9 +137,11 @@ def test_http_request_and_answer_are_bound_together():
     for method, target, body in (("GET", "/route", b'{"a": 1}'), ("PUT", "/route?x=1", b'{"a": 1}'),
                                  ("PUT", "/route", b'{"a": 2}')):
         h, _ = client.request_header("PUT", "/route", b'{"a": 1}')
-        assert kind(lambda m=method, t=target, b=body, hh=h: server.check_request(m, t, b, hh)) == "unauthenticated"
+        assert kind(lambda m=method, t=target, b=body, hh=h: server.check_request(m, t, b, hh)) \
+            == "unauthenticated"
     assert kind(lambda: server.check_request("GET", "/route", b"", None)) == "unauthenticated"
-    assert kind(lambda: server.check_request("GET", "/route", b"", "v1 ts=x nonce=zz mac=")) == "unauthenticated"
+    assert kind(lambda: server.check_request("GET", "/route", b"", "v1 ts=x nonce=zz mac=")) \
+        == "unauthenticated"
     answer = server.response_header(nonce, 200, b"OK")
     client.check_response(nonce, 200, b"OK", answer)
     other_header, other_nonce = client.request_header("GET", "/route", b"")

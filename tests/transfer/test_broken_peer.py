@@ -80,7 +80,8 @@ def test_a_decode_rank_whose_write_failed_registers_again_and_is_served(backend)
         assert "REMOTE_DISCONNECT" in str(recv.failure_exception())
         for room, dst in ((3, [6, 7]), (4, [8, 9])):  # registered again: a fresh engine peer, whole pages
             send, recv = pair.transfer(room, [1, 2], dst)
-            assert (send.poll(), recv.poll()) == (KVPoll.Success, KVPoll.Success), str(recv.failure_exception())
+            assert (send.poll(), recv.poll()) == (KVPoll.Success,
+                                                  KVPoll.Success), str(recv.failure_exception())
             assert pair.pages_hold(dst, [1, 2])
         assert engine.added == 2 and not engine.broken
     finally:

@@ -171,8 +171,8 @@ def registration(pm, **over) -> dict:
     a = pm.args
     info = {"role": "prefill", "tp_rank": a.engine_rank, "tp_size": a.tp_size, "dp_rank": a.dp_rank,
             "dp_size": a.dp_size, "pp_rank": a.pp_rank, "pp_size": a.pp_size, "rank_ip": "127.0.0.1",
-            "rank_port": pm.control.port, "page_size": a.page_size, "model": a.model, "kv_layout": a.kv_layout,
-            "kv_heads_total": a.total_kv_heads}
+            "rank_port": pm.control.port, "page_size": a.page_size, "model": a.model,
+            "kv_layout": a.kv_layout, "kv_heads_total": a.total_kv_heads}
     info.update(over)
     return info
 
@@ -196,10 +196,12 @@ def test_forged_put_route_cannot_hijack_a_rank(cluster):
         with pytest.raises(BootstrapError, match="401"):
             wrong.register(c.addr, registration(c.pm, rank_port=evil_port))
         assert wrong.layout(c.addr) is None
-        assert c.srv.guard_stats()["bootstrap_dropped_unauthenticated"] - before["bootstrap_dropped_unauthenticated"] == 4
+        assert c.srv.guard_stats()["bootstrap_dropped_unauthenticated"] \
+            - before["bootstrap_dropped_unauthenticated"] == 4
     else:
         assert status == 409, text
-        assert "dp 0 tp 0 pp 0" in text and f"127.0.0.1:{real['rank_port']}" in text and str(evil_port) in text
+        assert "dp 0 tp 0 pp 0" in text and f"127.0.0.1:{real['rank_port']}" in text \
+            and str(evil_port) in text
         assert after["bootstrap_registrations_refused"] == before["bootstrap_registrations_refused"] + 1
     assert c.srv._ranks[(0, 0, 0)] == real
     c.dm.bootstrap.invalidate(c.addr)  # the decode looks the rank up again, after the attack
@@ -210,7 +212,8 @@ def test_a_dead_ranks_registration_is_replaced_and_the_same_address_is_idempoten
     srv = BootstrapServer("127.0.0.1", 0)
     srv.start()
     addr, client = f"127.0.0.1:{srv.port}", BootstrapClient()
-    base = {"role": "prefill", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+    base = {"role": "prefill", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
+            "pp_rank": 0, "pp_size": 1,
             "rank_ip": "127.0.0.1", "page_size": 4, "model": "m", "kv_layout": "x", "kv_heads_total": 4}
     try:
         with socket.socket() as dead:
@@ -310,8 +313,10 @@ def test_malformed_oversized_and_random_frames_are_dropped(cluster):
     c, fds0, attacker = cluster, fds(), Attacker()
     rng = random.Random(7)
     junk = [rng.randbytes(rng.randrange(1, 3000)) for _ in range(60)] + [
-        b"\xc1", ENCODE({"type": "nope"}), ENCODE(Ping(src="not-an-address")), ENCODE(Ping(src="tcp://" + "a" * 5000)),
-        ENCODE(TransferInfo(src=c.dm.address, room=1, tp_rank=0, tp_size=1, dst_page_indices=[1], metadata_index=0,
+        b"\xc1", ENCODE({"type": "nope"}), ENCODE(Ping(src="not-an-address")),
+        ENCODE(Ping(src="tcp://" + "a" * 5000)),
+        ENCODE(TransferInfo(src=c.dm.address, room=1, tp_rank=0, tp_size=1,
+                            dst_page_indices=[1], metadata_index=0,
                             state_indices=[], expects_metadata=True))[:-3]]
     before = {m: c.stats(m) for m in (c.pm, c.dm)}
     try:
@@ -372,23 +377,28 @@ def test_thousands_of_bogus_peers_keep_sockets_and_fds_bounded(cluster):
                 send(c.pm.address, TransferInfo(src=src, room=9_000_000 + i, tp_rank=0, tp_size=1,
                                                 dst_page_indices=[1], metadata_index=0, state_indices=[],
                                                 expects_metadata=True))
-        last = f"tcp://127.0.0.1:{ports[0]}"  # a final stranger's ping marks the end of the flood on each side
+        # a final stranger's ping marks the end of the flood on each side
+        last = f"tcp://127.0.0.1:{ports[0]}"
         send(c.pm.address, Ping(src=last))
         send(c.dm.address, Ping(src=last))
         if c.secret is not None:
             def done() -> bool:
-                return all(c.stats(m)["control_dropped_unauthenticated"] - before[m]["control_dropped_unauthenticated"]
+                return all(c.stats(m)["control_dropped_unauthenticated"]
+                           - before[m]["control_dropped_unauthenticated"]
                            == sent[m.address] for m in (c.pm, c.dm))
         else:
             def grew() -> int:  # registrations dealt with: pushed out again, or refused
                 return sum(c.stats(c.pm)[k] - before[c.pm][k]
                            for k in ("control_registrations_evicted", "control_registrations_refused"))
 
-            def done() -> bool:  # the decode ignored every ping; the prefill refused the last TransferInfo and
-                # dealt with the registrations (the engine thread adds and removes peers after the control thread)
-                return (c.stats(c.dm)["control_pings_ignored"] - before[c.dm]["control_pings_ignored"] == n // 3 + 1
+            def done() -> bool:  # the decode ignored every ping; the prefill refused the last TransferInfo
+                # and dealt with the registrations (the engine thread adds and removes peers after the control
+                # thread)
+                return (c.stats(c.dm)["control_pings_ignored"]
+                        - before[c.dm]["control_pings_ignored"] == n // 3 + 1
                         and c.pm.rejected_peer_values - rejected0 >= n // 3
-                        and c.stats(c.pm)["control_pings_ignored"] - before[c.pm]["control_pings_ignored"] >= n // 3 + 1
+                        and c.stats(c.pm)["control_pings_ignored"]
+                        - before[c.pm]["control_pings_ignored"] >= n // 3 + 1
                         and grew() >= n // 3 - MAX_DECODE_PEERS)
         assert wait_for(done, 60.0), [c.stats(m) for m in (c.pm, c.dm)]
         if c.secret is not None:
@@ -411,9 +421,10 @@ def test_thousands_of_bogus_peers_keep_sockets_and_fds_bounded(cluster):
 def test_guard_counters_reach_the_stats_and_metrics(cluster):
     c = cluster
     stats = PDRole.guard_stats(SimpleNamespace(kv_manager=c.pm, bootstrap_server=c.srv))
-    for key in ("control_dropped_unauthenticated", "control_dropped_stale_or_replayed", "control_dropped_oversized",
-                "control_dropped_undecodable", "bootstrap_dropped_unauthenticated", "bootstrap_dropped_oversized",
-                "bootstrap_registrations_refused", "control_peers_open"):
+    for key in ("control_dropped_unauthenticated", "control_dropped_stale_or_replayed",
+                "control_dropped_oversized",
+                "control_dropped_undecodable", "bootstrap_dropped_unauthenticated",
+                "bootstrap_dropped_oversized", "bootstrap_registrations_refused", "control_peers_open"):
         assert key in stats
     metrics = Metrics()
     metrics.set_stats({**stats, "control_dropped_oversized": 5})

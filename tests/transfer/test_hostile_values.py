@@ -110,26 +110,37 @@ def _reg_cases():
         return peer_registration(p.decode.args, "x", b"")
 
     return {
-        "odd buffer count": (lambda p: {"kv_ptrs": base(p).kv_ptrs[:-1], "kv_item_lens": base(p).kv_item_lens[:-1],
+        "odd buffer count": (lambda p: {"kv_ptrs": base(p).kv_ptrs[:-1],
+                                        "kv_item_lens": base(p).kv_item_lens[:-1],
                                          "kv_item_strides": base(p).kv_item_strides[:-1]}, "kv_ptrs"),
-        "item length": (lambda p: {"kv_item_lens": [n + 64 for n in base(p).kv_item_lens]}, "kv_item_lens[0]"),
-        "stride below item": (lambda p: {"kv_item_strides": [16] * len(base(p).kv_ptrs)}, "kv_item_strides[0]"),
+        "item length": (lambda p: {"kv_item_lens": [n + 64 for n in base(p).kv_item_lens]},
+                        "kv_item_lens[0]"),
+        "stride below item": (lambda p: {"kv_item_strides": [16] * len(base(p).kv_ptrs)},
+                              "kv_item_strides[0]"),
         "no pages": (lambda p: {"kv_num_pages": 0}, "kv_num_pages = 0"),
         "2**40 pages": (lambda p: {"kv_num_pages": 1 << 40}, "kv_num_pages = 1099511627776"),
-        "buffers overlap": (lambda p: {"kv_ptrs": [base(p).kv_ptrs[0] + 64] + base(p).kv_ptrs[1:]}, "overlap"),
-        "past the address space": (lambda p: {"kv_ptrs": [(1 << 64) - 4096] + base(p).kv_ptrs[1:]}, "kv_ptrs[0]"),
-        "aux on the kv pool": (lambda p: {"aux_ptrs": [base(p).kv_ptrs[0]] + base(p).aux_ptrs[1:]}, "overlaps"),
+        "buffers overlap": (lambda p: {"kv_ptrs": [base(p).kv_ptrs[0] + 64] + base(p).kv_ptrs[1:]},
+                            "overlap"),
+        "past the address space": (lambda p: {"kv_ptrs": [(1 << 64) - 4096] + base(p).kv_ptrs[1:]},
+                                   "kv_ptrs[0]"),
+        "aux on the kv pool": (lambda p: {"aux_ptrs": [base(p).kv_ptrs[0]] + base(p).aux_ptrs[1:]},
+                               "overlaps"),
         "no metadata rows": (lambda p: {"aux_num_rows": 0}, "aux_num_rows = 0"),
         "no state slots": (lambda p: {"state_num_slots": 0}, "state_num_slots = 0"),
-        "aux item lengths": (lambda p: {"aux_item_lens": [n * 2 for n in base(p).aux_item_lens]}, "metadata buffer"),
+        "aux item lengths": (lambda p: {"aux_item_lens": [n * 2 for n in base(p).aux_item_lens]},
+                             "metadata buffer"),
         "tp rank": (lambda p: {"tp_rank": 5}, "tp_rank = 5"),
         "heads per rank": (lambda p: {"kv_head_num": 3}, "kv_head_num = 3"),
-        "state shape": (lambda p: {"state_item_lens": [n + 4 for n in base(p).state_item_lens]}, "state buffer"),
-        "kv layer ids repeated": (lambda p: {"kv_layer_ids": [0] * len(base(p).kv_layer_ids)}, "kv_layer_ids"),
+        "state shape": (lambda p: {"state_item_lens": [n + 4 for n in base(p).state_item_lens]},
+                        "state buffer"),
+        "kv layer ids repeated": (lambda p: {"kv_layer_ids": [0] * len(base(p).kv_layer_ids)},
+                                  "kv_layer_ids"),
         "kv layer ids short": (lambda p: {"kv_layer_ids": base(p).kv_layer_ids[1:]}, "kv_layer_ids"),
         "kv layer id negative": (lambda p: {"kv_layer_ids": [-1] + base(p).kv_layer_ids[1:]}, "kv_layer_ids"),
-        "other kv layers": (lambda p: {"kv_layer_ids": [i + 1 for i in base(p).kv_layer_ids]}, "decode holds kv layers"),
-        "state of another layer": (lambda p: {"state_layer_ids": [9] * len(base(p).state_layer_ids)}, "lack the prefill"),
+        "other kv layers": (lambda p: {"kv_layer_ids": [i + 1 for i in base(p).kv_layer_ids]},
+                            "decode holds kv layers"),
+        "state of another layer": (lambda p: {"state_layer_ids": [9] * len(base(p).state_layer_ids)},
+                                   "lack the prefill"),
         "state layer ids short": (lambda p: {"state_layer_ids": []}, "layer ids)"),
     }
 
@@ -209,7 +220,8 @@ def test_transfer_info_from_an_unregistered_rank_is_refused(pair):
     try:
         before = pair.prefill.rejected_peer_values
         room = next(_rooms)
-        stranger.send(pair.prefill.address, msgspec.structs.replace(good_info(pair, room, 2), src=stranger.address))
+        stranger.send(pair.prefill.address,
+                      msgspec.structs.replace(good_info(pair, room, 2), src=stranger.address))
         assert wait(lambda: any(not s.ok and "not registered" in s.reason for s in stranger.statuses(room)))
         assert counted(pair.prefill, before)
     finally:
@@ -305,8 +317,10 @@ def test_forged_abort_ack_does_not_end_a_drain(pair):
     recv.abort()
     assert wait(lambda: send.poll() == KVPoll.Failed)
     before = pair.decode.rejected_peer_values
-    pair.attacker.send(pair.decode.address, AbortAck(src=pair.attacker.address, room=room, tp_rank=0, pp_rank=0))
-    pair.attacker.send(pair.decode.address, AbortAck(src=pair.prefill.address, room=room, tp_rank=2, pp_rank=0))
+    pair.attacker.send(pair.decode.address,
+                       AbortAck(src=pair.attacker.address, room=room, tp_rank=0, pp_rank=0))
+    pair.attacker.send(pair.decode.address,
+                       AbortAck(src=pair.prefill.address, room=room, tp_rank=2, pp_rank=0))
     assert wait(lambda: pair.decode.rejected_peer_values >= before + 2)
     assert recv.drain_poll() == KVPoll.Transferring
     gate.release()
@@ -321,8 +335,8 @@ ROW_CASES = {
                                       "cached_tokens = 99, expected 0..10"),
     "top logprob id": (lambda m, s: m.tensor("top_logprobs_idx")[s, 1].fill_(-7), {"vocab": 5000, "top_k": 2},
                        "top_logprobs_idx[1] = -7"),
-    "NaN logprob": (lambda m, s: m.tensor("logprob_val")[s].fill_(float("nan")), {"vocab": 5000, "logprob": True},
-                    "logprob_val = nan"),
+    "NaN logprob": (lambda m, s: m.tensor("logprob_val")[s].fill_(float("nan")),
+                    {"vocab": 5000, "logprob": True}, "logprob_val = nan"),
 }
 
 
@@ -344,8 +358,8 @@ def test_bad_metadata_row_fails_the_room_not_the_decode(pair, case):
 
 
 # ------------------------------------------------------------------------------------- bootstrap answers
-LAYOUT = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 4, "model": "test-model", "kv_heads_total": 4,
-          "kv_layout": "page,head,token,dim", "ranks": 1}
+LAYOUT = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 4,
+          "model": "test-model", "kv_heads_total": 4, "kv_layout": "page,head,token,dim", "ranks": 1}
 
 
 def _json(obj):
@@ -358,7 +372,8 @@ def _layout_then(rank):
 
 BOOTSTRAP_CASES = {
     "not JSON": (lambda path: ("text/plain", b"hello"), "not a JSON layout"),
-    "an HTML page": (lambda path: ("text/html", b"<html><body>502 Bad Gateway</body></html>"), "not a JSON layout"),
+    "an HTML page": (lambda path: ("text/html", b"<html><body>502 Bad Gateway</body></html>"),
+                     "not a JSON layout"),
     "a JSON list": (lambda path: _json([1, 2, 3]), "layout answer is a list"),
     "page size as a string": (lambda path: _json({**LAYOUT, "page_size": "4"}), "layout page_size = '4'"),
     "negative tp size": (lambda path: _json({**LAYOUT, "tp_size": -1}), "layout tp_size = -1"),

@@ -63,7 +63,8 @@ def test_loopback_bytes_identical(rank_pool, warm_backend, backend, tp):
 
 
 @pytest.mark.parametrize("backend", REAL)
-@pytest.mark.parametrize("split,tp", [("prefill", (1, 1)), ("decode", (2, 1))], ids=["split_prefill", "split_decode"])
+@pytest.mark.parametrize("split,tp", [("prefill", (1, 1)), ("decode", (2, 1))],
+                         ids=["split_prefill", "split_decode"])
 def test_per_layer_and_page_first_pools_exchange_pages(rank_pool, warm_backend, backend, split, tp):
     """One side keeps a separate tensor per layer (stride = one page), the other the page-first pool."""
     warm_backend(backend)

@@ -74,7 +74,8 @@ def _race(pair: Pair, reusable):
     pages = Slots(list(range(1, 32)), reusable)
     rows, states = Slots(list(range(8)), reusable), Slots(list(range(6)), reusable)
     dst1, row1, st1 = pages.alloc(8), rows.alloc(1)[0], states.alloc(1)[0]
-    send1, recv1 = pair.start(101, list(range(1, 9)), dst1, src_meta=0, dst_meta=row1, src_state=0, dst_state=st1)
+    send1, recv1 = pair.start(101, list(range(1, 9)), dst1, src_meta=0, dst_meta=row1,
+                              src_state=0, dst_state=st1)
     gate.arm()
     send1.send(list(range(1, 9)), [0], last=True)
     assert gate.entered.wait(20), "room 1's write never reached the engine"
@@ -85,11 +86,13 @@ def _race(pair: Pair, reusable):
     rows.give_back(recv1, [row1])
     states.give_back(recv1, [st1])
     dst2, row2, st2 = pages.alloc(8), rows.alloc(1)[0], states.alloc(1)[0]
-    send2, recv2 = pair.start(102, list(range(11, 19)), dst2, src_meta=1, dst_meta=row2, src_state=3, dst_state=st2)
+    send2, recv2 = pair.start(102, list(range(11, 19)), dst2, src_meta=1, dst_meta=row2,
+                              src_state=3, dst_state=st2)
     send2.send(list(range(11, 19)), [3], last=True)
     assert wait(lambda: recv2.poll() == KVPoll.Success and send2.poll() == KVPoll.Success), \
         (recv2.poll(), send2.poll())
-    assert pair.pages_hold(dst2, list(range(11, 19))) and pair.state_holds(st2, 3) and pair.row_room(row2) == 102
+    assert pair.pages_hold(dst2, list(range(11, 19))) and pair.state_holds(st2, 3) \
+        and pair.row_room(row2) == 102
     return (dst2, row2, st2, dst1, recv1, recv2, (pages, rows, states))
 
 

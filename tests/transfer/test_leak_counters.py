@@ -12,7 +12,8 @@ from transfer.base import KVPoll
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 
-KEYS = ("transfer_rooms_open", "transfer_rooms_draining", "transfer_peers_registered", "transfer_engine_peers")
+KEYS = ("transfer_rooms_open", "transfer_rooms_draining", "transfer_peers_registered",
+        "transfer_engine_peers")
 
 
 def counters(mgr) -> dict:
@@ -30,7 +31,8 @@ def test_counters_and_idle_registrations_expire(backend):
         assert p.leak_stats()["transfer_rooms_open"] == 1 and d.leak_stats()["transfer_rooms_open"] == 1
         send.send([1, 2], [0], last=True)
         assert wait(lambda: send.poll() == KVPoll.Success and recv.poll() == KVPoll.Success)
-        assert wait(lambda: counters(p)["transfer_peers_registered"] == 1 and counters(p)["transfer_engine_peers"] == 1)
+        assert wait(lambda: counters(p)["transfer_peers_registered"] == 1
+                    and counters(p)["transfer_engine_peers"] == 1)
         assert counters(p)["transfer_rooms_open"] == 0 and counters(d)["transfer_rooms_open"] == 0
         assert counters(d)["transfer_peers_registered"] == 1  # the decode registered with one prefill rank
 

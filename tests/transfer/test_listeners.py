@@ -122,7 +122,8 @@ def test_the_flag_and_a_wildcard_host_reach_the_engine(no_ack, monkeypatch):
 
     assert parse("--transfer-allow-wildcard-listen").transfer_allow_wildcard_listen is True
     assert node_settings(parse("--host", "127.0.0.1")).allow_wildcard_listen is False
-    assert node_settings(parse("--host", "0.0.0.0")).allow_wildcard_listen is True  # asked for every interface
+    # asked for every interface
+    assert node_settings(parse("--host", "0.0.0.0")).allow_wildcard_listen is True
     assert node_settings(parse("--host", "::")).allow_wildcard_listen is True
     monkeypatch.setenv(ACK_ENV, "1")
     assert node_settings(parse("--host", "127.0.0.1")).allow_wildcard_listen is True
@@ -131,7 +132,8 @@ def test_the_flag_and_a_wildcard_host_reach_the_engine(no_ack, monkeypatch):
         node_settings(parse())
     monkeypatch.delenv(ACK_ENV)
 
-    flagged = parse("--host", "127.0.0.1", "--transfer-backend", "mooncake", "--transfer-allow-wildcard-listen")
+    flagged = parse("--host", "127.0.0.1", "--transfer-backend", "mooncake",
+                    "--transfer-allow-wildcard-listen")
     create_engine(flagged.transfer_backend, flagged.host, node_settings(flagged)).close()
     plain = parse("--host", "127.0.0.1", "--transfer-backend", "mooncake")
     with pytest.raises(UnconfinedListener):
@@ -142,7 +144,8 @@ def test_the_flag_and_a_wildcard_host_reach_the_engine(no_ack, monkeypatch):
 
 def test_a_mooncake_node_on_a_specific_host_refuses_to_start(tiny_model_dir, launcher, no_ack):
     mooncake_or_skip()
-    node = RoleNode("prefill", tiny_model_dir, log_path=launcher.log_path("prefill-mooncake"), host="127.0.0.1",
+    node = RoleNode("prefill", tiny_model_dir,
+                    log_path=launcher.log_path("prefill-mooncake"), host="127.0.0.1",
                     disaggregation_bootstrap_port=free_port(), transfer_backend="mooncake", **NODE)
     with pytest.raises(RuntimeError, match="exited with code"):
         launcher.start(node)

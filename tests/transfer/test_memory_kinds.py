@@ -79,9 +79,11 @@ def test_the_fake_engine_refuses_a_region_of_another_kind():
         peer = src.add_peer(dst.describe())
         src.write(peer, [0x10000, 0x10800], [0x20000, 0x20100], [256, 256], "cuda:0", "cuda:0")
         src.write(peer, [0x90000], [0x20000], [64], HOST, "cuda:0")
-        with pytest.raises(TransferError, match="local region 0x10000\\+256 is not in memory registered as 'host'"):
+        with pytest.raises(TransferError,
+                           match="local region 0x10000\\+256 is not in memory registered as 'host'"):
             src.write(peer, [0x10000], [0x20000], [256], HOST, "cuda:0")
-        with pytest.raises(TransferError, match="remote region 0x20000\\+64 is not in memory registered as 'host'"):
+        with pytest.raises(TransferError,
+                           match="remote region 0x20000\\+64 is not in memory registered as 'host'"):
             src.write(peer, [0x90000], [0x20000], [64], HOST, HOST)
         with pytest.raises(TransferError, match="remote region 0x20f80\\+256"):  # runs past the registration
             src.write(peer, [0x10000], [0x20f80], [256], "cuda:0", "cuda:0")
@@ -201,7 +203,8 @@ def test_mooncakes_cpu_build_refuses_device_memory_naming_the_cuda_build():
         pytest.skip("the installed Mooncake is its CUDA build")
     engine = engine_or_skip("mooncake")
     try:
-        with pytest.raises(BackendUnavailable, match="pip install mooncake-transfer-engine \\(its CUDA build\\)"):
+        with pytest.raises(BackendUnavailable,
+                           match="pip install mooncake-transfer-engine \\(its CUDA build\\)"):
             engine.register(0x7f0000000000, 4096, "cuda:0")
     finally:
         engine.close()

@@ -70,7 +70,8 @@ def test_fuse_buffers_joins_exactly_adjacent_buffers_with_equal_strides():
 
 
 def test_fuse_buffers_needs_the_destination_to_follow_too():
-    sb, db, _, _, lens = fuse_buffers(_i64(0, 8, 16), _i64(100, 109, 117), _i64(64, 64, 64), _i64(64, 64, 64), 8)
+    sb, db, _, _, lens = fuse_buffers(_i64(0, 8, 16), _i64(100, 109, 117),
+                                      _i64(64, 64, 64), _i64(64, 64, 64), 8)
     # 8 -> 109 is one byte late on the destination; 16 -> 117 follows it on both sides
     assert (sb.tolist(), db.tolist(), lens.tolist()) == ([0, 8], [100, 109], [8, 16])
 
@@ -126,11 +127,13 @@ def test_ranks_overlapping_head_ranges():
 def test_pipeline_stage_writes_its_layers_at_their_layer_ids():
     """A prefill pp stage holding layers 2, 3 writes into K2, K3, V2, V3 of a 4-layer decode rank."""
     item = 64
-    pa = _args([10000, 20000, 30000, 40000], item, 4, kv_layer_ids=[2, 3], pp_rank=1, pp_size=2)  # K2 K3 V2 V3
+    # K2 K3 V2 V3
+    pa = _args([10000, 20000, 30000, 40000], item, 4, kv_layer_ids=[2, 3], pp_rank=1, pp_size=2)
     decode_ptrs = [1 << 20, 2 << 20, 3 << 20, 4 << 20, 5 << 20, 6 << 20, 7 << 20, 8 << 20]  # K0..K3 V0..V3
     src, dst, lens = _plan(pa, _args(decode_ptrs, item, 4)).kv_regions(_i64(1), _i64(2))
     assert _rows(src, dst, lens) == [(p + item, q + 2 * item, item)
-                                     for p, q in zip(pa.kv_data_ptrs, [3 << 20, 4 << 20, 7 << 20, 8 << 20], strict=True)]
+                                     for p, q in zip(pa.kv_data_ptrs,
+                                                     [3 << 20, 4 << 20, 7 << 20, 8 << 20], strict=True)]
 
 
 def test_hybrid_stage_pairs_kv_and_state_buffers_by_layer_id():
@@ -148,7 +151,8 @@ def test_hybrid_stage_pairs_kv_and_state_buffers_by_layer_id():
     decode = _args([1 << 20, 2 << 20, 3 << 20, 4 << 20], item, 4, kv_layer_ids=[2, 5],
                    state_data_ptrs=[10 << 20, 11 << 20, 12 << 20, 13 << 20, 14 << 20, 15 << 20],
                    state_data_lens=[800] * 6, state_item_lens=[100] * 6, state_dim_per_tensor=[2] * 6,
-                   state_layer_ids=StatePool(1, [0, 1, 3], (2, 5), (2, 5)).buffer_layer_ids(), state_type="mamba")
+                   state_layer_ids=StatePool(1, [0, 1, 3], (2, 5), (2, 5)).buffer_layer_ids(),
+                   state_type="mamba")
     assert decode.state_layer_ids == [0, 1, 3, 0, 1, 3]
     stage1 = _args([100000, 200000], item, 4, kv_layer_ids=[5], pp_rank=1, pp_size=2,
                    state_data_ptrs=[50000, 60000], state_data_lens=[800] * 2, state_item_lens=[100] * 2,
@@ -159,7 +163,8 @@ def test_hybrid_stage_pairs_kv_and_state_buffers_by_layer_id():
     assert _rows(*plan.state_regions(_i64(1), _i64(4))) == [(50100, (12 << 20) + 400, 100),
                                                             (60100, (15 << 20) + 400, 100)]
     stage0 = KVArgs(kv_data_ptrs=[], kv_data_lens=[], kv_item_lens=[], kv_head_num=4, kv_head_bytes=item // 4,
-                    page_size=4, pp_size=2, state_data_ptrs=[70000, 80000, 90000, 95000], state_data_lens=[800] * 4,
+                    page_size=4, pp_size=2, state_data_ptrs=[70000, 80000, 90000, 95000],
+                    state_data_lens=[800] * 4,
                     state_item_lens=[100] * 4, state_dim_per_tensor=[2] * 4, state_layer_ids=[0, 1, 0, 1],
                     state_type="mamba")
     plan = _plan(stage0, decode)
@@ -174,7 +179,8 @@ def test_hybrid_stage_pairs_kv_and_state_buffers_by_layer_id():
 
 def _state_args(ptr: int, dim: int, rank: int, tp: int) -> KVArgs:
     unit = 20  # bytes of one leading-dimension row of a slot (5 fp32)
-    return _args([0, 1 << 20], 64 // tp, 4 // tp, rank, tp, state_data_ptrs=[ptr], state_data_lens=[dim * unit * 8],
+    return _args([0, 1 << 20], 64 // tp, 4 // tp, rank, tp, state_data_ptrs=[ptr],
+                 state_data_lens=[dim * unit * 8],
                  state_item_lens=[dim * unit], state_dim_per_tensor=[dim], state_type="mamba")
 
 
@@ -198,7 +204,8 @@ def test_aux_rows_move_one_row_per_buffer():
     meta = {"aux_data_ptrs": [9000, 9500], "aux_data_lens": [64 * 8, 128 * 8], "aux_item_lens": [64, 128]}
     dmeta = {**meta, "aux_data_ptrs": [19000, 19500]}
     plan = _plan(_args([0, 4096], 64, 4, **meta), _args([8192, 12288], 64, 4, **dmeta))
-    assert _rows(*plan.aux_regions(3, 1)) == [(9000 + 3 * 64, 19000 + 64, 64), (9500 + 3 * 128, 19500 + 128, 128)]
+    assert _rows(*plan.aux_regions(3, 1)) == [(9000 + 3 * 64, 19000 + 64, 64),
+                                              (9500 + 3 * 128, 19500 + 128, 128)]
 
 
 # ---------------------------------------------------------------- whole pools
@@ -239,9 +246,11 @@ def test_head_slices_of_page_first_pages_stay_apart():
     base = pb * np.arange(2 * layers, dtype=np.int64)
     strides = np.full(2 * layers, stride, dtype=np.int64)
     # decode rank 1 of tp 2 reads heads 2..3 of consecutive pages 1, 2 of a prefill tp 1 rank
-    src, dst, lens = regions(base, base // 2 + 5000, strides, strides // 2, _i64(1, 2), _i64(1, 2), 2 * hb, 0, 2 * hb)
+    src, dst, lens = regions(base, base // 2 + 5000, strides, strides // 2, _i64(1, 2),
+                             _i64(1, 2), 2 * hb, 0, 2 * hb)
     assert len(lens) == 2 * 2 * layers and set(lens) == {2 * hb}
-    assert src[:2] == [stride + 2 * hb, stride + pb + 2 * hb] and dst[:2] == [5000 + stride // 2, 5000 + stride // 2 + pb // 2]
+    assert src[:2] == [stride + 2 * hb, stride + pb + 2 * hb] \
+        and dst[:2] == [5000 + stride // 2, 5000 + stride // 2 + pb // 2]
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp,fused", [(1, 1, [2 * 3 * 512]), (2, 1, [256] * 6),

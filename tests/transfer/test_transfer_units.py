@@ -28,20 +28,22 @@ from transfer.sender import PrefillKVManager
 
 
 def test_kvargs_strides_default_and_validation():
-    args = KVArgs(kv_data_ptrs=[0, 100], kv_data_lens=[100, 100], kv_item_lens=[20, 20], kv_head_num=2, page_size=4)
+    args = KVArgs(kv_data_ptrs=[0, 100], kv_data_lens=[100, 100], kv_item_lens=[20, 20],
+                  kv_head_num=2, page_size=4)
     assert args.kv_item_strides == [20, 20]
     with pytest.raises(ValueError, match="one stride per kv buffer"):
-        KVArgs(kv_data_ptrs=[0, 100], kv_data_lens=[100, 100], kv_item_lens=[20, 20], kv_head_num=2, page_size=4,
-               kv_item_strides=[40])
+        KVArgs(kv_data_ptrs=[0, 100], kv_data_lens=[100, 100], kv_item_lens=[20, 20],
+               kv_head_num=2, page_size=4, kv_item_strides=[40])
     with pytest.raises(ValueError, match="must not be smaller"):
-        KVArgs(kv_data_ptrs=[0, 100], kv_data_lens=[100, 100], kv_item_lens=[20, 20], kv_head_num=2, page_size=4,
-               kv_item_strides=[10, 10])
+        KVArgs(kv_data_ptrs=[0, 100], kv_data_lens=[100, 100], kv_item_lens=[20, 20],
+               kv_head_num=2, page_size=4, kv_item_strides=[10, 10])
 
 
 def test_metadata_rows_round_trip_and_are_64_bytes():
     meta = MetadataBuffers(4, max_top_logprobs=3, hidden_size=5, spec_topk=2)
     assert all(row >= 64 and row % 64 == 0 for _, _, row in meta.buffers())
-    meta.set_buf(2, first_token_id=11, cached_tokens=3, logprob_val=-0.25, logprob_idx=11, top_vals=[-0.25, -1.0],
+    meta.set_buf(2, first_token_id=11, cached_tokens=3, logprob_val=-0.25,
+                 logprob_idx=11, top_vals=[-0.25, -1.0],
                  top_idxs=[11, 12], room=987654321987, topk_p=[0.5, 0.5], topk_index=[11, 5],
                  hidden_state=[1, 2, 3, 4, 5])
     row = meta.get_buf(2)
@@ -100,10 +102,12 @@ def test_kvargs_from_runner_takes_the_state_the_model_reports():
     mamba = SimpleNamespace(state_buffers=lambda: [state], state_type="mamba", state_leading_dims=lambda: [6],
                             state_layer_ids=lambda: [7])
     for hybrid, want in [
-        (mamba, KVArgs.from_pool(pool, meta, [state], state_type="mamba", state_dim_per_tensor=[6], engine_rank=1,
-                                 tp_size=2, model="m", state_layer_ids=[7])),
+        (mamba,
+         KVArgs.from_pool(pool, meta, [state], state_type="mamba", state_dim_per_tensor=[6], engine_rank=1,
+                          tp_size=2, model="m", state_layer_ids=[7])),
         (HybridSupport(object()), KVArgs.from_pool(pool, meta, engine_rank=1, tp_size=2, model="m")),
-        (HybridSupport(_Window()), KVArgs.from_pool(pool, meta, state_type="swa", engine_rank=1, tp_size=2, model="m")),
+        (HybridSupport(_Window()),
+         KVArgs.from_pool(pool, meta, state_type="swa", engine_rank=1, tp_size=2, model="m")),
     ]:
         runner = SimpleNamespace(kv_pool=pool, hybrid=hybrid, model_config=SimpleNamespace(name="m"))
         assert KVArgs.from_runner(runner, meta, engine_rank=1, tp_size=2) == want
@@ -113,7 +117,8 @@ def test_settings_env_and_overrides(monkeypatch):
     monkeypatch.setenv("PDSERVE_HEARTBEAT_INTERVAL", "0.5")
     monkeypatch.setenv("DISAGGREGATION_TEST_FAILURE_PROB", "0.25")
     s = TransferSettings.from_env(waiting_timeout=7.0, bootstrap_timeout=None)
-    assert (s.heartbeat_interval, s.failure_prob, s.waiting_timeout, s.bootstrap_timeout) == (0.5, 0.25, 7.0, 300.0)
+    assert (s.heartbeat_interval, s.failure_prob, s.waiting_timeout, s.bootstrap_timeout) \
+        == (0.5, 0.25, 7.0, 300.0)
     with pytest.raises(ValueError):
         TransferSettings.from_env(failure_prob=2.0)
 
@@ -129,7 +134,8 @@ def test_backend_registry(monkeypatch):
 
 
 def _info(**kw) -> dict:
-    info = {"role": "prefill", "tp_rank": 0, "tp_size": 2, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+    info = {"role": "prefill", "tp_rank": 0, "tp_size": 2, "dp_rank": 0, "dp_size": 1,
+            "pp_rank": 0, "pp_size": 1,
             "rank_ip": "127.0.0.1", "rank_port": 5555, "page_size": 16, "model": "smollm", "kv_layout": "L",
             "kv_heads_total": 4}
     info.update(kw)
@@ -161,7 +167,8 @@ def test_bootstrap_routes(server):
     layout = client.layout(server)
     assert (layout["tp_size"], layout["page_size"], layout["model"], layout["ranks"]) == (2, 16, "smollm", 2)
     assert client.rank(server, 1, 0, 0)["rank_port"] == 5556
-    with urllib.request.urlopen(f"http://{server}/route?engine_rank=0&target_dp_group=0&target_pp_rank=0") as r:
+    with urllib.request.urlopen(
+            f"http://{server}/route?engine_rank=0&target_dp_group=0&target_pp_rank=0") as r:
         assert json.loads(r.read())["rank_ip"] == "127.0.0.1"
 
 
@@ -176,7 +183,8 @@ def test_bootstrap_rejects_different_page_size_or_model(server, field, value):
 
 
 def test_prefill_manager_with_different_page_size_fails_to_start(server):
-    BootstrapClient(timeout=CLIENT_TIMEOUT).register(server, _info(page_size=8, model="test-model", kv_heads_total=2, tp_size=1))
+    BootstrapClient(timeout=CLIENT_TIMEOUT).register(server, _info(page_size=8, model="test-model",
+                                                                   kv_heads_total=2, tp_size=1))
     pool = KVPool(8, 4, 2, 2, 16)
     args = KVArgs.from_pool(pool, MetadataBuffers(2), model="test-model")
     with pytest.raises(BootstrapError, match="page_size mismatch.*8.*4"):
@@ -184,7 +192,8 @@ def test_prefill_manager_with_different_page_size_fails_to_start(server):
 
 
 def test_decode_receiver_fails_on_layout_mismatch(server):
-    BootstrapClient(timeout=CLIENT_TIMEOUT).register(server, _info(page_size=8, model="test-model", kv_heads_total=2, tp_size=1))
+    BootstrapClient(timeout=CLIENT_TIMEOUT).register(server, _info(page_size=8, model="test-model",
+                                                                   kv_heads_total=2, tp_size=1))
     pool = KVPool(8, 4, 2, 2, 16)
     mgr = DecodeKVManager(KVArgs.from_pool(pool, MetadataBuffers(2), model="test-model"), "fake")
     try:
@@ -224,7 +233,8 @@ def test_node_flags_win_over_the_environment(monkeypatch):
 
     monkeypatch.setenv("PDSERVE_TRANSFER_DEVICES", "mlx5_9")
     monkeypatch.setenv("PDSERVE_WAITING_TIMEOUT", "40")
-    s = node_settings(ServerArgs(disaggregation_ib_device="mlx5_0,mlx5_1", disaggregation_bootstrap_timeout=12.0))
+    s = node_settings(ServerArgs(disaggregation_ib_device="mlx5_0,mlx5_1",
+                                 disaggregation_bootstrap_timeout=12.0))
     assert (s.device_name, s.bootstrap_timeout, s.waiting_timeout) == ("mlx5_0,mlx5_1", 12.0, 40.0)
     assert node_settings(ServerArgs()).device_name == "mlx5_9"  # no flag: the environment's
 

@@ -60,7 +60,8 @@ def _walk(scope: str, td: type, where: str, seen: set) -> list[str]:
         child = s.nested.get(key)
         if child is None:
             if (scope, key) not in WHOLE:
-                problems.append(f"{path} holds objects ({', '.join(t.__name__ for t in inner)}) no scope screens")
+                problems.append(f"{path} holds objects ({', '.join(t.__name__ for t in inner)}) no "
+                                "scope screens")
             continue
         for t in inner:
             problems += _walk(child, t, path, seen)
@@ -120,7 +121,8 @@ def test_custom_rules():
     with pytest.raises(BadRequest, match="bad_words"):
         screen({"bad_words": ["x"]}, "completions")
     tool = {"type": "function", "function": {"name": "f", "strict": True}}
-    assert screen({"tools": [tool], "tool_choice": "required"}, "chat")["tools"][0]["function"] == {"name": "f"}
+    assert screen({"tools": [tool],
+                   "tool_choice": "required"}, "chat")["tools"][0]["function"] == {"name": "f"}
     with pytest.raises(BadRequest, match=r"`tools\[0\].function.strict` = true .* tool_choice auto"):
         screen({"tools": [tool]}, "chat")
 
@@ -132,9 +134,11 @@ def test_screening_rules():
         {"text": "hi", "sampling_params": {}}
     # an unknown field is named at its depth
     for body, scope, path in (({"bogus": 1}, "generate", "bogus"),
-                              ({"sampling_params": [{}, {"bogus": 1}]}, "generate", "sampling_params[1].bogus"),
+                              ({"sampling_params": [{}, {"bogus": 1}]}, "generate",
+                               "sampling_params[1].bogus"),
                               ({"stream_options": {"bogus": 1}}, "chat", "stream_options.bogus"),
-                              ({"tools": [{"function": {"name": "f", "bogus": 1}}]}, "chat", "tools[0].function.bogus")):
+                              ({"tools": [{"function": {"name": "f", "bogus": 1}}]}, "chat",
+                               "tools[0].function.bogus")):
         with pytest.raises(BadRequest) as e:
             screen(body, scope)
         assert str(e.value) == f"`{path}` is not a field this server knows or supports"
@@ -150,7 +154,8 @@ def test_screening_rules():
     assert screen({"messages": msgs}, "chat")["messages"] == [
         {"role": "assistant", "content": [{"type": "text", "text": "a"}], "reasoning_content": "hm"}]
     with pytest.raises(BadRequest, match=r"`messages\[0\].content\[0\].image_url` = .* read text only"):
-        screen({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+        screen({"messages": [{"role": "user",
+                              "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
                "chat")
 
 
@@ -161,7 +166,8 @@ def test_decoded_requests_and_their_structs():
     _, req = decode_request(json.dumps({"prompt": "p", "best_of": 1, "echo": None, "n": None, "top_k": None,
                                      "structured_outputs": {"choice": ["a", "b"]}, "user": "u"}).encode(),
                          CompletionRequest)
-    assert req.n == 1 and req.echo is False and req.structured_outputs.choice == ["a", "b"] and req.user == "u"
+    assert req.n == 1 and req.echo is False \
+        and req.structured_outputs.choice == ["a", "b"] and req.user == "u"
     _, req = decode_request(json.dumps({"text": "t", "lora_path": None, "return_routed_experts": False,
                                      "routed_dp_rank": 0}).encode(), GenerateRequest)
     assert req.data_parallel_rank == 0

@@ -18,7 +18,8 @@ from tests.model_harness import (
 HEADS, KV_HEADS, D, LAYERS = 6, 2, 8, 2
 
 
-def make_backend(path: str, heads: int = HEADS, kv_heads: int = KV_HEADS, d: int = D) -> TorchAttentionBackend:
+def make_backend(path: str, heads: int = HEADS, kv_heads: int = KV_HEADS,
+                 d: int = D) -> TorchAttentionBackend:
     backend = TorchAttentionBackend(heads, kv_heads, d)
     if path == "torch":
         backend.native = backend.native_prefill = None
@@ -77,14 +78,17 @@ def run_step(backend, h, fb, seqs, new_lens, gen) -> None:
 def test_paged_extend_and_decode(page_size, path):
     gen = torch.Generator().manual_seed(page_size)
     backend = make_backend(path)
-    h = Harness(LAYERS, KV_HEADS, D, page_size=page_size, num_pages=512 // page_size + 8, scramble_seed=page_size)
+    h = Harness(LAYERS, KV_HEADS, D, page_size=page_size, num_pages=512 // page_size + 8,
+                scramble_seed=page_size)
     seqs = [Seq(h.new_req()) for _ in range(4)]
     # first extend: no prefix; lengths around page boundaries
     lens = [7, 1, page_size + 1, 3 * page_size]
-    run_step(backend, h, h.extend_batch([(s.row, [5] * n) for s, n in zip(seqs, lens, strict=True)]), seqs, lens, gen)
+    run_step(backend, h,
+             h.extend_batch([(s.row, [5] * n) for s, n in zip(seqs, lens, strict=True)]), seqs, lens, gen)
     # extend on top of cached prefixes (chunked prefill), mixed with a single-token extend
     lens = [9, 5, 1, page_size]
-    run_step(backend, h, h.extend_batch([(s.row, [5] * n) for s, n in zip(seqs, lens, strict=True)]), seqs, lens, gen)
+    run_step(backend, h,
+             h.extend_batch([(s.row, [5] * n) for s, n in zip(seqs, lens, strict=True)]), seqs, lens, gen)
     # batched decode of requests with different lengths
     for _ in range(page_size + 2):
         run_step(backend, h, h.decode_batch([(s.row, 5) for s in seqs]), seqs, [1] * len(seqs), gen)
@@ -136,7 +140,8 @@ def test_native_decode_matches_torch_path(group, d):
     pages = torch.randperm(39, generator=gen)[:b * 5].view(b, 5) + 1
     r2t = (pages.unsqueeze(-1) * ps + torch.arange(ps)).view(b, -1)
     fb_args = dict(mode=ForwardMode.DECODE, input_ids=torch.zeros(b, dtype=torch.int64),
-                   positions=torch.tensor(lens) - 1, out_cache_loc=torch.stack([r2t[i, n - 1] for i, n in enumerate(lens)]),
+                   positions=torch.tensor(lens) - 1,
+                   out_cache_loc=torch.stack([r2t[i, n - 1] for i, n in enumerate(lens)]),
                    req_pool_indices=torch.arange(b), seq_lens=lens, extend_prefix_lens=[n - 1 for n in lens],
                    extend_seq_lens=[1] * b, kv_pool=pool, req_to_token=r2t)
     qk = torch.randn(b, (group + 1) * kv_heads * d, generator=gen)

@@ -50,7 +50,8 @@ def _held_naive(text: str, stops: list[str]) -> int:
 
 
 @settings(max_examples=150, deadline=None)
-@given(text=st.text(ALPHABET, max_size=12), stops=st.lists(st.text(ALPHABET, min_size=1, max_size=5), max_size=4))
+@given(text=st.text(ALPHABET, max_size=12),
+       stops=st.lists(st.text(ALPHABET, min_size=1, max_size=5), max_size=4))
 def test_held_stop_prefix_matches_the_naive_one(text, stops):
     assert _held_stop_prefix(text, stops) == _held_naive(text, stops)
 
@@ -88,8 +89,10 @@ def test_invalid_utf8_is_held_for_a_bounded_number_of_tokens(tok):
 def test_a_stop_string_of_multi_token_characters_stops_the_request(tokenizer_dir, tok):
     stop = "\u65e5\u672c\u8a9e"  # 3 characters, 9 bytes
     ids = tok.encode(" text " + stop, add_special_tokens=False)
-    assert len(ids) - len(tok.encode(" text ", add_special_tokens=False)) > len(stop)  # more tokens than chars
-    req = Req("r", [1, 2], SamplingParams(max_new_tokens=100, stop=stop), tokenizer=load_stop_decoder(tokenizer_dir))
+    # more tokens than chars
+    assert len(ids) - len(tok.encode(" text ", add_special_tokens=False)) > len(stop)
+    req = Req("r", [1, 2], SamplingParams(max_new_tokens=100, stop=stop),
+              tokenizer=load_stop_decoder(tokenizer_dir))
     finished = []
     for t in ids:
         req.output_ids.append(t)
@@ -110,7 +113,8 @@ def test_stop_caps_name_the_field(kw, field):
     with pytest.raises(BadRequest) as e:
         SamplingParams(**kw).verify("p")
     assert str(e.value).startswith(field)
-    SamplingParams(stop=["y" * 256] * 16, stop_token_ids=list(range(256))).verify("p")  # the limits themselves
+    # the limits themselves
+    SamplingParams(stop=["y" * 256] * 16, stop_token_ids=list(range(256))).verify("p")
 
 
 # ---------------------------------------------------------------------------------------------- admission
@@ -151,7 +155,8 @@ def test_scheduler_admits_up_to_the_limit_and_acknowledges_at_once(tiny_model_di
     s.stream_output()
     ends = {u.rid: u for m in sent for u in m.updates if u.finish_reason}
     for rid in ("r2", "r3", "b0", "b1"):
-        assert ends[rid].error_status == 429 and "--max-queued-requests=2" in ends[rid].finish_reason["message"]
+        assert ends[rid].error_status == 429 \
+            and "--max-queued-requests=2" in ends[rid].finish_reason["message"]
     assert "r4" not in ends and any(m.admitted == ["r4"] for m in sent)
     stats = s.get_stats()
     assert stats["max_queued_requests"] == 2 and stats["num_queue_full_refused"] == 4

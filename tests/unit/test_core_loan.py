@@ -1,6 +1,7 @@
 """Core lending between a prefill node and its decode node (common/core_loan.py): the shared byte and the
 flags' checks. The borrower's threads in a fresh process: tests/fresh_process/test_core_loan_borrower.py; the
-whole path (the launcher's files and flags, a decode forward on the lent core): tests/deploy/test_cluster.py."""
+whole path (the launcher's files and flags, a decode forward on the lent core):
+tests/deploy/test_cluster.py."""
 
 from __future__ import annotations
 
@@ -55,10 +56,12 @@ def test_core_lists():
 @pytest.mark.parametrize("argv, flag", [
     (("--core-loan-cores", "0"), "--core-loan-cores"),  # not a decode node
     (("--disaggregation-mode", "decode", "--core-loan-cores", "0"), "--core-loan-cores"),  # no file
-    (("--disaggregation-mode", "decode", "--core-loan-file", "{f}", "--core-loan-cores", "2-1"), "--core-loan-cores"),
+    (("--disaggregation-mode", "decode", "--core-loan-file", "{f}", "--core-loan-cores", "2-1"),
+     "--core-loan-cores"),
     (("--core-loan-file", "{f}"), "--core-loan-file"),  # colocated
     (("--disaggregation-mode", "decode", "--core-loan-file", "{f}"), "--core-loan-file"),  # no cores
-    (("--disaggregation-mode", "prefill", "--core-loan-file", "{f}", "--core-loan-cores", "0"), "--core-loan-cores"),
+    (("--disaggregation-mode", "prefill", "--core-loan-file", "{f}", "--core-loan-cores", "0"),
+     "--core-loan-cores"),
     (("--disaggregation-mode", "decode", "--core-loan-file", "{f}", "--core-loan-cores", "0", "--tp", "2"),
      "--core-loan-file"),
     (("--disaggregation-mode", "decode", "--core-loan-file", "{f}", "--core-loan-cores", "0",

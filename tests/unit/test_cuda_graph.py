@@ -111,7 +111,8 @@ class Engine:
         if graphs_max_bs:
             self.capture = EagerCapture()
             r = self.r
-            self.graphs = CudaGraphRunner(r.model, r.attn_backend, r.kv_pool, r.req_to_token_pool.req_to_token,
+            self.graphs = CudaGraphRunner(r.model, r.attn_backend, r.kv_pool,
+                                          r.req_to_token_pool.req_to_token,
                                           graphs_max_bs, r.device, state_pool=r.hybrid.state_pool,
                                           capture=self.capture)
             self.graphs.capture_all()
@@ -130,8 +131,10 @@ class Engine:
             slots.append(s)
         lens = [len(p) for p in prompts]
         fb = ForwardBatch(ForwardMode.EXTEND, torch.tensor([t for p in prompts for t in p]),
-                          torch.cat([torch.arange(n) for n in lens]), torch.cat(slots), torch.tensor(self.rows),
-                          list(lens), [0] * len(lens), list(lens), r.kv_pool, r.req_to_token_pool.req_to_token)
+                          torch.cat([torch.arange(n) for n in lens]), torch.cat(slots),
+                          torch.tensor(self.rows),
+                          list(lens), [0] * len(lens), list(lens), r.kv_pool,
+                          r.req_to_token_pool.req_to_token)
         return r.forward(fb)
 
     def decode(self, tokens: list[int]) -> torch.Tensor:
@@ -143,7 +146,8 @@ class Engine:
             slots.append(s)
             self.lens[i] = n + 1
         fb = ForwardBatch(ForwardMode.DECODE, torch.tensor(tokens), torch.tensor([n - 1 for n in self.lens]),
-                          torch.cat(slots), torch.tensor(self.rows), list(self.lens), [n - 1 for n in self.lens],
+                          torch.cat(slots), torch.tensor(self.rows), list(self.lens),
+                          [n - 1 for n in self.lens],
                           [1] * len(self.rows), r.kv_pool, r.req_to_token_pool.req_to_token)
         if self.graphs is None:
             return r.forward(fb)

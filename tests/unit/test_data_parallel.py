@@ -52,7 +52,8 @@ def test_merge_adds_quantities_and_averages_ratios():
          "num_queue_reqs": {"prealloc": 1, "waiting": 2},
          "queue_time_hist": {"buckets": [0.1, 1.0], "counts": [1, 2, 0], "sum": 0.5}}
     b = {**a, "dp_rank": 1, "num_running_reqs": 5, "kv_free_tokens": 50, "gen_throughput": 4.0,
-         "cache_hit_rate": 0.25, "transfer_latency_avg_s": 0.4, "num_queue_reqs": {"prealloc": 0, "waiting": 7},
+         "cache_hit_rate": 0.25, "transfer_latency_avg_s": 0.4,
+         "num_queue_reqs": {"prealloc": 0, "waiting": 7},
          "queue_time_hist": {"buckets": [0.1, 1.0], "counts": [0, 1, 3], "sum": 2.0}}
     m = merge_stats([a, b])
     assert m["dp_size"] == 2 and m["dp"] == [a, b] and "dp_rank" not in m
@@ -193,7 +194,8 @@ def test_exact_policy_pins_the_dp_group_holding_the_prefix():
     a1.blocks.update(hashes[:3])
     b.blocks.update(hashes[:1])
     policy = KVEventsCacheAwarePolicy(RouterConfig(), Index([a0, a1, b]), lambda: None)
-    workers = [Worker("http://a", "prefill", 1, RouterConfig()), Worker("http://b", "prefill", 1, RouterConfig())]
+    workers = [Worker("http://a", "prefill", 1, RouterConfig()),
+               Worker("http://b", "prefill", 1, RouterConfig())]
     key = RouteKey(None, ids, {4: hashes})
     assert policy.select(workers, key).url == "http://a" and key.group == 1
     assert set(policy.recent) == {"http://a#dp1"}  # the pages routed there count as cached in that group
@@ -215,7 +217,9 @@ def test_token_slices_cut_requests_into_consecutive_ranges():
                       logits_indices=torch.tensor([4, 7]))
     parts = fb.token_slices(3)  # tokens [0, 3), [3, 5), [5, 8)
     assert [p.input_ids.tolist() for p in parts] == [[100, 101, 102], [103, 104], [105, 106, 107]]
-    assert [(p.req_pool_indices.tolist(), p.extend_prefix_lens, p.extend_seq_lens, p.seq_lens) for p in parts] == [
-        ([7], [3], [3], [6]), ([7], [6], [2], [8]), ([9], [0], [3], [3])]
+    assert [(p.req_pool_indices.tolist(), p.extend_prefix_lens, p.extend_seq_lens,
+             p.seq_lens) for p in parts] == [
+                 ([7], [3], [3], [6]), ([7], [6], [2], [8]), ([9], [0], [3], [3])]
     assert [p.logits_indices.tolist() for p in parts] == [[], [1], [2]]  # each range's own rows
-    assert [p.positions.tolist() for p in parts][1] == [6, 7] and parts[2].out_cache_loc.tolist() == [45, 46, 47]
+    assert [p.positions.tolist() for p in parts][1] == [6, 7] \
+        and parts[2].out_cache_loc.tolist() == [45, 46, 47]

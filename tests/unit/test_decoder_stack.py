@@ -30,8 +30,8 @@ def decode_logits(model, cfg, prompts: list[list[int]], steps: int) -> list[torc
 @pytest.mark.parametrize("arch,overrides,quantization", [
     ("llama", {}, None),
     ("qwen2", {}, None),  # q/k/v bias
-    ("llama", {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
-     None),
+    ("llama",
+     {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}, None),
     ("qwen2", {"tie_word_embeddings": True}, "int8wo"),  # int8 panels, a quantized tied lm_head
     ("llama", {"mlp_bias": True}, "w8a8_int8"),  # int8 activations too
 ])

@@ -22,7 +22,8 @@ def test_converted_dir_is_complete_and_loadable(smollm2_dir):
     assert any(f.endswith(".safetensors") for f in files)
     assert not any(f.startswith(".") and "tmp" in f for f in os.listdir(os.path.dirname(smollm2_dir)))
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                   add_generation_prompt=True)
     assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
     model, cfg = load_model(smollm2_dir)
     assert cfg.name == "SmolLM2-135M-Instruct" and cfg.architecture == "LlamaForCausalLM"

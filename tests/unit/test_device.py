@@ -21,8 +21,9 @@ NO_CUDA = not torch.cuda.is_available()
 def test_auto_resolves_to_the_cpu_engine():
     p = Placement.resolve(ServerArgs())
     if NO_CUDA:
-        assert (p.device.type, p.dtype, p.kv_dtype, p.attention_backend) == ("cpu", torch.float32, torch.float32,
-                                                                             "native")
+        assert (p.device.type, p.dtype, p.kv_dtype, p.attention_backend) \
+            == ("cpu", torch.float32, torch.float32,
+                "native")
         assert p.cuda_graph_max_bs == 0
         assert p.describe() == {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32",
                                 "attention_backend": "native", "disable_cuda_graph": True}
@@ -92,7 +93,8 @@ def test_forward_batch_stays_put_on_cpu(tmp_path):
 
 
 def test_dummy_load_format_needs_only_config_json(tmp_path, make_tiny_model):
-    """Random weights of the checkpoint's shape, seeded (the same model twice), nothing but config.json read."""
+    """Random weights of the checkpoint's shape, seeded (the same model twice), nothing but config.json
+    read."""
     from common.models.loader import load_model
 
     src = make_tiny_model("llama")

@@ -45,7 +45,8 @@ class Engine:
         assert s.allocator.available_size() == s.allocator.capacity
 
     def submit(self, rid: str, ids: list[int], max_new: int = 12, **kw) -> None:
-        sp = kw.pop("sampling", None) or SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
+        sp = kw.pop("sampling", None) or SamplingParams(max_new_tokens=max_new,
+                                                        temperature=0, ignore_eos=True)
         self.sched.process_input_requests([TokenizedRequest(rid=rid, input_ids=ids, sampling=sp, **kw)])
 
     def updates(self) -> dict[str, list]:
@@ -238,7 +239,8 @@ def _record_modes(eng) -> list[str]:
 
     def recording(batch):
         info = batch.extend_info
-        modes.append("D" if batch.mode != ForwardMode.EXTEND else f"E+{info.decode_rows}" if info.decode_rows else "E")
+        modes.append("D" if batch.mode != ForwardMode.EXTEND else f"E+{info.decode_rows}"
+                     if info.decode_rows else "E")
         return run(batch)
 
     eng.sched.runner.run = recording
@@ -254,7 +256,8 @@ def test_mixed_chunk(tiny_model_dir, hf_model, vocab, between):
     short, other, long = prompts_of([6, 9, 100], vocab, seed=5)  # the long prompt: 4 chunks of 32
     runs = {}
     for mixed in (False, True):
-        eng = Engine(tiny_model_dir, chunked_prefill_size=32, disable_radix_cache=True, enable_mixed_chunk=mixed)
+        eng = Engine(tiny_model_dir, chunked_prefill_size=32, disable_radix_cache=True,
+                     enable_mixed_chunk=mixed)
         eng.sched.decode_between_chunks = between
         modes = _record_modes(eng)
         eng.submit("a", short, max_new=20, return_logprob=True, top_logprobs_num=2)
@@ -266,7 +269,8 @@ def test_mixed_chunk(tiny_model_dir, hf_model, vocab, between):
         eng.assert_restored()
     (plain, plain_modes, plain_lp, plain_mixed), (got, mixed_modes, lp, n_mixed) = runs[False], runs[True]
     assert plain_mixed == 0 and n_mixed == 4
-    # b's four chunks carry a and c (c ends after its third token: the last two carry a alone), then decode steps
+    # b's four chunks carry a and c (c ends after its third token: the last two carry a alone), then decode
+    # steps
     assert mixed_modes.startswith("EE+2E+2E+1E+1D"), mixed_modes
     assert plain_modes.startswith("EEDEDEDE" if between else "EEEEED"), plain_modes
     assert got == plain
@@ -476,8 +480,8 @@ def test_stats_report(tiny_model_dir, vocab):
     st = rep.stats
     assert rep.qid == 7
     for key in ("num_running_reqs", "num_waiting_reqs", "num_queue_reqs", "kv_free_tokens", "kv_total_tokens",
-                "kv_evictable_tokens", "req_slots_free", "req_slots_total", "cache_hit_rate", "num_tokens_used",
-                "gen_throughput"):
+                "kv_evictable_tokens", "req_slots_free", "req_slots_total",
+                "cache_hit_rate", "num_tokens_used", "gen_throughput"):
         assert key in st
     assert st["num_running_reqs"] == 1 and st["kv_total_tokens"] == 4096
     assert st["num_tokens_used"] >= 20 and st["req_slots_free"] == st["req_slots_total"] - 1
@@ -493,7 +497,8 @@ def test_seeded_sampling_independent_of_batch(tiny_model_dir, vocab):
     alone = eng.run()["alone"]
     eng2 = Engine(tiny_model_dir)
     for i, q in enumerate(prompts_of([7, 30, 12], vocab, seed=31)):
-        eng2.submit(f"other{i}", q, sampling=SamplingParams(max_new_tokens=12, temperature=0.8, ignore_eos=True))
+        eng2.submit(f"other{i}", q,
+                    sampling=SamplingParams(max_new_tokens=12, temperature=0.8, ignore_eos=True))
     eng2.submit("seeded", p, sampling=sp)
     got = eng2.run()
     assert got["seeded"] == alone
@@ -515,7 +520,8 @@ def test_smollm2_greedy_matches_hf_and_stop_strings(smollm2_dir):
     hf.generation_config.pad_token_id = 0
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    add_generation_prompt=True, tokenize=False)
-    prompts = [tok(chat, add_special_tokens=False)["input_ids"], tok("The three primary colors are")["input_ids"]]
+    prompts = [tok(chat, add_special_tokens=False)["input_ids"],
+               tok("The three primary colors are")["input_ids"]]
     eng = Engine(smollm2_dir, page_size=16, chunked_prefill_size=32, max_total_tokens=2048)
     assert eng.sched.tokenizer is not None
     for i, p in enumerate(prompts):
@@ -562,7 +568,8 @@ def test_prebuilt_requests_join_running_batch(tiny_model_dir, hf_model, vocab):
     d.req_to_token_pool.write(req.req_pool_idx, 0, dst_slots)
     ps = 4
     for layer in range(len(d.kv_pool.layer_ids)):
-        for a, b in ((src.sched.kv_pool.k(layer), d.kv_pool.k(layer)), (src.sched.kv_pool.v(layer), d.kv_pool.v(layer))):
+        for a, b in ((src.sched.kv_pool.k(layer), d.kv_pool.k(layer)),
+                     (src.sched.kv_pool.v(layer), d.kv_pool.v(layer))):
             b[dst_slots // ps, :, dst_slots % ps, :] = a[src_slots // ps, :, src_slots % ps, :]
     req.kv_len = len(p)
     req.output_ids = first

@@ -46,7 +46,7 @@ def _rewrite(model_dir: str, change) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-# ------------------------------------------------------------------------------------------ the weights digest
+# ----------------------------------------------------------------------------------------- the weights digest
 def test_the_digest_follows_the_tensors_not_the_path(tiny_model_dir, tmp_path):
     a = _copy(tiny_model_dir, tmp_path / "a" / "model")
     b = _copy(tiny_model_dir, tmp_path / "b" / "weights")
@@ -54,7 +54,8 @@ def test_the_digest_follows_the_tensors_not_the_path(tiny_model_dir, tmp_path):
     # other random weights of the same shape under the same directory name
     other = _copy(tiny_model_dir, tmp_path / "c" / "model")
     g = torch.Generator().manual_seed(1)
-    _rewrite(other, lambda ts: ts.update({k: torch.randn(v.shape, generator=g) * 0.05 for k, v in ts.items()}))
+    _rewrite(other,
+             lambda ts: ts.update({k: torch.randn(v.shape, generator=g) * 0.05 for k, v in ts.items()}))
     assert weights_digest(other) != weights_digest(a)
 
 
@@ -112,7 +113,8 @@ def test_dummy_weights_digest_their_config_seed_and_shard_shape(tiny_model_dir):
 def test_the_pairing_key_ignores_the_parallel_shape_only():
     key = pairing_key(BASE)
     assert pairing_key(replace(BASE, tp_size=2, pp_size=2, dp_size=4, model="other")) == key
-    for change in ({"weights": "cd" * 32}, {"page_size": 4}, {"dtype": "bfloat16"}, {"kv_cache_dtype": "bfloat16"},
+    for change in ({"weights": "cd" * 32}, {"page_size": 4}, {"dtype": "bfloat16"},
+                   {"kv_cache_dtype": "bfloat16"},
                    {"kv_heads": 4}, {"transfer_backend": "nixl"}, {"protocol": PROTOCOL_VERSION + 1},
                    {"quantization": "int8wo"}, {"draft_layers": True}):
         assert pairing_key(replace(BASE, **change)) != key, change
@@ -155,7 +157,8 @@ def test_the_runner_reports_what_it_loaded(tiny_model_dir):
                       page_size=4)
     r = ModelRunner(args, tiny_model_dir)
     c = r.compatibility
-    assert (c.weights, c.page_size, c.kv_heads, c.layers, c.head_dim) == (weights_digest(tiny_model_dir), 4, 2, 4, 16)
+    assert (c.weights, c.page_size, c.kv_heads, c.layers, c.head_dim) \
+        == (weights_digest(tiny_model_dir), 4, 2, 4, 16)
     assert (c.dtype, c.kv_cache_dtype, c.protocol) == ("float32", "float32", PROTOCOL_VERSION)
     assert r.fingerprint == pairing_key(c)
     # what a rank of another TP shape computes: its shard does not enter the weights digest

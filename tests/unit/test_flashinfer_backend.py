@@ -34,8 +34,8 @@ HALF = (torch.float16, torch.bfloat16)
 # ---------------------------------------------------------------------------------------------- errors
 def test_missing_flashinfer_names_the_flag_and_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # `import flashinfer` raises ImportError
-    with pytest.raises(RuntimeError, match=r"--attention-backend flashinfer needs the flashinfer-python package "
-                                           r"\(pip install 'pdserve\[gpu\]'\)"):
+    with pytest.raises(RuntimeError, match=r"--attention-backend flashinfer needs the flashinfer-python "
+                                           r"package \(pip install 'pdserve\[gpu\]'\)"):
         fia.import_flashinfer()
     with pytest.raises(RuntimeError, match="flashinfer-python"):
         fia.FlashInferAttentionBackend(4, 2, 64, device="cuda")
@@ -89,8 +89,9 @@ def test_token_indptr():
     assert fia.token_indptr([]).tolist() == [0]
 
 
-# ---------------------------------------------------------------------------------------------- a torch double of flashinfer
-def _paged_attention(q, k_cache, v_cache, qo_indptr, indptr, indices, last, page_size, window_left, scale, causal):
+# ------------------------------------------------------------------------------- a torch double of flashinfer
+def _paged_attention(q, k_cache, v_cache, qo_indptr, indptr, indices, last, page_size,
+                     window_left, scale, causal):
     """q [T, H, D] over each request's pages of an HND cache [pages, KVH, page_size, D], float32 math."""
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     out = torch.empty(q.shape, dtype=torch.float32)
@@ -124,8 +125,10 @@ class _Planned:
                      kv_data_type, sm_scale):
         if q_data_type not in HALF or kv_data_type not in HALF:
             raise ValueError(f"no kernel for {q_data_type} / {kv_data_type}")
-        self.heads, self.kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
-        self.window_left, self.q_dtype, self.kv_dtype, self.scale = window_left, q_data_type, kv_data_type, sm_scale
+        self.heads, self.kv_heads = num_qo_heads, num_kv_heads
+        self.head_dim, self.page_size = head_dim, page_size
+        self.window_left, self.q_dtype = window_left, q_data_type
+        self.kv_dtype, self.scale = kv_data_type, sm_scale
         type(self).plans += 1
         self.plans_here = getattr(self, "plans_here", 0) + 1
 
@@ -142,7 +145,8 @@ class FakeDecodeWrapper(_Planned):
     instances: list = []
 
     def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
-                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+                 paged_kv_last_page_len_buffer=None):
         assert kv_layout == "HND"
         self.use_cuda_graph, self.use_tensor_cores = use_cuda_graph, use_tensor_cores
         self.indptr, self.indices, self.last = paged_kv_indptr_buffer, paged_kv_indices_buffer, \
@@ -185,7 +189,8 @@ class FakePrefillWrapper(_Planned):
         self._plan_common(num_qo_heads, num_kv_heads, head_dim_qk, page_size, window_left, q_data_type,
                           kv_data_type or q_data_type, sm_scale)
         self.causal = causal
-        self.args = [t.clone() for t in (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)]
+        self.args = [t.clone()
+                     for t in (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)]
 
     def run(self, q, paged_kv_cache):
         k_cache, v_cache = self._check_run(q, paged_kv_cache)
@@ -207,7 +212,7 @@ def fake_flashinfer(monkeypatch):
     return mod
 
 
-# ---------------------------------------------------------------------------------------------- backend vs dense
+# ------------------------------------------------------------------------------------------- backend vs dense
 def dense(q, keys, values, q_pos, window, scale) -> torch.Tensor:
     """q [n, H, D], keys/values [S, KVH, D] (positions 0..S-1) -> [n, H * D], float64, causal + window."""
     group = q.shape[1] // keys.shape[1]
@@ -276,7 +281,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("heads,kv_heads,page_size,q_dtype,kv_dtype,window", CASES)
-def test_extend_chunked_decode_and_verify(fake_flashinfer, heads, kv_heads, page_size, q_dtype, kv_dtype, window):
+def test_extend_chunked_decode_and_verify(fake_flashinfer, heads, kv_heads, page_size,
+                                          q_dtype, kv_dtype, window):
     d = 16
     gen = torch.Generator().manual_seed(heads + page_size)
     backend = fia.FlashInferAttentionBackend(heads, kv_heads, d, window=window,
@@ -313,7 +319,8 @@ def test_each_wrapper_planned_once_per_batch(fake_flashinfer):
     for wl in (-1, 3):  # asked again for the same batch: its plan is still in the wrapper
         assert backend._wrapper(fb.attn_metadata, wl) is backend._prefill[wl]
     assert [w.plans_here for w in backend._prefill.values()] == [1, 1]
-    assert all(w.window_left == wl for wl, w in backend._prefill.items()) and sorted(backend._prefill) == [-1, 3]
+    assert all(w.window_left == wl for wl, w in backend._prefill.items()) \
+        and sorted(backend._prefill) == [-1, 3]
     fb = h.decode_batch([(seqs[0].row, 1)])
     backend.init_forward_metadata(fb)
     run_step(backend, fb, seqs, gen, torch.bfloat16)
@@ -355,7 +362,8 @@ def test_cuda_graph_capture_and_padded_replay(fake_flashinfer):
     static = {n: torch.zeros(max_bs, dtype=torch.int64) for n in ("ids", "pos", "loc", "rows")}
 
     def static_batch(seq_lens):
-        return ForwardBatch(ForwardMode.DECODE, static["ids"][:size], static["pos"][:size], static["loc"][:size],
+        return ForwardBatch(ForwardMode.DECODE, static["ids"][:size],
+                            static["pos"][:size], static["loc"][:size],
                             static["rows"][:size], seq_lens, [0] * size, [1] * size, h.kv, h.r2t.req_to_token)
 
     captured_fb = static_batch([1] * size)

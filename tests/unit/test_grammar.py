@@ -61,7 +61,8 @@ def test_random_logits_under_a_grammar_follow_it(compiler, tok, seed):
 @pytest.mark.parametrize("vocab_size", [49152, 49160])  # the model's vocabulary, padded or not
 def test_tokenizer_info_without_transformers_is_xgrammars_own(tok, tokenizer_dir, tmp_path, vocab_size):
     """What the grammar thread builds from tokenizer.json equals xgrammar's own reading of the Hugging Face
-    tokenizer, token for token; one it cannot read that way (an added token tokenizer.json lacks) goes to transformers."""
+    tokenizer, token for token; one it cannot read that way (an added token tokenizer.json lacks) goes to
+    transformers."""
     import xgrammar as xgr
 
     want = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=[tok.eos_token_id])
@@ -78,7 +79,8 @@ def test_tokenizer_info_without_transformers_is_xgrammars_own(tok, tokenizer_dir
     odd = tmp_path / "odd"
     shutil.copytree(tokenizer_dir, odd)
     cfg = json.loads((odd / "tokenizer_config.json").read_text())
-    cfg.setdefault("added_tokens_decoder", {})[str(vocab_size - 1)] = {"content": "<|padding|>", "special": True}
+    cfg.setdefault("added_tokens_decoder",
+                   {})[str(vocab_size - 1)] = {"content": "<|padding|>", "special": True}
     (odd / "tokenizer_config.json").write_text(json.dumps(cfg))
     from common.grammar import _fast_vocab
 

@@ -78,10 +78,13 @@ def test_blocks_rebuilt_from_events_equal_the_tree(seq):
 
 def test_config_defaults_and_refusals():
     cfg = KVEventsConfig.parse('{"topic": "kv"}', "127.0.0.1")
-    assert (cfg.endpoint, cfg.replay_endpoint, cfg.enabled) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", True)
+    assert (cfg.endpoint, cfg.replay_endpoint, cfg.enabled) == ("tcp://127.0.0.1:5557",
+                                                                "tcp://127.0.0.1:5558", True)
     assert KVEventsConfig.parse('{"endpoint": "tcp://[::1]:7000"}', "::1").replay_endpoint == "tcp://[::1]:7001"
-    for raw, word in [("[1]", "object"), ('{"port": 1}', "unknown key 'port'"), ('{"buffer_steps": 0}', "buffer_steps"),
-                      ('{"publisher": "kafka"}', "publisher"), ('{"endpoint": "udp://x:1"}', "endpoint"), ("{", "JSON")]:
+    for raw, word in [("[1]", "object"), ('{"port": 1}', "unknown key 'port'"),
+                      ('{"buffer_steps": 0}', "buffer_steps"),
+                      ('{"publisher": "kafka"}', "publisher"),
+                      ('{"endpoint": "udp://x:1"}', "endpoint"), ("{", "JSON")]:
         with pytest.raises(ValueError, match=word):
             KVEventsConfig.parse(raw, "127.0.0.1")
 
@@ -116,12 +119,14 @@ def test_publisher_wire_and_replay_after_a_gap():
             raw.extend(raw_events(payload))
         assert [(t, s) for t, s, _ in got] == [(b"kv", 0), (b"kv", 1), (b"kv", 2)]
         first = got[0][2].events[0]
-        assert isinstance(first, BlockStored) and first.block_hashes == hashes and first.parent_block_hash is None
+        assert isinstance(first, BlockStored) and first.block_hashes == hashes \
+            and first.parent_block_hash is None
         assert (first.token_ids, first.block_size, first.lora_id, first.lora_name, first.medium) == (
             list(range(8)), PS, None, None, "CPU")
         assert (first.group_idx, first.kv_cache_spec_kind, first.kv_cache_spec_sliding_window) == (
             0, "full_attention", None)
-        assert isinstance(got[1][2].events[0], BlockRemoved) and got[1][2].events[0].block_hashes == hashes[1:]
+        assert isinstance(got[1][2].events[0], BlockRemoved) \
+            and got[1][2].events[0].block_hashes == hashes[1:]
         assert got[1][2].events[0].group_idx == 0
         assert isinstance(got[2][2].events[0], AllBlocksCleared)
         assert all(batch.data_parallel_rank is None for _, _, batch in got)
@@ -163,8 +168,9 @@ def test_a_sliding_window_cache_says_so():
         payload = msgspec.msgpack.encode(pub.pending)
         stored, removed = msgspec.msgpack.decode(payload)
         assert REQUIRED["BlockStored"] <= stored.keys() and REQUIRED["BlockRemoved"] <= removed.keys()
-        assert (stored["group_idx"], stored["kv_cache_spec_kind"], stored["kv_cache_spec_sliding_window"]) == (
-            0, "sliding_window", 64)
+        assert (stored["group_idx"], stored["kv_cache_spec_kind"],
+                stored["kv_cache_spec_sliding_window"]) == (
+                    0, "sliding_window", 64)
         assert removed == {"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU", "group_idx": 0}
         batch = msgspec.msgpack.Decoder(KVEventBatch).decode(msgspec.msgpack.encode([1.0, pub.pending, 1]))
         assert batch.events[0].kv_cache_spec_sliding_window == 64 and batch.data_parallel_rank == 1

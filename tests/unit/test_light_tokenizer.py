@@ -18,7 +18,8 @@ from common.server.tokenizer_load import PROBE_TOOLS, light_mismatch
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-CALL_TEXT_ARGS = {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+CALL_TEXT_ARGS = {"id": "c2", "type": "function",
+                  "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
 USER = {"role": "user", "content": "What's the weather?"}
 # (messages, tools, add_generation_prompt, continue_final_message, variables)
 CONVERSATIONS = [
@@ -28,13 +29,17 @@ CONVERSATIONS = [
      None, True, False, {}),
     ([USER, {"role": "assistant", "content": None, "tool_calls": [CALL, CALL_TEXT_ARGS]},
       {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], PROBE_TOOLS, True, False, {}),
-    ([USER, {"role": "assistant", "content": "It is", "reasoning_content": " Look it up. "}], None, False, True, {}),
-    ([USER, {"role": "assistant", "content": "It is", "reasoning": "Look it up."}], None, False, False, {}),
-    ([USER, {"role": "assistant", "content": "It is", "thinking": "Look it up."}, USER], None, True, False, {}),
-    ([USER, {"role": "assistant", "content": "Ends in spaces   "}], None, False, True, {}),
-    ([USER, {"role": "assistant", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "list"}]}],
+    ([USER, {"role": "assistant", "content": "It is", "reasoning_content": " Look it up. "}],
      None, False, True, {}),
-    ([{"role": "user", "content": [{"type": "text", "text": "parts"}, {"type": "image_url", "image_url": {"url": "x"}}]}],
+    ([USER, {"role": "assistant", "content": "It is", "reasoning": "Look it up."}], None, False, False, {}),
+    ([USER, {"role": "assistant", "content": "It is", "thinking": "Look it up."}, USER],
+     None, True, False, {}),
+    ([USER, {"role": "assistant", "content": "Ends in spaces   "}], None, False, True, {}),
+    ([USER,
+      {"role": "assistant", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "list"}]}],
+     None, False, True, {}),
+    ([{"role": "user",
+       "content": [{"type": "text", "text": "parts"}, {"type": "image_url", "image_url": {"url": "x"}}]}],
      None, True, False, {}),
     ([USER], PROBE_TOOLS, True, False, {"enable_thinking": False}),
     ([USER], None, True, False, {"bos_token": "<override>"}),
@@ -68,7 +73,8 @@ def test_chat_templates_render_as_in_transformers(tiny_model_dir, name):
     light.chat_template = template
     rendered = 0
     for messages, tools, gen, cont, variables in CONVERSATIONS:
-        kw = dict(tools=tools, add_generation_prompt=gen, continue_final_message=cont, tokenize=False, **variables)
+        kw = dict(tools=tools, add_generation_prompt=gen, continue_final_message=cont,
+                  tokenize=False, **variables)
         want = _outcome(hf.apply_chat_template, messages, **kw)
         got = _outcome(light.apply_chat_template, messages, **kw)
         if isinstance(want, str) and want.startswith("refused"):
@@ -93,7 +99,8 @@ def test_the_rich_template_takes_each_path(tiny_model_dir):
     assert cont.endswith("<think>\nLook it up.\n</think>\n\nIt is")
     assert "<think>\nLook it up." in light.apply_chat_template(CONVERSATIONS[5][0])
     assert light.apply_chat_template(CONVERSATIONS[8][0], continue_final_message=True).endswith("a list")
-    assert light.apply_chat_template(CONVERSATIONS[7][0], continue_final_message=True).endswith("Ends in spaces   ")
+    assert light.apply_chat_template(CONVERSATIONS[7][0],
+                                     continue_final_message=True).endswith("Ends in spaces   ")
     with pytest.raises(jinja2.TemplateError, match="unknown role narrator"):
         light.apply_chat_template(CONVERSATIONS[12][0])
 
@@ -111,7 +118,8 @@ def test_the_sandbox_refuses_what_a_template_must_not_do(template, error):
 
 
 def test_tojson_keeps_text_as_is():
-    assert render_chat("{{ messages[0].content | tojson }}", [{"role": "user", "content": "é <b>"}]) == '"é <b>"'
+    assert render_chat("{{ messages[0].content | "
+                       "tojson }}", [{"role": "user", "content": "é <b>"}]) == '"é <b>"'
 
 
 def test_light_mismatch_names_what_differs(tiny_model_dir, tmp_path):
@@ -155,7 +163,8 @@ def test_named_templates_give_the_default_and_keep_a_node_on_transformers(tiny_m
     shutil.copytree(tiny_model_dir, d)
     os.remove(d / "chat_template.jinja")
     cfg = json.loads((d / "tokenizer_config.json").read_text())
-    named = [{"name": "default", "template": "{{ messages[0].content }}"}, {"name": "tool_use", "template": "T"}]
+    named = [{"name": "default", "template": "{{ messages[0].content }}"},
+             {"name": "tool_use", "template": "T"}]
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": named}))
     light = LightTokenizer.open(str(d))
     assert light.apply_chat_template([USER]) == USER["content"]

@@ -110,7 +110,8 @@ def test_kv_pool_flat_rows_address_every_layer():
     keys, values = pool.gather_kv(5, pool.kv_rows(rows))
     assert torch.equal(keys.view(3, heads, dim), k) and torch.equal(values.view(3, heads, dim), v)
     for i, s in enumerate(slots.tolist()):
-        assert torch.equal(pool.k(5)[s // ps, :, s % ps], k[i]) and torch.equal(pool.v(5)[s // ps, :, s % ps], v[i])
+        assert torch.equal(pool.k(5)[s // ps, :, s % ps], k[i]) \
+            and torch.equal(pool.v(5)[s // ps, :, s % ps], v[i])
     assert pool.k(0).abs().sum() == 0 and pool.v(2).abs().sum() == 0
     # [B, L] slots -> [B, kv_heads, L] rows
     grid = pool.token_rows(torch.tensor([[17, 5], [6, 0]]))

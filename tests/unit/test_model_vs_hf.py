@@ -25,7 +25,8 @@ ARCH_CASES = {
     "mistral": ("mistral", {}),
     "llama-rope-llama3-tied": ("llama", {
         "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
+                            "factor": 8.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     }),
     "llama-mha-bias": ("llama", {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True}),
@@ -35,7 +36,8 @@ ARCH_CASES = {
 def hf_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]
 

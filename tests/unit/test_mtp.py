@@ -85,7 +85,8 @@ def dense_draft(model_dir, hf, tokens: list[int]) -> tuple[int, torch.Tensor]:
         e = _rms(hf.model.embed_tokens.weight[ids[0, 1:]], w["mtp.pre_fc_norm_embedding.weight"], eps)
         x = torch.cat([e, _rms(h[:-1], w["mtp.pre_fc_norm_hidden.weight"], eps)], -1) @ w["mtp.fc.weight"].T
         layer = type(hf.model.layers[0])(hf.config, layer_idx=0).eval()
-        layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in w.items() if k.startswith("mtp.layers.0.")})
+        layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in w.items()
+                               if k.startswith("mtp.layers.0.")})
         n = x.shape[0]
         pos = torch.arange(n)[None]
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]

@@ -143,7 +143,8 @@ def test_int8_panel_gemm_matches_the_dequantized_weight(rows, out_features, in_f
     assert packed.weight.dtype == torch.int8 and packed.weight.shape == (panels, in_features, PANEL)
     assert packed.scale.shape == (panels * PANEL,)
     q, scale = quantize_int8(weight)
-    assert q.abs().max() <= 127 and torch.allclose(q.float() * scale[:, None], weight, atol=scale.max().item() / 2 + 1e-7)
+    assert q.abs().max() <= 127 and torch.allclose(q.float() * scale[:, None], weight,
+                                                   atol=scale.max().item() / 2 + 1e-7)
     for x, b, out in strided_outputs(rows, weight, packed, bias, g):
         if not rows:
             continue
@@ -309,10 +310,11 @@ def test_prefill_attention_matches_float64(n, prefix):
     q = torch.randn(n, heads * d + 5, generator=g)[:, :heads * d]
     k, v = (torch.randn(prefix + n, heads // group, d, generator=g) for _ in range(2))
     out = torch.empty(n, heads * d)
-    assert fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), d, n, prefix, heads, group, d,
-              d ** -0.5, out.data_ptr(), out.stride(0)) == 0
+    assert fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), d, n,
+              prefix, heads, group, d, d ** -0.5, out.data_ptr(), out.stride(0)) == 0
     kk, vv = (t.double().repeat_interleave(group, 1) for t in (k, v))
     scores = torch.einsum("nhd,shd->hns", q.double().view(n, heads, d), kk) * d ** -0.5
     allowed = torch.arange(prefix + n)[None, :] <= (prefix + torch.arange(n))[:, None]
-    ref = torch.einsum("hns,shd->nhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vv).reshape(n, -1)
+    ref = torch.einsum("hns,shd->nhd",
+                       scores.masked_fill(~allowed, float("-inf")).softmax(-1), vv).reshape(n, -1)
     assert (out.double() - ref).abs().max().item() < 1e-5

@@ -76,8 +76,9 @@ def test_stops_sampling_and_penalties_identical(tiny_model_dir):
     stop_tok = ref.run()["probe"][4]
 
     def submit(eng):
-        eng.submit("stop", p, sampling=SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=[stop_tok],
-                                                      ignore_eos=True))
+        eng.submit("stop", p,
+                   sampling=SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=[stop_tok],
+                                           ignore_eos=True))
         eng.submit("seeded", p, sampling=SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.9,
                                                         seed=7, ignore_eos=True))
         eng.submit("penalty", p, sampling=SamplingParams(max_new_tokens=20, temperature=0.8, seed=3,

@@ -133,7 +133,8 @@ def test_full_queue_turns_away_the_lowest_priority(tiny_model_dir):
     (dict(enable_priority_preemption=True), "--enable-priority-preemption"),
     (dict(schedule_policy="priority", priority_scheduling_preemption_threshold=3),
      "--priority-scheduling-preemption-threshold"),
-    (dict(schedule_policy="priority", enable_priority_preemption=True, priority_scheduling_preemption_threshold=-1),
+    (dict(schedule_policy="priority", enable_priority_preemption=True,
+          priority_scheduling_preemption_threshold=-1),
      "--priority-scheduling-preemption-threshold"),
 ])
 def test_priority_flags_are_checked(kw, flag):

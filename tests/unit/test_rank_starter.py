@@ -46,7 +46,8 @@ def test_a_rank_that_cannot_start_is_a_launch_error_naming_the_cause():
     args = SimpleNamespace(dp_size=1, tp=2, pp_size=1)
     starter = launch.RankStarter(args, "/nonexistent", [SimpleNamespace()], None, _Ctx())
     starter.start()
-    with pytest.raises(launch.LaunchError, match="cannot start the scheduler ranks: OSError: Resource temporarily"):
+    with pytest.raises(launch.LaunchError,
+                       match="cannot start the scheduler ranks: OSError: Resource temporarily"):
         starter.finish()
     assert starter.names == ["scheduler rank 0"] and len(starter.procs) == 1  # the one to stop
     starter.finish()  # reported once

@@ -87,8 +87,9 @@ def test_an_exception_in_a_role_hook_fails_that_request_only(tiny, hook, caplog)
 
 
 # -------------------------------------------------------------------------------------------- PD roles
-@pytest.mark.parametrize("room,ok", [(0, True), ((1 << 63) - 1, True), (1 << 63, False), ((1 << 64) - 1, False),
-                                     (-1, False)])
+@pytest.mark.parametrize("room,ok",
+                         [(0, True), ((1 << 63) - 1, True), (1 << 63, False), ((1 << 64) - 1, False),
+                          (-1, False)])
 def test_rooms_outside_int64_are_refused(room, ok):
     err = Role().validate(req("x", room))
     assert (err is None) == ok, err
@@ -104,9 +105,10 @@ def test_ports_outside_1_65535_are_refused():
         assert (err is None) == ok and (ok or "bootstrap_port must be 1..65535" in err[1]), err
 
 
-@pytest.mark.parametrize("addr,ok", [("127.0.0.1:8998", True), ("node-3.cluster.local:1", True), ("[::1]:80", True),
-                                     ("a b:8998", False), ("h:0", False), ("h:70000", False), ("h", False),
-                                     ("http://h:80", False), (":80", False)])
+@pytest.mark.parametrize("addr,ok",
+                         [("127.0.0.1:8998", True), ("node-3.cluster.local:1", True), ("[::1]:80", True),
+                          ("a b:8998", False), ("h:0", False), ("h:70000", False), ("h", False),
+                          ("http://h:80", False), (":80", False)])
 def test_bootstrap_addresses(addr, ok):
     assert (check_bootstrap_addr(addr) is None) == ok
 
@@ -137,7 +139,8 @@ def test_the_quarantine_hands_back_only_drained_rooms():
             return self.state
 
     q = Quarantine()
-    rooms = [QuarantinedRoom(f"r{i}", i, Drain(i, KVPoll.Transferring), [i * 10, i * 10 + 1], i, i) for i in range(3)]
+    rooms = [QuarantinedRoom(f"r{i}", i, Drain(i, KVPoll.Transferring), [i * 10, i * 10 + 1], i, i)
+             for i in range(3)]
     for r in rooms:
         q.add(r)
     assert q.num_pages() == 6 and q.holds_room(1) and len(q) == 3

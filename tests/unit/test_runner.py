@@ -37,7 +37,8 @@ def test_runner_pools_and_greedy_step(tiny_model_dir):
                       req_to_token=r.req_to_token_pool.req_to_token)
     logits = r.forward(fb)
     assert logits.shape == (1, cfg.vocab_size) and logits.dtype == torch.float32
-    info = SamplingBatchInfo.build([SamplingParams(temperature=0)], [[]], cfg.vocab_size, [None], cfg.eos_token_ids)
+    info = SamplingBatchInfo.build([SamplingParams(temperature=0)], [[]], cfg.vocab_size,
+                                   [None], cfg.eos_token_ids)
     out = r.sample(logits, info, [2])
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():

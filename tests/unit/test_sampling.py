@@ -264,8 +264,8 @@ def test_logprobs_are_log_softmax_of_raw_logits_at_chosen_ids():
     logits = torch.randn(6, 400) * 3
     params = [SamplingParams(temperature=0.7, repetition_penalty=1.3, top_k=20),
               SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.8),
-              SamplingParams(temperature=2.0, frequency_penalty=1.0), SamplingParams(temperature=0.0, top_k=1),
-              SamplingParams(temperature=1.0, min_p=0.2)]
+              SamplingParams(temperature=2.0, frequency_penalty=1.0),
+              SamplingParams(temperature=0.0, top_k=1), SamplingParams(temperature=1.0, min_p=0.2)]
     info = info_for(params, 400, outputs=[[1, 2, 3]] * 6)
     out = Sampler(seed=0)(logits, info, top_logprobs_nums=[0] * 6)
     ref = torch.log_softmax(logits, -1)

@@ -1,5 +1,5 @@
-"""The scheduler's contract (the shape of vLLM's scheduler interface), driven through it alone, in process on a tiny model:
-`schedule()` → `runner.run()` → `update_from_output()`, `add_request`, `finish_requests`,
+"""The scheduler's contract (the shape of vLLM's scheduler interface), driven through it alone, in process on
+a tiny model: `schedule()` → `runner.run()` → `update_from_output()`, `add_request`, `finish_requests`,
 `get_request_counts`, `has_unfinished_requests`, and the hooks a node role plugs in through.
 
 Promises checked: finishing is idempotent (twice, or an unknown id, is a no-op); every request's end
@@ -38,8 +38,8 @@ class Driver:
 
     def free_counts(self) -> tuple[int, int, int]:
         s = self.sched
-        return (s.allocator.available_size() + s.tree_cache.evictable_size(), s.req_to_token_pool.available_size(),
-                s.tree_cache.protected_size())
+        return (s.allocator.available_size() + s.tree_cache.evictable_size(),
+                s.req_to_token_pool.available_size(), s.tree_cache.protected_size())
 
     def msg(self, rid: str, n: int, max_new: int = 8, seed: int = 0, **kw) -> TokenizedRequest:
         g = torch.Generator().manual_seed(seed)

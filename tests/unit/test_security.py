@@ -38,9 +38,10 @@ from common.server.security import (
 )
 
 
-# ---------------------------------------------------------------------------------------------- bootstrap rule
+# --------------------------------------------------------------------------------------------- bootstrap rule
 @pytest.mark.parametrize("host,expect", [
-    ("localhost", "localhost"), ("127.0.0.1", "127.0.0.1"), ("node-1.pd.svc.cluster.local", "node-1.pd.svc.cluster.local"),
+    ("localhost", "localhost"), ("127.0.0.1", "127.0.0.1"),
+    ("node-1.pd.svc.cluster.local", "node-1.pd.svc.cluster.local"),
     ("::1", "[::1]"), ("[::1]", "[::1]"), ("[2001:db8::0:1]", "[2001:db8::1]"), ("a" * 63, "a" * 63),
 ])
 def test_valid_hosts_normalized(host, expect):
@@ -65,7 +66,8 @@ def test_per_item_hosts_name_the_index():
 
 @pytest.mark.parametrize("type_", [GenerateRequest, CompletionRequest, ChatCompletionRequest])
 @pytest.mark.parametrize("field,value", [
-    ("bootstrap_room", 2**64 - 1), ("bootstrap_room", -5), ("bootstrap_room", 2**63), ("bootstrap_port", 70000),
+    ("bootstrap_room", 2**64 - 1), ("bootstrap_room", -5), ("bootstrap_room", 2**63),
+    ("bootstrap_port", 70000),
     ("bootstrap_port", 0), ("bootstrap_port", -1), ("bootstrap_port", True), ("bootstrap_host", "x" * 300),
 ])
 def test_ranges_checked_at_decode(type_, field, value):
@@ -77,7 +79,8 @@ def test_ranges_checked_at_decode(type_, field, value):
 
 
 def test_per_item_ranges_name_the_index():
-    body = {"text": ["a", "b"], "bootstrap_room": [1, 2**64 - 1], "bootstrap_port": [1, 1], "bootstrap_host": ["a", "a"]}
+    body = {"text": ["a", "b"], "bootstrap_room": [1, 2**64 - 1], "bootstrap_port": [1, 1],
+            "bootstrap_host": ["a", "a"]}
     with pytest.raises(BadRequest, match=r"`\$\.bootstrap_room\[1\]`"):
         decode_json(json.dumps(body).encode(), GenerateRequest)
     ok = decode_json(json.dumps({**body, "bootstrap_room": [0, 2**63 - 1]}).encode(), GenerateRequest)
@@ -182,10 +185,12 @@ def test_access_matrix():
     assert _status(ADMIN, None, "127.0.0.1", none) == 200 and _status(ADMIN, None, remote, none) == 403
     # no admin key but a client key: admin from loopback with the client key only
     client_only = Keys(client=C)
-    assert _status(ADMIN, C, "127.0.0.1", client_only) == 200 and _status(ADMIN, None, "127.0.0.1", client_only) == 401
+    assert _status(ADMIN, C, "127.0.0.1", client_only) == 200 \
+        and _status(ADMIN, None, "127.0.0.1", client_only) == 401
     assert _status(ADMIN, C, remote, client_only) == 403
     # only a node key: the node's public routes need it too (clients go through the router)
-    assert _status(PUBLIC, None, remote, Keys(node=N)) == 401 and _status(ADMIN, N, remote, Keys(node=N)) == 200
+    assert _status(PUBLIC, None, remote, Keys(node=N)) == 401 \
+        and _status(ADMIN, N, remote, Keys(node=N)) == 200
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -210,7 +215,8 @@ def _router_app(**cfg):
 async def _through_middleware(ra, method, path, remote, headers=None):
     app = ra.build()
     transport = mock.Mock()
-    transport.get_extra_info.side_effect = lambda name, default=None: (remote, 4242) if name == "peername" else default
+    transport.get_extra_info.side_effect = lambda name, default=None: (remote, 4242) \
+        if name == "peername" else default
     req = make_mocked_request(method, path, headers=headers or {}, app=app, transport=transport)
     match = await app.router.resolve(req)
     req._match_info = match
@@ -234,10 +240,13 @@ def test_router_admin_routes_loopback_only_without_admin_key():
             assert (await _through_middleware(ra, method, path, "127.0.0.1")).status == 200
         assert (await _through_middleware(ra, "GET", "/v1/models", "10.9.8.7")).status == 200
         ra = _router_app(keys=Keys(client=C, admin=A))
-        assert (await _through_middleware(ra, "GET", "/workers", "127.0.0.1", {"Authorization": "Bearer client-k"})).status == 401
-        assert (await _through_middleware(ra, "GET", "/workers", "10.9.8.7", {"Authorization": "Bearer admin-k"})).status == 200
+        assert (await _through_middleware(ra, "GET", "/workers", "127.0.0.1",
+                                          {"Authorization": "Bearer client-k"})).status == 401
+        assert (await _through_middleware(ra, "GET", "/workers", "10.9.8.7",
+                                          {"Authorization": "Bearer admin-k"})).status == 200
         assert (await _through_middleware(ra, "GET", "/health", "10.9.8.7")).status == 200
-        assert RouterConfig(api_key="x").resolved_keys.client == b"x" and "x'" not in repr(RouterConfig(api_key="x"))
+        assert RouterConfig(api_key="x").resolved_keys.client == b"x" \
+            and "x'" not in repr(RouterConfig(api_key="x"))
 
     asyncio.run(run())
 
@@ -246,7 +255,8 @@ def test_router_openapi_describes_every_route():
     from common.server.openapi import openapi_document
 
     doc = json.loads(msgspec.json.encode(openapi_document("t", "0", _router_app().routes)))
-    assert {"/generate", "/v1/chat/completions", "/workers", "/workers/{id}", "/openapi.json"} <= set(doc["paths"])
+    assert {"/generate", "/v1/chat/completions", "/workers", "/workers/{id}", "/openapi.json"} \
+        <= set(doc["paths"])
     room = doc["components"]["schemas"]["GenerateRequest"]["properties"]["bootstrap_room"]["anyOf"][0]
     assert room["maximum"] == 2**63 - 1 and room["minimum"] == 0
     assert doc["paths"]["/workers"]["post"]["security"] == [{"bearer": []}]

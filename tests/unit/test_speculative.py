@@ -18,7 +18,8 @@ from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single
 from tests.unit.test_engine_correctness import Engine, hf_greedy, prompts_of
 
 # the shortest window drafts most often: more drafts, more rejections to get right
-SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5, speculative_ngram_min_match_window_size=1)
+SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5,
+            speculative_ngram_min_match_window_size=1)
 
 
 def _bytes(tokens: list[int]) -> bytes:
@@ -179,7 +180,8 @@ def test_sampled_tokens_keep_their_distribution(tiny_model_dir, vocab):
     def counts(spec):
         sp = lambda i: SamplingParams(max_new_tokens=4, temperature=1.0, top_k=3, seed=1000 + i + 7919 * spec,  # noqa: E731
                                       logit_bias=bias, ignore_eos=True)
-        eng, got, _ = _run(tiny_model_dir, [prompt] * n, spec, sp, max_running_requests=n, max_total_tokens=65536)
+        eng, got, _ = _run(tiny_model_dir, [prompt] * n, spec, sp,
+                           max_running_requests=n, max_total_tokens=65536)
         if spec:
             assert eng.sched.drafter.stats.drafted >= n  # every request drafts at its first step
         return [[toks[j] for toks in got.values()] for j in (1, 2, 3)]

@@ -2,7 +2,8 @@
 reference and against the torch backend: extend without and with a cached prefix (chunked prefill),
 decode, verify, GQA groups 1/3/4/7, a sliding window, float32 / bfloat16 / float16, a KV cache dtype
 other than q's, page sizes 1, 4 and 16, head sizes 16, 80 and 256, strided inputs, the CUDA tile
-sizes, and the CUDA-graph metadata path. That they compile for sm_90: tests/fresh_process/test_triton_compile.py.
+sizes, and the CUDA-graph metadata path. That they compile for sm_90:
+tests/fresh_process/test_triton_compile.py.
 
 Shapes are tiny (the interpreter runs every program in Python) but cross the kernels' 16-wide query
 and key blocks and their split boundaries."""
@@ -207,7 +208,8 @@ def test_cuda_graph_metadata_matches_plain_path():
         assert captured.out_cache_loc.tolist() == fb.out_cache_loc.tolist() + [0, 0]
         pad = torch.zeros(2, heads * d)
         graph = [backend.forward(torch.cat([q, pad]), torch.cat([k, pad[:, :kv_heads * d]]),
-                                 torch.cat([v, pad[:, :kv_heads * d]]), layer, capture_fb) for layer in range(LAYERS)]
+                                 torch.cat([v, pad[:, :kv_heads * d]]), layer, capture_fb)
+                 for layer in range(LAYERS)]
         for a, b in zip(plain, graph, strict=True):
             assert torch.equal(a, b[:2])
         # the padded rows wrote slot 0 of the padding page 0; every other page is as the plain path left it

@@ -30,7 +30,8 @@ def _matmul_both(weight: torch.Tensor, rows: int, bias: bool) -> tuple[torch.Ten
     ys = [torch.full((rows, out + 5), 7.0) for _ in range(2)]
     args = (x.data_ptr(), x.stride(0))
     tail = (None if b is None else b.data_ptr(),)
-    assert native.packed_gemm()(*args, packed.weight.data_ptr(), *tail, ys[0].data_ptr(), out + 5, rows, out, inp) == 0
+    assert native.packed_gemm()(*args, packed.weight.data_ptr(), *tail, ys[0].data_ptr(),
+                                out + 5, rows, out, inp) == 0
     assert native.packed_gemm_blocks()(*args, packed.blocks.packed.data_ptr(), packed.blocks.bits, *tail,
                                        ys[1].data_ptr(), out + 5, rows, out, inp) == 0
     return ys[0], ys[1]
@@ -86,7 +87,8 @@ def reference_blocks(weight: torch.Tensor, bits: int) -> torch.Tensor:
 
     qk = q.view(panels, 16, nb, 32).permute(0, 2, 3, 1)  # [panels, nb, k, column]
     if bits == 4:
-        parts = [per_block(d), per_block(m), (qk[..., :8] | (qk[..., 8:] << 4)).to(torch.uint8).reshape(panels, nb, 256)]
+        parts = [per_block(d), per_block(m),
+                 (qk[..., :8] | (qk[..., 8:] << 4)).to(torch.uint8).reshape(panels, nb, 256)]
     else:
         parts = [per_block(d), qk.to(torch.int8).reshape(panels, nb, 512).view(torch.uint8)]
     return torch.cat(parts, dim=2).reshape(-1)
@@ -98,7 +100,8 @@ def test_the_one_pass_packing_gives_the_reference_bytes(bits):
     and rows that do not fill the last panel."""
     torch.manual_seed(bits)
     for weight in (gguf_round_trip(torch.randn(40, 96) * 0.05, bits), torch.randn(33, 64),
-                   torch.zeros(16, 32), torch.full((5, 64), -0.25), gguf_round_trip(torch.randn(960, 576), bits)):
+                   torch.zeros(16, 32), torch.full((5, 64), -0.25),
+                   gguf_round_trip(torch.randn(960, 576), bits)):
         out, inp = weight.shape
         want = reference_blocks(weight, bits)
         got = torch.full_like(want, 0xAB)
@@ -119,7 +122,8 @@ def test_find_blocks_takes_only_exact_blocks(monkeypatch):
     assert blocks_of(q4).bits == 4 and blocks_of(q8).bits == 8
     assert blocks_of(torch.randn(40, 64)) is None  # plain float32
     nudged = q4.clone()
-    nudged[33, 7] = torch.nextafter(nudged[33, 7], torch.tensor(1.0))  # one weight off by one ulp, past the sample
+    # one weight off by one ulp, past the sample
+    nudged[33, 7] = torch.nextafter(nudged[33, 7], torch.tensor(1.0))
     assert blocks_of(nudged) is None
     signed_zero = q8.clone()
     signed_zero[39, 63] = -0.0  # -0.0 and +0.0 give different bits in some sums: not taken
@@ -147,7 +151,8 @@ def test_gguf_weights_match_hf_and_the_float32_panels(make_tiny_model, monkeypat
     assert {p.blocks.bits for p in packed} == {4, 8}
     monkeypatch.setenv("PDSERVE_WEIGHT_BLOCKS", "0")
     plain, _ = load_model(model_dir)
-    assert all(m.packed.blocks is None for m in plain.modules() if isinstance(getattr(m, "packed", None), Panels))
+    assert all(m.packed.blocks is None for m in plain.modules()
+               if isinstance(getattr(m, "packed", None), Panels))
 
     ids = prompt(40, vocab=cfg.vocab_size)
     for batch in (1, 2, 5, 6):
