@@ -37,8 +37,9 @@ Outcomes per request: completed, error (an HTTP error or an SSE error event; its
 and an error whose message names no cause is counted apart), rejected (429), disconnected (the
 client left), aborted (ended after an explicit abort), hung. `fault_to_error` is the time from a
 kill to the error of each request that was open at that moment and failed;
-`fault_errors_before_first_token` counts those of them that had received no token (the router runs
-such a request again on another pair, so it should be 0). `kv_transfer_error_rate` (and its `_stream`
+`fault_errors_before_first_token` counts those of them that had received no token, but for those whose
+last attempt met an injected transfer failure (the router runs such a request again on another pair, so
+it should be 0). `kv_transfer_error_rate` (and its `_stream`
 / `_full` parts) is the share of requests whose client saw "KV transfer failed": the injected failures
 the router could not hide.
 

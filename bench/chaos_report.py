@@ -134,12 +134,14 @@ def report(ns, run: Run, warm_outcomes: list[Outcome], hung: list[Outcome], node
         for o in errors:
             if o.started <= ft <= (o.ended or ft):
                 fault_to_error.append(o.ended - ft)
-    # requests open at a kill that failed before any token reached their client (a non-streaming one
-    # receives nothing before its answer): the router should have run them again on another pair
-    untouched_at_fault = {o.idx for ft, _ in run.faults for o in errors
-                          if o.started <= ft <= (o.ended or ft)
-                          and (not o.stream or o.events_before_error == 0)}
     kv_errors = [o for o in errors if "KV transfer failed" in o.message]
+    # requests open at a kill that failed before any token reached their client (a non-streaming one
+    # receives nothing before its answer): the router should have run them again on another pair. One
+    # whose last attempt ended in an injected transfer failure is the injection's (kv_transfer_errors),
+    # not the kill's: every attempt it had left met one
+    untouched_at_fault = {o.idx for ft, _ in run.faults for o in errors
+                          if o.started <= ft <= (o.ended or ft) and "KV transfer failed" not in o.message
+                          and (not o.stream or o.events_before_error == 0)}
     n_stream = sum(1 for o in outs if o.stream)
     error_latency = [o.ended - o.started for o in errors]
     causes = Counter(normalize(o.message) for o in errors)
