@@ -94,6 +94,8 @@ class DecoderStack:
                 or model.attn_backend.native is None):
             return None
         for layer in layers:
+            if not hasattr(layer.mlp, "gate_up_proj"):  # a mixture-of-experts block
+                return None
             projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj)
             if any(not isinstance(p.packed, Panels) for p in projections):

@@ -32,6 +32,7 @@ from common.layers.linear import (
     RowParallelLinear,
     linear,
 )
+from common.layers.moe import expert_target
 from common.layers.norm import RMSNorm, default_weight_loader
 from common.layers.rotary import RotaryEmbedding
 from common.models.attention import attention_backend_for
@@ -60,6 +61,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+def dense_mlp(cfg: ModelConfig, layer_id: int, tp_rank: int, tp_size: int, tp_group,
+              dtype: torch.dtype) -> nn.Module:
+    return LlamaMLP(cfg, tp_rank, tp_size, tp_group, dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -105,10 +111,11 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, backend: AttentionBackend, tp_rank: int,
-                 tp_size: int, tp_group, dtype: torch.dtype) -> None:
+                 tp_size: int, tp_group, dtype: torch.dtype, make_mlp=None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, backend, tp_rank, tp_size, tp_group, dtype)
-        self.mlp = LlamaMLP(cfg, tp_rank, tp_size, tp_group, dtype)
+        # a mixture-of-experts model builds its sparse block here (common/models/moe_llama.py)
+        self.mlp = (make_mlp or dense_mlp)(cfg, layer_id, tp_rank, tp_size, tp_group, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -126,7 +133,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp_rank: int, tp_size: int,
-                 tp_group, dtype: torch.dtype, layers: tuple[int, int] | None = None) -> None:
+                 tp_group, dtype: torch.dtype, layers: tuple[int, int] | None = None, make_mlp=None) -> None:
         super().__init__()
         start, end = layers or (0, cfg.num_layers)
         # no random init: every weight comes from the checkpoint (the loader refuses a missing one)
@@ -135,8 +142,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_tokens.weight.weight_loader = default_weight_loader
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, backend, tp_rank, tp_size, tp_group, dtype) if start <= i < end
-            else MissingLayer() for i in range(cfg.num_layers))
+            LlamaDecoderLayer(cfg, i, backend, tp_rank, tp_size, tp_group, dtype, make_mlp)
+            if start <= i < end else MissingLayer() for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -145,6 +152,7 @@ _UNSET = object()
 
 class LlamaForCausalLM(nn.Module):
     decoder_stack = _UNSET  # common/models/decoder_stack.py: decode steps in one native call
+    make_mlp = staticmethod(dense_mlp)  # each layer's MLP (a sparse block in a mixture-of-experts model)
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
     stacked_params = (
         (".q_proj.", ".qkv_proj.", "q"),
@@ -168,15 +176,15 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta,
                                       config.rope_type, config.rope_scaling, dtype)
         self.model = LlamaModel(config, self.attn_backend, tp_rank, tp_size, tp_group,
-                                dtype, self.layer_range)
+                                dtype, self.layer_range, self.make_mlp)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, dtype=dtype)
         # the checkpoint's draft layers (`mtp.*`, common/models/mtp.py) for EAGLE / MTP speculation
         self.mtp = MtpHead(config, LlamaDecoderLayer(config, config.num_layers, self.attn_backend, tp_rank,
-                                                     tp_size, tp_group,
-                                                     dtype), dtype) if draft_layers else None
+                                                     tp_size, tp_group, dtype, self.make_mlp),
+                           dtype) if draft_layers else None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -255,10 +263,14 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         if name == "lm_head.weight" and model.lm_head is None:
             continue  # tied to the embedding
         target, shard = name, None
-        for ckpt_frag, our_frag, shard_id in model.stacked_params:
-            if ckpt_frag in name:
-                target, shard = name.replace(ckpt_frag, our_frag), shard_id
-                break
+        expert = expert_target(name)  # one expert's tensor, or the stacked experts (common/layers/moe.py)
+        if expert is not None:
+            target, shard = expert
+        else:
+            for ckpt_frag, our_frag, shard_id in model.stacked_params:
+                if ckpt_frag in name:
+                    target, shard = name.replace(ckpt_frag, our_frag), shard_id
+                    break
         param = params.get(target)
         if param is None:
             logger.debug("checkpoint tensor %s has no place in the model; skipped", name)
@@ -276,7 +288,8 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         else:
             parts_seen.setdefault(target, set()).add(shard)
     for target, seen in parts_seen.items():
-        if len(seen) >= parts_needed[target.split(".")[-2]]:
+        needed = getattr(params[target], "parts_total", None) or parts_needed[target.split(".")[-2]]
+        if len(seen) >= needed:
             loaded.add(target)
     return loaded
 

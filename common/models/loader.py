@@ -29,6 +29,7 @@ from common.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from common.models.moe_llama import MixtralForCausalLM, Qwen3MoeForCausalLM
 from common.models.mtp import draft_layer_count
 from common.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 from common.models.sliding_window import SLIDING_WINDOW_ARCHITECTURES
@@ -40,6 +41,8 @@ ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
 }

@@ -40,7 +40,13 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
+# mixture-of-experts models: 4 experts of 32 features (Mixtral's: of `intermediate_size`), 2 per token
+MOE_BASE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              norm_topk_prob=True),
+            "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)}
 
 
 def build_tiny_model(out_dir: str, arch: str, tokenizer_dir: str, overrides: dict | None = None) -> None:
@@ -54,6 +60,7 @@ def build_tiny_model(out_dir: str, arch: str, tokenizer_dir: str, overrides: dic
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     kw = dict(TINY_BASE, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
               pad_token_id=tok.pad_token_id)
+    kw.update(MOE_BASE.get(arch, {}))
     kw.update(overrides or {})
     gguf_blocks = kw.pop("gguf_blocks", False)
     config = getattr(transformers, config_name)(**kw)

@@ -30,6 +30,12 @@ ARCH_CASES = {
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     }),
     "llama-mha-bias": ("llama", {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True}),
+    # mixture of experts (common/layers/moe.py): a dense first layer, renormalised top-2 of 4 experts
+    "qwen3_moe": ("qwen3_moe", {"mlp_only_layers": [0]}),
+    # every other layer sparse, top-3 weights left as the softmax gave them
+    "qwen3_moe-step2-unnormed": ("qwen3_moe", {"decoder_sparse_step": 2, "norm_topk_prob": False,
+                                               "num_experts_per_tok": 3}),
+    "mixtral": ("mixtral", {}),
 }
 
 
