@@ -1,0 +1,49 @@
+"""A mixture-of-experts model (tiny random-weight Qwen3-MoE: a dense first layer, then top-2 of 4 experts)
+disaggregated on 127.0.0.1: greedy tokens equal transformers' `generate` for prompts of several chunks,
+from a prefill node whose two TP ranks each hold half of every expert to a decode node of one rank
+(nixl), and from one prefill rank to a decode node of two (mooncake). Both nodes end at their starting
+free pages, request rows and metadata slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness.backends import backend_params
+from tests.harness.pd import assert_restored, greedy, make_prompts
+
+LAYOUTS = {"nixl": (2, 1), "mooncake": (1, 2)}  # backend -> (prefill tp, decode tp)
+
+
+@pytest.fixture(scope="module")
+def moe_model(make_tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model("qwen3_moe", mlp_only_layers=[0])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # exactly max_new_tokens, like ignore_eos
+    return path, hf
+
+
+@pytest.fixture(scope="module", params=backend_params(*LAYOUTS))
+def moe_pair(request, moe_model, module_launcher):
+    prefill_tp, decode_tp = LAYOUTS[request.param]
+    settings = {"chunked_prefill_size": 16}
+    pair = module_launcher.pair(moe_model[0], request.param, prefill_tp=prefill_tp, decode_tp=decode_tp,
+                                prefill_settings=settings, decode_settings=settings)
+    yield pair
+    pair.stop()
+
+
+def test_moe_greedy_through_pd(moe_pair, moe_model, pd_tok):
+    pair, hf = moe_pair, moe_model[1]
+    start = pair.start_counts()
+    for p in make_prompts(pd_tok, 3, seed=11, lo=5, hi=50):
+        (s1, pb), (s2, db) = pair.generate({"input_ids": p, "sampling_params": greedy(8)})
+        assert s1 == 200 and s2 == 200, (pb, db)
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                               attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+        assert pb["output_ids"] == want[:1]
+        assert db["output_ids"] == want, f"prompt of {len(p)} tokens"
+    assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
