@@ -19,9 +19,6 @@ token.
 Tensor parallelism splits every expert's intermediate features over the ranks (w13 by output rows, w2
 by input columns, as the dense MLP); the partial outputs are summed with the TP all-reduce, once per
 block, after the experts.
-
-Every block counts how many (token, choice) pairs each expert received (`load`, since start), the
-figures expert-load balancing needs.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from torch import nn
 
 from common.distributed import tensor_model_parallel_all_reduce
 from common.layers.activation import silu_and_mul
-from common.layers.linear import ReplicatedLinear
+from common.layers.linear import ReplicatedLinear, _copy_checked
 
 
 @dataclass(frozen=True)
@@ -122,26 +119,19 @@ class GroupedExperts(nn.Module):
                 loaded = torch.cat([gate[:, r * i:(r + 1) * i], up[:, r * i:(r + 1) * i]], dim=1)
             else:
                 loaded = loaded[:, :, r * i:(r + 1) * i]
-            _copy(param.data, loaded)
+            _copy_checked(param, loaded, "experts")
             return
         expert, part = shard
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is outside the model's {self.num_experts}")
         if part == "down":
-            _copy(param.data[expert], loaded[:, r * i:(r + 1) * i])
+            _copy_checked(param.data[expert], loaded[:, r * i:(r + 1) * i], f"expert {expert} down")
         else:
             rows = slice(0, i) if part == "gate" else slice(i, 2 * i)
-            _copy(param.data[expert, rows], loaded[r * i:(r + 1) * i])
+            _copy_checked(param.data[expert, rows], loaded[r * i:(r + 1) * i], f"expert {expert} {part}")
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return grouped_experts(x, self.w13, self.w2, weights, ids)
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"checkpoint tensor slice has shape {tuple(src.shape)}, the model expects "
-                         f"{tuple(dst.shape)}")
-    dst.copy_(src.to(dst.dtype))
 
 
 class SparseMoE(nn.Module):
@@ -154,11 +144,9 @@ class SparseMoE(nn.Module):
         self.gate = ReplicatedLinear(hidden, num_experts, dtype=dtype)
         self.experts = GroupedExperts(num_experts, hidden, inter, tp_rank=tp_rank, tp_size=tp_size,
                                       dtype=dtype)
-        self.register_buffer("load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.rule)
-        self.load += torch.bincount(ids.reshape(-1), minlength=self.load.numel())
         return tensor_model_parallel_all_reduce(self.experts(x, weights, ids), self.tp_group)
 
 

@@ -111,11 +111,11 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, backend: AttentionBackend, tp_rank: int,
-                 tp_size: int, tp_group, dtype: torch.dtype, make_mlp=None) -> None:
+                 tp_size: int, tp_group, dtype: torch.dtype, make_mlp=dense_mlp) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, backend, tp_rank, tp_size, tp_group, dtype)
         # a mixture-of-experts model builds its sparse block here (common/models/moe_llama.py)
-        self.mlp = (make_mlp or dense_mlp)(cfg, layer_id, tp_rank, tp_size, tp_group, dtype)
+        self.mlp = make_mlp(cfg, layer_id, tp_rank, tp_size, tp_group, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -133,7 +133,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp_rank: int, tp_size: int,
-                 tp_group, dtype: torch.dtype, layers: tuple[int, int] | None = None, make_mlp=None) -> None:
+                 tp_group, dtype: torch.dtype, layers: tuple[int, int] | None = None,
+                 make_mlp=dense_mlp) -> None:
         super().__init__()
         start, end = layers or (0, cfg.num_layers)
         # no random init: every weight comes from the checkpoint (the loader refuses a missing one)
