@@ -138,8 +138,10 @@ class SparseMoE(nn.Module):
     """Router + experts of one layer; the output is all-reduced over TP once."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, rule: RoutingRule, *, tp_rank: int = 0,
-                 tp_size: int = 1, tp_group=None, dtype: torch.dtype = torch.float32) -> None:
+                 tp_size: int = 1, tp_group=None, dtype: torch.dtype = torch.float32,
+                 reduce: bool = True) -> None:
         super().__init__()
+        self.reduce = reduce  # False: the caller sums more partial outputs with this one, then reduces once
         self.rule, self.tp_group = rule, tp_group
         self.gate = ReplicatedLinear(hidden, num_experts, dtype=dtype)
         self.experts = GroupedExperts(num_experts, hidden, inter, tp_rank=tp_rank, tp_size=tp_size,
@@ -147,7 +149,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.rule)
-        return tensor_model_parallel_all_reduce(self.experts(x, weights, ids), self.tp_group)
+        out = self.experts(x, weights, ids)
+        return tensor_model_parallel_all_reduce(out, self.tp_group) if self.reduce else out
 
 
 # checkpoint names of one expert's tensors: `...experts.<e>.<gate_proj|up_proj|down_proj|w1|w3|w2>.weight`

@@ -32,6 +32,7 @@ from common.models.llama import (
 from common.models.moe_llama import MixtralForCausalLM, Qwen3MoeForCausalLM
 from common.models.mtp import draft_layer_count
 from common.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from common.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 from common.models.sliding_window import SLIDING_WINDOW_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
 
 __all__ = ["ARCHITECTURES", "ModelConfig", "ModelConfigError", "ModelLoadError", "UnsupportedArchitecture",
@@ -58,7 +61,8 @@ class UnsupportedArchitecture(ModelConfigError):
 
 
 LLAMA_FAMILY = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
-HYBRID = (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration)
+HYBRID = (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
+          Qwen3_5MoeForConditionalGeneration)
 
 
 def get_model_class(architecture: str) -> type[torch.nn.Module]:

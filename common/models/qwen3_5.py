@@ -56,7 +56,7 @@ from common.layers.rotary import RotaryEmbedding
 from common.memory.state_pool import StatePool
 from common.models.attention import attention_backend_for
 from common.models.config import ModelConfig, ModelConfigError
-from common.models.llama import LlamaForCausalLM, LlamaMLP, final_logits, load_checkpoint
+from common.models.llama import LlamaForCausalLM, dense_mlp, final_logits, load_checkpoint
 from common.models.mtp import MtpHead
 from common.models.pipeline import MissingLayer, forward_stage, layer_range
 
@@ -407,7 +407,8 @@ class GatedAttention(nn.Module):
 
 class Qwen3_5DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, layer_type: str, backend: AttentionBackend,
-                 rotary_dim: int, tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype) -> None:
+                 rotary_dim: int, tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype,
+                 make_mlp=dense_mlp) -> None:
         super().__init__()
         self.layer_type = layer_type
         if layer_type == LINEAR:
@@ -415,7 +416,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, layer_id, backend, rotary_dim, tp_rank,
                                             tp_size, tp_group, dtype)
-        self.mlp = LlamaMLP(cfg, tp_rank, tp_size, tp_group, dtype)
+        self.mlp = make_mlp(cfg, layer_id, tp_rank, tp_size, tp_group, dtype)  # sparse: qwen3_5_moe.py
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -436,7 +437,8 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 class Qwen3_5TextModel(nn.Module):
     def __init__(self, cfg: ModelConfig, types: list[str], backend: AttentionBackend, rotary_dim: int,
-                 tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype, layers: tuple[int, int]) -> None:
+                 tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype, layers: tuple[int, int],
+                 make_mlp=dense_mlp) -> None:
         super().__init__()
         # no random init: every weight comes from the checkpoint (the loader refuses a missing one)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
@@ -444,8 +446,9 @@ class Qwen3_5TextModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_tokens.weight.weight_loader = default_weight_loader
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(cfg, i, types[i], backend, rotary_dim, tp_rank, tp_size, tp_group, dtype)
-            if layers[0] <= i < layers[1] else MissingLayer() for i in range(cfg.num_layers))
+            Qwen3_5DecoderLayer(cfg, i, types[i], backend, rotary_dim, tp_rank, tp_size, tp_group, dtype,
+                                make_mlp) if layers[0] <= i < layers[1] else MissingLayer()
+            for i in range(cfg.num_layers))
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -453,6 +456,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     """See the module docstring. Sets `config.kv_layer_ids` to the full-attention layers."""
 
     is_hybrid = True
+    make_mlp = staticmethod(dense_mlp)  # each layer's MLP (a sparse block in Qwen3.5-MoE)
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
     stacked_params = LlamaForCausalLM.stacked_params + (
         (".in_proj_z.", ".in_proj_zba.", 0),
@@ -485,7 +489,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.attn_backend = attn_backend or attention_backend_for(config, "native", tp_size, windows=False)
         self.rotary = RotaryEmbedding(rotary_dim, config.context_length, theta, dtype=dtype)
         self.model = Qwen3_5TextModel(config, self.layer_types, self.attn_backend,
-                                      rotary_dim, tp_rank, tp_size, tp_group, dtype, self.layer_range)
+                                      rotary_dim, tp_rank, tp_size, tp_group, dtype, self.layer_range,
+                                      self.make_mlp)
         self.lm_head = None if config.tie_word_embeddings else ReplicatedLinear(config.hidden_size,
                                                                                 config.vocab_size,
                                                                                 dtype=dtype)
@@ -493,8 +498,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         # the checkpoint's draft layers (`mtp.*`: a gated full-attention layer, id num_layers) for EAGLE / MTP
         self.mtp = None
         if draft_layers:
-            layer = Qwen3_5DecoderLayer(config, config.num_layers, FULL,
-                                        self.attn_backend, rotary_dim, tp_rank, tp_size, tp_group, dtype)
+            layer = Qwen3_5DecoderLayer(config, config.num_layers, FULL, self.attn_backend, rotary_dim,
+                                        tp_rank, tp_size, tp_group, dtype, self.make_mlp)
             self.mtp = MtpHead(config, layer, dtype, norm=OffsetRMSNorm)
             self.skipped_prefixes = tuple(p for p in self.skipped_prefixes if "mtp." not in p)
 
