@@ -42,11 +42,20 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
 # mixture-of-experts models: 4 experts of 32 features (Mixtral's: of `intermediate_size`), 2 per token
 MOE_BASE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                               norm_topk_prob=True),
-            "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)}
+            "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+            # Qwen3.5-MoE: linear-attention (Gated DeltaNet) layers around one full-attention layer, and a
+            # shared expert of 48 features beside the routed ones
+            "qwen3_5_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, linear_conv_kernel_dim=4,
+                                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                                linear_num_value_heads=4,
+                                layer_types=["linear_attention", "linear_attention", "full_attention",
+                                             "linear_attention"])}
 
 
 def build_tiny_model(out_dir: str, arch: str, tokenizer_dir: str, overrides: dict | None = None) -> None:

@@ -44,6 +44,25 @@ def make_qwen3_5(path: str, seed: int = 0, **overrides):
     return model
 
 
+def make_qwen3_5_moe(path: str, seed: int = 0, **overrides):
+    """`make_qwen3_5`'s layout with Qwen3.5-MoE's sparse block on every layer: top-2 of 4 experts of 32
+    features, a shared expert of 48 behind its sigmoid gate; returns the HF model."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+              layer_types=list(QWEN35_LAYER_TYPES), num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=32, shared_expert_intermediate_size=48, max_position_embeddings=1024,
+              tie_word_embeddings=False, eos_token_id=VOCAB - 1, bos_token_id=1)
+    kw.update(overrides)
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**kw)).eval()
+    _perturb_norms(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
 def add_draft_layers(path: str, seed: int = 0) -> None:
     """Give a `make_qwen3_5` checkpoint Qwen3.5's draft layers (`mtp.*`): a gated full-attention layer (the
     model's own, perturbed), a random fc and zero-centred norms, declared by `mtp_num_hidden_layers`.
@@ -184,9 +203,10 @@ def tp_worker(rank: int, world: int, port: int,
         raise
 
 
-def make_qwen3_5_multimodal(path: str, seed: int = 0):
-    """The Qwen3.5 checkpoint layout with a (tiny) vision tower: text weights under model.language_model."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+def make_qwen3_5_multimodal(path: str, seed: int = 0, moe: bool = False):
+    """The Qwen3.5 checkpoint layout with a (tiny) vision tower: text weights under model.language_model;
+    `moe`: Qwen3.5-MoE's (`make_qwen3_5_moe`'s sparse blocks)."""
+    import transformers
 
     torch.manual_seed(seed)
     text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
@@ -194,8 +214,14 @@ def make_qwen3_5_multimodal(path: str, seed: int = 0):
                 num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
                 linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
                 layer_types=list(QWEN35_LAYER_TYPES), max_position_embeddings=1024, initializer_range=0.08)
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48)
+    family = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config_cls = getattr(transformers, f"{family}Config")
+    model_cls = getattr(transformers, f"{family}ForConditionalGeneration")
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
-    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    model = model_cls(config_cls(text_config=text, vision_config=vision)).eval()
     _perturb_norms(model, seed)
     model.save_pretrained(path)
     return model

@@ -1,6 +1,6 @@
-"""Hybrid (Qwen3.5-style: Gated DeltaNet + gated full attention) and sliding-window models against
-Hugging Face transformers on the same tiny random weights, fp32: teacher-forced logits to 1e-4 in
-one extend, in chunks (the recurrent and conv state carry across chunks; windowed keys are gathered
+"""Hybrid (Qwen3.5-style: Gated DeltaNet + gated full attention; dense and Qwen3.5-MoE) and sliding-window
+models against Hugging Face transformers on the same tiny random weights, fp32: teacher-forced logits to
+1e-4 in one extend, in chunks (the recurrent and conv state carry across chunks; windowed keys are gathered
 from the cache), in decode steps and in mixed batches; greedy continuations token-identical to
 `generate`. The pools are back at their start after every test."""
 
@@ -17,6 +17,7 @@ from tests.hybrid.hybrid_harness import (
     load_ours,
     make_mistral_swa,
     make_qwen3_5,
+    make_qwen3_5_moe,
     make_qwen3_swa,
     random_prompt,
 )
@@ -29,6 +30,14 @@ TOL = 1e-4
 def qwen35(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("qwen35"))
     hf = make_qwen3_5(path, initializer_range=0.08)
+    model, cfg = load_ours(path)
+    return hf, model, cfg
+
+
+@pytest.fixture(scope="module")
+def qwen35_moe(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen35_moe"))
+    hf = make_qwen3_5_moe(path, initializer_range=0.08)
     model, cfg = load_ours(path)
     return hf, model, cfg
 
@@ -49,7 +58,7 @@ def qwen3_swa(tmp_path_factory):
     return hf, model, cfg
 
 
-ALL = ["qwen35", "mistral_swa", "qwen3_swa"]
+ALL = ["qwen35", "qwen35_moe", "mistral_swa", "qwen3_swa"]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -82,6 +91,64 @@ def test_multimodal_checkpoint_served_text_only(tmp_path):
     h = HybridHarness(model, cfg)
     row = h.new_req()
     _close(model.forward(h.extend_batch([(row, ids)], all_logits=True)), ref)
+    h.free_req(row)
+
+
+def test_qwen35_moe_layout(qwen35_moe):
+    """Qwen3.5's layers and state, every MLP a sparse block with a shared expert; the multimodal checkpoint's
+    text model is the same."""
+    from common.models.qwen3_5_moe import SharedExpertMoE
+
+    _, model, cfg = qwen35_moe
+    assert type(model).__name__ == "Qwen3_5MoeForCausalLM" and model.is_hybrid
+    assert cfg.kv_layer_ids == [2] and model.state_spec().layer_ids == [0, 1, 3]
+    for layer in model.model.layers:
+        assert isinstance(layer.mlp, SharedExpertMoE) and not layer.mlp.reduce
+        assert tuple(layer.mlp.experts.w13.shape) == (4, 64, 64) and layer.mlp.rule.renormalize
+
+
+def test_moe_multimodal_checkpoint_served_text_only(tmp_path):
+    from tests.hybrid.hybrid_harness import make_qwen3_5_multimodal
+
+    hf = make_qwen3_5_multimodal(str(tmp_path), seed=2, moe=True)
+    model, cfg = load_ours(str(tmp_path))
+    assert cfg.architecture == "Qwen3_5MoeForConditionalGeneration" and cfg.kv_layer_ids == [2]
+    ids = random_prompt(40, 8)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    h = HybridHarness(model, cfg)
+    row = h.new_req()
+    _close(model.forward(h.extend_batch([(row, ids)], all_logits=True)), ref)
+    h.free_req(row)
+
+
+def test_moe_stacked_experts_checkpoint(qwen35_moe, tmp_path):
+    """The experts saved stacked (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`, as
+    transformers holds them) load as the per-expert tensors transformers 5 writes."""
+    import os
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    hf = qwen35_moe[0]
+    hf.save_pretrained(str(tmp_path))
+    file = os.path.join(str(tmp_path), "model.safetensors")
+    per_expert = load_file(file)
+    stacked = {k: v for k, v in per_expert.items() if ".experts." not in k}
+    blocks = sorted({m.group(1) for k in per_expert if (m := re.match(r"(.*\.experts)\.\d+\.", k))})
+    assert len(blocks) == 4
+    for b in blocks:
+        def w(e, part, b=b):
+            return per_expert[f"{b}.{e}.{part}.weight"]
+        stacked[f"{b}.gate_up_proj"] = torch.stack([torch.cat([w(e, "gate_proj"), w(e, "up_proj")])
+                                                    for e in range(4)])
+        stacked[f"{b}.down_proj"] = torch.stack([w(e, "down_proj") for e in range(4)])
+    save_file(stacked, file, metadata={"format": "pt"})
+    model, cfg = load_ours(str(tmp_path))
+    ids = random_prompt(30, 9)
+    h = HybridHarness(model, cfg)
+    row = h.new_req()
+    _close(model.forward(h.extend_batch([(row, ids)], all_logits=True)), hf_logits(hf, ids))
     h.free_req(row)
 
 
@@ -252,14 +319,15 @@ def test_state_pool():
 # tensor parallelism: key/value heads, attention heads and the MLP split over 2 ranks
 
 
-def test_tp2_matches_hf(qwen35, mistral_swa, tmp_path_factory):
+def test_tp2_matches_hf(qwen35, qwen35_moe, mistral_swa, tmp_path_factory):
     import multiprocessing as mp
 
     from tests.harness.client import free_port
     from tests.hybrid.hybrid_harness import tp_worker
 
     jobs, refs = [], []
-    for name, (hf, _, _) in (("qwen35", qwen35), ("mistral_swa", mistral_swa)):
+    # Qwen3.5-MoE: each rank holds half of every expert's and of the shared expert's features
+    for name, (hf, _, _) in (("qwen35", qwen35), ("qwen35_moe", qwen35_moe), ("mistral_swa", mistral_swa)):
         path = str(tmp_path_factory.mktemp(f"{name}_tp"))
         hf.save_pretrained(path)
         seq = random_prompt(60, 21)

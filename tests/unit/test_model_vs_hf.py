@@ -36,6 +36,8 @@ ARCH_CASES = {
     "qwen3_moe-step2-unnormed": ("qwen3_moe", {"decoder_sparse_step": 2, "norm_topk_prob": False,
                                                "num_experts_per_tok": 3}),
     "mixtral": ("mixtral", {}),
+    # Qwen3.5-MoE (hybrid: Gated DeltaNet state per request): top-2 of 4 experts plus the gated shared expert
+    "qwen3_5_moe": ("qwen3_5_moe", {}),
 }
 
 
@@ -53,27 +55,36 @@ def prompt(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
+def harness_for(model, cfg, **kw) -> Harness:
+    """Pools for `model`: a hybrid one (recurrent state) gets a state slot per request as well."""
+    if getattr(model, "is_hybrid", False):
+        from tests.hybrid.hybrid_harness import HybridHarness
+
+        return HybridHarness(model, cfg, **kw)
+    return Harness.for_model(cfg, **kw)
+
+
 def check_model(model_dir: str, page_size: int, n: int = 45, attention_backend: str = "native") -> None:
     model, cfg = load_model(model_dir, attention_backend=attention_backend)
     ids = prompt(n, vocab=cfg.vocab_size)
     ref = hf_logits(model_dir, ids)
 
     # 1) the whole prompt in one extend
-    h = Harness.for_model(cfg, page_size=page_size)
+    h = harness_for(model, cfg, page_size=page_size)
     row = h.new_req()
     out = model(h.extend_batch([(row, ids)], all_logits=True))
     assert out.shape == ref.shape
     assert (out - ref).abs().max().item() < TOL
 
     # default logits rows: the last token of each request
-    h2 = Harness.for_model(cfg, page_size=page_size, scramble_seed=1)
+    h2 = harness_for(model, cfg, page_size=page_size, scramble_seed=1)
     r = h2.new_req()
     last = model(h2.extend_batch([(r, ids[:20])]))
     assert last.shape == (1, cfg.vocab_size)
     assert (last[0] - ref[19]).abs().max().item() < TOL
 
     # 2) chunked: extends on top of the cached prefix (chunk boundaries inside and at pages)
-    h = Harness.for_model(cfg, page_size=page_size, scramble_seed=2)
+    h = harness_for(model, cfg, page_size=page_size, scramble_seed=2)
     row = h.new_req()
     start = 0
     for size in (13, 3, page_size, 9):
@@ -83,7 +94,7 @@ def check_model(model_dir: str, page_size: int, n: int = 45, attention_backend: 
         start += size
 
     # 3) decode steps for one request after a prefill of 30 tokens
-    h = Harness.for_model(cfg, page_size=page_size, scramble_seed=3)
+    h = harness_for(model, cfg, page_size=page_size, scramble_seed=3)
     row = h.new_req()
     model(h.extend_batch([(row, ids[:30])]))
     for p in range(30, n):
@@ -91,7 +102,7 @@ def check_model(model_dir: str, page_size: int, n: int = 45, attention_backend: 
         assert (out[0] - ref[p]).abs().max().item() < TOL, f"decode at {p}"
 
     # 4) a batch: two requests extended together (different prefixes), then decoded together
-    h = Harness.for_model(cfg, page_size=page_size, scramble_seed=4)
+    h = harness_for(model, cfg, page_size=page_size, scramble_seed=4)
     a, b = h.new_req(), h.new_req()
     model(h.extend_batch([(a, ids[:10])]))
     out = model(h.extend_batch([(a, ids[10:25]), (b, ids[:7])], all_logits=True))
