@@ -13,7 +13,13 @@ import torch
 from common.config import ServerArgs
 from common.protocol import SamplingParams, TokenizedRequest
 from common.scheduler.scheduler import Scheduler
-from tests.hybrid.hybrid_harness import add_draft_layers, make_mistral_swa, make_qwen3_5, random_prompt
+from tests.hybrid.hybrid_harness import (
+    add_draft_layers,
+    make_mistral_swa,
+    make_qwen3_5,
+    make_qwen3_5_moe,
+    random_prompt,
+)
 from tests.model_harness import one_torch_thread  # noqa: F401  (autouse: single-threaded module)
 
 
@@ -238,19 +244,92 @@ def test_speculation_rolls_the_recurrent_state_back(qwen35_dir):
     eng.assert_restored()
 
 
-def test_draft_layers_with_recurrent_state(tmp_path, qwen35_dir):
-    """MTP with Qwen3.5's own draft layers (a gated full-attention layer, offset norms): its KV is one more
-    layer of the pool and the recurrent state rolls back as with n-grams. Random draft layers guess
-    wrong, so every verify step rolls back; the tokens equal transformers'. A checkpoint without draft
-    layers is refused."""
+DENSE_AND_MOE = pytest.mark.parametrize("make", [make_qwen3_5, make_qwen3_5_moe], ids=["dense", "moe"])
+
+
+@DENSE_AND_MOE
+def test_draft_layers_with_recurrent_state(tmp_path, qwen35_dir, make):
+    """MTP with Qwen3.5's own draft layers (a gated full-attention layer, offset norms; Qwen3.5-MoE's with its
+    sparse block and shared expert): its KV is one more layer of the pool and the recurrent state rolls back
+    as with n-grams. Random draft layers guess wrong, so every verify step rolls back; the tokens equal
+    transformers'. A checkpoint without draft layers is refused."""
     from common.models.llama import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="carries no draft layers"):
         Engine(qwen35_dir[0], speculative_algorithm="MTP")
     path = str(tmp_path)
-    hf = make_qwen3_5(path, seed=3, initializer_range=0.1)
+    hf = make(path, seed=3, initializer_range=0.1)
     add_draft_layers(path, seed=3)
     eng = Engine(path, speculative_algorithm="MTP", speculative_num_steps=2)
     assert eng.sched.runner.model.mtp is not None
     run_like_hf(eng, hf, [random_prompt(n, 60 + n) for n in (9, 23)], 12)
     assert eng.sched.drafter.stats.verify_steps > 0
+
+
+def _offset_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)
+
+
+def dense_draft(path: str, hf, tokens: list[int]) -> tuple[int, torch.Tensor]:
+    """Qwen3.5's draft layers over the whole sequence at once: transformers' full-attention decoder layer
+    (with its sparse block for Qwen3.5-MoE) holding the `mtp.layers.0` weights, a causal mask, norms that
+    scale by 1 + weight. The draft and hidden state at the last position whose next token is known."""
+    import os
+
+    from safetensors.torch import load_file
+
+    w = load_file(os.path.join(path, "model.safetensors"))
+    own = {k[len("mtp.layers.0."):]: v for k, v in w.items() if k.startswith("mtp.layers.0.")}
+    n_experts = len({k.split(".")[2] for k in own if k.startswith("mlp.experts.")})
+    if n_experts:  # saved one by one; transformers' layer holds them stacked
+        e = [{p: own[f"mlp.experts.{i}.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj")}
+             for i in range(n_experts)]
+        own = {k: v for k, v in own.items() if not k.startswith("mlp.experts.")}
+        own["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]]) for x in e])
+        own["mlp.experts.down_proj"] = torch.stack([x["down_proj"] for x in e])
+    eps = hf.config.rms_norm_eps
+    ids = torch.tensor([tokens])
+    full = hf.config.layer_types.index("full_attention")
+    with torch.no_grad():
+        h = hf.model(ids).last_hidden_state[0]  # after the final norm
+        e = _offset_rms(hf.model.embed_tokens.weight[ids[0, 1:]], w["mtp.pre_fc_norm_embedding.weight"], eps)
+        x = torch.cat([e, _offset_rms(h[:-1], w["mtp.pre_fc_norm_hidden.weight"], eps)], -1)
+        x = x @ w["mtp.fc.weight"].T
+        layer = type(hf.model.layers[full])(hf.config, layer_idx=full).eval()
+        layer.load_state_dict(own)
+        n = x.shape[0]
+        pos = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = layer(x[None], position_embeddings=hf.model.rotary_emb(x[None], pos), attention_mask=mask,
+                    position_ids=pos)
+        g = _offset_rms(out[0, -1], w["mtp.norm.weight"], eps)
+    return int((g @ hf.lm_head.weight.T).argmax()), g
+
+
+@DENSE_AND_MOE
+def test_the_draft_layers_kv_equals_a_dense_run(tmp_path, make, monkeypatch):
+    """After prefill chunks, decode and verify steps (random drafts rejected, the state rolled back), each
+    request's last draft and hidden state equal a dense run of transformers' layer over its tokens: the
+    draft layer (for Qwen3.5-MoE with its experts and shared expert) computes Qwen3.5's MTP head and its KV
+    was written at every position with the right inputs."""
+    from common.scheduler.hooks import SchedulerHooks
+
+    monkeypatch.setattr("common.scheduler.speculative.MAX_DRAFT_SKIP", 0)  # a draft at every step
+    path = str(tmp_path)
+    hf = make(path, seed=4, initializer_range=0.1)
+    add_draft_layers(path, seed=4)
+    eng = Engine(path, speculative_algorithm="MTP", speculative_num_steps=2)
+    ends = {}
+
+    class Recording(SchedulerHooks):
+        def on_finished(self, req) -> bool:
+            ends[req.rid] = (req.draft_token, req.draft_hidden, req.all_token_ids())
+            return False
+
+    eng.sched.hooks = Recording()
+    run_like_hf(eng, hf, [random_prompt(n, 80 + n) for n in (9, 37, 21)], 11)
+    assert len(ends) == 3
+    for rid, (tok, g, tokens) in ends.items():
+        want_tok, want_g = dense_draft(path, hf, tokens)
+        assert torch.allclose(g.float(), want_g, atol=1e-4), rid
+        assert tok == want_tok, rid
