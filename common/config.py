@@ -109,6 +109,18 @@ class ServerArgs:
         "samples and every rank learns the tokens. Colocated and prefill nodes (a prefill node's stages each "
         "send their own layers' KV and recurrent state to the decode ranks); every model family",
         ("--pp-size", "--pp"))
+    ep_size: int = _f(
+        1, "expert parallel size (mixture-of-experts models): the experts split over this many groups of the "
+        "--tp-size ranks (it divides --tp-size; each group's tp-size / ep-size ranks split its experts' "
+        "features), every rank computing its experts' share of the batch, summed by the TP all-reduce. "
+        "Prefill and decode nodes choose it independently", ("--ep-size", "--ep"))
+    enable_eplb: bool = _f(False, "expert-parallel load balancing (with --ep-size > 1): copies of the "
+                           "busiest experts in spare slots, re-placed from the measured loads every "
+                           "--eplb-rebalance-num-iterations forwards")
+    ep_num_redundant_experts: int | None = _f(
+        None, "spare expert slots over all EP ranks for --enable-eplb (a multiple of --ep-size; default one "
+        "per EP rank)")
+    eplb_rebalance_num_iterations: int = _f(1000, "forwards between EPLB rebalances")
     dist_port: int | None = _f(None, "port of the torch.distributed rendezvous (default: a free port)")
     num_threads: int | None = _f(None, "torch threads per rank (default: the cores of its DP group / tp)")
     # device
@@ -430,9 +442,36 @@ class ServerArgs:
                 raise bad("pp-size", "cannot be combined with --enable-overlap-schedule")
             if self.speculative_algorithm:
                 raise bad("pp-size", "cannot be combined with --speculative-algorithm")
+        self._validate_ep(bad)
         if self.dp_size > 1 and self.dist_port:
             raise bad("dist-port",
                       "cannot be combined with --dp-size > 1 (each DP group has its own rendezvous)")
+
+    def _validate_ep(self, bad) -> None:
+        if self.ep_size < 1 or self.tp % self.ep_size:
+            raise bad("ep-size", f"must divide --tp-size {self.tp}, got {self.ep_size}")
+        if not self.enable_eplb:
+            if self.ep_num_redundant_experts is not None:
+                raise bad("ep-num-redundant-experts", "needs --enable-eplb")
+            return
+        if self.ep_size < 2:
+            raise bad("enable-eplb", "needs --ep-size 2 or more (it balances the experts between EP ranks)")
+        spare = self.ep_num_redundant_experts
+        if spare is not None and (spare < self.ep_size or spare % self.ep_size):
+            raise bad("ep-num-redundant-experts", f"must be a positive multiple of --ep-size {self.ep_size}, "
+                      f"got {spare}")
+        if self.eplb_rebalance_num_iterations < 1:
+            raise bad("eplb-rebalance-num-iterations", "must be at least 1")
+
+    @property
+    def eplb(self):
+        """The balancer's settings for the model's sparse blocks (None without --enable-eplb)."""
+        from common.layers.eplb import EplbSettings  # torch: not for the processes that only parse flags
+
+        if not self.enable_eplb:
+            return None
+        spare = self.ep_num_redundant_experts or self.ep_size
+        return EplbSettings(self.eplb_rebalance_num_iterations, spare // self.ep_size)
 
     def _validate_speculative(self, bad) -> None:
         algo = self.speculative_algorithm

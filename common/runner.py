@@ -82,7 +82,9 @@ class ModelRunner:
                                                    pp_size=self.pp_size, draft_layers=args.draft_layers,
                                                    device=self.device,
                                                    attention_backend=placement.attention_backend,
-                                                   load_format=args.load_format)
+                                                   load_format=args.load_format,
+                                                   ep_size=getattr(args, "ep_size", 1),
+                                                   eplb=getattr(args, "eplb", None))
         self.model.eval()
         self.attn_backend = self.model.attn_backend
         cfg = self.model_config

@@ -61,6 +61,7 @@ def _convert(argv: list[str]) -> int:
 BENCHES = {
     "engine": "bench.engine",
     "kernels": "bench.kernels",
+    "moe": "bench.moe",
     "transfer": "bench.transfer",
     "router": "bench.router",
     "serve": "bench.serve",

@@ -91,66 +91,174 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
+class ExpertPlacement:
+    """Where each expert's copies live: `replicas[e]` the (EP rank, slot) pairs holding expert `e`, each EP
+    rank owning `slots` slots. The home copies (expert `e` in slot `e % per_rank` of EP rank
+    `e // per_rank`) never move; the other slots (`--ep-num-redundant-experts / ep_size` a rank) hold the
+    replicas `common/layers/eplb.py` places. A (token, choice) pair of expert `e` goes to replica
+    `token % len(replicas[e])`: every rank computes the same split from the same routing, so each pair is
+    computed once in the group."""
+
+    def __init__(self, num_experts: int, ep_size: int, redundant_per_rank: int = 0) -> None:
+        if num_experts % ep_size:
+            raise ValueError(f"{num_experts} experts do not split over EP size {ep_size}")
+        self.num_experts, self.ep_size = num_experts, ep_size
+        self.per_rank = num_experts // ep_size
+        self.slots = self.per_rank + redundant_per_rank
+        self.set([[(e // self.per_rank, e % self.per_rank)] for e in range(num_experts)])
+
+    def set(self, replicas: list[list[tuple[int, int]]]) -> None:
+        self.replicas = replicas
+        width = max(len(r) for r in replicas)
+        self.count = torch.tensor([len(r) for r in replicas])
+        self.rank = torch.tensor([[r[min(i, len(r) - 1)][0] for i in range(width)] for r in replicas])
+        self.slot = torch.tensor([[r[min(i, len(r) - 1)][1] for i in range(width)] for r in replicas])
+        self._on_device = None
+
+    def home(self, expert: int) -> tuple[int, int]:
+        return expert // self.per_rank, expert % self.per_rank
+
+    def mine(self, ids: torch.Tensor, ep_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pairs of `ids [T, k]` this EP rank computes: (token, choice, slot) index tensors."""
+        count, rank, slot = self._tables(ids.device)
+        tokens = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+        replica = tokens % count[ids]
+        tok, choice = (rank[ids, replica] == ep_rank).nonzero(as_tuple=True)
+        return tok, choice, slot[ids[tok, choice], replica[tok, choice]]
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._on_device is None or self._on_device[0].device != device:
+            self._on_device = (self.count.to(device), self.rank.to(device), self.slot.to(device))
+        return self._on_device
+
+
 class GroupedExperts(nn.Module):
-    """This rank's share of every expert (its slice of the intermediate features)."""
+    """This rank's experts: with expert parallelism (`ep_size` > 1) the experts split over the EP ranks
+    (`tp_size / ep_size` TP ranks make one EP rank and split its experts' intermediate features), each rank
+    computing its experts' pairs for all tokens; the block's TP all-reduce sums the ranks' partial outputs,
+    which are disjoint in experts. `placement` says which slot holds which expert (EPLB replicas)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, *, tp_rank: int = 0, tp_size: int = 1,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 ep_size: int = 1, redundant_per_rank: int = 0, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        if inter % tp_size:
-            raise ValueError(f"moe intermediate size {inter} does not split over TP size {tp_size}")
-        self.num_experts, self.tp_rank = num_experts, tp_rank
-        self.inter = inter // tp_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden, dtype=dtype),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter, dtype=dtype), requires_grad=False)
+        if ep_size < 1 or tp_size % ep_size:
+            raise ValueError(f"EP size {ep_size} does not divide TP size {tp_size}")
+        moe_tp = tp_size // ep_size
+        if inter % moe_tp:
+            raise ValueError(f"moe intermediate size {inter} does not split over {moe_tp} ranks of an expert")
+        self.num_experts, self.ep_size, self.tp_size = num_experts, ep_size, tp_size
+        self.ep_rank, self.moe_tp_rank = tp_rank // moe_tp, tp_rank % moe_tp
+        self.placement = ExpertPlacement(num_experts, ep_size, redundant_per_rank)
+        self.inter = inter // moe_tp
+        slots = self.placement.slots
+        self.w13 = nn.Parameter(torch.empty(slots, 2 * self.inter, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(slots, hidden, self.inter, dtype=dtype), requires_grad=False)
         for p, parts in ((self.w13, 2 * num_experts), (self.w2, num_experts)):
             p.weight_loader = self.weight_loader
-            p.parts_total = parts  # load_checkpoint: filled once every expert's pieces came
+            p.parts_total = parts  # load_checkpoint: filled once every expert's pieces came (any rank's)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
         """`shard`: (expert, "gate" | "up" | "down") for one expert's tensor, or None for the stacked
-        tensors transformers writes (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`)."""
-        i, r = self.inter, self.tp_rank
+        tensors transformers writes (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`). An expert another EP
+        rank keeps is passed over."""
+        i, r = self.inter, self.moe_tp_rank
+        per, first = self.placement.per_rank, self.ep_rank * self.placement.per_rank
         if shard is None:
+            if loaded.shape[0] != self.num_experts:
+                raise ValueError(f"stacked experts hold {loaded.shape[0]} experts, the model "
+                                 f"{self.num_experts}")
+            loaded = loaded[first:first + per]
             if param is self.w13:
                 full = loaded.shape[1] // 2
                 gate, up = loaded[:, :full], loaded[:, full:]
                 loaded = torch.cat([gate[:, r * i:(r + 1) * i], up[:, r * i:(r + 1) * i]], dim=1)
             else:
                 loaded = loaded[:, :, r * i:(r + 1) * i]
-            _copy_checked(param, loaded, "experts")
+            _copy_checked(param.data[:per], loaded, "experts")
             return
         expert, part = shard
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is outside the model's {self.num_experts}")
+        ep_rank, slot = self.placement.home(expert)
+        if ep_rank != self.ep_rank:
+            return
         if part == "down":
-            _copy_checked(param.data[expert], loaded[:, r * i:(r + 1) * i], f"expert {expert} down")
+            _copy_checked(param.data[slot], loaded[:, r * i:(r + 1) * i], f"expert {expert} down")
         else:
             rows = slice(0, i) if part == "gate" else slice(i, 2 * i)
-            _copy_checked(param.data[expert, rows], loaded[r * i:(r + 1) * i], f"expert {expert} {part}")
+            _copy_checked(param.data[slot, rows], loaded[r * i:(r + 1) * i], f"expert {expert} {part}")
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return grouped_experts(x, self.w13, self.w2, weights, ids)
+        if self.ep_size == 1 and self.placement.slots == self.num_experts:
+            return run_experts(x, self.w13, self.w2, weights, ids)
+        tok, choice, slot = self.placement.mine(ids, self.ep_rank)
+        out = torch.zeros_like(x)
+        if tok.numel():
+            part = run_experts(x[tok], self.w13, self.w2, weights[tok, choice].unsqueeze(1),
+                               slot.unsqueeze(1))
+            out.index_add_(0, tok, part)
+        return out
+
+
+def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+    """`grouped_experts` on the fastest kernel for the tensors' device."""
+    if x.is_cuda:
+        from common.layers.triton_moe import fused_experts
+
+        return fused_experts(x, w13, w2, weights, ids)
+    return grouped_experts(x, w13, w2, weights, ids)
 
 
 class SparseMoE(nn.Module):
-    """Router + experts of one layer; the output is all-reduced over TP once."""
+    """Router + experts of one layer; the output is all-reduced over TP once. `load` counts the (token,
+    choice) pairs each expert was picked for since the node started (`/server_info`, the metrics); `eplb`
+    (`common/layers/eplb.py`) re-places the replicas from the recent counts every so many forwards."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, rule: RoutingRule, *, tp_rank: int = 0,
-                 tp_size: int = 1, tp_group=None, dtype: torch.dtype = torch.float32,
-                 reduce: bool = True) -> None:
+                 tp_size: int = 1, tp_group=None, ep_size: int = 1, eplb=None,
+                 dtype: torch.dtype = torch.float32, reduce: bool = True) -> None:
         super().__init__()
         self.reduce = reduce  # False: the caller sums more partial outputs with this one, then reduces once
-        self.rule, self.tp_group = rule, tp_group
+        self.rule, self.tp_group, self.eplb = rule, tp_group, eplb
         self.gate = ReplicatedLinear(hidden, num_experts, dtype=dtype)
+        redundant = eplb.redundant_per_rank if eplb is not None else 0
         self.experts = GroupedExperts(num_experts, hidden, inter, tp_rank=tp_rank, tp_size=tp_size,
-                                      dtype=dtype)
+                                      ep_size=ep_size, redundant_per_rank=redundant, dtype=dtype)
+        self.register_buffer("load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("recent_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.forwards = 0
+
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing of `x`: (weights, expert ids), each `[T, top_k]`."""
+        return select_experts(self.gate(x), self.rule)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.rule)
+        weights, ids = self.select(x)
+        counts = torch.bincount(ids.reshape(-1), minlength=self.load.shape[0])
+        self.load += counts
+        if self.eplb is not None:
+            self.recent_load += counts
+            self.forwards += 1
+            if self.forwards % self.eplb.interval == 0:
+                self.eplb.rebalance(self.experts, self.recent_load, self.tp_group)
+                self.recent_load.zero_()
         out = self.experts(x, weights, ids)
         return tensor_model_parallel_all_reduce(out, self.tp_group) if self.reduce else out
+
+
+def expert_load_stats(model: nn.Module) -> dict:
+    """The model's per-layer expert loads for the scheduler's stats (empty for a dense model)."""
+    layers = {name.removeprefix("model.").removesuffix(".mlp"): m for name, m in model.named_modules()
+              if isinstance(m, SparseMoE)}
+    if not layers:
+        return {}
+    first = next(iter(layers.values()))
+    return {"moe_expert_load": {k: m.load.tolist() for k, m in layers.items()},
+            "moe_ep_size": first.experts.ep_size,
+            "moe_eplb_rebalances": sum(m.eplb.rebalances for m in layers.values() if m.eplb is not None),
+            "moe_expert_replicas": {k: m.experts.placement.count.tolist() for k, m in layers.items()
+                                    if m.eplb is not None}}
 
 
 # checkpoint names of one expert's tensors: `...experts.<e>.<gate_proj|up_proj|down_proj|w1|w3|w2>.weight`

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from common.fingerprint import checkpoint_digest, dummy_digest
+from common.layers.eplb import EplbSettings
 from common.layers.linear import pack_linears
 from common.models.attention import attention_backend_for
 from common.models.config import ModelConfig, ModelConfigError
@@ -102,14 +103,15 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                dtype: torch.dtype = torch.float32, quantization: str | None = None, pp_rank: int = 0,
                pp_size: int = 1, draft_layers: bool = False, device: torch.device | str = "cpu",
-               attention_backend: str = "native",
-               load_format: str = "auto") -> tuple[torch.nn.Module, ModelConfig]:
+               attention_backend: str = "native", load_format: str = "auto", ep_size: int = 1,
+               eplb: EplbSettings | None = None) -> tuple[torch.nn.Module, ModelConfig]:
     """Build the model for `config.json["architectures"][0]` (pipeline stage `pp_rank` of `pp_size`: its
     layers only) on `device`, with the `attention_backend` the runner chose, and fill it from the
     safetensors (`load_format` "dummy": seeded random weights, nothing read but config.json); its linear
     weights packed for the CPU kernels (`common/layers/linear.py`), as int8 with `quantization` ("int8wo"
     weight-only, "w8a8_int8" with int8 activations). `draft_layers`: the checkpoint's `mtp.*` draft layers too
-    (common/models/mtp.py), for EAGLE / MTP speculation."""
+    (common/models/mtp.py), for EAGLE / MTP speculation. `ep_size`, `eplb`: expert parallelism over the TP
+    ranks and its balancer (mixture-of-experts models only, common/layers/eplb.py)."""
     device = torch.device(device)
     config = ModelConfig.from_pretrained(model_dir)
     cls = get_model_class(config.architecture)
@@ -134,6 +136,11 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
                                  "(its config.json has no mtp_num_hidden_layers / num_nextn_predict_layers); "
                                  "NGRAM needs none")
         stage["draft_layers"] = True
+    if ep_size > 1 or eplb is not None:
+        if not getattr(cls, "expert_parallel", False):  # a class taking ep_size / eplb
+            raise ModelLoadError(f"--ep-size / --enable-eplb: {config.architecture} has no expert layers "
+                                 "this node can split")
+        stage.update(ep_size=ep_size, eplb=eplb)
     backend = attention_backend_for(config, attention_backend, tp_size, device, windows=cls not in HYBRID)
     # on a GPU every parameter and buffer is made there; on the CPU nothing changes
     with torch.device(device) if device.type != "cpu" else contextlib.nullcontext():

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from common.histogram import BucketCounts
+from common.layers.moe import expert_load_stats
 
 logger = logging.getLogger("scheduler")
 
@@ -116,6 +117,7 @@ class SchedulerStats:
             **({"pp_size": runner.pp_size, "pp_micro_batches": runner.model.micro_batches}
                if getattr(runner, "pp_size", 1) > 1 else {}),
             **(runner.hybrid.stats() if hasattr(runner, "hybrid") else {}),
+            **expert_load_stats(runner.model),
             **self.priority.stats(),
             **queues.grammar_queue.stats(),
             **_role_stats(hooks),

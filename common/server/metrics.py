@@ -103,6 +103,7 @@ STAT_METRICS = {
     "bootstrap_registrations_refused": ("counter",
                                         "registrations refused: the rank is alive elsewhere (409)"),
     "bootstrap_registrations_replaced": ("counter", "registrations that replaced a dead rank's address"),
+    "moe_eplb_rebalances": ("counter", "EPLB rebalances over all MoE layers"),
 }
 
 
@@ -173,6 +174,7 @@ class _StatsCollector:
             fam.add_metric([model, "bootstrap"], boot)
             fam.add_metric([model, "transfer"], stats["transfer_failures"] - boot)
             yield fam
+        yield from _expert_families(stats, model)
         for name, key, help in (("pdserve_kv_transfer_latency_seconds", "transfer_latency_hist",
                                  "time from a room's first KV write to its Success"),
                                 ("pdserve_queue_time_seconds", "queue_time_hist",
@@ -181,6 +183,28 @@ class _StatsCollector:
             fam = _histogram(name, help, model, stats.get(key))
             if fam is not None:
                 yield fam
+
+
+def _expert_families(stats: dict[str, Any], model: str):
+    """A mixture-of-experts model's routing: pairs per expert (summed over layers) and each layer's
+    imbalance (its busiest expert's pairs over the mean)."""
+    loads = stats.get("moe_expert_load")
+    if not isinstance(loads, dict) or not loads:
+        return
+    total = CounterMetricFamily("pdserve_moe_expert_tokens", "(token, choice) pairs routed to each expert, "
+                                "summed over the MoE layers", labels=["model_name", "expert"])
+    per_expert: dict[int, int] = {}
+    skew = GaugeMetricFamily("pdserve_moe_expert_load_imbalance", "busiest expert's pairs over the mean, per "
+                             "MoE layer (1: even)", labels=["model_name", "layer"])
+    for layer, counts in loads.items():
+        for e, n in enumerate(counts):
+            per_expert[e] = per_expert.get(e, 0) + n
+        mean = sum(counts) / len(counts) if counts else 0
+        skew.add_metric([model, str(layer)], max(counts) / mean if mean else 1.0)
+    for e, n in sorted(per_expert.items()):
+        total.add_metric([model, str(e)], n)
+    yield total
+    yield skew
 
 
 def _gauge(name: str, help: str, model: str, value: float) -> GaugeMetricFamily:

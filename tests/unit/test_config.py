@@ -29,11 +29,25 @@ def test_defaults_and_sglang_flag_names():
     (("--chunked-prefill-size", "3"), "--chunked-prefill-size"),
     (("--port", "70000"), "--port"),
     (("--init-new-token-ratio", "0.05"), "--init-new-token-ratio"),
+    (("--tp", "2", "--ep-size", "3"), "--ep-size"),
+    (("--tp", "2", "--enable-eplb"), "--enable-eplb"),
+    (("--ep-num-redundant-experts", "2"), "--ep-num-redundant-experts"),
+    (("--tp", "2", "--ep", "2", "--enable-eplb", "--ep-num-redundant-experts", "3"),
+     "--ep-num-redundant-experts"),
+    (("--tp", "2", "--ep", "2", "--enable-eplb", "--eplb-rebalance-num-iterations", "0"),
+     "--eplb-rebalance-num-iterations"),
 ])
 def test_invalid_settings_name_the_flag(argv, flag):
     with pytest.raises(ConfigError) as e:
         parse(*argv)
     assert str(e.value).startswith(flag)
+
+
+def test_eplb_settings():
+    assert parse("--tp", "2", "--ep", "2").eplb is None
+    s = parse("--tp", "4", "--ep", "2", "--enable-eplb", "--ep-num-redundant-experts", "4").eplb
+    assert (s.interval, s.redundant_per_rank) == (1000, 2)
+    assert parse("--tp", "2", "--ep", "2", "--enable-eplb").eplb.redundant_per_rank == 1
 
 
 def test_radix_cache_is_off_on_decode_nodes():
