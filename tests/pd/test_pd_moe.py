@@ -1,8 +1,12 @@
 """A mixture-of-experts model (tiny random-weight Qwen3-MoE: a dense first layer, then top-2 of 4 experts)
-disaggregated on 127.0.0.1: greedy tokens equal transformers' `generate` for prompts of several chunks,
-from a prefill node whose two TP ranks each hold half of every expert to a decode node of one rank
-(nixl), and from one prefill rank to a decode node of two (mooncake). Both nodes end at their starting
-free pages, request rows and metadata slots."""
+disaggregated on 127.0.0.1: greedy tokens equal transformers' `generate` for prompts of several chunks:
+* nixl: a prefill node of two TP ranks with expert parallelism (each rank holds two whole experts) to a
+  decode node of one rank;
+* mooncake: one prefill rank to a decode node of two TP ranks, each holding half of every expert;
+* ucx: a prefill node of two ranks, each half of every expert, to a decode node of two EP ranks with EPLB
+  rebalancing every 3 forwards (spare copies moved between the ranks while requests decode).
+Both nodes end at their starting free pages, request rows and metadata slots, and report the expert
+loads they counted."""
 
 from __future__ import annotations
 
@@ -12,7 +16,10 @@ import torch
 from tests.harness.backends import backend_params
 from tests.harness.pd import assert_restored, greedy, make_prompts
 
-LAYOUTS = {"nixl": (2, 1), "mooncake": (1, 2)}  # backend -> (prefill tp, decode tp)
+EP2 = {"ep_size": 2}
+EPLB = {"ep_size": 2, "enable_eplb": True, "eplb_rebalance_num_iterations": 3}
+# backend -> (prefill tp, decode tp, prefill settings, decode settings)
+LAYOUTS = {"nixl": (2, 1, EP2, {}), "mooncake": (1, 2, {}, {}), "ucx": (2, 2, {}, EPLB)}
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +34,17 @@ def moe_model(make_tiny_model):
 
 @pytest.fixture(scope="module", params=backend_params(*LAYOUTS))
 def moe_pair(request, moe_model, module_launcher):
-    prefill_tp, decode_tp = LAYOUTS[request.param]
+    prefill_tp, decode_tp, prefill, decode = LAYOUTS[request.param]
     settings = {"chunked_prefill_size": 16}
     pair = module_launcher.pair(moe_model[0], request.param, prefill_tp=prefill_tp, decode_tp=decode_tp,
-                                prefill_settings=settings, decode_settings=settings)
-    yield pair
+                                prefill_settings={**settings, **prefill},
+                                decode_settings={**settings, **decode})
+    yield pair, request.param
     pair.stop()
 
 
 def test_moe_greedy_through_pd(moe_pair, moe_model, pd_tok):
-    pair, hf = moe_pair, moe_model[1]
+    (pair, backend), hf = moe_pair, moe_model[1]
     start = pair.start_counts()
     for p in make_prompts(pd_tok, 3, seed=11, lo=5, hi=50):
         (s1, pb), (s2, db) = pair.generate({"input_ids": p, "sampling_params": greedy(8)})
@@ -47,3 +55,9 @@ def test_moe_greedy_through_pd(moe_pair, moe_model, pd_tok):
         assert pb["output_ids"] == want[:1]
         assert db["output_ids"] == want, f"prompt of {len(p)} tokens"
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
+    _, _, prefill, decode = LAYOUTS[backend]
+    for node, extra in ((pair.prefill, prefill), (pair.decode, decode)):
+        s = node.stats()
+        assert s["moe_ep_size"] == extra.get("ep_size", 1)
+        assert all(sum(v) > 0 for v in s["moe_expert_load"].values()), s["moe_expert_load"]
+        assert (s["moe_eplb_rebalances"] > 0) == bool(extra.get("enable_eplb")), s["moe_eplb_rebalances"]
