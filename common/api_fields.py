@@ -92,7 +92,8 @@ NO_SESSIONS = "sessions (requests that continue a kept one) are not served"
 NO_PROCESSORS = "custom logit processors are not run (they are code or parameters for code the client names)"
 NO_TENANTS = ("the prefix cache has no per-tenant namespaces, so a keyed request would share cached prefixes "
               "with every other")
-NO_MOE = "no mixture-of-experts model is served, so no expert routing is recorded"
+NO_MOE = ("the experts each token was routed to are not recorded per request (a node counts its per-expert "
+          "loads: /server_info, /metrics)")
 NOT_RETURNED = "this extra output is not computed"
 NO_WATERMARK = "no watermark is applied"
 NO_BEAM = "beam search is not run"
