@@ -235,7 +235,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.select(x)
-        counts = torch.bincount(ids.reshape(-1), minlength=self.load.shape[0])
+        flat = ids.reshape(-1)  # scatter, not bincount: no host sync, so a CUDA graph can hold it
+        counts = torch.zeros_like(self.load).scatter_add_(0, flat, torch.ones_like(flat))
         self.load += counts
         if self.eplb is not None:
             self.recent_load += counts
