@@ -1,12 +1,12 @@
-"""Hybrid (Qwen3.5-style) and sliding-window models disaggregated: a prefill node and a decode node on
-127.0.0.1 (real processes, real transfer engines). Greedy tokens equal transformers' `generate` for
-prompts spanning several chunks (and longer than the window); the hybrid model's conv and recurrent
-state travel with the last chunk (mooncake, nixl, ucx; prefill tp 2 -> decode tp 1 slices the state by
-heads; speculating decode nodes roll it back, with n-grams and with the checkpoint's draft layers; a prefill
-node of two pipeline stages sends each stage's layers, one of them without any KV layer), the sliding-window
-model's transfer carries only the window's pages (from a prefill node of two
-pipeline stages too, each sending its own layer's window). After every test both
-nodes are back at their starting free KV pages, request rows, metadata slots and state slots."""
+"""Hybrid (Qwen3.5-style, dense and MoE) and sliding-window models disaggregated: a prefill node and a decode
+node on 127.0.0.1 (real processes, real transfer engines). Greedy tokens equal transformers' `generate` for
+prompts spanning several chunks (and longer than the window); the hybrid model's conv and recurrent state
+travel with the last chunk (mooncake, nixl, ucx; prefill tp 2 -> decode tp 1 slices the state by heads;
+speculating decode nodes roll it back, with n-grams and with the checkpoint's draft layers; a prefill node
+of two pipeline stages sends each stage's layers, one of them without any KV layer), the sliding-window
+model's transfer carries only the window's pages (from a prefill node of two pipeline stages too, each
+sending its own layer's window). After every test both nodes are back at their starting free KV pages,
+request rows, metadata slots and state slots."""
 
 from __future__ import annotations
 
@@ -18,7 +18,13 @@ import torch
 from tests.harness.backends import backend_params
 from tests.harness.nodes import Launcher, PDPair
 from tests.harness.pd import assert_restored, greedy
-from tests.hybrid.hybrid_harness import add_draft_layers, make_mistral_swa, make_qwen3_5, random_prompt
+from tests.hybrid.hybrid_harness import (
+    add_draft_layers,
+    make_mistral_swa,
+    make_qwen3_5,
+    make_qwen3_5_moe,
+    random_prompt,
+)
 
 CHUNK = 16  # prefill chunk size of both nodes
 HOOKS = str(Path(__file__).resolve().parents[1] / "pd" / "node_hooks")
@@ -43,6 +49,11 @@ def _with_tokenizer(make, path: Path, **kw):
 @pytest.fixture(scope="module")
 def qwen35(tmp_path_factory):
     return _with_tokenizer(make_qwen3_5, tmp_path_factory.mktemp("pd_qwen35"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def qwen35_moe(tmp_path_factory):
+    return _with_tokenizer(make_qwen3_5_moe, tmp_path_factory.mktemp("pd_qwen35_moe"), seed=8)
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +177,19 @@ def test_qwen35_prefill_tp2_to_decode_tp1(qwen35, launcher, tmp_path):
         assert db["output_ids"] == want[f"spec-{i}"], f"prompt of {len(p)} tokens"
     info = pair.decode.stats()
     assert 0 < info["spec_accepted_tokens"] < info["spec_draft_tokens"]
+    assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
+    assert _state_free(pair) == states
+
+
+# Qwen3.5-MoE: each prefill rank holds half of every routed expert's and of the shared expert's features and
+# half of the state's heads; the decode node's one rank gets all of the state (over nixl: the dense model's
+# prefill tp 2 goes over mooncake above)
+@pytest.mark.backend("nixl")
+def test_qwen35_moe_prefill_tp2_to_decode_tp1(qwen35_moe, launcher):
+    pair = _pair(launcher, qwen35_moe[0], "nixl", prefill_tp=2)
+    start = pair.start_counts()
+    states = _state_free(pair)
+    _check_greedy(pair, qwen35_moe[1], prompts(3, seed=5))
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
     assert _state_free(pair) == states
 
