@@ -35,6 +35,7 @@ from torch import nn
 
 from common.distributed import tensor_model_parallel_all_reduce
 from common.layers.activation import silu_and_mul
+from common.layers.eplb import Eplb
 from common.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from common.layers.moe import RoutingRule, SparseMoE
 from common.models.config import ModelConfig, ModelConfigError
@@ -60,15 +61,14 @@ class SharedExpert(nn.Module):
 
 
 class SharedExpertMoE(SparseMoE):
-    """`SparseMoE` (router `gate`, `experts`) plus the gated `shared_expert`; one TP all-reduce for both.
-
-    `ep`: the keywords of expert parallelism that `SparseMoE` takes (`ep_size`, `eplb`), passed through."""
+    """`SparseMoE` (router `gate`, `experts`, with its expert parallelism `ep_size` / `eplb`) plus the gated
+    `shared_expert`; one TP all-reduce for both."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, shared_inter: int, rule: RoutingRule, *,
-                 tp_rank: int = 0, tp_size: int = 1, tp_group=None, dtype: torch.dtype = torch.float32,
-                 **ep) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, tp_group=None, ep_size: int = 1, eplb=None,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__(num_experts, hidden, inter, rule, tp_rank=tp_rank, tp_size=tp_size,
-                         tp_group=tp_group, dtype=dtype, reduce=False, **ep)
+                         tp_group=tp_group, ep_size=ep_size, eplb=eplb, dtype=dtype, reduce=False)
         if shared_inter % tp_size:
             raise ModelConfigError(f"shared expert intermediate size {shared_inter} does not split over TP "
                                    f"size {tp_size}")
@@ -92,8 +92,6 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         missing = [k for k in MOE_KEYS if not config.raw.get(k)]
         if missing:
             raise ModelConfigError(f"{config.name}: a Qwen3.5-MoE config needs {', '.join(missing)}")
-        if ep_size < 1:
-            raise ModelConfigError(f"EP size must be at least 1, got {ep_size}")
         # read by make_mlp, which the base constructor calls for each layer: set before nn.Module's setup
         self.__dict__.update(ep_size=ep_size, eplb_settings=eplb)
         super().__init__(config, **kw)
@@ -103,18 +101,13 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         raw = cfg.raw
         if cfg.hidden_act not in ("silu", "swish"):
             raise ModelConfigError(f"unsupported hidden_act {cfg.hidden_act!r} (supported: silu)")
-        ep = {}
-        if self.ep_size != 1:
-            ep["ep_size"] = self.ep_size
-        if self.eplb_settings is not None:
-            from common.layers.eplb import Eplb
-
-            s = self.eplb_settings
-            ep["eplb"] = Eplb(s.interval, s.redundant_per_rank, layer_id)
+        s = self.eplb_settings
+        eplb = Eplb(s.interval, s.redundant_per_rank, layer_id) if s is not None else None
         rule = RoutingRule(top_k=int(raw["num_experts_per_tok"]), renormalize=True)
         return SharedExpertMoE(int(raw["num_experts"]), cfg.hidden_size, int(raw["moe_intermediate_size"]),
                                int(raw["shared_expert_intermediate_size"]), rule, tp_rank=tp_rank,
-                               tp_size=tp_size, tp_group=tp_group, dtype=dtype, **ep)
+                               tp_size=tp_size, tp_group=tp_group, ep_size=self.ep_size, eplb=eplb,
+                               dtype=dtype)
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):

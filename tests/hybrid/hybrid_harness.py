@@ -122,12 +122,13 @@ def make_qwen3_swa(path: str, window: int = 24, seed: int = 0, **overrides):
 
 
 def load_ours(path: str, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-              attention_backend: str = "native"):
-    """Our model for the directory, through the loader (architecture registry, weight checks)."""
+              attention_backend: str = "native", **kw):
+    """Our model for the directory, through the loader (architecture registry, weight checks); `kw`: more
+    of `load_model`'s keywords (ep_size, eplb)."""
     from common.models.loader import load_model
 
     return load_model(path, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
-                      attention_backend=attention_backend)
+                      attention_backend=attention_backend, **kw)
 
 
 def random_prompt(n: int, seed: int) -> list[int]:
@@ -175,18 +176,18 @@ def model_dir(tmp_path_factory, name: str) -> str:
     return os.fspath(tmp_path_factory.mktemp(name))
 
 
-def tp_worker(rank: int, world: int, port: int,
-              jobs: list[tuple[str, list[int], list[int]]], out_queue) -> None:
-    """One TP rank; per job (model dir, prompt, decode ids): extend the prompt in two chunks, then
-    decode; rank 0 reports the logits of every job and whether the pools came back to their start."""
+def tp_worker(rank: int, world: int, port: int, jobs: list[tuple], out_queue) -> None:
+    """One TP rank; per job (model dir, prompt, decode ids[, load_model keywords]): extend the prompt in two
+    chunks, then decode; rank 0 reports the logits of every job and whether the pools came back to their
+    start."""
     from common.distributed import init_distributed
 
     torch.set_num_threads(1)
     try:
         tp_group, _ = init_distributed(rank, world, f"tcp://127.0.0.1:{port}")
         results = []
-        for path, prompt, decode_ids in jobs:
-            model, cfg = load_ours(path, tp_rank=rank, tp_size=world, tp_group=tp_group)
+        for path, prompt, decode_ids, *load_kw in jobs:
+            model, cfg = load_ours(path, tp_rank=rank, tp_size=world, tp_group=tp_group, **dict(*load_kw))
             h = HybridHarness(model, cfg, tp_size=world)
             row = h.new_req()
             half = len(prompt) // 2

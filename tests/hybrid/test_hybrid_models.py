@@ -319,20 +319,12 @@ def test_state_pool():
 # tensor parallelism: key/value heads, attention heads and the MLP split over 2 ranks
 
 
-def test_tp2_matches_hf(qwen35, qwen35_moe, mistral_swa, tmp_path_factory):
+def _run_tp2(jobs: list[tuple]) -> list[tuple[list, bool]]:
     import multiprocessing as mp
 
     from tests.harness.client import free_port
     from tests.hybrid.hybrid_harness import tp_worker
 
-    jobs, refs = [], []
-    # Qwen3.5-MoE: each rank holds half of every expert's and of the shared expert's features
-    for name, (hf, _, _) in (("qwen35", qwen35), ("qwen35_moe", qwen35_moe), ("mistral_swa", mistral_swa)):
-        path = str(tmp_path_factory.mktemp(f"{name}_tp"))
-        hf.save_pretrained(path)
-        seq = random_prompt(60, 21)
-        jobs.append((path, seq[:50], seq[50:]))
-        refs.append(hf_logits(hf, seq))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -347,6 +339,36 @@ def test_tp2_matches_hf(qwen35, qwen35_moe, mistral_swa, tmp_path_factory):
             if p.is_alive():
                 p.kill()
     assert status == "ok", results
-    for (out, restored), ref in zip(results, refs, strict=True):
+    return results
+
+
+def test_tp2_matches_hf(qwen35, qwen35_moe, mistral_swa, tmp_path_factory):
+    jobs, refs = [], []
+    # Qwen3.5-MoE: each rank holds half of every expert's and of the shared expert's features
+    for name, (hf, _, _) in (("qwen35", qwen35), ("qwen35_moe", qwen35_moe), ("mistral_swa", mistral_swa)):
+        path = str(tmp_path_factory.mktemp(f"{name}_tp"))
+        hf.save_pretrained(path)
+        seq = random_prompt(60, 21)
+        jobs.append((path, seq[:50], seq[50:]))
+        refs.append(hf_logits(hf, seq))
+    for (out, restored), ref in zip(_run_tp2(jobs), refs, strict=True):
+        _close(torch.tensor(out), ref)
+        assert restored
+
+
+def test_moe_ep2_matches_hf(qwen35_moe, tmp_path):
+    """Expert parallelism over the 2 TP ranks: each rank holds 2 of the 4 routed experts whole (and half of
+    the shared expert's features); with EPLB too, rebalancing every 2 forwards into one spare slot a rank
+    while the request decodes. The logits stay transformers'."""
+    from common.layers.eplb import EplbSettings
+
+    hf = qwen35_moe[0]
+    hf.save_pretrained(str(tmp_path))
+    seq = random_prompt(40, 22)
+    ref = hf_logits(hf, seq)
+    eplb = EplbSettings(interval=2, redundant_per_rank=1)
+    jobs = [(str(tmp_path), seq[:30], seq[30:], {"ep_size": 2}),
+            (str(tmp_path), seq[:30], seq[30:], {"ep_size": 2, "eplb": eplb})]
+    for out, restored in _run_tp2(jobs):
         _close(torch.tensor(out), ref)
         assert restored
