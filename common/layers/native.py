@@ -4,8 +4,8 @@
 `add_rms_norm()` (`rms_norm.c`), `rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`),
 `argmax_rows()` (`argmax.c`),
 `pin_team()` (`threads.c`), `packed_gemm()` and `packed_gemm_i8()` (`gemm.c`), `packed_gemm_blocks()` and
-`block_panels_equal()` (`gemm_blocks.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`) and `decoder_stack()`
-(`decoder_stack.c`, which chains the others through
+`block_panels_equal()` (`gemm_blocks.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`), `moe_experts()`
+(`moe_experts.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
 a decode step of a whole Llama-family stack) return the loaded C function, or None when it cannot be
 used (no C compiler, a failed build, no AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers
 then take the torch paths, which compute the same thing. The GEMM reads each weight once per matmul
@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 HEADERS = [Path(__file__).with_name("vec_math.h")]
 SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c",
                                                  "gemm_w8a8.c", "activation.c", "argmax.c", "decoder_stack.c",
-                                                 "prefill_attention.c", "threads.c", "gemm_blocks.c")]
+                                                 "prefill_attention.c", "threads.c", "gemm_blocks.c",
+                                                 "moe_experts.c")]
 
 
 def _cpu_flags() -> set[str]:
@@ -137,6 +138,7 @@ _SIGNATURES = {
                           ctypes.c_int),
     "prefill_attention_block": ([], ctypes.c_int),
     "pin_team": ([_I64, _PTR, _I64], ctypes.c_int),
+    "moe_experts_f32": ([_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR], ctypes.c_int),
 }
 
 
@@ -192,6 +194,11 @@ def rotary_apply():
 def decoder_stack():
     """Whole-stack decode (`decoder_stack.c`); it runs the panel GEMM, so it needs AVX2 + FMA too."""
     return _kernel("decoder_stack") if packed_gemm() is not None else None
+
+
+def moe_experts():
+    """A mixture-of-experts block's experts over a batch in one call (`moe_experts.c`); AVX2 + FMA."""
+    return _kernel("moe_experts_f32") if packed_gemm() is not None else None
 
 
 def pin_team():
