@@ -33,18 +33,21 @@ def native_grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """`grouped_experts(x, w13, w2, weights, ids)` as one native call: x [T, H], w13 [E, 2I, H], w2
     [E, H, I], weights [T, k], ids [T, k] -> [T, H]; None where the kernel cannot take these tensors."""
     kernel = native.moe_experts()
-    if kernel is None or not native.cpu_tensors(x, w13, w2, weights, ids):
+    # (native.cpu_tensors' guard, by `is_cpu`: reading `.device` costs more than the rest of the checks)
+    if kernel is None or not (x.is_cpu and w13.is_cpu and w2.is_cpu and weights.is_cpu and ids.is_cpu):
         return None
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or ids.dim() != 2 or weights.shape != ids.shape:
+    f32 = torch.float32
+    if not (x.dtype is f32 and w13.dtype is f32 and w2.dtype is f32 and weights.dtype is f32
+            and ids.dtype is torch.int64):
         return None
-    if any(t.dtype != torch.float32 for t in (x, w13, w2, weights)) or ids.dtype != torch.int64:
+    if x.dim() != 2 or w13.dim() != 3 or ids.dim() != 2 or weights.shape != ids.shape:
         return None
     if not (w13.is_contiguous() and w2.is_contiguous()):  # the expert weights are never copied here
         return None
     t, h = x.shape
     e, i2, _ = w13.shape
     inter = i2 // 2
-    if w13.shape[2] != h or i2 != 2 * inter or tuple(w2.shape) != (e, h, inter) or ids.shape[0] != t:
+    if w13.shape[2] != h or i2 != 2 * inter or w2.shape != (e, h, inter) or ids.shape[0] != t:
         return None
     x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
     out = torch.empty(t, h, dtype=torch.float32)

@@ -121,5 +121,7 @@ def test_unusable_inputs_get_none(monkeypatch):
                                   ids) is None  # expert weights not contiguous
     assert native_grouped_experts(x, w13, w2, weights, ids.int()) is None
     assert native_grouped_experts(x, w13[:, :-1], w2, weights, ids) is None  # odd gate/up rows
+    assert native_grouped_experts(x, w13, w2[:, :, :-1], weights, ids) is None  # down of another width
+    assert native_grouped_experts(x.to("meta"), w13, w2, weights, ids) is None  # not host memory
     monkeypatch.setattr(native, "moe_experts", lambda: None)  # no kernel (PDSERVE_NATIVE_KERNELS=0)
     assert native_grouped_experts(x, w13, w2, weights, ids) is None
