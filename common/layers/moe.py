@@ -15,6 +15,8 @@ is the weighted sum of those experts' outputs.
 the batch's (token, choice) pairs by expert and runs each expert that was picked once, on all its tokens
 together, then adds the weighted rows back to their tokens: one matmul pair per expert used, not one per
 token.
+`run_experts` picks the kernel: on the CPU `moe_native.py`'s single C call while the batch gives the
+experts few pairs each (decode), this torch loop over larger batches; on CUDA `triton_moe.py`.
 
 Tensor parallelism splits every expert's intermediate features over the ranks (w13 by output rows, w2
 by input columns, as the dense MLP); the partial outputs are summed with the TP all-reduce, once per
@@ -33,6 +35,9 @@ from torch import nn
 from common.distributed import tensor_model_parallel_all_reduce
 from common.layers.activation import silu_and_mul
 from common.layers.linear import ReplicatedLinear, _copy_checked
+from common.layers.moe_native import native_grouped_experts
+
+NATIVE_MAX_PAIRS_PER_EXPERT = 200  # pairs per expert (on average) up to which the native kernel runs
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,8 @@ def select_experts(logits: torch.Tensor, rule: RoutingRule,
         group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # each group by its best two
         keep = group_scores.topk(rule.topk_group, dim=-1).indices
         mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0).unsqueeze(-1).expand_as(grouped)
-        choice = choice.masked_fill(mask.reshape(t, e) == 0, 0.0)
+        # -inf, not 0: with a correction bias a searched expert's choice score may be negative
+        choice = choice.masked_fill(mask.reshape(t, e) == 0, float("-inf"))
     ids = choice.topk(rule.top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if rule.renormalize:
@@ -202,11 +208,18 @@ class GroupedExperts(nn.Module):
 
 def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                 ids: torch.Tensor) -> torch.Tensor:
-    """`grouped_experts` on the fastest kernel for the tensors' device."""
+    """`grouped_experts` on the fastest kernel for the tensors' device: the Triton kernels on CUDA; on the CPU
+    the native kernel while the experts get few pairs each (it reads each weight block once for all of an
+    expert's pairs, with no per-expert dispatch), torch's GEMMs once a batch gives each used expert
+    hundreds (`NATIVE_MAX_PAIRS_PER_EXPERT`, where the measured rates cross)."""
     if x.is_cuda:
         from common.layers.triton_moe import fused_experts
 
         return fused_experts(x, w13, w2, weights, ids)
+    if ids.numel() < NATIVE_MAX_PAIRS_PER_EXPERT * w13.shape[0]:
+        out = native_grouped_experts(x, w13, w2, weights, ids)
+        if out is not None:
+            return out
     return grouped_experts(x, w13, w2, weights, ids)
 
 
