@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from common.cluster_secret import ClusterSecret, load_configured
 from common.fingerprint import KV_LAYOUT as _KV_LAYOUT
 from transfer.memory import HOST, memory_of, parse_memory
+from transfer.plan import heads_per_rank
 
 # How KV buffers are laid out; both sides of a transfer must agree (checked at bootstrap).
 KV_LAYOUT = _KV_LAYOUT  # "page,head,token,dim", kept in common/fingerprint.py (part of a node's fingerprint)
@@ -235,7 +236,7 @@ class KVArgs:
         parse_memory(self.state_memory)
         if self.state_type not in STATE_TYPES:
             raise ValueError(f"state_type must be one of {STATE_TYPES}, got {self.state_type!r}")
-        if self.total_kv_heads % self.tp_size or self.total_kv_heads // self.tp_size != self.kv_head_num:
+        if heads_per_rank(self.total_kv_heads, self.tp_size) != self.kv_head_num:
             raise ValueError(f"{self.total_kv_heads} kv heads cannot be split evenly over tp {self.tp_size} "
                              f"into {self.kv_head_num} heads per rank")
         if any(n % self.kv_head_num for n in self.kv_item_lens):
@@ -271,6 +272,8 @@ class KVArgs:
         rank.setdefault("model", runner.model_config.name)
         rank.setdefault("fingerprint", getattr(runner, "fingerprint", "") or "")
         rank.setdefault("state_layer_ids", hybrid.state_layer_ids())
+        if getattr(runner.kv_pool, "shared_kv", False):  # the latent row: one head on every rank
+            rank.setdefault("total_kv_heads", runner.kv_pool.kv_heads)
         return cls.from_pool(runner.kv_pool, metadata, hybrid.state_buffers(), hybrid.state_type,
                              hybrid.state_leading_dims() or None, **rank)
 
@@ -287,6 +290,9 @@ class KVArgs:
         if any(not b[0].is_contiguous() for b in bufs):
             raise ValueError("each page of a kv buffer must be contiguous")
         strides = [b.stride(0) * b.element_size() for b in bufs]  # the pool's page_stride
+        # bytes of one page of a buffer (a single-plane pool's buffers are halves of its layer pages)
+        item = bufs[0][0].numel() * bufs[0].element_size() if bufs else \
+            kv_pool.page_bytes // (2 if getattr(kv_pool, "shared_kv", False) else 1)
         aux = metadata.buffers() if metadata is not None else []
         states = list(state_buffers or [])
         for t in states:
@@ -299,11 +305,10 @@ class KVArgs:
         state_memory = _one_kind("state", states)
         return cls(
             kv_data_ptrs=[b.data_ptr() for b in bufs],
-            kv_data_lens=[(b.shape[0] - 1) * st + kv_pool.page_bytes
-                          for b, st in zip(bufs, strides, strict=True)],
-            kv_item_lens=[kv_pool.page_bytes] * len(bufs),
+            kv_data_lens=[(b.shape[0] - 1) * st + item for b, st in zip(bufs, strides, strict=True)],
+            kv_item_lens=[item] * len(bufs),
             kv_head_num=kv_pool.kv_heads,
-            kv_head_bytes=kv_pool.head_bytes,
+            kv_head_bytes=item // kv_pool.kv_heads,
             kv_layer_ids=list(kv_pool.layer_ids),
             page_size=kv_pool.page_size,
             kv_item_strides=strides,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from transfer.memory import parse_memory
-from transfer.plan import match_buffers
+from transfer.plan import heads_per_rank, match_buffers
 
 if TYPE_CHECKING:
     from transfer.base import KVArgs
@@ -106,12 +106,13 @@ def _check_place(a: KVArgs, reg: RegisterPeer) -> str | None:
     if a.decode_tp and reg.tp_size != a.decode_tp:
         return f"decode tp {reg.tp_size} registered; this prefill node serves decode tp {a.decode_tp} only " \
                "(--disaggregation-decode-tp)"
-    if reg.total_kv_heads % reg.tp_size:
+    per_rank = heads_per_rank(reg.total_kv_heads, reg.tp_size)
+    if per_rank is None:
         return f"{reg.total_kv_heads} kv heads cannot be split over decode tp {reg.tp_size}"
     if not 0 <= reg.tp_rank < reg.tp_size:
         return _want(m, "tp_rank", reg.tp_rank, f"0..{reg.tp_size - 1} (its tp_size {reg.tp_size})")
-    if reg.kv_head_num != reg.total_kv_heads // reg.tp_size:
-        return _want(m, "kv_head_num", reg.kv_head_num, f"{reg.total_kv_heads // reg.tp_size} "
+    if reg.kv_head_num != per_rank:
+        return _want(m, "kv_head_num", reg.kv_head_num, f"{per_rank} "
                      f"({reg.total_kv_heads} kv heads over tp {reg.tp_size})")
     return fingerprint_problem(a.fingerprint, reg.fingerprint)
 

@@ -14,6 +14,12 @@ whose head ranges overlap moves the overlapping heads of every page: a byte offs
 inside the item, the same for every page (pages are head-major, so a head slice is contiguous).
 State buffers are split along their leading dimension the same way.
 
+Replicated heads. With fewer heads than ranks (H < T, T a multiple of H; multi-head latent attention's
+one latent row per token is the usual case) rank r holds head r*H // T, the same as the other T/H ranks
+of its replica group. Each decode rank needs the whole head, so every replica of a prefill group is a
+source for it; to move each byte once, the g = T/H prefill replicas split the head's bytes of every item
+into g equal parts, replica r % g writing part r % g (`replica_share`).
+
 Layers. Buffers pair up by model layer id (`KVArgs.kv_layer_ids`, `state_layer_ids`; the k-th state
 buffer of a layer with the k-th of that layer on the other side), not by position: a prefill pipeline
 stage writes its own layers into the decode rank's full set, and a hybrid model's pools, which hold
@@ -51,10 +57,39 @@ def overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int]:
     return max(a0, b0), min(a1, b1)
 
 
+def heads_per_rank(total: int, tp: int) -> int | None:
+    """KV heads one rank of tp `tp` holds of `total`: an even split, 1 when the heads are replicated
+    (fewer heads than ranks, the ranks a multiple of them); None when neither."""
+    if total >= tp:
+        return total // tp if total % tp == 0 else None
+    return 1 if total > 0 and tp % total == 0 else None
+
+
+def head_range(rank: int, tp: int, total: int) -> tuple[int, int]:
+    """The heads [lo, hi) rank `rank` of tp `tp` holds of `total` (a replicated head: its group's one)."""
+    if total >= tp:
+        per = total // tp
+        return rank * per, (rank + 1) * per
+    h = rank * total // tp
+    return h, h + 1
+
+
+def replica_share(rank: int, tp: int, total: int) -> tuple[int, int]:
+    """(this rank's part, parts) of a replicated head's bytes it sends: (0, 1) without replicas."""
+    if total >= tp:
+        return 0, 1
+    g = tp // total
+    return rank % g, g
+
+
 def ranks_overlapping(lo: int, hi: int, total: int, tp: int) -> list[int]:
     """Ranks of a tp-`tp` split of `total` units whose range overlaps [lo, hi)."""
-    per = total // tp
-    return [r for r in range(tp) if r * per < hi and (r + 1) * per > lo]
+    out = []
+    for r in range(tp):
+        a, b = head_range(r, tp, total)
+        if a < hi and b > lo:
+            out.append(r)
+    return out
 
 
 def match_buffers(src_ids: list[int], dst_ids: list[int]) -> list[int] | None:
@@ -148,12 +183,20 @@ class PairPlan:
 
     def __init__(self, args: KVArgs, reg: RegisterPeer) -> None:
         hb = args.head_bytes
-        p_lo = args.engine_rank * args.kv_head_num
-        d_lo = reg.tp_rank * reg.kv_head_num
-        g0, g1 = overlap(p_lo, p_lo + args.kv_head_num, d_lo, d_lo + reg.kv_head_num)
+        p_lo, p_hi = head_range(args.engine_rank, args.tp_size, args.total_kv_heads)
+        d_lo, d_hi = head_range(reg.tp_rank, reg.tp_size, reg.total_kv_heads)
+        g0, g1 = overlap(p_lo, p_hi, d_lo, d_hi)
         self.kv_src_off = (g0 - p_lo) * hb
         self.kv_dst_off = (g0 - d_lo) * hb
         self.kv_len = (g1 - g0) * hb
+        part, parts = replica_share(args.engine_rank, args.tp_size, args.total_kv_heads)
+        if parts > 1:  # this replica's share of the head: the group's other replicas send the rest
+            if self.kv_len % parts:
+                raise ValueError(f"a replicated kv head of {self.kv_len} bytes a page does not split over "
+                                 f"{parts} prefill replicas")
+            self.kv_len //= parts
+            self.kv_src_off += part * self.kv_len
+            self.kv_dst_off += part * self.kv_len
         n_dst = len(reg.kv_ptrs) // 2
         layers = match_buffers(args.kv_layer_ids, reg.kv_layer_ids)  # checked at registration
         dst_idx = layers + [n_dst + j for j in layers]

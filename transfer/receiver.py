@@ -59,7 +59,7 @@ from transfer.control import Abort, AbortAck, Message, Status, TransferInfo, pee
 from transfer.engine import TransferEngine
 from transfer.manager import TERMINAL, KVManager, KVRoom
 from transfer.peer_checks import check_bootstrap_addr, check_layout, check_rank, fingerprint_problem, reject
-from transfer.plan import ranks_overlapping
+from transfer.plan import head_range, heads_per_rank, ranks_overlapping
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ class DecodeKVManager(KVManager):
         total, ptp = layout["kv_heads_total"], layout["tp_size"]
         if total != a.total_kv_heads:
             return None, f"kv head count mismatch: prefill {total}, decode {a.total_kv_heads}", True
-        if total % ptp:
+        if heads_per_rank(total, ptp) is None:
             return None, f"{total} kv heads cannot be split over prefill tp {ptp}", True
         return layout, "", False
 
@@ -331,8 +331,8 @@ class DecodeKVManager(KVManager):
             return None, f"bootstrap server {addr}: prefill dp rank {dp} requested, the layout has dp_size " \
                          f"{layout['dp_size']}", True
         total, ptp = layout["kv_heads_total"], layout["tp_size"]
-        lo = a.engine_rank * a.kv_head_num
-        ranks = ranks_overlapping(lo, lo + a.kv_head_num, total, ptp)
+        lo, hi = head_range(a.engine_rank, a.tp_size, a.total_kv_heads)
+        ranks = ranks_overlapping(lo, hi, total, ptp)
         last_pp = layout["pp_size"] - 1
         targets = []
         for pp in range(layout["pp_size"]):

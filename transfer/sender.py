@@ -49,7 +49,7 @@ from transfer.engine import TransferEngine
 from transfer.kv_sender import Chunk, KVSender
 from transfer.manager import TERMINAL, KVManager
 from transfer.peer_checks import check_info, check_registration, reject
-from transfer.plan import ranks_overlapping
+from transfer.plan import head_range, heads_per_rank, ranks_overlapping
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +267,8 @@ class PrefillKVManager(DecodePeerRegistry, KVManager):
 
     def _expected_decode_ranks(self, decode_tp: int) -> list[int]:
         a = self.args
-        lo = a.engine_rank * a.kv_head_num
-        return ranks_overlapping(lo, lo + a.kv_head_num, a.total_kv_heads, decode_tp)
+        lo, hi = head_range(a.engine_rank, a.tp_size, a.total_kv_heads)
+        return ranks_overlapping(lo, hi, a.total_kv_heads, decode_tp)
 
     def _check_ready(self, room: int) -> None:
         """If the sender has init() and every overlapping decode rank's info, start."""
@@ -281,7 +281,7 @@ class PrefillKVManager(DecodePeerRegistry, KVManager):
         if any(i.tp_size != decode_tp for i in infos.values()):
             sender._fail("decode ranks disagree on their tp size", notify=infos)
             return
-        if self.args.total_kv_heads % decode_tp:
+        if heads_per_rank(self.args.total_kv_heads, decode_tp) is None:
             sender._fail(f"{self.args.total_kv_heads} kv heads cannot be split over decode tp {decode_tp}",
                          notify=infos)
             return

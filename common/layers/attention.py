@@ -41,6 +41,11 @@ from common.forward_batch import ForwardBatch, ForwardMode
 from common.layers.attention_backend import AttentionBackend
 from common.layers.native import paged_decode_attention, prefill_attention
 
+# the decode kernel's limits (paged_attention.c's MAX_D, MAX_G): wider heads or groups take the torch path,
+# e.g. latent attention's single KV head of 576 features shared by 128 query heads
+NATIVE_DECODE_MAX_HEAD_DIM = 512
+NATIVE_DECODE_MAX_GROUP = 64
+
 
 @dataclass
 class _ExtendItem:
@@ -79,7 +84,8 @@ class TorchAttentionBackend(AttentionBackend):
                              "SlidingWindowAttentionBackend (create_attention_backend chooses it)")
         native = native and self.device.type == "cpu"
         self.name = "native" if native else "torch_native"
-        self.native = paged_decode_attention() if native else None
+        fits = head_dim <= NATIVE_DECODE_MAX_HEAD_DIM and self.group <= NATIVE_DECODE_MAX_GROUP
+        self.native = paged_decode_attention() if native and fits else None
         native_prefill = prefill_attention() if native else None
         self.native_prefill = native_prefill[0] \
             if native_prefill and head_dim % native_prefill[1] == 0 else None

@@ -12,6 +12,13 @@ strided. Attention reads and writes through the flat view `[rows, head_dim]` of 
 `token_rows(slots)` gives the rows of K of the first layer, and a layer's K / V rows are those plus
 `layer_offset(layer_id)` / plus `v_offset` more.
 
+Single plane (`shared_kv=True`, multi-head latent attention: common/models/deepseek_v3.py): K and V are
+the same row, so the pool is `[num_pages, 1, num_layers, 1, page_size, head_dim]`, `v_offset` is 0 and
+every V read of an attention backend lands on the K row; nothing is stored twice. The transfer layer pairs
+a K and a V buffer per layer (transfer/base.py's `KVArgs`), so `buffers()` presents each layer's page of a
+single-plane pool as two halves of its bytes, back to back: the planner fuses them, a run of pages still
+moves as one region, and exactly the stored rows move.
+
 On the CPU the pool is one huge-page mapping (`huge_zeros`); on a GPU (`device`) one device allocation
 of the same layout, so page runs, layer views and head slices mean the same bytes on either.
 """
@@ -29,8 +36,12 @@ from common.memory.paging import PageLayout
 class KVPool(PageLayout):
     def __init__(self, num_pages: int, page_size: int, num_layers: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, layer_ids: list[int] | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", shared_kv: bool = False) -> None:
         super().__init__(page_size)
+        if shared_kv and kv_heads != 1:
+            raise ValueError(f"a single-plane (shared K/V) pool holds one KV head, not {kv_heads}")
+        self.shared_kv = shared_kv
+        self.planes = 1 if shared_kv else 2
         self.num_pages = num_pages
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -39,7 +50,7 @@ class KVPool(PageLayout):
         self.layer_ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
         self._index = {lid: i for i, lid in enumerate(self.layer_ids)}
         n = len(self.layer_ids)
-        shape = (num_pages, 2, n, kv_heads, page_size, head_dim)
+        shape = (num_pages, self.planes, n, kv_heads, page_size, head_dim)
         self.device = torch.device(device)
         if self.device.type == "cpu":
             self.data = huge_zeros(math.prod(shape), dtype).view(shape)
@@ -47,8 +58,9 @@ class KVPool(PageLayout):
             self.data = torch.zeros(shape, dtype=dtype, device=self.device)
         self.flat = self.data.view(-1, head_dim)
         self.buffer_rows = kv_heads * page_size  # flat rows of one page of one layer's K
-        self.page_rows = 2 * n * self.buffer_rows  # flat rows of one page of the pool
-        self.v_offset = n * self.buffer_rows  # V rows of a layer are its K rows + this
+        self.page_rows = self.planes * n * self.buffer_rows  # flat rows of one page of the pool
+        # V rows of a layer are its K rows + this (0: the same rows)
+        self.v_offset = 0 if shared_kv else n * self.buffer_rows
 
     @property
     def head_bytes(self) -> int:
@@ -63,7 +75,7 @@ class KVPool(PageLayout):
     @property
     def page_stride(self) -> int:
         """Bytes from a page of a layer's K to the next page of it: one page of the whole pool."""
-        return 2 * len(self.layer_ids) * self.page_bytes
+        return self.planes * len(self.layer_ids) * self.page_bytes
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
@@ -72,7 +84,7 @@ class KVPool(PageLayout):
         return self.data[:, 0, self._index[layer_id]]
 
     def v(self, layer_id: int) -> torch.Tensor:
-        return self.data[:, 1, self._index[layer_id]]
+        return self.data[:, self.planes - 1, self._index[layer_id]]
 
     def layer_offset(self, layer_id: int) -> int:
         """Add to `token_rows` to get a layer's K rows."""
@@ -99,17 +111,26 @@ class KVPool(PageLayout):
         d = self.head_dim
         rows = rows + self.layer_offset(layer_id)
         self.flat.index_copy_(0, rows, k.reshape(-1, d).to(self.dtype))
-        self.flat.index_copy_(0, rows + self.v_offset, v.reshape(-1, d).to(self.dtype))
+        if not self.shared_kv:  # one plane: v is k
+            self.flat.index_copy_(0, rows + self.v_offset, v.reshape(-1, d).to(self.dtype))
 
     def kv_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """K rows then V rows of the first layer, for one `gather_kv` per layer."""
-        return torch.cat([rows, rows + self.v_offset])
+        """K rows then V rows of the first layer, for one `gather_kv` per layer (one plane: the rows once)."""
+        return rows if self.shared_kv else torch.cat([rows, rows + self.v_offset])
 
     def gather_kv(self, layer_id: int, kv_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One gather of a layer's K and V at `kv_rows` (`kv_rows(rows)`): two `[len(rows), head_dim]`."""
         out = self.flat.index_select(0, kv_rows + self.layer_offset(layer_id))
-        return out.chunk(2)
+        return (out, out) if self.shared_kv else out.chunk(2)
 
     def buffers(self) -> list[torch.Tensor]:
-        """Every layer's K, then every layer's V (strided views; `page_stride` apart per page)."""
-        return [self.k(lid) for lid in self.layer_ids] + [self.v(lid) for lid in self.layer_ids]
+        """Every layer's K, then every layer's V (strided views; `page_stride` apart per page). One plane:
+        the first and the second half of the bytes of each layer's page (byte views)."""
+        if not self.shared_kv or not self.layer_ids:
+            return [self.k(lid) for lid in self.layer_ids] + [self.v(lid) for lid in self.layer_ids]
+        pages = self.data.view(self.num_pages, len(self.layer_ids), -1).view(torch.uint8)
+        if pages.shape[-1] % 2:
+            raise ValueError(f"a layer's page of {pages.shape[-1]} bytes does not halve")
+        half = pages.shape[-1] // 2
+        return [pages[:, i, :half] for i in range(len(self.layer_ids))] \
+            + [pages[:, i, half:] for i in range(len(self.layer_ids))]
