@@ -109,7 +109,8 @@ class ModelRunner:
             self.draft = DraftLayers(self.model)
             layer_ids = [*(cfg.kv_layer_ids or range(cfg.num_layers)), cfg.num_layers]
         self.kv_pool = KVPool(num_pages, self.page_size, cfg.num_layers, cfg.local_kv_heads(tp_size),
-                              cfg.head_dim, dtype=placement.kv_dtype, layer_ids=layer_ids, device=self.device)
+                              cfg.head_dim, dtype=placement.kv_dtype, layer_ids=layer_ids, device=self.device,
+                              shared_kv=cfg.kv_shared)  # latent attention: K and V are one row
         row_len = self.context_length + self.page_size
         self.req_to_token_pool = make_req_pool(row_len, self.device) if make_req_pool is not None else \
             ReqToTokenPool(args.max_running_requests + REQ_POOL_HEADROOM, row_len, device=self.device)
@@ -141,7 +142,9 @@ class ModelRunner:
         if args.mem_fraction_static is None or self.device.type != "cuda":
             return args.max_total_tokens
         layers = len(cfg.kv_layer_ids or range(cfg.num_layers)) + (1 if args.draft_layers else 0)
-        per_token = 2 * layers * cfg.local_kv_heads(tp_size) * cfg.head_dim * self.placement.kv_dtype.itemsize
+        planes = 1 if cfg.kv_shared else 2  # latent attention: K and V are one row
+        per_token = planes * layers * cfg.local_kv_heads(tp_size) * cfg.head_dim \
+            * self.placement.kv_dtype.itemsize
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters()
                       if p.device.type == "cuda")
         tokens = kv_tokens_for_fraction(args.mem_fraction_static, self.device, weights,
@@ -159,7 +162,8 @@ class ModelRunner:
             weights=weights_digest(model_dir, args.load_format, self.tp_size, self.pp_size), model=cfg.name,
             dtype=str(p.dtype).removeprefix("torch."), kv_cache_dtype=str(p.kv_dtype).removeprefix("torch."),
             kv_layout=KV_LAYOUT, page_size=self.page_size, head_dim=cfg.head_dim,
-            kv_heads=cfg.local_kv_heads(self.tp_size) * self.tp_size,  # as the transfer layer counts them
+            # as the transfer layer counts them (a latent row: one head, replicated on every rank)
+            kv_heads=cfg.num_kv_heads if cfg.kv_shared else cfg.local_kv_heads(self.tp_size) * self.tp_size,
             layers=cfg.num_layers, quantization=args.weight_quantization or "none",
             draft_layers=bool(args.draft_layers), tp_size=self.tp_size, pp_size=self.pp_size,
             dp_size=getattr(args, "dp_size", 1),

@@ -28,9 +28,11 @@ def one_torch_thread():
 class Harness:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *, page_size: int = 16,
                  num_pages: int = 128, max_reqs: int = 16, max_context: int = 2048,
-                 scramble_seed: int | None = 0, layer_ids: list[int] | None = None) -> None:
+                 scramble_seed: int | None = 0, layer_ids: list[int] | None = None,
+                 shared_kv: bool = False) -> None:
         self.page_size = page_size
-        self.kv = KVPool(num_pages, page_size, num_layers, kv_heads, head_dim, layer_ids=layer_ids)
+        self.kv = KVPool(num_pages, page_size, num_layers, kv_heads, head_dim, layer_ids=layer_ids,
+                         shared_kv=shared_kv)
         self.alloc = TokenToKVPoolAllocator(num_pages, page_size)
         if scramble_seed is not None:  # hand pages out in a random order: non-contiguous requests
             pages = self.alloc.alloc_pages(self.alloc.available_pages())
@@ -41,7 +43,7 @@ class Harness:
 
     @classmethod
     def for_model(cls, cfg, tp_size: int = 1, **kw) -> Harness:
-        return cls(cfg.num_layers, cfg.local_kv_heads(tp_size), cfg.head_dim, **kw)
+        return cls(cfg.num_layers, cfg.local_kv_heads(tp_size), cfg.head_dim, shared_kv=cfg.kv_shared, **kw)
 
     def new_req(self) -> int:
         row = self.r2t.alloc()

@@ -38,5 +38,5 @@ def attention_backend_for(cfg: ModelConfig, name: str = "native", tp_size: int =
     sliding-window layers whatever its config says, as Qwen3.5's full-attention layers)."""
     layers = sliding_window_layers(cfg) if windows else []
     return create_attention_backend(name, cfg.num_heads // tp_size, cfg.local_kv_heads(tp_size), cfg.head_dim,
-                                    window=int(cfg.sliding_window) if layers else None, window_layers=layers,
-                                    device=device)
+                                    scaling=cfg.attn_scale, window_layers=layers,
+                                    window=int(cfg.sliding_window) if layers else None, device=device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +11,23 @@ from typing import Any
 
 class ModelConfigError(ValueError):
     """The model directory's config cannot be served (the message says why)."""
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _latent_attention(cfg: dict[str, Any], rope_type: str, rope: dict[str, Any]) -> dict[str, Any]:
+    """The cache shape and softmax scale of multi-head latent attention: a row of `kv_lora_rank +
+    qk_rope_head_dim` per token, attention scaled by the full q/k head size (`qk_nope_head_dim +
+    qk_rope_head_dim`) ** -0.5, times mscale(factor, mscale_all_dim) squared under a scaled rope."""
+    rope_dim = int(cfg.get("qk_rope_head_dim") or 0)
+    scale = (int(cfg.get("qk_nope_head_dim") or 0) + rope_dim) ** -0.5
+    if rope_type != "default" and rope.get("mscale_all_dim"):
+        m = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
+        scale *= m * m
+    return {"row_dim": int(cfg["kv_lora_rank"]) + rope_dim, "kv_shared": True, "attn_scale": scale}
 
 
 def _as_list(x) -> list[int]:
@@ -49,6 +67,12 @@ class ModelConfig:
     pad_token_id: int | None = None
     # layer ids that keep a KV cache (all, for dense models; hybrid models list their attention layers)
     kv_layer_ids: list[int] = field(default_factory=list)
+    # multi-head latent attention (DeepSeek-V3, a config with `kv_lora_rank`): the cache keeps one row per
+    # token, [compressed latent | roped shared key], read as both K and V (a single-plane pool), so
+    # num_kv_heads is 1 and head_dim that row's width; attn_scale is the softmax scale (None: the
+    # backend's head_dim ** -0.5)
+    kv_shared: bool = False
+    attn_scale: float | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def local_kv_heads(self, tp_size: int) -> int:
@@ -102,14 +126,20 @@ class ModelConfig:
         num_layers = int(cfg["num_hidden_layers"])
         ctx = int(cfg.get("max_position_embeddings") or 2048)
         model_type = str(cfg.get("model_type", "llama"))
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        mla = {}
+        if cfg.get("kv_lora_rank"):  # one latent row per token is the cache's only KV head
+            mla = _latent_attention(cfg, rope_type, rope)
+            kv_heads, head_dim = 1, mla.pop("row_dim")
         return cls(
             architecture=archs[0],
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             context_length=ctx,
             eos_token_ids=eos,
             name=name,
@@ -130,6 +160,7 @@ class ModelConfig:
             pad_token_id=cfg.get("pad_token_id"),
             kv_layer_ids=list(range(num_layers)),
             raw=cfg,
+            **mla,
         )
 
     @classmethod

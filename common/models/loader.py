@@ -23,6 +23,7 @@ from common.layers.eplb import EplbSettings
 from common.layers.linear import pack_linears
 from common.models.attention import attention_backend_for
 from common.models.config import ModelConfig, ModelConfigError
+from common.models.deepseek_v3 import DeepseekV3ForCausalLM
 from common.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -49,6 +50,7 @@ ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 __all__ = ["ARCHITECTURES", "ModelConfig", "ModelConfigError", "ModelLoadError", "UnsupportedArchitecture",
@@ -141,7 +143,8 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
             raise ModelLoadError(f"--ep-size / --enable-eplb: {config.architecture} has no expert layers "
                                  "this node can split")
         stage.update(ep_size=ep_size, eplb=eplb)
-    backend = attention_backend_for(config, attention_backend, tp_size, device, windows=cls not in HYBRID)
+    backend = attention_backend_for(config, attention_backend, tp_size, device,
+                                    windows=cls not in HYBRID and cls is not DeepseekV3ForCausalLM)
     # on a GPU every parameter and buffer is made there; on the CPU nothing changes
     with torch.device(device) if device.type != "cpu" else contextlib.nullcontext():
         model = cls(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,

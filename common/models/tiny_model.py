@@ -43,6 +43,7 @@ ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 # mixture-of-experts models: 4 experts of 32 features (Mixtral's: of `intermediate_size`), 2 per token
 MOE_BASE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -55,7 +56,15 @@ MOE_BASE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermed
                                 linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                                 linear_num_value_heads=4,
                                 layer_types=["linear_attention", "linear_attention", "full_attention",
-                                             "linear_attention"])}
+                                             "linear_attention"]),
+            # DeepSeek-V3: latent attention (q through a rank-32 bottleneck, a 32 + 8 latent row per token), a
+            # dense first layer, then sigmoid-routed top-2 of 8 experts in 2 groups (1 searched), a shared
+            # expert, weights scaled by 2.5; the router's correction bias is seeded random (`routing_bias`)
+            "deepseek_v3": dict(num_hidden_layers=3, num_key_value_heads=4, head_dim=8, q_lora_rank=32,
+                                kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=32,
+                                routed_scaling_factor=2.5, norm_topk_prob=True, routing_bias=0.05)}
 
 
 def build_tiny_model(out_dir: str, arch: str, tokenizer_dir: str, overrides: dict | None = None) -> None:
@@ -72,9 +81,16 @@ def build_tiny_model(out_dir: str, arch: str, tokenizer_dir: str, overrides: dic
     kw.update(MOE_BASE.get(arch, {}))
     kw.update(overrides or {})
     gguf_blocks = kw.pop("gguf_blocks", False)
+    routing_bias = kw.pop("routing_bias", 0.0)  # spread of a random e_score_correction_bias (DeepSeek-V3)
     config = getattr(transformers, config_name)(**kw)
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).to(torch.float32).eval()
+    if routing_bias:  # transformers starts the bias at zero; a random one steers the choice of experts
+        gen = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(routing_bias * torch.randn(b.shape, generator=gen))
     if gguf_blocks:  # as a Q4_1 GGUF file converts: projections Q4_1, the embedding and lm_head Q8_0
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -38,6 +38,16 @@ ARCH_CASES = {
     "mixtral": ("mixtral", {}),
     # Qwen3.5-MoE (hybrid: Gated DeltaNet state per request): top-2 of 4 experts plus the gated shared expert
     "qwen3_5_moe": ("qwen3_5_moe", {}),
+    # DeepSeek-V3 (latent attention over a single-plane cache of 32 + 8 per token, sigmoid-routed grouped
+    # top-2 of 8 experts steered by a random correction bias, a shared expert, a dense first layer)
+    "deepseek_v3": ("deepseek_v3", {}),
+    # queries without the low-rank bottleneck, rope features not interleaved, YaRN (its mscale in the
+    # softmax scale)
+    "deepseek_v3-q-proj-yarn": ("deepseek_v3", {
+        "q_lora_rank": None, "rope_interleave": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.707},
+    }),
 }
 
 
