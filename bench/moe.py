@@ -1,19 +1,22 @@
 """`pdserve bench moe`: the mixture-of-experts block against two references in one run, and EPLB's effect on
 the step time of two expert-parallel ranks under a skewed expert load.
 
-**Layer** (one process, `--threads` torch threads): pdserve's `SparseMoE` (routing and the grouped experts of
-`common/layers/moe.py`), a per-expert loop in torch (for every expert: the tokens that picked it, its two
-matmuls, the weighted rows added back) and transformers' `Qwen3MoeSparseMoeBlock` with each of its experts
-implementations (`eager`, `batched_mm`, `grouped_mm`; the fastest counts), all on the same weights, timed in
-alternation at each token count of `--tokens`. Ratios: `loop_t{T}` = the loop's median / ours and
-`transformers_t{T}` = transformers' best median / ours (higher is better). Figures: each side's milliseconds
-and the largest difference of its output from ours.
+**Layer** (one process, `--threads` torch threads): pdserve's `SparseMoE` (routing and the experts of
+`common/layers/moe.py`, on the kernel `run_experts` picks), a per-expert loop in torch (for every expert: the
+tokens that picked it, its two matmuls, the weighted rows added back) and transformers'
+`Qwen3MoeSparseMoeBlock`, all on the same weights, timed in alternation at each token count of `--tokens`.
+transformers has three experts implementations (`eager`, `batched_mm`, `grouped_mm`) whose speeds differ by
+orders of magnitude; a probe call of each picks the fastest at that token count, which is then timed. Ratios:
+`loop_t{T}` = the loop's median / ours and `transformers_t{T}` = transformers' / ours (higher is better).
+Figures: each side's milliseconds, the probe's, and the largest difference of each output from ours.
 
 **EPLB** (two gloo processes, one thread each, EP 2): `--layers` sparse blocks whose router sends
-`--hot-share` of the pairs to the experts of EP rank 0. The same batch of `--eplb-tokens` tokens runs through
-the stack without EPLB and with it (`--spare-per-rank` spare slots, a rebalance at the last of three warm-up
-forwards), each rank's step timed. Ratio `eplb_step` = the step time without / with EPLB; figures:
-both step times and the rank-load imbalance (max / mean pairs) before and after.
+`--hot-share` of the pairs to the experts of EP rank 0. Without EPLB and then with it (`--spare-per-rank`
+spare slots, a rebalance at the last of three warm-up forwards), batches of each of `--eplb-tokens` tokens
+run through the stack, each step timed. Ratio `eplb_step_t{T}` = the step time without / with EPLB; figures:
+both step times and the rank-load imbalance (max / mean pairs) before and after. Copies split an expert's
+pairs, not its weights: where a batch gives each expert few pairs the step is bound by reading weights, which
+a copy reads again, and only batches with many pairs per expert gain.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from bench.report import HelpFormatter, write_report
 from common.layers.activation import silu_and_mul
 from common.layers.moe import RoutingRule, SparseMoE
 
+IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")  # transformers' experts implementations
+
 
 def log(msg: str) -> None:
     print(f"[bench moe {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -52,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2, help="sparse blocks in the EPLB part's stack")
     p.add_argument("--spare-per-rank", type=int, default=None,
                    help="EPLB's spare expert slots on each EP rank (default: a quarter of the experts)")
-    p.add_argument("--eplb-tokens", type=int, default=128, help="tokens of the EPLB part's batch")
+    p.add_argument("--eplb-tokens", default="64,1024", help="token counts of the EPLB part's batches")
+    p.add_argument("--eplb-calls", type=int, default=10, help="timed steps per EPLB setting and token count")
     p.add_argument("--hot-share", type=float, default=0.8,
                    help="share of the pairs routed to rank 0's experts")
     p.add_argument("--skip-eplb", action="store_true", help="measure the layer only")
@@ -98,28 +104,35 @@ def make_block(args, seed: int = 0) -> SparseMoE:
     return block.eval()
 
 
+def _median(fn, calls: int) -> float:
+    return _alternate(calls, [fn])[0]
+
+
 @torch.no_grad()
 def layer_part(args) -> tuple[dict, dict]:
     block = make_block(args)
-    impls = ("eager", "batched_mm", "grouped_mm")
-    refs = {name: transformers_block(block, args, name) for name in impls}
+    refs = {name: transformers_block(block, args, name) for name in IMPLEMENTATIONS}
     figures, ratios = {}, {}
     for t in (int(v) for v in args.tokens.split(",")):
         x = torch.randn(t, args.hidden, generator=torch.Generator().manual_seed(t))
         ours = block(x)
+        # transformers' implementations differ by orders of magnitude (batched_mm gathers each pair's expert
+        # weights): one warm-up and one timed call each picks the one that goes into the alternation
+        probe = {n: _median(functools.partial(r, x.unsqueeze(0)), 1) for n, r in refs.items()}
+        best = min(probe, key=probe.get)
         sides = {"ours": functools.partial(block, x), "loop": functools.partial(expert_loop, x, block),
-                 **{f"transformers_{n}": functools.partial(r, x.unsqueeze(0)) for n, r in refs.items()}}
+                 "transformers": functools.partial(refs[best], x.unsqueeze(0))}
         diffs = {name: (fn().reshape(t, -1) - ours).abs().max().item() for name, fn in sides.items()}
         medians = dict(zip(sides, _alternate(args.calls, list(sides.values())), strict=True))
-        best = min(impls, key=lambda n: medians[f"transformers_{n}"])
         ratios[f"loop_t{t}"] = medians["loop"] / medians["ours"]
-        ratios[f"transformers_t{t}"] = medians[f"transformers_{best}"] / medians["ours"]
+        ratios[f"transformers_t{t}"] = medians["transformers"] / medians["ours"]
         figures[f"layer_t{t}"] = {**{f"{n}_ms": round(v * 1e3, 4) for n, v in medians.items()},
-                                  "transformers_best": best,
+                                  "transformers_implementation": best,
+                                  "transformers_probe_ms": {n: round(v * 1e3, 3) for n, v in probe.items()},
                                   "max_abs_diff": {n: float(f"{d:.3g}") for n, d in diffs.items()
                                                    if n != "ours"}}
         log(f"{t:4d} tokens: ours {medians['ours'] * 1e3:8.3f} ms, loop {medians['loop'] * 1e3:8.3f} ms, "
-            f"transformers ({best}) {medians[f'transformers_{best}'] * 1e3:8.3f} ms")
+            f"transformers ({best}) {medians['transformers'] * 1e3:8.3f} ms")
     return figures, ratios
 
 
@@ -136,7 +149,7 @@ def skewed_stack(args, ep_rank: int, spare: int) -> list[SparseMoE]:
     from common.distributed import get_tp_group
     from common.layers.eplb import Eplb
 
-    x, half, layers = skewed_input(args), args.experts // 2, []
+    x, half, layers = skewed_input(args, max(_eplb_tokens(args))), args.experts // 2, []
     for layer in range(args.layers):
         full = make_block(args, seed=layer)
         block = SparseMoE(args.experts, args.hidden, args.inter, full.rule, tp_rank=ep_rank, tp_size=2,
@@ -151,8 +164,12 @@ def skewed_stack(args, ep_rank: int, spare: int) -> list[SparseMoE]:
     return layers
 
 
-def skewed_input(args) -> torch.Tensor:
-    return torch.randn(args.eplb_tokens, args.hidden, generator=torch.Generator().manual_seed(7))
+def skewed_input(args, tokens: int) -> torch.Tensor:
+    return torch.randn(tokens, args.hidden, generator=torch.Generator().manual_seed(7))
+
+
+def _eplb_tokens(args) -> list[int]:
+    return [int(v) for v in args.eplb_tokens.split(",")]
 
 
 @torch.no_grad()
@@ -183,24 +200,26 @@ def _eplb_rank(rank: int, init: str, args, queue) -> None:
         from common.layers.eplb import imbalance
 
         init_distributed(rank, 2, init)
-        x = skewed_input(args)
         result = {}
         for mode, spare in (("off", 0), ("on", args.spare_per_rank or args.experts // 4)):
             stack = skewed_stack(args, rank, spare)
+            x = skewed_input(args, max(_eplb_tokens(args)))
             for _ in range(3):  # warm-up; with EPLB the third forward rebalances every block
                 _step(stack, x)
             for block in stack:
                 block.eplb = None  # the placement stays as the rebalance left it
-            times = []
-            for _ in range(args.calls):
-                t = time.perf_counter()
-                _step(stack, x)
-                times.append(time.perf_counter() - t)
-            result[mode] = {"step_ms": sorted(times)[len(times) // 2] * 1e3, "spare_per_rank": spare,
-                            "imbalance": max(imbalance(b.load.tolist(), b.experts.placement.replicas, 2)
-                                             for b in stack),
-                            "hot_share": sum(b.load[:args.experts // 2].sum().item() for b in stack)
-                            / sum(b.load.sum().item() for b in stack)}
+            imbalance_now = max(imbalance(b.load.tolist(), b.experts.placement.replicas, 2) for b in stack)
+            share = sum(b.load[:args.experts // 2].sum().item() for b in stack) / sum(
+                b.load.sum().item() for b in stack)
+            for t in _eplb_tokens(args):
+                x = skewed_input(args, t)
+                times = []
+                for _ in range(args.eplb_calls):
+                    start = time.perf_counter()
+                    _step(stack, x)
+                    times.append(time.perf_counter() - start)
+                result[(mode, t)] = {"step_ms": sorted(times)[len(times) // 2] * 1e3, "spare_per_rank": spare,
+                                     "imbalance": imbalance_now, "hot_share": share}
             del stack
         queue.put((rank, result, None))
         destroy_distributed()
@@ -230,16 +249,19 @@ def eplb_part(args) -> tuple[dict, dict]:
             if p.is_alive():
                 p.kill()
     # the step ends at the all-reduce, so both ranks see the slower one's time; take rank 0's
-    off, on = got[0]["off"], got[0]["on"]
-    log(f"EPLB: step {off['step_ms']:.2f} ms -> {on['step_ms']:.2f} ms, rank-load imbalance "
-        f"{off['imbalance']:.2f} -> {on['imbalance']:.2f}")
-    figures = {"eplb": {"off_step_ms": round(off["step_ms"], 3), "on_step_ms": round(on["step_ms"], 3),
-                        "imbalance_off": round(off["imbalance"], 3),
-                        "imbalance_on": round(on["imbalance"], 3),
-                        "hot_share_measured": round(off["hot_share"], 3),
-                        "spare_per_rank": on["spare_per_rank"], "layers": args.layers,
-                        "tokens": args.eplb_tokens}}
-    return figures, {"eplb_step": off["step_ms"] / on["step_ms"]}
+    figures, ratios = {}, {}
+    for t in _eplb_tokens(args):
+        off, on = got[0][("off", t)], got[0][("on", t)]
+        log(f"EPLB, {t} tokens: step {off['step_ms']:.2f} ms -> {on['step_ms']:.2f} ms, rank-load imbalance "
+            f"{off['imbalance']:.2f} -> {on['imbalance']:.2f}")
+        figures[f"eplb_t{t}"] = {"off_step_ms": round(off["step_ms"], 3),
+                                 "on_step_ms": round(on["step_ms"], 3),
+                                 "imbalance_off": round(off["imbalance"], 3),
+                                 "imbalance_on": round(on["imbalance"], 3),
+                                 "hot_share_measured": round(off["hot_share"], 3),
+                                 "spare_per_rank": on["spare_per_rank"], "layers": args.layers}
+        ratios[f"eplb_step_t{t}"] = off["step_ms"] / on["step_ms"]
+    return figures, ratios
 
 
 def main(argv: list[str] | None = None) -> dict:

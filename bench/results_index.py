@@ -37,6 +37,7 @@ HEADLINE = {
     "startup": ["startup_front_end_cpu_speedup", "startup_cpu_speedup", "startup_ready_speedup"],
     "chaos": ["hung", "error_unexplained", "nodes_leaked"],
     "clients": ["passed", "failed"],
+    "moe": ["loop_t1", "transformers_t32", "transformers_t256", "eplb_step_t1024"],
 }
 
 
