@@ -197,10 +197,12 @@ def test_qwen35_moe_prefill_tp2_to_decode_tp1(qwen35_moe, launcher):
 # EAGLE / MTP on both sides: the prefill runs the draft layer (one more KV layer of the pool) over the prompt
 # and sends the first draft and its hidden state with the first token and the state; the decode's first
 # step verifies a chain from them, and rejected chains roll the recurrent state back. Over ucx (mooncake
-# carries MTP in tests/pd/test_pd_mtp.py)
+# carries MTP in tests/pd/test_pd_mtp.py), for the dense model and Qwen3.5-MoE (whose draft layer has the
+# sparse block too)
 @pytest.mark.backend("ucx")
-def test_qwen35_draft_layers_across_pd(tmp_path, launcher):
-    path, hf = _with_tokenizer(make_qwen3_5, tmp_path, seed=7)
+@pytest.mark.parametrize("make", [make_qwen3_5, make_qwen3_5_moe], ids=["dense", "moe"])
+def test_qwen35_draft_layers_across_pd(make, tmp_path, launcher):
+    path, hf = _with_tokenizer(make, tmp_path, seed=7)
     add_draft_layers(path, seed=7)
     mtp = {"speculative_algorithm": "MTP", "speculative_num_steps": 2}
     pair = launcher.pair(path, "ucx", prefill_settings={"chunked_prefill_size": CHUNK, **mtp},
