@@ -125,3 +125,15 @@ def test_unusable_inputs_get_none(monkeypatch):
     assert native_grouped_experts(x.to("meta"), w13, w2, weights, ids) is None  # not host memory
     monkeypatch.setattr(native, "moe_experts", lambda: None)  # no kernel (PDSERVE_NATIVE_KERNELS=0)
     assert native_grouped_experts(x, w13, w2, weights, ids) is None
+
+
+def test_run_experts_takes_the_kernel_for_few_pairs_per_expert():
+    """The block's dispatch: the native kernel while the experts average under NATIVE_MAX_PAIRS_PER_EXPERT
+    pairs (its bits exactly), torch's loop above (its bits exactly)."""
+    from common.layers.moe import NATIVE_MAX_PAIRS_PER_EXPERT, run_experts
+
+    few = _case(9, 4, 2, 48, 40, seed=3)
+    assert torch.equal(run_experts(*few), native_grouped_experts(*few))
+    t = NATIVE_MAX_PAIRS_PER_EXPERT + 1  # 2 experts, k=2: t pairs each on average, just over
+    many = _case(t, 2, 2, 16, 8, seed=4)
+    assert torch.equal(run_experts(*many), grouped_experts(*many))
