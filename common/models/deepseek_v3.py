@@ -101,7 +101,7 @@ class YarnRotary(RotaryEmbedding):
         self._build(max(int(max_positions), 1))
 
     def _build(self, n: int) -> None:
-        t = torch.arange(n, dtype=torch.int64).float()
+        t = torch.arange(n, dtype=torch.int64, device=self.inv_freq.device).float()
         freqs = torch.outer(t, self.inv_freq)
         self.cos_cache = (freqs.cos() * self.factor).to(self.dtype)
         self.sin_cache = (freqs.sin() * self.factor).to(self.dtype)
