@@ -1,8 +1,8 @@
 """DeepSeek-V3 (tiny, common/models/deepseek_v3.py) at TP 2 in two real gloo processes: each rank holds
 half the query heads (its rows of q_b_proj / q_proj and kv_b_proj, its columns of o_proj) and the whole
 latent row of every token in its single-plane cache; the routed experts split by features (EP 1) or whole
-over the ranks (EP 2), the shared expert by features. Both ranks' teacher-forced logits (an extend, then
-decode steps) equal each other and transformers'."""
+over the ranks (EP 2, also with EPLB moving spare copies every 2 forwards), the shared expert by features.
+Both ranks' teacher-forced logits (an extend, then decode steps) equal each other and transformers'."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import socket
 import pytest
 import torch
 
+from common.layers.eplb import EplbSettings
 from tests.model_harness import (
     one_torch_thread,  # noqa: F401  (autouse)
     teacher_forced_logits,
@@ -28,18 +29,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, init: str, dirs: list[str], ep_size: int, queue) -> None:
+def _worker(rank: int, init: str, dirs: list[str], ep_size: int, eplb, queue) -> None:
     try:
         torch.set_num_threads(1)
         from common.distributed import destroy_distributed, init_distributed
+        from common.layers.moe import expert_load_stats
         from common.models.loader import load_model
 
         tp_group, _ = init_distributed(rank, 2, init)
         out = []
         for d in dirs:
-            model, cfg = load_model(d, tp_rank=rank, tp_size=2, tp_group=tp_group, ep_size=ep_size)
+            model, cfg = load_model(d, tp_rank=rank, tp_size=2, tp_group=tp_group, ep_size=ep_size, eplb=eplb)
             assert cfg.local_kv_heads(2) == 1 and cfg.kv_shared  # the latent row, on both ranks
-            out.append(teacher_forced_logits(model, cfg, IDS, PREFILL, tp_size=2).numpy())
+            logits = teacher_forced_logits(model, cfg, IDS, PREFILL, tp_size=2).numpy()
+            out.append((logits, expert_load_stats(model).get("moe_eplb_rebalances", 0)))
         queue.put((rank, out, None))
         destroy_distributed()
     except BaseException as e:  # report, so the test fails with the reason instead of a timeout
@@ -48,13 +51,16 @@ def _worker(rank: int, init: str, dirs: list[str], ep_size: int, queue) -> None:
         queue.put((rank, None, f"{e!r}\n{traceback.format_exc()}"))
 
 
-@pytest.mark.parametrize("ep_size", [1, 2])
-def test_deepseek_tp2_matches_hf(make_tiny_model, ep_size):
-    dirs = [make_tiny_model(ARCH_CASES[c][0], **ARCH_CASES[c][1]) for c in ("deepseek_v3", "deepseek_v3-q-proj-yarn")]
+@pytest.mark.parametrize("ep_size,eplb", [(1, None), (2, None),
+                                          (2, EplbSettings(interval=2, redundant_per_rank=1))],
+                         ids=["ep1", "ep2", "ep2-eplb"])
+def test_deepseek_tp2_matches_hf(make_tiny_model, ep_size, eplb):
+    cases = ("deepseek_v3", "deepseek_v3-q-proj-yarn")
+    dirs = [make_tiny_model(ARCH_CASES[c][0], **ARCH_CASES[c][1]) for c in cases]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_worker, args=(r, init, dirs, ep_size, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, init, dirs, ep_size, eplb, queue)) for r in range(2)]
     for p in procs:
         p.start()
     got = {}
@@ -70,6 +76,7 @@ def test_deepseek_tp2_matches_hf(make_tiny_model, ep_size):
                 p.kill()
     for i, d in enumerate(dirs):
         ref = hf_logits(d, IDS)
-        r0, r1 = torch.from_numpy(got[0][i]), torch.from_numpy(got[1][i])
+        r0, r1 = torch.from_numpy(got[0][i][0]), torch.from_numpy(got[1][i][0])
         assert torch.equal(r0, r1), "ranks disagree"
         assert (r0 - ref).abs().max().item() < TOL, d
+        assert (got[0][i][1] > 0) == (eplb is not None)  # the balancer moved copies mid-sequence
