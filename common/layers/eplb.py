@@ -49,6 +49,11 @@ class Eplb:
         self.interval, self.redundant_per_rank, self.layer_id = interval, redundant_per_rank, layer_id
         self.rebalances = 0
 
+    @classmethod
+    def for_layer(cls, settings: EplbSettings | None, layer_id: int) -> Eplb | None:
+        """Layer `layer_id`'s balancer under `settings` (None: no EPLB)."""
+        return None if settings is None else cls(settings.interval, settings.redundant_per_rank, layer_id)
+
     def rebalance(self, experts, load: torch.Tensor, group) -> None:
         placement = experts.placement
         counts = load.tolist()

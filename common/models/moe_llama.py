@@ -43,10 +43,9 @@ class MoeLlama(LlamaForCausalLM):
 
     def sparse_block(self, experts: int, cfg: ModelConfig, layer_id: int, inter: int, rule: RoutingRule,
                      tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype) -> SparseMoE:
-        s = self.eplb_settings
         return SparseMoE(experts, cfg.hidden_size, inter, rule, tp_rank=tp_rank, tp_size=tp_size,
                          tp_group=tp_group, ep_size=self.ep_size, dtype=dtype,
-                         eplb=Eplb(s.interval, s.redundant_per_rank, layer_id) if s is not None else None)
+                         eplb=Eplb.for_layer(self.eplb_settings, layer_id))
 
 
 class Qwen3MoeForCausalLM(MoeLlama):

@@ -101,8 +101,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         raw = cfg.raw
         if cfg.hidden_act not in ("silu", "swish"):
             raise ModelConfigError(f"unsupported hidden_act {cfg.hidden_act!r} (supported: silu)")
-        s = self.eplb_settings
-        eplb = Eplb(s.interval, s.redundant_per_rank, layer_id) if s is not None else None
+        eplb = Eplb.for_layer(self.eplb_settings, layer_id)
         rule = RoutingRule(top_k=int(raw["num_experts_per_tok"]), renormalize=True)
         return SharedExpertMoE(int(raw["num_experts"]), cfg.hidden_size, int(raw["moe_intermediate_size"]),
                                int(raw["shared_expert_intermediate_size"]), rule, tp_rank=tp_rank,
