@@ -61,3 +61,22 @@ def test_moe_greedy_through_pd(moe_pair, moe_model, pd_tok):
         assert s["moe_ep_size"] == extra.get("ep_size", 1)
         assert all(sum(v) > 0 for v in s["moe_expert_load"].values()), s["moe_expert_load"]
         assert (s["moe_eplb_rebalances"] > 0) == bool(extra.get("enable_eplb")), s["moe_eplb_rebalances"]
+
+
+def test_moe_concurrent_requests_through_pd(moe_pair, moe_model, pd_tok):
+    """Six requests at once: the decode batches them (with EPLB on ucx, rebalancing between batch steps)."""
+    import concurrent.futures
+
+    (pair, _), hf = moe_pair, moe_model[1]
+    start = pair.start_counts()
+    prompts = make_prompts(pd_tok, 6, seed=12, lo=5, hi=40)
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        answers = list(ex.map(lambda p: pair.generate({"input_ids": p, "sampling_params": greedy(12)}),
+                              prompts))
+    for p, ((s1, pb), (s2, db)) in zip(prompts, answers, strict=True):
+        assert s1 == 200 and s2 == 200, (pb, db)
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                               attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+        assert db["output_ids"] == want, f"prompt of {len(p)} tokens"
+    assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
