@@ -58,7 +58,7 @@ def exact_float32():
 def _build(path: str, arch: str, seed: int = 0) -> None:
     import transformers
 
-    from common.models.tiny_model import ARCHS, TINY_BASE
+    from common.models.tiny_model import ARCHS, MOE_BASE, TINY_BASE
 
     torch.manual_seed(seed)
     if arch == "qwen3_5":
@@ -67,8 +67,8 @@ def _build(path: str, arch: str, seed: int = 0) -> None:
         make_qwen3_5(path, seed=seed, head_dim=HEAD_DIM, max_position_embeddings=2048)
         return
     config_name, model_name = ARCHS[arch]
-    kw = dict(TINY_BASE, vocab_size=VOCAB, head_dim=HEAD_DIM, bos_token_id=1, eos_token_id=VOCAB - 1,
-              pad_token_id=0)
+    kw = dict(TINY_BASE, **MOE_BASE.get(arch, {}), vocab_size=VOCAB, head_dim=HEAD_DIM, bos_token_id=1,
+              eos_token_id=VOCAB - 1, pad_token_id=0)
     model = getattr(transformers,
                     model_name)(getattr(transformers, config_name)(**kw)).to(torch.float32).eval()
     model.save_pretrained(path, safe_serialization=True)
@@ -76,8 +76,8 @@ def _build(path: str, arch: str, seed: int = 0) -> None:
 
 @pytest.fixture(scope="session")
 def make_model(tmp_path_factory):
-    """`make_model(arch)` for arch in llama, qwen2, qwen3, qwen3_5: the tiny model's directory (one per
-    session and arch)."""
+    """`make_model(arch)` for arch in llama, qwen2, qwen3, qwen3_5, qwen3_moe: the tiny model's directory (one
+    per session and arch)."""
     cache: dict[str, str] = {}
 
     def make(arch: str) -> str:

@@ -1,6 +1,7 @@
 """Greedy decoding on CUDA through ModelRunner, prefill + decode steps as the engine runs them, against
 transformers' `generate(do_sample=False)` on the same directory and device: in float32 the tokens must be
-identical, for tiny random-weight Llama, Qwen2, Qwen3 and Qwen3.5-hybrid models, with the torch_native
+identical, for tiny random-weight Llama, Qwen2, Qwen3, Qwen3.5-hybrid and Qwen3-MoE (its experts on the
+fused Triton kernels) models, with the torch_native
 and triton attention backends, the triton one with and without CUDA graphs (three requests: the decode
 batches replay the 4-row graph, one row of padding).
 
@@ -14,7 +15,7 @@ import pytest
 
 from tests.gpu.conftest import Engine, hf_greedy, needs_flashinfer, prompts, write_result
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_5"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe"]
 STEPS = 24
 
 
