@@ -43,7 +43,8 @@ class Harness:
 
     @classmethod
     def for_model(cls, cfg, tp_size: int = 1, **kw) -> Harness:
-        return cls(cfg.num_layers, cfg.local_kv_heads(tp_size), cfg.head_dim, shared_kv=cfg.kv_shared, **kw)
+        return cls(cfg.num_layers, cfg.local_kv_heads(tp_size), cfg.head_dim,
+                   shared_kv=getattr(cfg, "kv_shared", False), **kw)
 
     def new_req(self) -> int:
         row = self.r2t.alloc()
