@@ -120,23 +120,58 @@ def teacher_forced_logits(model, cfg, ids: list[int], prefill: int, tp_size: int
     return torch.cat(outs)
 
 
-def tp_worker(rank: int, world: int, init_method: str, model_dirs: list[str], ids: list[int], prefill: int,
-              queue) -> None:
-    """One TP rank (run in a spawned process): load each model sliced for this rank and report its logits."""
+def _rank_main(fn, rank: int, world: int, init_method: str, args: tuple, queue) -> None:
+    """One rank (a spawned process, one torch thread): join the gloo group, run `fn(rank, tp_group, *args)`
+    and report its result, or the error with its traceback, so a test fails with the reason, not a timeout."""
     try:
         torch.set_num_threads(1)
         from common.distributed import destroy_distributed, init_distributed
-        from common.models.loader import load_model
 
         tp_group, _ = init_distributed(rank, world, init_method)
-        results = []
-        for d in model_dirs:
-            model, cfg = load_model(d, tp_rank=rank, tp_size=world, tp_group=tp_group)
-            # numpy: pickled by value (a tensor would be shared through this process's fds, gone at exit)
-            results.append(teacher_forced_logits(model, cfg, ids, prefill, tp_size=world).numpy())
-        queue.put((rank, results, None))
+        queue.put((rank, fn(rank, tp_group, *args), None))
         destroy_distributed()
-    except BaseException as e:  # report, so the test fails with the reason instead of a timeout
+    except BaseException as e:
         import traceback
 
         queue.put((rank, None, f"{e!r}\n{traceback.format_exc()}"))
+
+
+def run_ranks(fn, *args, world: int = 2, timeout: float = 300.0) -> dict:
+    """`fn(rank, tp_group, *args)` on `world` real gloo ranks in spawned processes; {rank: its result}.
+    `fn` is a module-level function (it is pickled by name); return plain data (numpy, lists), not tensors,
+    which would be shared through the rank's process, gone by then."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, init, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(world):
+            rank, result, err = queue.get(timeout=timeout)
+            assert err is None, f"rank {rank} failed: {err}"
+            got[rank] = result
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+def tp_logits(rank: int, tp_group, model_dirs: list[str], ids: list[int], prefill: int) -> list:
+    """One TP rank's teacher-forced logits (numpy) of each model, loaded sliced for it (`run_ranks`)."""
+    from common.models.loader import load_model
+
+    world = tp_group.size() if tp_group is not None else 1
+    out = []
+    for d in model_dirs:
+        model, cfg = load_model(d, tp_rank=rank, tp_size=world, tp_group=tp_group)
+        out.append(teacher_forced_logits(model, cfg, ids, prefill, tp_size=world).numpy())
+    return out

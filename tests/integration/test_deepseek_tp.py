@@ -6,15 +6,13 @@ Both ranks' teacher-forced logits (an extend, then decode steps) equal each othe
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
-
 import pytest
 import torch
 
 from common.layers.eplb import EplbSettings
 from tests.model_harness import (
     one_torch_thread,  # noqa: F401  (autouse)
+    run_ranks,
     teacher_forced_logits,
 )
 from tests.unit.test_model_vs_hf import ARCH_CASES, TOL, hf_logits
@@ -23,32 +21,17 @@ IDS = list(range(200, 236))
 PREFILL = 30
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank(rank: int, tp_group, dirs: list[str], ep_size: int, eplb) -> list:
+    from common.layers.moe import expert_load_stats
+    from common.models.loader import load_model
 
-
-def _worker(rank: int, init: str, dirs: list[str], ep_size: int, eplb, queue) -> None:
-    try:
-        torch.set_num_threads(1)
-        from common.distributed import destroy_distributed, init_distributed
-        from common.layers.moe import expert_load_stats
-        from common.models.loader import load_model
-
-        tp_group, _ = init_distributed(rank, 2, init)
-        out = []
-        for d in dirs:
-            model, cfg = load_model(d, tp_rank=rank, tp_size=2, tp_group=tp_group, ep_size=ep_size, eplb=eplb)
-            assert cfg.local_kv_heads(2) == 1 and cfg.kv_shared  # the latent row, on both ranks
-            logits = teacher_forced_logits(model, cfg, IDS, PREFILL, tp_size=2).numpy()
-            out.append((logits, expert_load_stats(model).get("moe_eplb_rebalances", 0)))
-        queue.put((rank, out, None))
-        destroy_distributed()
-    except BaseException as e:  # report, so the test fails with the reason instead of a timeout
-        import traceback
-
-        queue.put((rank, None, f"{e!r}\n{traceback.format_exc()}"))
+    out = []
+    for d in dirs:
+        model, cfg = load_model(d, tp_rank=rank, tp_size=2, tp_group=tp_group, ep_size=ep_size, eplb=eplb)
+        assert cfg.local_kv_heads(2) == 1 and cfg.kv_shared  # the latent row, on both ranks
+        logits = teacher_forced_logits(model, cfg, IDS, PREFILL, tp_size=2).numpy()
+        out.append((logits, expert_load_stats(model).get("moe_eplb_rebalances", 0)))
+    return out
 
 
 @pytest.mark.parametrize("ep_size,eplb", [(1, None), (2, None),
@@ -57,23 +40,7 @@ def _worker(rank: int, init: str, dirs: list[str], ep_size: int, eplb, queue) ->
 def test_deepseek_tp2_matches_hf(make_tiny_model, ep_size, eplb):
     cases = ("deepseek_v3", "deepseek_v3-q-proj-yarn")
     dirs = [make_tiny_model(ARCH_CASES[c][0], **ARCH_CASES[c][1]) for c in cases]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_worker, args=(r, init, dirs, ep_size, eplb, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in range(2):
-            rank, results, err = queue.get(timeout=300)
-            assert err is None, f"rank {rank} failed: {err}"
-            got[rank] = results
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = run_ranks(_rank, dirs, ep_size, eplb)
     for i, d in enumerate(dirs):
         ref = hf_logits(d, IDS)
         r0, r1 = torch.from_numpy(got[0][i][0]), torch.from_numpy(got[1][i][0])

@@ -4,15 +4,13 @@ for Qwen3-MoE and Mixtral, with and without EPLB moving replicas between the ran
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
-
 import torch
 
 from common.layers.eplb import EplbSettings
 from common.models.loader import load_model
 from tests.model_harness import (
     one_torch_thread,  # noqa: F401  (autouse)
+    run_ranks,
     teacher_forced_logits,
 )
 
@@ -20,51 +18,19 @@ IDS = list(range(200, 236))
 PREFILL = 30
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank(rank: int, tp_group, dirs: list[str], ep_size: int, eplb) -> list:
+    from common.layers.moe import expert_load_stats
 
-
-def _worker(rank: int, init: str, dirs: list[str], ep_size: int, eplb, queue) -> None:
-    try:
-        torch.set_num_threads(1)
-        from common.distributed import destroy_distributed, init_distributed
-        from common.layers.moe import expert_load_stats
-
-        tp_group, _ = init_distributed(rank, 2, init)
-        out = []
-        for d in dirs:
-            model, cfg = load_model(d, tp_rank=rank, tp_size=2, tp_group=tp_group, ep_size=ep_size, eplb=eplb)
-            logits = teacher_forced_logits(model, cfg, IDS, PREFILL, tp_size=2).numpy()
-            out.append((logits, expert_load_stats(model)))
-        queue.put((rank, out, None))
-        destroy_distributed()
-    except BaseException as e:
-        import traceback
-
-        queue.put((rank, None, f"{e!r}\n{traceback.format_exc()}"))
+    out = []
+    for d in dirs:
+        model, cfg = load_model(d, tp_rank=rank, tp_size=2, tp_group=tp_group, ep_size=ep_size, eplb=eplb)
+        logits = teacher_forced_logits(model, cfg, IDS, PREFILL, tp_size=2).numpy()
+        out.append((logits, expert_load_stats(model)))
+    return out
 
 
 def _run_pair(dirs: list[str], ep_size: int, eplb=None) -> dict[int, list]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_worker, args=(r, init, dirs, ep_size, eplb, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in range(2):
-            rank, results, err = queue.get(timeout=300)
-            assert err is None, f"rank {rank} failed: {err}"
-            got[rank] = results
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return got
+    return run_ranks(_rank, dirs, ep_size, eplb)
 
 
 def _check(dirs: list[str], got: dict[int, list]) -> None:

@@ -4,23 +4,15 @@ checks without processes: tests/unit/test_loader.py."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
-
 import torch
 
 from common.models.loader import load_model
 from tests.model_harness import (
     one_torch_thread,  # noqa: F401  (autouse)
+    run_ranks,
     teacher_forced_logits,
-    tp_worker,
+    tp_logits,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tp2_matches_tp1(make_tiny_model):
@@ -28,23 +20,7 @@ def test_tp2_matches_tp1(make_tiny_model):
             make_tiny_model("qwen2", num_key_value_heads=1)]
     ids = list(range(200, 236))
     prefill = 30
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=tp_worker, args=(r, 2, init, dirs, ids, prefill, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        for _ in range(2):
-            rank, results, err = queue.get(timeout=300)
-            assert err is None, f"rank {rank} failed: {err}"
-            got[rank] = results
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = run_ranks(tp_logits, dirs, ids, prefill)
     for i, d in enumerate(dirs):
         ref = teacher_forced_logits(*load_model(d), ids, prefill)
         r0, r1 = torch.from_numpy(got[0][i]), torch.from_numpy(got[1][i])
