@@ -16,20 +16,31 @@
 //   columns 16p..16p+15 as [KP / 2][16][2] int8 (GROUP 2; KP = K rounded up to whole blocks, padded with
 //   zeros): each 32-byte line is two steps of k for 16 columns, widened to int16 as it is loaded; the
 //   activations are widened once, when quantized, and a pair is broadcast to every lane. Tiles of up to
-//   6 rows x 16 columns (two int32 accumulators a row). Each add into an accumulator is written as an
-//   instruction of its own (DOT): left to itself, GCC 12 kept fewer than the 12 accumulators in
-//   registers, and those it moved to the stack chained every step of k through a store and a reload,
-//   so the tile ran at 0.75-0.9x float32's rate instead of 1.0-1.4x.
+//   6 rows x 16 columns (two int32 accumulators a row). Each row's step (DOT: broadcast, two madds, two
+//   adds) is written as one asm statement, and the tile's masks, bias and scales are set up only after
+//   the walk over k: left to itself, GCC 12 kept fewer than the 12 accumulators in registers, and those
+//   it moved to the stack chained every step of k through a store and a reload.
+//   (`_mm256_maddubs_epi16` does 32 byte products per instruction but saturates at int16: exact only with
+//   the sign of x moved onto w, one more multiply-port instruction a row and step, and its int16 sums
+//   still need a madd with ones to reach int32, so it issues no fewer multiply-port instructions per
+//   product than madd_epi16 on widened operands.)
 // * AVX-512 VNNI: `_mm512_dpbusd_epi32`, 64 byte products summed in fours into 16 int32 lanes in one
 //   instruction (four float32 zmm FMAs' worth). Panels are [KP / 4][16][4] (GROUP 4): one 64-byte line is
 //   four steps of k for 16 columns. dpbusd multiplies unsigned by signed bytes, so activations are stored
 //   as xq + 128 and each block subtracts 128 * sum_k w, itself a dpbusd of 128s against the same lines.
 //   Tiles of up to 12 rows x 16 columns (one accumulator a row).
-// As in gemm.c, one thread owns a run of panels and walks each with one tile after another, so every
-// weight is read from memory once per matmul, and a tile with later row blocks prefetches its share of the
-// next panel. A decode step streams a quarter of float32's bytes (as int8wo does); a prefill or a large
-// batch, bound by arithmetic, does its multiply-adds at up to twice (AVX2) or four times (VNNI) float32's
-// rate per instruction. `packed_gemm_w8a8_group()` and `_block()` say which layout this build reads.
+// As in gemm.c, the rows are split into blocks of heights that differ by at most one (a short tile has
+// too few accumulators), and each row block is quantized k-major (`quantize_rows`: group u of k of row i
+// at (u * mr + i) * GROUP), so a tile's broadcasts sit at fixed offsets from one pointer walking k. The
+// quantization (eight floats at a time: max|x|, then x * (127 / max|x|) rounded by cvtps2dq, as lrintf
+// rounds) and the matmul share one parallel region: the threads split the row blocks, then each owns a
+// run of panels and walks each with one tile after another, so every weight is read from memory once per
+// matmul, and a tile with later row blocks prefetches its share of the next panel, a few lines after each
+// block of k (no per-step counter in the walk). A decode step streams a quarter of float32's bytes (as
+// int8wo does); a prefill or a large batch, bound by arithmetic, does its multiply-adds at up to twice
+// (AVX2) or four times (VNNI) float32's rate per instruction. `packed_gemm_w8a8_group()` and `_block()`
+// say which layout this build reads.
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,7 +48,9 @@
 
 #define SG 64  // input channels per activation scale (a multiple of every GROUP)
 
-void *gemm_scratch(int slot, size_t bytes);  // gemm.c
+void *gemm_scratch(int slot, size_t bytes);                     // gemm.c
+int64_t gemm_row_blocks(int64_t M, int64_t mr_max);             // gemm.c: blocks of heights that differ by
+int64_t gemm_block_start(int64_t M, int64_t j, int64_t mr_max); // at most one, and where block j starts
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -56,32 +69,74 @@ typedef uint8_t ACT;
 typedef int16_t ACT;
 #define ACT_ZERO 0
 #endif
+#define UNITS (SG / GROUP)  // groups of k (4 bytes of ACT each) per block
 
-// Row m of x into xq[m * KP ..] as ACT (int16 xq, or uint8 xq + 128 with VNNI; xq in [-127, 127]) and its
-// block scales into xs[m * nb ..]. A block holding a NaN or an infinity gets scale NaN, so the row's
-// outputs are NaN as float32's would be.
-static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t KP, ACT *xq, float *xs) {
-    const int64_t nb = KP / SG;
-#pragma omp parallel for schedule(static) if (M * K >= 65536)
-    for (int64_t m = 0; m < M; m++) {
-        const float *r = x + m * ldx;
-        ACT *q = xq + m * KP;
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t k0 = b * SG, k1 = k0 + SG < K ? k0 + SG : K;
-            float amax = 0.f, poison = 0.f;  // poison: 0 unless some r[k] * 0 is NaN (r[k] NaN or infinite)
-            for (int64_t k = k0; k < k1; k++) {
-                const float a = fabsf(r[k]);
-                amax = a > amax ? a : amax;
-                poison += r[k] * 0.f;
-            }
-            const float inv = amax > 0.f ? 127.f / amax : 0.f;
-            for (int64_t k = k0; k < k1; k++)
-                q[k] = (ACT)(lrintf(r[k] * inv) + ACT_ZERO);
-            for (int64_t k = k1 > k0 ? k1 : k0; k < k0 + SG; k++)
-                q[k] = ACT_ZERO;  // against zero weights
-            xs[m * nb + b] = isnan(poison) ? NAN : amax / 127.f;
-        }
+// One block of SG channels of one row, r[0 .. n) (n <= SG; the rest is zero), into SG ACT at q (xq, or
+// xq + 128 with VNNI; xq in [-127, 127], ACT_ZERO past n); returns its scale, NaN when the block holds a
+// NaN or an infinity (the row's outputs are then NaN, as float32's would be). Eight floats at a time:
+// max|x| is exact in any order, and x * (127 / amax) is rounded to nearest-even by cvtps2dq as by lrintf.
+static float quantize_block(const float *r, int64_t n, ACT *q) {
+    __m256 v[SG / 8];
+    const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(FLT_MAX);
+    __m256 amax8 = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int c = 0; c < SG / 8; c++) {
+        const int64_t left = n - 8 * c;
+        if (left >= 8)
+            v[c] = _mm256_loadu_ps(r + 8 * c);
+        else if (left > 0)
+            v[c] = _mm256_maskload_ps(r + 8 * c, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left),
+                                                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        else
+            v[c] = _mm256_setzero_ps();
+        const __m256 a = _mm256_andnot_ps(sign, v[c]);
+        amax8 = _mm256_max_ps(amax8, a);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));  // infinite or NaN
     }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float amax = _mm_cvtss_f32(m4);
+    const int poison = _mm256_movemask_ps(bad) != 0;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    if (!(inv <= FLT_MAX)) {  // amax below 127 / FLT_MAX (or NaN): lrintf's own answer for x * inf
+        for (int64_t k = 0; k < SG; k++)
+            q[k] = k < n ? (ACT)(lrintf(r[k] * inv) + ACT_ZERO) : ACT_ZERO;
+    } else {
+        const __m256 s = _mm256_set1_ps(inv);
+        __m256i w[SG / 8];
+        for (int c = 0; c < SG / 8; c++)
+            w[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], s));
+#if VNNI
+        const __m256i zero_point = _mm256_set1_epi16(ACT_ZERO), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (int c = 0; c < SG / 32; c++) {
+            const __m256i lo = _mm256_add_epi16(_mm256_packs_epi32(w[4 * c], w[4 * c + 1]), zero_point);
+            const __m256i hi = _mm256_add_epi16(_mm256_packs_epi32(w[4 * c + 2], w[4 * c + 3]), zero_point);
+            _mm256_storeu_si256((__m256i *)(q + 32 * c),
+                                _mm256_permutevar8x32_epi32(_mm256_packus_epi16(lo, hi), order));
+        }
+#else
+        for (int c = 0; c < SG / 16; c++)
+            _mm256_storeu_si256((__m256i *)(q + 16 * c),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(w[2 * c], w[2 * c + 1]), 0xD8));
+#endif
+    }
+    return poison ? NAN : amax / 127.f;
+}
+
+// Rows m0 .. m0 + mr of x, one row block, as its tiles read them: group u of k (4 bytes of ACT) of row i at
+// xq + (u * mr + i) * GROUP, so a tile's broadcasts sit at fixed offsets from one pointer walking k; the
+// scale of row i's block b at xs[i * nb + b].
+static void quantize_rows(const float *x, int64_t ldx, int64_t mr, int64_t K, int64_t KP, ACT *xq, float *xs) {
+    const int64_t nb = KP / SG;
+    ACT q[SG] __attribute__((aligned(32)));
+    for (int64_t i = 0; i < mr; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t k0 = b * SG;
+            xs[i * nb + b] = quantize_block(x + i * ldx + k0, K - k0 < SG ? K - k0 : SG, q);
+            uint32_t *dst = (uint32_t *)(xq + b * SG * mr) + i;
+            for (int u = 0; u < UNITS; u++)
+                memcpy(dst + u * mr, q + GROUP * u, 4);
+        }
 }
 
 static inline int32_t load_group(const ACT *p) {  // GROUP activations (4 bytes) for a broadcast
@@ -90,21 +145,13 @@ static inline int32_t load_group(const ACT *p) {  // GROUP activations (4 bytes)
     return v;
 }
 
-// Every `every` steps of the walk over k, the next line at `pf` (if not NULL) is prefetched.
-#define PREFETCH_STEP                   \
-    if (pf && --cnt == 0) {             \
-        _mm_prefetch(pf, _MM_HINT_T1);  \
-        pf += 64;                       \
-        cnt = every;                    \
-    }
-
 // Every tile keeps its running float32 sums over the blocks in `acc` (MR x 16, in L1), folds each
-// block's integer sums into it (FOLD), and stores acc * ws + bias (STORE).
+// block's integer sums into it (FOLD), and stores acc * ws + bias (STORE). DOT(i): row i's step j.
 #if VNNI
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 #define DECLARE(i) __m512i c##i = _mm512_setzero_si512();
 #define DOT(i) \
-    if (MR > i) c##i = _mm512_dpbusd_epi32(c##i, _mm512_set1_epi32(load_group(xq + (i) * KP + GROUP * j)), w8);
+    if (MR > i) c##i = _mm512_dpbusd_epi32(c##i, _mm512_set1_epi32(load_group(xb + (j * MR + (i)) * GROUP)), w8);
 #define FOLD(i)                                                                                         \
     if (MR > i) {                                                                                       \
         const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(c##i, comp));                           \
@@ -114,15 +161,15 @@ static inline int32_t load_group(const ACT *p) {  // GROUP activations (4 bytes)
 #define STORE(i) \
     if (MR > i) _mm512_mask_storeu_ps(y + (i) * ldy, m, _mm512_fmadd_ps(_mm512_load_ps(acc + (i) * NR), s, init));
 
-#define TILE_SETUP                                                                  \
+#define LOOP_SETUP const __m512i zero_point = _mm512_set1_epi8((char)ACT_ZERO);
+#define STORE_SETUP                                                                 \
     const __mmask16 m = nv >= NR ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);   \
     const __m512 init = bias ? _mm512_maskz_loadu_ps(m, bias) : _mm512_setzero_ps(); \
-    const __m512 s = _mm512_loadu_ps(ws);                                             \
-    const __m512i zero_point = _mm512_set1_epi8((char)ACT_ZERO);
+    const __m512 s = _mm512_loadu_ps(ws);
 // comp: 128 * sum_k w per column over the block, what the offset activations add
 #define BLOCK_START __m512i comp = _mm512_setzero_si512();
 #define LOAD_LINE                                                                   \
-    const __m512i w8 = _mm512_loadu_si512((const void *)(w + j * GROUP * NR));       \
+    const __m512i w8 = _mm512_loadu_si512((const void *)(wb + j * GROUP * NR));       \
     comp = _mm512_dpbusd_epi32(comp, zero_point, w8);
 
 #define BY_HEIGHT(mr, ...)                           \
@@ -139,11 +186,16 @@ static inline int32_t load_group(const ACT *p) {  // GROUP activations (4 bytes)
 #else
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #define DECLARE(i) __m256i c##i##a = _mm256_setzero_si256(), c##i##b = _mm256_setzero_si256();
-#define DOT(i)                                                                      \
-    if (MR > i) {                                                                   \
-        const __m256i a = _mm256_set1_epi32(load_group(xq + (i) * KP + GROUP * j)); \
-        const __m256i t0 = _mm256_madd_epi16(a, b0), t1 = _mm256_madd_epi16(a, b1); \
-        __asm__("vpaddd %2, %0, %0\n\tvpaddd %3, %1, %1" : "+x"(c##i##a), "+x"(c##i##b) : "x"(t0), "x"(t1)); \
+#define DOT(i)                                                                                \
+    if (MR > i) {                                                                             \
+        __m256i t0, t1;                                                                       \
+        __asm__("vpbroadcastd %4, %3\n\t"                                                     \
+                "vpmaddwd %5, %3, %2\n\t"                                                     \
+                "vpmaddwd %6, %3, %3\n\t"                                                     \
+                "vpaddd %2, %0, %0\n\t"                                                       \
+                "vpaddd %3, %1, %1"                                                           \
+                : "+x"(c##i##a), "+x"(c##i##b), "=&x"(t0), "=&x"(t1)                          \
+                : "m"(*(const int32_t *)(xb + (j * MR + (i)) * GROUP)), "x"(b0), "x"(b1));    \
     }
 #define FOLD(i)                                                                                              \
     if (MR > i) {                                                                                            \
@@ -159,7 +211,8 @@ static inline int32_t load_group(const ACT *p) {  // GROUP activations (4 bytes)
         _mm256_maskstore_ps(y + (i) * ldy + 8, m1, _mm256_fmadd_ps(_mm256_load_ps(t + 8), s1, init1));       \
     }
 
-#define TILE_SETUP                                                                  \
+#define LOOP_SETUP
+#define STORE_SETUP                                                                 \
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                  \
     const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota);              \
     const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv - 8), iota);          \
@@ -168,8 +221,8 @@ static inline int32_t load_group(const ACT *p) {  // GROUP activations (4 bytes)
     const __m256 s0 = _mm256_loadu_ps(ws), s1 = _mm256_loadu_ps(ws + 8);
 #define BLOCK_START
 #define LOAD_LINE                                                                   \
-    const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + j * GROUP * NR)));      \
-    const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + j * GROUP * NR + 16)));
+    const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + j * GROUP * NR)));      \
+    const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + j * GROUP * NR + 16)));
 
 #define BY_HEIGHT(mr, ...)                           \
     switch (mr) {                                    \
@@ -177,27 +230,34 @@ static inline int32_t load_group(const ACT *p) {  // GROUP activations (4 bytes)
     }
 #endif
 
-// One MR x 16 tile over the whole K: rows of xq (KP each) against one panel; `nv` of the 16 columns are
-// stored. Every `every` groups of k the next line at `pf` (if not NULL) is prefetched. Each build
-// supplies TILE_SETUP (masks, bias, scales), BLOCK_START and LOAD_LINE (the weight line of step j).
+// One MR x 16 tile over the whole K: a row block of xq (quantize_rows' layout; KP each) against one
+// panel; `nv` of the 16 columns are stored. After each block of k it prefetches `per` of the `owed`
+// lines at `pf` (NULL: none) and the rest at the end, so the walk over k carries no per-step counter.
+// Each build supplies LOOP_SETUP, BLOCK_START and LOAD_LINE (the weight line of step j) for the walk and
+// STORE_SETUP (masks, bias, scales) for the store.
 static inline __attribute__((always_inline)) void tile(const int MR, int64_t KP, const ACT *xq, const float *xs,
                                                        const int8_t *w, const float *ws, const float *bias, float *y,
-                                                       int64_t ldy, int nv, const char *pf, int64_t every) {
-    const int64_t nb = KP / SG;
-    TILE_SETUP
+                                                       int64_t ldy, int nv, const char *pf, int64_t owed) {
+    const int64_t nb = KP / SG, per = pf ? (owed + nb - 1) / nb : 0;
+    LOOP_SETUP
     float acc[MR_MAX * NR] __attribute__((aligned(64))) = {0};
-    int64_t cnt = every;
     for (int64_t b = 0; b < nb; b++) {
+        const ACT *xb = xq + b * SG * MR;  // the block's activations and weights
+        const int8_t *wb = w + b * SG * NR;
         BLOCK_START
         ROWS(DECLARE)
-#pragma GCC unroll 4
-        for (int64_t j = b * (SG / GROUP); j < (b + 1) * (SG / GROUP); j++) {
+#pragma GCC unroll 8
+        for (int j = 0; j < UNITS; j++) {
             LOAD_LINE
             ROWS(DOT)
-            PREFETCH_STEP
         }
         ROWS(FOLD)
+        for (int64_t r = 0; r < per && owed > 0; r++, owed--) {
+            _mm_prefetch(pf, _MM_HINT_T1);
+            pf += 64;
+        }
     }
+    STORE_SETUP  // (here, not live over the walk: GCC then keeps every accumulator in a register)
     ROWS(STORE)
 }
 
@@ -210,8 +270,8 @@ static inline __attribute__((always_inline)) void tile(const int MR, int64_t KP,
     default: tile(1, __VA_ARGS__); break;
 
 static void tile_rows(int mr, int64_t KP, const ACT *xq, const float *xs, const int8_t *w, const float *ws,
-                      const float *bias, float *y, int64_t ldy, int nv, const char *pf, int64_t every) {
-    BY_HEIGHT(mr, KP, xq, xs, w, ws, bias, y, ldy, nv, pf, every)
+                      const float *bias, float *y, int64_t ldy, int nv, const char *pf, int64_t owed) {
+    BY_HEIGHT(mr, KP, xq, xs, w, ws, bias, y, ldy, nv, pf, owed)
 }
 
 int packed_gemm_w8a8_group(void) { return GROUP; }
@@ -230,24 +290,33 @@ int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float 
     if (!xs)
         return -1;
     ACT *xq = (ACT *)(xs + M * nb);
-    quantize_rows(x, ldx, M, K, KP, xq, xs);
     const int64_t panels = (N + NR - 1) / NR;
-    const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
+    const int64_t blocks = gemm_row_blocks(M, MR_MAX);
     const int64_t panel_bytes = KP * NR;
     const int64_t lines = (panel_bytes + 63) / 64;
-    const int64_t every = blocks > 1 ? (KP / GROUP * blocks + lines - 1) / lines : 1;
-#pragma omp parallel for schedule(static) if (M * N * K >= 32768)
-    for (int64_t p = 0; p < panels; p++) {
-        const int nv = N - p * NR < NR ? (int)(N - p * NR) : NR;
-        const int8_t *wp = wq + p * panel_bytes;
-        const float *b = bias ? bias + p * NR : 0;
+    // One parallel region: the row blocks are quantized (split between the threads), then each thread
+    // walks its run of panels.
+#pragma omp parallel if (M * N * K >= 32768)
+    {
+#pragma omp for schedule(static)
         for (int64_t j = 0; j < blocks; j++) {
-            const int64_t m = j * MR_MAX;
-            const int mr = M - m < MR_MAX ? (int)(M - m) : MR_MAX;
-            const char *pf = blocks > 1 && p + 1 < panels ? (const char *)wp + panel_bytes + (lines * j / blocks) * 64
-                                                          : 0;
-            tile_rows(mr, KP, xq + m * KP, xs + m * nb, wp, scale + p * NR, b, y + m * ldy + p * NR, ldy, nv, pf,
-                      every);
+            const int64_t m = gemm_block_start(M, j, MR_MAX);
+            quantize_rows(x + m * ldx, ldx, gemm_block_start(M, j + 1, MR_MAX) - m, K, KP, xq + m * KP, xs + m * nb);
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int nv = N - p * NR < NR ? (int)(N - p * NR) : NR;
+            const int8_t *wp = wq + p * panel_bytes;
+            const float *b = bias ? bias + p * NR : 0;
+            for (int64_t j = 0; j < blocks; j++) {
+                const int64_t m = gemm_block_start(M, j, MR_MAX);
+                const int mr = (int)(gemm_block_start(M, j + 1, MR_MAX) - m);
+                // block j prefetches lines [j lines / blocks, (j + 1) lines / blocks) of the next panel
+                const int64_t first = lines * j / blocks, owed = lines * (j + 1) / blocks - first;
+                const char *pf = blocks > 1 && p + 1 < panels ? (const char *)wp + panel_bytes + first * 64 : 0;
+                tile_rows(mr, KP, xq + m * KP, xs + m * nb, wp, scale + p * NR, b, y + m * ldy + p * NR, ldy, nv, pf,
+                          owed);
+            }
         }
     }
     return 0;
