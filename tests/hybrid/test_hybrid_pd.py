@@ -52,11 +52,6 @@ def qwen35(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def qwen35_moe(tmp_path_factory):
-    return _with_tokenizer(make_qwen3_5_moe, tmp_path_factory.mktemp("pd_qwen35_moe"), seed=8)
-
-
-@pytest.fixture(scope="module")
 def swa(tmp_path_factory):
     return _with_tokenizer(make_mistral_swa, tmp_path_factory.mktemp("pd_swa"), window=WINDOW, seed=6)
 
@@ -181,31 +176,21 @@ def test_qwen35_prefill_tp2_to_decode_tp1(qwen35, launcher, tmp_path):
     assert _state_free(pair) == states
 
 
-# Qwen3.5-MoE: each prefill rank holds half of every routed expert's and of the shared expert's features and
-# half of the state's heads; the decode node's one rank gets all of the state (over nixl: the dense model's
-# prefill tp 2 goes over mooncake above)
-@pytest.mark.backend("nixl")
-def test_qwen35_moe_prefill_tp2_to_decode_tp1(qwen35_moe, launcher):
-    pair = _pair(launcher, qwen35_moe[0], "nixl", prefill_tp=2)
-    start = pair.start_counts()
-    states = _state_free(pair)
-    _check_greedy(pair, qwen35_moe[1], prompts(3, seed=5))
-    assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
-    assert _state_free(pair) == states
-
-
 # EAGLE / MTP on both sides: the prefill runs the draft layer (one more KV layer of the pool) over the prompt
 # and sends the first draft and its hidden state with the first token and the state; the decode's first
-# step verifies a chain from them, and rejected chains roll the recurrent state back. Over ucx (mooncake
-# carries MTP in tests/pd/test_pd_mtp.py), for the dense model and Qwen3.5-MoE (whose draft layer has the
-# sparse block too)
-@pytest.mark.backend("ucx")
-@pytest.mark.parametrize("make", [make_qwen3_5, make_qwen3_5_moe], ids=["dense", "moe"])
-def test_qwen35_draft_layers_across_pd(make, tmp_path, launcher):
+# step verifies a chain from them, and rejected chains roll the recurrent state back (mooncake carries MTP
+# in tests/pd/test_pd_mtp.py). The dense model over ucx; Qwen3.5-MoE (whose draft layer has the sparse block
+# too) over nixl from a prefill of two ranks, each holding half of every routed expert's and of the shared
+# expert's features and half of the state's heads, to a decode rank that gets all of the state
+@pytest.mark.parametrize("make,backend,prefill_tp", [
+    pytest.param(make_qwen3_5, "ucx", 1, marks=pytest.mark.backend("ucx"), id="dense"),
+    pytest.param(make_qwen3_5_moe, "nixl", 2, marks=pytest.mark.backend("nixl"), id="moe-prefill-tp2")])
+def test_qwen35_draft_layers_across_pd(make, backend, prefill_tp, tmp_path, launcher):
     path, hf = _with_tokenizer(make, tmp_path, seed=7)
     add_draft_layers(path, seed=7)
     mtp = {"speculative_algorithm": "MTP", "speculative_num_steps": 2}
-    pair = launcher.pair(path, "ucx", prefill_settings={"chunked_prefill_size": CHUNK, **mtp},
+    pair = launcher.pair(path, backend, prefill_tp=prefill_tp,
+                         prefill_settings={"chunked_prefill_size": CHUNK, **mtp},
                          decode_settings={"chunked_prefill_size": CHUNK, **mtp})
     start = pair.start_counts()
     states = _state_free(pair)

@@ -21,12 +21,17 @@ IDS = list(range(200, 236))
 PREFILL = 30
 
 
-def _rank(rank: int, tp_group, dirs: list[str], ep_size: int, eplb) -> list:
+SETTINGS = {"ep1": (1, None), "ep2": (2, None),
+            "ep2-eplb": (2, EplbSettings(interval=2, redundant_per_rank=1))}
+CASES = ("deepseek_v3", "deepseek_v3-q-proj-yarn")
+
+
+def _rank(rank: int, tp_group, jobs: list[tuple]) -> list:
     from common.layers.moe import expert_load_stats
     from common.models.loader import load_model
 
     out = []
-    for d in dirs:
+    for d, ep_size, eplb in jobs:
         model, cfg = load_model(d, tp_rank=rank, tp_size=2, tp_group=tp_group, ep_size=ep_size, eplb=eplb)
         assert cfg.local_kv_heads(2) == 1 and cfg.kv_shared  # the latent row, on both ranks
         logits = teacher_forced_logits(model, cfg, IDS, PREFILL, tp_size=2).numpy()
@@ -34,16 +39,23 @@ def _rank(rank: int, tp_group, dirs: list[str], ep_size: int, eplb) -> list:
     return out
 
 
-@pytest.mark.parametrize("ep_size,eplb", [(1, None), (2, None),
-                                          (2, EplbSettings(interval=2, redundant_per_rank=1))],
-                         ids=["ep1", "ep2", "ep2-eplb"])
-def test_deepseek_tp2_matches_hf(make_tiny_model, ep_size, eplb):
-    cases = ("deepseek_v3", "deepseek_v3-q-proj-yarn")
-    dirs = [make_tiny_model(ARCH_CASES[c][0], **ARCH_CASES[c][1]) for c in cases]
-    got = run_ranks(_rank, dirs, ep_size, eplb)
-    for i, d in enumerate(dirs):
-        ref = hf_logits(d, IDS)
-        r0, r1 = torch.from_numpy(got[0][i][0]), torch.from_numpy(got[1][i][0])
+@pytest.fixture(scope="module")
+def tp2_runs(make_tiny_model):
+    """Both cases under every setting, in one pair of rank processes: {(case, setting): (rank 0's logits,
+    rank 1's, rebalances)}."""
+    dirs = {c: make_tiny_model(ARCH_CASES[c][0], **ARCH_CASES[c][1]) for c in CASES}
+    keys = [(c, s) for s in SETTINGS for c in CASES]
+    got = run_ranks(_rank, [(dirs[c], *SETTINGS[s]) for c, s in keys])
+    return dirs, {k: (got[0][i][0], got[1][i][0], got[0][i][1]) for i, k in enumerate(keys)}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_deepseek_tp2_matches_hf(tp2_runs, setting):
+    dirs, runs = tp2_runs
+    for case, d in dirs.items():
+        r0, r1, rebalances = runs[(case, setting)]
+        r0, r1 = torch.from_numpy(r0), torch.from_numpy(r1)
         assert torch.equal(r0, r1), "ranks disagree"
-        assert (r0 - ref).abs().max().item() < TOL, d
-        assert (got[0][i][1] > 0) == (eplb is not None)  # the balancer moved copies mid-sequence
+        assert (r0 - hf_logits(d, IDS)).abs().max().item() < TOL, d
+        # the balancer moved copies mid-sequence
+        assert (rebalances > 0) == (SETTINGS[setting][1] is not None)
