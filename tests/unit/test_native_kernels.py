@@ -202,6 +202,24 @@ def test_w8a8_gemm_sums_int8_products_exactly(rows, out_features, in_features):
         assert torch.equal(linear(x[-1:], weight, packed, b), out[-1:])  # batch-invariant
 
 
+def test_w8a8_gemm_gives_every_row_its_own_bits_in_any_batch():
+    """The rows of a batch go in row blocks of heights that differ by at most one (64 rows: 6 and 5 on
+    AVX2, 11 and 10 with VNNI), each quantized k-major eight floats at a time with a masked tail (203
+    input channels: three whole blocks and one of 11); every row still gets the bits it gets alone, in a
+    tensor of its own (nothing read past its last channel)."""
+    from common.layers.linear import linear, pack_weight
+
+    g = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(40, 203, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(64, 203, generator=g) * torch.logspace(-3, 3, 64).unsqueeze(1)
+    packed = pack_weight(weight, quantization="w8a8_int8")
+    out = linear(x, weight, packed, bias)
+    for rows in (13, 7):
+        assert torch.equal(linear(x[:rows].clone(), weight, packed, bias), out[:rows])
+    for m in range(64):
+        assert torch.equal(linear(x[m:m + 1].clone(), weight, packed, bias), out[m:m + 1]), m
+
+
 def test_w8a8_gemm_keeps_a_non_finite_row_to_itself():
     from common.layers.linear import linear, pack_weight
 
