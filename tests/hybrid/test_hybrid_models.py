@@ -79,12 +79,14 @@ def test_qwen35_layout(qwen35):
     assert spec.recurrent_shape == (4, 8, 8)
 
 
-def test_multimodal_checkpoint_served_text_only(tmp_path):
+@pytest.mark.parametrize("moe,arch", [(False, "Qwen3_5ForConditionalGeneration"),
+                                      (True, "Qwen3_5MoeForConditionalGeneration")], ids=["dense", "moe"])
+def test_multimodal_checkpoint_served_text_only(tmp_path, moe, arch):
     from tests.hybrid.hybrid_harness import make_qwen3_5_multimodal
 
-    hf = make_qwen3_5_multimodal(str(tmp_path), seed=2)
+    hf = make_qwen3_5_multimodal(str(tmp_path), seed=2, moe=moe)
     model, cfg = load_ours(str(tmp_path))
-    assert cfg.architecture == "Qwen3_5ForConditionalGeneration" and cfg.kv_layer_ids == [2]
+    assert cfg.architecture == arch and cfg.kv_layer_ids == [2]
     ids = random_prompt(40, 8)
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
@@ -105,21 +107,6 @@ def test_qwen35_moe_layout(qwen35_moe):
     for layer in model.model.layers:
         assert isinstance(layer.mlp, SharedExpertMoE) and not layer.mlp.reduce
         assert tuple(layer.mlp.experts.w13.shape) == (4, 64, 64) and layer.mlp.rule.renormalize
-
-
-def test_moe_multimodal_checkpoint_served_text_only(tmp_path):
-    from tests.hybrid.hybrid_harness import make_qwen3_5_multimodal
-
-    hf = make_qwen3_5_multimodal(str(tmp_path), seed=2, moe=True)
-    model, cfg = load_ours(str(tmp_path))
-    assert cfg.architecture == "Qwen3_5MoeForConditionalGeneration" and cfg.kv_layer_ids == [2]
-    ids = random_prompt(40, 8)
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([ids])).logits[0]
-    h = HybridHarness(model, cfg)
-    row = h.new_req()
-    _close(model.forward(h.extend_batch([(row, ids)], all_logits=True)), ref)
-    h.free_req(row)
 
 
 def test_moe_stacked_experts_checkpoint(qwen35_moe, tmp_path):
