@@ -180,11 +180,14 @@ def test_qwen35_prefill_tp2_to_decode_tp1(qwen35, launcher, tmp_path):
 # and sends the first draft and its hidden state with the first token and the state; the decode's first
 # step verifies a chain from them, and rejected chains roll the recurrent state back (mooncake carries MTP
 # in tests/pd/test_pd_mtp.py). The dense model over ucx; Qwen3.5-MoE (whose draft layer has the sparse block
-# too) over nixl from a prefill of two ranks, each holding half of every routed expert's and of the shared
-# expert's features and half of the state's heads, to a decode rank that gets all of the state
+# too) over every backend, over nixl from a prefill of two ranks, each holding half of every routed expert's
+# and of the shared expert's features and half of the state's heads, to a decode rank that gets all of the
+# state
 @pytest.mark.parametrize("make,backend,prefill_tp", [
     pytest.param(make_qwen3_5, "ucx", 1, marks=pytest.mark.backend("ucx"), id="dense"),
-    pytest.param(make_qwen3_5_moe, "nixl", 2, marks=pytest.mark.backend("nixl"), id="moe-prefill-tp2")])
+    pytest.param(make_qwen3_5_moe, "nixl", 2, marks=pytest.mark.backend("nixl"), id="moe-prefill-tp2"),
+    pytest.param(make_qwen3_5_moe, "mooncake", 1, marks=pytest.mark.backend("mooncake"), id="moe-mooncake"),
+    pytest.param(make_qwen3_5_moe, "ucx", 1, marks=pytest.mark.backend("ucx"), id="moe-ucx")])
 def test_qwen35_draft_layers_across_pd(make, backend, prefill_tp, tmp_path, launcher):
     path, hf = _with_tokenizer(make, tmp_path, seed=7)
     add_draft_layers(path, seed=7)

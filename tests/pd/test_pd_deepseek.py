@@ -4,7 +4,8 @@ equal transformers' `generate` for prompts of several chunks, and the transfer m
 (per token and layer `kv_lora_rank + qk_rope_head_dim` floats, once, not K and V of every head):
 * nixl: a prefill node of two TP ranks (each holds the whole latent; each sends half of its bytes) to a
   decode node of one rank;
-* mooncake: one prefill rank to a decode node of two TP ranks (each gets the whole latent).
+* mooncake: one prefill rank to a decode node of two TP ranks (each gets the whole latent);
+* ucx: two prefill ranks to two decode ranks (each decode rank gets half of its latent from each).
 Both nodes end at their starting free pages, request rows and metadata slots."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from tests.harness.backends import backend_params
 from tests.harness.pd import assert_restored, greedy, make_prompts
 
-LAYOUTS = {"nixl": (2, 1), "mooncake": (1, 2)}  # backend -> (prefill tp, decode tp)
+LAYOUTS = {"nixl": (2, 1), "mooncake": (1, 2), "ucx": (2, 2)}  # backend -> (prefill tp, decode tp)
 PAGE = 4  # tests.harness.pd.BASE's page size
 
 

@@ -1,10 +1,11 @@
-"""A mixture-of-experts model (tiny random-weight Qwen3-MoE: a dense first layer, then top-2 of 4 experts)
-disaggregated on 127.0.0.1: greedy tokens equal transformers' `generate` for prompts of several chunks:
-* nixl: a prefill node of two TP ranks with expert parallelism (each rank holds two whole experts) to a
-  decode node of one rank;
-* mooncake: one prefill rank to a decode node of two TP ranks, each holding half of every expert;
-* ucx: a prefill node of two ranks, each half of every expert, to a decode node of two EP ranks with EPLB
-  rebalancing every 3 forwards (spare copies moved between the ranks while requests decode).
+"""Mixture-of-experts models (tiny random-weight Qwen3-MoE: a dense first layer, then top-2 of 4 experts;
+Mixtral: top-2 of 4 on every layer) disaggregated on 127.0.0.1: greedy tokens equal transformers'
+`generate` for prompts of several chunks:
+* nixl, Qwen3-MoE: a prefill node of two TP ranks with expert parallelism (each rank holds two whole
+  experts) to a decode node of one rank;
+* mooncake, Mixtral: one prefill rank to a decode node of two TP ranks, each holding half of every expert;
+* ucx, Qwen3-MoE: a prefill node of two ranks, each half of every expert, to a decode node of two EP ranks
+  with EPLB rebalancing every 3 forwards (spare copies moved between the ranks while requests decode).
 Both nodes end at their starting free pages, request rows and metadata slots, and report the expert
 loads they counted."""
 
@@ -18,33 +19,31 @@ from tests.harness.pd import assert_restored, greedy, make_prompts
 
 EP2 = {"ep_size": 2}
 EPLB = {"ep_size": 2, "enable_eplb": True, "eplb_rebalance_num_iterations": 3}
-# backend -> (prefill tp, decode tp, prefill settings, decode settings)
-LAYOUTS = {"nixl": (2, 1, EP2, {}), "mooncake": (1, 2, {}, {}), "ucx": (2, 2, {}, EPLB)}
-
-
-@pytest.fixture(scope="module")
-def moe_model(make_tiny_model):
-    from transformers import AutoModelForCausalLM
-
-    path = make_tiny_model("qwen3_moe", mlp_only_layers=[0])
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # exactly max_new_tokens, like ignore_eos
-    return path, hf
+# backend -> (model, prefill tp, decode tp, prefill settings, decode settings)
+LAYOUTS = {"nixl": ("qwen3_moe", 2, 1, EP2, {}), "mooncake": ("mixtral", 1, 2, {}, {}),
+           "ucx": ("qwen3_moe", 2, 2, {}, EPLB)}
+MODELS = {"qwen3_moe": {"mlp_only_layers": [0]}, "mixtral": {}}
 
 
 @pytest.fixture(scope="module", params=backend_params(*LAYOUTS))
-def moe_pair(request, moe_model, module_launcher):
-    prefill_tp, decode_tp, prefill, decode = LAYOUTS[request.param]
+def moe_pair(request, make_tiny_model, module_launcher):
+    """(the pair, its backend, transformers' model of what it serves)."""
+    from transformers import AutoModelForCausalLM
+
+    arch, prefill_tp, decode_tp, prefill, decode = LAYOUTS[request.param]
+    path = make_tiny_model(arch, **MODELS[arch])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # exactly max_new_tokens, like ignore_eos
     settings = {"chunked_prefill_size": 16}
-    pair = module_launcher.pair(moe_model[0], request.param, prefill_tp=prefill_tp, decode_tp=decode_tp,
+    pair = module_launcher.pair(path, request.param, prefill_tp=prefill_tp, decode_tp=decode_tp,
                                 prefill_settings={**settings, **prefill},
                                 decode_settings={**settings, **decode})
-    yield pair, request.param
+    yield pair, request.param, hf
     pair.stop()
 
 
-def test_moe_greedy_through_pd(moe_pair, moe_model, pd_tok):
-    (pair, backend), hf = moe_pair, moe_model[1]
+def test_moe_greedy_through_pd(moe_pair, pd_tok):
+    pair, backend, hf = moe_pair
     start = pair.start_counts()
     for p in make_prompts(pd_tok, 3, seed=11, lo=5, hi=50):
         (s1, pb), (s2, db) = pair.generate({"input_ids": p, "sampling_params": greedy(8)})
@@ -55,7 +54,7 @@ def test_moe_greedy_through_pd(moe_pair, moe_model, pd_tok):
         assert pb["output_ids"] == want[:1]
         assert db["output_ids"] == want, f"prompt of {len(p)} tokens"
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
-    _, _, prefill, decode = LAYOUTS[backend]
+    _, _, _, prefill, decode = LAYOUTS[backend]
     for node, extra in ((pair.prefill, prefill), (pair.decode, decode)):
         s = node.stats()
         assert s["moe_ep_size"] == extra.get("ep_size", 1)
@@ -63,11 +62,11 @@ def test_moe_greedy_through_pd(moe_pair, moe_model, pd_tok):
         assert (s["moe_eplb_rebalances"] > 0) == bool(extra.get("enable_eplb")), s["moe_eplb_rebalances"]
 
 
-def test_moe_concurrent_requests_through_pd(moe_pair, moe_model, pd_tok):
+def test_moe_concurrent_requests_through_pd(moe_pair, pd_tok):
     """Six requests at once: the decode batches them (with EPLB on ucx, rebalancing between batch steps)."""
     import concurrent.futures
 
-    (pair, _), hf = moe_pair, moe_model[1]
+    pair, _, hf = moe_pair
     start = pair.start_counts()
     prompts = make_prompts(pd_tok, 6, seed=12, lo=5, hi=40)
     with concurrent.futures.ThreadPoolExecutor(6) as ex:
