@@ -50,10 +50,12 @@ def raw_events(url: str, body: dict, n_data: int) -> list[str]:
 def test_a_stream_waiting_in_a_queue_sends_keepalives(tiny_model_dir, module_launcher):
     node = module_launcher.colocated(tiny_model_dir, **{**NODE_SETTINGS, "max_running_requests": 1,
                                                         "stream_keepalive_secs": 0.2})
+    # the first runs alone in the one running slot; 2000 tokens outlast the keep-alive interval many times
+    # over even where the tiny model decodes 1500 tokens a second
     first = threading.Thread(target=stream, args=(node.url + "/v1/completions",
-                                                  {"prompt": "a", **LONG, "max_tokens": 800}))
-    first.start()  # runs alone (one running slot) for a few seconds
-    time.sleep(0.5)
+                                                  {"prompt": "a", **LONG, "max_tokens": 2000}))
+    first.start()
+    wait_until(lambda: node.stats()["num_running_reqs"] == 1, what="the first request running")
     lines = raw_events(node.url + "/generate", {"text": "b", "stream": True,
                                                 "sampling_params": {"max_new_tokens": 2}}, 1)
     first.join()
