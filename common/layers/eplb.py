@@ -10,8 +10,9 @@ the counts are the same on every rank), does:
 1. **How many copies:** one spare copy at a time to the expert with the most pairs per copy, at most one
    copy per EP rank.
 2. **Where:** the extra copies in decreasing order of their share of pairs, each to the rank with the least
-   projected load that has a free spare slot and no copy of that expert yet; a rank's projected load is the
-   sum over the copies it holds of their experts' pairs divided by the expert's copies.
+   load that has a free spare slot and no copy of that expert yet, and only if that lowers the busiest of
+   the expert's holders (so an even load places none); a rank's load is the sum over the copies it holds so
+   far of their experts' pairs divided by the expert's copies.
 3. **Weights:** each copy that lands in a slot holding something else is sent from its home rank (one
    point-to-point send per expert shard, in the same order on every rank, so no rank waits on a later move
    before an earlier one completes); then the new placement takes effect. The home copies never move, so a
@@ -80,20 +81,26 @@ def plan(load: list[int], ep_size: int, per_rank: int, slots: int) -> list[list[
             break
         copies[best] += 1
     replicas = [[(e // per_rank, e % per_rank)] for e in range(n)]
-    rank_load = [0.0] * ep_size
+    rank_load = [0.0] * ep_size  # of the copies placed so far
     for e in range(n):
-        rank_load[e // per_rank] += load[e] / copies[e]
+        rank_load[e // per_rank] += load[e]
     free = [list(range(per_rank, slots)) for _ in range(ep_size)]
     extra = sorted((e for e in range(n) for _ in range(copies[e] - 1)),
                    key=lambda e: (-load[e] / copies[e], e))
     for e in extra:
-        holders = {r for r, _ in replicas[e]}
+        holders = [r for r, _ in replicas[e]]
         ranks = [r for r in range(ep_size) if free[r] and r not in holders]
         if not ranks:
             continue
         r = min(ranks, key=lambda g: (rank_load[g], g))
+        old, new = load[e] / len(holders), load[e] / (len(holders) + 1)
+        # a copy only where it lowers the busiest of the ranks it touches (under an even load, none)
+        if not load[e] or rank_load[r] + new >= max(rank_load[h] for h in holders):
+            continue
+        for h in holders:
+            rank_load[h] += new - old
+        rank_load[r] += new
         replicas[e].append((r, free[r].pop(0)))
-        rank_load[r] += load[e] / copies[e]
     return replicas
 
 

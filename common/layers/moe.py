@@ -195,7 +195,7 @@ class GroupedExperts(nn.Module):
             _copy_checked(param.data[slot, rows], loaded[r * i:(r + 1) * i], f"expert {expert} {part}")
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.ep_size == 1 and self.placement.slots == self.num_experts:
+        if self.ep_size == 1:  # every expert here, once (EPLB's spare slots need EP)
             return run_experts(x, self.w13, self.w2, weights, ids)
         tok, choice, slot = self.placement.mine(ids, self.ep_rank)
         out = torch.zeros_like(x)
@@ -249,10 +249,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.select(x)
         flat = ids.reshape(-1)  # scatter, not bincount: no host sync, so a CUDA graph can hold it
-        counts = torch.zeros_like(self.load).scatter_add_(0, flat, torch.ones_like(flat))
-        self.load += counts
+        ones = torch.ones_like(flat)
+        self.load.scatter_add_(0, flat, ones)
         if self.eplb is not None:
-            self.recent_load += counts
+            self.recent_load.scatter_add_(0, flat, ones)
             self.forwards += 1
             if self.forwards % self.eplb.interval == 0:
                 self.eplb.rebalance(self.experts, self.recent_load, self.tp_group)

@@ -63,13 +63,16 @@ def test_ep2_matches_tp1(ep2_runs, arch):
 
 def test_eplb_replicas_keep_logits(ep2_runs):
     """Rebalances every 2 forwards (7 forwards: a prefill and 6 decode steps), one spare slot per rank:
-    the first fills both spares over the wire, later ones may move them; the logits stay exact."""
+    each fills a spare over the wire where a copy unloads the busier rank; the logits stay exact."""
     d, got = ep2_runs[("qwen3_moe", EPLB)]
     _check(d, got)
     stats = got[0][1]
     layers = len(stats["moe_expert_load"])
     assert stats["moe_eplb_rebalances"] == 3 * layers
-    assert all(sum(c) == 4 + 2 for c in stats["moe_expert_replicas"].values()), stats["moe_expert_replicas"]
+    # copies went over the wire where they unload the busier rank (the last window's placement: some
+    # layers hold one), never more than the two spares
+    copies = stats["moe_expert_replicas"]
+    assert any(sum(c) > 4 for c in copies.values()) and all(sum(c) <= 4 + 2 for c in copies.values()), copies
 
 
 def test_dense_model_refuses_ep(make_tiny_model):
