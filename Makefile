@@ -44,7 +44,11 @@ clients-venvs:
 # picks nixl_cuNN by torch's CUDA major); nixl-cu13 the build for the machine's torch (+cu130, CUDA 13), by
 # far the largest of these: the tree and the carried folders together may take 64 MiB, so its expert-parallel
 # library (nixl_ep_cu13: built for other torch versions, never imported here) is dropped (bench/gpu/slim_wheel.py)
-GPU_WHEELS := msgspec==0.22.0 pyzmq==27.3.0 nixl==1.5.1 nixl-cu13==1.5.1
+# the image lacks these: msgspec and pyzmq (every node), nixl (the GPU transfer), the OpenAI SDK and its
+# dependencies (the integration suite's client)
+GPU_WHEELS := msgspec==0.22.0 pyzmq==27.3.0 nixl==1.5.1 nixl-cu13==1.5.1 openai==3.57.0 httpx2==2.16.2 \
+	httpcore2==2.16.2 truststore==0.10.5 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 jiter==0.19.0 sniffio==1.3.1 distro==1.9.0
 gpu-wheels:
 	mkdir -p .whl
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

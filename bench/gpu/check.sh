@@ -39,6 +39,8 @@ BENCH_TIMEOUT=${BENCH_TIMEOUT:-60}
 TRANSFER_TIMEOUT=${TRANSFER_TIMEOUT:-30}
 INTEGRATION_TIMEOUT=${INTEGRATION_TIMEOUT:-50}
 GPU_PD_TIMEOUT=${GPU_PD_TIMEOUT:-100}
+TESTS_SELECT=${TESTS_SELECT:-tests/gpu}  # what tests_gpu runs (a rerun names the files that failed)
+TEST_TIMEOUT_EACH=${TEST_TIMEOUT_EACH:-90}  # pytest-timeout per test: a hang fails with its traceback
 BENCH_GPU_ARGS=${BENCH_GPU_ARGS:---backends triton,flashinfer --batches 1,64 --repeats 2 --overlap-batches 1}
 GPU_PD_ARGS=${GPU_PD_ARGS:---startup-timeout 50}
 # the scenarios that need only the fake cluster and fit the step (the disconnect test waits out its aborts)
@@ -164,8 +166,10 @@ note_pytest() {
   fi
 }
 
+# shellcheck disable=SC2086  # TESTS_SELECT is words: files or node ids
 PDSERVE_GPU_RESULTS="$OUT" run_step tests_gpu "$TESTS_TIMEOUT" \
-  python3 -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/tests_gpu.xml"
+  python3 -m pytest -v --tb=short -rfE -p no:cacheprovider --timeout "$TEST_TIMEOUT_EACH" $TESTS_SELECT \
+  --junitxml="$OUT/tests_gpu.xml"
 note_pytest tests_gpu "$OUT/tests_gpu.xml"
 
 # shellcheck disable=SC2086  # the flags are words

@@ -75,6 +75,17 @@ into the device table and, for a device table, into its host copy, which `slots`
         if self._host is not self.req_to_token:
             self._host[row, start:end] = slots
 
+    def write_at(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """One slot per (row, position) pair (a decode step's next tokens), into the table and its host
+        copy."""
+        self.req_to_token[rows, positions] = slots.to(self.device)
+        if self._host is not self.req_to_token:
+            self._host[rows, positions] = slots.cpu()
+
+    def slots_at(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The slots of (row, position) pairs, read on the host (see `slots`)."""
+        return self._host[rows, positions]
+
     def slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """A row's slots `start..end-1` on the host, as the allocator, the radix cache and the transfer layer
         keep their books: a view of the table on the CPU, of its host copy when the table is on a device

@@ -186,15 +186,15 @@ class ScheduleBatch:
         fresh = [i for i, p in enumerate(positions) if p % ps == 0]  # these start a new page
         self.ensure_free_pages(len(fresh))
         pages = self.allocator.alloc_pages(len(fresh))
-        r2t = self.req_to_token_pool.req_to_token
+        pool = self.req_to_token_pool
         rows_t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         pos_t = torch.tensor(positions, dtype=torch.int64)
         # a request's next slot follows its last one within the page, or opens a fresh page
-        slots = r2t[rows_t, (pos_t - 1).clamp(min=0)] + 1
+        slots = pool.slots_at(rows_t, (pos_t - 1).clamp(min=0)) + 1
         if fresh:
             first = self.allocator.first_slots(torch.tensor(pages, dtype=torch.int64))
             slots[torch.tensor(fresh, dtype=torch.int64)] = first
-        r2t[rows_t, pos_t] = slots
+        pool.write_at(rows_t, pos_t, slots)
         for r in reqs:
             r.kv_len += 1
         return rows_t, pos_t, slots
@@ -233,14 +233,14 @@ class ScheduleBatch:
         `common/scheduler/speculative.py` keeps the confirmed ones and rolls the rest back."""
         self.mode = ForwardMode.VERIFY
         self.ensure_free_pages(self.verify_pages_needed(drafts))
-        r2t = self.req_to_token_pool.req_to_token
+        pool = self.req_to_token_pool
         input_ids: list[int] = []
         positions, out_locs, seq_lens, prefix_lens, extend_lens = [], [], [], [], []
         for r, d in zip(self.reqs, drafts, strict=True):
             pre, n = r.kv_len, 1 + len(d)
-            last_slot = int(r2t[r.req_pool_idx, pre - 1]) if pre else 0
+            last_slot = int(pool.slots(r.req_pool_idx, pre - 1, pre)[0]) if pre else 0
             slots = self.allocator.alloc_extend(pre, last_slot, n)
-            r2t[r.req_pool_idx, pre:pre + n] = slots
+            pool.write(r.req_pool_idx, pre, slots)
             r.kv_len = pre + n
             input_ids.append(r.output_ids[-1])
             input_ids.extend(d)
@@ -259,7 +259,7 @@ class ScheduleBatch:
             extend_prefix_lens=prefix_lens,
             extend_seq_lens=extend_lens,
             kv_pool=self.kv_pool,
-            req_to_token=r2t,
+            req_to_token=pool.req_to_token,
             logits_indices=torch.arange(len(input_ids), dtype=torch.int64),
         )
         self.extend_info = None

@@ -136,7 +136,6 @@ class ResultProcessor:
         """Keep each request's confirmed drafts and its own next token, up to where it finishes, and give
         back the KV slots of the rest."""
         kept = []
-        r2t = self.req_to_token_pool.req_to_token
         for i, (req, drafts) in enumerate(zip(batch.reqs, batch.drafts, strict=True)):
             if req.finished():
                 kept.append(0)
@@ -152,7 +151,7 @@ class ResultProcessor:
                 if req.check_finished():
                     break
             req.kv_len = base + n
-            rollback(req, self.allocator, r2t, reserved)
+            rollback(req, self.allocator, self.req_to_token_pool, reserved)
             kept.append(n)
         hybrid = getattr(self.runner, "hybrid", None)
         if hybrid is not None:  # recurrent state: the one after each running request's last kept token

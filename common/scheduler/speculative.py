@@ -32,8 +32,6 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
-import torch
-
 from common.scheduler.req import Req
 
 DEFAULT_NUM_DRAFT_TOKENS = 4  # --speculative-num-draft-tokens when not given
@@ -179,14 +177,14 @@ def accepted_run(drafts: list[int], targets: list[int]) -> int:
     return n
 
 
-def rollback(req: Req, allocator, req_to_token: torch.Tensor, reserved_len: int) -> None:
+def rollback(req: Req, allocator, req_to_token_pool, reserved_len: int) -> None:
     """Give back the slots of rejected drafts: pages wholly past `req.kv_len` (the request had
     `reserved_len` positions' slots) return to the allocator; the rest of its last page stays its own
     (the next token's slot follows the last kept one)."""
     ps = allocator.page_size
     keep_to = -(-req.kv_len // ps) * ps
     if reserved_len > keep_to:
-        allocator.free_slots(req_to_token[req.req_pool_idx, keep_to:reserved_len])
+        allocator.free_slots(req_to_token_pool.slots(req.req_pool_idx, keep_to, reserved_len))
 
 
 def make_drafter(args) -> Drafter | None:

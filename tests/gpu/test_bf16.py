@@ -24,7 +24,8 @@ def test_bfloat16_agrees_with_float32(make_model):
         report[arch] = {"fraction": sum(same) / (STEPS * len(ps)), "first_difference": first}
         total += STEPS * len(ps)
         agree += sum(same)
-        for x, y in zip(f32, bf16, strict=True):
-            assert x[:8] == y[:8], arch
     report["all"] = {"fraction": agree / total, "tokens": total}
-    write_result("bf16_agreement", report)
+    write_result("bf16_agreement", report)  # before the check: the figures are the result either way
+    early = {arch: r["first_difference"] for arch, r in report.items()
+             if arch != "all" and min(r["first_difference"]) < 8}
+    assert not early, f"bfloat16 parts from float32 within 8 tokens (first difference per prompt): {early}"
