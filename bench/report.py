@@ -71,6 +71,17 @@ def write_report(path: str | None, bench: str, figures: dict, ratios: dict[str, 
     return report
 
 
+RESULT_KEYS = ("bench", "machine", "device", "command", "config", "ratios")
+
+
+def as_result(report: dict) -> dict:
+    """A report in bench/results/'s shape: its own keys (`RESULT_KEYS`) at the top, every measured part under
+    `figures`."""
+    out = {k: report[k] for k in RESULT_KEYS if k in report}
+    out["figures"] = {k: v for k, v in report.items() if k not in RESULT_KEYS}
+    return out
+
+
 def save_json(path: str | None, report: dict) -> None:
     """Write a bench's report (its directory made first) and say where; nothing without a path."""
     if not path:

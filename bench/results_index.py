@@ -37,11 +37,14 @@ HEADLINE = {
     "startup": ["startup_front_end_cpu_speedup", "startup_cpu_speedup", "startup_ready_speedup"],
     "chaos": ["hung", "error_unexplained", "nodes_leaked"],
     "clients": ["passed", "failed"],
+    "gpu": ["decode_b1_roofline", "decode_b64_roofline", "prefill_8k_peak", "overlap_b1"],
     "moe": ["loop_t1", "transformers_t32", "transformers_t256", "eplb_step_t1024"],
 }
 
 
 def _number(value) -> str:
+    if isinstance(value, dict):  # a ratio with its target (bench gpu): {"value", "target", "met"}
+        value = value.get("value")
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 

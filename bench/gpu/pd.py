@@ -39,7 +39,7 @@ Ratios, with their targets (a missed target is a result, not an error):
                  costs in throughput
 
 JSON (`--json FILE`, rewritten after each setup): `bench`, `device` (torch.cuda.get_device_name, memory,
-versions), `machine`, `command` (the argv), `config`, `setups` (per setup: the node flags, start-up
+versions), `machine`, `command` (the argv), `config`, `figures.setups` (per setup: the node flags, start-up
 seconds, what the nodes' /server_info says of their device and KV pool, the summary with TTFT / ITL /
 TPOT / E2E percentiles and throughputs, the per-request rows; or the error that stopped it) and
 `ratios` (value, target, met). Exit 0 when both setups ran and every request completed, 1 otherwise,
@@ -61,7 +61,7 @@ import sys
 import tempfile
 import time
 
-from bench.report import HelpFormatter, machine_info, save_json
+from bench.report import HelpFormatter, as_result, machine_info, save_json
 from bench.serve import BenchRequest, format_summary, result_rows, run_benchmark, sample_lengths, summarize
 
 TARGETS = {"pd_itl_p99": 2.0, "pd_throughput": 0.9}
@@ -376,9 +376,9 @@ def main(argv: list[str] | None = None) -> int:
                 entry = {"error": f"{type(e).__name__}: {e}"[:4000]}
                 log(f"{name}: failed: {entry['error'][:500]}")
             add_setup(report, name, entry)
-            save_json(ns.json, report)
+            save_json(ns.json, as_result(report))
     print_report(report)
-    save_json(ns.json, report)
+    save_json(ns.json, as_result(report))
     return 0 if succeeded(report, wanted) else 1
 
 

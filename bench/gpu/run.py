@@ -58,10 +58,10 @@ met and which backend it came from; a missed target is a result, not an error (e
 
 JSON (`--json FILE`, rewritten after each backend, so a run cut short keeps what it measured):
 `bench`, `device` (name, memory, torch / triton / CUDA versions; on cpu the CPU model), `machine`,
-`command` (the argv), `config`, `references` (copy GB/s, matmul TFLOP/s), `backends` (measured, or
-skipped with the reason), `decode` rows (backend, graphs, batch, context, steps, step_ms, tokens_per_s,
-weight_bytes, kv_bytes, roofline_ms, ratio), `prefill` rows (backend, tokens, ms, flops, tflops,
-ratio) and `ratios`. Progress goes to stderr, one line per event; the table to stdout.
+`command` (the argv), `config`, `ratios`, and under `figures`: `references` (copy GB/s, matmul TFLOP/s),
+`backends` (measured, or skipped with the reason), `decode` rows (backend, graphs, batch, context, steps,
+step_ms, tokens_per_s, weight_bytes, kv_bytes, roofline_ms, ratio), `prefill` rows (backend, tokens, ms,
+flops, tflops, ratio) and `overlap`. Progress goes to stderr, one line per event; the table to stdout.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ import time
 import torch
 
 from bench.gpu.workload import Workload, sync
-from bench.report import machine_info, save_json
+from bench.report import as_result, machine_info, save_json
 
 PAGE = 16
 BACKENDS = ("torch_native", "triton", "flashinfer")
@@ -449,10 +449,10 @@ def main(argv: list[str] | None = None) -> int | dict:
             info = measure_backend(model_dir, args, backend, dtype, report)
             report["backends"][backend] = {**info, "seconds": round(time.perf_counter() - t0, 1)}
             report["ratios"] = summarize(report)
-            save_json(args.json, report)
+            save_json(args.json, as_result(report))
     report["ratios"] = summarize(report)
     print_table(report)
-    save_json(args.json, report)
+    save_json(args.json, as_result(report))
     if not report["decode"]:
         log("no backend could run here: nothing was measured")
         return 1

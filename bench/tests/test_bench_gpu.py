@@ -29,7 +29,9 @@ def test_bench_gpu_on_cpu_reports_decode_prefill_and_ratios(tmp_path):
             "--prefill-tokens", "40", "--repeats", "2", "--overlap-batches", "1,3", "--json", str(out)]
     result = bench_gpu.main(argv)
     assert isinstance(result, dict)
-    report = json.loads(out.read_text())
+    saved = json.loads(out.read_text())
+    assert set(saved) == {"bench", "machine", "device", "command", "config", "ratios", "figures"}
+    report = {**saved, **saved["figures"]}  # the measured parts live under figures
     assert report["command"] == ["pdserve", "bench", "gpu", *argv]
     assert report["device"]["type"] == "cpu" and report["device"]["name"]
     ref = report["references"]
