@@ -126,8 +126,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     """The gated delta rule over one sequence, `chunk` tokens at a time (WY form within a chunk).
 
     q, k `[H, n, dk]` (q already scaled, both L2-normalised), v `[H, n, dv]`, g (log decay) and beta
-    `[H, n]`, state `[H, dk, dv]` → output `[H, n, dv]` and the state after the last token.
+    `[H, n]`, state `[H, dk, dv]` → output `[H, n, dv]` in v's dtype and the state after the last token
+    in float32: the rule runs in float32 whatever the model's dtype (in bfloat16 the decays and the
+    triangular solve lose the state within a few chunks, and the inputs' dtypes differ: g is float32).
     """
+    out_dtype = v.dtype
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     h, n, dk = k.shape
     dv = v.shape[-1]
     pad = (-n) % chunk
@@ -155,23 +159,25 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     k_dec = k * (gc[..., -1:] - gc).exp().unsqueeze(-1)
     chunk_decay = gc[..., -1].exp()
     out = torch.empty(h, nc, chunk, dv, dtype=q.dtype, device=q.device)
-    s = state.to(q.dtype)
+    s = state.float()
     for c in range(nc):
         v_new = u[:, c] - w[:, c] @ s
         out[:, c] = q_dec[:, c] @ s + intra[:, c] @ v_new
         s = s * chunk_decay[:, c, None, None] + k_dec[:, c].transpose(-1, -2) @ v_new
-    return out.reshape(h, nc * chunk, dv)[:, :n], s
+    return out.reshape(h, nc * chunk, dv)[:, :n].to(out_dtype), s
 
 
 def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence: q, k `[B, H, dk]`, v `[B, H, dv]`, g, beta `[B, H]`, state
-    `[B, H, dk, dv]` → output `[B, H, dv]`, new state."""
-    s = state * g.exp()[..., None, None]
+    `[B, H, dk, dv]` → output `[B, H, dv]` in v's dtype, new state in float32 (as the chunked rule)."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    s = state.float() * g.exp()[..., None, None]
     predicted = (s * k.unsqueeze(-1)).sum(-2)
     delta = (v - predicted) * beta.unsqueeze(-1)
     s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return (s * q.unsqueeze(-1)).sum(-2), s
+    return (s * q.unsqueeze(-1)).sum(-2).to(out_dtype), s
 
 
 class _GroupedConvChannels:

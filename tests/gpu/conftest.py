@@ -131,9 +131,12 @@ class Engine:
             slots.append(s)
         return rows, slots
 
-    def generate(self, prompt_ids: list[list[int]], steps: int, params=None, seeds=None) -> list[list[int]]:
+    def generate(self, prompt_ids: list[list[int]], steps: int, params=None, seeds=None,
+                 forced: list[list[int]] | None = None, logits_out: list | None = None) -> list[list[int]]:
         """`steps` tokens per prompt (the prefill's and steps - 1 decode steps), greedy unless `params`
-        (one SamplingParams for all) with per-request `seeds`."""
+        (one SamplingParams for all) with per-request `seeds`. `forced`: the tokens fed back are these
+        (teacher forcing: another run's tokens) instead of the sampled ones, which are still returned;
+        `logits_out` gets each step's logits (float32, on the host)."""
         from common.forward_batch import ForwardBatch, ForwardMode
         from common.layers.sampling import SamplingBatchInfo, make_generator
         from common.protocol import SamplingParams
@@ -147,10 +150,15 @@ class Engine:
         rows, slots = self.take(prompt_ids)
         outputs: list[list[int]] = [[] for _ in range(b)]
 
+        fed: list[list[int]] = [[] for _ in range(b)]
+
         def draw(logits):
+            if logits_out is not None:
+                logits_out.append(logits.float().cpu())
             info = SamplingBatchInfo.build([params] * b, outputs, r.vocab_size, gens, [])
-            for out, t in zip(outputs, r.sample(logits, info).next_token_ids.tolist(), strict=True):
-                out.append(t)
+            for i, t in enumerate(r.sample(logits, info).next_token_ids.tolist()):
+                outputs[i].append(t)
+                fed[i].append(forced[i][len(fed[i])] if forced else t)
 
         fb = ForwardBatch(ForwardMode.EXTEND, torch.tensor([t for p in prompt_ids for t in p]),
                           torch.cat([torch.arange(n) for n in lens]), torch.cat(slots), torch.tensor(rows),
@@ -163,7 +171,7 @@ class Engine:
                 s = r.allocator.alloc_extend(n, last, 1)
                 pool.write(row, n, s)
                 new.append(s)
-            fb = ForwardBatch(ForwardMode.DECODE, torch.tensor([o[-1] for o in outputs]), torch.tensor(lens),
+            fb = ForwardBatch(ForwardMode.DECODE, torch.tensor([f[-1] for f in fed]), torch.tensor(lens),
                               torch.cat(new), torch.tensor(rows), [n + 1 for n in lens], list(lens), [1] * b,
                               r.kv_pool, pool.req_to_token, logits_indices=torch.arange(b))
             lens = [n + 1 for n in lens]

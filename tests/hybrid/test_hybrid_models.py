@@ -278,6 +278,26 @@ def test_chunked_rule_equals_recurrence():
     assert (st[0] - s).abs().max() < 1e-4
 
 
+def test_the_rule_runs_in_float32_for_bfloat16_inputs():
+    """A bfloat16 model (on a GPU) hands the rule bfloat16 q, k, v and beta beside float32 decays: both forms
+    compute in float32, return the output in v's dtype and the state in float32, close to float32 inputs'
+    result (the mixed dtypes once stopped the chunked form's matmul: seen on the GPU machine)."""
+    gen = torch.Generator().manual_seed(1)
+    h, n, dk, dv = 2, 70, 8, 4
+    q = torch.nn.functional.normalize(torch.randn(h, n, dk, generator=gen), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(h, n, dk, generator=gen), dim=-1)
+    v, g, beta = torch.randn(h, n, dv, generator=gen), -torch.rand(h, n, generator=gen), torch.rand(h, n)
+    s0 = torch.randn(h, dk, dv, generator=gen)
+    want, want_s = chunk_gated_delta_rule(q, k, v, g, beta, s0)
+    bf = [x.bfloat16() for x in (q, k, v)]
+    out, s = chunk_gated_delta_rule(*bf, g, beta.bfloat16(), s0.bfloat16())
+    assert out.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert (out.float() - want).abs().max() < 0.1 and (s - want_s).abs().max() < 0.1
+    first = [x[:, 0][None] for x in bf]
+    o, st = recurrent_gated_delta_step(*first, g[:, 0][None], beta[:, 0][None].bfloat16(), s0[None].half())
+    assert o.dtype == torch.bfloat16 and st.dtype == torch.float32
+
+
 def test_state_pool():
     pool = StatePool(3, [0, 2], (2, 5, 3), (4, 2, 2))
     assert pool.available_size() == 3
