@@ -114,6 +114,12 @@ class ServerArgs:
         "--tp-size ranks (it divides --tp-size; each group's tp-size / ep-size ranks split its experts' "
         "features), every rank computing its experts' share of the batch, summed by the TP all-reduce. "
         "Prefill and decode nodes choose it independently", ("--ep-size", "--ep"))
+    enable_dp_attention: bool = _f(
+        False, "DP attention (mixture-of-experts models, --dp-size 2 or more): each DP group runs attention "
+        "over its own requests while every sparse block runs over all the groups' tokens, its experts split "
+        "over all dp-size * tp-size ranks (--ep-size divides that product); the groups step in lockstep, one "
+        "with nothing to run taking part in the others' sparse blocks. Not with pipeline stages, "
+        "speculative decoding or overlap scheduling")
     enable_eplb: bool = _f(False, "expert-parallel load balancing (with --ep-size > 1): copies of the "
                            "busiest experts in spare slots, re-placed from the measured loads every "
                            "--eplb-rebalance-num-iterations forwards")
@@ -442,13 +448,25 @@ class ServerArgs:
                 raise bad("pp-size", "cannot be combined with --enable-overlap-schedule")
             if self.speculative_algorithm:
                 raise bad("pp-size", "cannot be combined with --speculative-algorithm")
+        if self.enable_dp_attention:
+            if self.dp_size < 2:
+                raise bad("enable-dp-attention", "needs --dp-size 2 or more")
+            for name, value in (("pp-size", self.pp_size > 1),
+                                ("speculative-algorithm", self.speculative_algorithm),
+                                ("enable-overlap-schedule", self.enable_overlap_schedule)):
+                if value:  # a forward all groups take part in: none may run one the others do not
+                    raise bad("enable-dp-attention", f"cannot be combined with --{name}")
         self._validate_ep(bad)
-        if self.dp_size > 1 and self.dist_port:
+        if self.dp_size > 1 and self.dist_port and not self.enable_dp_attention:
             raise bad("dist-port",
                       "cannot be combined with --dp-size > 1 (each DP group has its own rendezvous)")
 
     def _validate_ep(self, bad) -> None:
-        if self.ep_size < 1 or self.tp % self.ep_size:
+        if self.enable_dp_attention:
+            if self.ep_size < 1 or (self.tp * self.dp_size) % self.ep_size:
+                raise bad("ep-size", f"must divide --dp-size x --tp-size {self.dp_size * self.tp} "
+                          f"(DP attention), got {self.ep_size}")
+        elif self.ep_size < 1 or self.tp % self.ep_size:
             raise bad("ep-size", f"must divide --tp-size {self.tp}, got {self.ep_size}")
         if not self.enable_eplb:
             if self.ep_num_redundant_experts is not None:

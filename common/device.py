@@ -100,10 +100,10 @@ class Placement:
                                                                              flag="kv-cache-dtype")
         backend = resolve_attention_backend(args.attention_backend, device)
         # torch_native builds per-batch shapes on the host (gathers sized by the longest request): eager only
-        # expert parallelism picks this rank's pairs with a data-dependent `nonzero`, and EPLB counts forwards
-        # on the host: both eager only
+        # expert parallelism picks this rank's pairs with a data-dependent `nonzero`, EPLB counts forwards
+        # on the host, and DP attention gathers a number of rows only known at run time: all eager only
         graphs = device.type == "cuda" and not args.disable_cuda_graph and backend in GRAPH_BACKENDS \
-            and getattr(args, "ep_size", 1) == 1
+            and getattr(args, "ep_size", 1) == 1 and not getattr(args, "enable_dp_attention", False)
         return cls(device, dtype, kv_dtype, backend, args.cuda_graph_max_bs if graphs else 0)
 
     def describe(self) -> dict:

@@ -11,6 +11,12 @@ groups are None and every helper is the identity. A gloo world keeps three loop 
 on their own (~1.2 % of a core while the node idles, measured here) and its rendezvous costs start-up
 time; a single rank has nobody to talk to.
 
+With DP attention (`--enable-dp-attention`) the node's DP groups share one world of `dp * tp` ranks (rank =
+dp_rank * tp + tp_rank): `tp_group` and `consensus_group` stay the DP group's own, and `get_dp_attention()`
+holds the groups a mixture-of-experts layer spans the world with (`DpAttention`): the ranks of one TP rank
+across the DP groups (each DP group's tokens gathered, the partial sums reduced back), every rank (EPLB's
+weight copies) and a gloo group for the step agreement that keeps the DP groups in lockstep.
+
 The ranks of one node always run on one machine, so their gloo connections stay on loopback:
 `init_distributed` points gloo at the loopback interface (`GLOO_SOCKET_IFNAME`), whatever the
 host name resolves to. The rendezvous store is the caller's `init_method`; the node launcher uses a
@@ -24,6 +30,7 @@ import datetime
 import logging
 import os
 import socket
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -36,6 +43,24 @@ _CONSENSUS_GROUP: dist.ProcessGroup | None = None
 _TP_SIZE = 1
 
 
+@dataclass
+class DpAttention:
+    """The world a mixture-of-experts layer spans under DP attention: this rank is `rank` of `world`
+    (DP group `dp_rank` of `dp_size`); `gather_group` holds this TP rank of every DP group (group rank =
+    DP rank), `world_group` every rank (group rank = world rank), `lockstep_group` every rank, on gloo."""
+
+    dp_rank: int
+    dp_size: int
+    rank: int
+    world: int
+    gather_group: dist.ProcessGroup
+    world_group: dist.ProcessGroup
+    lockstep_group: dist.ProcessGroup
+
+
+_DP_ATTENTION: DpAttention | None = None
+
+
 def loopback_interface() -> str:
     """The name of the interface that holds 127.0.0.1 ("lo" on Linux)."""
     for name, addrs in psutil.net_if_addrs().items():
@@ -45,14 +70,14 @@ def loopback_interface() -> str:
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, timeout_s: float = 600.0,
-                     tp_size: int | None = None,
-                     device: torch.device
-                     | None = None) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+                     tp_size: int | None = None, device: torch.device | None = None,
+                     dp_attention: bool = False) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """Join the node's world of `world_size` = pp * `tp_size` ranks (default: all one stage) and return
     `(tp_group, consensus_group)`; (None, None) for a world of one rank. On a CUDA `device` the TP groups
     are NCCL groups (the all-reduces of device tensors), and gloo carries everything on the host (the
-    consensus group, the objects a stage broadcasts)."""
-    global _TP_GROUP, _CONSENSUS_GROUP, _TP_SIZE
+    consensus group, the objects a stage broadcasts). `dp_attention`: the world is dp * `tp_size` ranks,
+    one DP group per block of `tp_size`, each with its own consensus group (`DpAttention`)."""
+    global _TP_GROUP, _CONSENSUS_GROUP, _TP_SIZE, _DP_ATTENTION
     cuda = device is not None and device.type == "cuda"
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
@@ -73,11 +98,28 @@ def init_distributed(rank: int, world_size: int, init_method: str, timeout_s: fl
     if world_size % tp:
         raise ValueError(f"a world of {world_size} ranks is not whole stages of {tp}")
     _TP_SIZE = tp
-    for stage in range(world_size // tp):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), backend="nccl" if cuda else "gloo")
+    device_backend = "nccl" if cuda else "gloo"
+    blocks = world_size // tp  # pipeline stages, or DP groups under DP attention
+    for stage in range(blocks):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), backend=device_backend)
         if stage == rank // tp:
             _TP_GROUP = group
-    _CONSENSUS_GROUP = dist.new_group(list(range(world_size)), backend="gloo")
+    _DP_ATTENTION = None
+    if not dp_attention:
+        _CONSENSUS_GROUP = dist.new_group(list(range(world_size)), backend="gloo")
+    else:
+        for g in range(blocks):
+            group = dist.new_group(list(range(g * tp, (g + 1) * tp)), backend="gloo")
+            if g == rank // tp:
+                _CONSENSUS_GROUP = group
+        gather = None
+        for t in range(tp):
+            group = dist.new_group(list(range(t, world_size, tp)), backend=device_backend)
+            if t == rank % tp:
+                gather = group
+        _DP_ATTENTION = DpAttention(rank // tp, blocks, rank, world_size, gather,
+                                    dist.new_group(list(range(world_size)), backend=device_backend),
+                                    dist.new_group(list(range(world_size)), backend="gloo"))
     logger.info("distributed ready: rank %d of %d (%s, TP over %s)", rank, world_size, init_method,
                 "nccl" if cuda else "gloo")
     return _TP_GROUP, _CONSENSUS_GROUP
@@ -89,6 +131,11 @@ def get_tp_group() -> dist.ProcessGroup | None:
 
 def get_consensus_group() -> dist.ProcessGroup | None:
     return _CONSENSUS_GROUP
+
+
+def get_dp_attention() -> DpAttention | None:
+    """The mixture-of-experts world under DP attention (None: off)."""
+    return _DP_ATTENTION
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -155,7 +202,7 @@ def broadcast_from_stage(obj, stage: int):
 
 
 def destroy_distributed() -> None:
-    global _TP_GROUP, _CONSENSUS_GROUP
-    _TP_GROUP = _CONSENSUS_GROUP = None
+    global _TP_GROUP, _CONSENSUS_GROUP, _DP_ATTENTION
+    _TP_GROUP = _CONSENSUS_GROUP = _DP_ATTENTION = None
     if dist.is_initialized():
         dist.destroy_process_group()

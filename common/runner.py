@@ -208,6 +208,14 @@ class ModelRunner:
         """Sample where the logits are: the batch's sampling tensors follow them to the device."""
         return self.sampler(logits, info.to(logits.device), top_logprobs_nums, return_logprob=return_logprob)
 
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """DP attention: a forward with nothing of this group's to run, taking part in every sparse block's
+        collectives while other groups run theirs (common/layers/dp_attention.py)."""
+        from common.layers.dp_attention import idle_forward
+
+        idle_forward(self.model, self.model_config.hidden_size, self.dtype, self.device)
+
     def run(self, batch) -> RunnerOutput:
         """Forward a prepared `ScheduleBatch`, sample its next tokens and gather the logprobs (with
         pipeline stages: the last stage's, on every rank)."""

@@ -120,14 +120,15 @@ def teacher_forced_logits(model, cfg, ids: list[int], prefill: int, tp_size: int
     return torch.cat(outs)
 
 
-def _rank_main(fn, rank: int, world: int, init_method: str, args: tuple, queue) -> None:
-    """One rank (a spawned process, one torch thread): join the gloo group, run `fn(rank, tp_group, *args)`
-    and report its result, or the error with its traceback, so a test fails with the reason, not a timeout."""
+def _rank_main(fn, rank: int, world: int, init_method: str, args: tuple, queue, init: dict) -> None:
+    """One rank (a spawned process, one torch thread): join the gloo group (`init`: more of
+    `init_distributed`'s arguments), run `fn(rank, tp_group, *args)` and report its result, or the error
+    with its traceback, so a test fails with the reason, not a timeout."""
     try:
         torch.set_num_threads(1)
         from common.distributed import destroy_distributed, init_distributed
 
-        tp_group, _ = init_distributed(rank, world, init_method)
+        tp_group, _ = init_distributed(rank, world, init_method, **init)
         queue.put((rank, fn(rank, tp_group, *args), None))
         destroy_distributed()
     except BaseException as e:
@@ -136,8 +137,9 @@ def _rank_main(fn, rank: int, world: int, init_method: str, args: tuple, queue) 
         queue.put((rank, None, f"{e!r}\n{traceback.format_exc()}"))
 
 
-def run_ranks(fn, *args, world: int = 2, timeout: float = 300.0) -> dict:
+def run_ranks(fn, *args, world: int = 2, timeout: float = 300.0, init: dict | None = None) -> dict:
     """`fn(rank, tp_group, *args)` on `world` real gloo ranks in spawned processes; {rank: its result}.
+    `init`: more arguments of `init_distributed` (`tp_size`, `dp_attention`).
     `fn` is a module-level function (it is pickled by name); return plain data (numpy, lists), not tensors,
     which would be shared through the rank's process, gone by then."""
     import multiprocessing as mp
@@ -145,10 +147,11 @@ def run_ranks(fn, *args, world: int = 2, timeout: float = 300.0) -> dict:
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, init, args, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, init_method, args, queue, init or {}))
+             for r in range(world)]
     for p in procs:
         p.start()
     got = {}

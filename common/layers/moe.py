@@ -20,7 +20,8 @@ experts few pairs each (decode), this torch loop over larger batches; on CUDA `t
 
 Tensor parallelism splits every expert's intermediate features over the ranks (w13 by output rows, w2
 by input columns, as the dense MLP); the partial outputs are summed with the TP all-reduce, once per
-block, after the experts.
+block, after the experts. Under DP attention (`common/layers/dp_attention.py`) the block runs over every
+DP group's tokens, its experts split over all the node's ranks.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.distributed import tensor_model_parallel_all_reduce
+from common.distributed import get_dp_attention, tensor_model_parallel_all_reduce
 from common.layers.activation import silu_and_mul
+from common.layers.dp_attention import gather_tokens, own_rows
 from common.layers.linear import ReplicatedLinear, _copy_checked
 from common.layers.moe_native import native_grouped_experts
 
@@ -234,6 +236,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.reduce = reduce  # False: the caller sums more partial outputs with this one, then reduces once
         self.rule, self.tp_group, self.eplb = rule, tp_group, eplb
+        self.dpa = get_dp_attention()  # DP attention: the experts span every rank of the node
+        self.moe_group = tp_group  # the ranks the experts are spread over (EPLB's copies move within it)
+        if self.dpa is not None:
+            tp_rank, tp_size, self.moe_group = self.dpa.rank, self.dpa.world, self.dpa.world_group
         self.gate = ReplicatedLinear(hidden, num_experts, dtype=dtype)
         redundant = eplb.redundant_per_rank if eplb is not None else 0
         self.experts = GroupedExperts(num_experts, hidden, inter, tp_rank=tp_rank, tp_size=tp_size,
@@ -247,18 +253,30 @@ class SparseMoE(nn.Module):
         return select_experts(self.gate(x), self.rule)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dpa is not None:  # every DP group's tokens, then this group's rows of the sums
+            n = x.shape[0]
+            x, start = gather_tokens(x, self.dpa)
+            out = own_rows(self._experts_out(x, slice(start, start + n)), self.dpa, start, n)
+        else:
+            out = self._experts_out(x, slice(None))
+        return tensor_model_parallel_all_reduce(out, self.tp_group) if self.reduce else out
+
+    def _experts_out(self, x: torch.Tensor, own: slice) -> torch.Tensor:
+        """This rank's share of the block's output for `x`, with the loads counted (`load`: the rows of
+        `own`, this DP group's; EPLB's `recent_load`: all of them, alike on every rank) and EPLB's turn
+        taken."""
         weights, ids = self.select(x)
         flat = ids.reshape(-1)  # scatter, not bincount: no host sync, so a CUDA graph can hold it
         ones = torch.ones_like(flat)
-        self.load.scatter_add_(0, flat, ones)
+        mine = ids[own].reshape(-1)
+        self.load.scatter_add_(0, mine, torch.ones_like(mine))
         if self.eplb is not None:
             self.recent_load.scatter_add_(0, flat, ones)
             self.forwards += 1
             if self.forwards % self.eplb.interval == 0:
-                self.eplb.rebalance(self.experts, self.recent_load, self.tp_group)
+                self.eplb.rebalance(self.experts, self.recent_load, self.moe_group)
                 self.recent_load.zero_()
-        out = self.experts(x, weights, ids)
-        return tensor_model_parallel_all_reduce(out, self.tp_group) if self.reduce else out
+        return self.experts(x, weights, ids)
 
 
 def expert_load_stats(model: nn.Module) -> dict:

@@ -138,10 +138,12 @@ def load_model(model_dir: str, *, tp_rank: int = 0, tp_size: int = 1, tp_group=N
                                  "(its config.json has no mtp_num_hidden_layers / num_nextn_predict_layers); "
                                  "NGRAM needs none")
         stage["draft_layers"] = True
-    if ep_size > 1 or eplb is not None:
+    from common.distributed import get_dp_attention
+
+    if ep_size > 1 or eplb is not None or get_dp_attention() is not None:
         if not getattr(cls, "expert_parallel", False):  # a class taking ep_size / eplb
-            raise ModelLoadError(f"--ep-size / --enable-eplb: {config.architecture} has no expert layers "
-                                 "this node can split")
+            raise ModelLoadError(f"--ep-size / --enable-eplb / --enable-dp-attention: {config.architecture} "
+                                 "has no expert layers this node can split")
         stage.update(ep_size=ep_size, eplb=eplb)
     backend = attention_backend_for(config, attention_backend, tp_size, device,
                                     windows=cls not in HYBRID and cls is not DeepseekV3ForCausalLM)

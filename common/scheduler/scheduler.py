@@ -52,6 +52,7 @@ from common import core_loan
 from common.config import ServerArgs
 from common.forward_batch import ForwardMode
 from common.grammar import GrammarCompiler
+from common.layers.dp_attention import make_lockstep
 from common.memory.radix_cache import make_tree_cache
 from common.protocol import (
     AbortRequest,
@@ -128,6 +129,10 @@ class Scheduler:
         self.send_fn, self.comm = send_fn, comm
         self.stopping = False
         self.idle_poll_ms, self.busy_poll_ms = 500, 2
+        self.lockstep = make_lockstep()  # DP attention: the DP groups agree on every step
+        self.stop_agreed = False  # ... and stop after the step at whose agreement one of them stopped
+        if self.lockstep is not None:
+            self.idle_poll_ms = 20  # a busy group waits for the idle ones at each agreement
         # a decode node sets this: the running batch decodes one step after each chunk of a prompt
         self.decode_between_chunks = False
         self._chunk_scheduled = False  # the last batch scheduled was a chunk of an unfinished prompt
@@ -200,6 +205,12 @@ class Scheduler:
     def step(self) -> bool:
         """One engine step (after the input); returns whether a forward ran (or was launched)."""
         out = self.schedule()
+        if self.lockstep is not None:  # DP attention: every group forwards when any does
+            busy, stop = self.lockstep.agree(out.batch is not None, self.stopping)
+            self.stopping = self.stopping or stop
+            self.stop_agreed = stop
+            if out.batch is None and busy:
+                self.runner.idle_forward()
         if out.batch is None:
             if self.overlap is not None:
                 self.overlap.drain()  # the forwards in flight are processed first
@@ -346,7 +357,7 @@ class Scheduler:
         """Serve until told to stop; `beat()` (the watchdog's) runs once per iteration."""
         ran = False
         try:
-            while not self.stopping:
+            while not (self.stop_agreed if self.lockstep is not None else self.stopping):
                 if beat is not None:
                     beat()
                 # block on the socket when there is nothing to do; right after a forward, with more
@@ -359,11 +370,15 @@ class Scheduler:
                     timeout = 0
                 else:
                     timeout = self.busy_poll_ms
+                if self.lockstep is not None and self.lockstep.others_busy:
+                    timeout = 0  # the other groups wait at the next agreement
                 msgs = self.comm.recv(timeout) if self.comm is not None else []
                 if msgs is None:  # the communicator says stop
-                    break
-                self.process_input_requests(msgs)
-                if self.has_work():
+                    if self.lockstep is None:
+                        break
+                    self.stopping = True  # the other groups learn it at the agreement, then all stop
+                self.process_input_requests(msgs or [])
+                if self.has_work() or self.lockstep is not None:  # DP attention: an agreement every turn
                     ran = self.step()
                 else:
                     ran = False

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 # figures that are the same for every group, not a quantity of it
-SHARED_KEYS = frozenset({"page_size", "context_length", "speculative_algorithm", "disaggregation_mode"})
+SHARED_KEYS = frozenset({"page_size", "context_length", "speculative_algorithm", "disaggregation_mode",
+                         "moe_ep_size", "moe_expert_replicas"})
 MEAN_SUFFIXES = ("_rate", "_ratio", "_avg_s", "_last_s", "accept_length")
 
 

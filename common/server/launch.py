@@ -247,7 +247,8 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
         run_dir.note_mp_temp_dir()  # the fork server's socket directory goes with the run directory
     tmp = run_dir.path
     ipcs = [IpcConfig(to_scheduler=f"ipc://{tmp}/to_scheduler{dp}", from_scheduler=f"ipc://{tmp}/from_scheduler",
-                      dist_init_method=dist_init_method(tmp, args.dist_port) if args.dp_size == 1
+                      dist_init_method=dist_init_method(tmp, args.dist_port)
+                      if args.dp_size == 1 or args.enable_dp_attention  # DP attention: one world
                       else f"file://{tmp}/dist_store{dp}", front_end_pid=os.getpid())
             for dp in range(args.dp_size)]
     starter = RankStarter(args, model_dir, ipcs, scheduler_cls, ctx)

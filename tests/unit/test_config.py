@@ -36,6 +36,12 @@ def test_defaults_and_sglang_flag_names():
      "--ep-num-redundant-experts"),
     (("--tp", "2", "--ep", "2", "--enable-eplb", "--eplb-rebalance-num-iterations", "0"),
      "--eplb-rebalance-num-iterations"),
+    (("--enable-dp-attention",), "--enable-dp-attention"),  # needs --dp-size 2 or more
+    (("--dp", "2", "--enable-dp-attention", "--pp", "2"), "--enable-dp-attention"),
+    (("--dp", "2", "--enable-dp-attention", "--speculative-algorithm", "NGRAM"), "--enable-dp-attention"),
+    (("--dp", "2", "--enable-dp-attention", "--enable-overlap-schedule"), "--enable-dp-attention"),
+    (("--dp", "2", "--enable-dp-attention", "--ep", "3"), "--ep-size"),  # divides dp x tp = 2
+    (("--dp", "2", "--ep", "2"), "--ep-size"),  # without DP attention EP divides tp = 1
 ])
 def test_invalid_settings_name_the_flag(argv, flag):
     with pytest.raises(ConfigError) as e:
@@ -48,6 +54,12 @@ def test_eplb_settings():
     s = parse("--tp", "4", "--ep", "2", "--enable-eplb", "--ep-num-redundant-experts", "4").eplb
     assert (s.interval, s.redundant_per_rank) == (1000, 2)
     assert parse("--tp", "2", "--ep", "2", "--enable-eplb").eplb.redundant_per_rank == 1
+
+
+def test_dp_attention_spreads_experts_over_every_group():
+    args = parse("--dp", "2", "--tp", "2", "--enable-dp-attention", "--ep", "4")
+    assert args.enable_dp_attention and args.ep_size == 4 and args.eplb is None
+    assert parse("--dp", "2", "--enable-dp-attention", "--ep", "2", "--enable-eplb").eplb.redundant_per_rank == 1
 
 
 def test_radix_cache_is_off_on_decode_nodes():
