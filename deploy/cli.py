@@ -68,6 +68,7 @@ BENCHES = {
     "compare": "bench.compare",
     "placement": "bench.placement",
     "dp": "bench.dp",
+    "dp-attention": "bench.dp_attention",
     "pp": "bench.pp",
     "quant": "bench.quant",
     "kv_routing": "bench.kv_routing",

@@ -18,6 +18,10 @@
 #   bench_gpu_pd        pdserve bench gpu-pd $GPU_PD_ARGS: a prefill + decode pair against one colocated
 #                       node on the same GPU, under one workload                        GPU_PD_TIMEOUT 100
 #
+# TESTS_SELECT (default tests/gpu) narrows tests_gpu to files or node ids, for a rerun of what failed;
+# TEST_TIMEOUT_EACH (default 90 s) is pytest-timeout's limit per test, so a hang fails with its traceback
+# instead of the step's timeout cutting pytest off before it reports.
+#
 # Exit status: 0 when every step passed, 1 otherwise (a pytest step that ran no test counts as failed);
 # the last lines are one summary line per step (also in summary.txt).
 #

@@ -5,7 +5,9 @@ Mixtral: top-2 of 4 on every layer) disaggregated on 127.0.0.1: greedy tokens eq
   experts) to a decode node of one rank;
 * mooncake, Mixtral: one prefill rank to a decode node of two TP ranks, each holding half of every expert;
 * ucx, Qwen3-MoE: a prefill node of two ranks, each half of every expert, to a decode node of two EP ranks
-  with EPLB rebalancing every 3 forwards (spare copies moved between the ranks while requests decode).
+  with EPLB rebalancing every 3 forwards (spare copies moved between the ranks while requests decode);
+* nixl, Mixtral: a prefill node of two EP ranks to a decode node of one rank;
+* ucx, Mixtral: one prefill rank to a decode node of two EP ranks.
 Both nodes end at their starting free pages, request rows and metadata slots, and report the expert
 loads they counted."""
 
@@ -19,15 +21,21 @@ from tests.harness.pd import assert_restored, greedy, make_prompts
 
 EP2 = {"ep_size": 2}
 EPLB = {"ep_size": 2, "enable_eplb": True, "eplb_rebalance_num_iterations": 3}
-# backend -> (model, prefill tp, decode tp, prefill settings, decode settings)
+# layout (its backend first) -> (model, prefill tp, decode tp, prefill settings, decode settings)
 LAYOUTS = {"nixl": ("qwen3_moe", 2, 1, EP2, {}), "mooncake": ("mixtral", 1, 2, {}, {}),
-           "ucx": ("qwen3_moe", 2, 2, {}, EPLB)}
+           "ucx": ("qwen3_moe", 2, 2, {}, EPLB), "nixl-mixtral": ("mixtral", 2, 1, EP2, {}),
+           "ucx-mixtral": ("mixtral", 1, 2, {}, EP2)}
 MODELS = {"qwen3_moe": {"mlp_only_layers": [0]}, "mixtral": {}}
 
 
-@pytest.fixture(scope="module", params=backend_params(*LAYOUTS))
+def _layout_params() -> list:
+    return [pytest.param(name, marks=p.marks, id=name)
+            for name in LAYOUTS for p in backend_params(name.split("-")[0])]
+
+
+@pytest.fixture(scope="module", params=_layout_params())
 def moe_pair(request, make_tiny_model, module_launcher):
-    """(the pair, its backend, transformers' model of what it serves)."""
+    """(the pair, its layout, transformers' model of what it serves)."""
     from transformers import AutoModelForCausalLM
 
     arch, prefill_tp, decode_tp, prefill, decode = LAYOUTS[request.param]
@@ -35,7 +43,7 @@ def moe_pair(request, make_tiny_model, module_launcher):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # exactly max_new_tokens, like ignore_eos
     settings = {"chunked_prefill_size": 16}
-    pair = module_launcher.pair(path, request.param, prefill_tp=prefill_tp, decode_tp=decode_tp,
+    pair = module_launcher.pair(path, request.param.split("-")[0], prefill_tp=prefill_tp, decode_tp=decode_tp,
                                 prefill_settings={**settings, **prefill},
                                 decode_settings={**settings, **decode})
     yield pair, request.param, hf
@@ -43,7 +51,7 @@ def moe_pair(request, make_tiny_model, module_launcher):
 
 
 def test_moe_greedy_through_pd(moe_pair, pd_tok):
-    pair, backend, hf = moe_pair
+    pair, layout, hf = moe_pair
     start = pair.start_counts()
     for p in make_prompts(pd_tok, 3, seed=11, lo=5, hi=50):
         (s1, pb), (s2, db) = pair.generate({"input_ids": p, "sampling_params": greedy(8)})
@@ -54,7 +62,7 @@ def test_moe_greedy_through_pd(moe_pair, pd_tok):
         assert pb["output_ids"] == want[:1]
         assert db["output_ids"] == want, f"prompt of {len(p)} tokens"
     assert_restored((pair.prefill, start[0]), (pair.decode, start[1]))
-    _, _, _, prefill, decode = LAYOUTS[backend]
+    _, _, _, prefill, decode = LAYOUTS[layout]
     for node, extra in ((pair.prefill, prefill), (pair.decode, decode)):
         s = node.stats()
         assert s["moe_ep_size"] == extra.get("ep_size", 1)
