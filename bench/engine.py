@@ -12,7 +12,9 @@ Measured (fp32, CPU, greedy):
   `overlap_free_core_b<B>` the same at one torch thread fewer when the bench's take every core.
 * prefill tokens/s for one `--prompt-len`-token prompt: ours one EXTEND forward; HF one forward
   with `logits_to_keep=1` (what HF's own `generate` does on prefill; ours also projects only the
-  last position).
+  last position). Then the same prefill split by phase (`prefill_phases`: norms, the q/k/v
+  and output projections, the rest of attention, the MLP, the rest; bench/prefill_phases.py),
+  the median of `--repeats` forwards.
 * the memory-bandwidth bound of decode: best-of measured memcpy (reported as bytes copied per
   second, and as traffic = 2x that) and a read-only pass (sum over a large buffer); a decode step must
   read every weight once (lm_head included; with tied embeddings the matrix counts once), so
@@ -58,6 +60,7 @@ import time
 
 import torch
 
+from bench import prefill_phases
 from bench.host_peaks import matmul_peak_gflops, memory_bandwidth, prefill_work
 from bench.report import write_report
 from common.scheduler.speculative import DEFAULT_NUM_DRAFT_TOKENS
@@ -414,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     figures["ours_prefill"] = _summary(ours_t, args.prompt_len)
     if hf is not None:
         figures["hf_prefill"] = _summary(hf_t, args.prompt_len)
+    figures["prefill_phases"] = prefill_phases.measure(ours, pp, args.repeats)
+    log(prefill_phases.describe(figures["prefill_phases"]))
 
     # ---- bandwidth bound
     log("memory bandwidth")
