@@ -549,7 +549,12 @@ class FlushCacheRequest(msgspec.Struct, tag=True):
     qid: int
 
 
-ToScheduler = TokenizedRequest | AbortRequest | StatsQuery | FlushCacheRequest
+class Wake(msgspec.Struct, tag=True):
+    """Nothing to do: under DP attention the front end sends it to the other groups with each request, so
+    an idle group's loop comes at once to the step agreement its busy peer waits at."""
+
+
+ToScheduler = TokenizedRequest | AbortRequest | StatsQuery | FlushCacheRequest | Wake
 
 
 class ReqUpdate(msgspec.Struct, omit_defaults=True):

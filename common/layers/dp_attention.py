@@ -15,7 +15,10 @@ In a sparse block (`SparseMoE`) a rank of DP group g, TP rank t:
 So every rank takes part in every sparse block of every forward: the DP groups step in lockstep. Each
 scheduler step the groups agree (`Lockstep.agree`, a MAX over the node) whether any of them runs a forward;
 one with nothing to run then runs an idle forward (`idle_forward`): each sparse block of the model, in
-order, with no tokens of its own. The same agreement carries a stop, so the groups end together.
+order, with no tokens of its own. The same agreement carries a stop, so the groups end together, and
+whether any group has work: while one does, the others poll their input without waiting (a forward ran) or
+every few milliseconds (it waits on a transfer or memory), else every 100 ms; the front end wakes them
+with each request it sends to one group (`Wake`), so a new request does not wait for their poll.
 """
 
 from __future__ import annotations
@@ -75,14 +78,14 @@ class Lockstep:
     def __init__(self, dpa: DpAttention) -> None:
         self.group = dpa.lockstep_group
         self.others_busy = False  # some group ran a forward at the last agreement
+        self.others_waiting = False  # ... or had work that did not run yet (a transfer, memory)
 
-    def agree(self, busy: bool, stopping: bool) -> tuple[bool, bool]:
+    def agree(self, busy: bool, has_work: bool, stopping: bool) -> tuple[bool, bool]:
         """(whether any group runs a forward this step, whether any group stops)."""
-        flags = torch.tensor([int(busy), int(stopping)], dtype=torch.int64)
+        flags = torch.tensor([int(busy), int(has_work), int(stopping)], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        any_busy, any_stop = bool(flags[0]), bool(flags[1])
-        self.others_busy = any_busy
-        return any_busy, any_stop
+        self.others_busy, self.others_waiting = bool(flags[0]), bool(flags[1])
+        return self.others_busy, bool(flags[2])
 
 
 def make_lockstep() -> Lockstep | None:

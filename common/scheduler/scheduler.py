@@ -61,6 +61,7 @@ from common.protocol import (
     StatsQuery,
     StatsReport,
     TokenizedRequest,
+    Wake,
 )
 from common.runner import RunnerOutput
 from common.scheduler.batch import ScheduleBatch
@@ -132,7 +133,9 @@ class Scheduler:
         self.lockstep = make_lockstep()  # DP attention: the DP groups agree on every step
         self.stop_agreed = False  # ... and stop after the step at whose agreement one of them stopped
         if self.lockstep is not None:
-            self.idle_poll_ms = 20  # a busy group waits for the idle ones at each agreement
+            # a busy group waits for the idle ones at each agreement: the front end wakes them with each
+            # request (Wake), and this bounds the wait for whatever else starts work in one group only
+            self.idle_poll_ms = 100
         # a decode node sets this: the running batch decodes one step after each chunk of a prompt
         self.decode_between_chunks = False
         self._chunk_scheduled = False  # the last batch scheduled was a chunk of an unfinished prompt
@@ -206,7 +209,7 @@ class Scheduler:
         """One engine step (after the input); returns whether a forward ran (or was launched)."""
         out = self.schedule()
         if self.lockstep is not None:  # DP attention: every group forwards when any does
-            busy, stop = self.lockstep.agree(out.batch is not None, self.stopping)
+            busy, stop = self.lockstep.agree(out.batch is not None, self.has_work(), self.stopping)
             self.stopping = self.stopping or stop
             self.stop_agreed = stop
             if out.batch is None and busy:
@@ -306,6 +309,8 @@ class Scheduler:
             elif isinstance(msg, StatsQuery):
                 self._send_admitted()
                 self.send(StatsReport(qid=msg.qid, stats=self.get_stats()))
+            elif isinstance(msg, Wake):
+                pass  # it only ended the wait for input: the step agreement comes next
             elif isinstance(msg, FlushCacheRequest):
                 ok = self.flush_cache()
                 self._send_admitted()
@@ -372,6 +377,8 @@ class Scheduler:
                     timeout = self.busy_poll_ms
                 if self.lockstep is not None and self.lockstep.others_busy:
                     timeout = 0  # the other groups wait at the next agreement
+                elif self.lockstep is not None and self.lockstep.others_waiting:
+                    timeout = min(timeout, self.busy_poll_ms)
                 msgs = self.comm.recv(timeout) if self.comm is not None else []
                 if msgs is None:  # the communicator says stop
                     if self.lockstep is None:

@@ -49,6 +49,7 @@ from common.protocol import (
     StatsReport,
     TokenizedRequest,
     ToScheduler,
+    Wake,
 )
 from common.server.data_parallel import DPGroups, merge_stats
 from common.server.detokenizer import special_token_ids
@@ -96,6 +97,7 @@ class TokenizerManager(PromptInput):
         self.queue_full_refused = 0  # requests answered 429 here (the scheduler counts its own)
         self.tracer = None  # common.tracing.Tracer with --enable-trace (set by launch)
         self.link = SchedulerLink(addrs, from_scheduler)
+        self.wake_groups = bool(getattr(args, "enable_dp_attention", False)) and len(addrs) > 1
         self.states: dict[str, ReqState] = {}
         self._queries: dict[int, asyncio.Future] = {}
         self._qids = itertools.count(1)
@@ -159,6 +161,10 @@ class TokenizerManager(PromptInput):
         if self.dead_reason is not None:
             raise ServiceUnavailable(self.dead_reason)
         self.link.send(msg, dp_rank)
+        if self.wake_groups and isinstance(msg, TokenizedRequest):  # DP attention: the groups step together
+            for rank in range(self.link.size):
+                if rank != dp_rank:
+                    self.link.send(Wake(), rank)
 
     async def _recv_loop(self) -> None:
         while True:

@@ -59,7 +59,8 @@ def test_eplb_settings():
 def test_dp_attention_spreads_experts_over_every_group():
     args = parse("--dp", "2", "--tp", "2", "--enable-dp-attention", "--ep", "4")
     assert args.enable_dp_attention and args.ep_size == 4 and args.eplb is None
-    assert parse("--dp", "2", "--enable-dp-attention", "--ep", "2", "--enable-eplb").eplb.redundant_per_rank == 1
+    eplb = parse("--dp", "2", "--enable-dp-attention", "--ep", "2", "--enable-eplb").eplb
+    assert eplb.redundant_per_rank == 1
 
 
 def test_radix_cache_is_off_on_decode_nodes():
