@@ -79,7 +79,9 @@ _ref_cache: dict[tuple, list[int]] = {}
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    key = (id(model), tuple(ids), n)
+    # keyed by the model's directory, not id(model): a model freed by one test and the next test's model
+    # can share an id, and the architectures' tests send the same prompts (a stale reference failed CI once)
+    key = (model.name_or_path, tuple(ids), n)
     if key not in _ref_cache:
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
