@@ -86,6 +86,7 @@ class ModelRunner:
                                                    ep_size=getattr(args, "ep_size", 1),
                                                    eplb=getattr(args, "eplb", None))
         self.model.eval()
+        self._sparse_blocks = None  # DP attention's idle forward runs these (idle_forward)
         self.attn_backend = self.model.attn_backend
         cfg = self.model_config
         self.context_length = min(args.context_length or cfg.context_length, cfg.context_length)
@@ -212,9 +213,11 @@ class ModelRunner:
     def idle_forward(self) -> None:
         """DP attention: a forward with nothing of this group's to run, taking part in every sparse block's
         collectives while other groups run theirs (common/layers/dp_attention.py)."""
-        from common.layers.dp_attention import idle_forward
+        from common.layers.dp_attention import idle_forward, sparse_blocks
 
-        idle_forward(self.model, self.model_config.hidden_size, self.dtype, self.device)
+        if self._sparse_blocks is None:  # found once: an idle group runs this every step
+            self._sparse_blocks = sparse_blocks(self.model)
+        idle_forward(self._sparse_blocks, self.model_config.hidden_size, self.dtype, self.device)
 
     def run(self, batch) -> RunnerOutput:
         """Forward a prepared `ScheduleBatch`, sample its next tokens and gather the logprobs (with

@@ -56,16 +56,17 @@ def own_rows(out: torch.Tensor, dpa: DpAttention, start: int, n: int) -> torch.T
     return out[start:start + n]
 
 
-def idle_forward(model: nn.Module, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
-    """A forward with no tokens of this group: each sparse block of the model's layers, in order, takes
-    part in its collectives (the draft layers of a speculative head are not part of a forward)."""
+def idle_forward(blocks: list[nn.Module], hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+    """A forward with no tokens of this group: each of `blocks` (`sparse_blocks(model)`), in order, takes
+    part in its collectives."""
     empty = torch.empty(0, hidden, dtype=dtype, device=device)
-    for block in sparse_blocks(model):
+    for block in blocks:
         block(empty)
 
 
 def sparse_blocks(model: nn.Module) -> list[nn.Module]:
-    """The sparse blocks a forward runs, in order: those under `model.model.layers`."""
+    """The sparse blocks a forward runs, in order: those under `model.model.layers` (the draft layers of a
+    speculative head are not part of a forward)."""
     from common.layers.moe import SparseMoE
 
     layers = model.model.layers

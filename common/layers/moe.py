@@ -258,18 +258,18 @@ class SparseMoE(nn.Module):
             x, start = gather_tokens(x, self.dpa)
             out = own_rows(self._experts_out(x, slice(start, start + n)), self.dpa, start, n)
         else:
-            out = self._experts_out(x, slice(None))
+            out = self._experts_out(x)
         return tensor_model_parallel_all_reduce(out, self.tp_group) if self.reduce else out
 
-    def _experts_out(self, x: torch.Tensor, own: slice) -> torch.Tensor:
+    def _experts_out(self, x: torch.Tensor, own: slice | None = None) -> torch.Tensor:
         """This rank's share of the block's output for `x`, with the loads counted (`load`: the rows of
-        `own`, this DP group's; EPLB's `recent_load`: all of them, alike on every rank) and EPLB's turn
-        taken."""
+        `own`, this DP group's, default all; EPLB's `recent_load`: all of them, alike on every rank) and
+        EPLB's turn taken."""
         weights, ids = self.select(x)
         flat = ids.reshape(-1)  # scatter, not bincount: no host sync, so a CUDA graph can hold it
         ones = torch.ones_like(flat)
-        mine = ids[own].reshape(-1)
-        self.load.scatter_add_(0, mine, torch.ones_like(mine))
+        mine = flat if own is None else ids[own].reshape(-1)
+        self.load.scatter_add_(0, mine, ones[:mine.numel()])
         if self.eplb is not None:
             self.recent_load.scatter_add_(0, flat, ones)
             self.forwards += 1

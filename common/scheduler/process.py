@@ -232,15 +232,10 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
         device = resolve_device(args.device, dp_rank * world + rank, args.base_gpu_id, args.gpu_id_step)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # before NCCL: each rank's communicator on its own GPU
-        if args.enable_dp_attention:  # one world of every DP group's ranks (common/layers/dp_attention.py)
-            init_distributed(dp_rank * world + rank, world * args.dp_size, ipc.dist_init_method,
-                             tp_size=args.tp, device=device, dp_attention=True)
-            from common.distributed import get_consensus_group
-
-            consensus_group = get_consensus_group()
-        else:
-            _, consensus_group = init_distributed(rank, world, ipc.dist_init_method,
-                                                  tp_size=args.tp, device=device)
+        dpa = args.enable_dp_attention  # one world of every DP group's ranks (common/layers/dp_attention.py)
+        _, consensus_group = init_distributed(dp_rank * world + rank if dpa else rank,
+                                              world * args.dp_size if dpa else world, ipc.dist_init_method,
+                                              tp_size=args.tp, device=device, dp_attention=dpa)
         from common.distributed import get_tp_group
 
         comm = SchedulerComm(ipc, rank, world, consensus_group)

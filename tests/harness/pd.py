@@ -26,7 +26,7 @@ FREE_KEYS = ("kv_free_tokens", "req_slots_free", "metadata_slots_free")
 
 def free_counts(node) -> dict:
     s = node.stats()
-    out = {k: s[k] for k in FREE_KEYS}
+    out = {k: s.get(k, 0) for k in FREE_KEYS}  # a colocated node has no metadata slots
     out["evictable"] = s.get("kv_evictable_tokens", 0)
     out["queues"] = {k: v for k, v in s["num_queue_reqs"].items() if v}
     return out

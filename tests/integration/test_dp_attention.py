@@ -26,7 +26,7 @@ FORWARDS = 7
 
 
 def _group_logits(model, cfg, ids: list[int], prefill: int, tp_size: int) -> torch.Tensor:
-    from common.layers.dp_attention import idle_forward
+    from common.layers.dp_attention import idle_forward, sparse_blocks
     from tests.hybrid.hybrid_harness import HybridHarness
 
     hybrid = getattr(model, "bind_state_pool", None) is not None
@@ -37,7 +37,7 @@ def _group_logits(model, cfg, ids: list[int], prefill: int, tp_size: int) -> tor
     for tok in ids[prefill:]:
         outs.append(model(h.decode_batch([(row, tok)])))
     for _ in range(FORWARDS - len(outs)):  # the other group still runs: take part in its sparse blocks
-        idle_forward(model, cfg.hidden_size, torch.float32, torch.device("cpu"))
+        idle_forward(sparse_blocks(model), cfg.hidden_size, torch.float32, torch.device("cpu"))
     return torch.cat(outs)
 
 

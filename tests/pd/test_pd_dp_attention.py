@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import pytest
 import torch
 
 from tests.harness.backends import backend_params
 from tests.harness.client import http_post
-from tests.harness.pd import assert_restored, greedy, make_prompts
+from tests.harness.pd import assert_restored, free_counts, greedy, make_prompts, wait_restored
 
 DPA = {"dp_size": 2, "enable_dp_attention": True, "ep_size": 2, "chunked_prefill_size": 16}
 LAYOUTS = {"mooncake": ({}, DPA), "nixl": (DPA, {})}  # backend -> (prefill settings, decode settings)
@@ -55,11 +54,7 @@ def _one_then_six(send, hf, tok) -> None:
 def test_dp_attention_colocated(hf_and_path, module_launcher, pd_tok):
     hf, path = hf_and_path
     node = module_launcher.colocated(path, **DPA)
-
-    def free(s: dict) -> tuple[int, int]:
-        return s["kv_free_tokens"] + s.get("kv_evictable_tokens", 0), s["req_slots_free"]
-
-    start = free(node.stats())
+    start = wait_restored(node, free_counts(node))
 
     def send(p, n):
         status, body = http_post(node.url + "/generate", {"input_ids": p, "sampling_params": greedy(n)})
@@ -67,10 +62,8 @@ def test_dp_attention_colocated(hf_and_path, module_launcher, pd_tok):
         return json.loads(body)["output_ids"]
 
     _one_then_six(send, hf, pd_tok)
-    deadline = time.time() + 30
-    while free(stats := node.stats()) != start and time.time() < deadline:
-        time.sleep(0.2)
-    assert free(stats) == start
+    assert_restored((node, start))
+    stats = node.stats()
     assert stats["moe_ep_size"] == 2 and all(sum(v) > 0 for v in stats["moe_expert_load"].values())
     node.stop()
 
