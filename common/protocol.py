@@ -92,6 +92,8 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 ERR_TYPE_HEADER = "X-PD-Error-Type"
 KV_TRANSFER_FAILED = "kv_transfer"
 LOCAL_PREFILL_REFUSED = "local_prefill_refused"
+# the node is switching its role (a router sends the request to another pair: nothing reached the client)
+ROLE_SWITCH = "role_switch"
 
 
 _PATH = re.compile(r" - at `\$\.([^`]+)`")
@@ -554,7 +556,17 @@ class Wake(msgspec.Struct, tag=True):
     an idle group's loop comes at once to the step agreement its busy peer waits at."""
 
 
-ToScheduler = TokenizedRequest | AbortRequest | StatsQuery | FlushCacheRequest | Wake
+class SwitchRole(msgspec.Struct, tag=True):
+    """Drain, then serve `role` ("prefill" or "decode") with the weights loaded
+    (common/scheduler/role_switch.py); the answer is a StatsReport once the group serves it, or says why
+    not. Requests still open after `drain_timeout` seconds are ended with a 503 the router retries."""
+
+    qid: int
+    role: str
+    drain_timeout: float
+
+
+ToScheduler = TokenizedRequest | AbortRequest | StatsQuery | FlushCacheRequest | Wake | SwitchRole
 
 
 class ReqUpdate(msgspec.Struct, omit_defaults=True):

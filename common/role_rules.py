@@ -4,10 +4,10 @@ other settings follow from.
 There are three roles: the colocated node (`--disaggregation-mode null`, whose rules are this base
 class), the prefill node and the decode node. A PD role states its own rules in its package
 (prefill_node/flags.py, decode_node/flags.py: a `RoleRules` subclass and its instance `RULES`).
-common/ never imports a role, so `rules_for(mode)` finds them by import path, the way a role's
-launch names its scheduler class to the scheduler process (`serve_main(argv, "prefill",
-"prefill_node.role:PrefillScheduler")`). A rules module imports no more than common/config.py does,
-so checking a node's flags loads neither torch nor the transfer layer.
+common/ never imports a role, so `rules_for(mode)` finds them by import path, as `scheduler_path(mode)`
+names the role's scheduler class to the scheduler process (`prefill_node.role:PrefillScheduler`).
+A rules module imports no more than common/config.py does, so checking a node's flags loads neither
+torch nor the transfer layer.
 
 `check(args, bad)` raises `bad(flag, why)` (a `ConfigError` naming the flag) for a flag the role does
 not take or a combination it cannot run. `ServerArgs.validate` calls it, so a node's flags are refused
@@ -25,6 +25,14 @@ from common import core_loan
 
 # the PD roles' rules, by import path ("package.module:NAME"); the colocated node's are `RoleRules()`
 ROLE_RULES = {"prefill": "prefill_node.flags:RULES", "decode": "decode_node.flags:RULES"}
+# the scheduler class each role's ranks run, by import path (the colocated node's: the common one)
+ROLE_SCHEDULERS = {"prefill": "prefill_node.role:PrefillScheduler",
+                   "decode": "decode_node.role:DecodeScheduler"}
+
+
+def scheduler_path(mode: str) -> str:
+    """The import path of the scheduler class of the role `mode` names (a role switch builds one too)."""
+    return ROLE_SCHEDULERS.get(mode, "common.scheduler.scheduler:Scheduler")
 
 
 def refuse_decode_flags(args, bad) -> None:

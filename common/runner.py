@@ -112,22 +112,9 @@ class ModelRunner:
         self.kv_pool = KVPool(num_pages, self.page_size, cfg.num_layers, cfg.local_kv_heads(tp_size),
                               cfg.head_dim, dtype=placement.kv_dtype, layer_ids=layer_ids, device=self.device,
                               shared_kv=cfg.kv_shared)  # latent attention: K and V are one row
-        row_len = self.context_length + self.page_size
-        self.req_to_token_pool = make_req_pool(row_len, self.device) if make_req_pool is not None else \
-            ReqToTokenPool(args.max_running_requests + REQ_POOL_HEADROOM, row_len, device=self.device)
-        self.hybrid.attach(self.req_to_token_pool)  # a hybrid model's state slots go with the rows
+        self.model_dir = model_dir
         self.graphs = None  # captured decode graphs (cuda): they read the request table's rows
-        if self.placement.cuda_graph_max_bs:
-            from common.cuda_graph import CudaGraphRunner
-
-            self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.kv_pool,
-                                          self.req_to_token_pool.req_to_token,
-                                          min(self.placement.cuda_graph_max_bs, self.max_running_requests),
-                                          self.device, state_pool=self.hybrid.state_pool)
-            self.graphs.capture_all()
-        # what a prefill and a decode node must share to pair (common/fingerprint.py), the same on every rank
-        self.compatibility = self._compatibility(args, model_dir)
-        self.fingerprint = pairing_key(self.compatibility)
+        self._build_req_pool(args, make_req_pool)
         self.sampler = Sampler(seed=args.seed)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(cfg.eos_token_ids or [])  # min_new_tokens masks them
@@ -136,6 +123,37 @@ class ModelRunner:
                     cfg.local_kv_heads(tp_size), self.max_total_tokens, num_pages - 1, self.page_size,
                     self.kv_pool.nbytes() / 2**20, str(placement.kv_dtype).removeprefix("torch."),
                     self.context_length, self.device)
+
+    def _build_req_pool(self, args: ServerArgs, make_req_pool) -> None:
+        """The request table (with a hybrid model's state slots), the decode graphs over it and this node's
+        compatibility for its role."""
+        row_len = self.context_length + self.page_size
+        self.req_to_token_pool = make_req_pool(row_len, self.device) if make_req_pool is not None else \
+            ReqToTokenPool(args.max_running_requests + REQ_POOL_HEADROOM, row_len, device=self.device)
+        self.hybrid.attach(self.req_to_token_pool)  # a hybrid model's state slots go with the rows
+        if self.placement.cuda_graph_max_bs:
+            from common.cuda_graph import CudaGraphRunner
+
+            self.graphs = None  # the old graphs' memory goes before the new capture
+            self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.kv_pool,
+                                          self.req_to_token_pool.req_to_token,
+                                          min(self.placement.cuda_graph_max_bs, self.max_running_requests),
+                                          self.device, state_pool=self.hybrid.state_pool)
+            self.graphs.capture_all()
+        # what a prefill and a decode node must share to pair (common/fingerprint.py), the same on every rank
+        self.args = args
+        self.compatibility = self._compatibility(args, self.model_dir)
+        self.fingerprint = pairing_key(self.compatibility)
+
+    def switch_role(self, args: ServerArgs, make_req_pool=None) -> None:
+        """A role switch (common/scheduler/role_switch.py): the new role's request table, graphs and
+        compatibility; the weights and the KV pool stay. Only when no row and no page is in use."""
+        pages = self.allocator.num_pages - 1 - self.allocator.available_pages()
+        rows = self.req_to_token_pool.size - ReqToTokenPool.available_size(self.req_to_token_pool)
+        if pages or rows:
+            raise RuntimeError(f"a role switch needs an idle runner: {pages} KV pages and {rows} request "
+                               "rows are still in use")
+        self._build_req_pool(args, make_req_pool)
 
     def _kv_tokens(self, args: ServerArgs, cfg, tp_size: int) -> int:
         """--max-total-tokens, or on cuda with --mem-fraction-static what the fraction leaves after the

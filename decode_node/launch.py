@@ -7,4 +7,4 @@ from common.server.launch import serve_main
 
 
 def main(argv: list[str]) -> int:
-    return serve_main(argv, "decode", "decode_node.role:DecodeScheduler")
+    return serve_main(argv, "decode")  # its ranks run DecodeScheduler (common/role_rules.py)

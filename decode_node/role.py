@@ -320,6 +320,10 @@ class DecodeRole(PDRole):
     def has_ready_work(self) -> bool:
         return bool(self.waiting)
 
+    def unstarted(self) -> list[str]:
+        """The requests that hold no memory yet: no TransferInfo went out, no prefill rank writes for them."""
+        return [t.rid for t in self.prealloc if t.pages is None]
+
     def queue_counts(self) -> dict[str, int]:
         s = self.sched
         return {"prealloc": len(self.prealloc), "transfer": len(self.transfer),
@@ -351,14 +355,18 @@ class DecodeScheduler(Scheduler):
 
     def __init__(self, args, model_dir: str, tp_rank: int = 0, tp_size: int = 1, tp_group=None, *,
                  runner=None, **kw) -> None:
-        prealloc_size = args.disaggregation_prealloc_size or args.max_running_requests
         if runner is None:  # built here, not by the base, so that its request table is the decode's
             from common.runner import ModelRunner
 
-            make_req_pool = functools.partial(DecodeReqToTokenPool, args.max_running_requests, prealloc_size)
             runner = ModelRunner(args, model_dir, tp_rank, tp_size, tp_group, pp_rank=kw.get("pp_rank", 0),
-                                 dp_rank=kw.get("dp_rank", 0), make_req_pool=make_req_pool)
+                                 dp_rank=kw.get("dp_rank", 0), make_req_pool=self.make_req_pool(args))
         super().__init__(args, model_dir, tp_rank, tp_size, tp_group, runner=runner, **kw)
-        self.hooks = DecodeRole(self, args, tp_rank, tp_size, prealloc_size)
+        self.hooks = DecodeRole(self, args, tp_rank, tp_size, self.req_to_token_pool.prealloc_size)
         # a local or re-prefilled prompt never stalls the running batch for long
         self.decode_between_chunks = True
+
+    @classmethod
+    def make_req_pool(cls, args):
+        """Rows for the running requests and, apart, for those whose KV is on its way."""
+        prealloc_size = args.disaggregation_prealloc_size or args.max_running_requests
+        return functools.partial(DecodeReqToTokenPool, args.max_running_requests, prealloc_size)

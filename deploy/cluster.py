@@ -104,6 +104,9 @@ class Cluster:
     # conditional disaggregation: the router's --local-prefill-queue (0: off), and the decode nodes take
     # requests without a rendezvous, prefilled LOCAL_PREFILL_CHUNK tokens at a time, mixed with decode rows
     local_prefill_queue: int = 0
+    # every node may switch its role (router/role_switch.py): each gets a bootstrap port, none a flag only
+    # one role takes (the local-prefill ones, a core loan)
+    switchable: bool = False
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every child
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)  # per role: {"prefill": {...}}
     startup_timeout: float = 600.0
@@ -187,7 +190,7 @@ class Cluster:
     def _node_settings(self, role: str, bootstrap_port: int | None) -> dict:
         """A node's settings after its model, address and port."""
         settings = {"transfer_backend": self.transfer_backend}
-        if role == "prefill":
+        if role == "prefill" or bootstrap_port is not None:
             settings["disaggregation_bootstrap_port"] = bootstrap_port
         return settings
 
@@ -249,7 +252,8 @@ class Cluster:
     def _node(self, role: str, name: str, host: str, netns: str | None) -> RoleNode:
         cores = self.placement.cores[name] if self.auto_placement else self.cpu_affinity.get(role)
         # no port given: the node picks its own, and new ones after a port race
-        settings = self._node_settings(role, free_port(self.host) if role == "prefill" else None)
+        settings = self._node_settings(role, free_port(self.host) if role == "prefill" or self.switchable
+                                       else None)
         return RoleNode(role, self.model, name=name, host=host, netns=netns, cores=cores,
                         log_path=os.path.join(self.log_dir, f"{name}.log"), env=self._env(role, name),
                         startup_timeout=self.startup_timeout, echo_command=True, log_level=None,

@@ -7,4 +7,4 @@ from common.server.launch import serve_main
 
 
 def main(argv: list[str]) -> int:
-    return serve_main(argv, "prefill", "prefill_node.role:PrefillScheduler")
+    return serve_main(argv, "prefill")  # its ranks run PrefillScheduler (common/role_rules.py)

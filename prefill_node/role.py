@@ -210,6 +210,10 @@ class PrefillRole(PDRole):
     def has_work(self) -> bool:
         return bool(self.bootstrap or self.inflight)
 
+    def unstarted(self) -> list[str]:
+        """The requests still waiting for the decode's TransferInfo: nothing computed, nothing sent."""
+        return [t.rid for t in self.bootstrap]
+
     def queue_counts(self) -> dict[str, int]:
         s = self.sched
         return {"bootstrap": len(self.bootstrap),

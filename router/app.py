@@ -10,7 +10,6 @@ import os
 import signal
 import time
 import uuid
-from typing import Literal
 
 import aiohttp
 import msgspec
@@ -18,7 +17,6 @@ from aiohttp import web
 
 from common.protocol import (
     BadRequest,
-    BootstrapPort,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
@@ -45,27 +43,16 @@ from router.liveness import SilenceWatch
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import Metrics
 from router.policies import make_policy
-from router.registry import PREFILL, Registry, RegistryError
+from router.registry import PREFILL, Registry
 from router.request import parse
 from router.retry import error_response
+from router.role_switch import RoleSwitcher
+from router.workers_api import WorkersApi, json_response
 
 log = logging.getLogger("router")
 REQUEST_ID = web.RequestKey("request_id", str)  # the id this router answers with (X-Request-ID)
-_encode = msgspec.json.encode
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
-ADMIN_ROUTES = "GET/POST /workers, DELETE /workers/{id} and POST /flush_cache"
-
-
-class WorkerSpec(msgspec.Struct, kw_only=True):
-    """Body of `POST /workers` (sglang-router's)."""
-
-    url: str
-    worker_type: Literal["prefill", "decode"] = "decode"
-    bootstrap_port: BootstrapPort | None = None
-
-
-def json_response(obj, status: int = 200) -> web.Response:
-    return web.Response(body=_encode(obj), status=status, content_type="application/json")
+ADMIN_ROUTES = "GET/POST /workers, DELETE /workers/{id}, POST /workers/{id}/role and POST /flush_cache"
 
 
 class RouterApp:
@@ -94,6 +81,8 @@ class RouterApp:
                                  "decode": cfg.effective_decode_policy}
         self.decode_policy = make_policy(cfg.effective_decode_policy, cfg)
         self.registry = Registry(cfg, session, on_change=self._workers_changed)
+        self.switcher = RoleSwitcher(self.registry, session, cfg)
+        self.workers = WorkersApi(self.registry, self.switcher, lambda: self.kv_index)
         if self.kv_index is not None:
             self.registry.on_admit = self._admit_prefill
         self.dispatcher = Dispatcher(cfg, self.registry, self.metrics,
@@ -256,50 +245,6 @@ class RouterApp:
                                        "pdserve.decode": trace.decode, "pdserve.attempts": trace.attempts},
                                 error=f"status {status}" if status >= 500 else None)
 
-    # ---------------------------------------------------------------------------- workers
-
-    async def list_workers(self, request):
-        ws = [self._describe(w) for w in self.registry.all()]
-        # workers refused as unable to pair with the pool (common/fingerprint.py), with the difference named
-        return json_response({"workers": ws, "total": len(ws),
-                              "prefill": len(self.registry.prefill), "decode": len(self.registry.decode),
-                              "refused": list(self.registry.refused.values())})
-
-    def _describe(self, w) -> dict:
-        d = w.describe()
-        views = self.kv_index.views_of(w.url) if self.kv_index is not None else []
-        if len(views) == 1:
-            d["kv_events"] = views[0].describe()
-        elif views:  # a view per DP group
-            d["kv_events"] = [v.describe() for v in views]
-        return d
-
-    async def add_worker(self, request):
-        try:
-            spec = msgspec.json.decode(await request.read())
-        except msgspec.DecodeError as e:
-            return error_response(400, f"malformed JSON: {e}")
-        if not isinstance(spec, dict):
-            return error_response(400, "request body must be a JSON object")
-        try:
-            ws = msgspec.convert(spec, WorkerSpec)
-        except msgspec.ValidationError as e:
-            return error_response(400, str(e))
-        url, kind, port = ws.url, ws.worker_type, ws.bootstrap_port
-        try:
-            w = await self.registry.add(url, kind, port,
-                                        explicit_none="bootstrap_port" in spec and port is None)
-        except RegistryError as e:
-            return error_response(e.status, str(e))
-        return json_response({"status": "ok", "worker": w.describe()})
-
-    async def remove_worker(self, request):
-        try:
-            w = self.registry.remove(request.match_info["id"])
-        except RegistryError as e:
-            return error_response(e.status, str(e))
-        return json_response({"status": "ok", "worker": w.describe()})
-
     # ---------------------------------------------------------------------------- info
 
     async def _first_prefill_get(self, paths: tuple[str, ...]):
@@ -460,9 +405,7 @@ class RouterApp:
         return with_openapi([
             *(Route("POST", p, self.generate, b, summary="generation through a prefill and a decode worker",
                     stream=True) for p, b in zip(GENERATE_PATHS, bodies, strict=True)),
-            Route("GET", "/workers", self.list_workers, access=ADMIN, summary="registered workers"),
-            Route("POST", "/workers", self.add_worker, WorkerSpec, access=ADMIN, summary="register a worker"),
-            Route("DELETE", "/workers/{id:.+}", self.remove_worker, access=ADMIN, summary="remove a worker"),
+            *self.workers.routes(ADMIN),
             Route("POST", "/flush_cache", self.flush_cache, access=ADMIN,
                   summary="flush every worker's cache"),
             Route("GET", "/v1/models", self.models, summary="the served model"),
@@ -513,6 +456,11 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
     session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(
         total=cfg.request_timeout_secs), auto_decompress=False, skip_auto_headers=("User-Agent",))
     ra = RouterApp(cfg, session)
+    ra.planner = None  # --planner slo (router/planner.py); the dashboard shows it
+    if cfg.planner == "slo":
+        from router.planner import Planner, make_actuator
+
+        ra.planner = Planner(cfg, ra.registry, ra.metrics, session, make_actuator(cfg, ra))
     runner = web.AppRunner(ra.build(), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.port, backlog=4096, reuse_address=True,
@@ -527,6 +475,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
                           reuse_address=True).start()
     need_loads = "power_of_two" in (cfg.effective_prefill_policy, cfg.effective_decode_policy)
     ra.registry.start(need_loads)
+    if ra.planner is not None:
+        ra.planner.start()
     watcher = None
     if cfg.service_discovery:
         from router.discovery import PodWatcher
@@ -554,6 +504,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
     try:
         await stop.wait()
     finally:
+        if ra.planner is not None:
+            await ra.planner.stop()
         evict.cancel()
         capacity.cancel()
         if silence is not None:

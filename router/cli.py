@@ -178,6 +178,33 @@ def build_parser() -> argparse.ArgumentParser:
       "traceparent passed to both legs, exported over OTLP/HTTP to --otlp-traces-endpoint")
     a("--otlp-traces-endpoint", default=None, help="OTLP/HTTP collector, HOST:PORT or URL (with "
       "--enable-trace; default localhost:4318)")
+    a("--planner", choices=["none", "slo"], default=d.planner,
+      help="slo: the router watches its TTFT and ITL p90, the prefill and decode queues and the decode KV "
+      "headroom, and moves a node between the pools when one pool is short for --planner-patience windows "
+      "and the other can spare one (needs --ttft-slo and --itl-slo)")
+    a("--ttft-slo", type=float, default=None, metavar="SECONDS",
+      help="with --planner slo: the time-to-first-token p90 to keep under")
+    a("--itl-slo", type=float, default=None, metavar="SECONDS",
+      help="with --planner slo: the inter-token latency (seconds per output token) p90 to keep under")
+    a("--planner-interval-secs", type=float, default=d.planner_interval_secs,
+      help="with --planner slo: seconds between two decisions")
+    a("--planner-window-secs", type=float, default=d.planner_window_secs,
+      help="with --planner slo: the latency percentiles are over the requests that ended in this many "
+      "last seconds")
+    a("--planner-patience", type=int, default=d.planner_patience,
+      help="with --planner slo: consecutive windows a pool must be short before a node moves")
+    a("--planner-cooldown-secs", type=float, default=d.planner_cooldown_secs,
+      help="with --planner slo: no move within this many seconds of the last one (twice as long for a move "
+      "that reverses it)")
+    a("--planner-actuator", choices=["switch", "k8s"], default=d.planner_actuator,
+      help="with --planner slo: how a move is carried out: switch, a node changes its role; k8s, the "
+      "prefill and decode workloads are scaled")
+    a("--planner-k8s-namespace", default=None,
+      help="with --planner-actuator k8s: the workloads' namespace (none given: the k8s actuator's default)")
+    a("--planner-k8s-prefill", default=d.planner_k8s_prefill,
+      help="with --planner-actuator k8s: the prefill workload's name")
+    a("--planner-k8s-decode", default=d.planner_k8s_decode,
+      help="with --planner-actuator k8s: the decode workload's name")
     a("--log-level", choices=["debug", "info", "warn", "error"], default=d.log_level, help="log level")
     a("--log-dir", default=None, help="also write the log to a file in this folder")
     # sglang-router flags not implemented here: parsed so the refusal names them (_NOT_IMPLEMENTED)
@@ -299,11 +326,51 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     if cfg.kv_events and cfg.effective_prefill_policy != "cache_aware":
         logging.getLogger("router").warning("--kv-events is used by the cache_aware prefill policy only; the "
                                             "prefill policy is %s", cfg.effective_prefill_policy)
+    check_planner(cfg)
     for name, policy in (("prefill", cfg.effective_prefill_policy), ("decode", cfg.effective_decode_policy)):
         n = len(cfg.prefill if name == "prefill" else cfg.decode)
         if policy == "power_of_two" and 0 < n < 2:
             logging.getLogger("router").warning("power_of_two with one %s worker picks that worker", name)
     return cfg
+
+
+_PLANNER_FLAGS = ("ttft_slo", "itl_slo", "planner_interval_secs", "planner_window_secs", "planner_patience",
+                  "planner_cooldown_secs", "planner_actuator", "planner_k8s_namespace", "planner_k8s_prefill",
+                  "planner_k8s_decode")
+_K8S_FLAGS = ("planner_k8s_namespace", "planner_k8s_prefill", "planner_k8s_decode")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_planner(cfg: RouterConfig) -> None:
+    """--planner slo needs both SLOs and positive figures; its flags are refused without it (nothing would
+    read them), and the k8s ones without --planner-actuator k8s."""
+    d = RouterConfig()
+    given = [n for n in _PLANNER_FLAGS if getattr(cfg, n) != getattr(d, n)]
+    if cfg.planner != "slo":
+        if given:
+            raise ValueError(f"{_flag(given[0])} is refused without --planner slo (nothing would read it)")
+        return
+    for name in ("ttft_slo", "itl_slo"):
+        if getattr(cfg, name) is None:
+            raise ValueError(f"--planner slo needs {_flag(name)} SECONDS")
+    for name in ("ttft_slo", "itl_slo", "planner_interval_secs", "planner_window_secs",
+                 "planner_cooldown_secs"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{_flag(name)} must be > 0, got {getattr(cfg, name):g}")
+    if cfg.planner_patience < 1:
+        raise ValueError(f"--planner-patience must be >= 1, got {cfg.planner_patience}")
+    if cfg.planner_actuator != "k8s":
+        k8s = [n for n in _K8S_FLAGS if getattr(cfg, n) != getattr(d, n)]
+        if k8s:
+            raise ValueError(f"{_flag(k8s[0])} is refused without --planner-actuator k8s")
+    else:
+        for name in _K8S_FLAGS:
+            value = getattr(cfg, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{_flag(name)} must not be empty")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -108,6 +108,18 @@ class RouterConfig:
     # the cluster secret (common/cluster_secret.py), read by cli.py; for router -> node hops
     cluster_secret_file: str | None = None
     cluster_secret: ClusterSecret | None = field(default=None, repr=False)
+    # the SLO planner (router/planner.py, router/slo_rule.py): "none" or "slo"
+    planner: str = "none"
+    ttft_slo: float | None = None  # seconds; both SLOs are required with planner "slo"
+    itl_slo: float | None = None  # seconds per output token
+    planner_interval_secs: float = 5.0
+    planner_window_secs: float = 30.0
+    planner_patience: int = 2
+    planner_cooldown_secs: float = 20.0
+    planner_actuator: str = "switch"  # "switch" (router/role_switch.py) or "k8s" (router/k8s_scale.py)
+    planner_k8s_namespace: str | None = None
+    planner_k8s_prefill: str = "pdserve-prefill"
+    planner_k8s_decode: str = "pdserve-decode"
     # observability
     prometheus_host: str | None = None  # None: the router's own --host
     prometheus_port: int = 29000

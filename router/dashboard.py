@@ -6,6 +6,8 @@ throughput; fetched in parallel with a short timeout, a worker that does not ans
 router's request counts and admission, and TTFT / TPOT percentiles over the last minute as the router
 observes them (TTFT: first byte of a streamed answer; TPOT: time between its streamed events). The page is
 open (it holds no data); the data needs the client key when the router has one, which the page asks for.
+With `--planner slo` a Planner panel shows the SLO planner's moves and failures, the move under way, and
+its last decisions with their reasons (`planner`: router/planner.py `Planner.describe()`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ STAT_KEYS = ("num_running_reqs", "num_queued_reqs", "num_queue_reqs", "kv_total_
              "transfer_failures_bootstrap", "cache_hit_rate")
 
 
-async def _worker_stats(session: aiohttp.ClientSession, auth: dict, w) -> dict:
+async def worker_stats(session: aiohttp.ClientSession, auth: dict, w) -> dict:
+    """The figures of `STAT_KEYS` in the worker's `/server_info` stats, or {"error": why} (the SLO
+    planner reads them too)."""
     try:
         async with session.get(w.url + "/server_info", headers=auth,
                                timeout=aiohttp.ClientTimeout(total=INFO_TIMEOUT)) as r:
@@ -41,12 +45,13 @@ async def _worker_stats(session: aiohttp.ClientSession, auth: dict, w) -> dict:
 async def dashboard_data(app) -> dict:
     """Everything the page shows, in one JSON object."""
     workers = app.registry.all()
-    stats = await asyncio.gather(*(_worker_stats(app.session, app.registry.auth, w) for w in workers))
+    stats = await asyncio.gather(*(worker_stats(app.session, app.registry.auth, w) for w in workers))
     m = app.metrics
     by_status: collections.Counter = collections.Counter()
     for (_, status), n in m.requests.items():
         by_status[str(status)] += n
     adm = m.admission
+    planner = getattr(app, "planner", None)  # router/planner.py, with --planner slo
     return {
         "time": time.time(),
         "workers": [{**w.describe(), "stats": s} for w, s in zip(workers, stats, strict=True)],
@@ -55,6 +60,7 @@ async def dashboard_data(app) -> dict:
                      "in_flight": adm.in_flight if adm is not None else None,
                      "queued": adm.queued if adm is not None else None},
         "latency": m.latency.percentiles(),
+        "planner": planner.describe() if planner is not None else {"enabled": False},
     }
 
 
@@ -71,6 +77,9 @@ table{border-collapse:collapse;width:100%}
 th,td{border-bottom:1px solid #ddd;padding:.35em .6em;text-align:left;white-space:nowrap}
 .bad{color:#b00020;font-weight:bold}.ok{color:#1b5e20}
 #status{color:#666;margin-left:1em;font-size:.9em}
+.note{color:#666;margin-left:1em;font-size:.9em;font-weight:normal}
+h2{font-size:1.1em;margin:1.2em 0 .5em}
+#planner-decisions td:last-child{white-space:normal}
 </style></head>
 <body>
 <h1>pdserve cluster <span id="status">loading...</span></h1>
@@ -87,6 +96,17 @@ th,td{border-bottom:1px solid #ddd;padding:.35em .6em;text-align:left;white-spac
 <table><thead><tr><th>worker</th><th>type</th><th>health</th><th>circuit</th><th>in flight</th>
 <th>running</th><th>queues</th><th>KV use</th><th>gen tok/s</th><th>transfer MB/s</th>
 <th>transfers ok / failed</th></tr></thead><tbody id="workers"></tbody></table>
+<h2>Planner <span id="planner-state" class="note">-</span></h2>
+<div id="planner" hidden>
+<div class="cards">
+ <div class="card">moves<b id="planner-moves">-</b></div>
+ <div class="card">failed moves<b id="planner-failures">-</b></div>
+ <div class="card">under way<b id="planner-moving">-</b></div>
+</div>
+<p>last decision: <b id="planner-action">-</b> <span id="planner-reason"></span></p>
+<table><thead><tr><th>time</th><th>decision</th><th>reason</th></tr></thead>
+<tbody id="planner-decisions"></tbody></table>
+</div>
 <script>
 "use strict";
 let key = sessionStorage.getItem("pdserveKey") || "";
@@ -131,8 +151,31 @@ function render(d) {
     }
     body.append(tr);
   }
+  renderPlanner(d.planner || {enabled: false});
   $("status").textContent = "updated " + new Date(d.time * 1000).toLocaleTimeString();
   prev = d;
+}
+const SHOWN_DECISIONS = 8;
+function renderPlanner(p) {
+  $("planner").hidden = !p.enabled;
+  if (!p.enabled) { $("planner-state").textContent = "off (--planner none)"; return; }
+  $("planner-state").textContent = "SLOs: TTFT p90 " + p.ttft_slo + " s, ITL p90 " + p.itl_slo
+    + " s (actuator " + p.actuator + ")";
+  $("planner-moves").textContent = p.moves;
+  $("planner-failures").textContent = p.failures;
+  $("planner-failures").className = p.failures ? "bad" : "";
+  $("planner-moving").textContent = p.moving || "-";
+  const ds = p.decisions || [];
+  const last = ds.length ? ds[ds.length - 1] : null;
+  $("planner-action").textContent = last ? last.action : "-";
+  $("planner-reason").textContent = last ? last.reason : "no window yet";
+  const body = $("planner-decisions"); body.replaceChildren();
+  for (const x of ds.slice(-SHOWN_DECISIONS).reverse()) {
+    const tr = document.createElement("tr");
+    tr.append(cell(new Date(x.time * 1000).toLocaleTimeString()),
+      cell(x.action, x.action === "hold" ? "" : "ok"), cell(x.reason));
+    body.append(tr);
+  }
 }
 async function poll() {
   try {

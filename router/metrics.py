@@ -39,10 +39,13 @@ class LatencyWindow:
         self.samples.append((time.monotonic(), ttft, tpot))
 
     def percentiles(self) -> dict:
-        cutoff = time.monotonic() - WINDOW_SECONDS
+        return {"window_s": WINDOW_SECONDS, **self.percentiles_since(time.monotonic() - WINDOW_SECONDS)}
+
+    def percentiles_since(self, cutoff: float) -> dict:
+        """`n`, `ttft` and `tpot` quantiles of the samples taken at or after `cutoff` (time.monotonic());
+        the SLO planner's window (router/planner.py)."""
         recent = [s for s in self.samples if s[0] >= cutoff]
-        return {"window_s": WINDOW_SECONDS, "n": len(recent),
-                "ttft": _quantiles([s[1] for s in recent]),
+        return {"n": len(recent), "ttft": _quantiles([s[1] for s in recent]),
                 "tpot": _quantiles([s[2] for s in recent if s[2] is not None])}
 
 

@@ -138,7 +138,7 @@ class Worker:
     __slots__ = ("id", "url", "kind", "bootstrap_host", "bootstrap_port", "healthy", "breaker", "active",
                  "load", "server_info", "model_info", "fail_streak", "ok_streak",
                  "requests", "errors", "dp_groups",
-                 "local_pending", "local_prefills", "local_refused", "compatibility")
+                 "local_pending", "local_prefills", "local_refused", "compatibility", "draining")
 
     def __init__(self, url: str, kind: str, bootstrap_port: int | None, cfg: RouterConfig):
         self.id = worker_id(url)
@@ -161,6 +161,7 @@ class Worker:
         self.local_prefills = 0  # and all it was sent so far
         self.local_refused = 0  # of those, the ones it refused as too long (sent again with both legs)
         self.compatibility: Compatibility | None = None  # what it advertised at registration (None: nothing)
+        self.draining = False  # being switched to the other role (router/role_switch.py): no new requests
 
     @property
     def prefills_locally(self) -> bool:
@@ -169,7 +170,7 @@ class Worker:
 
     @property
     def available(self) -> bool:
-        return self.healthy and self.breaker.allow()
+        return not self.draining and self.healthy and self.breaker.allow()
 
     @property
     def dp_size(self) -> int:
@@ -201,6 +202,7 @@ class Worker:
                 "local_prefills": self.local_prefills, "local_prefills_refused": self.local_refused,
                 "model_path": self.model_info.get("model_path") or self.server_info.get("model_path"),
                 "disaggregation_mode": self.server_info.get("disaggregation_mode"), "dp_size": self.dp_size,
+                "draining": self.draining,
                 "fingerprint": pairing_key(self.compatibility) if self.compatibility is not None else None,
                 **({"dp_active_requests": list(self.dp_groups.live)} if self.dp_groups.size > 1 else {})}
 

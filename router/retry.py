@@ -8,14 +8,17 @@ client's answer; `ONCE`, one more try per request, and only
 while another worker of the kind that failed is available (an overloaded node: trying every worker in turn is
 the retry storm that turns an overloaded cluster into a dead one); `ATTEMPTS`, up to --retry-max-retries
 attempts in all, each after a backoff and on another pair where there is one (a broken worker or link). A
-(kind, status) the table does not name (a worker's 400 or 404, ...) is answered as it is.
+(kind, status) the table does not name (a worker's 400 or 404, ...) is answered as it is. A failure naming
+`ROLE_SWITCH` (a node that is switching its role handed the request back before it started) gets
+`ATTEMPTS` whatever its status.
 
 After the first token nothing is retried: the client has bytes, so a failure is an SSE error event that
 ends its stream (router/relay.py).
 
 For the circuit breaker a worker's answer is a success below 500 and a failure from 500 on, except the
 answers that say "busy" or "too late" (408, 429, 503, 504) and a failed KV transfer the node names
-(`ERR_TYPE_HEADER`): the transfer may be either node's doing, and the node at fault fails its own leg.
+(`ERR_TYPE_HEADER`): the transfer may be either node's doing, and the node at fault fails its own leg; a
+role switch's hand-back is no failure either.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from common.protocol import KV_TRANSFER_FAILED, error_body
+from common.protocol import KV_TRANSFER_FAILED, ROLE_SWITCH, error_body
 from router.registry import Worker
 
 log = logging.getLogger("router.dispatch")  # the request's walk, as its other lines
@@ -67,6 +70,9 @@ RETRY_TABLE: dict[tuple[Kind, int], Budget] = {
     (Kind.DECODES_FULL, 429): Budget.NONE,    # every decode is full: the client comes back after Retry-After
     (Kind.BAD_REQUEST, 400): Budget.NONE,     # a data_parallel_rank the decode does not have
 }
+# a node switching its role hands back what it had not started (503 or a lead error naming ROLE_SWITCH):
+# the request runs again on another pair, within the attempts, and the node's breaker hears nothing
+ROLE_SWITCH_BUDGET = Budget.ATTEMPTS
 OVERLOAD = frozenset({408, 429, 503})  # "busy": passed on without a warning in the log
 _BREAKER_NEUTRAL = OVERLOAD | {504}
 # a decode stream's lead error of these types is the node's failure, not the request's: run it again
@@ -121,7 +127,7 @@ class Failure:
         status = LEAD_ERROR_STATUS.get(error.get("type"))
         if status is None:
             return None
-        err_type = KV_TRANSFER_FAILED if error.get("code") == KV_TRANSFER_FAILED else None
+        err_type = error.get("code") if error.get("code") in (KV_TRANSFER_FAILED, ROLE_SWITCH) else None
         return cls(Kind.LEAD_ERROR, status, f"decode worker {w.url} failed the request before its first "
                                             f"token: {str(error.get('message'))[:300]}", w, err_type=err_type)
 
@@ -150,7 +156,8 @@ class Retries:
 
     def allows(self, failure: Failure, attempt: int) -> bool:
         """Whether attempt `attempt` (0 for the first), which ended in `failure`, is followed by another."""
-        budget = RETRY_TABLE.get((failure.kind, failure.status), Budget.NONE)
+        budget = ROLE_SWITCH_BUDGET if failure.err_type == ROLE_SWITCH \
+            else RETRY_TABLE.get((failure.kind, failure.status), Budget.NONE)
         if budget is Budget.ONCE:
             allowed = not self.once_spent and failure.worker is not None \
                 and self.other_available(failure.worker)
@@ -184,7 +191,7 @@ class Retries:
 
 def count_answer(w: Worker, status: int, err_type: str | None = None) -> None:
     """A worker's answer, for its circuit breaker (see the module's docstring)."""
-    if status in _BREAKER_NEUTRAL or err_type == KV_TRANSFER_FAILED:
+    if status in _BREAKER_NEUTRAL or err_type in (KV_TRANSFER_FAILED, ROLE_SWITCH):
         return
     ok = status < 500
     w.breaker.record(ok)

@@ -27,6 +27,7 @@ Ending
 
 Loop and stats
 * `has_work()`: requests in the role's queues (the loop keeps polling instead of blocking);
+* `unstarted()` -> rids the role holds that have not begun its work (a role switch hands them back);
 * `has_ready_work()`: some of them will run a forward without waiting for anything but a slot;
 * `queue_counts()` -> stage -> count for the stats (None: the scheduler's own), `stats()` -> extra
   stats, `close()` when the loop ends.
@@ -66,6 +67,9 @@ class SchedulerHooks:
 
     def has_ready_work(self) -> bool:
         return False
+
+    def unstarted(self) -> list[str]:
+        return []
 
     def queue_counts(self) -> dict[str, int] | None:
         return None

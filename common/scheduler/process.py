@@ -28,6 +28,7 @@ from common import core_loan
 from common.config import ServerArgs
 from common.log import exit_now, setup_logging
 from common.protocol import BatchOut, ReqUpdate, ToScheduler
+from common.scheduler import role_switch
 from common.scheduler.watchdog import Watchdog
 
 logger = logging.getLogger("scheduler")
@@ -151,22 +152,6 @@ class SchedulerComm:
             self.ctx.term()
 
 
-def _ready_info(scheduler) -> dict:
-    runner = scheduler.runner
-    return {
-        "status": "ready",
-        "model_config": runner.model_config_dict(),
-        "max_total_tokens": scheduler.allocator.capacity,
-        "context_length": scheduler.context_length,
-        "page_size": scheduler.page_size,
-        "max_running_requests": scheduler.max_running_requests,
-        "placement": runner.device_info(),  # the device, dtypes and kernels the flags resolved to
-        # what a peer must share to pair with this node (common/fingerprint.py), the same on every rank
-        "compatibility": msgspec.to_builtins(runner.compatibility)
-        if hasattr(runner, "compatibility") else None, "fingerprint": getattr(runner, "fingerprint", None),
-    }
-
-
 def group_cores(cores: list[int], dp_rank: int, dp_size: int) -> list[int]:
     """The cores DP group `dp_rank` of `dp_size` runs on: a contiguous share of `cores` (all of them when
     there are fewer cores than groups)."""
@@ -250,7 +235,7 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
             if comm is not None:
                 comm.close()
         raise SystemExit(1) from None
-    ready_conn.send(_ready_info(scheduler))
+    ready_conn.send(role_switch.ready_info(scheduler))
     logger.info("ready: %d KV tokens, page size %d, context %d", scheduler.allocator.capacity,
                 scheduler.page_size, scheduler.context_length)
     # The model and pools live as long as the process: moving them out of the collector's reach keeps
@@ -262,6 +247,9 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
     watchdog = Watchdog(args.watchdog_timeout, name).start()
     try:
         scheduler.event_loop(beat=watchdog.beat)
+        while scheduler.switch is not None and not scheduler.stopping:  # drained for a role switch
+            scheduler = role_switch.rebuild(scheduler, comm, get_tp_group())
+            scheduler.event_loop(beat=watchdog.beat)
     except Exception as e:
         code = 1
         logger.error("scheduler loop crashed: %s\n%s", e, traceback.format_exc())

@@ -31,7 +31,8 @@ Who owns what (each component is given its collaborators here, in `__init__`):
 * `retraction` (`retraction.py`): retraction and the host store that keeps retracted requests' KV;
 * `priority` (`priority.py`), `policy` and `new_token_ratio` (`policy.py`): order and budgets;
 * `results` (`results.py`): the update phase and how a request ends (held, released, reported);
-* `output` (`output.py`), `counters` and `stats` (`stats.py`), `overlap`, `drafter` (`speculative.py`).
+* `output` (`output.py`), `counters` and `stats` (`stats.py`), `overlap`, `drafter` (`speculative.py`);
+* `switch` (`role_switch.py`): a role switch the group drains for; the loop ends when it may switch.
 The scheduler keeps the wiring, the contract, the input dispatch and the loop.
 
 A node role plugs in through `hooks` (`hooks.py`), set after construction (the setter hands them to
@@ -60,10 +61,12 @@ from common.protocol import (
     FlushCacheRequest,
     StatsQuery,
     StatsReport,
+    SwitchRole,
     TokenizedRequest,
     Wake,
 )
 from common.runner import RunnerOutput
+from common.scheduler import role_switch
 from common.scheduler.batch import ScheduleBatch
 from common.scheduler.decode import DecodeBuilder
 from common.scheduler.grammar_queue import GrammarQueue
@@ -129,6 +132,7 @@ class Scheduler:
             else load_stop_decoder(args.tokenizer or model_dir)
         self.send_fn, self.comm = send_fn, comm
         self.stopping = False
+        self.switch: role_switch.PendingSwitch | None = None  # draining for a role switch (SwitchRole)
         self.idle_poll_ms, self.busy_poll_ms = 500, 2
         self.lockstep = make_lockstep()  # DP attention: the DP groups agree on every step
         self.stop_agreed = False  # ... and stop after the step at whose agreement one of them stopped
@@ -176,6 +180,11 @@ class Scheduler:
                                     new_token_ratio=self.new_token_ratio, priority=self.priority,
                                     overlap=self.overlap, drafter=self.drafter, kv_events=self.kv_events)
         self.hooks = SchedulerHooks()
+
+    @classmethod
+    def make_req_pool(cls, args):
+        """The role's request table, as `ModelRunner(make_req_pool=...)` takes it (None: the runner's own)."""
+        return None
 
     @property
     def hooks(self) -> SchedulerHooks:
@@ -311,6 +320,8 @@ class Scheduler:
                 self.send(StatsReport(qid=msg.qid, stats=self.get_stats()))
             elif isinstance(msg, Wake):
                 pass  # it only ended the wait for input: the step agreement comes next
+            elif isinstance(msg, SwitchRole):
+                self.switch = role_switch.begin(self, msg)
             elif isinstance(msg, FlushCacheRequest):
                 ok = self.flush_cache()
                 self._send_admitted()
@@ -382,6 +393,7 @@ class Scheduler:
                 msgs = self.comm.recv(timeout) if self.comm is not None else []
                 if msgs is None:  # the communicator says stop
                     if self.lockstep is None:
+                        self.stopping = True
                         break
                     self.stopping = True  # the other groups learn it at the agreement, then all stop
                 self.process_input_requests(msgs or [])
@@ -394,6 +406,8 @@ class Scheduler:
                     self.lender.set_idle(True)
                 if self.kv_events is not None:
                     self.kv_events.flush()
+                if self.switch is not None and role_switch.ready(self):
+                    break  # drained: the scheduler process builds the new role's scheduler
         finally:
             self.close()
 

@@ -18,6 +18,8 @@ from typing import Any
 from aiohttp import web
 
 from common.protocol import (
+    ERR_TYPE_HEADER,
+    ROLE_SWITCH,
     AbortHTTPRequest,
     BadRequest,
     GenerateRequest,
@@ -50,9 +52,16 @@ from common.server.http import (
 from common.server.metrics import CONTENT_TYPE
 from common.server.openai_api import check_model
 from common.server.openapi import Route, access_of, access_table, add_routes, unserved_routes, with_openapi
+from common.server.role_switch_api import SwitchRoleRequest, handle_switch_role
 from common.server.security import ADMIN, BY_BODY, OPEN, PUBLIC, Denied, Keys, bearer_token, check_access
 from common.server.tokenize_api import DetokenizeRequest, TokenizeRequest, handle_detokenize, handle_tokenize
-from common.server.tokenizer_manager import QueueFull, ReqState, ServiceUnavailable, TokenizerManager
+from common.server.tokenizer_manager import (
+    QueueFull,
+    ReqState,
+    RoleSwitching,
+    ServiceUnavailable,
+    TokenizerManager,
+)
 from common.tracing import TRACEPARENT, incoming_traceparent
 from common.version import VERSION
 
@@ -121,6 +130,10 @@ async def _answer(request: web.Request, handler, rid: str | None) -> web.StreamR
         logger.info("%s %s status=429 error=%s", request.method, request.path, e)
         count(429)
         return error_response(429, str(e))
+    except RoleSwitching as e:  # the router sends the request to another pair
+        logger.info("%s %s status=503 error=%s", request.method, request.path, e)
+        count(503)
+        return error_response(503, str(e), code=ROLE_SWITCH, headers={ERR_TYPE_HEADER: ROLE_SWITCH})
     except ServiceUnavailable as e:
         logger.warning("%s %s status=503 error=%s", request.method, request.path, e)
         count(503)
@@ -504,6 +517,8 @@ def node_routes() -> list[Route]:
         Route("POST", "/abort_request", handle_abort, AbortHTTPRequest, access=BY_BODY,
               summary="abort one rid (public); abort_all is an admin call"),
         Route("POST", "/flush_cache", handle_flush_cache, access=ADMIN, summary="drop the prefix cache"),
+        Route("POST", "/switch_role", handle_switch_role, SwitchRoleRequest, access=ADMIN,
+              summary="drain, then serve the other PD role with the weights kept"),
         Route("GET", "/health", handle_health, access=OPEN, summary="liveness"),
         Route("GET", "/version", handle_version, access=OPEN, summary="the pdserve version"),
         Route("GET", "/health_generate", handle_health_generate, access=OPEN,

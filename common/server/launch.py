@@ -303,6 +303,7 @@ def serve_main(argv: list[str], mode: str = "null", scheduler_cls: str | None = 
     import argparse
 
     from common.config import ConfigError, ServerArgs
+    from common.role_rules import scheduler_path
 
     parser = argparse.ArgumentParser(prog=f"pdserve {'serve' if mode == 'null' else mode}",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -314,5 +315,5 @@ def serve_main(argv: list[str], mode: str = "null", scheduler_cls: str | None = 
         args = ServerArgs.from_cli_args(ns)
     except ConfigError as e:
         parser.error(str(e))
-    launch_server(args, scheduler_cls)
+    launch_server(args, scheduler_cls or scheduler_path(args.disaggregation_mode))
     exit_now(0)

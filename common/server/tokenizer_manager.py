@@ -24,13 +24,16 @@ What this module does with them:
 * `release` ends a request's life in the front end: a request that has not finished (its HTTP
   client went away, the handler failed) is aborted in the scheduler so its memory is freed; the
   request is counted in the metrics and logged in one line;
-* queries (`stats`, `flush_cache`) go to every group; their answers are merged into one.
+* queries (`stats`, `flush_cache`) go to every group; their answers are merged into one;
+* `switch_role` asks every group to drain and serve the other PD role (common/scheduler/role_switch.py)
+  and refuses new requests (`RoleSwitching`, HTTP 503 naming `ROLE_SWITCH`) until all of them do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -47,6 +50,7 @@ from common.protocol import (
     FlushCacheRequest,
     StatsQuery,
     StatsReport,
+    SwitchRole,
     TokenizedRequest,
     ToScheduler,
     Wake,
@@ -65,6 +69,10 @@ logger = logging.getLogger("server")
 
 class QueueFull(RuntimeError):
     """--max-queued-requests is reached: HTTP 429 with Retry-After."""
+
+
+class RoleSwitching(ServiceUnavailable):
+    """The node is switching its role: HTTP 503 with `ROLE_SWITCH`, which a router runs again elsewhere."""
 
 
 class TokenizerManager(PromptInput):
@@ -105,6 +113,8 @@ class TokenizerManager(PromptInput):
         self.dead_reason: str | None = None
         self._early_aborts = EarlyAborts()
         self.early_aborts_applied = 0  # requests ended on arrival by an abort that came first
+        self.switching: str | None = None  # the role a switch in progress goes to
+        self.switches = 0
 
     # ------------------------------------------------------------------ lifecycle
     def configure(self, ready: dict[str, Any], groups: list[dict[str, Any]] | None = None) -> None:
@@ -237,6 +247,9 @@ class TokenizerManager(PromptInput):
         """Register and send the requests of one HTTP call; they share one notify event."""
         if self.dead_reason is not None:
             raise ServiceUnavailable(self.dead_reason)
+        if self.switching is not None:
+            raise RoleSwitching(f"this node is switching to the {self.switching} role; send the request to "
+                                "another node")
         n = len(reqs)
         if n > self.queue_limit:  # handlers refuse it sooner, naming their field
             raise BadRequest(f"a batch of {n} prompts is more than --max-queued-requests "
@@ -379,7 +392,7 @@ class TokenizerManager(PromptInput):
 
     # ------------------------------------------------------------------ queries
     async def _query(self, msg_type, timeout: float) -> list[dict[str, Any]]:
-        """Every DP group's answer to one query, in rank order."""
+        """Every DP group's answer to one query (`msg_type(qid=...)`), in rank order."""
         loop = asyncio.get_running_loop()
         qids = [next(self._qids) for _ in range(self.link.size)]
         futs = [loop.create_future() for _ in qids]
@@ -405,3 +418,35 @@ class TokenizerManager(PromptInput):
         """Flush every group's prefix cache; `flushed` only when each one did."""
         answers = await self._query(FlushCacheRequest, timeout)
         return {**merge_stats(answers), "flushed": all(a.get("flushed", True) for a in answers)}
+
+    async def switch_role(self, role: str, drain_timeout: float) -> dict[str, Any]:
+        """Drain every DP group and have it serve `role`; new requests are refused meanwhile. The caller
+        has checked the flags for the new role. A group that does not answer leaves the node in two
+        roles, which it cannot serve: it is marked dead (503 on /health)."""
+        self.switching = role
+        try:
+            def ask(qid: int) -> SwitchRole:
+                return SwitchRole(qid=qid, role=role, drain_timeout=drain_timeout)
+
+            try:
+                answers = await self._query(ask, drain_timeout + 120)
+            except ServiceUnavailable as e:
+                self.mark_dead(f"a role switch to {role} did not complete: {e}")
+                raise
+            done = [a for a in answers if a.get("switched")]
+            if len(done) < len(answers):
+                if done:
+                    self.mark_dead(f"a role switch to {role} completed on {len(done)} of {len(answers)} "
+                                   "DP groups")
+                refused = next(a["error"] for a in answers if not a.get("switched"))
+                return {"switched": False, "error": refused}
+            self.args = dataclasses.replace(self.args, disaggregation_mode=role)
+            self.configure(done[0]["ready"], [a["ready"] for a in done])
+            self.switches += 1
+            logger.info("role switch to %s done: %d handed back, %d ended at the deadline", role,
+                        sum(a["handed_back"] for a in done), sum(a["ended_at_deadline"] for a in done))
+            return {"switched": True, "role": role, "seconds": max(a["seconds"] for a in done),
+                    "handed_back": sum(a["handed_back"] for a in done),
+                    "ended_at_deadline": sum(a["ended_at_deadline"] for a in done)}
+        finally:
+            self.switching = None

@@ -105,7 +105,7 @@ class RouterCluster(Cluster):
     def __init__(self, model: str, log_dir: str | Path, *, backend: str = "fake", prefill: int = 1,
                  decode: int = 1, node_settings: dict | None = None, router_args: list[str] | None = None,
                  env: dict | None = None, role_env: dict | None = None, role_settings: dict | None = None,
-                 startup_timeout: float = 300.0, grace_period: float = 15.0):
+                 startup_timeout: float = 300.0, grace_period: float = 15.0, switchable: bool = False):
         common = {"log_level": "info", **(node_settings or {})}
         per_role = role_settings or {}
         super().__init__(num_prefill=prefill, num_decode=decode, model=model, transfer_backend=backend,
@@ -114,7 +114,7 @@ class RouterCluster(Cluster):
                          decode_args=settings_flags({**common, **per_role.get("decode", {})}),
                          router_args=list(router_args or []), router_health_defaults=False,
                          env=dict(env or {}), role_env=dict(role_env or {}), startup_timeout=startup_timeout,
-                         grace_period=grace_period, quiet=True, secret=False)
+                         grace_period=grace_period, quiet=True, secret=False, switchable=switchable)
         self.baseline: dict = {}  # pool figures a fixture takes once the cluster is up
 
 
@@ -160,7 +160,8 @@ class Launcher:
 
     def cluster(self, model: str, *, backend: str = "fake", prefill: int = 2, decode: int = 2,
                 router_args: list[str] | None = None, env: dict | None = None, role_env: dict | None = None,
-                node_settings: dict | None = None, role_settings: dict | None = None) -> RouterCluster:
+                node_settings: dict | None = None, role_settings: dict | None = None,
+                switchable: bool = False) -> RouterCluster:
         """Router + `prefill` + `decode` nodes with the integration suite's settings
         (tests.harness.cluster: NODE_SETTINGS, ROUTER_ARGS, ENV); `router_args` and `env` add to them,
         `role_settings` ({"decode": {...}}) to one role's nodes."""
@@ -171,7 +172,7 @@ class Launcher:
                                         node_settings={**NODE_SETTINGS, **(node_settings or {})},
                                         router_args=ROUTER_ARGS + list(router_args or []),
                                         env={**ENV, **(env or {})}, role_env=role_env,
-                                        role_settings=role_settings))
+                                        role_settings=role_settings, switchable=switchable))
 
     def router(self, prefill: list, decode: list, *args: str, ports: dict | None = None,
                wait: bool = True) -> RouterProcess:
