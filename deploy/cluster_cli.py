@@ -16,7 +16,9 @@ work; `router=` is accepted too), `--cpu-affinity none` pins nothing. A node's t
 the cores it may run on divided by its TP size. `--device cuda` (or auto on a machine with GPUs) also
 places the nodes on the GPUs of `--gpu-ids`, a GPU set of its own per node or, with fewer GPUs, shared
 with `--mem-fraction-static` shares. `--local-prefill-queue` (default 3) turns conditional
-disaggregation on, `--hosts` puts every process on a host of its own. The launcher prints what it chose.
+disaggregation on, `--hosts` puts every process on a host of its own, `--planner slo --ttft-slo S
+--itl-slo S` lets the router move nodes between the pools (their roles switch with the weights kept). The
+launcher prints what it chose.
 
 Flags that are not the launcher's own are passed to every node unchanged, checked against the node
 parser first, so a typo fails here and not in every node; `--router-args "..."` adds router flags,
@@ -77,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-core-loan", action="store_true",
       help="with --cpu-affinity auto: decode node i does not borrow prefill node i's cores while that node "
            "has nothing to run (by default it does: common/core_loan.py)")
-    a("--local-prefill-queue", type=int, default=DEFAULT_LOCAL_PREFILL_QUEUE, metavar="N",
-      help="conditional disaggregation: the router sends a request to a decode node alone, to prefill it "
+    a("--local-prefill-queue", type=int, default=None, metavar="N",
+      help=f"(default {DEFAULT_LOCAL_PREFILL_QUEUE}; 0 with --planner slo) "
+           "conditional disaggregation: the router sends a request to a decode node alone, to prefill it "
            f"there in chunks of {LOCAL_PREFILL_CHUNK} tokens between decode steps, while its prefill node "
            "has N or more prefills in flight per request the decode node is already prefilling itself, plus "
            "one (0: off, every prompt is prefilled on a prefill node). Decode nodes get "
@@ -86,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
            f"--chunked-prefill-size {LOCAL_PREFILL_CHUNK} (given node flags win) and, unless they speculate, "
            "--enable-mixed-chunk (the running requests decode inside each chunk's forward); the router "
            "--local-prefill-queue N")
+    a("--planner", default="none", choices=("none", "slo"),
+      help="slo: the router moves nodes between the prefill and decode pools to meet --ttft-slo and "
+           "--itl-slo (router/planner.py), switching their roles with the weights loaded; every node then "
+           "gets a bootstrap port and only flags both roles take (no conditional disaggregation, no core "
+           "loan). More planner flags through --router-args")
+    a("--ttft-slo", type=float, default=None, metavar="SECS",
+      help="with --planner slo: the TTFT target (p90)")
+    a("--itl-slo", type=float, default=None, metavar="SECS",
+      help="with --planner slo: the time-per-output-token target (p90)")
     a("--policy", default=None, help="router policy (random, round_robin, cache_aware, power_of_two)")
     a("--router-args", default="", help='more router flags, one string: --router-args="--policy random"')
     a("--prefill-args", default="", help='more flags for prefill nodes only: --prefill-args="--tp 2"')
@@ -119,6 +131,35 @@ def check_flags(flags: list[str], role: str) -> None:
         raise ValueError(f"not {role} flags: {' '.join(unknown)} (see `pdserve {command} --help`)")
 
 
+def planner_router_args(ns, local_queue: int) -> list[str]:
+    """The router flags of `--planner slo` (both SLOs required; nothing that only one role takes)."""
+    for flag, value in (("--ttft-slo", ns.ttft_slo), ("--itl-slo", ns.itl_slo)):
+        if value is None or not value > 0:
+            raise ValueError(f"--planner slo needs {flag} SECONDS > 0")
+    if local_queue > 0:
+        raise ValueError("--local-prefill-queue: conditional disaggregation gives decode nodes flags a "
+                         "prefill node refuses, so no node could switch; it is off with --planner slo")
+    return ["--planner", "slo", "--ttft-slo", str(ns.ttft_slo), "--itl-slo", str(ns.itl_slo)]
+
+
+def check_both_roles(flags: list[str], role: str) -> None:
+    """With the planner a node may take the other role with its flags as they are: they must fit it too."""
+    from common.config import ConfigError
+    from common.role_rules import rules_for
+
+    other = "decode" if role == "prefill" else "prefill"
+    ns, _ = node_parser().parse_known_args(flags)
+
+    def bad(flag: str, why: str) -> ConfigError:
+        return ConfigError(f"--{flag}: {why}")
+
+    try:
+        rules_for(other).check(ns, bad)
+    except ConfigError as e:
+        raise ValueError(f"--planner slo: a {role} node may become a {other} node, whose rules refuse its "
+                         f"flags: {e}") from None
+
+
 def cluster_from_args(argv: list[str]) -> Cluster:
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
@@ -131,12 +172,22 @@ def cluster_from_args(argv: list[str]) -> Cluster:
     router_args = shlex.split(ns.router_args)
     if ns.policy:
         router_args += ["--policy", ns.policy]
+    planner = ns.planner == "slo"
+    local_queue = ns.local_prefill_queue
+    if local_queue is None:
+        local_queue = 0 if planner else DEFAULT_LOCAL_PREFILL_QUEUE
     try:
         for flags in (node_args, prefill_args, decode_args):
             check_flags(flags, "node")
+        if planner:
+            router_args += planner_router_args(ns, local_queue)
+            check_both_roles(node_args + prefill_args, "prefill")
+            check_both_roles(node_args + decode_args, "decode")
+        elif ns.ttft_slo is not None or ns.itl_slo is not None:
+            raise ValueError("--ttft-slo and --itl-slo need --planner slo")
         check_flags(router_args, "router")
-        if ns.local_prefill_queue < 0:
-            raise ValueError(f"--local-prefill-queue must be >= 0 (0: off), got {ns.local_prefill_queue}")
+        if local_queue < 0:
+            raise ValueError(f"--local-prefill-queue must be >= 0 (0: off), got {local_queue}")
         affinity = {} if ns.cpu_affinity in ("auto", "none") else parse_affinity(ns.cpu_affinity)
         gpu_plan = plan_from_flags(ns.device, ns.gpu_ids, ns.prefill, ns.decode, node_args, prefill_args,
                                    decode_args, node_parser())
@@ -148,9 +199,9 @@ def cluster_from_args(argv: list[str]) -> Cluster:
     return Cluster(num_prefill=ns.prefill, num_decode=ns.decode, model=ns.model,
                    transfer_backend=ns.transfer_backend, port=ns.port or None, host=ns.host, hosts=ns.hosts,
                    log_dir=ns.log_dir, cpu_affinity=affinity, auto_placement=ns.cpu_affinity == "auto",
-                   core_loan=not ns.no_core_loan, node_args=node_args, gpu_plan=gpu_plan,
+                   core_loan=not ns.no_core_loan and not planner, node_args=node_args, gpu_plan=gpu_plan,
                    prefill_args=prefill_args, decode_args=decode_args, router_args=router_args,
-                   startup_timeout=ns.startup_timeout, local_prefill_queue=ns.local_prefill_queue,
+                   startup_timeout=ns.startup_timeout, local_prefill_queue=local_queue, switchable=planner,
                    grace_period=ns.grace_period, cluster_secret_file=ns.cluster_secret_file,
                    restart=ns.max_restarts > 0, max_restarts=max(ns.max_restarts, 0),
                    restart_window=ns.restart_window)

@@ -228,3 +228,30 @@ def test_conditional_disaggregation_is_on_by_default(tiny_model_dir):
     assert "--local-prefill-queue" not in off._router_cmd(3)
     with pytest.raises(SystemExit):
         cl.cluster_from_args(["--model", tiny_model_dir, "--local-prefill-queue", "-1"])
+
+
+def test_the_planner_starts_nodes_that_can_switch_roles(tiny_model_dir, capsys):
+    """--planner slo: the router gets the planner and both SLOs; every node a bootstrap port and only flags
+    both roles take (no conditional disaggregation, no core loan); flags one role refuses are refused here,
+    named, before any child starts."""
+    c = cl.cluster_from_args(["--model", tiny_model_dir, "--prefill", "2", "--decode", "2",
+                              "--planner", "slo", "--ttft-slo", "1.5", "--itl-slo", "0.05"])
+    assert c.switchable and not c.core_loan and c.local_prefill_queue == 0
+    router = c._router_args()
+    assert router[router.index("--planner") + 1] == "slo"
+    assert router[router.index("--ttft-slo") + 1] == "1.5" and router[router.index("--itl-slo") + 1] == "0.05"
+    decode = c._node_cmd("decode", 1, 7)
+    assert decode[decode.index("--disaggregation-bootstrap-port") + 1] == "7"
+    assert not {"--disaggregation-local-prefill", "--enable-mixed-chunk"} & set(decode)
+    refused = {
+        ("--planner", "slo", "--ttft-slo", "1"): "--itl-slo",
+        ("--ttft-slo", "1", "--itl-slo", "0.1"): "need --planner slo",
+        ("--planner", "slo", "--ttft-slo", "1", "--itl-slo", "0.1", "--local-prefill-queue", "3"):
+            "--local-prefill-queue",
+        ("--planner", "slo", "--ttft-slo", "1", "--itl-slo", "0.1", "--decode-args=--enable-mixed-chunk"):
+            "enable-mixed-chunk",
+    }
+    for argv, why in refused.items():
+        with pytest.raises(SystemExit):
+            cl.cluster_from_args(["--model", tiny_model_dir, *argv])
+        assert why in capsys.readouterr().err, argv
