@@ -249,6 +249,9 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
         scheduler.event_loop(beat=watchdog.beat)
         while scheduler.switch is not None and not scheduler.stopping:  # drained for a role switch
             scheduler = role_switch.rebuild(scheduler, comm, get_tp_group())
+            gc.unfreeze()  # the old role's scheduler (its request table, metadata rows) is collected now
+            gc.collect()
+            gc.freeze()
             scheduler.event_loop(beat=watchdog.beat)
     except Exception as e:
         code = 1

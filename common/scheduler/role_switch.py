@@ -57,7 +57,7 @@ class PendingSwitch:
 
 
 def begin(sched, msg: SwitchRole) -> PendingSwitch | None:
-    """Start draining for `msg.role` (None: refused, with the answer sent)."""
+    """Start draining for `msg.role` (None: refused, with the answer sent; a switch in progress goes on)."""
     mode = sched.args.disaggregation_mode
     refusal = None
     if sched.switch is not None:
@@ -88,11 +88,13 @@ def ready(sched) -> bool:
         left, expired = agree_any(sched.comm.group, left, expired and sched.comm.tp_rank == 0)
     if left and expired:
         rids = list(sched.live_reqs)
-        pending.ended_at_deadline += len(rids)
-        why = f"this node switched to the {pending.role} role before the request ended"
-        sched.finish_requests(rids, FinishStatus.abort(why, 503, err_type=ROLE_SWITCH))
-        logger.warning("role switch to %s: drain deadline passed, %d requests ended", pending.role, len(rids))
-        return False  # the role lets go of what it held in the coming iterations
+        if rids:
+            pending.ended_at_deadline += len(rids)
+            why = f"this node switched to the {pending.role} role before the request ended"
+            sched.finish_requests(rids, FinishStatus.abort(why, 503, err_type=ROLE_SWITCH))
+            logger.warning("role switch to %s: drain deadline passed, %d requests ended", pending.role,
+                           len(rids))
+        return False  # the role lets go of what it held in the coming iterations (a quarantine drains)
     if left:
         return False
     if not sched.tree_cache.flush():

@@ -321,7 +321,7 @@ class Scheduler:
             elif isinstance(msg, Wake):
                 pass  # it only ended the wait for input: the step agreement comes next
             elif isinstance(msg, SwitchRole):
-                self.switch = role_switch.begin(self, msg)
+                self.switch = role_switch.begin(self, msg) or self.switch  # a refusal keeps the one on
             elif isinstance(msg, FlushCacheRequest):
                 ok = self.flush_cache()
                 self._send_admitted()

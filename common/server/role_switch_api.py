@@ -13,6 +13,7 @@ router/role_switch.py), so it stops routing to the node first and registers it u
 from __future__ import annotations
 
 import dataclasses
+import socket
 
 import msgspec
 from aiohttp import web
@@ -40,6 +41,14 @@ def switch_problem(args, role: str) -> str | None:
         dataclasses.replace(args, disaggregation_mode=role).validate()
     except ConfigError as e:
         return f"the node's flags do not fit the {role} role: {e}"
+    if role == "prefill":  # its bootstrap server binds this port: a clash found now, not in the rebuild
+        port = args.disaggregation_bootstrap_port
+        try:
+            with socket.create_server((args.host, port)):
+                pass
+        except OSError as e:
+            return (f"--disaggregation-bootstrap-port {port} cannot be bound on {args.host} ({e.strerror}): "
+                    "every node of a host that may become a prefill node needs a port of its own")
     return None
 
 
