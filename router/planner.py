@@ -12,7 +12,8 @@ What one window holds (`Figures`):
   does), the mean over each pool of: on a prefill node the requests waiting for the prefill compute
   (`num_queue_reqs.waiting`; its `bootstrap` stage waits on the decode side's preallocation, which the
   decode node counts, and `inflight` is done computing); on a decode node the requests waiting for a
-  decode slot (`prealloc` + `waiting`; `transfer` is KV on its way). A node without those stages counts
+  decode slot (`waiting`: KV in, running batch full; `prealloc` waits as often on the prefill node's
+  bootstrap as on the decode's memory, and `transfer` is KV on its way). A node without those stages counts
   its `num_queued_reqs`. The decode pool's KV headroom is the lowest `1 - num_tokens_used /
   kv_total_tokens` among its workers (free or evictable tokens). Workers that do not answer are left out
   of the means; a pool none of whose workers answered reports 0.
@@ -107,11 +108,9 @@ def prefill_waiting(stats: dict) -> float | None:
 
 
 def decode_waiting(stats: dict) -> float | None:
-    """Requests on a decode node waiting for a decode slot: for their preallocation, or with their KV in
-    and the running batch full."""
-    queues = stats.get("num_queue_reqs")
-    if isinstance(queues, dict) and "prealloc" in queues:
-        return _stages(stats, ("prealloc", "waiting"))
+    """Requests on a decode node waiting for a decode slot: their KV is in and the running batch is full.
+    (Its `prealloc` stage waits as often on the prefill node, whose bootstrap server resolves the room, as
+    on its own memory, whose shortage the KV headroom shows.)"""
     return _stages(stats, ("waiting",))
 
 

@@ -133,7 +133,7 @@ def test_figures_from_the_router_and_its_workers():
     f = asyncio.run(p.observe())
     assert (f.num_prefill, f.num_decode, f.requests) == (3, 2, 10)  # draining and unavailable left out
     assert f.prefill_queue == 3.0  # waiting only, (4 + 2) / 2 answering workers
-    assert f.decode_queue == 3.0  # prealloc + waiting: (5 + 1) / 2
+    assert f.decode_queue == 1.5  # waiting only (not prealloc, not transfer): (2 + 1) / 2
     assert f.decode_kv_free == pytest.approx(0.3)  # the lowest of 0.3 and 0.75
     assert f.ttft_p90 == pytest.approx(1.0) and f.itl_p90 == pytest.approx(0.1)
     assert session.headers and all(h == AUTH for h in session.headers)
