@@ -69,6 +69,7 @@ BENCHES = {
     "placement": "bench.placement",
     "dp": "bench.dp",
     "dp-attention": "bench.dp_attention",
+    "planner": "bench.planner",
     "pp": "bench.pp",
     "quant": "bench.quant",
     "kv_routing": "bench.kv_routing",

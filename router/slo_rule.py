@@ -14,7 +14,10 @@ and the decode pool's lowest KV headroom. The rule, in order:
      `kv_floor` (decode nodes are about to stop taking requests), or r_t > 1 while the decode queue is
      deeper than the prefill queue (TTFT breached because requests wait for a decode slot, not for a
      prefill);
-   * prefill is short when r_t > 1 and the prefill queue is at least as deep as the decode queue.
+   * prefill is short when r_t > 1 and the prefill queue is at least as deep as the decode queue;
+   * either is short when its queue holds `backlog` or more requests per worker, SLOs met or not: the
+     p90s count finished requests only, so a backlog shows in the queues first, and a move made while it
+     builds has fewer requests to catch up on (both backed up: both short, so a hold).
    Both short: hold ("both pools short: more nodes needed"); moving a node would only move the breach.
    Neither: hold, and both streaks start over.
 4. **Hysteresis in.** Each pool has a streak: consecutive counted windows in which it was short; a
@@ -23,10 +26,10 @@ and the decode pool's lowest KV headroom. The rule, in order:
 5. **The donor must afford it.** The other pool gives the node. It must keep more than its minimum
    (`min_prefill` / `min_decode`) and, after losing one of its n nodes, its own SLO must still hold with
    room: its ratio scaled by n / (n - 1) (r_t for a prefill donor, r_i for a decode donor) must be at
-   most `slack`; an unknown ratio is not evidence that it can spare one. A TTFT that is long because
-   requests wait for a decode slot says nothing of the prefill pool, so then only the queue below judges
-   a prefill donor. Its queue scaled the same way must stay small: at most the short pool's queue, or at
-   most `idle_queue` requests per worker.
+   most `slack`; an unknown ratio is not evidence that it can spare one. While the decode queue is the
+   deeper, TTFT includes the wait for a decode slot and says nothing of the prefill pool, so then only
+   the queue below judges a prefill donor. Its queue scaled the same way must stay small: at most the
+   short pool's queue, or at most `idle_queue` requests per worker.
 6. **Cooldown.** No move within `cooldown_s` of the last one (the planner reports a move done through
    `moved()`); a move that reverses the last one waits twice as long, so the pools cannot flap. Streaks
    keep counting through a cooldown, so a shortage that outlasts it moves a node at once.
@@ -96,14 +99,15 @@ def summary(f: Figures, r_t: float | None, r_i: float | None) -> str:
 class SloRule:
     def __init__(self, ttft_slo: float, itl_slo: float, *, patience: int = 2, slack: float = 0.8,
                  cooldown_s: float = 20.0, min_requests: int = 5, kv_floor: float = 0.1,
-                 min_prefill: int = 1, min_decode: int = 1, idle_queue: float = 1.0) -> None:
+                 min_prefill: int = 1, min_decode: int = 1, idle_queue: float = 1.0,
+                 backlog: float = 4.0) -> None:
         for name, v in (("ttft_slo", ttft_slo), ("itl_slo", itl_slo), ("slack", slack)):
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
         if patience < 1:
             raise ValueError(f"patience must be >= 1, got {patience}")
-        if cooldown_s < 0 or min_requests < 0 or idle_queue < 0:
-            raise ValueError("cooldown_s, min_requests and idle_queue must be >= 0")
+        if cooldown_s < 0 or min_requests < 0 or idle_queue < 0 or backlog <= 0:
+            raise ValueError("cooldown_s, min_requests and idle_queue must be >= 0, backlog > 0")
         if not 0 <= kv_floor <= 1:
             raise ValueError(f"kv_floor must be within 0..1, got {kv_floor}")
         if min_prefill < 1 or min_decode < 1:
@@ -111,6 +115,7 @@ class SloRule:
         self.ttft_slo, self.itl_slo = ttft_slo, itl_slo
         self.patience, self.slack, self.cooldown_s = patience, slack, cooldown_s
         self.min_requests, self.kv_floor, self.idle_queue = min_requests, kv_floor, idle_queue
+        self.backlog = backlog
         self.min_prefill, self.min_decode = min_prefill, min_decode
         self.prefill_streak = 0  # consecutive counted windows with the prefill pool short
         self.decode_streak = 0
@@ -138,12 +143,18 @@ class SloRule:
         ttft_over = r_t is not None and r_t > 1
         itl_over = r_i is not None and r_i > 1
         kv_low = f.decode_kv_free is not None and f.decode_kv_free < self.kv_floor
-        prefill_short = ttft_over and f.prefill_queue >= f.decode_queue
+        prefill_backlog, decode_backlog = f.prefill_queue >= self.backlog, f.decode_queue >= self.backlog
+        prefill_why = [why for cond, why in (
+            (ttft_over and f.prefill_queue >= f.decode_queue, "TTFT over its SLO with the prefill queue the "
+             "deeper"),
+            (prefill_backlog and not ttft_over, f"a backlog of {f.prefill_queue:.1f} per worker")) if cond]
+        prefill_short = bool(prefill_why)
         decode_why = [why for cond, why in (
             (itl_over, "ITL over its SLO"),
             (kv_low, f"decode KV free under {100 * self.kv_floor:.0f}%"),
             (ttft_over and f.decode_queue > f.prefill_queue, "TTFT over its SLO with requests waiting for "
-             "a decode slot")) if cond]
+             "a decode slot"),
+            (decode_backlog and not ttft_over, f"a backlog of {f.decode_queue:.1f} per worker")) if cond]
         decode_short = bool(decode_why)
         self.prefill_streak = self.prefill_streak + 1 if prefill_short else 0
         self.decode_streak = self.decode_streak + 1 if decode_short else 0
@@ -154,7 +165,7 @@ class SloRule:
                         else "no SLO breached (a figure is unknown)")
         if prefill_short:
             needy, donor, action, streak = "prefill", "decode", DECODE_TO_PREFILL, self.prefill_streak
-            short_why = "TTFT over its SLO with the prefill queue the deeper"
+            short_why = ", ".join(prefill_why)
             n, minimum, donor_ratio = f.num_decode, self.min_decode, r_i
             donor_q, needy_q = f.decode_queue, f.prefill_queue
         else:
@@ -162,8 +173,8 @@ class SloRule:
             short_why = ", ".join(decode_why)
             n, minimum, donor_ratio = f.num_prefill, self.min_prefill, r_t
             donor_q, needy_q = f.prefill_queue, f.decode_queue
-            if ttft_over and f.decode_queue > f.prefill_queue:
-                donor_ratio = 0.0  # TTFT is long for the decode slots it waits for: the prefill queue says
+            if f.decode_queue > f.prefill_queue:
+                donor_ratio = 0.0  # TTFT includes the decode slots it waits for: the prefill queue says
         windows = "1 window" if streak == 1 else f"{streak} windows"
         short = f"{needy} short ({short_why}) for {windows} (patience {self.patience})"
         if streak < self.patience:

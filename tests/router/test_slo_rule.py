@@ -192,9 +192,23 @@ def test_decode_short_when_ttft_waits_on_decode_slots():
     assert d[1].action == HOLD and "prefill's queue would be" in d[1].reason, d[1].reason
 
 
+def test_a_backlog_moves_a_node_before_the_slo_breaks():
+    """The p90s count finished requests only: a decode queue of 6 per worker is a shortage already; a
+    backlog on both sides is a hold; one under `backlog` is none."""
+    f = Figures(ttft_p90=1.0, itl_p90=0.02, requests=20, num_prefill=2, num_decode=2, prefill_queue=0.0,
+                decode_queue=6.0, decode_kv_free=0.8, at=0.0)
+    d = replay(rule(), [f, at(f, 5)])
+    assert d[0].action == HOLD and "decode short (a backlog of 6.0 per worker)" in d[0].reason, d[0].reason
+    assert d[1].action == PREFILL_TO_DECODE, d[1].reason
+    both = dataclasses.replace(f, prefill_queue=5.0)
+    assert replay(rule(patience=1), [both])[0].reason.startswith("both pools short")
+    calm = dataclasses.replace(f, decode_queue=3.5)
+    assert replay(rule(patience=1), [calm])[0].reason.startswith("both SLOs met")
+
+
 def test_unknown_figures_are_not_breaches():
-    f = Figures(ttft_p90=None, itl_p90=None, requests=20, num_prefill=2, num_decode=2, prefill_queue=9.0,
-                decode_queue=9.0, decode_kv_free=None, at=0.0)
+    f = Figures(ttft_p90=None, itl_p90=None, requests=20, num_prefill=2, num_decode=2, prefill_queue=3.0,
+                decode_queue=3.0, decode_kv_free=None, at=0.0)
     d = rule().decide(f)
     assert d.action == HOLD and d.reason.startswith("no SLO breached (a figure is unknown)")
     assert "TTFT p90 - (no sample), ITL p90 - (no sample)" in d.reason and "decode KV free -" in d.reason
