@@ -10,11 +10,11 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
 
 import pytest
 from aiohttp import web
 
+from tests.harness.api_server import ApiServer
 from tests.harness.client import get_json, http, wait_until
 from tests.harness.nodes import RouterProcess
 from tests.router.conftest import ROUTER_ARGS, WORKER_SCRIPT
@@ -32,7 +32,7 @@ def pod(name, ip, role, ready=True, bootstrap_port=None):
                        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
-class FakeApiServer:
+class FakeApiServer(ApiServer):
     """GET /api/v1/namespaces/NS/pods: a PodList, or with watch=true the changes from then on."""
 
     def __init__(self) -> None:
@@ -40,22 +40,10 @@ class FakeApiServer:
         self.rv = 1
         self.watchers: list[tuple[str, asyncio.Queue]] = []
         self.requests: list[dict] = []
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-        self.ready.wait(10)
+        super().__init__()
 
-    def _serve(self):
-        asyncio.set_event_loop(self.loop)
-        app = web.Application()
+    def routes(self, app):
         app.router.add_get(f"/api/v1/namespaces/{NS}/pods", self.pods_handler)
-        runner = self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
-        self.ready.set()
-        self.loop.run_forever()
 
     @staticmethod
     def matches(p, selector):
@@ -100,16 +88,6 @@ class FakeApiServer:
     def apply(self, kind, p):
         self.loop.call_soon_threadsafe(self._change, kind, p)
 
-    def close(self):
-        async def shutdown():  # end the open watches, then the server
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.runner.cleanup()
-
-        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 @pytest.fixture

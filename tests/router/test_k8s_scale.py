@@ -12,7 +12,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import threading
 
 import pytest
 import yaml
@@ -20,6 +19,7 @@ from aiohttp import web
 
 from router import k8s_scale
 from router.k8s_scale import DeploymentScaler, ScaleError, ScaleRefused
+from tests.harness.api_server import ApiServer
 
 pytest.importorskip("kubernetes")
 NS = "serving"
@@ -32,7 +32,7 @@ def status(code: int, reason: str, message: str) -> web.Response:
                               "message": message, "reason": reason, "code": code}, status=code)
 
 
-class FakeApiServer:
+class FakeApiServer(ApiServer):
     """/apis/apps/v1/namespaces/NS/{statefulsets,deployments}/NAME/scale: GET a Scale, PATCH it with a
     merge patch (409 when its resourceVersion is not the current one). `fail[(method, resource, name)]`
     answers that request with an error; `replicas_override[name]` is what spec.replicas reads as."""
@@ -45,10 +45,7 @@ class FakeApiServer:
         self.meddle: set[str] = set()  # names someone else re-scales right after each read
         self.garble: set[str] = set()  # names whose patch is applied but answered with no Scale
         self.rv = 100
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-        self.ready.wait(10)
+        super().__init__()
 
     def add(self, resource: str, name: str, replicas: int) -> None:
         self.rv += 1
@@ -57,19 +54,10 @@ class FakeApiServer:
     def replicas(self, resource: str, name: str) -> int:
         return self.objects[(resource, name)]["replicas"]
 
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         path = "/apis/apps/v1/namespaces/{ns}/{resource}/{name}/scale"
         app.router.add_get(path, self.handle)
         app.router.add_patch(path, self.handle)
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
-        self.ready.set()
-        self.loop.run_forever()
 
     def scale(self, ns: str, resource: str, name: str) -> dict:
         obj = self.objects[(resource, name)]
@@ -115,10 +103,6 @@ class FakeApiServer:
 
     def patches(self) -> list[dict]:
         return [r for r in self.requests if r["method"] == "PATCH"]
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 @pytest.fixture
