@@ -87,3 +87,42 @@ def test_pd_on_one_gpu_over_nixl_equals_a_colocated_cuda_node(models, launch, ar
     finally:
         pair.stop()
         colocated.stop()
+
+
+def test_the_pair_swaps_roles_on_the_gpu_with_its_weights_loaded(models, launch):
+    """A role switch on the GPU (common/scheduler/role_switch.py): the prefill node becomes the decode node
+    and the decode node the prefill node, each rebuilding its request table and recapturing its CUDA graphs
+    over the KV pool and weights it kept; the swapped pair gives the colocated node's greedy tokens again."""
+    _needs_nixl()
+    from tests.harness.client import free_port, http_json
+    from tests.harness.nodes import PDPair
+
+    settings = {**BASE, **CUDA, "disable_cuda_graph": False}
+    colocated = launch.colocated(models["llama"], **settings)
+    pair = launch.pair(models["llama"], "nixl", settings=settings,
+                       decode_settings={"disaggregation_bootstrap_port": free_port()})
+    try:
+        prompts = make_prompts(models["tok"], 4, seed=9, lo=5, hi=90)
+        want = colocated_tokens(colocated, prompts, n=16)
+        pids = (pair.prefill.proc.pid, pair.decode.proc.pid)
+        switched = {}
+        for node, role in ((pair.prefill, "decode"), (pair.decode, "prefill")):
+            status, out = http_json("POST", node.url + "/switch_role", {"role": role}, timeout=300)
+            assert status == 200 and out["switched"], out
+            switched[role] = out["seconds"]
+        swapped = PDPair(pair.decode, pair.prefill)
+        got = []
+        for p in prompts:
+            (ps, pb), (ds, db) = swapped.generate({"input_ids": p, "sampling_params": greedy(16)})
+            assert ps == 200 and ds == 200, (pb, db)
+            got.append(db["output_ids"])
+        info = get_json(pair.prefill.url + "/server_info")
+        write_result("pd_role_swap", {"identical": got == want, "prompts": len(prompts),
+                                      "switch_seconds": switched,
+                                      "decode_graphs": info.get("cuda_graph_batch_sizes")})
+        assert got == want
+        assert (pair.prefill.proc.pid, pair.decode.proc.pid) == pids  # the same processes: nothing reloaded
+        assert info["disaggregation_mode"] == "decode"
+    finally:
+        pair.stop()
+        colocated.stop()
