@@ -16,7 +16,8 @@ then on; a group drains, then its scheduler process builds the new role's schedu
    in the same MAX) what is left is ended with the same 503 first; a stream already answering sees
    an error, which is why the deadline is generous.
 3. The loop ends (`Scheduler.close` closes the old role's transfer side and bootstrap server), and
-   `rebuild` makes the new scheduler: the role's scheduler class by its import path
+   `rebuild` makes the new scheduler (or, when that fails on any rank, the old role's again, and the
+   answer says why): the role's scheduler class by its import path
    (`common/role_rules.py: scheduler_path`), `ModelRunner.switch_role` giving it a fresh request table
    of its kind (CUDA graphs captured again over it) and the compatibility of its new role. The new
    scheduler answers the query: the group now serves the new role.
@@ -120,16 +121,42 @@ def scheduler_class(role: str):
     return getattr(importlib.import_module(module), name)
 
 
+def build(old, role: str, comm, tp_group):
+    """A scheduler of `role` over `old`'s runner (`ModelRunner.switch_role` first: it refuses a runner with a
+    page or a row in use)."""
+    args = dataclasses.replace(old.args, disaggregation_mode=role)
+    cls = scheduler_class(role)
+    old.runner.switch_role(args, cls.make_req_pool(args))
+    return cls(args, old.model_dir, old.tp_rank, old.tp_size, tp_group, runner=old.runner,
+               tokenizer=old.tokenizer, send_fn=old.send_fn, comm=comm, dp_rank=old.dp_rank,
+               pp_rank=old.pp_rank)
+
+
 def rebuild(old, comm=None, tp_group=None):
     """The scheduler of the role `old` drained for, over `old`'s runner (its loop has ended and closed the
-    old role); it answers the switch query."""
+    old role); it answers the switch query. A build that fails on any rank (the new role's transfer engine
+    does not start, say) leaves every rank of the group in the old role, rebuilt the same way, and the
+    answer says why; only a failure to rebuild the old role too ends the process."""
     pending = old.switch
-    args = dataclasses.replace(old.args, disaggregation_mode=pending.role)
-    cls = scheduler_class(pending.role)
-    runner = old.runner
-    runner.switch_role(args, cls.make_req_pool(args))  # refuses a runner with a page or a row in use
-    new = cls(args, old.model_dir, old.tp_rank, old.tp_size, tp_group, runner=runner, tokenizer=old.tokenizer,
-              send_fn=old.send_fn, comm=comm, dp_rank=old.dp_rank, pp_rank=old.pp_rank)
+    new, error = None, None
+    try:
+        new = build(old, pending.role, comm, tp_group)
+    except Exception as e:
+        logger.exception("role switch to %s failed; this group goes back to the %s role", pending.role,
+                         old.args.disaggregation_mode)
+        error = f"{type(e).__name__}: {e}"
+    failed = error is not None
+    if comm is not None and getattr(comm, "tp_size", 1) > 1:
+        (failed,) = agree_any(comm.group, failed)
+    if failed:
+        if new is not None:  # this rank built it, another did not
+            new.close()
+        new = build(old, old.args.disaggregation_mode, comm, tp_group)
+        why = error or "it failed on another rank of the group: see that rank's log"
+        new.send(StatsReport(qid=pending.qid, stats={
+            "switched": False, "error": f"the {pending.role} role did not start on this node ({why}); it "
+                                        f"serves the {old.args.disaggregation_mode} role again"}))
+        return new
     seconds = time.monotonic() - pending.started
     logger.info("role switch to %s done in %.2fs: %d requests handed back, %d ended at the deadline",
                 pending.role, seconds, pending.handed_back, pending.ended_at_deadline)

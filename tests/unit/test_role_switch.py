@@ -329,6 +329,26 @@ def test_rebuild_serves_the_other_role_over_the_same_runner(prefill, transfer):
     assert prefill.report(12)["ready"]["compatibility"]["decode_tp"] == 2
 
 
+def test_a_role_that_does_not_start_leaves_the_node_in_its_old_one(prefill, transfer, monkeypatch):
+    """The decode role's KV manager fails to start: the group is a prefill node again, rebuilt over the same
+    runner, and the answer says why (the front end and the router then keep it where it was)."""
+    old = prefill.sched
+
+    def broken(*args, **kw):
+        raise OSError("no transfer engine today")
+
+    monkeypatch.setattr(decode_node.role, "build_kv_manager", broken)
+    again = switched(prefill, "decode", qid=21)
+    stats = prefill.report(21)
+    assert stats["switched"] is False and "no transfer engine today" in stats["error"], stats
+    assert "serves the prefill role again" in stats["error"]
+    assert type(again) is PrefillScheduler and again is not old and again.runner is old.runner
+    assert type(again.req_to_token_pool) is ReqToTokenPool and again.args.disaggregation_mode == "prefill"
+    assert transfer.managers[-1] is not transfer.managers[0] and not transfer.managers[-1].closed
+    prefill.sched.process_input_requests([prefill.msg("after", 31)])  # it serves as a prefill node
+    assert "after" in prefill.sched.hooks.requests
+
+
 def test_runner_switch_role_refuses_a_page_or_row_in_use(prefill):
     s = prefill.sched
     runner, args = s.runner, dataclasses.replace(s.args, disaggregation_mode="decode")
