@@ -43,7 +43,8 @@ import time
 
 from bench.compare import child_env
 from bench.report import HelpFormatter, write_report
-from bench.serve import BenchRequest, PromptMaker, RequestResult, fetch_model_info, run_benchmark, summarize
+from bench.serve import BenchRequest, PromptMaker, fetch_model_info, percentiles, run_benchmark, summarize
+from bench.slo import attainment
 
 SETUPS = {"planner": (2, 2), "fixed_3p1d": (3, 1), "fixed_2p2d": (2, 2), "fixed_1p3d": (1, 3)}
 MODEL = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
@@ -99,14 +100,6 @@ def build_requests(phases: list[dict], maker: PromptMaker, seed: int) -> list[Be
             t += rng.expovariate(ph["rate"])
         start += ph["seconds"]
     return out
-
-
-def attains(r: RequestResult, ttft_slo: float, itl_slo: float) -> bool:
-    return r.ok and r.ttft <= ttft_slo and (r.tpot is None or r.tpot <= itl_slo)
-
-
-def attainment(results: list[RequestResult], ttft_slo: float, itl_slo: float) -> float:
-    return sum(attains(r, ttft_slo, itl_slo) for r in results) / len(results) if results else 0.0
 
 
 def compute_ratios(att: dict[str, float]) -> dict[str, float]:
@@ -221,27 +214,22 @@ def run_setup(name: str, ns: argparse.Namespace, requests: list[BenchRequest], l
     refused = [r for r in results if not r.ok and r.error.startswith("HTTP 429")]
     over = [res for req, res in zip(requests, results, strict=True)
             if res.ok and res.output_len > req.output_len]
+    ttft_ms, itl_ms = ns.ttft_slo * 1000, ns.itl_slo * 1000
     phases = {}
     for tag in sorted({r.tag for r in results}):
         rs = [r for r in results if r.tag == tag]
-        phases[tag] = {"requests": len(rs), "attainment": round(attainment(rs, ns.ttft_slo, ns.itl_slo), 4),
-                       "ttft_p90_s": _p90([r.ttft for r in rs if r.ok]),
-                       "tpot_p90_s": _p90([r.tpot for r in rs if r.ok and r.tpot is not None])}
+        phases[tag] = {"requests": len(rs), "attainment": round(attainment(rs, ttft_ms, itl_ms), 4),
+                       "ttft_p90_s": percentiles([r.ttft for r in rs if r.ok], scale=1)["p90"],
+                       "tpot_p90_s": percentiles([r.tpot for r in rs if r.ok and r.tpot is not None],
+                                                 scale=1)["p90"]}
     return {"prefill": prefill, "decode": decode,
-            "attainment": round(attainment(results, ns.ttft_slo, ns.itl_slo), 4), "phases": phases,
+            "attainment": round(attainment(results, ttft_ms, itl_ms), 4), "phases": phases,
             "lost": len(results) - len(ok) - len(refused), "refused": len(refused),
             "duplicated": len(over) + max(0, answered - len(ok)),
             "errors": sorted({r.error[:160] for r in results if not r.ok})[:10],
             "moves": state.get("moves", 0), "move_failures": state.get("failures", 0),
             "planner_decisions": [d for d in state.get("decisions", []) if d.get("action") != "hold"],
-            "summary": summarize(results, duration, ns.ttft_slo * 1000, ns.itl_slo * 1000)}
-
-
-def _p90(values: list[float]) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return round(v[min(len(v) - 1, int(0.9 * len(v)))], 4)
+            "summary": summarize(results, duration, ttft_ms, itl_ms)}
 
 
 def build_model(out_dir: str) -> str:

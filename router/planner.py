@@ -6,8 +6,8 @@ What one window holds (`Figures`):
 * TTFT and ITL p90 of the streamed requests that ended in the last `--planner-window-secs`, as the
   router measured them (router/metrics.py `LatencyWindow`: first byte of the stream, time per streamed
   event after it), and how many requests those are;
-* the workers in rotation of each kind: registered, `available` (healthy, breaker not open) and not
-  draining (a worker the role switch is taking out of its pool says so with `draining`);
+* the workers in rotation of each kind: registered and `available` (healthy, breaker not open, not
+  `draining`: a worker the role switch is taking out of its pool);
 * from each such worker's `/server_info` stats (fetched in parallel with the node key, as the dashboard
   does), the mean over each pool of: on a prefill node the requests waiting for the prefill compute
   (`num_queue_reqs.waiting`; its `bootstrap` stage waits on the decode side's preallocation, which the
@@ -63,30 +63,16 @@ class PlannerError(ValueError):
 
 
 def make_actuator(cfg, app_state) -> Actuator:
-    """The actuator `--planner-actuator` names; `app_state` is the RouterApp (its registry and session)."""
+    """The actuator `--planner-actuator` names; `app_state` is the RouterApp: its `switcher` is the one
+    `POST /workers/{id}/role` uses, so both share its one-switch-at-a-time lock."""
     if cfg.planner_actuator == "switch":
-        try:
-            from router.role_switch import RoleSwitcher
-        except ImportError as e:
-            raise PlannerError(f"--planner-actuator switch needs router.role_switch.RoleSwitcher, which "
-                               f"cannot be imported here ({e})") from e
-        shared = getattr(app_state, "switcher", None)  # the one POST /workers/{id}/role uses: one lock
-        if isinstance(shared, RoleSwitcher):
-            return shared
-        return RoleSwitcher(app_state.registry, app_state.session, cfg)
+        return app_state.switcher
     if cfg.planner_actuator == "k8s":
-        try:
-            from router.k8s_scale import DeploymentScaler
-        except ImportError as e:
-            raise PlannerError(f"--planner-actuator k8s needs router.k8s_scale.DeploymentScaler, which "
-                               f"cannot be imported here ({e})") from e
+        from router.k8s_scale import DeploymentScaler  # the kubernetes client is imported at the first move
+
         return DeploymentScaler(namespace=cfg.planner_k8s_namespace, prefill=cfg.planner_k8s_prefill,
                                 decode=cfg.planner_k8s_decode)
     raise PlannerError(f"--planner-actuator must be switch or k8s, got {cfg.planner_actuator!r}")
-
-
-def in_rotation(w) -> bool:
-    return w.available and not getattr(w, "draining", False)
 
 
 def _number(v) -> float | None:
@@ -147,8 +133,8 @@ class Planner:
         """The figures of the window that ends now."""
         now = time.monotonic()
         lat = self.metrics.latency.percentiles_since(now - self.cfg.planner_window_secs)
-        prefill = [w for w in self.registry.prefill if in_rotation(w)]
-        decode = [w for w in self.registry.decode if in_rotation(w)]
+        prefill = [w for w in self.registry.prefill if w.available]
+        decode = [w for w in self.registry.decode if w.available]
         stats = await asyncio.gather(*(dashboard.worker_stats(self.session, self.registry.auth, w)
                                        for w in prefill + decode))
         p_stats = [s for s in stats[:len(prefill)] if "error" not in s]

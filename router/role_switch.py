@@ -51,10 +51,9 @@ class RoleSwitcher:
         """The worker of `from_role` to move: the available one with the fewest requests in flight."""
         pool = self.registry.prefill if from_role == PREFILL else self.registry.decode
         ready = [w for w in pool if w.available]
-        if len(ready) < 2:
-            raise RoleSwitchError(409, f"the {from_role} pool has {len(ready)} available workers; "
-                                       "its last one is never moved")
-        return min(ready, key=lambda w: (w.active, w.load or 0))
+        if not ready:
+            raise RoleSwitchError(409, f"the {from_role} pool has no available worker")
+        return min(ready, key=lambda w: (w.active, w.load or 0))  # `switch` never moves the last one
 
     async def move(self, from_role: str, to_role: str) -> dict:
         """Move one worker from `from_role`'s pool to `to_role`'s (the planner's actuator)."""

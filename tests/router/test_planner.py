@@ -26,7 +26,11 @@ AUTH = {"Authorization": "Bearer node-key"}
 
 class FakeWorker:
     def __init__(self, url: str, kind: str, available: bool = True, draining: bool = False):
-        self.url, self.kind, self.available, self.draining = url, kind, available, draining
+        self.url, self.kind, self.healthy, self.draining = url, kind, available, draining
+
+    @property
+    def available(self) -> bool:  # as router/registry.py's Worker: a draining worker is not available
+        return self.healthy and not self.draining
 
     def describe(self) -> dict:
         return {"url": self.url, "worker_type": self.kind}
@@ -256,11 +260,10 @@ def test_a_failed_move_is_not_told_to_the_rule():
 def test_make_actuator(monkeypatch):
     from router.role_switch import RoleSwitcher
 
-    app_state = types.SimpleNamespace(registry=FakeRegistry([], []), session=FakeSession())
-    made = make_actuator(cfg(), app_state)
-    assert isinstance(made, RoleSwitcher) and made.registry is app_state.registry
-    app_state.switcher = made
-    assert make_actuator(cfg(), app_state) is made  # the router's own switcher, with its lock
+    registry = FakeRegistry([], [])
+    app_state = types.SimpleNamespace(registry=registry, session=FakeSession(),
+                                      switcher=RoleSwitcher(registry, FakeSession(), cfg()))
+    assert make_actuator(cfg(), app_state) is app_state.switcher  # the router's own switcher, with its lock
     seen = {}
 
     class Scaler:
@@ -272,9 +275,6 @@ def test_make_actuator(monkeypatch):
             planner_k8s_decode="d")
     assert isinstance(make_actuator(c, app_state), Scaler)
     assert seen == {"namespace": "ns", "prefill": "p", "decode": "d"}
-    monkeypatch.setitem(sys.modules, "router.role_switch", None)
-    with pytest.raises(PlannerError, match="--planner-actuator switch needs router.role_switch"):
-        make_actuator(cfg(), types.SimpleNamespace(registry=None, session=None))
     with pytest.raises(PlannerError, match="switch or k8s"):
         make_actuator(cfg(planner_actuator="other"), app_state)
 
