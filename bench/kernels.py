@@ -6,7 +6,7 @@ side by side and every timed call of one is followed by the same call of the oth
 order), so the host's drifts hit both alike.
 
 Ratios (higher is better): `fp32_r{rows}`, `int8_r{rows}` and `w8a8_r{rows}` = the baseline's median time /
-ours, summed
+ours (w8a8 only where the baseline reads the same w8a8 panels), summed
 over the projection shapes, at each row count of `--rows` (1 and 16: decode batches; 64 and 512: prefill
 chunks). `q4_r{rows}` and `q8_r{rows}`: weights rounded as a GGUF file's Q4_1 / Q8_0 (`gguf_round_trip`),
 ours read as their blocks (`gemm_blocks.c`, whatever the row count), the baseline's as float32 panels. One
@@ -16,6 +16,12 @@ stream from DRAM as they do in a decode step. `attn_r{rows}`: the same for one s
 attention of that many tokens (row counts of 16 and more), and `attn_torch_r{rows}` = torch's
 `scaled_dot_product_attention` (its CPU flash kernel, timed in the same alternation) / ours. Figures: each
 side's milliseconds and whether both gave the same bits (`same_bits`).
+
+`w8a8_vs_fp32_r{rows}`: this checkout's float32 GEMM time / its w8a8 GEMM time on the same shapes and
+rows, the two timed in one alternation of their own: how much faster int8 arithmetic does the same
+matmul (the prefill's gain from `--quantization w8a8_int8`). `--isa avx2` builds both libraries for AVX2
+and FMA alone (`PDSERVE_NATIVE_ISA=avx2`), so a host with AVX-512 measures the kernels an AVX2-only host
+runs.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import os
 import statistics
 import subprocess
 import sys
@@ -57,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="copies of each shape's weights a timed call runs through (30: SmolLM2's layers, "
                         "the weights then come from DRAM as in a decode step)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
+    p.add_argument("--isa", choices=("native", "avx2"), default="native",
+                   help="instruction set both libraries are built for: this CPU's, or AVX2 and FMA alone")
     p.add_argument("--json", default=None, help="write the report here")
     return p
 
@@ -126,6 +135,47 @@ def _attention(libs: list[ctypes.CDLL], rows: int, calls: int) -> tuple[list[flo
     return medians, torch.equal(outs[0], outs[1])
 
 
+def _panel_args(x: torch.Tensor, layers: list) -> list[list]:
+    """Each layer's leading arguments of a panel GEMM call: x, its stride, the panels, their scales."""
+    return [[x.data_ptr(), x.stride(0), p.weight.data_ptr()]
+            + ([p.scale.data_ptr()] if p.scale is not None else []) for p in layers]
+
+
+def _w8a8_vs_fp32(lib: ctypes.CDLL, rows_list: list[int], args, figures: dict, ratios: dict) -> None:
+    """This library's float32 GEMM against its w8a8 GEMM on the same weights and activations."""
+    fns = [_gemm(lib, "fp32"), _gemm(lib, "w8a8")]
+    weights = [[torch.randn(out, inp) * 0.02 for _ in range(args.layers)] for out, inp in SHAPES]
+    packs = [[[pack_weight(w, quantization=q) for w in layers] for layers in weights]
+             for q in (None, "w8a8_int8")]
+    for rows in rows_list:
+        total = [0.0, 0.0]
+        for s, (out, inp) in enumerate(SHAPES):
+            x = torch.randn(rows, inp)
+            ys = [torch.empty(rows, out), torch.empty(rows, out)]
+            calls = [functools.partial(_gemm_call, fns[side], _panel_args(x, packs[side][s]), ys[side], out,
+                                       rows, inp) for side in (0, 1)]
+            for side, m in enumerate(_alternate(args.calls, calls)):
+                total[side] += m
+            error = ((ys[1] - ys[0]).norm() / ys[0].norm()).item()
+            if not error < 0.05:
+                raise SystemExit(f"w8a8 against float32, {rows} rows, {out}x{inp}: relative error {error}")
+        ratios[f"w8a8_vs_fp32_r{rows}"] = total[0] / total[1]
+        figures[f"w8a8_vs_fp32_r{rows}"] = {"fp32_ms": round(total[0] * 1e3, 4),
+                                            "w8a8_ms": round(total[1] * 1e3, 4)}
+        log(f"w8a8 against float32, {rows:4d} rows: float32 {total[0] * 1e3:8.3f} ms, w8a8 "
+            f"{total[1] * 1e3:8.3f} ms ({total[0] / total[1]:.3f}x)")
+
+
+def _same_w8a8_layout(libs: list[ctypes.CDLL]) -> bool:
+    """Whether the baseline reads the w8a8 panels this checkout packs (group, block, weight bound)."""
+    def layout(lib):
+        bound = getattr(lib, "packed_gemm_w8a8_weight_max", None)
+        if bound is None:
+            return None
+        return lib.packed_gemm_w8a8_group(), lib.packed_gemm_w8a8_block(), bound()
+    return layout(libs[0]) == layout(libs[1])
+
+
 def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
     if args.threads:
@@ -133,14 +183,21 @@ def main(argv: list[str] | None = None):
     rows_list = [int(r) for r in args.rows.split(",")]
     if args.layers < 1:
         raise SystemExit("--layers must be >= 1")
+    os.environ["PDSERVE_NATIVE_ISA"] = args.isa
     ours_path, base_path = native.build(), baseline_library(args.baseline)
-    log(f"ours {ours_path.name}, baseline {args.baseline} {base_path.name}, {torch.get_num_threads()} "
-        f"threads, {args.layers} layer(s) of weights per call")
+    log(f"ours {ours_path.name}, baseline {args.baseline} {base_path.name}, {args.isa} build, "
+        f"{torch.get_num_threads()} threads, {args.layers} layer(s) of weights per call")
     libs = [ctypes.CDLL(str(ours_path)), ctypes.CDLL(str(base_path))]
     torch.manual_seed(0)
-    figures: dict = {"baseline": args.baseline, "shapes": [list(s) for s in SHAPES], "layers": args.layers}
+    figures: dict = {"baseline": args.baseline, "shapes": [list(s) for s in SHAPES], "layers": args.layers,
+                     "isa": args.isa, "w8a8_group": libs[0].packed_gemm_w8a8_group()}
     ratios: dict[str, float] = {}
-    for scheme in ("fp32", "int8", "w8a8", "q4", "q8"):
+    schemes = ["fp32", "int8", "w8a8", "q4", "q8"]
+    if not _same_w8a8_layout(libs):
+        schemes.remove("w8a8")
+        figures["w8a8_baseline"] = "skipped: the baseline reads another w8a8 layout"
+        log(f"w8a8: {args.baseline} reads another w8a8 layout; only w8a8_vs_fp32 is measured")
+    for scheme in schemes:
         blocks = scheme in ("q4", "q8")
         # q4 / q8: ours reads the weights' blocks, the baseline its float32 panels of the same weights
         fns = [_gemm(libs[0], "blocks" if blocks else scheme), _gemm(libs[1], "fp32" if blocks else scheme)]
@@ -154,8 +211,7 @@ def main(argv: list[str] | None = None):
             for (out, inp), layers in zip(SHAPES, packs, strict=True):
                 x = torch.randn(rows, inp)
                 ys = [torch.empty(rows, out), torch.empty(rows, out)]
-                panels = [[x.data_ptr(), x.stride(0), p.weight.data_ptr()]
-                          + ([p.scale.data_ptr()] if p.scale is not None else []) for p in layers]
+                panels = _panel_args(x, layers)
                 ours = [[x.data_ptr(), x.stride(0), p.blocks.packed.data_ptr(), p.blocks.bits]
                         for p in layers] if blocks else panels
                 heads = [ours, panels]
@@ -170,6 +226,7 @@ def main(argv: list[str] | None = None):
                                             "baseline_ms": round(total[1] * 1e3, 4), "same_bits": same}
             log(f"{scheme} {rows:4d} rows: ours {total[0] * 1e3:8.3f} ms, baseline {total[1] * 1e3:8.3f} ms "
                 f"({total[1] / total[0]:.3f}x), same bits: {same}")
+    _w8a8_vs_fp32(libs[0], rows_list, args, figures, ratios)
     for rows in (r for r in rows_list if r >= 16):
         (ours, base, flash), same = _attention(libs, rows, args.calls)
         ratios[f"attn_r{rows}"], ratios[f"attn_torch_r{rows}"] = base / ours, flash / ours

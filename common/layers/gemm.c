@@ -190,10 +190,18 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int Q
         const __m256 b1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q))); \
         ROWS(FMA)                                                                             \
     }
+// (a whole panel's row takes plain stores: AMD's masked stores are microcoded)
 #define STORE(i)                                                                                      \
     if (MR > i) {                                                                                     \
-        _mm256_maskstore_ps(y + (i) * ldy, m0, Q ? _mm256_fmadd_ps(c##i##a, s0, init0) : c##i##a);     \
-        _mm256_maskstore_ps(y + (i) * ldy + 8, m1, Q ? _mm256_fmadd_ps(c##i##b, s1, init1) : c##i##b); \
+        const __m256 lo = Q ? _mm256_fmadd_ps(c##i##a, s0, init0) : c##i##a;                           \
+        const __m256 hi = Q ? _mm256_fmadd_ps(c##i##b, s1, init1) : c##i##b;                           \
+        if (nv == NR) {                                                                               \
+            _mm256_storeu_ps(y + (i) * ldy, lo);                                                      \
+            _mm256_storeu_ps(y + (i) * ldy + 8, hi);                                                  \
+        } else {                                                                                      \
+            _mm256_maskstore_ps(y + (i) * ldy, m0, lo);                                               \
+            _mm256_maskstore_ps(y + (i) * ldy + 8, m1, hi);                                           \
+        }                                                                                             \
     }
 
 // One MR x 16 tile over the whole K (Q: int8 weights with `scale`, else float32); `nv` of the 16

@@ -2,51 +2,52 @@
 // loaded by common/layers/native.py; common/layers/linear.py packs the weights.
 //
 // y[m, n] = ws[n] * sum_g xs[m, g] * (sum_{k in g} xq[m, k] * wq[n, k]) + bias[n]. The weights and their
-// per-output-channel scales `ws` are quantized at load (symmetric, within [-127, 127]); each row of x is
-// quantized here on the way in, per token and per block of SG = 64 input channels g (xs = max|x| / 127
-// over the block, xq = round(x / xs)): a channel with outliers then coarsens only its own block (one
-// scale per token costs SmolLM2 2-3 % of perplexity, one per 64 channels 0.8 %, as weight-only int8 does;
-// `pdserve bench quant`). Each block's products are summed exactly in int32, converted to float32 once and
-// scaled; the blocks are added in order and the weight scale and bias applied last, so a row gets the
-// same bits whatever the batch.
+// per-output-channel scales `ws` are quantized at load, symmetric, within [-64, 64] (ws = max|w| / 64; why
+// not [-127, 127] below); each row of x is quantized here on the way in, per token and per block of SG = 64
+// input channels g (xs = max|x| / 127 over the block, xq = round(x / xs) in [-127, 127]): a channel with
+// outliers then coarsens only its own block (one scale per token costs SmolLM2 2-3 % of perplexity, one per
+// 64 channels under 1 %; `pdserve bench quant`). Each block's products are summed exactly in int32,
+// converted to float32 once and scaled; the blocks are added in order and the weight scale and bias
+// applied last, so a row gets the same bits whatever the batch.
 //
-// Two builds, one result (the sums are exact integers, scaled by the same float32 operations):
-// * AVX2: `_mm256_madd_epi16`, the widest exact integer multiply-add without VNNI: 16 int16 products
-//   summed in pairs into 8 int32 lanes, twice the multiply-adds of a float32 FMA. Panel p holds output
-//   columns 16p..16p+15 as [KP / 2][16][2] int8 (GROUP 2; KP = K rounded up to whole blocks, padded with
-//   zeros): each 32-byte line is two steps of k for 16 columns, widened to int16 as it is loaded; the
-//   activations are widened once, when quantized, and a pair is broadcast to every lane. Tiles of up to
-//   6 rows x 16 columns (two int32 accumulators a row). Each row's step (DOT: broadcast, two madds, two
-//   adds) is written as one asm statement, and the tile's masks, bias and scales are set up only after
-//   the walk over k: left to itself, GCC 12 kept fewer than the 12 accumulators in registers, and those
-//   it moved to the stack chained every step of k through a store and a reload.
-//   (`_mm256_maddubs_epi16` does 32 byte products per instruction but saturates at int16: exact only with
-//   the sign of x moved onto w, one more multiply-port instruction a row and step, and its int16 sums
-//   still need a madd with ones to reach int32, so it issues no fewer multiply-port instructions per
-//   product than madd_epi16 on widened operands.)
+// The activations are stored as unsigned bytes xq + 128, the form both builds' byte multiply-adds take
+// (unsigned times signed), and each block's sum subtracts 128 * sum_{k in g} wq[n, k], which the packing
+// computed once (`comp`). One layout for both builds: panel p holds output columns 16p..16p+15 as
+// [KP / 4][16][4] int8 (KP = K rounded up to whole blocks, padded with zeros; a 64-byte line is four steps
+// of k for 16 columns), followed by its comp, [KP / SG][16] int32 (one 64-byte line a block).
+// * AVX2: `_mm256_maddubs_epi16` multiplies 32 unsigned bytes by 32 signed ones and sums adjacent pairs
+//   into int16, saturating; `_mm256_madd_epi16` with ones sums those pairs into int32 lanes. A pair is at
+//   most 2 * 255 * 64 = 32640 in magnitude, so with weights within [-64, 64] nothing saturates and the sums
+//   are exact. That is 32 byte products for two multiply-port instructions and an add, where widening the
+//   bytes to int16 for madd_epi16 alone (the previous kernel) took two madds, two adds and the widening
+//   for the same 32: 1.4x the multiply-adds per cycle (an AVX-512 host built for AVX2). Moving x's sign
+//   onto w instead (to keep 8-bit weights) costs one more multiply-port instruction per row and step,
+//   slower than the widening. Weights of 129 levels cost SmolLM2 no measurable perplexity beside the
+//   activations' rounding (`pdserve bench quant`). Tiles of up to 6 rows x 16 columns (two int32
+//   accumulators a row); each row's step (broadcast, two maddubs, two madds, two adds) is one asm
+//   statement and the tile's masks, bias and scales are set up only after the walk over k: left to
+//   itself, GCC 12 kept fewer than the 12 accumulators in registers.
 // * AVX-512 VNNI: `_mm512_dpbusd_epi32`, 64 byte products summed in fours into 16 int32 lanes in one
-//   instruction (four float32 zmm FMAs' worth). Panels are [KP / 4][16][4] (GROUP 4): one 64-byte line is
-//   four steps of k for 16 columns. dpbusd multiplies unsigned by signed bytes, so activations are stored
-//   as xq + 128 and each block subtracts 128 * sum_k w, itself a dpbusd of 128s against the same lines.
-//   Tiles of up to 12 rows x 16 columns (one accumulator a row).
+//   instruction, one 64-byte line a step. Tiles of up to 12 rows x 16 columns (one accumulator a row).
 // As in gemm.c, the rows are split into blocks of heights that differ by at most one (a short tile has
 // too few accumulators), and each row block is quantized k-major (`quantize_rows`: group u of k of row i
-// at (u * mr + i) * GROUP), so a tile's broadcasts sit at fixed offsets from one pointer walking k. The
+// at (u * mr + i) * 4), so a tile's broadcasts sit at fixed offsets from one pointer walking k. The
 // quantization (eight floats at a time: max|x|, then x * (127 / max|x|) rounded by cvtps2dq, as lrintf
 // rounds) and the matmul share one parallel region: the threads split the row blocks, then each owns a
 // run of panels and walks each with one tile after another, so every weight is read from memory once per
 // matmul, and a tile with later row blocks prefetches its share of the next panel, a few lines after each
 // block of k (no per-step counter in the walk). A decode step streams a quarter of float32's bytes (as
 // int8wo does); a prefill or a large batch, bound by arithmetic, does its multiply-adds at up to twice
-// (AVX2) or four times (VNNI) float32's rate per instruction. `packed_gemm_w8a8_group()` and `_block()`
-// say which layout this build reads.
+// (AVX2) or four times (VNNI) float32's rate per instruction. `packed_gemm_w8a8_group()`,
+// `_block()` and `_weight_max()` give the layout and the weights' range.
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define SG 64  // input channels per activation scale (a multiple of every GROUP)
+#define SG 64          // input channels per activation scale (a multiple of GROUP)
+#define WEIGHT_MAX 64  // |wq| bound that keeps maddubs' pair sums exact
 
 void *gemm_scratch(int slot, size_t bytes);                     // gemm.c
 int64_t gemm_row_blocks(int64_t M, int64_t mr_max);             // gemm.c: blocks of heights that differ by
@@ -56,30 +57,43 @@ int64_t gemm_block_start(int64_t M, int64_t j, int64_t mr_max); // at most one, 
 #include <immintrin.h>
 
 #define NR 16
+#define GROUP 4       // steps of k per 4-byte group
+#define ACT_ZERO 128  // stored activations are xq + 128
+typedef uint8_t ACT;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define VNNI 1
-#define GROUP 4
 #define MR_MAX 12
-typedef uint8_t ACT;
-#define ACT_ZERO 128
 #else
 #define VNNI 0
-#define GROUP 2
 #define MR_MAX 6
-typedef int16_t ACT;
-#define ACT_ZERO 0
 #endif
 #define UNITS (SG / GROUP)  // groups of k (4 bytes of ACT each) per block
 
-// One block of SG channels of one row, r[0 .. n) (n <= SG; the rest is zero), into SG ACT at q (xq, or
-// xq + 128 with VNNI; xq in [-127, 127], ACT_ZERO past n); returns its scale, NaN when the block holds a
-// NaN or an infinity (the row's outputs are then NaN, as float32's would be). Eight floats at a time:
-// max|x| is exact in any order, and x * (127 / amax) is rounded to nearest-even by cvtps2dq as by lrintf.
-static float quantize_block(const float *r, int64_t n, ACT *q) {
+// Eight groups (32 bytes of ACT) in r into dst[0], dst[stride], ... dst[7 * stride], straight from the
+// register: a copy through a buffer on the stack made each 4-byte load wait on the 32-byte store before it
+// (quantizing then cost ~5 cycles a channel, a tenth of a 512-row w8a8 matmul).
+static inline void scatter_groups(__m256i r, uint32_t *dst, int64_t stride) {
+    const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+    dst[0] = (uint32_t)_mm_cvtsi128_si32(lo);
+    dst[stride] = (uint32_t)_mm_extract_epi32(lo, 1);
+    dst[2 * stride] = (uint32_t)_mm_extract_epi32(lo, 2);
+    dst[3 * stride] = (uint32_t)_mm_extract_epi32(lo, 3);
+    dst[4 * stride] = (uint32_t)_mm_cvtsi128_si32(hi);
+    dst[5 * stride] = (uint32_t)_mm_extract_epi32(hi, 1);
+    dst[6 * stride] = (uint32_t)_mm_extract_epi32(hi, 2);
+    dst[7 * stride] = (uint32_t)_mm_extract_epi32(hi, 3);
+}
+
+// One block of SG channels of one row, r[0 .. n) (n <= SG; the rest is zero), quantized (xq + 128, xq in
+// [-127, 127]; 128 past n), its group u at dst[u * stride]; returns its scale, NaN
+// when the block holds a NaN or an infinity (the row's outputs are then NaN, as float32's would be).
+// Eight floats at a time: max|x| is exact in any order, and x * (127 / amax) is rounded to nearest-even by
+// cvtps2dq as by lrintf.
+static float quantize_block(const float *r, int64_t n, uint32_t *dst, int64_t stride) {
     __m256 v[SG / 8];
     const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(FLT_MAX);
-    __m256 amax8 = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    for (int c = 0; c < SG / 8; c++) {
+    __m256 amax8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, bad[2] = {amax8[0], amax8[0]};
+    for (int c = 0; c < SG / 8; c++) {  // (two chains of max, so the next block's loads overlap sooner)
         const int64_t left = n - 8 * c;
         if (left >= 8)
             v[c] = _mm256_loadu_ps(r + 8 * c);
@@ -89,36 +103,34 @@ static float quantize_block(const float *r, int64_t n, ACT *q) {
         else
             v[c] = _mm256_setzero_ps();
         const __m256 a = _mm256_andnot_ps(sign, v[c]);
-        amax8 = _mm256_max_ps(amax8, a);
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));  // infinite or NaN
+        amax8[c & 1] = _mm256_max_ps(amax8[c & 1], a);
+        bad[c & 1] = _mm256_or_ps(bad[c & 1], _mm256_cmp_ps(a, big, _CMP_NLE_UQ));  // infinite or NaN
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    const __m256 amax_all = _mm256_max_ps(amax8[0], amax8[1]);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax_all), _mm256_extractf128_ps(amax_all, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
     const float amax = _mm_cvtss_f32(m4);
-    const int poison = _mm256_movemask_ps(bad) != 0;
+    const int poison = _mm256_movemask_ps(_mm256_or_ps(bad[0], bad[1])) != 0;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     if (!(inv <= FLT_MAX)) {  // amax below 127 / FLT_MAX (or NaN): lrintf's own answer for x * inf
+        ACT q[SG];
         for (int64_t k = 0; k < SG; k++)
             q[k] = k < n ? (ACT)(lrintf(r[k] * inv) + ACT_ZERO) : ACT_ZERO;
+        for (int u = 0; u < UNITS; u++)
+            memcpy(dst + u * stride, q + GROUP * u, 4);
     } else {
         const __m256 s = _mm256_set1_ps(inv);
         __m256i w[SG / 8];
         for (int c = 0; c < SG / 8; c++)
             w[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], s));
-#if VNNI
         const __m256i zero_point = _mm256_set1_epi16(ACT_ZERO), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for (int c = 0; c < SG / 32; c++) {
             const __m256i lo = _mm256_add_epi16(_mm256_packs_epi32(w[4 * c], w[4 * c + 1]), zero_point);
             const __m256i hi = _mm256_add_epi16(_mm256_packs_epi32(w[4 * c + 2], w[4 * c + 3]), zero_point);
-            _mm256_storeu_si256((__m256i *)(q + 32 * c),
-                                _mm256_permutevar8x32_epi32(_mm256_packus_epi16(lo, hi), order));
+            scatter_groups(_mm256_permutevar8x32_epi32(_mm256_packus_epi16(lo, hi), order), dst + 8 * c * stride,
+                           stride);
         }
-#else
-        for (int c = 0; c < SG / 16; c++)
-            _mm256_storeu_si256((__m256i *)(q + 16 * c),
-                                _mm256_permute4x64_epi64(_mm256_packs_epi32(w[2 * c], w[2 * c + 1]), 0xD8));
-#endif
     }
     return poison ? NAN : amax / 127.f;
 }
@@ -128,49 +140,43 @@ static float quantize_block(const float *r, int64_t n, ACT *q) {
 // scale of row i's block b at xs[i * nb + b].
 static void quantize_rows(const float *x, int64_t ldx, int64_t mr, int64_t K, int64_t KP, ACT *xq, float *xs) {
     const int64_t nb = KP / SG;
-    ACT q[SG] __attribute__((aligned(32)));
     for (int64_t i = 0; i < mr; i++)
         for (int64_t b = 0; b < nb; b++) {
             const int64_t k0 = b * SG;
-            xs[i * nb + b] = quantize_block(x + i * ldx + k0, K - k0 < SG ? K - k0 : SG, q);
-            uint32_t *dst = (uint32_t *)(xq + b * SG * mr) + i;
-            for (int u = 0; u < UNITS; u++)
-                memcpy(dst + u * mr, q + GROUP * u, 4);
+            xs[i * nb + b] = quantize_block(x + i * ldx + k0, K - k0 < SG ? K - k0 : SG,
+                                            (uint32_t *)(xq + b * SG * mr) + i, mr);
         }
 }
 
-static inline int32_t load_group(const ACT *p) {  // GROUP activations (4 bytes) for a broadcast
+static inline int32_t load_group(const ACT *p) {  // 4 activations for a broadcast
     int32_t v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
 // Every tile keeps its running float32 sums over the blocks in `acc` (MR x 16, in L1), folds each
-// block's integer sums into it (FOLD), and stores acc * ws + bias (STORE). DOT(i): row i's step j.
+// block's integer sums, less the block's comp line `k` (FOLD_SETUP), into it (FOLD), and stores
+// acc * ws + bias (STORE). DOT(i): row i's step j.
 #if VNNI
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 #define DECLARE(i) __m512i c##i = _mm512_setzero_si512();
 #define DOT(i) \
     if (MR > i) c##i = _mm512_dpbusd_epi32(c##i, _mm512_set1_epi32(load_group(xb + (j * MR + (i)) * GROUP)), w8);
+#define FOLD_SETUP const __m512i k = _mm512_loadu_si512((const void *)(comp + b * NR));
 #define FOLD(i)                                                                                         \
     if (MR > i) {                                                                                       \
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(c##i, comp));                           \
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(c##i, k));                              \
         _mm512_store_ps(acc + (i) * NR,                                                                 \
                         _mm512_fmadd_ps(sum, _mm512_set1_ps(xs[(i) * nb + b]), _mm512_load_ps(acc + (i) * NR))); \
     }
 #define STORE(i) \
     if (MR > i) _mm512_mask_storeu_ps(y + (i) * ldy, m, _mm512_fmadd_ps(_mm512_load_ps(acc + (i) * NR), s, init));
 
-#define LOOP_SETUP const __m512i zero_point = _mm512_set1_epi8((char)ACT_ZERO);
 #define STORE_SETUP                                                                 \
     const __mmask16 m = nv >= NR ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);   \
     const __m512 init = bias ? _mm512_maskz_loadu_ps(m, bias) : _mm512_setzero_ps(); \
     const __m512 s = _mm512_loadu_ps(ws);
-// comp: 128 * sum_k w per column over the block, what the offset activations add
-#define BLOCK_START __m512i comp = _mm512_setzero_si512();
-#define LOAD_LINE                                                                   \
-    const __m512i w8 = _mm512_loadu_si512((const void *)(wb + j * GROUP * NR));       \
-    comp = _mm512_dpbusd_epi32(comp, zero_point, w8);
+#define LOAD_LINE const __m512i w8 = _mm512_loadu_si512((const void *)(wb + j * GROUP * NR));
 
 #define BY_HEIGHT(mr, ...)                           \
     switch (mr) {                                    \
@@ -184,34 +190,54 @@ static inline int32_t load_group(const ACT *p) {  // GROUP activations (4 bytes)
     }
 
 #else
+static const int16_t ONES[16] __attribute__((aligned(32))) = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #define DECLARE(i) __m256i c##i##a = _mm256_setzero_si256(), c##i##b = _mm256_setzero_si256();
+// t1 = the row's 4 activations in every lane; t0, t1 = their pair sums with columns 0-7 and 8-15 (int16),
+// widened to int32 by the madds with ones (from memory: the 12 accumulators, two lines and two temporaries
+// fill the 16 registers)
 #define DOT(i)                                                                                \
     if (MR > i) {                                                                             \
         __m256i t0, t1;                                                                       \
         __asm__("vpbroadcastd %4, %3\n\t"                                                     \
-                "vpmaddwd %5, %3, %2\n\t"                                                     \
-                "vpmaddwd %6, %3, %3\n\t"                                                     \
+                "vpmaddubsw %5, %3, %2\n\t"                                                   \
+                "vpmaddubsw %6, %3, %3\n\t"                                                   \
+                "vpmaddwd %7, %2, %2\n\t"                                                     \
+                "vpmaddwd %7, %3, %3\n\t"                                                     \
                 "vpaddd %2, %0, %0\n\t"                                                       \
                 "vpaddd %3, %1, %1"                                                           \
                 : "+x"(c##i##a), "+x"(c##i##b), "=&x"(t0), "=&x"(t1)                          \
-                : "m"(*(const int32_t *)(xb + (j * MR + (i)) * GROUP)), "x"(b0), "x"(b1));    \
+                : "m"(*(const int32_t *)(xb + (j * MR + (i)) * GROUP)), "x"(b0), "x"(b1),     \
+                  "m"(*(const __m256i *)ONES));                                               \
     }
+#define FOLD_SETUP \
+    const __m256i k0 = _mm256_loadu_si256((const __m256i *)(comp + b * NR)), \
+                  k1 = _mm256_loadu_si256((const __m256i *)(comp + b * NR + 8));
 #define FOLD(i)                                                                                              \
     if (MR > i) {                                                                                            \
         const __m256 r = _mm256_set1_ps(xs[(i) * nb + b]);                                                   \
         float *t = acc + (i) * NR;                                                                           \
-        _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##i##a), r, _mm256_load_ps(t)));              \
-        _mm256_store_ps(t + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##i##b), r, _mm256_load_ps(t + 8)));      \
+        _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(c##i##a, k0)), r,             \
+                                           _mm256_load_ps(t)));                                              \
+        _mm256_store_ps(t + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(c##i##b, k1)), r,         \
+                                               _mm256_load_ps(t + 8)));                                      \
     }
+// (a whole panel's row takes plain stores: AMD's masked stores are microcoded, a twelfth of a 512-row
+// matmul's time)
 #define STORE(i)                                                                                             \
     if (MR > i) {                                                                                            \
         const float *t = acc + (i) * NR;                                                                     \
-        _mm256_maskstore_ps(y + (i) * ldy, m0, _mm256_fmadd_ps(_mm256_load_ps(t), s0, init0));               \
-        _mm256_maskstore_ps(y + (i) * ldy + 8, m1, _mm256_fmadd_ps(_mm256_load_ps(t + 8), s1, init1));       \
+        const __m256 lo = _mm256_fmadd_ps(_mm256_load_ps(t), s0, init0);                                     \
+        const __m256 hi = _mm256_fmadd_ps(_mm256_load_ps(t + 8), s1, init1);                                 \
+        if (nv == NR) {                                                                                      \
+            _mm256_storeu_ps(y + (i) * ldy, lo);                                                             \
+            _mm256_storeu_ps(y + (i) * ldy + 8, hi);                                                         \
+        } else {                                                                                             \
+            _mm256_maskstore_ps(y + (i) * ldy, m0, lo);                                                      \
+            _mm256_maskstore_ps(y + (i) * ldy + 8, m1, hi);                                                  \
+        }                                                                                                    \
     }
 
-#define LOOP_SETUP
 #define STORE_SETUP                                                                 \
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                  \
     const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota);              \
@@ -219,10 +245,9 @@ static inline int32_t load_group(const ACT *p) {  // GROUP activations (4 bytes)
     const __m256 init0 = bias ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();  \
     const __m256 init1 = bias ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps(); \
     const __m256 s0 = _mm256_loadu_ps(ws), s1 = _mm256_loadu_ps(ws + 8);
-#define BLOCK_START
 #define LOAD_LINE                                                                   \
-    const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + j * GROUP * NR)));      \
-    const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + j * GROUP * NR + 16)));
+    const __m256i b0 = _mm256_loadu_si256((const __m256i *)(wb + j * GROUP * NR));   \
+    const __m256i b1 = _mm256_loadu_si256((const __m256i *)(wb + j * GROUP * NR + 32));
 
 #define BY_HEIGHT(mr, ...)                           \
     switch (mr) {                                    \
@@ -231,26 +256,26 @@ static inline int32_t load_group(const ACT *p) {  // GROUP activations (4 bytes)
 #endif
 
 // One MR x 16 tile over the whole K: a row block of xq (quantize_rows' layout; KP each) against one
-// panel; `nv` of the 16 columns are stored. After each block of k it prefetches `per` of the `owed`
-// lines at `pf` (NULL: none) and the rest at the end, so the walk over k carries no per-step counter.
-// Each build supplies LOOP_SETUP, BLOCK_START and LOAD_LINE (the weight line of step j) for the walk and
-// STORE_SETUP (masks, bias, scales) for the store.
+// panel (its comp after its KP * 16 bytes); `nv` of the 16 columns are stored. After each block of k it
+// prefetches `per` of the `owed` lines at `pf` (NULL: none) and the rest at the end, so the walk over k
+// carries no per-step counter. Each build supplies LOAD_LINE (the weight line of step j) for the walk,
+// FOLD_SETUP and FOLD for the end of a block, and STORE_SETUP (masks, bias, scales) for the store.
 static inline __attribute__((always_inline)) void tile(const int MR, int64_t KP, const ACT *xq, const float *xs,
                                                        const int8_t *w, const float *ws, const float *bias, float *y,
                                                        int64_t ldy, int nv, const char *pf, int64_t owed) {
     const int64_t nb = KP / SG, per = pf ? (owed + nb - 1) / nb : 0;
-    LOOP_SETUP
+    const int32_t *comp = (const int32_t *)(w + KP * NR);
     float acc[MR_MAX * NR] __attribute__((aligned(64))) = {0};
     for (int64_t b = 0; b < nb; b++) {
         const ACT *xb = xq + b * SG * MR;  // the block's activations and weights
         const int8_t *wb = w + b * SG * NR;
-        BLOCK_START
         ROWS(DECLARE)
 #pragma GCC unroll 8
         for (int j = 0; j < UNITS; j++) {
             LOAD_LINE
             ROWS(DOT)
         }
+        FOLD_SETUP
         ROWS(FOLD)
         for (int64_t r = 0; r < per && owed > 0; r++, owed--) {
             _mm_prefetch(pf, _MM_HINT_T1);
@@ -276,9 +301,10 @@ static void tile_rows(int mr, int64_t KP, const ACT *xq, const float *xs, const 
 
 int packed_gemm_w8a8_group(void) { return GROUP; }
 int packed_gemm_w8a8_block(void) { return SG; }
+int packed_gemm_w8a8_weight_max(void) { return WEIGHT_MAX; }
 
-// x rows at x + m * ldx, y rows at y + m * ldy; wq: the panels above (this build's GROUP, K padded to whole
-// blocks of SG); scale: one float per output column, padded to whole panels; bias may be NULL. Returns 0,
+// x rows at x + m * ldx, y rows at y + m * ldy; wq: the panels above (K padded to whole blocks of SG, each
+// panel followed by its comp), weights within [-WEIGHT_MAX, WEIGHT_MAX]; scale: one float per output column, padded to whole panels; bias may be NULL. Returns 0,
 // or -1 when the activations' scratch cannot grow.
 int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
                      int64_t ldy, int64_t M, int64_t N, int64_t K) {
@@ -292,7 +318,7 @@ int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float 
     ACT *xq = (ACT *)(xs + M * nb);
     const int64_t panels = (N + NR - 1) / NR;
     const int64_t blocks = gemm_row_blocks(M, MR_MAX);
-    const int64_t panel_bytes = KP * NR;
+    const int64_t panel_bytes = KP * NR + KP / SG * NR * (int64_t)sizeof(int32_t);
     const int64_t lines = (panel_bytes + 63) / 64;
     // One parallel region: the row blocks are quantized (split between the threads), then each thread
     // walks its run of panels.
@@ -326,6 +352,7 @@ int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float 
 // Without AVX2 linear.py refuses w8a8_int8 (packed_gemm_supported() is 0 in gemm.c).
 int packed_gemm_w8a8_group(void) { return 0; }
 int packed_gemm_w8a8_block(void) { return SG; }
+int packed_gemm_w8a8_weight_max(void) { return WEIGHT_MAX; }
 int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
                      int64_t ldy, int64_t M, int64_t N, int64_t K) {
     return -1;

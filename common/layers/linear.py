@@ -35,10 +35,11 @@ bytes. A tied lm_head is quantized too (the embedding keeps its float32 copy). I
 kernels; the checks against transformers stay on float32, and `pdserve bench quant` measures what
 int8 costs in perplexity and greedy agreement.
 
-Int8 weights and activations (`--quantization w8a8_int8`, SGLang's name): the weights are quantized as
-above but laid out in groups of k (`w8a8_panels`: g = 2 for AVX2's `madd_epi16`, 4 for AVX-512 VNNI's
-`dpbusd`), and each row of activations is quantized as it enters the matmul, per token and per block of
-64 input channels, so the products are exact int32 sums, scaled once per block (the same bits from either
+Int8 weights and activations (`--quantization w8a8_int8`, SGLang's name): the weights are quantized per
+output row as above but within [-64, 64] (so AVX2's byte multiply-add never saturates), laid out in
+groups of four steps of k with each block's weight sums after the panel (`w8a8_panels`), and each row of
+activations is quantized as it enters the matmul, per token and per block of 64 input channels, so the
+products are exact int32 sums, scaled once per block (the same bits from the AVX2 and the AVX-512 VNNI
 build; `gemm_w8a8.c`). The lm_head stays weight-only
 int8 (the path above): its activations remain float32, so the logits see no activation rounding.
 """
@@ -97,9 +98,10 @@ def _packing(weight: torch.Tensor) -> str | None:
 
 def panel_numel(weight: torch.Tensor, quantization: str | None = None) -> int:
     out, inp = weight.shape
-    if quantization == W8A8:
+    if quantization == W8A8:  # K padded to whole blocks; each panel's block sums (int32) after it
         block = native.w8a8_layout()[1]
         inp = -(-inp // block) * block
+        return -(-out // PANEL) * (PANEL * inp + PANEL * 4 * inp // block)
     return -(-out // PANEL) * PANEL * inp
 
 
@@ -107,11 +109,12 @@ def _flag(quantization: str) -> str:
     return f"--quantization {quantization}" if quantization == W8A8 else f"--torchao-config {quantization}"
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-row symmetric int8: (q [out, in] int8, scale [out] float32), weight ~ q * scale."""
+def quantize_int8(weight: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-row symmetric int8 within [-levels, levels]: (q [out, in] int8, scale [out] float32),
+    weight ~ q * scale."""
     w = weight.detach().to(torch.float32)
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / levels
+    q = torch.round(w / scale[:, None]).clamp_(-levels, levels).to(torch.int8)
     return q, scale
 
 
@@ -133,7 +136,8 @@ def pack_weight(weight: torch.Tensor, into: torch.Tensor | None = None,
         panels = -(-out // PANEL)
         scale = None
         if quantization is not None:
-            weight, row_scale = quantize_int8(weight)
+            levels = native.w8a8_layout()[2] if quantization == W8A8 else 127
+            weight, row_scale = quantize_int8(weight, levels)
             scale = torch.ones(panels * PANEL)
             scale[:out] = row_scale
         dst = torch.empty(panel_numel(weight, quantization), dtype=weight.dtype) if into is None else into
@@ -152,18 +156,25 @@ def pack_weight(weight: torch.Tensor, into: torch.Tensor | None = None,
     return None
 
 
-def w8a8_panels(q: torch.Tensor, layout: tuple[int, int], into: torch.Tensor | None = None) -> torch.Tensor:
-    """Int8 `[out, in]` as `[ceil(out / 16), in' / group, 16, group]` for `layout` = (group, block)
-    (`native.w8a8_layout()`): `group` steps of k of 16 columns per line, the input padded with zeros to
-    `in'`, whole blocks of the activation scales, as `gemm_w8a8.c` reads it."""
-    group, block = layout
+def w8a8_panels(q: torch.Tensor, layout: tuple[int, ...], into: torch.Tensor | None = None) -> torch.Tensor:
+    """Int8 `[out, in]` as `gemm_w8a8.c` reads it, for `layout` = (group, block, ...)
+    (`native.w8a8_layout()`): `[ceil(out / 16), P]` int8, each panel's first `in' * 16` bytes its weights
+    as `[in' / group, 16, group]` (`group` steps of k of 16 columns per line, the input padded with zeros
+    to `in'`, whole blocks of the activation scales), then `[in' / block, 16]` int32: 128 times each
+    block's sum of the column's weights, what the kernel's offset activations (x + 128) add to it."""
+    group, block = layout[:2]
     out, inp = q.shape
-    panels, groups = -(-out // PANEL), -(-inp // block) * block // group
-    padded = q.new_zeros(panels * PANEL, groups * group)
+    kp = -(-inp // block) * block
+    panels, groups = -(-out // PANEL), kp // group
+    padded = q.new_zeros(panels * PANEL, kp)
     padded[:out, :inp] = q
-    dst = torch.empty(padded.numel(), dtype=q.dtype) if into is None else into
-    dst = dst.view(panels, groups, PANEL, group)
-    dst.copy_(padded.view(panels, PANEL, groups, group).transpose(1, 2))
+    size = panels * (PANEL * kp + PANEL * 4 * kp // block)
+    dst = torch.empty(size, dtype=torch.int8) if into is None else into
+    dst = dst.view(panels, -1)
+    dst[:, :PANEL * kp].view(panels, groups, PANEL, group).copy_(
+        padded.view(panels, PANEL, groups, group).transpose(1, 2))
+    sums = padded.view(panels, PANEL, kp // block, block).to(torch.int32).sum(3).transpose(1, 2) * 128
+    dst[:, PANEL * kp:].view(torch.int32).view(panels, kp // block, PANEL).copy_(sums)
     return dst
 
 

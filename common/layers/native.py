@@ -15,8 +15,10 @@ residual add + F.rms_norm on one 576-wide row: ~24 us here; the kernel ~14 us).
 
 The shared object is cached under `$PDSERVE_CACHE_DIR/native` (default `~/.cache/pdserve/native`),
 named by a hash of the sources and the compiler flags, and written atomically, so concurrent
-processes may build it at the same time. OpenMP comes from the runtime torch has already loaded, so the kernel
-honours `torch.set_num_threads`. `make setup` builds it ahead of time (`python -m common.layers.native`).
+processes may build it at the same time. `PDSERVE_NATIVE_ISA=avx2` builds for AVX2 and FMA alone on a
+CPU that has AVX-512 as well (the kernels an AVX2-only host runs, same bits; `pdserve bench kernels
+--isa avx2`). OpenMP comes from the runtime torch has already loaded, so the kernel honours
+`torch.set_num_threads`. `make setup` builds it ahead of time (`python -m common.layers.native`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ def _compile_flags() -> list[str]:
     # Compile-only: see build() for why the link step must not see -ffast-math.
     flags = ["-O3", "-fPIC", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
     cpu = _cpu_flags()
+    isa = os.environ.get("PDSERVE_NATIVE_ISA", "native")
+    if isa == "avx2":
+        cpu = {f for f in cpu if not f.startswith("avx512")}
+    elif isa != "native":
+        raise RuntimeError(f"PDSERVE_NATIVE_ISA={isa!r}: expected native or avx2")
     if {"avx2", "fma"} <= cpu:
         flags += ["-mavx2", "-mfma"]
         if "avx512f" in cpu:  # the GEMM's 16-column panels then fit one register (gemm.c)
@@ -130,6 +137,7 @@ _SIGNATURES = {
     "packed_gemm_blocks_rows": ([], ctypes.c_int),
     "packed_gemm_w8a8_group": ([], ctypes.c_int),
     "packed_gemm_w8a8_block": ([], ctypes.c_int),
+    "packed_gemm_w8a8_weight_max": ([], ctypes.c_int),
     "silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64], None),
     "argmax_rows": ([_PTR, _I64, _I64, _I64, _PTR], None),
     "decoder_stack": ([_PTR, _I64, _PTR, _PTR, _PTR], ctypes.c_int),
@@ -257,11 +265,13 @@ def block_panels_equal():
 
 
 @functools.cache
-def w8a8_layout() -> tuple[int, int]:
-    """The w8a8 panels this build reads: (steps of k per weight group: 2 with AVX2, 4 with AVX-512 VNNI;
-    input channels per activation scale, to which K is padded)."""
+def w8a8_layout() -> tuple[int, int, int]:
+    """The w8a8 panels the kernels read, the same in every build: (steps of k per weight group; input
+    channels per activation scale, to which K is padded; the weights' bound, |q| <= it)."""
     lib = _library()
-    return (lib.packed_gemm_w8a8_group(), lib.packed_gemm_w8a8_block()) if lib is not None else (0, 0)
+    if lib is None:
+        return (0, 0, 0)
+    return lib.packed_gemm_w8a8_group(), lib.packed_gemm_w8a8_block(), lib.packed_gemm_w8a8_weight_max()
 
 
 if __name__ == "__main__":

@@ -185,12 +185,19 @@ def test_w8a8_gemm_sums_int8_products_exactly(rows, out_features, in_features):
     weight = torch.randn(out_features, in_features, generator=g)
     bias = torch.randn(out_features, generator=g)
     packed = pack_weight(weight, quantization="w8a8_int8")
-    group, block = native.w8a8_layout()
-    panels, groups = -(-out_features // PANEL), -(-in_features // block) * block // group
+    group, block, weight_max = native.w8a8_layout()
+    assert (group, block, weight_max) == (4, 64, 64)  # every build reads the same panels
+    panels, kp = -(-out_features // PANEL), -(-in_features // block) * block
     assert packed.int8_activations and packed.weight.dtype == torch.int8
-    assert packed.weight.shape == (panels, groups, PANEL, group)
-    q, scale = quantize_int8(weight)
-    assert torch.equal(packed.weight[0, 0, :min(PANEL, out_features), 0], q[:PANEL, 0])
+    assert packed.weight.shape == (panels, PANEL * kp + PANEL * 4 * kp // block)
+    q, scale = quantize_int8(weight, weight_max)
+    assert q.abs().max() == weight_max
+    lines = packed.weight[:, :PANEL * kp].view(panels, kp // group, PANEL, group)
+    assert torch.equal(lines[0, 0, :min(PANEL, out_features), 0], q[:PANEL, 0])
+    # after each panel: 128 x each block's sum of a column's weights, which the offset activations add
+    sums = packed.weight[0, PANEL * kp:].view(torch.int32).view(kp // block, PANEL)
+    first = torch.nn.functional.pad(q[:PANEL, :block].to(torch.int32), (0, max(0, block - in_features)))
+    assert torch.equal(sums[0, :min(PANEL, out_features)], first.sum(1) * 128)
     for x, b, out in strided_outputs(rows, weight, packed, bias, g):
         if not rows:
             continue
@@ -218,6 +225,24 @@ def test_w8a8_gemm_gives_every_row_its_own_bits_in_any_batch():
         assert torch.equal(linear(x[:rows].clone(), weight, packed, bias), out[:rows])
     for m in range(64):
         assert torch.equal(linear(x[m:m + 1].clone(), weight, packed, bias), out[m:m + 1]), m
+
+
+def test_w8a8_gemm_never_saturates_at_the_extremes():
+    """Every weight at +-64 and every activation at +-127 (the quantizer's extremes), signs chosen so a
+    run of products is as large as it gets in both directions: AVX2's byte multiply-add sums pairs of
+    (x + 128) * w into int16, exact only while |pair| <= 32767; the result is the exact integer sum."""
+    from common.layers.linear import linear, pack_weight, quantize_int8
+
+    g = torch.Generator().manual_seed(3)
+    signs = torch.randint(0, 2, (48, 256), generator=g).float() * 2 - 1
+    weight = torch.cat([torch.ones(16, 256), -torch.ones(16, 256), signs[:16]])
+    x = torch.cat([torch.ones(2, 256), -torch.ones(2, 256), signs[16:20]])
+    packed = pack_weight(weight, quantization="w8a8_int8")
+    q, scale = quantize_int8(weight, native.w8a8_layout()[2])
+    assert q.abs().min() == 64
+    ref, _ = w8a8_reference(x, q, scale, None, native.w8a8_layout()[1])
+    assert torch.allclose(linear(x, weight, packed).double(), ref, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(ref, x.double() @ weight.double().T)
 
 
 def test_w8a8_gemm_keeps_a_non_finite_row_to_itself():
