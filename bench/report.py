@@ -37,17 +37,22 @@ def machine_info() -> dict:
         threads = torch.get_num_threads()
     except ImportError:  # the router bench does not need torch
         torch_version, threads = None, None
-    cpu_model = platform.processor()
+    cpu_model, flags = platform.processor(), set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith("model name") and not flags:
                     cpu_model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
                     break
     except OSError:
         pass
     return {
         "cpu": cpu_model,
+        # the widest vector extensions the CPU has, and what the native kernels were built for
+        "cpu_vectors": [f for f in ("avx2", "avx512f", "avx512_vnni") if f in flags],
+        "native_isa": os.environ.get("PDSERVE_NATIVE_ISA", "native"),
         "logical_cores": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "python": platform.python_version(),

@@ -66,11 +66,11 @@ class ServerArgs:
                              "decode step reads a quarter of the bytes); '' keeps float32. Needs the native "
                              "kernels (AVX2)", choices=("", "int8wo"))
     quantization: str = _f("", "weight and activation quantization, as SGLang spells it: 'w8a8_int8' stores "
-                           "every linear weight as per-channel int8 (converted at load) and quantizes each "
-                           "token's activations to int8 as they enter a matmul, a scale per 64 input "
-                           "channels; the products are summed in int32 (AVX2 or AVX-512 VNNI integer "
-                           "multiply-adds); the lm_head stays weight-only int8, so logits see float32 "
-                           "activations. '' keeps float32. Needs the native kernels (AVX2); not with "
+                           "every linear weight as per-channel int8 within [-64, 64] (converted at load) "
+                           "and quantizes each token's activations to int8 as they enter a matmul, a scale "
+                           "per 64 input channels; the products are summed in int32 (AVX2 or AVX-512 VNNI "
+                           "integer multiply-adds); the lm_head stays weight-only int8, so logits see "
+                           "float32 activations. '' keeps float32. Needs the native kernels (AVX2); not with "
                            "--torchao-config", choices=("", "w8a8_int8"))
     # serving
     host: str = _f("127.0.0.1", "HTTP host")
