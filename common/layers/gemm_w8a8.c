@@ -11,8 +11,8 @@
 // applied last, so a row gets the same bits whatever the batch.
 //
 // The activations are stored as unsigned bytes xq + 128, the form both builds' byte multiply-adds take
-// (unsigned times signed), and each block's sum subtracts 128 * sum_{k in g} wq[n, k], which the packing
-// computed once (`comp`). One layout for both builds: panel p holds output columns 16p..16p+15 as
+// (unsigned times signed), and each block's int32 sums start from -128 * sum_{k in g} wq[n, k], which the
+// packing computed once (`comp`), so they end at the products of xq alone. One layout for both builds: panel p holds output columns 16p..16p+15 as
 // [KP / 4][16][4] int8 (KP = K rounded up to whole blocks, padded with zeros; a 64-byte line is four steps
 // of k for 16 columns), followed by its comp, [KP / SG][16] int32 (one 64-byte line a block).
 // * AVX2: `_mm256_maddubs_epi16` multiplies 32 unsigned bytes by 32 signed ones and sums adjacent pairs
@@ -88,11 +88,13 @@ static inline void scatter_groups(__m256i r, uint32_t *dst, int64_t stride) {
 // [-127, 127]; 128 past n), its group u at dst[u * stride]; returns its scale, NaN
 // when the block holds a NaN or an infinity (the row's outputs are then NaN, as float32's would be).
 // Eight floats at a time: max|x| is exact in any order, and x * (127 / amax) is rounded to nearest-even by
-// cvtps2dq as by lrintf.
+// cvtps2dq as by lrintf. A NaN (or an infinity, which makes 127 / amax zero and itself NaN) converts to
+// INT_MIN and saturates to byte 0, which no finite x gives (xq + 128 >= 1): one compare per 32 bytes finds
+// it.
 static float quantize_block(const float *r, int64_t n, uint32_t *dst, int64_t stride) {
     __m256 v[SG / 8];
-    const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(FLT_MAX);
-    __m256 amax8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, bad[2] = {amax8[0], amax8[0]};
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 amax8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int c = 0; c < SG / 8; c++) {  // (two chains of max, so the next block's loads overlap sooner)
         const int64_t left = n - 8 * c;
         if (left >= 8)
@@ -104,19 +106,20 @@ static float quantize_block(const float *r, int64_t n, uint32_t *dst, int64_t st
             v[c] = _mm256_setzero_ps();
         const __m256 a = _mm256_andnot_ps(sign, v[c]);
         amax8[c & 1] = _mm256_max_ps(amax8[c & 1], a);
-        bad[c & 1] = _mm256_or_ps(bad[c & 1], _mm256_cmp_ps(a, big, _CMP_NLE_UQ));  // infinite or NaN
     }
     const __m256 amax_all = _mm256_max_ps(amax8[0], amax8[1]);
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax_all), _mm256_extractf128_ps(amax_all, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
     const float amax = _mm_cvtss_f32(m4);
-    const int poison = _mm256_movemask_ps(_mm256_or_ps(bad[0], bad[1])) != 0;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int poison = 0;
     if (!(inv <= FLT_MAX)) {  // amax below 127 / FLT_MAX (or NaN): lrintf's own answer for x * inf
         ACT q[SG];
-        for (int64_t k = 0; k < SG; k++)
+        for (int64_t k = 0; k < SG; k++) {
             q[k] = k < n ? (ACT)(lrintf(r[k] * inv) + ACT_ZERO) : ACT_ZERO;
+            poison |= k < n && !isfinite(r[k]);
+        }
         for (int u = 0; u < UNITS; u++)
             memcpy(dst + u * stride, q + GROUP * u, 4);
     } else {
@@ -125,12 +128,15 @@ static float quantize_block(const float *r, int64_t n, uint32_t *dst, int64_t st
         for (int c = 0; c < SG / 8; c++)
             w[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], s));
         const __m256i zero_point = _mm256_set1_epi16(ACT_ZERO), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        __m256i zeros = _mm256_setzero_si256();
         for (int c = 0; c < SG / 32; c++) {
             const __m256i lo = _mm256_add_epi16(_mm256_packs_epi32(w[4 * c], w[4 * c + 1]), zero_point);
             const __m256i hi = _mm256_add_epi16(_mm256_packs_epi32(w[4 * c + 2], w[4 * c + 3]), zero_point);
-            scatter_groups(_mm256_permutevar8x32_epi32(_mm256_packus_epi16(lo, hi), order), dst + 8 * c * stride,
-                           stride);
+            const __m256i q = _mm256_packus_epi16(lo, hi);
+            zeros = _mm256_or_si256(zeros, _mm256_cmpeq_epi8(q, _mm256_setzero_si256()));
+            scatter_groups(_mm256_permutevar8x32_epi32(q, order), dst + 8 * c * stride, stride);
         }
+        poison = !_mm256_testz_si256(zeros, zeros);
     }
     return poison ? NAN : amax / 127.f;
 }
@@ -154,18 +160,18 @@ static inline int32_t load_group(const ACT *p) {  // 4 activations for a broadca
     return v;
 }
 
-// Every tile keeps its running float32 sums over the blocks in `acc` (MR x 16, in L1), folds each
-// block's integer sums, less the block's comp line `k` (FOLD_SETUP), into it (FOLD), and stores
-// acc * ws + bias (STORE). DOT(i): row i's step j.
+// Every tile keeps its running float32 sums over the blocks in `acc` (MR x 16, in L1); each block's
+// integer sums start from the block's comp line (BLOCK_SETUP, DECLARE) and are folded into acc at its end
+// (FOLD); the tile stores acc * ws + bias (STORE). DOT(i): row i's step j.
 #if VNNI
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-#define DECLARE(i) __m512i c##i = _mm512_setzero_si512();
+#define BLOCK_SETUP const __m512i k = _mm512_loadu_si512((const void *)(comp + b * NR));
+#define DECLARE(i) __m512i c##i = k;
 #define DOT(i) \
     if (MR > i) c##i = _mm512_dpbusd_epi32(c##i, _mm512_set1_epi32(load_group(xb + (j * MR + (i)) * GROUP)), w8);
-#define FOLD_SETUP const __m512i k = _mm512_loadu_si512((const void *)(comp + b * NR));
 #define FOLD(i)                                                                                         \
     if (MR > i) {                                                                                       \
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(c##i, k));                              \
+        const __m512 sum = _mm512_cvtepi32_ps(c##i);                                                    \
         _mm512_store_ps(acc + (i) * NR,                                                                 \
                         _mm512_fmadd_ps(sum, _mm512_set1_ps(xs[(i) * nb + b]), _mm512_load_ps(acc + (i) * NR))); \
     }
@@ -192,7 +198,10 @@ static inline int32_t load_group(const ACT *p) {  // 4 activations for a broadca
 #else
 static const int16_t ONES[16] __attribute__((aligned(32))) = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-#define DECLARE(i) __m256i c##i##a = _mm256_setzero_si256(), c##i##b = _mm256_setzero_si256();
+#define BLOCK_SETUP \
+    const __m256i k0 = _mm256_loadu_si256((const __m256i *)(comp + b * NR)), \
+                  k1 = _mm256_loadu_si256((const __m256i *)(comp + b * NR + 8));
+#define DECLARE(i) __m256i c##i##a = k0, c##i##b = k1;
 // t1 = the row's 4 activations in every lane; t0, t1 = their pair sums with columns 0-7 and 8-15 (int16),
 // widened to int32 by the madds with ones (from memory: the 12 accumulators, two lines and two temporaries
 // fill the 16 registers)
@@ -210,16 +219,13 @@ static const int16_t ONES[16] __attribute__((aligned(32))) = {1, 1, 1, 1, 1, 1, 
                 : "m"(*(const int32_t *)(xb + (j * MR + (i)) * GROUP)), "x"(b0), "x"(b1),     \
                   "m"(*(const __m256i *)ONES));                                               \
     }
-#define FOLD_SETUP \
-    const __m256i k0 = _mm256_loadu_si256((const __m256i *)(comp + b * NR)), \
-                  k1 = _mm256_loadu_si256((const __m256i *)(comp + b * NR + 8));
 #define FOLD(i)                                                                                              \
     if (MR > i) {                                                                                            \
         const __m256 r = _mm256_set1_ps(xs[(i) * nb + b]);                                                   \
         float *t = acc + (i) * NR;                                                                           \
-        _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(c##i##a, k0)), r,             \
+        _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##i##a), r,             \
                                            _mm256_load_ps(t)));                                              \
-        _mm256_store_ps(t + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(c##i##b, k1)), r,         \
+        _mm256_store_ps(t + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##i##b), r,         \
                                                _mm256_load_ps(t + 8)));                                      \
     }
 // (a whole panel's row takes plain stores: AMD's masked stores are microcoded, a twelfth of a 512-row
@@ -258,8 +264,9 @@ static const int16_t ONES[16] __attribute__((aligned(32))) = {1, 1, 1, 1, 1, 1, 
 // One MR x 16 tile over the whole K: a row block of xq (quantize_rows' layout; KP each) against one
 // panel (its comp after its KP * 16 bytes); `nv` of the 16 columns are stored. After each block of k it
 // prefetches `per` of the `owed` lines at `pf` (NULL: none) and the rest at the end, so the walk over k
-// carries no per-step counter. Each build supplies LOAD_LINE (the weight line of step j) for the walk,
-// FOLD_SETUP and FOLD for the end of a block, and STORE_SETUP (masks, bias, scales) for the store.
+// carries no per-step counter. Each build supplies BLOCK_SETUP and DECLARE for the start of a block,
+// LOAD_LINE (the weight line of step j) for the walk, FOLD for the end of a block, and STORE_SETUP
+// (masks, bias, scales) for the store.
 static inline __attribute__((always_inline)) void tile(const int MR, int64_t KP, const ACT *xq, const float *xs,
                                                        const int8_t *w, const float *ws, const float *bias, float *y,
                                                        int64_t ldy, int nv, const char *pf, int64_t owed) {
@@ -269,13 +276,13 @@ static inline __attribute__((always_inline)) void tile(const int MR, int64_t KP,
     for (int64_t b = 0; b < nb; b++) {
         const ACT *xb = xq + b * SG * MR;  // the block's activations and weights
         const int8_t *wb = w + b * SG * NR;
+        BLOCK_SETUP
         ROWS(DECLARE)
 #pragma GCC unroll 8
         for (int j = 0; j < UNITS; j++) {
             LOAD_LINE
             ROWS(DOT)
         }
-        FOLD_SETUP
         ROWS(FOLD)
         for (int64_t r = 0; r < per && owed > 0; r++, owed--) {
             _mm_prefetch(pf, _MM_HINT_T1);
@@ -304,7 +311,8 @@ int packed_gemm_w8a8_block(void) { return SG; }
 int packed_gemm_w8a8_weight_max(void) { return WEIGHT_MAX; }
 
 // x rows at x + m * ldx, y rows at y + m * ldy; wq: the panels above (K padded to whole blocks of SG, each
-// panel followed by its comp), weights within [-WEIGHT_MAX, WEIGHT_MAX]; scale: one float per output column, padded to whole panels; bias may be NULL. Returns 0,
+// panel followed by its comp), weights within [-WEIGHT_MAX, WEIGHT_MAX]; scale: one float per output
+// column, padded to whole panels; bias may be NULL. Returns 0,
 // or -1 when the activations' scratch cannot grow.
 int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
                      int64_t ldy, int64_t M, int64_t N, int64_t K) {

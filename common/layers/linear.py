@@ -160,8 +160,8 @@ def w8a8_panels(q: torch.Tensor, layout: tuple[int, ...], into: torch.Tensor | N
     """Int8 `[out, in]` as `gemm_w8a8.c` reads it, for `layout` = (group, block, ...)
     (`native.w8a8_layout()`): `[ceil(out / 16), P]` int8, each panel's first `in' * 16` bytes its weights
     as `[in' / group, 16, group]` (`group` steps of k of 16 columns per line, the input padded with zeros
-    to `in'`, whole blocks of the activation scales), then `[in' / block, 16]` int32: 128 times each
-    block's sum of the column's weights, what the kernel's offset activations (x + 128) add to it."""
+    to `in'`, whole blocks of the activation scales), then `[in' / block, 16]` int32: -128 times each
+    block's sum of the column's weights, where the kernel's sums start, as its activations are x + 128."""
     group, block = layout[:2]
     out, inp = q.shape
     kp = -(-inp // block) * block
@@ -173,7 +173,7 @@ def w8a8_panels(q: torch.Tensor, layout: tuple[int, ...], into: torch.Tensor | N
     dst = dst.view(panels, -1)
     dst[:, :PANEL * kp].view(panels, groups, PANEL, group).copy_(
         padded.view(panels, PANEL, groups, group).transpose(1, 2))
-    sums = padded.view(panels, PANEL, kp // block, block).to(torch.int32).sum(3).transpose(1, 2) * 128
+    sums = padded.view(panels, PANEL, kp // block, block).to(torch.int32).sum(3).transpose(1, 2) * -128
     dst[:, PANEL * kp:].view(torch.int32).view(panels, kp // block, PANEL).copy_(sums)
     return dst
 

@@ -194,10 +194,10 @@ def test_w8a8_gemm_sums_int8_products_exactly(rows, out_features, in_features):
     assert q.abs().max() == weight_max
     lines = packed.weight[:, :PANEL * kp].view(panels, kp // group, PANEL, group)
     assert torch.equal(lines[0, 0, :min(PANEL, out_features), 0], q[:PANEL, 0])
-    # after each panel: 128 x each block's sum of a column's weights, which the offset activations add
+    # after each panel: -128 x each block's sum of a column's weights, where the block's sums start
     sums = packed.weight[0, PANEL * kp:].view(torch.int32).view(kp // block, PANEL)
     first = torch.nn.functional.pad(q[:PANEL, :block].to(torch.int32), (0, max(0, block - in_features)))
-    assert torch.equal(sums[0, :min(PANEL, out_features)], first.sum(1) * 128)
+    assert torch.equal(sums[0, :min(PANEL, out_features)], first.sum(1) * -128)
     for x, b, out in strided_outputs(rows, weight, packed, bias, g):
         if not rows:
             continue
@@ -252,6 +252,12 @@ def test_w8a8_gemm_keeps_a_non_finite_row_to_itself():
     x[1, 5], x[2, 7] = float("nan"), float("inf")
     out = linear(x, weight, pack_weight(weight, quantization="w8a8_int8"))
     assert out[0].isfinite().all() and out[1:].isnan().all()
+    # at the end of a block, in a later block, alone among zeros, and -inf
+    weight, x = torch.randn(40, 200), torch.randn(6, 200)
+    x[1, 63], x[2, 130], x[4, 199] = float("nan"), float("-inf"), float("inf")
+    x[3], x[3, 70] = 0.0, float("nan")
+    out = linear(x, weight, pack_weight(weight, quantization="w8a8_int8"))
+    assert out[[0, 5]].isfinite().all() and out[1:5].isnan().all()
 
 
 def test_int8_needs_the_panels(monkeypatch):
