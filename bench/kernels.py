@@ -167,13 +167,16 @@ def _w8a8_vs_fp32(lib: ctypes.CDLL, rows_list: list[int], args, figures: dict, r
 
 
 def _same_w8a8_layout(libs: list[ctypes.CDLL]) -> bool:
-    """Whether the baseline reads the w8a8 panels this checkout packs (group, block, weight bound)."""
-    def layout(lib):
-        bound = getattr(lib, "packed_gemm_w8a8_weight_max", None)
-        if bound is None:
-            return None
-        return lib.packed_gemm_w8a8_group(), lib.packed_gemm_w8a8_block(), bound()
-    return layout(libs[0]) == layout(libs[1])
+    """Whether the baseline reads the w8a8 panels this checkout packs: both libraries give the same bits
+    for a small matmul of them (an older kernel reads another grouping of k, or other block sums)."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(20, 130, generator=g), torch.randn(3, 130, generator=g)
+    packed = pack_weight(w, quantization="w8a8_int8")
+    ys = [torch.empty(3, 20), torch.empty(3, 20)]
+    for lib, y in zip(libs, ys, strict=True):
+        if _gemm(lib, "w8a8")(*_panel_args(x, [packed])[0], None, y.data_ptr(), 20, 3, 20, 130):
+            raise MemoryError("panel matmul: no memory for the packed activations")
+    return torch.equal(ys[0], ys[1])
 
 
 def main(argv: list[str] | None = None):
