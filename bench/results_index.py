@@ -31,7 +31,7 @@ END = "<!-- end of the index -->"
 HEADLINE = {
     "engine": ["decode_b1", "decode_b16", "prefill_512", "compute_bound_b16"],
     "compare": ["slo_rate", "tpot_p99", "ttft_p99", "goodput"],
-    "kernels": ["w8a8_r16", "w8a8_r512", "q4_r1", "attn_torch_r512"],
+    "kernels": ["w8a8_vs_fp32_r64", "w8a8_vs_fp32_r512", "fp32_r512", "attn_torch_r512"],
     "quant": ["w8a8_decode_b16", "w8a8_prefill_512", "int8_ppl", "w8a8_ppl"],
     "netfaults": ["mooncake_loss_completed", "nixl_loss_completed", "ucx_loss_completed"],
     "startup": ["startup_front_end_cpu_speedup", "startup_cpu_speedup", "startup_ready_speedup"],
