@@ -34,10 +34,10 @@
 // A per-thread buffer of at least `bytes` for the activations of one matmul, kept between calls (the GEMMs
 // run ~120 times a decode step, and a prefill's rows are megabytes: allocating each time would map and
 // fault in fresh pages on every call); `slot` 0 is this file's, 1 is gemm_w8a8.c's, 2 and 3
-// prefill_attention.c's. NULL when it cannot grow.
+// prefill_attention.c's, 4 to 6 paged_attention.c's. NULL when it cannot grow.
 void *gemm_scratch(int slot, size_t bytes) {
-    static __thread void *buf[4];
-    static __thread size_t cap[4];
+    static __thread void *buf[7];
+    static __thread size_t cap[7];
     if (bytes > cap[slot]) {
         void *grown = realloc(buf[slot], bytes);
         if (!grown)

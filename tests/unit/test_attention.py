@@ -159,6 +159,41 @@ def test_native_decode_matches_torch_path(group, d):
     assert not torch.equal(outs["torch"][0], outs["torch"][1])  # layers really differ
 
 
+def _decode_outputs(lens: list[int], pool: KVPool, r2t: torch.Tensor, q, k, v, path: str, group: int):
+    b = len(lens)
+    fb = ForwardBatch(mode=ForwardMode.DECODE, input_ids=torch.zeros(b, dtype=torch.int64),
+                      positions=torch.tensor(lens) - 1,
+                      out_cache_loc=torch.stack([r2t[i, n - 1] for i, n in enumerate(lens)]),
+                      req_pool_indices=torch.arange(b), seq_lens=lens, extend_prefix_lens=[n - 1 for n in lens],
+                      extend_seq_lens=[1] * b, kv_pool=pool, req_to_token=r2t)
+    backend = make_backend(path, group * pool.kv_heads, pool.kv_heads, pool.head_dim)
+    backend.init_forward_metadata(fb)
+    return backend.forward(q, k, v, 0, fb)
+
+
+def test_native_decode_splits_long_contexts_into_spans():
+    """Contexts past one span (256 tokens) are split into spans whose unnormalised softmaxes are combined:
+    one span and one token, two whole spans, one span, a short one, four spans with a tail, with peaked
+    scores (a large query), against the torch path; and a request gets the same bits alone as in the
+    batch (the spans depend on its length alone)."""
+    kv_heads, ps, d, group = 3, 16, 64, 3
+    gen = torch.Generator().manual_seed(9)
+    lens = [257, 512, 256, 5, 1000]
+    per = -(-max(lens) // ps)
+    pool = KVPool(len(lens) * per + 1, ps, 1, kv_heads, d)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
+    pages = torch.randperm(len(lens) * per, generator=gen).view(len(lens), per) + 1
+    r2t = (pages.unsqueeze(-1) * ps + torch.arange(ps)).view(len(lens), -1)
+    q = torch.randn(len(lens), group * kv_heads * d, generator=gen) * 4
+    k, v = (torch.randn(len(lens), kv_heads * d, generator=gen) for _ in range(2))
+    native = _decode_outputs(lens, pool, r2t, q, k, v, "native", group)
+    torch_out = _decode_outputs(lens, pool, r2t, q, k, v, "torch", group)
+    assert (native - torch_out).abs().max().item() < 1e-5
+    for i in (0, 2, 4):
+        alone = _decode_outputs([lens[i]], pool, r2t[i:i + 1], q[i:i + 1], k[i:i + 1], v[i:i + 1], "native", group)
+        assert torch.equal(alone, native[i:i + 1])
+
+
 @pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (4, 4, 32), (8, 1, 128)])
 def test_native_extend_matches_torch_path(heads, kv_heads, d):
     """Extend through `prefill_attention.c` (head sizes its block divides) against SDPA: requests
