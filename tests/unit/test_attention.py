@@ -164,8 +164,9 @@ def _decode_outputs(lens: list[int], pool: KVPool, r2t: torch.Tensor, q, k, v, p
     fb = ForwardBatch(mode=ForwardMode.DECODE, input_ids=torch.zeros(b, dtype=torch.int64),
                       positions=torch.tensor(lens) - 1,
                       out_cache_loc=torch.stack([r2t[i, n - 1] for i, n in enumerate(lens)]),
-                      req_pool_indices=torch.arange(b), seq_lens=lens, extend_prefix_lens=[n - 1 for n in lens],
-                      extend_seq_lens=[1] * b, kv_pool=pool, req_to_token=r2t)
+                      req_pool_indices=torch.arange(b), seq_lens=lens,
+                      extend_prefix_lens=[n - 1 for n in lens], extend_seq_lens=[1] * b, kv_pool=pool,
+                      req_to_token=r2t)
     backend = make_backend(path, group * pool.kv_heads, pool.kv_heads, pool.head_dim)
     backend.init_forward_metadata(fb)
     return backend.forward(q, k, v, 0, fb)
@@ -190,7 +191,8 @@ def test_native_decode_splits_long_contexts_into_spans():
     torch_out = _decode_outputs(lens, pool, r2t, q, k, v, "torch", group)
     assert (native - torch_out).abs().max().item() < 1e-5
     for i in (0, 2, 4):
-        alone = _decode_outputs([lens[i]], pool, r2t[i:i + 1], q[i:i + 1], k[i:i + 1], v[i:i + 1], "native", group)
+        one = slice(i, i + 1)
+        alone = _decode_outputs([lens[i]], pool, r2t[one], q[one], k[one], v[one], "native", group)
         assert torch.equal(alone, native[i:i + 1])
 
 
