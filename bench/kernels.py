@@ -35,13 +35,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from bench.report import HelpFormatter, write_report
 from common.layers import native
-from common.layers.linear import pack_weight
+from common.layers.linear import pack_weight, quantize_int8, w8a8_panels
 from common.models.tiny_model import gguf_round_trip
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,6 +136,17 @@ def _attention(libs: list[ctypes.CDLL], rows: int, calls: int) -> tuple[list[flo
     return medians, torch.equal(outs[0], outs[1])
 
 
+def _pack(w: torch.Tensor, quantization: str | None, lib: ctypes.CDLL):
+    """`pack_weight`, with w8a8's panels in the layout `lib` reads (the process's own library may have been
+    built for another instruction set: an AVX2 build's blocks lead with their weight sums, VNNI's not)."""
+    packed = pack_weight(w, quantization=quantization)
+    if quantization != "w8a8_int8":
+        return packed
+    layout = (lib.packed_gemm_w8a8_group(), lib.packed_gemm_w8a8_block(), lib.packed_gemm_w8a8_weight_max(),
+              lib.packed_gemm_w8a8_comp_lines())
+    return replace(packed, weight=w8a8_panels(quantize_int8(w, layout[2])[0], layout))
+
+
 def _panel_args(x: torch.Tensor, layers: list) -> list[list]:
     """Each layer's leading arguments of a panel GEMM call: x, its stride, the panels, their scales."""
     return [[x.data_ptr(), x.stride(0), p.weight.data_ptr()]
@@ -145,8 +157,7 @@ def _w8a8_vs_fp32(lib: ctypes.CDLL, rows_list: list[int], args, figures: dict, r
     """This library's float32 GEMM against its w8a8 GEMM on the same weights and activations."""
     fns = [_gemm(lib, "fp32"), _gemm(lib, "w8a8")]
     weights = [[torch.randn(out, inp) * 0.02 for _ in range(args.layers)] for out, inp in SHAPES]
-    packs = [[[pack_weight(w, quantization=q) for w in layers] for layers in weights]
-             for q in (None, "w8a8_int8")]
+    packs = [[[_pack(w, q, lib) for w in layers] for layers in weights] for q in (None, "w8a8_int8")]
     for rows in rows_list:
         total = [0.0, 0.0]
         for s, (out, inp) in enumerate(SHAPES):
@@ -171,7 +182,7 @@ def _same_w8a8_layout(libs: list[ctypes.CDLL]) -> bool:
     for a small matmul of them (an older kernel reads another grouping of k, or other block sums)."""
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(20, 130, generator=g), torch.randn(3, 130, generator=g)
-    packed = pack_weight(w, quantization="w8a8_int8")
+    packed = _pack(w, "w8a8_int8", libs[0])
     ys = [torch.empty(3, 20), torch.empty(3, 20)]
     for lib, y in zip(libs, ys, strict=True):
         if _gemm(lib, "w8a8")(*_panel_args(x, [packed])[0], None, y.data_ptr(), 20, 3, 20, 130):
@@ -186,7 +197,18 @@ def main(argv: list[str] | None = None):
     rows_list = [int(r) for r in args.rows.split(",")]
     if args.layers < 1:
         raise SystemExit("--layers must be >= 1")
-    os.environ["PDSERVE_NATIVE_ISA"] = args.isa
+    isa_before = os.environ.get("PDSERVE_NATIVE_ISA")
+    os.environ["PDSERVE_NATIVE_ISA"] = args.isa  # for both builds and this report's machine line
+    try:
+        return _run(args, rows_list)
+    finally:
+        if isa_before is None:
+            os.environ.pop("PDSERVE_NATIVE_ISA", None)
+        else:
+            os.environ["PDSERVE_NATIVE_ISA"] = isa_before
+
+
+def _run(args, rows_list: list[int]):
     ours_path, base_path = native.build(), baseline_library(args.baseline)
     log(f"ours {ours_path.name}, baseline {args.baseline} {base_path.name}, {args.isa} build, "
         f"{torch.get_num_threads()} threads, {args.layers} layer(s) of weights per call")
@@ -207,7 +229,7 @@ def main(argv: list[str] | None = None):
         quantization = {"int8": "int8wo", "w8a8": "w8a8_int8"}.get(scheme)
         make = {"q4": lambda w: gguf_round_trip(w, 4),
                 "q8": lambda w: gguf_round_trip(w, 8)}.get(scheme, lambda w: w)
-        packs = [[pack_weight(make(torch.randn(out, inp) * 0.02), quantization=quantization)
+        packs = [[_pack(make(torch.randn(out, inp) * 0.02), quantization, libs[0])
                   for _ in range(args.layers)] for out, inp in SHAPES]
         for rows in rows_list:
             total, same = [0.0, 0.0], True

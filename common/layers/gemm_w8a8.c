@@ -12,9 +12,14 @@
 //
 // The activations are stored as unsigned bytes xq + 128, the form both builds' byte multiply-adds take
 // (unsigned times signed), and each block's int32 sums start from -128 * sum_{k in g} wq[n, k], which the
-// packing computed once (`comp`), so they end at the products of xq alone. One layout for both builds: panel p holds output columns 16p..16p+15 as
-// [KP / 4][16][4] int8 (KP = K rounded up to whole blocks, padded with zeros; a 64-byte line is four steps
-// of k for 16 columns), followed by its comp, [KP / SG][16] int32 (one 64-byte line a block).
+// packing computed once for AVX2 (`comp`), so they end at the products of xq alone. Panel p holds
+// output columns 16p..16p+15, K rounded up to KP, whole blocks padded with zeros, as KP / SG blocks of
+// BLOCK_BYTES: with AVX2 the block's comp line (16 int32), then its [SG / 4][16][4] int8 weights (a
+// 64-byte line is four steps of k for 16 columns). The VNNI build reads the same weights without the
+// comp lines: its dpbusd sums them against 128s in one instruction a step, and a decode step, bound by
+// reading the weights, then reads 6 % fewer bytes (a build's layout: `packed_gemm_w8a8_comp_lines()`).
+// The comp line leads its weights in the one stream a tile reads: kept apart at the end of the panel it
+// cost a decode step (one row, weights from DRAM) a miss per block, 1.4x the time of the whole matmul.
 // * AVX2: `_mm256_maddubs_epi16` multiplies 32 unsigned bytes by 32 signed ones and sums adjacent pairs
 //   into int16, saturating; `_mm256_madd_epi16` with ones sums those pairs into int32 lanes. A pair is at
 //   most 2 * 255 * 64 = 32640 in magnitude, so with weights within [-64, 64] nothing saturates and the sums
@@ -63,10 +68,13 @@ typedef uint8_t ACT;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define VNNI 1
 #define MR_MAX 12
+#define COMP_LINE 0  // dpbusd sums the block's weights against 128s itself, one instruction a step
 #else
 #define VNNI 0
 #define MR_MAX 6
+#define COMP_LINE 1  // the block's sums come packed: maddubs would need three instructions a step
 #endif
+#define BLOCK_BYTES (COMP_LINE * 16 * (int64_t)sizeof(int32_t) + SG * 16)  // a panel's block
 #define UNITS (SG / GROUP)  // groups of k (4 bytes of ACT each) per block
 
 // Eight groups (32 bytes of ACT) in r into dst[0], dst[stride], ... dst[7 * stride], straight from the
@@ -165,13 +173,14 @@ static inline int32_t load_group(const ACT *p) {  // 4 activations for a broadca
 // (FOLD); the tile stores acc * ws + bias (STORE). DOT(i): row i's step j.
 #if VNNI
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-#define BLOCK_SETUP const __m512i k = _mm512_loadu_si512((const void *)(comp + b * NR));
-#define DECLARE(i) __m512i c##i = k;
+// (comp: 128 * sum_k w per column over the block, what the offset activations add)
+#define BLOCK_SETUP __m512i k = _mm512_setzero_si512();
+#define DECLARE(i) __m512i c##i = _mm512_setzero_si512();
 #define DOT(i) \
     if (MR > i) c##i = _mm512_dpbusd_epi32(c##i, _mm512_set1_epi32(load_group(xb + (j * MR + (i)) * GROUP)), w8);
 #define FOLD(i)                                                                                         \
     if (MR > i) {                                                                                       \
-        const __m512 sum = _mm512_cvtepi32_ps(c##i);                                                    \
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(c##i, k));                              \
         _mm512_store_ps(acc + (i) * NR,                                                                 \
                         _mm512_fmadd_ps(sum, _mm512_set1_ps(xs[(i) * nb + b]), _mm512_load_ps(acc + (i) * NR))); \
     }
@@ -182,7 +191,9 @@ static inline int32_t load_group(const ACT *p) {  // 4 activations for a broadca
     const __mmask16 m = nv >= NR ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);   \
     const __m512 init = bias ? _mm512_maskz_loadu_ps(m, bias) : _mm512_setzero_ps(); \
     const __m512 s = _mm512_loadu_ps(ws);
-#define LOAD_LINE const __m512i w8 = _mm512_loadu_si512((const void *)(wb + j * GROUP * NR));
+#define LOAD_LINE                                                                   \
+    const __m512i w8 = _mm512_loadu_si512((const void *)(wb + j * GROUP * NR));       \
+    k = _mm512_dpbusd_epi32(k, _mm512_set1_epi8((char)ACT_ZERO), w8);
 
 #define BY_HEIGHT(mr, ...)                           \
     switch (mr) {                                    \
@@ -199,8 +210,8 @@ static inline int32_t load_group(const ACT *p) {  // 4 activations for a broadca
 static const int16_t ONES[16] __attribute__((aligned(32))) = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #define BLOCK_SETUP \
-    const __m256i k0 = _mm256_loadu_si256((const __m256i *)(comp + b * NR)), \
-                  k1 = _mm256_loadu_si256((const __m256i *)(comp + b * NR + 8));
+    const __m256i k0 = _mm256_loadu_si256((const __m256i *)comp), \
+                  k1 = _mm256_loadu_si256((const __m256i *)(comp + 8));
 #define DECLARE(i) __m256i c##i##a = k0, c##i##b = k1;
 // t1 = the row's 4 activations in every lane; t0, t1 = their pair sums with columns 0-7 and 8-15 (int16),
 // widened to int32 by the madds with ones (from memory: the 12 accumulators, two lines and two temporaries
@@ -262,7 +273,7 @@ static const int16_t ONES[16] __attribute__((aligned(32))) = {1, 1, 1, 1, 1, 1, 
 #endif
 
 // One MR x 16 tile over the whole K: a row block of xq (quantize_rows' layout; KP each) against one
-// panel (its comp after its KP * 16 bytes); `nv` of the 16 columns are stored. After each block of k it
+// panel (blocks of BLOCK_BYTES, comp line first); `nv` of the 16 columns are stored. After each block of k it
 // prefetches `per` of the `owed` lines at `pf` (NULL: none) and the rest at the end, so the walk over k
 // carries no per-step counter. Each build supplies BLOCK_SETUP and DECLARE for the start of a block,
 // LOAD_LINE (the weight line of step j) for the walk, FOLD for the end of a block, and STORE_SETUP
@@ -271,11 +282,12 @@ static inline __attribute__((always_inline)) void tile(const int MR, int64_t KP,
                                                        const int8_t *w, const float *ws, const float *bias, float *y,
                                                        int64_t ldy, int nv, const char *pf, int64_t owed) {
     const int64_t nb = KP / SG, per = pf ? (owed + nb - 1) / nb : 0;
-    const int32_t *comp = (const int32_t *)(w + KP * NR);
     float acc[MR_MAX * NR] __attribute__((aligned(64))) = {0};
     for (int64_t b = 0; b < nb; b++) {
         const ACT *xb = xq + b * SG * MR;  // the block's activations and weights
-        const int8_t *wb = w + b * SG * NR;
+        const int32_t *comp = (const int32_t *)(w + b * BLOCK_BYTES);  // (AVX2's)
+        const int8_t *wb = w + b * BLOCK_BYTES + COMP_LINE * NR * (int64_t)sizeof(int32_t);
+        (void)comp;
         BLOCK_SETUP
         ROWS(DECLARE)
 #pragma GCC unroll 8
@@ -309,9 +321,10 @@ static void tile_rows(int mr, int64_t KP, const ACT *xq, const float *xs, const 
 int packed_gemm_w8a8_group(void) { return GROUP; }
 int packed_gemm_w8a8_block(void) { return SG; }
 int packed_gemm_w8a8_weight_max(void) { return WEIGHT_MAX; }
+int packed_gemm_w8a8_comp_lines(void) { return COMP_LINE; }
 
 // x rows at x + m * ldx, y rows at y + m * ldy; wq: the panels above (K padded to whole blocks of SG, each
-// panel followed by its comp), weights within [-WEIGHT_MAX, WEIGHT_MAX]; scale: one float per output
+// block's weights led by its comp line), weights within [-WEIGHT_MAX, WEIGHT_MAX]; scale: one float per output
 // column, padded to whole panels; bias may be NULL. Returns 0,
 // or -1 when the activations' scratch cannot grow.
 int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
@@ -326,7 +339,7 @@ int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float 
     ACT *xq = (ACT *)(xs + M * nb);
     const int64_t panels = (N + NR - 1) / NR;
     const int64_t blocks = gemm_row_blocks(M, MR_MAX);
-    const int64_t panel_bytes = KP * NR + KP / SG * NR * (int64_t)sizeof(int32_t);
+    const int64_t panel_bytes = nb * BLOCK_BYTES;
     const int64_t lines = (panel_bytes + 63) / 64;
     // One parallel region: the row blocks are quantized (split between the threads), then each thread
     // walks its run of panels.
@@ -361,6 +374,7 @@ int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float 
 int packed_gemm_w8a8_group(void) { return 0; }
 int packed_gemm_w8a8_block(void) { return SG; }
 int packed_gemm_w8a8_weight_max(void) { return WEIGHT_MAX; }
+int packed_gemm_w8a8_comp_lines(void) { return 0; }
 int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
                      int64_t ldy, int64_t M, int64_t N, int64_t K) {
     return -1;

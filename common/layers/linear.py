@@ -98,10 +98,10 @@ def _packing(weight: torch.Tensor) -> str | None:
 
 def panel_numel(weight: torch.Tensor, quantization: str | None = None) -> int:
     out, inp = weight.shape
-    if quantization == W8A8:  # K padded to whole blocks; each panel's block sums (int32) after it
-        block = native.w8a8_layout()[1]
+    if quantization == W8A8:  # K padded to whole blocks; with AVX2 each block led by its sums (int32)
+        _, block, _, comp_lines = native.w8a8_layout()
         inp = -(-inp // block) * block
-        return -(-out // PANEL) * (PANEL * inp + PANEL * 4 * inp // block)
+        return -(-out // PANEL) * (PANEL * inp + comp_lines * PANEL * 4 * inp // block)
     return -(-out // PANEL) * PANEL * inp
 
 
@@ -158,23 +158,26 @@ def pack_weight(weight: torch.Tensor, into: torch.Tensor | None = None,
 
 def w8a8_panels(q: torch.Tensor, layout: tuple[int, ...], into: torch.Tensor | None = None) -> torch.Tensor:
     """Int8 `[out, in]` as `gemm_w8a8.c` reads it, for `layout` = (group, block, ...)
-    (`native.w8a8_layout()`): `[ceil(out / 16), P]` int8, each panel's first `in' * 16` bytes its weights
-    as `[in' / group, 16, group]` (`group` steps of k of 16 columns per line, the input padded with zeros
-    to `in'`, whole blocks of the activation scales), then `[in' / block, 16]` int32: -128 times each
-    block's sum of the column's weights, where the kernel's sums start, as its activations are x + 128."""
-    group, block = layout[:2]
+    (`native.w8a8_layout()`): `[ceil(out / 16), in' / block, B]` int8, the input padded with zeros to
+    `in'` (whole blocks of the activation scales), each panel's block of B bytes: where the layout asks
+    for it, 16 int32, -128 times the block's sum of each column's weights (where the kernel's sums start,
+    as its activations are x + 128), then its weights as `[block / group, 16, group]` (`group` steps of k
+    of 16 columns per line)."""
+    group, block, _, comp_lines = layout
     out, inp = q.shape
     kp = -(-inp // block) * block
-    panels, groups = -(-out // PANEL), kp // group
+    panels, blocks = -(-out // PANEL), kp // block
     padded = q.new_zeros(panels * PANEL, kp)
     padded[:out, :inp] = q
-    size = panels * (PANEL * kp + PANEL * 4 * kp // block)
+    lead = comp_lines * PANEL * 4  # the block's sums, 16 int32
+    size = panels * blocks * (lead + PANEL * block)
     dst = torch.empty(size, dtype=torch.int8) if into is None else into
-    dst = dst.view(panels, -1)
-    dst[:, :PANEL * kp].view(panels, groups, PANEL, group).copy_(
-        padded.view(panels, PANEL, groups, group).transpose(1, 2))
-    sums = padded.view(panels, PANEL, kp // block, block).to(torch.int32).sum(3).transpose(1, 2) * -128
-    dst[:, PANEL * kp:].view(torch.int32).view(panels, kp // block, PANEL).copy_(sums)
+    dst = dst.view(panels, blocks, lead + PANEL * block)
+    by_block = padded.view(panels, PANEL, blocks, block)
+    dst[:, :, lead:].view(panels, blocks, block // group, PANEL, group).copy_(
+        by_block.view(panels, PANEL, blocks, block // group, group).permute(0, 2, 3, 1, 4))
+    if lead:
+        dst[:, :, :lead].view(torch.int32).copy_(by_block.to(torch.int32).sum(3).transpose(1, 2) * -128)
     return dst
 
 

@@ -138,6 +138,7 @@ _SIGNATURES = {
     "packed_gemm_w8a8_group": ([], ctypes.c_int),
     "packed_gemm_w8a8_block": ([], ctypes.c_int),
     "packed_gemm_w8a8_weight_max": ([], ctypes.c_int),
+    "packed_gemm_w8a8_comp_lines": ([], ctypes.c_int),
     "silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64], None),
     "argmax_rows": ([_PTR, _I64, _I64, _I64, _PTR], None),
     "decoder_stack": ([_PTR, _I64, _PTR, _PTR, _PTR], ctypes.c_int),
@@ -265,13 +266,15 @@ def block_panels_equal():
 
 
 @functools.cache
-def w8a8_layout() -> tuple[int, int, int]:
-    """The w8a8 panels the kernels read, the same in every build: (steps of k per weight group; input
-    channels per activation scale, to which K is padded; the weights' bound, |q| <= it)."""
+def w8a8_layout() -> tuple[int, int, int, int]:
+    """The w8a8 panels this build reads: (steps of k per weight group; input channels per activation
+    scale, to which K is padded; the weights' bound, |q| <= it; 1 where each block leads with its line of
+    weight sums (AVX2), 0 where the kernel sums them itself (AVX-512 VNNI))."""
     lib = _library()
     if lib is None:
-        return (0, 0, 0)
-    return lib.packed_gemm_w8a8_group(), lib.packed_gemm_w8a8_block(), lib.packed_gemm_w8a8_weight_max()
+        return (0, 0, 0, 0)
+    return (lib.packed_gemm_w8a8_group(), lib.packed_gemm_w8a8_block(), lib.packed_gemm_w8a8_weight_max(),
+            lib.packed_gemm_w8a8_comp_lines())
 
 
 if __name__ == "__main__":

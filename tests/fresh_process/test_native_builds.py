@@ -15,11 +15,11 @@ def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
     (gemm.c); each output still gets the same fused multiply-adds in the same order as the AVX2 tile, so
     a prefill node and a decode node on different CPUs agree (pairs of panels, a last panel alone, the
     second of a pair cut short, one and two row blocks below). The w8a8 GEMM sums exact integers either
-    way (VNNI's byte dot products or AVX2's byte pairs, gemm_w8a8.c), from the same panels. Built here
+    way (VNNI's byte dot products or AVX2's byte pairs, gemm_w8a8.c), from the same weights. Built here
     both ways and compared bit for bit."""
     import ctypes
 
-    from common.layers.linear import pack_weight
+    from common.layers.linear import pack_weight, quantize_int8, w8a8_panels
 
     if "avx512f" not in native._cpu_flags() or native.packed_gemm() is None:
         pytest.skip("this CPU has no AVX-512: only the AVX2 build exists here")
@@ -28,7 +28,8 @@ def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     assert not any(f.startswith("-mavx512") for f in native._compile_flags())
     avx2 = ctypes.CDLL(str(native.build()))
-    assert avx2.packed_gemm_w8a8_group() == default.packed_gemm_w8a8_group() == 4  # one layout
+    assert avx2.packed_gemm_w8a8_group() == default.packed_gemm_w8a8_group() == 4  # the same weights,
+    assert avx2.packed_gemm_w8a8_comp_lines() == 1  # led by their sums with AVX2
     g = torch.Generator().manual_seed(11)
     for rows, out, inp in ((1, 100, 576), (16, 1536, 64), (37, 49, 200), (13, 81, 96), (7, 32, 128)):
         w, b = torch.randn(out, inp, generator=g), torch.randn(out, generator=g)
@@ -40,7 +41,10 @@ def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
             ys = []
             for lib in (avx2, default):
                 y = torch.empty(rows, out)
-                weight = p.weight  # (w8a8: the same panels for both builds)
+                weight = p.weight
+                if quant == "w8a8_int8":  # each build its own panels (AVX2's blocks lead with their sums)
+                    layout = (4, 64, 64, lib.packed_gemm_w8a8_comp_lines())
+                    weight = w8a8_panels(quantize_int8(w, 64)[0], layout)
                 args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(inp),
                         ctypes.c_void_p(weight.data_ptr())]
                 if quant:

@@ -185,19 +185,22 @@ def test_w8a8_gemm_sums_int8_products_exactly(rows, out_features, in_features):
     weight = torch.randn(out_features, in_features, generator=g)
     bias = torch.randn(out_features, generator=g)
     packed = pack_weight(weight, quantization="w8a8_int8")
-    group, block, weight_max = native.w8a8_layout()
-    assert (group, block, weight_max) == (4, 64, 64)  # every build reads the same panels
+    group, block, weight_max, comp_lines = native.w8a8_layout()
+    assert (group, block, weight_max) == (4, 64, 64)  # AVX2 and VNNI read the same weights
+    lead = comp_lines * PANEL * 4  # AVX2: each block led by its weight sums
     panels, kp = -(-out_features // PANEL), -(-in_features // block) * block
     assert packed.int8_activations and packed.weight.dtype == torch.int8
-    assert packed.weight.shape == (panels, PANEL * kp + PANEL * 4 * kp // block)
+    assert packed.weight.shape == (panels, kp // block, lead + PANEL * block)
     q, scale = quantize_int8(weight, weight_max)
     assert q.abs().max() == weight_max
-    lines = packed.weight[:, :PANEL * kp].view(panels, kp // group, PANEL, group)
-    assert torch.equal(lines[0, 0, :min(PANEL, out_features), 0], q[:PANEL, 0])
-    # after each panel: -128 x each block's sum of a column's weights, where the block's sums start
-    sums = packed.weight[0, PANEL * kp:].view(torch.int32).view(kp // block, PANEL)
-    first = torch.nn.functional.pad(q[:PANEL, :block].to(torch.int32), (0, max(0, block - in_features)))
-    assert torch.equal(sums[0, :min(PANEL, out_features)], first.sum(1) * -128)
+    # each block of each panel: (AVX2) -128 x the block's sum of a column's weights (where the block's
+    # sums start), then its weights, four steps of k for 16 columns a line
+    first = packed.weight[0, 0]
+    lines = first[lead:].view(block // group, PANEL, group)
+    assert torch.equal(lines[0, :min(PANEL, out_features), 0], q[:PANEL, 0])
+    if lead:
+        head = torch.nn.functional.pad(q[:PANEL, :block].to(torch.int32), (0, max(0, block - in_features)))
+        assert torch.equal(first[:lead].view(torch.int32)[:min(PANEL, out_features)], head.sum(1) * -128)
     for x, b, out in strided_outputs(rows, weight, packed, bias, g):
         if not rows:
             continue
