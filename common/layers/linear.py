@@ -37,7 +37,7 @@ int8 costs in perplexity and greedy agreement.
 
 Int8 weights and activations (`--quantization w8a8_int8`, SGLang's name): the weights are quantized per
 output row as above but within [-64, 64] (so AVX2's byte multiply-add never saturates), laid out in
-groups of four steps of k with each block's weight sums after the panel (`w8a8_panels`), and each row of
+groups of four steps of k, with AVX2 each block led by its weight sums (`w8a8_panels`), and each row of
 activations is quantized as it enters the matmul, per token and per block of 64 input channels, so the
 products are exact int32 sums, scaled once per block (the same bits from the AVX2 and the AVX-512 VNNI
 build; `gemm_w8a8.c`). The lm_head stays weight-only
