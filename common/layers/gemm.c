@@ -51,6 +51,8 @@ void *gemm_scratch(int slot, size_t bytes) {
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 int packed_gemm_supported(void) { return 1; }
 
 #define NR 16
@@ -190,19 +192,10 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int Q
         const __m256 b1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q))); \
         ROWS(FMA)                                                                             \
     }
-// (a whole panel's row takes plain stores: AMD's masked stores are microcoded)
-#define STORE(i)                                                                                      \
-    if (MR > i) {                                                                                     \
-        const __m256 lo = Q ? _mm256_fmadd_ps(c##i##a, s0, init0) : c##i##a;                           \
-        const __m256 hi = Q ? _mm256_fmadd_ps(c##i##b, s1, init1) : c##i##b;                           \
-        if (nv == NR) {                                                                               \
-            _mm256_storeu_ps(y + (i) * ldy, lo);                                                      \
-            _mm256_storeu_ps(y + (i) * ldy + 8, hi);                                                  \
-        } else {                                                                                      \
-            _mm256_maskstore_ps(y + (i) * ldy, m0, lo);                                               \
-            _mm256_maskstore_ps(y + (i) * ldy + 8, m1, hi);                                           \
-        }                                                                                             \
-    }
+#define STORE(i)                                                                                  \
+    if (MR > i)                                                                                   \
+        store_row16(y + (i) * ldy, Q ? _mm256_fmadd_ps(c##i##a, s0, init0) : c##i##a,              \
+                    Q ? _mm256_fmadd_ps(c##i##b, s1, init1) : c##i##b, nv == NR, m0, m1);
 
 // One MR x 16 tile over the whole K (Q: int8 weights with `scale`, else float32); `nv` of the 16
 // columns are stored. Every `every` steps the next line at `pf` (if not NULL) is prefetched.

@@ -61,6 +61,8 @@ int64_t gemm_block_start(int64_t M, int64_t j, int64_t mr_max); // at most one, 
 #if defined(__AVX2__)
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 #define NR 16
 #define GROUP 4       // steps of k per 4-byte group
 #define ACT_ZERO 128  // stored activations are xq + 128
@@ -239,21 +241,10 @@ static const int16_t ONES[16] __attribute__((aligned(32))) = {1, 1, 1, 1, 1, 1, 
         _mm256_store_ps(t + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##i##b), r,         \
                                                _mm256_load_ps(t + 8)));                                      \
     }
-// (a whole panel's row takes plain stores: AMD's masked stores are microcoded, a twelfth of a 512-row
-// matmul's time)
 #define STORE(i)                                                                                             \
-    if (MR > i) {                                                                                            \
-        const float *t = acc + (i) * NR;                                                                     \
-        const __m256 lo = _mm256_fmadd_ps(_mm256_load_ps(t), s0, init0);                                     \
-        const __m256 hi = _mm256_fmadd_ps(_mm256_load_ps(t + 8), s1, init1);                                 \
-        if (nv == NR) {                                                                                      \
-            _mm256_storeu_ps(y + (i) * ldy, lo);                                                             \
-            _mm256_storeu_ps(y + (i) * ldy + 8, hi);                                                         \
-        } else {                                                                                             \
-            _mm256_maskstore_ps(y + (i) * ldy, m0, lo);                                                      \
-            _mm256_maskstore_ps(y + (i) * ldy + 8, m1, hi);                                                  \
-        }                                                                                                    \
-    }
+    if (MR > i)                                                                                              \
+        store_row16(y + (i) * ldy, _mm256_fmadd_ps(_mm256_load_ps(acc + (i) * NR), s0, init0),               \
+                    _mm256_fmadd_ps(_mm256_load_ps(acc + (i) * NR + 8), s1, init1), nv == NR, m0, m1);
 
 #define STORE_SETUP                                                                 \
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                  \
