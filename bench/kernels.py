@@ -142,8 +142,7 @@ def _pack(w: torch.Tensor, quantization: str | None, lib: ctypes.CDLL):
     packed = pack_weight(w, quantization=quantization)
     if quantization != "w8a8_int8":
         return packed
-    layout = (lib.packed_gemm_w8a8_group(), lib.packed_gemm_w8a8_block(), lib.packed_gemm_w8a8_weight_max(),
-              lib.packed_gemm_w8a8_comp_lines())
+    layout = native.library_w8a8_layout(lib)
     return replace(packed, weight=w8a8_panels(quantize_int8(w, layout[2])[0], layout))
 
 

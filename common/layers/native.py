@@ -271,8 +271,11 @@ def w8a8_layout() -> tuple[int, int, int, int]:
     scale, to which K is padded; the weights' bound, |q| <= it; 1 where each block leads with its line of
     weight sums (AVX2), 0 where the kernel sums them itself (AVX-512 VNNI))."""
     lib = _library()
-    if lib is None:
-        return (0, 0, 0, 0)
+    return (0, 0, 0, 0) if lib is None else library_w8a8_layout(lib)
+
+
+def library_w8a8_layout(lib: ctypes.CDLL) -> tuple[int, int, int, int]:
+    """`w8a8_layout()` of a given library (`pdserve bench kernels` loads builds beside the process's own)."""
     return (lib.packed_gemm_w8a8_group(), lib.packed_gemm_w8a8_block(), lib.packed_gemm_w8a8_weight_max(),
             lib.packed_gemm_w8a8_comp_lines())
 

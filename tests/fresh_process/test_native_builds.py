@@ -43,8 +43,8 @@ def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
                 y = torch.empty(rows, out)
                 weight = p.weight
                 if quant == "w8a8_int8":  # each build its own panels (AVX2's blocks lead with their sums)
-                    layout = (4, 64, 64, lib.packed_gemm_w8a8_comp_lines())
-                    weight = w8a8_panels(quantize_int8(w, 64)[0], layout)
+                    layout = native.library_w8a8_layout(lib)
+                    weight = w8a8_panels(quantize_int8(w, layout[2])[0], layout)
                 args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(inp),
                         ctypes.c_void_p(weight.data_ptr())]
                 if quant:
