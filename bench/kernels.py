@@ -124,7 +124,9 @@ def _attention(libs: list[ctypes.CDLL], rows: int, calls: int) -> tuple[list[flo
     for fn in fns:
         fn.argtypes, fn.restype = native._SIGNATURES["prefill_attention"]
     h, d = HEADS, HEAD_DIM
-    q, k, v = torch.randn(rows, h * d), torch.randn(rows, KV_HEADS * d), torch.randn(rows, KV_HEADS * d)
+    # views into one q/k/v projection's output, as the model passes them (a token's row 960 floats long)
+    qkv = torch.randn(rows, (h + 2 * KV_HEADS) * d)
+    q, k, v = qkv.split([h * d, KV_HEADS * d, KV_HEADS * d], dim=1)
     outs = [torch.empty(rows, h * d) for _ in fns]
     qt = q.view(rows, h, d).transpose(0, 1).unsqueeze(0)
     kt, vt = (x.view(rows, KV_HEADS, d).transpose(0, 1).unsqueeze(0) for x in (k, v))

@@ -267,10 +267,7 @@ SHARED const float *gemm_pack_rows(const float *x, int64_t ldx, int64_t M, int64
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t j = 0; j < gemm_row_blocks(M, mr_max); j++) {
         const int64_t m0 = gemm_block_start(M, j, mr_max), mr = gemm_block_start(M, j + 1, mr_max) - m0;
-        float *dst = out + m0 * K;
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t i = 0; i < mr; i++)
-                dst[k * mr + i] = x[(m0 + i) * ldx + k];
+        pack_k_major(x + m0 * ldx, ldx, mr, K, out + m0 * K);
     }
     return out;
 }

@@ -4,13 +4,15 @@
 //
 // A GGUF checkpoint's Q4_1 and Q8_0 weights (SmolLM2-135M's, `pdserve`'s default model) become float32 at
 // conversion as w = d * q + m, d and m one per 32 input channels of an output row. Every such w is an
-// exact float32 function of (q, d, m), so packing (q, d, m) instead of w loses nothing, and a decode step,
-// bound by memory bandwidth, reads ~6 (4-bit) or ~9 (8-bit) bits a weight instead of 32.
+// exact float32 function of (q, d, m), so packing (q, d, m) instead of w loses nothing, and a decode step
+// reads 5 (4-bit) or 8.5 (8-bit) bits a weight instead of 32. d and m are the checkpoint's float16 values,
+// kept as float16 (float32 scales were a sixth of a 4-bit block's bytes).
 //
 // Layout, per panel of 16 output columns (as gemm.c's float32 panels), per block of 32 steps of k:
-//   bits 4: float d[16], float m[16], then 32 x 8 bytes: byte j of step k holds q of column j in its
+//   bits 4: float16 d[16], float16 m[16], then 32 x 8 bytes: byte j of step k holds q of column j in its
 //           low nibble and of column j + 8 in its high nibble (q in 0..15); w = d * q + m.
-//   bits 8: float d[16], then 32 x 16 signed bytes in column order (q in -127..127); w = d * q.
+//   bits 8: float16 d[16], then 32 x 16 signed bytes in column order (q in -127..127); w = d * q.
+// A tile widens a block's scales to float32 registers once, for its 32 steps.
 // `pack_weight_blocks` finds a weight's blocks and `block_panels_equal` checks that they widen to its
 // float32 panels; weight_blocks.py keeps blocks only when they give every weight's bits. The tiles widen each step's 16 weights the same way in
 // registers and multiply-add them into float32 accumulators, each output summing over k in order as in
@@ -32,45 +34,67 @@ const float *gemm_pack_rows(const float *x, int64_t ldx, int64_t M, int64_t K, i
 int64_t gemm_row_blocks(int64_t M, int64_t mr_max);
 int64_t gemm_block_start(int64_t M, int64_t j, int64_t mr_max);
 
-static inline int64_t block_bytes(int64_t bits) { return bits == 4 ? 2 * NR * 4 + BLOCK * 8 : NR * 4 + BLOCK * NR; }
+static inline int64_t scale_bytes(int64_t bits) { return bits == 4 ? 2 * NR * 2 : NR * 2; }  // float16 d (, m)
+static inline int64_t block_bytes(int64_t bits) { return scale_bytes(bits) + (bits == 4 ? BLOCK * 8 : BLOCK * NR); }
 static inline int64_t block_panel_bytes(int64_t bits, int64_t K) { return K / BLOCK * block_bytes(bits); }
 
 #if defined(__AVX2__) && defined(__FMA__)
+#if defined(PDSERVE_AVX512VL)
+// AVX-512VL gives the 8-wide (ymm) code below 32 registers instead of 16: a one-row tile's 4 panels of
+// scales, 8 accumulators and the widening's temporaries then stay in registers (1.05-1.09x on SmolLM2's
+// 30 layers from DRAM, same bits). Only this file: elsewhere it was not measured to help.
+#pragma GCC target("avx512vl")
+#endif
 #include <immintrin.h>
 
 #define MR_MAX 5
 
-// The 16 weights of step k (of a block whose scales start at `s`, bytes at `q`) as two float32 vectors.
-static inline __attribute__((always_inline)) void widen(const int BITS, const float *s, const uint8_t *q, int k,
+// A block's scales (float16 at `s`) as float32 vectors for its 16 columns, widened once for its 32 steps:
+// d, and m for 4 bits.
+typedef struct {
+    __m256 d0, d1, m0, m1;
+} scales_t;
+
+static inline __attribute__((always_inline)) scales_t load_scales(const int BITS, const uint8_t *s) {
+    scales_t r;
+    r.d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
+    r.d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
+    r.m0 = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 32))) : _mm256_setzero_ps();
+    r.m1 = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 48))) : _mm256_setzero_ps();
+    return r;
+}
+
+// The 16 weights of step k (of a block with scales `sc`, bytes at `q`) as two float32 vectors.
+static inline __attribute__((always_inline)) void widen(const int BITS, const scales_t sc, const uint8_t *q, int k,
                                                         __m256 *w0, __m256 *w1) {
     if (BITS == 4) {
         const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k)));
         const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
         const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-        *w0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(s), _mm256_loadu_ps(s + 16));  // d * q exact: one rounding
-        *w1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(s + 8), _mm256_loadu_ps(s + 24));
+        *w0 = _mm256_fmadd_ps(lo, sc.d0, sc.m0);  // d * q exact: one rounding
+        *w1 = _mm256_fmadd_ps(hi, sc.d1, sc.m1);
     } else {
         const __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * k));
-        *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_loadu_ps(s));
-        *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))), _mm256_loadu_ps(s + 8));
+        *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), sc.d0);
+        *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))), sc.d1);
     }
 }
 
 // `weight` [out, K] float32 as the blocks of `bits` 4 or 8 a Q4_1 or Q8_0 checkpoint would store, in this
 // file's layout (rows padded to whole panels with zero blocks), at dst (`panels * K / 32` blocks of
 // block_bytes). Per 32 weights of a row: Q4_1 takes m = their min and d = (max - m) / 15 rounded to float16,
-// Q8_0 d = max |w| / 127; q = round((w - m) / d) (to even), clamped to 0..15 or -127..127, d = 0 read as 1.
+// Q8_0 d = max |w| / 127 rounded to float16; q = round((w - m) / d) (to even), clamped to 0..15 or -127..127, d = 0 read as 1.
 // weight_blocks.py keeps the result only when block_panels_equal finds every weight's bits. Plain
 // IEEE arithmetic (no fast-math here), as the reference in tests/unit/test_weight_blocks.py computes it.
 __attribute__((optimize("no-fast-math"))) void pack_weight_blocks(int64_t bits, const float *weight, int64_t out,
                                                                  int64_t K, uint8_t *dst) {
     const int64_t nb = K / BLOCK, panels = (out + NR - 1) / NR, bb = block_bytes(bits);
-    const int64_t scales = bits == 4 ? 2 * NR * 4 : NR * 4;
+    const int64_t scales = scale_bytes(bits);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *blk = dst + (p * nb + b) * bb;
-            float *d = (float *)blk, *m = d + NR;
+            _Float16 *d = (_Float16 *)blk, *m = d + NR;
             uint8_t *q = blk + scales;
             memset(blk, 0, bb);
             for (int c = 0; c < NR && p * NR + c < out; c++) {
@@ -87,19 +111,19 @@ __attribute__((optimize("no-fast-math"))) void pack_weight_blocks(int64_t bits, 
                         t = t < 0 ? 0 : t > 15 ? 15 : t;
                         q[k * 8 + (c & 7)] |= (uint8_t)((int)t << (c < 8 ? 0 : 4));
                     }
-                    d[c] = dd;
-                    m[c] = lo;
+                    d[c] = (_Float16)dd;
+                    m[c] = (_Float16)lo;  // exact for a checkpoint's m; else block_panels_equal refuses it
                 } else {
                     float a = 0;
                     for (int k = 0; k < BLOCK; k++)
                         a = fabsf(v[k]) > a ? fabsf(v[k]) : a;
-                    const float dd = a / 127.0f, safe = dd > 0 ? dd : 1.0f;
+                    const float dd = (float)(_Float16)(a / 127.0f), safe = dd > 0 ? dd : 1.0f;
                     for (int k = 0; k < BLOCK; k++) {
                         float t = nearbyintf(v[k] / safe);
                         t = t < -127 ? -127 : t > 127 ? 127 : t;
                         ((int8_t *)q)[k * NR + c] = (int8_t)t;
                     }
-                    d[c] = dd;
+                    d[c] = (_Float16)dd;
                 }
             }
         }
@@ -109,19 +133,20 @@ __attribute__((optimize("no-fast-math"))) void pack_weight_blocks(int64_t bits, 
 // 1 when the blocks at src widen to exactly the float32 panels at `want` (`panels` panels over K), bit for
 // bit, else 0: each block widened in registers as the tiles widen it, and compared, without writing it.
 int block_panels_equal(int64_t bits, const uint8_t *src, int64_t panels, int64_t K, const float *want) {
-    const int64_t scales = bits == 4 ? 2 * NR * 4 : NR * 4, n = panels * (K / BLOCK), bb = block_bytes(bits);
+    const int64_t scales = scale_bytes(bits), n = panels * (K / BLOCK), bb = block_bytes(bits);
     int equal = 1;
 #pragma omp parallel for schedule(static) reduction(&& : equal)
     for (int64_t b = 0; b < n; b++) {
         const uint8_t *blk = src + b * bb;
         const float *w = want + b * BLOCK * NR;
         __m256i diff = _mm256_setzero_si256();
+        const scales_t sc = bits == 4 ? load_scales(4, blk) : load_scales(8, blk);
         for (int k = 0; k < BLOCK; k++, w += NR) {
             __m256 w0, w1;
             if (bits == 4)
-                widen(4, (const float *)blk, blk + scales, k, &w0, &w1);
+                widen(4, sc, blk + scales, k, &w0, &w1);
             else
-                widen(8, (const float *)blk, blk + scales, k, &w0, &w1);
+                widen(8, sc, blk + scales, k, &w0, &w1);
             diff = _mm256_or_si256(diff, _mm256_xor_si256(_mm256_castps_si256(w0), _mm256_loadu_si256((const __m256i *)w)));
             diff = _mm256_or_si256(diff, _mm256_xor_si256(_mm256_castps_si256(w1), _mm256_loadu_si256((const __m256i *)(w + 8))));
         }
@@ -150,11 +175,11 @@ int block_panels_equal(int64_t bits, const uint8_t *src, int64_t panels, int64_t
         c##i##p##a = _mm256_fmadd_ps(a, w##p##a, c##i##p##a);                          \
         c##i##p##b = _mm256_fmadd_ps(a, w##p##b, c##i##p##b);                          \
     }
+#define SCALES(p) const scales_t s##p = load_scales(NP > p ? BITS : 0, blk + (NP > p ? p : 0) * panel_bytes);
 #define PANEL_STEP(p)                                                                  \
     if (NP > p) {                                                                      \
-        const uint8_t *s = blk + p * panel_bytes;                                      \
         __m256 w##p##a, w##p##b;                                                       \
-        widen(BITS, (const float *)s, s + scales, k, &w##p##a, &w##p##b);              \
+        widen(BITS, s##p, blk + p * panel_bytes + scales, k, &w##p##a, &w##p##b);      \
         FMA(0, p) FMA(1, p) FMA(2, p) FMA(3, p) FMA(4, p)                                      \
     }
 #define STORE(i, p)                                                                              \
@@ -170,12 +195,13 @@ static inline __m256i mask(int n) {
 static inline __attribute__((always_inline)) void tile(const int MR, const int NP, const int BITS, int64_t K,
                                                        const float *x, const uint8_t *w, int64_t panel_bytes,
                                                        const float *bias, float *y, int64_t ldy, int nv) {
-    const int64_t scales = BITS == 4 ? 2 * NR * 4 : NR * 4, bb = block_bytes(BITS);
+    const int64_t scales = scale_bytes(BITS), bb = block_bytes(BITS);
     BIAS(0) BIAS(1) BIAS(2) BIAS(3)
     EACH(DECLARE)
     for (int64_t b = 0; b < K / BLOCK; b++) {
         const uint8_t *blk = w + b * bb;
         const float *xb = x + b * BLOCK * MR;
+        SCALES(0) SCALES(1) SCALES(2) SCALES(3)
 #pragma GCC unroll 2
         for (int k = 0; k < BLOCK; k++) {
             PANEL_STEP(0) PANEL_STEP(1) PANEL_STEP(2) PANEL_STEP(3)

@@ -149,9 +149,9 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k, const fl
             const int r = n - i0 < MR ? (int)(n - i0) : MR;
             const int64_t keys = prefix + i0 + r, kp = (keys + KB - 1) / KB * KB;
             const float *qh = q + h * D;
-            for (int64_t d = 0; d < D; d++)  // scaled here, so the scores come out scaled
-                for (int i = 0; i < r; i++)
-                    qp[d * r + i] = qh[(i0 + i) * q_stride + d] * scale;
+            pack_k_major(qh + i0 * q_stride, q_stride, r, D, qp);
+            for (int64_t e = 0; e < D * r; e++)  // scaled here, so the scores come out scaled
+                qp[e] *= scale;
             const float *kg = kt + h / G * D * LP;
             for (int64_t j = 0; j < kp; j += KB)
                 tile_rows(r, D, qp, kg + j, LP, s + j, LP);
@@ -161,9 +161,7 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k, const fl
                 sums[i] = exp_row(s + i * LP, seen);
                 memset(s + i * LP + seen, 0, sizeof(float) * (size_t)(keys - seen));
             }
-            for (int64_t j = 0; j < keys; j++)
-                for (int i = 0; i < r; i++)
-                    pt[j * r + i] = s[i * LP + j];
+            pack_k_major(s, LP, r, keys, pt);
             const float *vg = v + h / G * kv_head;
             for (int64_t c = 0; c < D; c += KB)
                 tile_rows(r, keys, pt, vg + c, kv_tok, o + c, D);

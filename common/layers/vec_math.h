@@ -70,3 +70,33 @@ static inline void store_row16(float *y, __m256 lo, __m256 hi, int whole, __m256
         _mm256_maskstore_ps(y + 8, m1, hi);
     }
 }
+
+// Rows x[0..4) (ld apart), floats 0..8 of each, to dst k-major: dst[k * ldd + i] = x[i * ld + k].
+static inline void transpose4x8(const float *x, int64_t ld, float *dst, int64_t ldd) {
+    const __m256 r0 = _mm256_loadu_ps(x), r1 = _mm256_loadu_ps(x + ld);
+    const __m256 r2 = _mm256_loadu_ps(x + 2 * ld), r3 = _mm256_loadu_ps(x + 3 * ld);
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    const __m256 c[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
+                         _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
+    for (int j = 0; j < 4; j++) {
+        _mm_storeu_ps(dst + j * ldd, _mm256_castps256_ps128(c[j]));
+        _mm_storeu_ps(dst + (j + 4) * ldd, _mm256_extractf128_ps(c[j], 1));
+    }
+}
+
+// `rows` rows of x (ld apart), K floats each, to dst k-major: dst[k * rows + i] = x[i * ld + k]. Fours of
+// rows by eights of k through registers (with rows % 4, the last four overlap the four before: the same
+// values are stored twice); the rest one float at a time. A plain copy: no float is changed.
+static inline void pack_k_major(const float *x, int64_t ld, int64_t rows, int64_t K, float *dst) {
+    int64_t k = 0;
+    if (rows >= 4)
+        for (; k + 8 <= K; k += 8)
+            for (int64_t i = 0; i < rows; i += 4) {
+                const int64_t i0 = i + 4 <= rows ? i : rows - 4;
+                transpose4x8(x + i0 * ld + k, ld, dst + k * rows + i0, rows);
+            }
+    for (; k < K; k++)
+        for (int64_t i = 0; i < rows; i++)
+            dst[k * rows + i] = x[i * ld + k];
+}

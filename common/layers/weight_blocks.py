@@ -7,7 +7,7 @@ has every projection in Q4_1 and the tied embedding (the lm_head) in Q8_0. `find
 (q, d, m) from the float32 weight in one pass (`gemm_blocks.c: pack_weight_blocks`) and keeps them only
 when they widen back to the same float32 bits (`block_panels_equal`), for every weight of the tensor;
 `packed_gemm_blocks` then reads the blocks and computes on the widened float32 panel, so the matmul's
-results are the float32 panels' bits while a decode step streams ~6 (4-bit) or ~9 (8-bit) bits a weight
+results are the float32 panels' bits while a decode step streams 5 (4-bit) or 8.5 (8-bit) bits a weight
 instead of 32. Any other weight, or `PDSERVE_WEIGHT_BLOCKS=0`, keeps float32 panels. This is not quantization:
 nothing is rounded that the checkpoint had not rounded.
 """
@@ -38,7 +38,7 @@ def enabled() -> bool:
 
 def block_bytes(bits: int) -> int:
     """Bytes of one block of 16 columns by 32 input channels in `gemm_blocks.c`'s layout."""
-    return 2 * PANEL * 4 + BLOCK * 8 if bits == 4 else PANEL * 4 + BLOCK * PANEL
+    return 2 * PANEL * 2 + BLOCK * 8 if bits == 4 else PANEL * 2 + BLOCK * PANEL  # float16 scales
 
 
 def _try(weight: torch.Tensor, panels: torch.Tensor, bits: int) -> torch.Tensor | None:

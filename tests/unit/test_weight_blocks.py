@@ -70,7 +70,7 @@ def reference_blocks(weight: torch.Tensor, bits: int) -> torch.Tensor:
         lo, hi = 0, 15
     else:
         m = None
-        d = v.abs().amax(-1, keepdim=True) / 127
+        d = (v.abs().amax(-1, keepdim=True) / 127).half().float()
         lo, hi = -127, 127
     safe = torch.where(d > 0, d, torch.ones_like(d))
     q = torch.round((v if m is None else v - m) / safe).clamp_(lo, hi).to(torch.int16)
@@ -82,8 +82,8 @@ def reference_blocks(weight: torch.Tensor, bits: int) -> torch.Tensor:
     d = torch.cat([d, d.new_zeros(pad, nb)])
     m = None if m is None else torch.cat([m, m.new_zeros(pad, nb)])
 
-    def per_block(t):  # [panels * 16, nb] -> [panels, nb, 64] bytes
-        return t.view(panels, 16, nb).transpose(1, 2).contiguous().view(torch.uint8)
+    def per_block(t):  # [panels * 16, nb] -> [panels, nb, 32] bytes (float16)
+        return t.half().view(panels, 16, nb).transpose(1, 2).contiguous().view(torch.uint8)
 
     qk = q.view(panels, 16, nb, 32).permute(0, 2, 3, 1)  # [panels, nb, k, column]
     if bits == 4:
