@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from common.forward_batch import ForwardBatch, ForwardMode
 from common.layers.attention_backend import AttentionBackend
-from common.layers.native import paged_decode_attention, prefill_attention
+from common.layers.native import cpu_tensors, kv_store, paged_decode_attention, prefill_attention
 
 # the decode kernel's limits (paged_attention.c's MAX_D, MAX_G): wider heads or groups take the torch path,
 # e.g. latent attention's single KV head of 576 features shared by 128 query heads
@@ -86,6 +86,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.name = "native" if native else "torch_native"
         fits = head_dim <= NATIVE_DECODE_MAX_HEAD_DIM and self.group <= NATIVE_DECODE_MAX_GROUP
         self.native = paged_decode_attention() if native and fits else None
+        self.native_store = kv_store() if native else None
         native_prefill = prefill_attention() if native else None
         self.native_prefill = native_prefill[0] \
             if native_prefill and head_dim % native_prefill[1] == 0 else None
@@ -179,7 +180,7 @@ class TorchAttentionBackend(AttentionBackend):
         v = v.view(t, hkv, d)
         pool = fb.kv_pool
         md: TorchAttentionMetadata = fb.attn_metadata
-        pool.set_kv_rows(layer_id, md.write_rows, k, v)
+        self._store_kv(pool, layer_id, md.write_rows, k, v)
         h = hkv * g
         out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)
         native = self.native_prefill is not None and q.dtype == torch.float32 and q.stride(1) == 1
@@ -203,6 +204,20 @@ class TorchAttentionBackend(AttentionBackend):
             # [1, heads, n, D] -> [n, heads * D]
             out[it.start:it.start + n] = oi[0].transpose(0, 1).reshape(n, h * d)
         return out
+
+    def _store_kv(self, pool, layer_id: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The new tokens' K and V (`[t, kv_heads, D]`) into the pool: `kv_store.c` on every thread for a
+        float32 pool (reading the projection's strided views in place), else `set_kv_rows`."""
+        d = self.head_dim
+        if (self.native_store is None or pool.flat.dtype != torch.float32
+                or not cpu_tensors(pool.flat, k, v, rows)
+                or k.dtype != torch.float32 or v.dtype != torch.float32 or rows.dtype != torch.int64
+                or k.stride()[1:] != (d, 1) or v.stride()[1:] != (d, 1) or not rows.is_contiguous()):
+            pool.set_kv_rows(layer_id, rows, k, v)
+            return
+        self.native_store(pool.flat.data_ptr(), rows.data_ptr(), k.shape[0], k.shape[1], d,
+                          pool.layer_offset(layer_id), pool.v_offset, k.data_ptr(), k.stride(0),
+                          v.data_ptr(), v.stride(0))
 
     def _native_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool,
                        it: _ExtendItem, out: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ HEADERS = [Path(__file__).with_name("vec_math.h")]
 SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c",
                                                  "gemm_w8a8.c", "activation.c", "argmax.c", "decoder_stack.c",
                                                  "prefill_attention.c", "threads.c", "gemm_blocks.c",
-                                                 "moe_experts.c")]
+                                                 "moe_experts.c", "kv_store.c")]
 
 
 def _cpu_flags() -> set[str]:
@@ -128,6 +128,7 @@ _SIGNATURES = {
     "paged_decode_attention": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
                                 _I64, _I64, _I64, _F32, _PTR, _PTR, _I64, _PTR, _I64, _PTR], ctypes.c_int),
     "add_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
+    "kv_store": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64], None),
     "rotary_apply": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64], None),
     "packed_gemm": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
     "packed_gemm_supported": ([], ctypes.c_int),
@@ -192,6 +193,11 @@ def prefill_attention() -> tuple | None:
     lib = _library()
     return (lib.prefill_attention, lib.prefill_attention_block()) \
         if lib and lib.prefill_attention_block() else None
+
+
+def kv_store():
+    """New tokens' K and V into a float32 pool (`kv_store.c`)."""
+    return _kernel("kv_store")
 
 
 def add_rms_norm():

@@ -120,13 +120,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+                fb: ForwardBatch, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rows`: only these rows go on past the attention (which still stores every token's K and V);
+        the last layer's, when only their logits are wanted (`LlamaForCausalLM.rows_going_on`)."""
         if residual is None:
             residual = h
             h = self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(h, cos, sin, fb)
+        if rows is not None:
+            h, residual = h[rows], residual[rows]
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -205,9 +209,25 @@ class LlamaForCausalLM(nn.Module):
             residual = self.decoder_stack.run(h, cos, sin, fb)
             return final_logits(self, h, residual, fb)
         residual = None
-        for layer in self.model.layers:
+        layers = self.model.layers
+        rows = self.rows_going_on(fb)
+        for layer in layers[:-1] if rows is not None else layers:
             h, residual = layer(h, residual, cos, sin, fb)
-        return final_logits(self, h, residual, fb)
+        if rows is not None:
+            h, residual = layers[-1](h, residual, cos, sin, fb, rows)
+        return final_logits(self, h, residual, fb, rows_taken=rows is not None)
+
+    def rows_going_on(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """The rows whose logits an extend wants (the last new token of each request, or
+        `fb.logits_indices`), when the last layer's MLP need not run on the others: no row's hidden state
+        is kept (`keep_hidden`) and its MLP is dense (a sparse block's expert statistics count every
+        token). A 512-token prefill of SmolLM2 then skips a thirtieth of its MLP work. None: every row."""
+        if fb.mode != ForwardMode.EXTEND or fb.extras.get("keep_hidden") \
+                or not isinstance(self.model.layers[-1], LlamaDecoderLayer) \
+                or not isinstance(self.model.layers[-1].mlp, LlamaMLP):
+            return None
+        idx = fb.logits_indices if fb.logits_indices is not None else fb.last_token_indices()
+        return idx if idx.numel() < fb.input_ids.shape[0] else None
 
     def _forward_stage(self, fb: ForwardBatch) -> torch.Tensor | None:
         def run_layers(h, residual, cos, sin, part):
@@ -225,12 +245,14 @@ class LlamaForCausalLM(nn.Module):
         return load_checkpoint(self, weights, {"qkv_proj": 3, "gate_up_proj": 2})
 
 
-def final_logits(model: nn.Module, h: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+def final_logits(model: nn.Module, h: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch,
+                 rows_taken: bool = False) -> torch.Tensor:
     """Final norm + lm_head on the rows whose logits are wanted (`fb.logits_indices`; by default the
-    last new token of each request, every row in decode). With `fb.extras["keep_hidden"]` every row's
-    normed hidden state is kept in `fb.extras["hidden"]` (the draft layers read it)."""
-    idx = fb.logits_indices
-    if idx is None and fb.mode != ForwardMode.DECODE:
+    last new token of each request, every row in decode); `rows_taken`: h and residual are those rows
+    already. With `fb.extras["keep_hidden"]` every row's normed hidden state is kept in
+    `fb.extras["hidden"]` (the draft layers read it)."""
+    idx = None if rows_taken else fb.logits_indices
+    if idx is None and fb.mode != ForwardMode.DECODE and not rows_taken:
         idx = fb.last_token_indices()
     if fb.extras.get("keep_hidden"):
         h, _ = model.model.norm(h, residual)

@@ -22,7 +22,7 @@ def make_backend(path: str, heads: int = HEADS, kv_heads: int = KV_HEADS,
                  d: int = D) -> TorchAttentionBackend:
     backend = TorchAttentionBackend(heads, kv_heads, d)
     if path == "torch":
-        backend.native = backend.native_prefill = None
+        backend.native = backend.native_prefill = backend.native_store = None
     else:
         assert backend.native is not None, "the native kernel did not build (see common/layers/native.py)"
     return backend
@@ -222,3 +222,28 @@ def test_native_extend_matches_torch_path(heads, kv_heads, d):
     for a, t in zip(outs["native"], outs["torch"], strict=True):
         assert (a - t).abs().max().item() < 1e-5
     assert not torch.equal(outs["torch"][0], outs["torch"][1])
+
+
+@pytest.mark.parametrize("shared_kv", [False, True], ids=["k_and_v", "one_plane"])
+def test_native_kv_store_writes_what_set_kv_rows_writes(shared_kv):
+    """`kv_store.c` (an extend's K/V into a float32 pool, on every thread past 16 Ki floats) against
+    `set_kv_rows`: strided views of one projection output as the model passes them, scattered slots,
+    two layers, K and V planes or one plane (V is K); nothing else in the pool changes."""
+    kv_heads, d, ps, layers = (1, 32, 4, 2) if shared_kv else (3, 64, 16, 2)
+    backend = make_backend("native", 3 * kv_heads, kv_heads, d)
+    assert backend.native_store is not None
+    gen = torch.Generator().manual_seed(7)
+    for t in (5, 300):
+        pools = [KVPool(-(-t // ps) * 2 + 2, ps, layers, kv_heads, d, shared_kv=shared_kv) for _ in range(2)]
+        for p in pools:
+            p.data.copy_(torch.arange(p.data.numel(), dtype=torch.float32).view(p.data.shape))
+        slots = torch.randperm(pools[0].num_pages * ps - ps, generator=gen)[:t] + ps
+        qkv = torch.randn(t, (3 + 2) * kv_heads * d, generator=gen)
+        k = qkv[:, 3 * kv_heads * d:4 * kv_heads * d].view(t, kv_heads, d)
+        v = qkv[:, 4 * kv_heads * d:].view(t, kv_heads, d)
+        pools[0].set_kv_rows = None  # the native write alone touches this pool
+        for layer in range(layers):
+            rows = pools[0].flat_rows(slots)
+            backend._store_kv(pools[0], layer, rows, k, v)
+            pools[1].set_kv_rows(layer, rows, k, v)
+        assert torch.equal(pools[0].data, pools[1].data), t

@@ -164,3 +164,35 @@ def test_smollm2_matches_hf(smollm2_dir, monkeypatch, packed):
     for p in range(n - 6, n):
         out = model(h.decode_batch([(row, ids[p])]))
         assert (out[0] - ref[p]).abs().max().item() < tol, f"decode at {p}"
+
+
+def test_the_last_layer_runs_only_the_rows_whose_logits_are_wanted(make_tiny_model, monkeypatch):
+    """An extend's last layer takes its MLP over the rows whose logits are wanted only
+    (`LlamaForCausalLM.rows_going_on`): the same logits, bit for bit, as with every row going on, for
+    a batch of requests on a cached prefix and for every row's logits (nothing pruned); and the next
+    decode step, which reads the K/V that layer stored, agrees too."""
+    from common.models.llama import LlamaForCausalLM
+
+    model_dir = make_tiny_model("llama", gguf_blocks=True)
+    model, cfg = load_model(model_dir)
+    ids = prompt(40, vocab=cfg.vocab_size)
+    seen = []
+    real = LlamaForCausalLM.rows_going_on
+
+    def spy(self, fb):
+        seen.append(real(self, fb))
+        return seen[-1]
+
+    outs = []
+    for prune in (True, False):
+        monkeypatch.setattr(LlamaForCausalLM, "rows_going_on", spy if prune else lambda self, fb: None)
+        h = Harness.for_model(cfg, page_size=4)
+        a, b = h.new_req(), h.new_req()
+        runs = [model(h.extend_batch([(a, ids[:7])])),
+                model(h.extend_batch([(a, ids[7:20]), (b, ids[20:31])])),
+                model(h.extend_batch([(b, ids[31:36])], all_logits=True)),
+                model(h.decode_batch([(a, ids[36]), (b, ids[37])]))]
+        outs.append(runs)
+    assert [None if r is None else r.tolist() for r in seen] == [[6], [12, 23], None]
+    for pruned, full in zip(*outs, strict=True):
+        assert torch.equal(pruned.view(torch.int32), full.view(torch.int32))

@@ -175,3 +175,4 @@ def test_small_matmuls_read_the_blocks_up_to_a_row_count_that_depends_on_the_thr
         assert native.block_rows() == 8
     finally:
         torch.set_num_threads(n)
+
