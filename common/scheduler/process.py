@@ -238,6 +238,9 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
     ready_conn.send(role_switch.ready_info(scheduler))
     logger.info("ready: %d KV tokens, page size %d, context %d", scheduler.allocator.capacity,
                 scheduler.page_size, scheduler.context_length)
+    from common.memory.huge_pages import fault_in_background
+
+    fault_in_background(scheduler.runner.kv_pool.data, "KV pool")  # first requests then skip first touches
     # The model and pools live as long as the process: moving them out of the collector's reach keeps
     # the full collections that the loop's allocations trigger from walking them (~3% of a decode
     # step's CPU time before).
