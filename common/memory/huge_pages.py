@@ -12,9 +12,12 @@ is ordinary anonymous memory, so correctness never depends on it.
 Such a mapping's pages are faulted in at their first write, and a first touch is slow: on this VM 0.4-0.8
 GB/s, against ~28 GB/s for writing the same bytes again (the host backs the memory as well). A fresh
 server's KV pool is written page after page by its first requests, so each paid for its own (a 512-token
-prompt ~24 MB of SmolLM2's pool, ~30 ms of its time to first token). `fault_in_background` takes that
-cost off them: a thread at the lowest priority faults the whole mapping in (`MADV_POPULATE_WRITE`, which
-leaves what is already written alone) while the server waits for, or serves, its first requests.
+prompt ~24 MB of SmolLM2's pool, ~30 ms of its time to first token). The slow part is the host backing
+guest memory the VM had never touched; memory it had touched before faults in at ~16 GB/s. So the
+scheduler faults its pool in before it reports ready (`fault_in`, on as many threads as it has cores):
+that time goes to start-up, where it is paid once, and no request pays it. Faulting it in from a
+background thread at the lowest priority instead left the requests that came right after start-up
+sharing the cores with it (a 512-token prompt's TTFT up to 1.7x).
 """
 
 from __future__ import annotations
@@ -49,35 +52,39 @@ def huge_zeros(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.frombuffer(m, dtype=dtype, count=numel)
 
 
-def fault_in_background(t: torch.Tensor, what: str, chunk: int = 32 << 20) -> threading.Thread | None:
-    """Fault in every page of `t` (a CPU tensor of its own mapping, as `huge_zeros` makes) from a daemon
-    thread at nice 19, `chunk` bytes per call, so the serving threads keep their cores; pages a request
-    wrote meanwhile keep their contents. Returns the thread, or None where there is nothing to do (not a
-    CPU tensor, or smaller than a huge page). A kernel without MADV_POPULATE_WRITE leaves the pages to their
-    first writes, as before."""
+
+def fault_in(t: torch.Tensor, what: str, threads: int, chunk: int = 32 << 20) -> float | None:
+    """Fault in every page of `t` (a CPU tensor of its own mapping, as `huge_zeros` makes) now, split over
+    `threads` threads (`MADV_POPULATE_WRITE`, `chunk` bytes a call; the calls release the GIL); pages
+    already written keep their contents. Returns the seconds it took, or None where nothing was done (not a
+    CPU tensor, smaller than a huge page, or a kernel without MADV_POPULATE_WRITE: the pages are then left
+    to their first writes)."""
     nbytes = t.numel() * t.element_size()
     if t.device.type != "cpu" or nbytes < HUGE_PAGE:
         return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
     end = t.data_ptr() + nbytes
+    chunks = list(range(start, end, chunk))
+    errors: list[int] = []
 
-    def run() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        t0 = time.perf_counter()
-        for at in range(start, end, chunk):
-            if libc.madvise(at, min(chunk, end - at), MADV_POPULATE_WRITE) != 0:  # the GIL is released
-                logger.info("%s: pages left to their first writes (madvise: %s)", what,
-                            os.strerror(ctypes.get_errno()))
+    def run(mine: list[int]) -> None:
+        for at in mine:
+            if libc.madvise(at, min(chunk, end - at), MADV_POPULATE_WRITE) != 0:
+                errors.append(ctypes.get_errno())
                 return
-        logger.info("%s: %.0f MiB faulted in, in the background, in %.1f s", what, nbytes / 2**20,
-                    time.perf_counter() - t0)
 
-    thread = threading.Thread(target=run, name=f"fault-in {what}", daemon=True)
-    thread.tensor = t  # the mapping stays while the thread runs
-    thread.start()
-    return thread
+    t0 = time.perf_counter()
+    workers = [threading.Thread(target=run, args=(chunks[i::threads],), name=f"fault-in {what} {i}")
+               for i in range(max(1, min(threads, len(chunks))))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        logger.info("%s: pages left to their first writes (madvise: %s)", what, os.strerror(errors[0]))
+        return None
+    took = time.perf_counter() - t0
+    logger.info("%s: %.0f MiB faulted in on %d threads in %.2f s", what, nbytes / 2**20, len(workers), took)
+    return took

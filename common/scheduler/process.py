@@ -235,12 +235,13 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
             if comm is not None:
                 comm.close()
         raise SystemExit(1) from None
+    from common.memory.huge_pages import fault_in
+
+    # the pool's first touches here, not in the first requests' time (common/memory/huge_pages.py)
+    fault_in(scheduler.runner.kv_pool.data, "KV pool", torch.get_num_threads())
     ready_conn.send(role_switch.ready_info(scheduler))
     logger.info("ready: %d KV tokens, page size %d, context %d", scheduler.allocator.capacity,
                 scheduler.page_size, scheduler.context_length)
-    from common.memory.huge_pages import fault_in_background
-
-    fault_in_background(scheduler.runner.kv_pool.data, "KV pool")  # first requests then skip first touches
     # The model and pools live as long as the process: moving them out of the collector's reach keeps
     # the full collections that the loop's allocations trigger from walking them (~3% of a decode
     # step's CPU time before).

@@ -128,20 +128,17 @@ def _faults_writing(t: torch.Tensor) -> int:
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
 
 
-def test_fault_in_background_faults_the_pages_in_and_keeps_what_was_written():
-    """A huge-page mapping's pages are faulted in by the background thread, so writing them afterwards
-    takes no faults (a mapping left alone takes one per page); what was written before stays."""
-    from common.memory.huge_pages import fault_in_background, huge_zeros
+def test_fault_in_faults_the_pages_in_and_keeps_what_was_written():
+    """A huge-page mapping's pages are faulted in (two threads), so writing them afterwards takes no faults
+    (a mapping left alone takes one per page); what was written before stays."""
+    from common.memory.huge_pages import fault_in, huge_zeros
 
     fresh = huge_zeros(64 << 20, torch.uint8)
     assert _faults_writing(fresh) >= 16  # 64 MiB: at least one fault per 2 MiB page
     t = huge_zeros(64 << 20, torch.uint8)
     t[:1000] = 7
     t[-5:] = 9
-    thread = fault_in_background(t, "test buffer")
-    assert thread is not None
-    thread.join(60)
-    assert not thread.is_alive()
+    assert fault_in(t, "test buffer", threads=2, chunk=4 << 20) is not None
     assert torch.all(t[:1000] == 7) and torch.all(t[-5:] == 9) and int(t[1000:-5].sum()) == 0
     assert _faults_writing(t) <= 2
-    assert fault_in_background(torch.zeros(16), "small") is None  # under a huge page: nothing to do
+    assert fault_in(torch.zeros(16), "small", threads=2) is None  # under a huge page: nothing to do
