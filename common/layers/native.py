@@ -2,6 +2,7 @@
 
 `paged_decode_attention()` (`paged_attention.c`), `prefill_attention()` (`prefill_attention.c`),
 `add_rms_norm()` (`rms_norm.c`), `rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`),
+`kv_store()` (`kv_store.c`),
 `argmax_rows()` (`argmax.c`),
 `pin_team()` (`threads.c`), `packed_gemm()` and `packed_gemm_i8()` (`gemm.c`), `packed_gemm_blocks()` and
 `block_panels_equal()` (`gemm_blocks.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`), `moe_experts()`
