@@ -11,13 +11,16 @@ its pre- and post-hook is its own):
                a mixture-of-experts model)
   rest         the rest of the forward and the greedy sample: the embedding lookup, the last position's
                lm_head, the batch's move to the device, the model's own bookkeeping
-A projection's rate (`gflops`) counts 2 x its weights x the prompt's tokens.
+A projection's rate (`gflops`) counts 2 x its weights x the rows it ran on (the last layer's MLP runs on
+the rows whose logits are wanted alone: `LlamaForCausalLM.rows_going_on`).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+
+import torch
 
 PHASES = ("norms", "qkv_proj", "attention", "o_proj", "mlp", "rest")
 
@@ -46,12 +49,17 @@ def measure(engine, prompt: list[int], repeats: int) -> dict:
     projections' GFLOP/s; `engine` is bench/engine.py's OurEngine."""
     mods = _modules(engine.runner.model)
     spent: dict[str, float] = {}
+    flops: dict[str, float] = {}  # 2 x weights x rows, per phase, over one forward
     handles = []
 
     def hook(name: str, m) -> None:
         start = {}
+        weights = _weights([m])
 
-        def pre(_m, _args):
+        def pre(_m, args):
+            if args and isinstance(args[0], torch.Tensor):
+                rows = args[0].numel() // args[0].shape[-1]
+                flops[name] = flops.get(name, 0.0) + 2.0 * weights * rows
             start["t"] = time.perf_counter()
 
         def post(_m, _args, _out):
@@ -67,6 +75,7 @@ def measure(engine, prompt: list[int], repeats: int) -> dict:
     try:
         for _ in range(repeats):
             spent.clear()
+            flops.clear()
             total = engine.prefill(prompt)
             got = {k: spent.get(k, 0.0) for k in mods}
             known = {"norms": got["norms"], "qkv_proj": got["qkv_proj"],
@@ -82,9 +91,9 @@ def measure(engine, prompt: list[int], repeats: int) -> dict:
     n = len(prompt)
     out = {"prompt_tokens": n, "repeats": repeats, "seconds": med,
            "share": {k: med[k] / med["total"] for k in PHASES}, "gflops": {}}
+    out["flops"] = {name: flops[name] for name in ("qkv_proj", "o_proj", "mlp")}
     for name in ("qkv_proj", "o_proj", "mlp"):
-        flops = 2 * _weights(mods[name]) * n
-        out["gflops"][name] = flops / med[name] / 1e9 if med[name] > 0 else None
+        out["gflops"][name] = flops[name] / med[name] / 1e9 if med[name] > 0 else None
     return out
 
 
