@@ -194,8 +194,8 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, rank: int, ipc: IpcC
         os.sched_setaffinity(0, share)
     torch.set_num_threads(args.num_threads or max(1, len(share) // (args.tp * args.pp_size)))
     logger.info("dp rank %d pp rank %d tp rank %d: %d torch threads on cores %s "
-                "(OMP_WAIT_POLICY=%s, GOMP_SPINCOUNT=%s)", dp_rank, pp_rank, tp_rank, torch.get_num_threads(),
-                share, os.environ.get("OMP_WAIT_POLICY", "unset"), os.environ.get("GOMP_SPINCOUNT", "unset"))
+                "(OMP_WAIT_POLICY=%s)", dp_rank,
+                pp_rank, tp_rank, torch.get_num_threads(), share, os.environ.get("OMP_WAIT_POLICY", "unset"))
     comm = None
     scheduler = None
 

@@ -213,22 +213,6 @@ async def _serve(args, tm, procs, names, model_dir: str, keys, ssl_context) -> N
         await asyncio.get_running_loop().run_in_executor(None, tm.tracer.close)
 
 
-# How long the ranks' idle OpenMP threads spin before they sleep, unless the environment sets a wait
-# policy: ~10 us, which covers the gaps between a forward's parallel regions. libgomp's default spins
-# for milliseconds, through the whole gap between two decode steps, so the front end's per-token work
-# (woken by each token's send) found both cores taken and ran on the scheduler's own core; its send
-# took 0.5-0.7 ms a token instead of 0.05-0.15 (bench/results/engine_tuning_notes.md, stop 74).
-OPENMP_SPIN = {"GOMP_SPINCOUNT": "10000"}
-
-
-def openmp_wait_env(environ) -> dict[str, str]:
-    """The OpenMP variables the ranks are started with in addition to `environ`: none when it already
-    chooses how idle threads wait (OMP_WAIT_POLICY, GOMP_SPINCOUNT; a launcher's placement sets them)."""
-    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
-        return {}
-    return dict(OPENMP_SPIN)
-
-
 def launch_server(args, scheduler_cls: str | None = None) -> None:
     """Run a node until SIGINT/SIGTERM (returns normally then); exits 1 with a clear error when the
     scheduler processes cannot start.
@@ -258,8 +242,6 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
         logger.error("%s", e)
         sys.exit(2)
     run_dir = RunDir()
-    # read by libgomp when a rank loads torch: set before any rank (or the fork server) starts
-    os.environ.update(openmp_wait_env(os.environ))
     ctx = rank_context(args.dp_size * args.tp * args.pp_size, scheduler_cls)
     if ctx.get_start_method() == "forkserver":
         run_dir.note_mp_temp_dir()  # the fork server's socket directory goes with the run directory

@@ -51,14 +51,3 @@ def test_a_rank_that_cannot_start_is_a_launch_error_naming_the_cause():
         starter.finish()
     assert starter.names == ["scheduler rank 0"] and len(starter.procs) == 1  # the one to stop
     starter.finish()  # reported once
-
-
-def test_openmp_wait_env_spins_briefly_unless_the_environment_chooses():
-    from common.server.launch import openmp_wait_env
-
-    # libgomp's default spin lasts through the gap between two decode steps: the ranks get ~10 us instead
-    assert openmp_wait_env({}) == {"GOMP_SPINCOUNT": "10000"}
-    assert openmp_wait_env({"PATH": "/bin"}) == {"GOMP_SPINCOUNT": "10000"}
-    # a launcher's placement (OMP_WAIT_POLICY=PASSIVE) or the user's own choice stands
-    assert openmp_wait_env({"OMP_WAIT_POLICY": "PASSIVE"}) == {}
-    assert openmp_wait_env({"GOMP_SPINCOUNT": "300000"}) == {}
