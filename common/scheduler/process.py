@@ -1,10 +1,11 @@
 """The scheduler process of one TP rank (of one DP group).
 
-Rank 0 talks to the front end over ZMQ (it connects a PULL to `to_scheduler` and a PUSH to
-`from_scheduler`; the front end binds both) and broadcasts every batch of received messages to the
-other ranks over the consensus group, so all ranks schedule identically; only rank 0 sends
-`BatchOut` / `StatsReport`. SIGTERM (or SIGINT) ends the loop cleanly: rank 0 broadcasts the stop
-so the other ranks leave too.
+Rank 0 hears the front end over ZMQ (it connects a PULL to `to_scheduler`, which the front end binds)
+and reports back over the Unix socket `from_scheduler`, one frame per message written from the loop's
+own thread (`common/frames.py`: no I/O thread to wake for each streamed token). It broadcasts every
+batch of received messages to the other ranks over the consensus group, so all ranks schedule
+identically; only rank 0 sends `BatchOut` / `StatsReport`. SIGTERM (or SIGINT) ends the loop
+cleanly: rank 0 broadcasts the stop so the other ranks leave too.
 
 With --dp-size N the node runs N such groups, each with its own `IpcConfig` (its own `to_scheduler`
 socket and rendezvous; `from_scheduler` is shared) and its own share of the node's cores
@@ -26,6 +27,7 @@ import zmq
 
 from common import core_loan
 from common.config import ServerArgs
+from common.frames import FrameSender
 from common.log import exit_now, setup_logging
 from common.protocol import BatchOut, ReqUpdate, ToScheduler
 from common.scheduler import role_switch
@@ -33,11 +35,13 @@ from common.scheduler.watchdog import Watchdog
 
 logger = logging.getLogger("scheduler")
 
+CONNECT_TIMEOUT = 300.0  # seconds rank 0 waits for the front end's report socket (bound after its tokenizer)
+
 
 @dataclass
 class IpcConfig:
     to_scheduler: str  # ZMQ ipc:// address: front end binds a PUSH, rank 0 connects a PULL
-    from_scheduler: str  # front end binds a PULL, rank 0 connects a PUSH
+    from_scheduler: str  # a Unix socket path: the front end listens, rank 0 connects (common/frames.py)
     dist_init_method: str  # torch.distributed rendezvous: file://<private run dir>/dist_store (or tcp://)
     front_end_pid: int = 0  # the front end's process (0: this process's parent): when it ends, the ranks stop
 
@@ -83,6 +87,7 @@ class SchedulerComm:
         self.tp_size = tp_size  # that world's size
         self.group = group
         self.stop_requested = False
+        self.front_end_closed = False
         self.front_end = ProcessWatch(ipc.front_end_pid or os.getppid())  # when it ends, this rank stops
         self.decoder = msgspec.msgpack.Decoder(ToScheduler)
         self.encoder = msgspec.msgpack.Encoder()
@@ -91,9 +96,7 @@ class SchedulerComm:
             self.ctx = zmq.Context()
             self.pull = self.ctx.socket(zmq.PULL)
             self.pull.connect(ipc.to_scheduler)
-            self.push = self.ctx.socket(zmq.PUSH)
-            self.push.setsockopt(zmq.LINGER, 2000)
-            self.push.connect(ipc.from_scheduler)
+            self.push = FrameSender(ipc.from_scheduler, CONNECT_TIMEOUT)
 
     def _drain(self, timeout_ms: int) -> list[bytes]:
         frames: list[bytes] = []
@@ -141,8 +144,13 @@ class SchedulerComm:
         return msgs
 
     def send(self, msg) -> None:
-        if self.push is not None:
+        if self.push is None or self.front_end_closed:
+            return
+        try:
             self.push.send(self.encoder.encode(msg))
+        except OSError as e:  # the front end closed its end: nobody is left to answer
+            logger.warning("sending to the front end failed (%s); stopping", e)
+            self.front_end_closed = self.stop_requested = True
 
     def close(self) -> None:
         for s in (self.pull, self.push):

@@ -79,10 +79,11 @@ async def stream_wait(resp: web.StreamResponse, tm: TokenizerManager, states: li
     skip comments; a router's idle timeout sees the node is alive while its request waits in a queue)."""
     every = tm.args.stream_keepalive_secs
     while True:
-        if not every:
+        if not every or notify.is_set():  # news waiting already: no timer for it (most streamed tokens)
             return await tm.wait(states, notify)
         try:
-            return await asyncio.wait_for(tm.wait(states, notify), every)
+            async with asyncio.timeout(every):  # a timer handle, not the task `wait_for` makes each time
+                return await tm.wait(states, notify)
         except TimeoutError:
             await resp.write(b": keep-alive\n\n")
 

@@ -3,16 +3,17 @@ of each DP group (--dp-size groups of --tp-size ranks).
 
 1. resolve the model directory (the default model is converted once into the cache);
 2. start `dp_size * pp_size * tp` scheduler processes (`rank_context`); while they load the
-   model, load the tokenizer and bind the ZMQ sockets they connect to (one `to_scheduler` per DP
-   group, one shared `from_scheduler`); wait until every rank reports ready (or exit with its error);
+   model, load the tokenizer and bind the sockets they connect to (a ZMQ `to_scheduler` per DP
+   group, one shared Unix socket `from_scheduler`); wait until every rank reports ready (or exit
+   with its error);
 3. serve HTTP until SIGINT/SIGTERM: then abort running requests, stop the schedulers, exit 0.
 A scheduler process that dies while serving turns `/health` into 503 and fails live requests (with
 several DP groups too: a node serves whole or not at all).
 
-Nothing between the front end and its ranks listens on the network: the two ZMQ ipc sockets and the
-torch.distributed rendezvous (a `file://` store) live in a run directory only this user can enter
-(`common/server/run_dir.py`: mode 0700, removed at exit, and swept by the next node to start when
-a crash left it), and gloo stays on loopback (`common/distributed.py`).
+Nothing between the front end and its ranks listens on the network: the ZMQ ipc sockets, the report
+socket and the torch.distributed rendezvous (a `file://` store) live in a run directory only this user
+can enter (`common/server/run_dir.py`: mode 0700, removed at exit, and swept by the next node to start
+when a crash left it), and gloo stays on loopback (`common/distributed.py`).
 `--dist-port` brings back a TCP store on that port, which torch binds on every interface.
 """
 
@@ -246,7 +247,7 @@ def launch_server(args, scheduler_cls: str | None = None) -> None:
     if ctx.get_start_method() == "forkserver":
         run_dir.note_mp_temp_dir()  # the fork server's socket directory goes with the run directory
     tmp = run_dir.path
-    ipcs = [IpcConfig(to_scheduler=f"ipc://{tmp}/to_scheduler{dp}", from_scheduler=f"ipc://{tmp}/from_scheduler",
+    ipcs = [IpcConfig(to_scheduler=f"ipc://{tmp}/to_scheduler{dp}", from_scheduler=f"{tmp}/from_scheduler",
                       dist_init_method=dist_init_method(tmp, args.dist_port)
                       if args.dp_size == 1 or args.enable_dp_attention  # DP attention: one world
                       else f"file://{tmp}/dist_store{dp}", front_end_pid=os.getpid())

@@ -1,11 +1,13 @@
-"""The front end's ZMQ sockets to its node's scheduler processes.
+"""The front end's sockets to its node's scheduler processes.
 
 One PUSH socket per DP group, bound to the address that group's rank 0 connects to, carries requests,
 aborts and queries (`ToScheduler`, msgpack). Sends never wait: the socket's queue is unbounded and a
 send is NOBLOCK, so a send fails only when no scheduler is connected at all (`ServiceUnavailable`).
-One PULL socket, shared by the groups, brings back what they report (`FromScheduler`: `BatchOut`,
-`StatsReport`). The front end binds both; the ranks start before it and ZMQ connects them on its
-next retry, which `wait_connected` waits for.
+One Unix socket, which every group's rank 0 connects to, brings back what they report
+(`FromScheduler`: `BatchOut`, `StatsReport`), one length-prefixed frame per message read by the event
+loop itself (`common/frames.py`). The front end binds all of them; the ranks start before it: ZMQ
+connects them on its next retry, which `wait_connected` waits for, and each rank 0 retries its connect
+until the report socket listens.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import time
 
 import msgspec
 import zmq
-import zmq.asyncio
 
+from common.frames import FrameListener
 from common.protocol import FromScheduler, ToScheduler
 
 
@@ -34,11 +36,7 @@ class SchedulerLink:
             push.setsockopt(zmq.LINGER, 0)
             push.bind(addr)
             self._pushes.append(push)
-        self._actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
-        self._pull = self._actx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.RCVHWM, 0)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(from_scheduler)
+        self._reports = FrameListener(from_scheduler)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromScheduler)
 
@@ -63,8 +61,8 @@ class SchedulerLink:
             raise ServiceUnavailable("the scheduler is not connected") from None
 
     async def recv(self) -> bytes:
-        """The next message's bytes (raises `zmq.ZMQError` when the socket failed)."""
-        return await self._pull.recv()
+        """The next message's bytes, from any group (raises OSError when the socket failed)."""
+        return await self._reports.recv()
 
     def decode(self, data: bytes) -> FromScheduler:
         """One received message (raises `msgspec.DecodeError` for bytes that are not one)."""
@@ -73,7 +71,7 @@ class SchedulerLink:
     def close(self) -> None:
         if self._ctx.closed:
             return
-        self._pull.close(0)
+        self._reports.close()
         for push in self._pushes:
             push.close(0)
         self._ctx.term()

@@ -40,7 +40,6 @@ import time
 from typing import Any
 
 import msgspec
-import zmq
 
 from common import sampling_defaults
 from common.protocol import (
@@ -182,10 +181,10 @@ class TokenizerManager(PromptInput):
                 data = await self.link.recv()
             except asyncio.CancelledError:
                 raise
-            except zmq.ZMQError as e:
+            except OSError as e:
                 # nothing more can arrive: every live request would wait forever
-                logger.error("ZMQ receive from the scheduler failed: %s", e)
-                self.mark_dead(f"the front end lost its scheduler (ZMQ receive failed: {e})")
+                logger.error("receiving from the scheduler failed: %s", e)
+                self.mark_dead(f"the front end lost its scheduler (receive failed: {e})")
                 return
             try:
                 msg = self.link.decode(data)

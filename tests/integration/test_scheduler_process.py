@@ -1,5 +1,6 @@
-"""`run_scheduler_process` in real processes: the test plays the front end (binds the ZMQ
-sockets, reads the ready messages), sends msgpack requests, reads BatchOuts, and stops the ranks
+"""`run_scheduler_process` in real processes: the test plays the front end (binds the ZMQ request
+socket and the report socket, reads the ready messages), sends msgpack requests, reads BatchOuts
+(frames, `common/frames.py`), and stops the ranks
 with SIGTERM. With TP=2 the ranks schedule identically over gloo and produce the same tokens as
 the in-process scheduler at TP=1."""
 
@@ -17,6 +18,7 @@ import torch
 import zmq
 
 from common.config import ServerArgs
+from common.frames import read_frame
 from common.protocol import (
     AbortRequest,
     FromScheduler,
@@ -37,13 +39,15 @@ def _free_port() -> int:
 
 class FrontEnd:
     def __init__(self, tmp: str) -> None:
-        self.ipc = IpcConfig(to_scheduler=f"ipc://{tmp}/to", from_scheduler=f"ipc://{tmp}/from",
+        self.ipc = IpcConfig(to_scheduler=f"ipc://{tmp}/to", from_scheduler=f"{tmp}/from",
                              dist_init_method=f"tcp://127.0.0.1:{_free_port()}")
         self.ctx = zmq.Context()
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.bind(self.ipc.to_scheduler)
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.bind(self.ipc.from_scheduler)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.ipc.from_scheduler)
+        self.listener.listen(1)
+        self.reports = None  # rank 0's connection, accepted at the first recv
         self.enc = msgspec.msgpack.Encoder()
         self.dec = msgspec.msgpack.Decoder(FromScheduler)
 
@@ -51,9 +55,14 @@ class FrontEnd:
         self.push.send(self.enc.encode(msg))
 
     def recv(self, timeout_s: float = 120.0):
-        if not self.pull.poll(int(timeout_s * 1000)):
-            raise TimeoutError("no message from the scheduler")
-        return self.dec.decode(self.pull.recv())
+        if self.reports is None:
+            self.listener.settimeout(timeout_s)
+            self.reports, _ = self.listener.accept()
+        self.reports.settimeout(timeout_s)
+        try:
+            return self.dec.decode(read_frame(self.reports))
+        except TimeoutError:
+            raise TimeoutError("no message from the scheduler") from None
 
     def collect(self, rids: set[str]) -> dict[str, list]:
         """Updates until every rid has finished."""
@@ -69,7 +78,9 @@ class FrontEnd:
 
     def close(self) -> None:
         self.push.close(0)
-        self.pull.close(0)
+        for s in (self.reports, self.listener):
+            if s is not None:
+                s.close()
         self.ctx.term()
 
 
