@@ -8,10 +8,12 @@
 // reads 5 (4-bit) or 8.5 (8-bit) bits a weight instead of 32. d and m are the checkpoint's float16 values,
 // kept as float16 (float32 scales were a sixth of a 4-bit block's bytes).
 //
-// Layout, per panel of 16 output columns (as gemm.c's float32 panels), per block of 32 steps of k:
-//   bits 4: float16 d[16], float16 m[16], then 32 x 8 bytes: byte j of step k holds q of column j in its
-//           low nibble and of column j + 8 in its high nibble (q in 0..15); w = d * q + m.
-//   bits 8: float16 d[16], then 32 x 16 signed bytes in column order (q in -127..127); w = d * q.
+// What one panel of 16 output columns (as gemm.c's float32 panels) keeps per block of 32 steps of k:
+//   bits 4: scales float16 d[16], float16 m[16]; per step 8 bytes: byte j holds q of column j in its low
+//           nibble and of column j + 8 in its high nibble (q in 0..15); w = d * q + m.
+//   bits 8: scales float16 d[16]; per step 16 signed bytes in column order (q in -127..127); w = d * q.
+// Stored by groups of 4 panels (`place`): a group's block holds its panels' scales, then, step by step,
+// its panels' bytes of that step, so the one-row tile over a group reads one sequential stream.
 // A tile widens a block's scales to float32 registers once, for its 32 steps.
 // `pack_weight_blocks` finds a weight's blocks and `block_panels_equal` checks that they widen to its
 // float32 panels; weight_blocks.py keeps blocks only when they give every weight's bits. The tiles widen each step's 16 weights the same way in
@@ -36,7 +38,25 @@ int64_t gemm_block_start(int64_t M, int64_t j, int64_t mr_max);
 
 static inline int64_t scale_bytes(int64_t bits) { return bits == 4 ? 2 * NR * 2 : NR * 2; }  // float16 d (, m)
 static inline int64_t block_bytes(int64_t bits) { return scale_bytes(bits) + (bits == 4 ? BLOCK * 8 : BLOCK * NR); }
-static inline int64_t block_panel_bytes(int64_t bits, int64_t K) { return K / BLOCK * block_bytes(bits); }
+static inline int64_t step_bytes(int64_t bits) { return bits == 4 ? 8 : NR; }  // one step of k of a panel
+
+// Panels are stored by groups of GROUP (the last group may be smaller, gs panels). A group's block b holds
+// the gs panels' scales, then for each step of k the gs panels' bytes of that step, so a 4-panel tile
+// reads its weights as one sequential stream. Where things are, for panel p (of `panels`) and block b:
+#define GROUP 4
+typedef struct {
+    const uint8_t *scales;  // this panel's scales in block b
+    const uint8_t *q;       // its bytes of step 0 in block b; step k at q + k * step_stride
+    int64_t step_stride, block_stride;  // from one step to the next; from block b to b + 1
+} place_t;
+
+static inline place_t place(const uint8_t *base, int64_t bits, int64_t panels, int64_t nb, int64_t p, int64_t b) {
+    const int64_t g0 = p / GROUP * GROUP, gs = panels - g0 < GROUP ? panels - g0 : GROUP, i = p - g0;
+    const int64_t bb = block_bytes(bits), sb = scale_bytes(bits);
+    const uint8_t *blk = base + (g0 * nb + b * gs) * bb;
+    place_t r = {blk + i * sb, blk + gs * sb + i * step_bytes(bits), gs * step_bytes(bits), gs * bb};
+    return r;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(PDSERVE_AVX512VL)
@@ -64,17 +84,17 @@ static inline __attribute__((always_inline)) scales_t load_scales(const int BITS
     return r;
 }
 
-// The 16 weights of step k (of a block with scales `sc`, bytes at `q`) as two float32 vectors.
-static inline __attribute__((always_inline)) void widen(const int BITS, const scales_t sc, const uint8_t *q, int k,
+// The 16 weights of one step (of a block with scales `sc`; the step's bytes at `q`) as two float32 vectors.
+static inline __attribute__((always_inline)) void widen(const int BITS, const scales_t sc, const uint8_t *q,
                                                         __m256 *w0, __m256 *w1) {
     if (BITS == 4) {
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k)));
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
         const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
         const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
         *w0 = _mm256_fmadd_ps(lo, sc.d0, sc.m0);  // d * q exact: one rounding
         *w1 = _mm256_fmadd_ps(hi, sc.d1, sc.m1);
     } else {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * k));
+        const __m128i v = _mm_loadu_si128((const __m128i *)q);
         *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), sc.d0);
         *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))), sc.d1);
     }
@@ -88,15 +108,17 @@ static inline __attribute__((always_inline)) void widen(const int BITS, const sc
 // IEEE arithmetic (no fast-math here), as the reference in tests/unit/test_weight_blocks.py computes it.
 __attribute__((optimize("no-fast-math"))) void pack_weight_blocks(int64_t bits, const float *weight, int64_t out,
                                                                  int64_t K, uint8_t *dst) {
-    const int64_t nb = K / BLOCK, panels = (out + NR - 1) / NR, bb = block_bytes(bits);
+    const int64_t nb = K / BLOCK, panels = (out + NR - 1) / NR;
     const int64_t scales = scale_bytes(bits);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *blk = dst + (p * nb + b) * bb;
-            _Float16 *d = (_Float16 *)blk, *m = d + NR;
-            uint8_t *q = blk + scales;
-            memset(blk, 0, bb);
+            const place_t at = place(dst, bits, panels, nb, p, b);
+            _Float16 *d = (_Float16 *)at.scales, *m = d + NR;
+            uint8_t *q = (uint8_t *)at.q;
+            memset((uint8_t *)at.scales, 0, scales);
+            for (int k = 0; k < BLOCK; k++)
+                memset(q + k * at.step_stride, 0, step_bytes(bits));
             for (int c = 0; c < NR && p * NR + c < out; c++) {
                 const float *v = weight + (p * NR + c) * K + b * BLOCK;
                 if (bits == 4) {
@@ -109,7 +131,7 @@ __attribute__((optimize("no-fast-math"))) void pack_weight_blocks(int64_t bits, 
                     for (int k = 0; k < BLOCK; k++) {
                         float t = nearbyintf((v[k] - lo) / safe);
                         t = t < 0 ? 0 : t > 15 ? 15 : t;
-                        q[k * 8 + (c & 7)] |= (uint8_t)((int)t << (c < 8 ? 0 : 4));
+                        q[k * at.step_stride + (c & 7)] |= (uint8_t)((int)t << (c < 8 ? 0 : 4));
                     }
                     d[c] = (_Float16)dd;
                     m[c] = (_Float16)lo;  // exact for a checkpoint's m; else block_panels_equal refuses it
@@ -121,7 +143,7 @@ __attribute__((optimize("no-fast-math"))) void pack_weight_blocks(int64_t bits, 
                     for (int k = 0; k < BLOCK; k++) {
                         float t = nearbyintf(v[k] / safe);
                         t = t < -127 ? -127 : t > 127 ? 127 : t;
-                        ((int8_t *)q)[k * NR + c] = (int8_t)t;
+                        ((int8_t *)q)[k * at.step_stride + c] = (int8_t)t;
                     }
                     d[c] = (_Float16)dd;
                 }
@@ -133,20 +155,20 @@ __attribute__((optimize("no-fast-math"))) void pack_weight_blocks(int64_t bits, 
 // 1 when the blocks at src widen to exactly the float32 panels at `want` (`panels` panels over K), bit for
 // bit, else 0: each block widened in registers as the tiles widen it, and compared, without writing it.
 int block_panels_equal(int64_t bits, const uint8_t *src, int64_t panels, int64_t K, const float *want) {
-    const int64_t scales = scale_bytes(bits), n = panels * (K / BLOCK), bb = block_bytes(bits);
+    const int64_t nb = K / BLOCK, n = panels * nb;
     int equal = 1;
 #pragma omp parallel for schedule(static) reduction(&& : equal)
-    for (int64_t b = 0; b < n; b++) {
-        const uint8_t *blk = src + b * bb;
+    for (int64_t b = 0; b < n; b++) {  // the b-th block in panel order
+        const place_t at = place(src, bits, panels, nb, b / nb, b % nb);
         const float *w = want + b * BLOCK * NR;
         __m256i diff = _mm256_setzero_si256();
-        const scales_t sc = bits == 4 ? load_scales(4, blk) : load_scales(8, blk);
+        const scales_t sc = bits == 4 ? load_scales(4, at.scales) : load_scales(8, at.scales);
         for (int k = 0; k < BLOCK; k++, w += NR) {
             __m256 w0, w1;
             if (bits == 4)
-                widen(4, sc, blk + scales, k, &w0, &w1);
+                widen(4, sc, at.q + k * at.step_stride, &w0, &w1);
             else
-                widen(8, sc, blk + scales, k, &w0, &w1);
+                widen(8, sc, at.q + k * at.step_stride, &w0, &w1);
             diff = _mm256_or_si256(diff, _mm256_xor_si256(_mm256_castps_si256(w0), _mm256_loadu_si256((const __m256i *)w)));
             diff = _mm256_or_si256(diff, _mm256_xor_si256(_mm256_castps_si256(w1), _mm256_loadu_si256((const __m256i *)(w + 8))));
         }
@@ -155,7 +177,7 @@ int block_panels_equal(int64_t bits, const uint8_t *src, int64_t panels, int64_t
     return equal;
 }
 
-// MR rows (x: k-major, [K][MR]) by NP panels (each `panel_bytes` after the last) over the whole K; `nv` of
+// MR rows (x: k-major, [K][MR]) by NP panels of one group (the first at `at`) over the whole K; `nv` of
 // the NP * 16 columns are stored, at y (rows ldy apart). Named accumulators (c<row><panel><half>), as in
 // gemm.c: an array of them was kept in memory. For each step, each panel's weights are widened, then used
 // by every row: with MR * NP <= 4 that is at most 8 accumulators, 2 weight vectors and the widening's
@@ -175,11 +197,11 @@ int block_panels_equal(int64_t bits, const uint8_t *src, int64_t panels, int64_t
         c##i##p##a = _mm256_fmadd_ps(a, w##p##a, c##i##p##a);                          \
         c##i##p##b = _mm256_fmadd_ps(a, w##p##b, c##i##p##b);                          \
     }
-#define SCALES(p) const scales_t s##p = load_scales(NP > p ? BITS : 0, blk + (NP > p ? p : 0) * panel_bytes);
+#define SCALES(p) const scales_t s##p = load_scales(NP > p ? BITS : 0, blk + (NP > p ? p : 0) * scales);
 #define PANEL_STEP(p)                                                                  \
     if (NP > p) {                                                                      \
         __m256 w##p##a, w##p##b;                                                       \
-        widen(BITS, s##p, blk + p * panel_bytes + scales, k, &w##p##a, &w##p##b);      \
+        widen(BITS, s##p, qk + p * step, &w##p##a, &w##p##b);                          \
         FMA(0, p) FMA(1, p) FMA(2, p) FMA(3, p) FMA(4, p)                                      \
     }
 #define STORE(i, p)                                                                              \
@@ -193,17 +215,19 @@ static inline __m256i mask(int n) {
 }
 
 static inline __attribute__((always_inline)) void tile(const int MR, const int NP, const int BITS, int64_t K,
-                                                       const float *x, const uint8_t *w, int64_t panel_bytes,
+                                                       const float *x, const place_t at,
                                                        const float *bias, float *y, int64_t ldy, int nv) {
-    const int64_t scales = scale_bytes(BITS), bb = block_bytes(BITS);
+    const int64_t scales = scale_bytes(BITS), step = step_bytes(BITS);
     BIAS(0) BIAS(1) BIAS(2) BIAS(3)
     EACH(DECLARE)
     for (int64_t b = 0; b < K / BLOCK; b++) {
-        const uint8_t *blk = w + b * bb;
+        const uint8_t *blk = at.scales + b * at.block_stride;  // the tile's panels are one group's, in order
+        const uint8_t *qb = at.q + b * at.block_stride;
         const float *xb = x + b * BLOCK * MR;
         SCALES(0) SCALES(1) SCALES(2) SCALES(3)
 #pragma GCC unroll 2
         for (int k = 0; k < BLOCK; k++) {
+            const uint8_t *qk = qb + k * at.step_stride;
             PANEL_STEP(0) PANEL_STEP(1) PANEL_STEP(2) PANEL_STEP(3)
         }
     }
@@ -220,12 +244,12 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int N
     else if (mr == 2) tile(2, 1, BITS, __VA_ARGS__);                                                \
     else tile(1, 1, BITS, __VA_ARGS__);
 
-static void tile_rows(int mr, int np, int bits, int64_t K, const float *x, const uint8_t *w, int64_t panel_bytes,
-                      const float *bias, float *y, int64_t ldy, int nv) {
+static void tile_rows(int mr, int np, int bits, int64_t K, const float *x, const place_t at, const float *bias,
+                      float *y, int64_t ldy, int nv) {
     if (bits == 4) {
-        TILES(4, K, x, w, panel_bytes, bias, y, ldy, nv)
+        TILES(4, K, x, at, bias, y, ldy, nv)
     } else {
-        TILES(8, K, x, w, panel_bytes, bias, y, ldy, nv)
+        TILES(8, K, x, at, bias, y, ldy, nv)
     }
 }
 
@@ -246,7 +270,7 @@ int packed_gemm_blocks(const float *x, int64_t ldx, const uint8_t *wb, int64_t b
         return -2;
     if (M <= 0 || N <= 0)
         return 0;
-    const int64_t panels = (N + NR - 1) / NR, panel_bytes = block_panel_bytes(bits, K);
+    const int64_t panels = (N + NR - 1) / NR, nb = K / BLOCK;
     const int np_max = M == 1 ? 4 : M == 2 ? 2 : 1;  // panels per tile: 8 accumulators
     const int64_t units = (panels + np_max - 1) / np_max, blocks = gemm_row_blocks(M, MR_MAX);
     const float *xp = gemm_pack_rows(x, ldx, M, K, MR_MAX);
@@ -262,9 +286,8 @@ int packed_gemm_blocks(const float *x, int64_t ldx, const uint8_t *wb, int64_t b
             const int mr = (int)(gemm_block_start(M, j + 1, MR_MAX) - m);
             // a last unit of fewer panels runs them one at a time
             for (int64_t e = 0; e < (np == np_max ? 1 : np); e++)
-                tile_rows(mr, np == np_max ? np : 1, (int)bits, K, xp + m * K, wb + (p + e) * panel_bytes,
-                          panel_bytes, bias ? bias + (p + e) * NR : 0, y + m * ldy + (p + e) * NR, ldy,
-                          nv - (int)e * NR);
+                tile_rows(mr, np == np_max ? np : 1, (int)bits, K, xp + m * K, place(wb, bits, panels, nb, p + e, 0),
+                          bias ? bias + (p + e) * NR : 0, y + m * ldy + (p + e) * NR, ldy, nv - (int)e * NR);
         }
     }
     return 0;

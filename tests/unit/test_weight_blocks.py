@@ -61,7 +61,8 @@ def test_block_gemm_refuses_what_it_cannot_read():
 
 def reference_blocks(weight: torch.Tensor, bits: int) -> torch.Tensor:
     """`pack_weight_blocks` written with torch ops, as weight_blocks.py computed it before the C pass: the
-    split into (q, d, m) of each row's blocks of 32, then `gemm_blocks.c`'s layout of 16-row panels."""
+    split into (q, d, m) of each row's blocks of 32, then `gemm_blocks.c`'s layout of 16-row panels in
+    groups of 4."""
     out, inp = weight.shape
     v = weight.view(out, inp // 32, 32)
     if bits == 4:
@@ -87,11 +88,19 @@ def reference_blocks(weight: torch.Tensor, bits: int) -> torch.Tensor:
 
     qk = q.view(panels, 16, nb, 32).permute(0, 2, 3, 1)  # [panels, nb, k, column]
     if bits == 4:
-        parts = [per_block(d), per_block(m),
-                 (qk[..., :8] | (qk[..., 8:] << 4)).to(torch.uint8).reshape(panels, nb, 256)]
+        scales = torch.cat([per_block(d), per_block(m)], dim=2)
+        steps = (qk[..., :8] | (qk[..., 8:] << 4)).to(torch.uint8)  # [panels, nb, k, 8]
     else:
-        parts = [per_block(d), qk.to(torch.int8).reshape(panels, nb, 512).view(torch.uint8)]
-    return torch.cat(parts, dim=2).reshape(-1)
+        scales = per_block(d)
+        steps = qk.to(torch.int8).contiguous().view(torch.uint8)  # [panels, nb, k, 16]
+    # by groups of 4 panels (the last may be smaller): per block, the group's scales, then per step of k
+    # the group's bytes of that step
+    groups = []
+    for g in range(0, panels, 4):
+        s, t = scales[g:g + 4], steps[g:g + 4]
+        groups.append(torch.cat([s.transpose(0, 1).reshape(nb, -1), t.permute(1, 2, 0, 3).reshape(nb, -1)],
+                                dim=1).reshape(-1))
+    return torch.cat(groups)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
