@@ -29,7 +29,7 @@ SAMPLE_ROWS = 16  # rows tried first, so a weight of another kind is turned down
 @dataclass(frozen=True)
 class WeightBlocks:
     bits: int  # 4 or 8
-    packed: torch.Tensor  # uint8, `weight_blocks.c`'s layout
+    packed: torch.Tensor  # uint8, `gemm_blocks.c`'s layout
 
 
 def enabled() -> bool:
