@@ -69,11 +69,12 @@ def test_an_oversized_frame_ends_only_its_connection():
         async def go():
             first = await asyncio.wait_for(listener.recv(), 20)
             await asyncio.sleep(0.2)  # the bad connection's bytes have been read by now
-            return first
+            assert bad.recv(1) == b""  # the listener closed the bad connection ...
+            good.send(b"after it")  # ... and still reads the good one
+            return first, await asyncio.wait_for(listener.recv(), 20)
 
-        assert asyncio.run(go()) == b"still here"
         bad.settimeout(5)
-        assert bad.recv(1) == b""  # the listener closed the bad connection
+        assert asyncio.run(go()) == (b"still here", b"after it")
         bad.close()
         good.close()
         listener.close()
