@@ -26,6 +26,7 @@ import pytest
 
 from tests.harness.backends import backend_params
 from tests.harness.client import free_port, http_get, http_post, stream
+from tests.harness.hooks import HOOKS
 from tests.harness.pd import (
     assert_restored,
     colocated_tokens,
@@ -60,8 +61,15 @@ def backend(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def pair(backend, pd_model_dir, module_launcher):
-    p = module_launcher.pair(pd_model_dir, backend, **SETUPS[backend])
+def control_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("node-hooks")
+
+
+@pytest.fixture(scope="module")
+def pair(backend, pd_model_dir, module_launcher, control_dir):
+    # the test-only hooks let a test slow the nodes' forwards (tests/pd/node_hooks)
+    env = {"PYTHONPATH": HOOKS, "PDSERVE_TEST_HOOKS_DIR": str(control_dir)}
+    p = module_launcher.pair(pd_model_dir, backend, env=env, **SETUPS[backend])
     yield p
     p.stop()  # now, not at the end of the module: one backend's pair at a time
 
@@ -270,9 +278,10 @@ def test_abort_on_decode_in_transfer_then_prefill_fails_fast(pair, restored):
     assert "aborted by the decode side" in json.loads(raw)["error"]["message"]
 
 
-def test_abort_on_decode_while_running(pair, restored):
-    """The abort goes out at the decode's first streamed token: the tiny model decodes 200 tokens in well
-    under a second, faster than polling for the running stage and then aborting can be sure to catch."""
+def test_abort_on_decode_while_running(pair, control_dir, restored):
+    """The abort goes out at the decode's first streamed token. The nodes' forwards are slowed to 20 ms
+    each meanwhile (the `slow_forward` hook), so the 200 tokens take at least 4 s: however fast the host
+    decodes the tiny model, the request is still running when the abort lands."""
     body = pair.body({"input_ids": list(range(300, 330)), "rid": "ab-run",
                       "sampling_params": {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}})
 
@@ -280,10 +289,16 @@ def test_abort_on_decode_while_running(pair, restored):
         if i == 1:
             _abort(pair.decode, "ab-run")
 
-    with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        fp = _post_async(ex, pair.prefill.url, body)
-        res = stream(pair.decode.url + "/generate", {**body, "stream": True}, timeout=60, on_event=abort_once)
-        ps, _ = fp.result()
+    slow = control_dir / "slow_forward"
+    slow.write_text("0.02")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            fp = _post_async(ex, pair.prefill.url, body)
+            res = stream(pair.decode.url + "/generate", {**body, "stream": True}, timeout=60,
+                         on_event=abort_once)
+            ps, _ = fp.result()
+    finally:
+        slow.unlink(missing_ok=True)
     assert ps == 200
     assert res.status == 200 and res.events, res.error
     meta = res.events[-1]["meta_info"]
