@@ -226,17 +226,16 @@ class TorchAttentionBackend(AttentionBackend):
         d = self.head_dim
         if it.kv_index is None:
             ki, vi = k[it.start:it.start + it.n], v[it.start:it.start + it.n]
-            if ki.stride(2) != 1 or vi.stride(2) != 1 or ki.stride() != vi.stride() \
+            if ki.stride(2) != 1 or vi.stride(2) != 1 or ki.stride(1) != vi.stride(1) \
                     or ki.dtype != torch.float32:
                 ki, vi = ki.to(torch.float32).contiguous(), vi.to(torch.float32).contiguous()
-            kv_tok, kv_head = ki.stride(0), ki.stride(1)
+            k_tok, v_tok, kv_head = ki.stride(0), vi.stride(0), ki.stride(1)
         else:
             ki, vi = (t.to(torch.float32) for t in pool.gather_kv(layer_id, it.kv_index))
-            kv_tok, kv_head = d, (it.prefix + it.n) * d
+            k_tok, v_tok, kv_head = d, d, (it.prefix + it.n) * d
         qi, oi = q[it.start:], out[it.start:]
-        rc = self.native_prefill(qi.data_ptr(), q.stride(0), ki.data_ptr(),
-                                 vi.data_ptr(), kv_tok, kv_head, it.n,
-                                 it.prefix, self.num_heads, self.group, d, self.scaling,
+        rc = self.native_prefill(qi.data_ptr(), q.stride(0), ki.data_ptr(), k_tok, vi.data_ptr(), v_tok,
+                                 kv_head, it.n, it.prefix, self.num_heads, self.group, d, self.scaling,
                                  oi.data_ptr(), out.stride(0))
         if rc != 0:
             raise MemoryError(f"native prefill attention: no memory for {it.prefix + it.n} keys")

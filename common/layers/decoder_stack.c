@@ -1,9 +1,11 @@
-// A decode step through every layer of a Llama-family decoder in one call (CPU, float32). Built and
-// loaded by common/layers/native.py; common/models/llama.py calls it for decode batches that qualify
-// (one TP rank, no q/k norm, panel-packed weights, the native attention path) and runs its layer
-// modules otherwise. It chains the same kernels those modules call, in the same order, so the two
-// paths give identical results; what it saves is the Python between the kernels (~10 small calls and
-// ~40 tensor operations per layer: several milliseconds per step at decode batch sizes).
+// A forward through every layer of a Llama-family decoder in one call (CPU, float32): a decode step, or
+// an extend (prefill) batch whose requests have no cached prefix. Built and loaded by
+// common/layers/native.py; common/models/llama.py calls it for the batches that qualify (one TP rank, no
+// q/k norm, panel-packed weights, the native attention path) and runs its layer modules otherwise. It
+// chains the same kernels those modules call, in the same order, so the two paths give identical
+// results; what it saves is the Python between the kernels (~10 small calls and ~40 tensor operations
+// per layer: several milliseconds per decode step; in a prefill, the time the second thread waits while
+// the first runs that Python).
 #include <stdint.h>
 #include <string.h>
 
@@ -25,6 +27,11 @@ int paged_decode_attention(const float *q, int64_t q_stride, float *pool, const 
                            float scale, float *out, const float *k_new, int64_t k_stride, const float *v_new,
                            int64_t v_stride, const int64_t *write_rows);
 void silu_and_mul(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t n);
+void kv_store(float *pool, const int64_t *rows, int64_t T, int64_t H, int64_t D, int64_t k_off, int64_t v_off,
+              const float *k, int64_t k_stride, const float *v, int64_t v_stride);
+int prefill_attention(const float *q, int64_t q_stride, const float *k, int64_t k_tok, const float *v,
+                      int64_t v_tok, int64_t kv_head, int64_t n, int64_t prefix, int64_t H, int64_t G, int64_t D,
+                      float scale, float *out, int64_t o_stride);
 
 // One layer's weights (panel-packed projections; biases and the KV offset may be 0 / NULL). A projection
 // with a scale is int8: with int8 activations too when `int8_activations` (`packed_gemm_w8a8`), else
@@ -59,25 +66,55 @@ static int gemm(const DecoderLayer *L, const float *x, int64_t ldx, const void *
     return rc ? -2 : 0;
 }
 
-// The shapes every layer shares, and this step's batch.
+// The shapes every layer shares, and this forward's batch.
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;
-    int64_t tokens;  // T: one new token per request
+    int64_t tokens;  // T: one new token per request in decode, every request's new tokens in an extend
     const float *cos, *sin;  // [T, head_dim / 2]
     float *pool;  // the KV pool's flat [rows, head_dim] view
-    const int64_t *rows, *lens, *write_rows;  // attention metadata (common/layers/attention.py)
+    // attention metadata (common/layers/attention.py): write_rows [T * kv_heads]; rows, lens and max_len
+    // for decode
+    const int64_t *rows, *lens, *write_rows;
     int64_t max_len, v_offset;
     // scratch, each at least: qkv T*(H+2K)*D, qk T*(H+K)*D, attn T*H*D, x T*hidden, gate_up T*2*inter,
     // act T*inter
     float *qkv, *qk, *attn, *x, *gate_up, *act;
+    // extend: `seqs` requests, request i's new tokens at rows seq_starts[i].. seq_starts[i] + seq_lens[i] - 1
+    // (0 for decode)
+    int64_t seqs;
+    const int64_t *seq_starts, *seq_lens;
+    // the rows that go on past the last layer's attention (strictly ascending), or NULL for all: the rows
+    // whose logits are wanted, when no other row's hidden state is
+    const int64_t *keep;
+    int64_t n_keep;
 } DecodeStep;
 
+// An extend's attention: the new tokens' K and V into the pool, then each request's causal attention over
+// its own new tokens, K and V read in place from the projection's output (no request has a prefix).
+static int extend_attention(const DecodeStep *s, const DecoderLayer *L, int64_t T) {
+    const int64_t D = s->head_dim, H = s->heads, K = s->kv_heads;
+    const int64_t q_size = H * D, qk_w = q_size + K * D, qkv_w = qk_w + K * D;
+    kv_store(s->pool, s->write_rows, T, K, D, L->kv_offset, s->v_offset, s->qk + q_size, qk_w, s->qkv + qk_w,
+             qkv_w);
+    for (int64_t i = 0; i < s->seqs; i++) {
+        const int64_t at = s->seq_starts[i];
+        const float *q = s->qk + at * qk_w;
+        const int rc = prefill_attention(q, qk_w, q + q_size, qk_w, s->qkv + at * qkv_w + qk_w, qkv_w, D,
+                                         s->seq_lens[i], 0, H, H / K, D, s->scale, s->attn + at * q_size, q_size);
+        if (rc != 0)
+            return rc;
+    }
+    return 0;
+}
+
 // h [T, hidden]: the embeddings in, the last layer's MLP output out. residual [T, hidden]: out only (the
-// running sum before the last layer's MLP), as the modules leave them for the final norm.
+// running sum before the last layer's MLP), as the modules leave them for the final norm. With `keep`,
+// only its rows come out, in its order, in the first n_keep rows of both.
 // Returns 0, the attention kernel's error, or -2 (no memory for a matmul's activations).
 int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep *s, float *h, float *residual) {
-    const int64_t T = s->tokens, E = s->hidden, D = s->head_dim, H = s->heads, K = s->kv_heads;
+    const int64_t E = s->hidden, D = s->head_dim, H = s->heads, K = s->kv_heads;
+    int64_t T = s->tokens;
     const int64_t q_size = H * D, kv_size = K * D, qkv_w = q_size + 2 * kv_size, qk_w = q_size + kv_size;
     for (int64_t l = 0; l < n_layers; l++) {
         const DecoderLayer *L = layers + l;
@@ -90,12 +127,22 @@ int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep
         int rc = gemm(L, s->x, E, WEIGHTS(L, qkv), s->qkv, qkv_w, T, qkv_w, E);
         if (rc != 0) return rc;
         rotary_apply(s->qkv, qkv_w, s->cos, s->sin, s->qk, T, H + K, D);
-        rc = paged_decode_attention(s->qk, qk_w, s->pool, s->rows, s->lens, T, K, H / K, D, s->max_len, L->kv_offset,
-                                    s->v_offset, s->scale, s->attn, s->qk + q_size, qk_w, s->qkv + qk_w, qkv_w,
-                                    s->write_rows);
+        if (s->seqs)
+            rc = extend_attention(s, L, T);
+        else
+            rc = paged_decode_attention(s->qk, qk_w, s->pool, s->rows, s->lens, T, K, H / K, D, s->max_len,
+                                        L->kv_offset, s->v_offset, s->scale, s->attn, s->qk + q_size, qk_w,
+                                        s->qkv + qk_w, qkv_w, s->write_rows);
         if (rc != 0) return rc;
         rc = gemm(L, s->attn, q_size, WEIGHTS(L, o), h, E, T, E, q_size);
         if (rc != 0) return rc;
+        if (s->keep && l == n_layers - 1) {  // ascending: row i moves down to i, never over a row still to move
+            for (int64_t i = 0; i < s->n_keep; i++) {
+                memmove(h + i * E, h + s->keep[i] * E, sizeof(float) * (size_t)E);
+                memmove(residual + i * E, residual + s->keep[i] * E, sizeof(float) * (size_t)E);
+            }
+            T = s->n_keep;
+        }
         add_rms_norm(h, E, residual, E, residual, L->post_norm, s->x, T, E, s->eps);
         rc = gemm(L, s->x, E, WEIGHTS(L, gate_up), s->gate_up, 2 * s->inter, T,
                   2 * s->inter, E);

@@ -146,7 +146,7 @@ _SIGNATURES = {
     "silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64], None),
     "argmax_rows": ([_PTR, _I64, _I64, _I64, _PTR], None),
     "decoder_stack": ([_PTR, _I64, _PTR, _PTR, _PTR], ctypes.c_int),
-    "prefill_attention": ([_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
+    "prefill_attention": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
                            _I64, _F32, _PTR, _I64],
                           ctypes.c_int),
     "prefill_attention_block": ([], ctypes.c_int),

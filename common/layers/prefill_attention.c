@@ -106,12 +106,13 @@ static float exp_row(float *x, int64_t len) {
     return exp_shifted_sum(x, len, mx);
 }
 
-// q: row i of the chunk at q + i * q_stride, head h at + h * D. k, v: token j of kv head g at
-// + j * kv_tok + g * kv_head (tokens 0..prefix + n - 1: the prefix's, then the chunk's). out: like q.
+// q: row i of the chunk at q + i * q_stride, head h at + h * D. k: token j of kv head g at + j * k_tok +
+// g * kv_head, v at + j * v_tok + g * kv_head (tokens 0..prefix + n - 1: the prefix's, then the chunk's;
+// two strides, so K and V can be read in place from one projection's output). out: like q.
 // H query heads, G of them per kv head; D a multiple of KB. Returns 0, -1 on a bad dimension or no memory.
-int prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_tok,
-                      int64_t kv_head, int64_t n, int64_t prefix, int64_t H, int64_t G, int64_t D, float scale,
-                      float *out, int64_t o_stride) {
+int prefill_attention(const float *q, int64_t q_stride, const float *k, int64_t k_tok, const float *v,
+                      int64_t v_tok, int64_t kv_head, int64_t n, int64_t prefix, int64_t H, int64_t G, int64_t D,
+                      float scale, float *out, int64_t o_stride) {
     if (n <= 0)
         return 0;
     if (D <= 0 || D % KB || G <= 0 || H % G || prefix < 0)
@@ -130,7 +131,7 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k, const fl
             float *row = kt + gd * LP;
             const float *src = k + g * kv_head + d;
             for (int64_t j = 0; j < L; j++)
-                row[j] = src[j * kv_tok];
+                row[j] = src[j * k_tok];
             for (int64_t j = L; j < LP; j++)
                 row[j] = 0.0f;
         }
@@ -164,7 +165,7 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k, const fl
             pack_k_major(s, LP, r, keys, pt);
             const float *vg = v + h / G * kv_head;
             for (int64_t c = 0; c < D; c += KB)
-                tile_rows(r, keys, pt, vg + c, kv_tok, o + c, D);
+                tile_rows(r, keys, pt, vg + c, v_tok, o + c, D);
             for (int i = 0; i < r; i++) {
                 float *dst = out + (i0 + i) * o_stride + h * D;
                 const float inv = 1.0f / sums[i];
@@ -179,9 +180,9 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k, const fl
 #else
 int prefill_attention_block(void) { return 0; }
 
-int prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_tok,
-                      int64_t kv_head, int64_t n, int64_t prefix, int64_t H, int64_t G, int64_t D, float scale,
-                      float *out, int64_t o_stride) {
+int prefill_attention(const float *q, int64_t q_stride, const float *k, int64_t k_tok, const float *v,
+                      int64_t v_tok, int64_t kv_head, int64_t n, int64_t prefix, int64_t H, int64_t G, int64_t D,
+                      float scale, float *out, int64_t o_stride) {
     return -1;
 }
 #endif

@@ -1,5 +1,6 @@
-"""Decode steps through the native decoder stack (common/models/decoder_stack.py) against the layer
-modules, on tiny models: same logits, and the stack really ran; models it must not take."""
+"""Forwards through the native decoder stack (common/models/decoder_stack.py) against the layer modules,
+on tiny models: extends and decode steps give the same logits, and the stack really ran; batches and
+models it must not take."""
 
 from __future__ import annotations
 
@@ -15,16 +16,22 @@ from tests.model_harness import (
 )
 
 
-def decode_logits(model, cfg, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
-    """Prefill each prompt, then `steps` decode steps of the whole batch (uneven lengths)."""
+def forward_logits(model, cfg, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """One extend of the first two prompts together (the last rows' logits), one of the third with every
+    row's logits, `steps` decode steps of the whole batch (uneven lengths), then an extend of two more
+    tokens per request after its cached ones (a prefix: the modules' path)."""
     h = Harness.for_model(cfg, page_size=4, scramble_seed=5)
     rows = [h.new_req() for _ in prompts]
-    for row, p in zip(rows, prompts, strict=True):
-        model(h.extend_batch([(row, p)]))
-    out = []
+    out = [model(h.extend_batch([(rows[0], prompts[0]), (rows[1], prompts[1])])),
+           model(h.extend_batch([(rows[2], prompts[2])], all_logits=True))]
     for s in range(steps):
         out.append(model(h.decode_batch([(row, 3 + s + i) for i, row in enumerate(rows)])))
+    out.append(model(h.extend_batch([(row, [7 + i, 8]) for i, row in enumerate(rows)])))
     return out
+
+
+# head size 32: a whole block of the native prefill attention (32 floats with AVX-512, 16 with AVX2)
+WIDE = {"hidden_size": 128, "head_dim": 32}
 
 
 @pytest.mark.parametrize("arch,overrides,quantization", [
@@ -36,26 +43,29 @@ def decode_logits(model, cfg, prompts: list[list[int]], steps: int) -> list[torc
     ("llama", {"mlp_bias": True}, "w8a8_int8"),  # int8 activations too
 ])
 def test_stack_matches_the_layer_modules(make_tiny_model, arch, overrides, quantization):
-    model, cfg = load_model(make_tiny_model(arch, **overrides), quantization=quantization)
+    model, cfg = load_model(make_tiny_model(arch, **WIDE, **overrides), quantization=quantization)
     prompts = [list(range(5, 5 + n)) for n in (3, 9, 17)]
     calls = []
     kernel = native.decoder_stack()
     assert kernel is not None
+    if model.attn_backend.native_prefill is None:
+        pytest.skip("no native prefill attention for this head size")
 
     def counting(*args):
         calls.append(1)
         return kernel(*args)
 
     stack = DecoderStack.for_model(model)
-    assert stack is not None
+    assert stack is not None and stack.extends
     stack.kernel = counting
     model.decoder_stack = stack
-    fused = decode_logits(model, cfg, prompts, steps=4)
-    assert len(calls) == 4  # every decode step, and no extend
+    fused = forward_logits(model, cfg, prompts, steps=4)
+    assert len(calls) == 2 + 4  # both extends without a prefix and every decode step, not the last extend
     model.decoder_stack = None  # the layer modules
-    modules = decode_logits(model, cfg, prompts, steps=4)
-    for a, b in zip(fused, modules, strict=True):
-        assert a.shape == (3, cfg.vocab_size)
+    modules = forward_logits(model, cfg, prompts, steps=4)
+    shapes = [(2, cfg.vocab_size), (17, cfg.vocab_size)] + [(3, cfg.vocab_size)] * 5
+    for a, b, shape in zip(fused, modules, shapes, strict=True):
+        assert a.shape == shape
         assert torch.equal(a, b)  # the same kernels in the same order
 
 

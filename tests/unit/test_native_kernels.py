@@ -360,9 +360,11 @@ def test_prefill_attention_matches_float64(n, prefix):
     heads, group, d = 9, 3, 64
     g = torch.Generator().manual_seed(n + prefix)
     q = torch.randn(n, heads * d + 5, generator=g)[:, :heads * d]
-    k, v = (torch.randn(prefix + n, heads // group, d, generator=g) for _ in range(2))
+    # K and V with token strides of their own (views into wider rows, as a projection's output is read)
+    k = torch.randn(prefix + n, heads // group + 1, d, generator=g)[:, 1:]
+    v = torch.randn(prefix + n, heads // group + 2, d, generator=g)[:, :heads // group]
     out = torch.empty(n, heads * d)
-    assert fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), d, n,
+    assert fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), d, n,
               prefix, heads, group, d, d ** -0.5, out.data_ptr(), out.stride(0)) == 0
     kk, vv = (t.double().repeat_interleave(group, 1) for t in (k, v))
     scores = torch.einsum("nhd,shd->hns", q.double().view(n, heads, d), kk) * d ** -0.5
