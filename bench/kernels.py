@@ -111,9 +111,16 @@ def _alternate(calls: int, fns: list) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
+# a build before K and V had token strides of their own took one for both
+_ONE_KV_STRIDE = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 7 \
+    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64]
+
+
 def _attention_call(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
     rows, d = q.shape[0], HEAD_DIM
-    if fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), d, rows, 0, HEADS,
+    strides = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0)) if fn.kv_strides \
+        else (k.data_ptr(), v.data_ptr(), k.stride(0))
+    if fn(q.data_ptr(), q.stride(0), *strides, d, rows, 0, HEADS,
           HEADS // KV_HEADS, d, d ** -0.5, out.data_ptr(), out.stride(0)):
         raise MemoryError("prefill attention: no memory")
 
@@ -121,8 +128,10 @@ def _attention_call(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
 def _attention(libs: list[ctypes.CDLL], rows: int, calls: int) -> tuple[list[float], bool]:
     """Medians of ours, the baseline's and torch's causal attention over `rows` new tokens (no prefix)."""
     fns = [lib.prefill_attention for lib in libs]
-    for fn in fns:
-        fn.argtypes, fn.restype = native._SIGNATURES["prefill_attention"]
+    for lib, fn in zip(libs, fns, strict=True):
+        fn.kv_strides = hasattr(lib, "prefill_attention_kv_strides")
+        fn.argtypes = native._SIGNATURES["prefill_attention"][0] if fn.kv_strides else _ONE_KV_STRIDE
+        fn.restype = ctypes.c_int
     h, d = HEADS, HEAD_DIM
     # views into one q/k/v projection's output, as the model passes them (a token's row 960 floats long)
     qkv = torch.randn(rows, (h + 2 * KV_HEADS) * d)

@@ -24,6 +24,9 @@
 
 void *gemm_scratch(int slot, size_t bytes);  // gemm.c
 
+// K and V take token strides of their own (`pdserve bench kernels` asks, to call an older build the old way).
+int prefill_attention_kv_strides(void) { return 1; }
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include "vec_math.h"
 
