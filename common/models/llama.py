@@ -156,7 +156,7 @@ _UNSET = object()
 
 
 class LlamaForCausalLM(nn.Module):
-    decoder_stack = _UNSET  # common/models/decoder_stack.py: decode steps in one native call
+    decoder_stack = _UNSET  # common/models/decoder_stack.py: decode steps and prefills in one native call
     make_mlp = staticmethod(dense_mlp)  # each layer's MLP (a sparse block in a mixture-of-experts model)
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
     stacked_params = (
