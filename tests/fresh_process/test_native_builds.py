@@ -64,7 +64,8 @@ def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
         ys = []
         for lib in (avx2, default):
             y = torch.empty(n, heads * d)
-            args = (q, ctypes.c_int64(heads * d), k, v, ctypes.c_int64(k.stride(0)), ctypes.c_int64(d),
+            args = (q, ctypes.c_int64(heads * d), k, ctypes.c_int64(k.stride(0)), v,
+                    ctypes.c_int64(v.stride(0)), ctypes.c_int64(d),
                     ctypes.c_int64(n), ctypes.c_int64(prefix), ctypes.c_int64(heads), ctypes.c_int64(group),
                     ctypes.c_int64(d), ctypes.c_float(d ** -0.5), y, ctypes.c_int64(heads * d))
             pointers = [ctypes.c_void_p(t.data_ptr()) if isinstance(t, torch.Tensor) else t for t in args]
