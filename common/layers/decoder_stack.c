@@ -84,8 +84,8 @@ typedef struct {
     // (0 for decode)
     int64_t seqs;
     const int64_t *seq_starts, *seq_lens;
-    // the rows that go on past the last layer's attention (strictly ascending), or NULL for all: the rows
-    // whose logits are wanted, when no other row's hidden state is
+    // the rows that go on past the last layer's attention (each < tokens, in any order), or NULL for all:
+    // the rows whose logits are wanted, when no other row's hidden state is
     const int64_t *keep;
     int64_t n_keep;
 } DecodeStep;
@@ -108,13 +108,27 @@ static int extend_attention(const DecodeStep *s, const DecoderLayer *L, int64_t 
     return 0;
 }
 
+// rows keep[0..n-1] of m [*, E] to its first n rows, in keep's order (any order, repeats too), through
+// scratch [n, E].
+static void keep_rows(float *m, const int64_t *keep, int64_t n, int64_t E, float *scratch) {
+    for (int64_t i = 0; i < n; i++)
+        memcpy(scratch + i * E, m + keep[i] * E, sizeof(float) * (size_t)E);
+    memcpy(m, scratch, sizeof(float) * (size_t)(n * E));
+}
+
 // h [T, hidden]: the embeddings in, the last layer's MLP output out. residual [T, hidden]: out only (the
 // running sum before the last layer's MLP), as the modules leave them for the final norm. With `keep`,
 // only its rows come out, in its order, in the first n_keep rows of both.
-// Returns 0, the attention kernel's error, or -2 (no memory for a matmul's activations).
+// Returns 0, the attention kernel's error, -2 (no memory for a matmul's activations) or -3 (a kept row out
+// of range).
 int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep *s, float *h, float *residual) {
     const int64_t E = s->hidden, D = s->head_dim, H = s->heads, K = s->kv_heads;
     int64_t T = s->tokens;
+    if (s->keep && s->n_keep > T)
+        return -3;
+    for (int64_t i = 0; s->keep && i < s->n_keep; i++)
+        if (s->keep[i] < 0 || s->keep[i] >= T)
+            return -3;
     const int64_t q_size = H * D, kv_size = K * D, qkv_w = q_size + 2 * kv_size, qk_w = q_size + kv_size;
     for (int64_t l = 0; l < n_layers; l++) {
         const DecoderLayer *L = layers + l;
@@ -136,11 +150,9 @@ int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep
         if (rc != 0) return rc;
         rc = gemm(L, s->attn, q_size, WEIGHTS(L, o), h, E, T, E, q_size);
         if (rc != 0) return rc;
-        if (s->keep && l == n_layers - 1) {  // ascending: row i moves down to i, never over a row still to move
-            for (int64_t i = 0; i < s->n_keep; i++) {
-                memmove(h + i * E, h + s->keep[i] * E, sizeof(float) * (size_t)E);
-                memmove(residual + i * E, residual + s->keep[i] * E, sizeof(float) * (size_t)E);
-            }
+        if (s->keep && l == n_layers - 1) {  // the kept rows to the front, through x (free until the norm)
+            keep_rows(h, s->keep, s->n_keep, E, s->x);
+            keep_rows(residual, s->keep, s->n_keep, E, s->x);
             T = s->n_keep;
         }
         add_rms_norm(h, E, residual, E, residual, L->post_norm, s->x, T, E, s->eps);

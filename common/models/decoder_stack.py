@@ -126,8 +126,8 @@ class DecoderStack:
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
             keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer over `h` (`[T, hidden]`, updated in place); returns `(h, residual)`. `keep`: the rows
-        that go on past the last layer's attention, in ascending order (an extend's; the results are then
-        those rows only)."""
+        that go on past the last layer's attention, in any order (an extend's; the results are then those
+        rows only, in that order)."""
         pool, md = fb.kv_pool, fb.attn_metadata
         if self._offsets_for is not pool:
             for i, layer_id in enumerate(self.layer_ids):

@@ -207,8 +207,6 @@ class LlamaForCausalLM(nn.Module):
             self.decoder_stack = DecoderStack.for_model(self)
         rows = self.rows_going_on(fb) if fb.mode == ForwardMode.EXTEND else None
         if self.decoder_stack is not None and self.decoder_stack.accepts(fb):
-            if rows is not None and rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):
-                rows = None  # the stack moves the rows it keeps down in place: ascending ones only
             h, residual = self.decoder_stack.run(h, cos, sin, fb, rows)
             return final_logits(self, h, residual, fb, rows_taken=rows is not None)
         residual = None
