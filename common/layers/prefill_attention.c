@@ -91,7 +91,8 @@ static void tile_rows(int r, int64_t K, const float *x, const float *w, int64_t 
 }
 
 // x[0..len) -> e^(x - max), in place; returns their sum. The maximum over four accumulators: one
-// alone is a chain of dependent max instructions.
+// alone is a chain of dependent max instructions. x has room to the next whole vector (the row is
+// KB-padded): the lanes past len are set to -inf, so their terms come out 0 and no lane is left to expf.
 static float exp_row(float *x, int64_t len) {
     __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
     int64_t j = 0;
@@ -106,7 +107,22 @@ static float exp_row(float *x, int64_t len) {
     float mx = hmax8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
     for (; j < len; j++)
         mx = x[j] > mx ? x[j] : mx;
-    return exp_shifted_sum(x, len, mx);
+    const int64_t whole = (len + VW - 1) / VW * VW;
+    for (j = len; j < whole; j++)
+        x[j] = -INFINITY;
+#if defined(__AVX512F__)
+    const __m512 mv = _mm512_set1_ps(mx), floor = _mm512_set1_ps(-87.0f);
+    __m512 vs = _mm512_setzero_ps();
+    for (j = 0; j < whole; j += 16) {
+        const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(x + j), mv);
+        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, floor, _CMP_GE_OQ), exp16(d));
+        _mm512_storeu_ps(x + j, e);
+        vs = _mm512_add_ps(vs, e);
+    }
+    return _mm512_reduce_add_ps(vs);
+#else
+    return exp_shifted_sum(x, whole, mx);
+#endif
 }
 
 // q: row i of the chunk at q + i * q_stride, head h at + h * D. k: token j of kv head g at + j * k_tok +
@@ -120,7 +136,7 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k, int64_t 
         return 0;
     if (D <= 0 || D % KB || G <= 0 || H % G || prefix < 0)
         return -1;
-    const int64_t L = prefix + n, LP = (L + KB - 1) / KB * KB, HKV = H / G;
+    const int64_t L = prefix + n, nb = (L + KB - 1) / KB, LP = nb * KB, HKV = H / G;
     const int64_t blocks = (n + MR - 1) / MR;
     float *kt = gemm_scratch(3, sizeof(float) * (size_t)(HKV * D * LP));
     if (!kt)
@@ -129,14 +145,17 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k, int64_t 
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t gd = 0; gd < HKV * D; gd++) {
-            const int64_t g = gd / D, d = gd % D;
-            float *row = kt + gd * LP;
-            const float *src = k + g * kv_head + d;
-            for (int64_t j = 0; j < L; j++)
-                row[j] = src[j * k_tok];
-            for (int64_t j = L; j < LP; j++)
-                row[j] = 0.0f;
+        for (int64_t gb = 0; gb < HKV * nb; gb++) {
+            const int64_t g = gb / nb, j0 = gb % nb * KB, keys = L - j0 < KB ? L - j0 : KB;
+            const float *src = k + g * kv_head + j0 * k_tok;
+            float *dst = kt + gb * D * KB;
+            if (keys == KB) {
+                pack_k_major(src, k_tok, KB, D, dst);
+                continue;
+            }
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t j = 0; j < KB; j++)
+                    dst[d * KB + j] = j < keys ? src[j * k_tok + d] : 0.0f;
         }
         // per thread, in one scratch buffer: Q rows d-major, S / P rows, P key-major, O rows
         float *qp = gemm_scratch(2, sizeof(float) * (size_t)(2 * D * MR + 2 * MR * LP));
@@ -156,9 +175,9 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k, int64_t 
             pack_k_major(qh + i0 * q_stride, q_stride, r, D, qp);
             for (int64_t e = 0; e < D * r; e++)  // scaled here, so the scores come out scaled
                 qp[e] *= scale;
-            const float *kg = kt + h / G * D * LP;
+            const float *kg = kt + h / G * nb * D * KB;
             for (int64_t j = 0; j < kp; j += KB)
-                tile_rows(r, D, qp, kg + j, LP, s + j, LP);
+                tile_rows(r, D, qp, kg + j * D, KB, s + j, LP);
             float sums[MR];
             for (int i = 0; i < r; i++) {
                 const int64_t seen = prefix + i0 + i + 1;  // the keys this row sees
