@@ -112,14 +112,16 @@ static float exp_row(float *x, int64_t len) {
         x[j] = -INFINITY;
 #if defined(__AVX512F__)
     const __m512 mv = _mm512_set1_ps(mx), floor = _mm512_set1_ps(-87.0f);
-    __m512 vs = _mm512_setzero_ps();
+    __m256 vs = _mm256_setzero_ps();  // summed by eights in order, as exp_shifted_sum does: AVX2's bits
     for (j = 0; j < whole; j += 16) {
         const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(x + j), mv);
         const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, floor, _CMP_GE_OQ), exp16(d));
         _mm512_storeu_ps(x + j, e);
-        vs = _mm512_add_ps(vs, e);
+        vs = _mm256_add_ps(vs, _mm512_castps512_ps256(e));
+        __asm__("" : "+x"(vs));  // no reassociation of the two adds (fast-math would allow it)
+        vs = _mm256_add_ps(vs, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
     }
-    return _mm512_reduce_add_ps(vs);
+    return hsum8(vs);
 #else
     return exp_shifted_sum(x, whole, mx);
 #endif
