@@ -72,3 +72,12 @@ def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
             assert lib.prefill_attention(*pointers) == 0
             ys.append(y)
         assert torch.equal(ys[0], ys[1]), (n, prefix, heads, group, d)
+    # SiLU-and-mul: sixteen lanes of exp16 with AVX-512, eight of exp8 with AVX2, one expf past them
+    gate_up = torch.randn(5, 2 * 1547, generator=g) * 6
+    ys = []
+    for lib in (avx2, default):
+        y = torch.empty(5, 1547)
+        lib.silu_and_mul(ctypes.c_void_p(gate_up.data_ptr()), ctypes.c_int64(2 * 1547),
+                         ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(5), ctypes.c_int64(1547))
+        ys.append(y)
+    assert torch.equal(ys[0], ys[1])
