@@ -108,6 +108,31 @@ static int extend_attention(const DecodeStep *s, const DecoderLayer *L, int64_t 
     return 0;
 }
 
+// The last layer's attention of an extend with `keep`: every new token's K and V into the pool, but the
+// attention of the kept rows only (row i of the output for keep[i]), each one query over the keys of its
+// request up to it. The same scores and sums, in the same order, as its row in extend_attention's blocks.
+static int kept_attention(const DecodeStep *s, const DecoderLayer *L, int64_t T) {
+    const int64_t D = s->head_dim, H = s->heads, K = s->kv_heads;
+    const int64_t q_size = H * D, qk_w = q_size + K * D, qkv_w = qk_w + K * D;
+    kv_store(s->pool, s->write_rows, T, K, D, L->kv_offset, s->v_offset, s->qk + q_size, qk_w, s->qkv + qk_w,
+             qkv_w);
+    for (int64_t i = 0; i < s->n_keep; i++) {
+        const int64_t r = s->keep[i];
+        int64_t at = -1;
+        for (int64_t j = 0; j < s->seqs && at < 0; j++)
+            if (r >= s->seq_starts[j] && r < s->seq_starts[j] + s->seq_lens[j])
+                at = s->seq_starts[j];
+        if (at < 0)
+            return -3;
+        const float *keys = s->qk + at * qk_w + q_size;
+        const int rc = prefill_attention(s->qk + r * qk_w, qk_w, keys, qk_w, s->qkv + at * qkv_w + qk_w, qkv_w, D,
+                                         1, r - at, H, H / K, D, s->scale, s->attn + i * q_size, q_size);
+        if (rc != 0)
+            return rc;
+    }
+    return 0;
+}
+
 // rows keep[0..n-1] of m [*, E] to its first n rows, in keep's order (any order, repeats too), through
 // scratch [n, E].
 static void keep_rows(float *m, const int64_t *keep, int64_t n, int64_t E, float *scratch) {
@@ -120,7 +145,7 @@ static void keep_rows(float *m, const int64_t *keep, int64_t n, int64_t E, float
 // running sum before the last layer's MLP), as the modules leave them for the final norm. With `keep`,
 // only its rows come out, in its order, in the first n_keep rows of both.
 // Returns 0, the attention kernel's error, -2 (no memory for a matmul's activations) or -3 (a kept row out
-// of range).
+// of range, or in no request).
 int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep *s, float *h, float *residual) {
     const int64_t E = s->hidden, D = s->head_dim, H = s->heads, K = s->kv_heads;
     int64_t T = s->tokens;
@@ -141,20 +166,25 @@ int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep
         int rc = gemm(L, s->x, E, WEIGHTS(L, qkv), s->qkv, qkv_w, T, qkv_w, E);
         if (rc != 0) return rc;
         rotary_apply(s->qkv, qkv_w, s->cos, s->sin, s->qk, T, H + K, D);
-        if (s->seqs)
+        const int kept = s->keep && l == n_layers - 1;  // only the kept rows go on past K and V
+        if (kept)
+            rc = kept_attention(s, L, T);
+        else if (s->seqs)
             rc = extend_attention(s, L, T);
         else
             rc = paged_decode_attention(s->qk, qk_w, s->pool, s->rows, s->lens, T, K, H / K, D, s->max_len,
                                         L->kv_offset, s->v_offset, s->scale, s->attn, s->qk + q_size, qk_w,
                                         s->qkv + qk_w, qkv_w, s->write_rows);
         if (rc != 0) return rc;
-        rc = gemm(L, s->attn, q_size, WEIGHTS(L, o), h, E, T, E, q_size);
-        if (rc != 0) return rc;
-        if (s->keep && l == n_layers - 1) {  // the kept rows to the front, through x (free until the norm)
-            keep_rows(h, s->keep, s->n_keep, E, s->x);
+        if (kept) {  // the kept rows' residuals to the front, through x (free until the norm)
             keep_rows(residual, s->keep, s->n_keep, E, s->x);
             T = s->n_keep;
         }
+        // the kept rows' o projection through the panels, as the modules' projection of every row: not
+        // through the checkpoint's blocks, which a few rows would take
+        rc = gemm(L, s->attn, q_size, L->o, L->o_scale, kept ? 0 : L->o_blocks, L->o_bits, L->o_bias, h, E, T, E,
+                  q_size);
+        if (rc != 0) return rc;
         add_rms_norm(h, E, residual, E, residual, L->post_norm, s->x, T, E, s->eps);
         rc = gemm(L, s->x, E, WEIGHTS(L, gate_up), s->gate_up, 2 * s->inter, T,
                   2 * s->inter, E);

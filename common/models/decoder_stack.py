@@ -15,8 +15,9 @@ qualifies when it is
 * a decode batch on the native attention path (`TorchAttentionMetadata.rows`), or a speculative verify
   batch on it (each token a query of its own);
 * an extend batch on the native prefill attention (`prefill_attention.c`, a float32 pool) in which no
-  request has a cached prefix (each attends to its own new tokens, read in place). Its last layer's MLP
-  runs on the rows whose logits are wanted only, as the modules do (`LlamaForCausalLM.rows_going_on`).
+  request has a cached prefix (each attends to its own new tokens, read in place). Its last layer
+  stores every token's K and V but runs the attention, its projection and the MLP on the rows whose
+  logits are wanted only (`LlamaForCausalLM.rows_going_on`; the modules run the MLP on those rows).
 
 Everything else runs the modules. `PDSERVE_DECODER_STACK=0` turns it off.
 """
