@@ -90,13 +90,19 @@ typedef struct {
     int64_t n_keep;
 } DecodeStep;
 
-// An extend's attention: the new tokens' K and V into the pool, then each request's causal attention over
-// its own new tokens, K and V read in place from the projection's output (no request has a prefix).
-static int extend_attention(const DecodeStep *s, const DecoderLayer *L, int64_t T) {
+// An extend's new K and V (every token's, columns q_size.. and q_size + kv_size.. of a qk / qkv row) into
+// the pool, before its attention.
+static void store_new_kv(const DecodeStep *s, const DecoderLayer *L, int64_t T) {
+    const int64_t D = s->head_dim, K = s->kv_heads, q_size = s->heads * D, qk_w = q_size + K * D;
+    kv_store(s->pool, s->write_rows, T, K, D, L->kv_offset, s->v_offset, s->qk + q_size, qk_w, s->qkv + qk_w,
+             qk_w + K * D);
+}
+
+// An extend's attention: each request's causal attention over its own new tokens, K and V read in place
+// from the projection's output (no request has a prefix).
+static int extend_attention(const DecodeStep *s) {
     const int64_t D = s->head_dim, H = s->heads, K = s->kv_heads;
     const int64_t q_size = H * D, qk_w = q_size + K * D, qkv_w = qk_w + K * D;
-    kv_store(s->pool, s->write_rows, T, K, D, L->kv_offset, s->v_offset, s->qk + q_size, qk_w, s->qkv + qk_w,
-             qkv_w);
     for (int64_t i = 0; i < s->seqs; i++) {
         const int64_t at = s->seq_starts[i];
         const float *q = s->qk + at * qk_w;
@@ -108,14 +114,12 @@ static int extend_attention(const DecodeStep *s, const DecoderLayer *L, int64_t 
     return 0;
 }
 
-// The last layer's attention of an extend with `keep`: every new token's K and V into the pool, but the
-// attention of the kept rows only (row i of the output for keep[i]), each one query over the keys of its
-// request up to it. The same scores and sums, in the same order, as its row in extend_attention's blocks.
-static int kept_attention(const DecodeStep *s, const DecoderLayer *L, int64_t T) {
+// The last layer's attention of an extend with `keep`: the kept rows' only (row i of the output for
+// keep[i]), each one query over the keys of its request up to it. The same scores and sums, in the same
+// order, as its row in extend_attention's blocks.
+static int kept_attention(const DecodeStep *s) {
     const int64_t D = s->head_dim, H = s->heads, K = s->kv_heads;
     const int64_t q_size = H * D, qk_w = q_size + K * D, qkv_w = qk_w + K * D;
-    kv_store(s->pool, s->write_rows, T, K, D, L->kv_offset, s->v_offset, s->qk + q_size, qk_w, s->qkv + qk_w,
-             qkv_w);
     for (int64_t i = 0; i < s->n_keep; i++) {
         const int64_t r = s->keep[i];
         int64_t at = -1;
@@ -145,11 +149,11 @@ static void keep_rows(float *m, const int64_t *keep, int64_t n, int64_t E, float
 // running sum before the last layer's MLP), as the modules leave them for the final norm. With `keep`,
 // only its rows come out, in its order, in the first n_keep rows of both.
 // Returns 0, the attention kernel's error, -2 (no memory for a matmul's activations) or -3 (a kept row out
-// of range, or in no request).
+// of range or in no request, or kept rows in a decode step).
 int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep *s, float *h, float *residual) {
     const int64_t E = s->hidden, D = s->head_dim, H = s->heads, K = s->kv_heads;
     int64_t T = s->tokens;
-    if (s->keep && s->n_keep > T)
+    if (s->keep && (s->n_keep > T || !s->seqs))  // kept rows: an extend's only
         return -3;
     for (int64_t i = 0; s->keep && i < s->n_keep; i++)
         if (s->keep[i] < 0 || s->keep[i] >= T)
@@ -167,14 +171,14 @@ int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep
         if (rc != 0) return rc;
         rotary_apply(s->qkv, qkv_w, s->cos, s->sin, s->qk, T, H + K, D);
         const int kept = s->keep && l == n_layers - 1;  // only the kept rows go on past K and V
-        if (kept)
-            rc = kept_attention(s, L, T);
-        else if (s->seqs)
-            rc = extend_attention(s, L, T);
-        else
+        if (s->seqs) {
+            store_new_kv(s, L, T);
+            rc = kept ? kept_attention(s) : extend_attention(s);
+        } else {
             rc = paged_decode_attention(s->qk, qk_w, s->pool, s->rows, s->lens, T, K, H / K, D, s->max_len,
                                         L->kv_offset, s->v_offset, s->scale, s->attn, s->qk + q_size, qk_w,
                                         s->qkv + qk_w, qkv_w, s->write_rows);
+        }
         if (rc != 0) return rc;
         if (kept) {  // the kept rows' residuals to the front, through x (free until the norm)
             keep_rows(residual, s->keep, s->n_keep, E, s->x);

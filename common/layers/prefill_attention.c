@@ -5,8 +5,8 @@
 // Query row i (position prefix + i) attends keys 0..prefix + i. The keys of kv head g are first laid
 // out transposed by blocks of KB keys (32 with AVX-512, 16 with AVX2): block b is [D][KB], contiguous,
 // the last one zero-padded, shared by the G query heads of the group. (As one [D][L] matrix, a tile's
-// rows of keys lay L floats apart: at 512 keys 2 KiB, all in four sets of L1.) Then each task, one query head and a block of up to MR
-// query rows, materialises its scores:
+// rows of keys lay L floats apart: at 512 keys 2 KiB, all in four sets of L1.) Then each task, one query
+// head and a block of up to MR query rows, materialises its scores:
 //   S = (scale Q) K^T (a register tile of MR rows x KB keys walks D; the rows of Q copied d-major and
 //     scaled, so the broadcasts sit at fixed offsets as in gemm.c), masked above the diagonal;
 //   P = exp(S - row max) (16 lanes with AVX-512, summed by eights in the AVX2 build's order), the row
