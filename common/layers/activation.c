@@ -16,20 +16,12 @@ void silu_and_mul(const float *x, int64_t x_stride, float *out, int64_t rows, in
         float *o = out + r * n;
         int64_t i = 0;
 #if defined(__AVX512F__)
-        const __m512 one16 = _mm512_set1_ps(1.0f), zero16 = _mm512_setzero_ps();
-        for (; i + 16 <= n; i += 16) {  // exp16: each lane's bits as exp8's below
-            const __m512 gv = _mm512_loadu_ps(g + i);
-            const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one16, exp16(_mm512_sub_ps(zero16, gv))));
-            _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
-        }
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(o + i, silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-        for (; i + 8 <= n; i += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-        }
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
 #endif
         for (; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }

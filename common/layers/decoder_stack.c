@@ -15,6 +15,8 @@ int packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *s
                    int64_t ldy, int64_t M, int64_t N, int64_t K);
 int packed_gemm_w8a8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
                      int64_t ldy, int64_t M, int64_t N, int64_t K);
+int packed_gemm_silu(const float *x, int64_t ldx, const void *w, const float *scale, const float *bias,
+                     float *act, int64_t ld_act, int64_t M, int64_t n, int64_t K);
 int packed_gemm_blocks(const float *x, int64_t ldx, const uint8_t *wb, int64_t bits, const float *bias, float *y,
                        int64_t ldy, int64_t M, int64_t N, int64_t K);
 int packed_gemm_blocks_rows(void);
@@ -64,6 +66,24 @@ static int gemm(const DecoderLayer *L, const float *x, int64_t ldx, const void *
     else
         rc = packed_gemm(x, ldx, (const float *)w, bias, y, ldy, M, N, K);
     return rc ? -2 : 0;
+}
+
+// The MLP's gate and up projection and its SiLU-and-mul, act [M, inter] from x [M, E]: in one pass
+// through the panels (packed_gemm_silu) where the matmul reads them (float32 or int8 weights, inter a
+// multiple of its tiles' columns), else the matmul into gate_up [M, 2 inter], then silu_and_mul. The same
+// bits either way.
+static int gate_up_silu(const DecoderLayer *L, const float *x, int64_t E, float *gate_up, float *act, int64_t M,
+                        int64_t inter) {
+    const int blocks = L->gate_up_blocks && M <= packed_gemm_blocks_rows();
+    if (!blocks && !(L->gate_up_scale && L->int8_activations)) {
+        const int rc = packed_gemm_silu(x, E, L->gate_up, L->gate_up_scale, L->gate_up_bias, act, inter, M, inter, E);
+        if (rc != -3)
+            return rc ? -2 : 0;
+    }
+    const int rc = gemm(L, x, E, WEIGHTS(L, gate_up), gate_up, 2 * inter, M, 2 * inter, E);
+    if (rc == 0)
+        silu_and_mul(gate_up, 2 * inter, act, M, inter);
+    return rc;
 }
 
 // The shapes every layer shares, and this forward's batch.
@@ -190,10 +210,8 @@ int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep
                   q_size);
         if (rc != 0) return rc;
         add_rms_norm(h, E, residual, E, residual, L->post_norm, s->x, T, E, s->eps);
-        rc = gemm(L, s->x, E, WEIGHTS(L, gate_up), s->gate_up, 2 * s->inter, T,
-                  2 * s->inter, E);
+        rc = gate_up_silu(L, s->x, E, s->gate_up, s->act, T, s->inter);
         if (rc != 0) return rc;
-        silu_and_mul(s->gate_up, 2 * s->inter, s->act, T, s->inter);
         rc = gemm(L, s->act, s->inter, WEIGHTS(L, down), h, E, T, E, s->inter);
         if (rc != 0) return rc;
     }

@@ -3,8 +3,9 @@
 // F.linear without it.
 //
 // y[M, N] = x[M, K] @ W^T (+ bias), W given as panels: panel p holds output columns 16p..16p+15 as
-// [K][16] weights (columns past N are zero). One thread owns a run of units (a panel; with AVX-512 two
-// adjacent panels); for each unit a register tile (AVX2: 6 rows x 16 columns; AVX-512: 12 rows x 16 or
+// [K][16] weights (columns past N are zero). Each thread takes units (a panel; with AVX-512 two adjacent
+// panels) in order from one end of a range it shares with one other thread (`claim`); for each unit a
+// register tile (AVX2: 6 rows x 16 columns; AVX-512: 12 rows x 16 or
 // 32 columns) walks the whole K, one row block after another, so each weight is read from memory once
 // and every later row block finds the unit in L2. (Two panels per AVX-512 tile: 5-15 % faster at 512
 // and 16 rows, up to 1.3x at 6, same bits.) The rows of x are first copied
@@ -22,14 +23,19 @@
 // bytes: the prefetches cost 6 % there), so those are left to the hardware. Each output sums over k in
 // order, in float32 with FMA.
 //
+// `packed_gemm_silu` is the MLP's gate and up projection with its SiLU-and-mul as the epilogue of each
+// row block, so the [M, 2 * inter] products never leave L1 (`gemm_panels`).
+//
 // `packed_gemm` takes float32 panels. `packed_gemm_i8` takes int8 panels and one float32 scale per
 // output column (`--torchao-config int8wo`): y = (x @ Wq^T) * scale + bias. Each weight byte is widened
 // to float32 in registers as it streams in, so a decode step, bound by memory bandwidth, reads a quarter
 // of the bytes; each output sums from zero in k order and is scaled once at the end, whatever the tile
 // height, so a row gets the same bits in any batch. (At larger batches the widening costs what the
 // smaller weight saves: float32 compute is the bound there, not bytes.)
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 // A per-thread buffer of at least `bytes` for the activations of one matmul, kept between calls (the GEMMs
 // run ~120 times a decode step, and a prefill's rows are megabytes: allocating each time would map and
@@ -272,15 +278,65 @@ SHARED const float *gemm_pack_rows(const float *x, int64_t ldx, int64_t M, int64
     return out;
 }
 
-// x rows at x + m * ldx, y rows at y + m * ldy; bias may be NULL; q: int8 weights (scale: one float per
-// output column, padded to whole panels), else float32.
+// The units of a matmul are handed out from both ends of a range: threads 2i and 2i + 1 share the i-th
+// of ceil(threads / 2) even ranges, the first taking units from its front, the second from its back, until
+// they meet. Each thread still walks its units in order, so it prefetches its next one as under a static
+// split; but when one core is slowed for a while (a vCPU of this host loses hundreds of microseconds at a
+// time, at random), the other takes more units instead of waiting for it at the end. (A dynamic schedule,
+// the threads interleaving units, was 4 % slower on SmolLM2's 512-token prefill: no thread knew its next
+// unit, to prefetch it.)
+typedef struct {
+    int64_t lo, hi;  // the range
+    int64_t *taken;  // units claimed from it so far, by both its threads
+    int back;        // this thread takes from its back
+} Share;
+
+static Share share_of(int64_t units, int64_t *taken) {
+    const int t = omp_get_thread_num(), ranges = (omp_get_num_threads() + 1) / 2, r = t / 2;
+    return (Share){units * r / ranges, units * (r + 1) / ranges, taken + r, t % 2};
+}
+
+// This thread's `mine`-th unit (from 0), or -1 when its range is used up: the two threads' claims never
+// outnumber the range's units, so the front's units and the back's never meet.
+static int64_t claim(const Share *sh, int64_t mine) {
+    if (__atomic_fetch_add(sh->taken, 1, __ATOMIC_RELAXED) >= sh->hi - sh->lo)
+        return -1;
+    return sh->back ? sh->hi - 1 - mine : sh->lo + mine;
+}
+
+// The MLP's epilogue on one row block: act row i, columns 0..nv = SiLU(gate) * up, from tmp row i (ldt
+// apart): its nv gate columns, then its nv up columns (nv a multiple of the vector width).
+static void silu_rows(const float *tmp, int64_t ldt, int mr, int nv, float *act, int64_t ld_act) {
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < nv; c += NR) {
+            const float *g = tmp + i * ldt + c;
+            float *o = act + i * ld_act + c;
+#if defined(__AVX512F__)
+            _mm512_storeu_ps(o, silu_mul16(_mm512_loadu_ps(g), _mm512_loadu_ps(g + nv)));
+#else
+            _mm256_storeu_ps(o, silu_mul8(_mm256_loadu_ps(g), _mm256_loadu_ps(g + nv)));
+            _mm256_storeu_ps(o + 8, silu_mul8(_mm256_loadu_ps(g + 8), _mm256_loadu_ps(g + nv + 8)));
+#endif
+        }
+}
+
+// x rows at x + m * ldx; bias may be NULL; q: int8 weights (scale: one float per output column, padded to
+// whole panels), else float32. Without `act`: y = x W^T + bias, y rows at y + m * ldy. With `act`, the MLP's
+// gate and up projection and its SiLU-and-mul in one: W's N = 2 n columns are [gate | up], and act (rows
+// ld_act apart) gets SiLU(gate) * up, n columns; y is not used. A unit is then some columns of gate with
+// the same columns of up: for each row block, both tiles go to a small buffer, and the block's act rows
+// are computed from it while it is in L1 (the unfused MLP writes the M x 2n products out and reads them
+// back). The products and the SiLU are those of the unfused pair, and so are the bits.
 static int gemm_panels(int q, const float *x, int64_t ldx, const void *w, const float *scale, const float *bias,
-                       float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    if (M <= 0 || N <= 0)
-        return 0;
+                       float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, float *act, int64_t ld_act) {
     const int64_t panels = (N + NR - 1) / NR;
     const int np = PAIRS && panels > 1 ? 2 : 1;  // panels per tile: a unit of work
-    const int64_t units = (panels + np - 1) / np;
+    const int64_t n = N / 2, up_at = n / NR;     // with act: up's first panel
+    if (act && (N % 2 || n % (np * NR)))
+        return -3;
+    if (M <= 0 || N <= 0)
+        return 0;
+    const int64_t units = act ? up_at / np : (panels + np - 1) / np;
     const int64_t blocks = row_blocks(M);
     const int64_t panel_bytes = K * NR * (q ? 1 : 4), unit_bytes = np * panel_bytes;
     const int64_t lines = (unit_bytes + 63) / 64;
@@ -290,34 +346,63 @@ static int gemm_panels(int q, const float *x, int64_t ldx, const void *w, const 
     const float *xp = gemm_pack_rows(x, ldx, M, K, MR_MAX);
     if (!xp)
         return -1;
-#pragma omp parallel for schedule(static) if (M * N * K >= 32768)
-    for (int64_t u = 0; u < units; u++) {
-        const int64_t p = u * np;
-        const int un = panels - p < np ? (int)(panels - p) : np;
-        const int nv = N - p * NR < un * NR ? (int)(N - p * NR) : un * NR;
-        const char *wp = (const char *)w + p * panel_bytes;
-        const float *b = bias ? bias + p * NR : 0;
-        const float *s = q ? scale + p * NR : 0;
-        for (int64_t j = 0; j < blocks; j++) {
-            const int64_t m = block_start(M, j);
-            const int mr = (int)(block_start(M, j + 1) - m);
-            const char *pf = M > 1 && (!q || blocks > 1) && u + 1 < units ? wp + unit_bytes + (lines * j / blocks) * 64 : 0;
-            tile_rows(mr, q, un, K, xp + m * K, wp, s, b, y + m * ldy + p * NR, ldy, nv, pf, every);
+    int64_t taken[(omp_get_max_threads() + 1) / 2];
+    memset(taken, 0, sizeof(taken));
+#pragma omp parallel if (M * N * K >= 32768)
+    {
+        const Share sh = share_of(units, taken);
+        float tmp[MR_MAX * 2 * NR * (PAIRS + 1)];  // with act: a row block's gate tile, then its up tile
+        for (int64_t mine = 0;; mine++) {
+            const int64_t u = claim(&sh, mine);
+            if (u < 0)
+                break;
+            const int64_t p = u * np, next = sh.back ? u - 1 : u + 1;
+            const int un = panels - p < np ? (int)(panels - p) : np;
+            const int nv = N - p * NR < un * NR ? (int)(N - p * NR) : un * NR;
+            const int prefetch = M > 1 && (!q || blocks > 1) && next >= sh.lo && next < sh.hi;
+            for (int64_t j = 0; j < blocks; j++) {
+                const int64_t m = block_start(M, j);
+                const int mr = (int)(block_start(M, j + 1) - m);
+                for (int half = 0; half < (act ? 2 : 1); half++) {  // with act: gate's tile, then up's
+                    const int64_t at = p + half * up_at;  // the unit's first panel
+                    const char *wp = (const char *)w + at * panel_bytes;
+                    const char *pf = prefetch ? wp + (next - u) * unit_bytes + (lines * j / blocks) * 64 : 0;
+                    const float *b = bias ? bias + at * NR : 0, *s = q ? scale + at * NR : 0;
+                    if (act)
+                        tile_rows(mr, q, un, K, xp + m * K, wp, s, b, tmp + half * nv, 2 * nv, nv, pf, every);
+                    else
+                        tile_rows(mr, q, un, K, xp + m * K, wp, s, b, y + m * ldy + p * NR, ldy, nv, pf, every);
+                }
+                if (act)
+                    silu_rows(tmp, 2 * nv, mr, nv, act + m * ld_act + p * NR, ld_act);
+            }
         }
     }
     return 0;
 }
 
-// Both return 0, or -1 when the buffer of packed rows cannot grow (y is then not written).
+// All return 0, or -1 when the buffer of packed rows cannot grow (y / act is then not written);
+// packed_gemm_silu -3 when n is not a multiple of `packed_gemm_silu_cols()`.
 int packed_gemm(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy, int64_t M,
                 int64_t N, int64_t K) {
-    return gemm_panels(0, x, ldx, w, 0, bias, y, ldy, M, N, K);
+    return gemm_panels(0, x, ldx, w, 0, bias, y, ldy, M, N, K, 0, 0);
 }
 
 int packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *scale, const float *bias, float *y,
                    int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    return gemm_panels(1, x, ldx, wq, scale, bias, y, ldy, M, N, K);
+    return gemm_panels(1, x, ldx, wq, scale, bias, y, ldy, M, N, K, 0, 0);
 }
+
+// act = SiLU(x Wg^T + bg) * (x Wu^T + bu): w the panels of [gate | up] (2 n columns: float32, or int8 with
+// `scale`, which may be NULL for float32), act [M, n] with rows ld_act apart. The same bits as packed_gemm
+// (or packed_gemm_i8) into [M, 2 n], then silu_and_mul.
+int packed_gemm_silu(const float *x, int64_t ldx, const void *w, const float *scale, const float *bias,
+                     float *act, int64_t ld_act, int64_t M, int64_t n, int64_t K) {
+    return gemm_panels(scale != 0, x, ldx, w, scale, bias, 0, 0, M, 2 * n, K, act, ld_act);
+}
+
+// What n must be a multiple of for packed_gemm_silu: a tile's columns.
+int packed_gemm_silu_cols(void) { return NR * (PAIRS + 1); }
 
 #else
 // Without AVX2 + FMA the caller keeps oneDNN's packed weights (or F.linear) instead.
@@ -331,4 +416,9 @@ int packed_gemm_i8(const float *x, int64_t ldx, const int8_t *wq, const float *s
                    int64_t ldy, int64_t M, int64_t N, int64_t K) {
     return -1;
 }
+int packed_gemm_silu(const float *x, int64_t ldx, const void *w, const float *scale, const float *bias,
+                     float *act, int64_t ld_act, int64_t M, int64_t n, int64_t K) {
+    return -1;
+}
+int packed_gemm_silu_cols(void) { return 0; }
 #endif

@@ -2,17 +2,16 @@
 
 `paged_decode_attention()` (`paged_attention.c`), `prefill_attention()` (`prefill_attention.c`),
 `add_rms_norm()` (`rms_norm.c`), `rotary_apply()` (`rotary.c`), `silu_and_mul()` (`activation.c`),
-`kv_store()` (`kv_store.c`),
-`argmax_rows()` (`argmax.c`),
-`pin_team()` (`threads.c`), `packed_gemm()` and `packed_gemm_i8()` (`gemm.c`), `packed_gemm_blocks()` and
-`block_panels_equal()` (`gemm_blocks.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`), `moe_experts()`
-(`moe_experts.c`) and `decoder_stack()` (`decoder_stack.c`, which chains the others through
-a decode step of a whole Llama-family stack) return the loaded C function, or None when it cannot be
-used (no C compiler, a failed build, no AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers
-then take the torch paths, which compute the same thing. The GEMM reads each weight once per matmul
-from a panel layout and beats oneDNN's packed matmul at decode batch sizes (`common/layers/linear.py`);
-the others replace chains of small torch ops whose per-op dispatch dominates at decode batch sizes (a
-residual add + F.rms_norm on one 576-wide row: ~24 us here; the kernel ~14 us).
+`kv_store()` (`kv_store.c`), `argmax_rows()` (`argmax.c`), `pin_team()` (`threads.c`), `packed_gemm()`,
+`packed_gemm_i8()` and `packed_gemm_silu()` (`gemm.c`), `packed_gemm_blocks()` and `block_panels_equal()`
+(`gemm_blocks.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`), `moe_experts()` (`moe_experts.c`) and
+`decoder_stack()` (`decoder_stack.c`, which chains the others through a decode step of a whole
+Llama-family stack) return the loaded C function, or None when it cannot be used (no C compiler, a failed
+build, no AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers then take the torch paths, which
+compute the same thing. The GEMM reads each weight once per matmul from a panel layout and beats oneDNN's
+packed matmul at decode batch sizes (`common/layers/linear.py`); the others replace chains of small torch
+ops whose per-op dispatch dominates at decode batch sizes (a residual add + F.rms_norm on one 576-wide
+row: ~24 us here; the kernel ~14 us).
 
 The shared object is cached under `$PDSERVE_CACHE_DIR/native` (default `~/.cache/pdserve/native`),
 named by a hash of the sources and the compiler flags, and written atomically, so concurrent
@@ -134,6 +133,8 @@ _SIGNATURES = {
     "packed_gemm": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
     "packed_gemm_supported": ([], ctypes.c_int),
     "packed_gemm_i8": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
+    "packed_gemm_silu": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
+    "packed_gemm_silu_cols": ([], ctypes.c_int),
     "packed_gemm_w8a8": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
     "packed_gemm_blocks": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64], ctypes.c_int),
     "pack_weight_blocks": ([_I64, _PTR, _I64, _I64, _PTR], None),
@@ -242,6 +243,16 @@ def packed_gemm():
 def packed_gemm_i8():
     """The panel GEMM over int8 weights with a float32 scale per output column (`--torchao-config int8wo`)."""
     return _kernel("packed_gemm_i8") if packed_gemm() is not None else None
+
+
+def packed_gemm_silu():
+    """The MLP's gate-and-up matmul and its SiLU-and-mul in one pass over float32 or int8 panels."""
+    return _kernel("packed_gemm_silu") if packed_gemm() is not None else None
+
+
+def packed_gemm_silu_cols() -> int:
+    """What the MLP's width must be a multiple of for `packed_gemm_silu`; 0 without it."""
+    return _library().packed_gemm_silu_cols() if packed_gemm() is not None else 0
 
 
 def packed_gemm_w8a8():

@@ -45,6 +45,20 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
+// SiLU(g) * u = g / (1 + e^-g) * u, 8 lanes (and 16 with AVX-512, each lane's bits as the 8-lane one's):
+// activation.c's silu_and_mul and gemm.c's MLP epilogue compute it this one way.
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+#if defined(__AVX512F__)
+static inline __m512 silu_mul16(__m512 g, __m512 u) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+#endif
+
 // the sum and the maximum of the 8 lanes
 static inline float hsum8(__m256 v) {
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

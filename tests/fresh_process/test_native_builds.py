@@ -81,3 +81,22 @@ def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
                          ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(5), ctypes.c_int64(1547))
         ys.append(y)
     assert torch.equal(ys[0], ys[1])
+    # the fused gate-up-SiLU: AVX2 tiles of one panel, AVX-512 of two, the same products and SiLU
+    assert avx2.packed_gemm_silu_cols() == 16 and default.packed_gemm_silu_cols() == 32
+    n, inp = 96, 200
+    w, b = torch.randn(2 * n, inp, generator=g), torch.randn(2 * n, generator=g)
+    for rows in (1, 13, 40):
+        x = torch.randn(rows, inp, generator=g)
+        for quant in (None, "int8wo"):
+            p = pack_weight(w, quantization=quant)
+            ys = []
+            for lib in (avx2, default):
+                y = torch.empty(rows, n)
+                scale = ctypes.c_void_p(p.scale.data_ptr() if quant else None)
+                assert lib.packed_gemm_silu(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(inp),
+                                            ctypes.c_void_p(p.weight.data_ptr()), scale,
+                                            ctypes.c_void_p(b.data_ptr()), ctypes.c_void_p(y.data_ptr()),
+                                            ctypes.c_int64(n), ctypes.c_int64(rows), ctypes.c_int64(n),
+                                            ctypes.c_int64(inp)) == 0
+                ys.append(y)
+            assert torch.equal(ys[0], ys[1]), (rows, quant)

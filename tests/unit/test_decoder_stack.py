@@ -45,6 +45,7 @@ WIDE = {"hidden_size": 128, "head_dim": 32}
      {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}, None),
     ("qwen2", {"tie_word_embeddings": True}, "int8wo"),  # int8 panels, a quantized tied lm_head
     ("llama", {"mlp_bias": True}, "w8a8_int8"),  # int8 activations too
+    ("llama", {"intermediate_size": 72}, None),  # an MLP too narrow for the fused gate-up-SiLU: unfused
 ])
 def test_stack_matches_the_layer_modules(make_tiny_model, arch, overrides, quantization):
     model, cfg = load_model(make_tiny_model(arch, **WIDE, **overrides), quantization=quantization)

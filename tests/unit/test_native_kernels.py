@@ -325,6 +325,39 @@ def test_silu_and_mul_matches_torch(rows, n, monkeypatch):
     assert rel_err(activation.silu_and_mul(gate_up)) < 1e-6
 
 
+@pytest.mark.parametrize("quantization", [None, "int8wo"])
+@pytest.mark.parametrize("rows", [1, 5, 13, 40, 300])  # 300 rows: many row blocks, the OpenMP path
+def test_fused_gate_up_silu_gives_the_bits_of_the_matmul_then_silu(quantization, rows):
+    """`packed_gemm_silu`: the MLP's [gate | up] matmul and SiLU-and-mul in one pass equal, bit for bit, the
+    matmul into [rows, 2n] followed by `silu_and_mul` (float32 and int8 panels, with and without a bias, a
+    strided activation and output); a width that is not a multiple of its tiles is refused (-3)."""
+    from common.layers.linear import linear, pack_weight
+
+    fused, step = native.packed_gemm_silu(), native.packed_gemm_silu_cols()
+    assert fused is not None and step in (16, 32)
+    g = torch.Generator().manual_seed(rows)
+    n, k = 3 * step, 150
+    weight = torch.randn(2 * n, k, generator=g) / 8
+    bias = torch.randn(2 * n, generator=g)
+    packed = pack_weight(weight, quantization=quantization) if quantization else pack_weight(weight)
+    x = torch.randn(rows, k + 7, generator=g)[:, 2:2 + k]
+    scale = packed.scale.data_ptr() if packed.scale is not None else None
+    for b in (None, bias):
+        act = torch.full((rows, n + 5), float("nan"))
+        rc = fused(x.data_ptr(), x.stride(0), packed.weight.data_ptr(), scale,
+                   None if b is None else b.data_ptr(), act.data_ptr(), act.stride(0), rows, n, k)
+        assert rc == 0
+        want = native.silu_and_mul()
+        gate_up = linear(x, weight, packed, b)
+        ref = torch.empty(rows, n)
+        want(gate_up.data_ptr(), gate_up.stride(0), ref.data_ptr(), rows, n)
+        assert torch.equal(act[:, :n], ref)
+        assert act[:, n:].isnan().all()  # nothing written past the row's n columns
+    odd = torch.zeros(rows, n)
+    assert fused(x.data_ptr(), x.stride(0), packed.weight.data_ptr(), scale, None, odd.data_ptr(), n, rows,
+                 n - step // 2, k) == -3
+
+
 def test_argmax_matches_torch():
     """Ties (first index wins), the maximum in the vector body or the scalar tail, -inf rows, NaNs
     (the first NaN wins, in the body or in the tail), a row stride."""
