@@ -86,6 +86,20 @@ static int gate_up_silu(const DecoderLayer *L, const float *x, int64_t E, float 
     return rc;
 }
 
+// Whether gemm() reads projection p of L from its panels (float32, or int8 with float32 activations) for M rows.
+#define ON_PANELS(L, p, M) (!((L)->p##_blocks && (M) <= packed_gemm_blocks_rows()) && \
+                            !((L)->p##_scale && (L)->int8_activations))
+
+// gemm()'s panel matmul (float32, or int8 with `scale`) for W's N columns from column `col` on (a multiple
+// of 16: a panel holds 16 columns, K weights each): y = x W[col..col + N)^T + bias[col..].
+static int panel_gemm(const void *w, const float *scale, const float *bias, int64_t col, const float *x,
+                      int64_t ldx, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    const float *b = bias ? bias + col : 0;
+    const int rc = scale ? packed_gemm_i8(x, ldx, (const int8_t *)w + col * K, scale + col, b, y, ldy, M, N, K)
+                         : packed_gemm(x, ldx, (const float *)w + col * K, b, y, ldy, M, N, K);
+    return rc ? -2 : 0;
+}
+
 // The shapes every layer shares, and this forward's batch.
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
@@ -109,6 +123,30 @@ typedef struct {
     const int64_t *keep;
     int64_t n_keep;
 } DecodeStep;
+
+// The last layer's q, k and v projection in an extend with `keep`: K and V for every row (their panels
+// alone), Q for the kept rows only, each into its row of qkv (the other rows' Q columns keep what they
+// held: no one reads them). The panels give a row the same bits in any batch, so these are the full
+// matmul's values. Kept rows are gathered into gate_up (free until the MLP), then their Q. Returns 1
+// when it did the projection, 0 where it does not apply (the caller projects every row), or -2.
+static int kept_qkv(const DecoderLayer *L, const DecodeStep *s, int64_t T) {
+    const int64_t E = s->hidden, q_size = s->heads * s->head_dim, kv = 2 * s->kv_heads * s->head_dim;
+    const int64_t qkv_w = q_size + kv, n = s->n_keep;
+    if (!ON_PANELS(L, qkv, T) || q_size % 16 || 2 * s->inter < E + q_size)
+        return 0;
+    int rc = panel_gemm(L->qkv, L->qkv_scale, L->qkv_bias, q_size, s->x, E, s->qkv + q_size, qkv_w, T, kv, E);
+    if (rc != 0)
+        return rc;
+    float *xk = s->gate_up, *qk = s->gate_up + n * E;
+    for (int64_t i = 0; i < n; i++)
+        memcpy(xk + i * E, s->x + s->keep[i] * E, sizeof(float) * (size_t)E);
+    rc = panel_gemm(L->qkv, L->qkv_scale, L->qkv_bias, 0, xk, E, qk, q_size, n, q_size, E);
+    if (rc != 0)
+        return rc;
+    for (int64_t i = 0; i < n; i++)
+        memcpy(s->qkv + s->keep[i] * qkv_w, qk + i * q_size, sizeof(float) * (size_t)q_size);
+    return 1;
+}
 
 // An extend's new K and V (every token's, columns q_size.. and q_size + kv_size.. of a qk / qkv row) into
 // the pool, before its attention.
@@ -187,10 +225,14 @@ int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep
         } else {
             add_rms_norm(h, E, residual, E, residual, L->input_norm, s->x, T, E, s->eps);
         }
-        int rc = gemm(L, s->x, E, WEIGHTS(L, qkv), s->qkv, qkv_w, T, qkv_w, E);
+        const int kept = s->keep && l == n_layers - 1;  // only the kept rows go on past K and V
+        int rc = kept ? kept_qkv(L, s, T) : 0;
+        if (rc == 0)
+            rc = gemm(L, s->x, E, WEIGHTS(L, qkv), s->qkv, qkv_w, T, qkv_w, E);
+        else if (rc == 1)
+            rc = 0;
         if (rc != 0) return rc;
         rotary_apply(s->qkv, qkv_w, s->cos, s->sin, s->qk, T, H + K, D);
-        const int kept = s->keep && l == n_layers - 1;  // only the kept rows go on past K and V
         if (s->seqs) {
             store_new_kv(s, L, T);
             rc = kept ? kept_attention(s) : extend_attention(s);
