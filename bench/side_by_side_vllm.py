@@ -17,8 +17,9 @@ vLLM's own log must say that its threads were bound to the cores given: its bind
 DIR/vllm_thread_binding.log, and the run stops if they name other cores.
 
 Writes DIR/<server>-<workload>-r<round>.json (`pdserve bench serve` reports, each with its argv), every
-log, and DIR/summary.json: each round's figures, the ratios against vLLM round by round with their
-median, lowest and highest, and the idle CPU; the markdown tables are printed. Exits 0 when every run
+log, and DIR/summary.json (a report of bench/results/'s shape, its figures: each round's figures, the
+ratios against vLLM round by round with their median, lowest and highest, and the idle CPU); the
+markdown tables are printed. Exits 0 when every run
 finished with no failed request, 1 otherwise.
 """
 
@@ -126,18 +127,22 @@ def summarize(out: str, rounds: list[int], idle: list[dict]) -> dict:
             rs = [figs[n][r][key] / figs["vllm"][r][key] for r in done]
             ratios[n][key] = {"median": round(statistics.median(rs), 3), "lowest": round(min(rs), 3),
                               "highest": round(max(rs), 3), "rounds": [round(x, 3) for x in rs]}
-    return {"rounds": done, "figures": {n: {str(r): figs[n][r] for r in done} for n in SERVERS},
-            "ratios_vs_vllm": ratios, "idle_cpu_s_max": max((x["idle_cpu_s"] for x in idle), default=None),
-            "runs": idle}
+    from bench.report import machine_info
+
+    return {"bench": "side_by_side_vllm", "machine": machine_info(), "ratios": {},
+            "figures": {"rounds": done, "by_round": {n: {str(r): figs[n][r] for r in done} for n in SERVERS},
+                        "ratios_vs_vllm": ratios,
+                        "idle_cpu_s_max": max((x["idle_cpu_s"] for x in idle), default=None), "runs": idle}}
 
 
 def tables(summary: dict) -> str:
+    summary = summary["figures"]
     done = summary["rounds"]
     rows = ["| server | TTFT 512 p50 (s) | single-stream decode (tok/s) | 16-concurrent output (tok/s) | "
             "serving output (tok/s) | serving TTFT p50 / p99 (s) | serving TPOT p50 / p99 (ms) |",
             "|---|---|---|---|---|---|---|"]
     for n in SERVERS:
-        f = [summary["figures"][n][str(r)] for r in done]
+        f = [summary["by_round"][n][str(r)] for r in done]
 
         def span(k, fmt="%.2f", f=f):
             return (fmt % min(x[k] for x in f)) + "–" + (fmt % max(x[k] for x in f))
@@ -215,12 +220,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{time.strftime('%T')} round {r} {w} {n}: rc {rc}, idle servers' CPU {others}",
                           flush=True)
         summary = summarize(out, list(range(1, ns.rounds + 1)), idle)
-        ok = ok and len(summary["rounds"]) == ns.rounds and all(
-            summary["figures"][n][str(r)]["failed"] == 0 for n in SERVERS for r in summary["rounds"])
+        fig = summary["figures"]
+        ok = ok and len(fig["rounds"]) == ns.rounds and all(
+            fig["by_round"][n][str(r)]["failed"] == 0 for n in SERVERS for r in fig["rounds"])
         with open(os.path.join(out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         print(tables(summary))
-        print(f"largest CPU time of an idle server during another's run: {summary['idle_cpu_s_max']} s")
+        print(f"largest CPU time of an idle server during another's run: {fig['idle_cpu_s_max']} s")
         return 0 if ok else 1
     finally:
         for proc in procs.values():
