@@ -68,15 +68,19 @@ static int gemm(const DecoderLayer *L, const float *x, int64_t ldx, const void *
     return rc ? -2 : 0;
 }
 
+// Whether gemm() reads projection p of L from its panels (float32, or int8 with float32 activations) for M rows.
+#define ON_PANELS(L, p, M) (!((L)->p##_blocks && (M) <= packed_gemm_blocks_rows()) && \
+                            !((L)->p##_scale && (L)->int8_activations))
+
 // The MLP's gate and up projection and its SiLU-and-mul, act [M, inter] from x [M, E]: in one pass
 // through the panels (packed_gemm_silu) where the matmul reads them (float32 or int8 weights, inter a
 // multiple of its tiles' columns), else the matmul into gate_up [M, 2 inter], then silu_and_mul. The same
 // bits either way.
 static int gate_up_silu(const DecoderLayer *L, const float *x, int64_t E, float *gate_up, float *act, int64_t M,
                         int64_t inter) {
-    const int blocks = L->gate_up_blocks && M <= packed_gemm_blocks_rows();
-    if (!blocks && !(L->gate_up_scale && L->int8_activations)) {
-        const int rc = packed_gemm_silu(x, E, L->gate_up, L->gate_up_scale, L->gate_up_bias, act, inter, M, inter, E);
+    if (ON_PANELS(L, gate_up, M)) {
+        const int rc = packed_gemm_silu(x, E, L->gate_up, L->gate_up_scale, L->gate_up_bias, act, inter, M,
+                                        inter, E);
         if (rc != -3)
             return rc ? -2 : 0;
     }
@@ -85,10 +89,6 @@ static int gate_up_silu(const DecoderLayer *L, const float *x, int64_t E, float 
         silu_and_mul(gate_up, 2 * inter, act, M, inter);
     return rc;
 }
-
-// Whether gemm() reads projection p of L from its panels (float32, or int8 with float32 activations) for M rows.
-#define ON_PANELS(L, p, M) (!((L)->p##_blocks && (M) <= packed_gemm_blocks_rows()) && \
-                            !((L)->p##_scale && (L)->int8_activations))
 
 // gemm()'s panel matmul (float32, or int8 with `scale`) for W's N columns from column `col` on (a multiple
 // of 16: a panel holds 16 columns, K weights each): y = x W[col..col + N)^T + bias[col..].
