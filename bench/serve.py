@@ -8,7 +8,8 @@ Datasets (nothing is downloaded):
   chat     synthetic multi-turn chats (system prompt, earlier turns, a final question) of the same
            length distribution, sent to /v1/chat/completions.
 Arrivals: Poisson (default) or fixed spacing at `--request-rate` req/s (inf: all at once), capped by
-`--max-concurrency`; `--warmup-requests` run first and are not counted.
+`--max-concurrency`; `--warmup-requests` run first and are not counted (copies of the first requests whose
+prompts start with another word, so no measured prompt is in the server's prefix cache when it is sent).
 
 Every request streams (`stream_options.include_usage`), so TTFT is the first content chunk, ITL the
 gaps between content chunks, TPOT (latency - TTFT) / (output tokens - 1). The report has request and
@@ -31,7 +32,7 @@ import random
 import string
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import aiohttp
 
@@ -48,6 +49,21 @@ class BenchRequest:
     api: str = "completions"  # "completions" | "chat"
     tag: str = "default"  # requests are also summarized per tag (bench compare: "decode", "long")
     send_at: float | None = None  # seconds after the start; None: the arrival process decides
+
+
+WARMUP_PREFIX = "Warm-up. "
+
+
+def warmup_copy(req: BenchRequest) -> BenchRequest:
+    """`req` with its prompt behind a different first word: the same shape of work, but a prompt no measured
+    request starts with, so that a server's prefix cache holds none of the measured prompts afterwards (a
+    warm-up that sent a measured prompt made that request's TTFT a cache hit)."""
+    if isinstance(req.prompt, str):
+        prompt: str | list[dict] = WARMUP_PREFIX + req.prompt
+    else:
+        prompt = [dict(m) for m in req.prompt]
+        prompt[0]["content"] = WARMUP_PREFIX + prompt[0]["content"]
+    return replace(req, prompt=prompt, send_at=None)
 
 
 @dataclass
@@ -269,12 +285,13 @@ async def run_benchmark(base_url: str, requests: list[BenchRequest], *, model: s
                         arrival: str = "poisson", max_concurrency: int | None = None, warmup: int = 1,
                         seed: int = 0, extra_body: dict | None = None, progress: bool = True,
                         timeout: float = 3600.0) -> tuple[list[RequestResult], float]:
-    """Send `requests` (warmup ones first, uncounted); returns (results in request order, duration s)."""
+    """Send `requests` (`warmup` ones first, uncounted: copies of the first requests behind another first
+    word, `warmup_copy`); returns (results in request order, duration s)."""
     extra_body = extra_body or {}
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         if warmup > 0 and requests:
-            warm = [requests[i % len(requests)] for i in range(warmup)]
+            warm = [warmup_copy(requests[i % len(requests)]) for i in range(warmup)]
             warm_res = await asyncio.gather(*(send_one(session, base_url, model, r, extra_body)
                                               for r in warm))
             bad = [r.error for r in warm_res if not r.ok]

@@ -154,3 +154,51 @@ def test_request_on_a_connection_the_server_closed_is_sent_again(prompt_bytes, w
     s = serve.summarize(results, duration)
     assert s["failed"] == 0 and s["resent"] == sum(resent) and s["total_output_tokens"] == 8
     assert f"sent twice (connection closed)  {sum(resent)}" in serve.format_summary("t", s)
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_warmup_requests_share_no_prompt_prefix_with_the_measured_ones(api):
+    """The warm-up copies of the first requests start with another word, so after them a server's prefix
+    cache holds none of the measured prompts (sending a measured prompt as the warm-up made that request's
+    TTFT a cache hit); the measured requests go out unchanged, in full."""
+    from aiohttp import web
+
+    seen: list[str] = []
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body["prompt"] if api == "completions" else body["messages"][0]["content"])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        delta = {"text": "x"} if api == "completions" else {"delta": {"content": "x"}}
+        usage = {"completion_tokens": 1, "prompt_tokens": 3}
+        for event in ({"choices": [delta]}, {"choices": [], "usage": usage}):
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/v1/completions", answer)
+        app.router.add_post("/v1/chat/completions", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        texts = ["alpha beta gamma", "delta epsilon", "zeta eta theta"]
+        reqs = [serve.BenchRequest(t if api == "completions" else [{"role": "user", "content": t}], 3, 1, api)
+                for t in texts]
+        try:
+            results, _ = await serve.run_benchmark(f"http://127.0.0.1:{port}", reqs, model="m", warmup=2,
+                                                   max_concurrency=1, progress=False)
+        finally:
+            await runner.cleanup()
+        return texts, results
+
+    texts, results = asyncio.run(run())
+    assert [r.ok for r in results] == [True] * 3
+    warm, measured = seen[:2], seen[2:]
+    assert warm == [serve.WARMUP_PREFIX + t for t in texts[:2]]
+    assert measured == texts
+    assert not any(m.startswith(w.split()[0]) for w in warm for m in measured)  # no shared first word
