@@ -80,7 +80,7 @@ def rows() -> list[list[str]]:
         times = sorted(_when(r) for r in reports)
         benches = sorted({r.get("bench", "?") for r in reports})
         out.append([", ".join(benches), f"`{folder.name}/`", f"{times[0]} to {times[-1]}", _commit(reports),
-                    f"{len(reports)} runs; the comparison's table is in its README"])
+                    f"{len(reports)} reports; the comparison's table is in its README"])
     return out
 
 

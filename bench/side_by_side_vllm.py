@@ -37,6 +37,8 @@ import urllib.request
 
 import psutil
 
+from bench.report import machine_info
+
 MODEL = os.path.expanduser("~/.cache/pdserve/SmolLM2-135M-Instruct")
 SERVERS = ("vllm", "pdserve", "pdserve_w8a8")
 WORKLOADS = {  # bench/README.md's three: name -> `pdserve bench serve` flags
@@ -127,8 +129,6 @@ def summarize(out: str, rounds: list[int], idle: list[dict]) -> dict:
             rs = [figs[n][r][key] / figs["vllm"][r][key] for r in done]
             ratios[n][key] = {"median": round(statistics.median(rs), 3), "lowest": round(min(rs), 3),
                               "highest": round(max(rs), 3), "rounds": [round(x, 3) for x in rs]}
-    from bench.report import machine_info
-
     return {"bench": "side_by_side_vllm", "machine": machine_info(), "ratios": {},
             "figures": {"rounds": done, "by_round": {n: {str(r): figs[n][r] for r in done} for n in SERVERS},
                         "ratios_vs_vllm": ratios,

@@ -90,14 +90,14 @@ static int gate_up_silu(const DecoderLayer *L, const float *x, int64_t E, float 
     return rc;
 }
 
-// gemm()'s panel matmul (float32, or int8 with `scale`) for W's N columns from column `col` on (a multiple
-// of 16: a panel holds 16 columns, K weights each): y = x W[col..col + N)^T + bias[col..].
-static int panel_gemm(const void *w, const float *scale, const float *bias, int64_t col, const float *x,
-                      int64_t ldx, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    const float *b = bias ? bias + col : 0;
-    const int rc = scale ? packed_gemm_i8(x, ldx, (const int8_t *)w + col * K, scale + col, b, y, ldy, M, N, K)
-                         : packed_gemm(x, ldx, (const float *)w + col * K, b, y, ldy, M, N, K);
-    return rc ? -2 : 0;
+// gemm() over the panels of the qkv projection's N columns from column `col` on (a multiple of 16: a panel
+// holds 16 columns of E weights each, float32 or, with a scale, int8): y = x W[col..col + N)^T + bias[col..].
+static int qkv_columns(const DecoderLayer *L, int64_t col, const float *x, float *y, int64_t ldy, int64_t M,
+                       int64_t N, int64_t E) {
+    const void *w = L->qkv_scale ? (const void *)((const int8_t *)L->qkv + col * E)
+                                 : (const void *)((const float *)L->qkv + col * E);
+    return gemm(L, x, E, w, L->qkv_scale ? L->qkv_scale + col : 0, 0, 0, L->qkv_bias ? L->qkv_bias + col : 0, y,
+                ldy, M, N, E);
 }
 
 // The shapes every layer shares, and this forward's batch.
@@ -124,28 +124,33 @@ typedef struct {
     int64_t n_keep;
 } DecodeStep;
 
-// The last layer's q, k and v projection in an extend with `keep`: K and V for every row (their panels
-// alone), Q for the kept rows only, each into its row of qkv (the other rows' Q columns keep what they
-// held: no one reads them). The panels give a row the same bits in any batch, so these are the full
-// matmul's values. Kept rows are gathered into gate_up (free until the MLP), then their Q. Returns 1
-// when it did the projection, 0 where it does not apply (the caller projects every row), or -2.
+// Whether the last layer of an extend with `keep` can project Q for the kept rows alone (kept_qkv): its
+// qkv projection reads panels at T rows, Q ends on a panel's edge, and gate_up has room for the kept
+// rows' x and Q.
+static int splits_qkv(const DecoderLayer *L, const DecodeStep *s, int64_t T) {
+    const int64_t q_size = s->heads * s->head_dim;
+    return ON_PANELS(L, qkv, T) && q_size % 16 == 0 && 2 * s->inter >= s->hidden + q_size;
+}
+
+// That projection: K and V for every row (their panels alone), Q for the kept rows only, each into its row
+// of qkv (the other rows' Q columns keep what they held: nothing uses them). The panels give a row the
+// same bits in any batch, so these are the full matmul's values. The kept rows' x is gathered into
+// gate_up (free until the MLP), then their Q. Returns 0 or -2.
 static int kept_qkv(const DecoderLayer *L, const DecodeStep *s, int64_t T) {
     const int64_t E = s->hidden, q_size = s->heads * s->head_dim, kv = 2 * s->kv_heads * s->head_dim;
     const int64_t qkv_w = q_size + kv, n = s->n_keep;
-    if (!ON_PANELS(L, qkv, T) || q_size % 16 || 2 * s->inter < E + q_size)
-        return 0;
-    int rc = panel_gemm(L->qkv, L->qkv_scale, L->qkv_bias, q_size, s->x, E, s->qkv + q_size, qkv_w, T, kv, E);
+    int rc = qkv_columns(L, q_size, s->x, s->qkv + q_size, qkv_w, T, kv, E);
     if (rc != 0)
         return rc;
     float *xk = s->gate_up, *qk = s->gate_up + n * E;
     for (int64_t i = 0; i < n; i++)
         memcpy(xk + i * E, s->x + s->keep[i] * E, sizeof(float) * (size_t)E);
-    rc = panel_gemm(L->qkv, L->qkv_scale, L->qkv_bias, 0, xk, E, qk, q_size, n, q_size, E);
+    rc = qkv_columns(L, 0, xk, qk, q_size, n, q_size, E);
     if (rc != 0)
         return rc;
     for (int64_t i = 0; i < n; i++)
         memcpy(s->qkv + s->keep[i] * qkv_w, qk + i * q_size, sizeof(float) * (size_t)q_size);
-    return 1;
+    return 0;
 }
 
 // An extend's new K and V (every token's, columns q_size.. and q_size + kv_size.. of a qk / qkv row) into
@@ -226,11 +231,8 @@ int decoder_stack(const DecoderLayer *layers, int64_t n_layers, const DecodeStep
             add_rms_norm(h, E, residual, E, residual, L->input_norm, s->x, T, E, s->eps);
         }
         const int kept = s->keep && l == n_layers - 1;  // only the kept rows go on past K and V
-        int rc = kept ? kept_qkv(L, s, T) : 0;
-        if (rc == 0)
-            rc = gemm(L, s->x, E, WEIGHTS(L, qkv), s->qkv, qkv_w, T, qkv_w, E);
-        else if (rc == 1)
-            rc = 0;
+        int rc = kept && splits_qkv(L, s, T) ? kept_qkv(L, s, T)
+                                             : gemm(L, s->x, E, WEIGHTS(L, qkv), s->qkv, qkv_w, T, qkv_w, E);
         if (rc != 0) return rc;
         rotary_apply(s->qkv, qkv_w, s->cos, s->sin, s->qk, T, H + K, D);
         if (s->seqs) {
