@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from tests.harness.client import http_get, http_post
+from tests.harness.hooks import HOOKS, slow_forwards
 from tests.harness.nodes import thread_names
 
 openai = pytest.importorskip("openai")
@@ -21,10 +22,17 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", 
 
 
 @pytest.fixture(scope="module")
-def node(tiny_model_dir, module_launcher):
-    # a short context keeps the run-to-the-end tests (chat default max_tokens, aborts) quick
+def control_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("node-hooks")
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model_dir, module_launcher, control_dir):
+    # a short context keeps the run-to-the-end tests (chat default max_tokens) quick; the test-only
+    # hooks let the abort tests slow the forwards, so a request is still running when its abort lands
     return module_launcher.colocated(tiny_model_dir, max_total_tokens=4096, max_running_requests=8,
-                                     served_model_name="tiny", context_length=160)
+                                     served_model_name="tiny", context_length=160,
+                                     env={"PYTHONPATH": HOOKS, "PDSERVE_TEST_HOOKS_DIR": str(control_dir)})
 
 
 @pytest.fixture(scope="module")
@@ -405,44 +413,37 @@ def _wait_running(node, n=1, timeout=60):
 
 
 _ABORT_RIDS = itertools.count()
+SLOW_FORWARD = 0.02  # seconds: a request of the tiny context (~150 tokens) runs for 3 s or more
 
 
-def _abort_running(node, n: int, abort, tries: int = 5) -> list[dict]:
-    """Start `n` requests as long as the tiny model's context allows, wait until they run, then post
-    `abort(rids)` (the body, given the attempt's rids); returns the requests' results. A
-    fast host can run a whole tiny context (~150 tokens) in ~0.4 s, so the abort may come after a
-    request ended: such an attempt must show the request ended by length and the abort as finding
-    nothing, and is tried again. Every request has a rid of its own: an abort that found nothing is
-    remembered for a request of that rid still to come."""
+def _abort_running(node, control_dir, n: int, abort) -> list[dict]:
+    """Start `n` requests as long as the tiny model's context allows, with the forwards slowed so they
+    run for seconds on any host, wait until they run, then post `abort(rids)` (the body, given the
+    requests' rids): every request ends aborted, early. Returns the requests' results."""
     ctx = get_json(node, "/model_info")["context_length"]
-    for _ in range(tries):
-        rids = [f"abort-{next(_ABORT_RIDS)}" for _ in range(n)]
-        bodies = [{"text": f"abort me {rid}", "rid": rid, "sampling_params": greedy(ctx - 8)} for rid in rids]
+    rids = [f"abort-{next(_ABORT_RIDS)}" for _ in range(n)]
+    bodies = [{"text": f"abort me {rid}", "rid": rid, "sampling_params": greedy(ctx - 8)} for rid in rids]
+    with slow_forwards(control_dir, SLOW_FORWARD):
         threads = [_run_in_thread(lambda b=b: generate(node, b)) for b in bodies]
         _wait_running(node, n)
         code, raw = http_post(node.url + "/abort_request", abort(rids))
-        assert code == 200, raw
         for t, _ in threads:
             t.join(60)
-        outs = [box["out"] for _, box in threads]
-        reply = json.loads(raw)
-        aborted = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"]
-        assert reply["aborted"] == len(aborted), (reply, outs)
-        if len(aborted) == n:
-            assert reply["success"] is True
-            assert all(o["meta_info"]["completion_tokens"] < ctx - 8 for o in outs)
-            return outs
-        assert all(o["meta_info"]["finish_reason"]["type"] in ("abort", "length") for o in outs), outs
-    pytest.fail(f"no abort reached {n} running request(s) in {tries} tries")
+    assert code == 200, raw
+    outs = [box["out"] for _, box in threads]
+    assert json.loads(raw) == {"success": True, "aborted": n}, (raw, outs)
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs), outs
+    assert all(o["meta_info"]["completion_tokens"] < ctx - 8 for o in outs), outs
+    return outs
 
 
-def test_abort_request(node):
+def test_abort_request(node, control_dir):
     start = free_counts(wait_idle(node))
     ctx = get_json(node, "/model_info")["context_length"]
-    _abort_running(node, 1, lambda rids: {"rid": rids[0]})
+    _abort_running(node, control_dir, 1, lambda rids: {"rid": rids[0]})
     assert free_counts(wait_idle(node)) == start
     # abort_all
-    _abort_running(node, 2, lambda rids: {"abort_all": True})
+    _abort_running(node, control_dir, 2, lambda rids: {"abort_all": True})
     assert free_counts(wait_idle(node)) == start
     # unknown rid: nothing to abort, still a valid call
     code, raw = http_post(node.url + "/abort_request", {"rid": "no-such-rid"})
@@ -459,26 +460,27 @@ def test_abort_request(node):
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_aborts_and_frees(node, stream):
+def test_client_disconnect_aborts_and_frees(node, control_dir, stream):
     start = free_counts(wait_idle(node))
     ctx = get_json(node, "/model_info")["context_length"]
     rid = f"disconnect-{stream}"
     conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=60)
-    conn.request("POST", "/generate", json.dumps({"text": "go on forever", "rid": rid, "stream": stream,
-                                                  "sampling_params": greedy(ctx - 8)}),
-                 {"Content-Type": "application/json"})
-    if stream:
-        resp = conn.getresponse()
-        assert resp.status == 200
-        for _ in range(2):  # two chunks: the request is running
-            line = resp.readline()
-            while line in (b"\n", b"\r\n"):
+    with slow_forwards(control_dir, SLOW_FORWARD):  # still running when the client goes
+        conn.request("POST", "/generate", json.dumps({"text": "go on forever", "rid": rid, "stream": stream,
+                                                      "sampling_params": greedy(ctx - 8)}),
+                     {"Content-Type": "application/json"})
+        if stream:
+            resp = conn.getresponse()
+            assert resp.status == 200
+            for _ in range(2):  # two chunks: the request is running
                 line = resp.readline()
-            assert line.startswith(b"data: ")
-    else:
-        _wait_running(node)
-    conn.sock.close()  # the client goes away mid-request
-    conn.close()
+                while line in (b"\n", b"\r\n"):
+                    line = resp.readline()
+                assert line.startswith(b"data: ")
+        else:
+            _wait_running(node)
+        conn.sock.close()  # the client goes away mid-request
+        conn.close()
     after = wait_idle(node)
     assert free_counts(after) == start
     deadline = time.time() + 10

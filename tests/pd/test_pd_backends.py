@@ -26,7 +26,7 @@ import pytest
 
 from tests.harness.backends import backend_params
 from tests.harness.client import free_port, http_get, http_post, stream
-from tests.harness.hooks import HOOKS
+from tests.harness.hooks import HOOKS, slow_forwards
 from tests.harness.pd import (
     assert_restored,
     colocated_tokens,
@@ -285,21 +285,20 @@ def test_abort_on_decode_while_running(pair, control_dir, restored):
     body = pair.body({"input_ids": list(range(300, 330)), "rid": "ab-run",
                       "sampling_params": {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}})
 
+    replies = []
+
     def abort_once(i, event):
         if i == 1:
-            _abort(pair.decode, "ab-run")
+            replies.append((event, http_post(pair.decode.url + "/abort_request", {"rid": "ab-run"})))
 
-    slow = control_dir / "slow_forward"
-    slow.write_text("0.02")
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1) as ex:
-            fp = _post_async(ex, pair.prefill.url, body)
-            res = stream(pair.decode.url + "/generate", {**body, "stream": True}, timeout=60,
-                         on_event=abort_once)
-            ps, _ = fp.result()
-    finally:
-        slow.unlink(missing_ok=True)
-    assert ps == 200
+    with concurrent.futures.ThreadPoolExecutor(1) as ex, slow_forwards(control_dir, 0.02):
+        fp = _post_async(ex, pair.prefill.url, body)
+        res = stream(pair.decode.url + "/generate", {**body, "stream": True}, timeout=60, on_event=abort_once)
+        ps, praw = fp.result()
+    # the first event (a token, or an error if the request failed first) and the abort's answer
+    (first, (status, raw)), = replies
+    assert status == 200 and json.loads(raw) == {"success": True, "aborted": 1}, (raw, first, res.error, praw)
+    assert ps == 200, praw
     assert res.status == 200 and res.events, res.error
     meta = res.events[-1]["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 200, meta
