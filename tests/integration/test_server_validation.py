@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.harness.client import http_get, http_post
+from tests.harness.hooks import HOOKS, slow_forwards
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -19,9 +20,16 @@ CONTEXT = 64
 
 
 @pytest.fixture(scope="module")
-def node(tiny_model_dir, module_launcher):
+def control_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("node-hooks")
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model_dir, module_launcher, control_dir):
+    # the test-only hooks let a test slow the forwards, so a request is still running when it needs
     return module_launcher.colocated(tiny_model_dir, max_total_tokens=2048,
-                                     max_running_requests=4, api_key=KEY, context_length=CONTEXT)
+                                     max_running_requests=4, api_key=KEY, context_length=CONTEXT,
+                                     env={"PYTHONPATH": HOOKS, "PDSERVE_TEST_HOOKS_DIR": str(control_dir)})
 
 
 def post(node, path, body, status, *fields, headers=AUTH):
@@ -173,41 +181,30 @@ def test_unknown_route_and_wrong_method(node):
     assert code == 405
 
 
-def test_duplicate_rid(node):
-    """A rid in use is refused (400 naming it) while its request runs; then the request is aborted. The tiny
-    model decodes the first request's 56 tokens in ~60 ms, so it may end before the abort lands: a few
-    attempts, each with its own rid, until one is aborted while running."""
-    outcomes = []
-    for attempt in range(4):
-        rid = f"dup-rid-{attempt}"
-        box = {}
-        body = {"text": "long one", "rid": rid,
-                "sampling_params": {"max_new_tokens": CONTEXT - 8, "ignore_eos": True}}
-        t = threading.Thread(target=lambda b=body,
-                             x=box: x.setdefault("r", http_post(node.url + "/generate", b,
-                                                                 headers=AUTH)), daemon=True)
+def test_duplicate_rid(node, control_dir):
+    """A rid in use is refused (400 naming it) while its request runs; then the request is aborted. The
+    forwards are slowed to 20 ms meanwhile, so the first request's 56 tokens run for a second or more on
+    any host."""
+    rid = "dup-rid"
+    box = {}
+    body = {"text": "long one", "rid": rid,
+            "sampling_params": {"max_new_tokens": CONTEXT - 8, "ignore_eos": True}}
+    with slow_forwards(control_dir, 0.02):
+        t = threading.Thread(target=lambda: box.setdefault("r", http_post(node.url + "/generate", body,
+                                                                           headers=AUTH)), daemon=True)
         t.start()
         deadline = time.time() + 60
-        while True:  # until the first request is in the scheduler
-            load = json.loads(http_get(node.url + "/get_load", headers=AUTH)[1])
-            if load[0]["num_reqs"] >= 1 or "r" in box:
-                break
-            assert time.time() < deadline
+        while json.loads(http_get(node.url + "/get_load", headers=AUTH)[1])[0]["num_reqs"] < 1:
+            assert time.time() < deadline and "r" not in box, box  # until it is in the scheduler
             time.sleep(0.05)
-        if "r" in box:  # it finished before the duplicate was sent
-            outcomes.append("finished first")
-            continue
         post(node, "/generate", {"text": "x", "rid": rid}, 400, "`rid`", rid)
         post(node, "/generate", {"text": ["x", "y"], "rid": ["a", "a"]}, 400, "`rid`")
-        http_post(node.url + "/abort_request", {"rid": rid}, headers=AUTH)
+        code, raw = http_post(node.url + "/abort_request", {"rid": rid}, headers=AUTH)
+        assert code == 200 and json.loads(raw)["success"], raw
         t.join(60)
-        code, raw = box["r"]
-        assert code == 200, raw
-        reason = json.loads(raw)["meta_info"]["finish_reason"]["type"]
-        if reason == "abort":
-            return
-        outcomes.append(reason)
-    raise AssertionError(f"no attempt was aborted while running: {outcomes}")
+    code, raw = box["r"]
+    assert code == 200, raw
+    assert json.loads(raw)["meta_info"]["finish_reason"]["type"] == "abort", raw
 
 
 def test_prefill_role_check():
