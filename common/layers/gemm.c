@@ -14,14 +14,16 @@
 // read in place, each row needed its own address register, more than x86 has for a 12-row tile, and
 // the spills left 512-row matmuls of SmolLM2's shapes 10-45 % slower. The copy goes to a per-thread
 // buffer that grows to the largest x seen (3 MiB for a 512-token chunk of SmolLM2's MLP); a single row
-// is read in place. A matmul of more than one row also has its tiles prefetch the next unit into L2 as
-// they walk K (a unit's blocks split its lines between them): the weight stream then overlaps the
+// is read in place. A matmul of 2 to PREFETCH_ROWS - 1 rows also has its tiles prefetch the next unit
+// into L2 as they walk K (a unit's blocks split its lines between them): the weight stream then overlaps the
 // arithmetic instead of waiting on DRAM at the start of each unit. With the weights from DRAM (SmolLM2's
 // 30 layers of projections, `pdserve bench kernels --layers 30`): batch 16 ~15-20 % faster, batches of
 // 4-6 rows 4-14 % faster on one or two threads. A single row gains nothing (its loop has two FMAs per
 // step and the hardware prefetcher keeps up), nor do int8 weights in a single block (a quarter of the
-// bytes: the prefetches cost 6 % there), so those are left to the hardware. Each output sums over k in
-// order, in float32 with FMA.
+// bytes: the prefetches cost 6 % there), so those are left to the hardware. Nor do prefill chunks: from
+// ~128 rows a unit's arithmetic is long enough for the hardware prefetcher to keep up, and the prefetch
+// instructions only cost time (bench/results/engine_tuning_notes.md). Each output sums over k in order,
+// in float32 with FMA.
 //
 // `packed_gemm_silu` is the MLP's gate and up projection with its SiLU-and-mul as the epilogue of each
 // row block, so the [M, 2 * inter] products never leave L1 (`gemm_panels`).
@@ -62,6 +64,7 @@ void *gemm_scratch(int slot, size_t bytes) {
 int packed_gemm_supported(void) { return 1; }
 
 #define NR 16
+#define PREFETCH_ROWS 128  // from this many rows the hardware prefetcher alone keeps up (see the top)
 
 // The walk over K shared by both tiles (STEP / STEP_I8 are each width's), unrolled 4x. With a line at
 // `pf` to prefetch every `every` steps, the walk goes in spans of at least 16 steps with the span's
@@ -359,7 +362,8 @@ static int gemm_panels(int q, const float *x, int64_t ldx, const void *w, const 
             const int64_t p = u * np, next = sh.back ? u - 1 : u + 1;
             const int un = panels - p < np ? (int)(panels - p) : np;
             const int nv = N - p * NR < un * NR ? (int)(N - p * NR) : un * NR;
-            const int prefetch = M > 1 && (!q || blocks > 1) && next >= sh.lo && next < sh.hi;
+            const int prefetch =
+                M > 1 && M < PREFETCH_ROWS && (!q || blocks > 1) && next >= sh.lo && next < sh.hi;
             for (int64_t j = 0; j < blocks; j++) {
                 const int64_t m = block_start(M, j);
                 const int mr = (int)(block_start(M, j + 1) - m);

@@ -77,10 +77,11 @@ def test_rotary_native_matches_torch_path(tokens, heads, d, monkeypatch):
 
 
 @pytest.mark.parametrize("out_features,in_features", [(1, 8), (17, 37), (100, 576), (48, 16)])
-@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 16, 33])
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 16, 33, 200])
 def test_panel_gemm_matches_float64(rows, out_features, in_features):
     """Every row-tile height (1..6 and their mix), output widths that end inside a 16-column panel,
-    with and without bias, on a strided slice of a wider activation."""
+    with and without bias, on a strided slice of a wider activation; 200 rows: a prefill chunk's matmul,
+    which leaves the weights' prefetching to the hardware."""
     from common.layers.linear import PANEL, linear, pack_weight
 
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -114,6 +115,9 @@ def test_panel_gemm_gives_each_row_the_same_bits_in_any_batch(quantization):
     alone = torch.cat([linear(x[i:i + 1], weight, packed, bias) for i in range(26)])
     for rows in range(2, 27):
         assert torch.equal(linear(x[:rows], weight, packed, bias), alone[:rows]), rows
+    # past the rows where the tiles stop prefetching the weights (gemm.c's PREFETCH_ROWS): the same bits
+    big = torch.cat([x] * 6)
+    assert torch.equal(linear(big, weight, packed, bias), torch.cat([alone] * 6))
 
 def strided_outputs(rows: int, weight, packed, bias, g):
     """A strided activation (rows inside a wider tensor), and `linear`'s output without and with the bias."""
