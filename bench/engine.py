@@ -37,6 +37,9 @@ Measured (fp32, CPU, greedy):
 * the compute bound of a `--prompt-len` prefill: every weight but the lm_head twice per prompt token,
   the lm_head once (only the last position's logits), causal attention (2 x layers x heads x
   head_dim x len^2), at the same matmul rate. Ratio `prefill_compute_bound` = bound / our prefill.
+  `prefill_fma_bound`: the same FLOPs at the cores' FMA rate (`fma_peak_gflops`: vector FMAs from
+  registers alone, `common/layers/fma_peak.c`), which no matmul reaches: a float32 prefill stays below 1,
+  and the gap is the most it could still gain.
 * n-gram speculative decoding through the scheduler loop with `--speculative-algorithm NGRAM` on and
   off (`bench/speculative.py`), on a repetitive workload (ARCHITECTURE.md passages given twice) and on chat
   questions: ratio `spec_ngram` = decode tokens/s on / off, repetitive, batch 1; `spec_ngram_b16`
@@ -61,7 +64,7 @@ import time
 import torch
 
 from bench import prefill_phases
-from bench.host_peaks import matmul_peak_gflops, memory_bandwidth, prefill_work
+from bench.host_peaks import fma_peak_gflops, matmul_peak_gflops, memory_bandwidth, prefill_work
 from bench.report import write_report
 from common.scheduler.speculative import DEFAULT_NUM_DRAFT_TOKENS
 
@@ -436,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     peaks.append(matmul_peak_gflops())
     peak = max(peaks)
     log(f"matmul peak {peak:.0f} GFLOPS, the best of {len(peaks)} samples ({min(peaks):.0f}-{peak:.0f})")
+    fma = fma_peak_gflops()
+    if fma is not None:
+        log(f"FMA peak {fma:.0f} GFLOPS: the matmul peak is {peak / fma:.2f} of it")
     cfg = ours.cfg
     ctx = args.decode_prompt_len + n / 2
     weights = ours.weight_count()  # not bytes / 4: small matmuls may read 4- or 8-bit blocks
@@ -465,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                           "flops_per_token": flops_tok, "bound_b16_step_ms": cbound_ms,
                           "ours_b16_step_ms": figures["ours_decode_b16"]["step_ms_best"],
                           "prefill_flops": prefill_flops, "bound_prefill_s": pbound_s,
-                          "ours_prefill_s": figures["ours_prefill"]["best_s"]}
+                          "ours_prefill_s": figures["ours_prefill"]["best_s"], "fma_peak_gflops": fma}
     if hf is not None:
         figures["compute"]["hf_b16_step_over_bound"] = figures["hf_decode_b16"]["step_ms_best"] / cbound_ms
 
@@ -473,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
               "compute_bound_b16": cbound_ms / figures["ours_decode_b16"]["step_ms_best"],
               "roofline_b16": roof_ms / figures["ours_decode_b16"]["step_ms_best"],
               "prefill_compute_bound": pbound_s / figures["ours_prefill"]["best_s"],
+              **({"prefill_fma_bound": prefill_flops / (fma * 1e9) / figures["ours_prefill"]["best_s"]}
+                 if fma else {}),
               **loop_ratios, **spec_ratios, **draft_ratios}
     if hf is not None:
         ratios = {"decode_b1": figures["ours_decode_b1"]["tok_s_best"]

@@ -1,7 +1,8 @@
 """What this host can do, measured the moment it is asked, for the benches that divide by it: memory
-bandwidth (in order, and in the scattered page runs decode attention reads), float32 matmul peak, and a
-prefill's operation count. `pdserve bench engine` and `pdserve bench quant` sample these beside their own
-runs, as a host's speed drifts within the hour."""
+bandwidth (in order, and in the scattered page runs decode attention reads), float32 matmul peak (the
+best torch.mm rate), the cores' float32 FMA rate (above any matmul's: what the arithmetic alone allows),
+and a prefill's operation count. `pdserve bench engine` and `pdserve bench quant` sample these beside
+their own runs, as a host's speed drifts within the hour."""
 
 from __future__ import annotations
 
@@ -43,6 +44,18 @@ def memory_bandwidth(run_bytes: int, nbytes: int = 512 * 2**20, repeats: int = 7
     return {"buffer_mib": nbytes / 2**20, "memcpy_gbps": copy_gbps, "memcpy_traffic_gbps": 2 * copy_gbps,
             "read_gbps": nbytes / min(read_times) / 1e9,
             "page_run_read_gbps": runs.numel() * 4 / min(run_times) / 1e9}
+
+
+def fma_peak_gflops(threads: int = 0, repeats: int = 5) -> float | None:
+    """The best of `repeats` runs of the native kernels' FMA loop (`common/layers/fma_peak.c`) on `threads`
+    threads (0: torch's), in GFLOP/s; None without the native kernels."""
+    from common.layers import native
+
+    fn = native.fma_peak_gflops()
+    if fn is None:
+        return None
+    steps = 2_000_000  # ~10 ms a run
+    return max(fn(steps, threads) for _ in range(repeats))
 
 
 def prefill_work(cfg, weights: float, p_len: int) -> tuple[float, float]:

@@ -33,6 +33,11 @@ def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir,
     assert report["ratios"]["prefill_compute_bound"] \
         == pytest.approx(c["bound_prefill_s"] / c["ours_prefill_s"],
                          abs=1e-4)  # ratios keep 4 decimals
+    # the same FLOPs at the cores' FMA rate, which is above the matmul peak (that is torch.mm's own rate)
+    assert c["fma_peak_gflops"] > c["matmul_peak_gflops"]
+    assert report["ratios"]["prefill_fma_bound"] == pytest.approx(
+        c["prefill_flops"] / (c["fma_peak_gflops"] * 1e9) / c["ours_prefill_s"], abs=1e-4)
+    assert report["ratios"]["prefill_fma_bound"] < report["ratios"]["prefill_compute_bound"]
     roof = report["figures"]["roofline_b16"]  # each part at the longer of its FLOPs and its bytes
     assert roof["step_ms"] == pytest.approx(max(roof["matmuls_compute_ms"], roof["matmuls_memory_ms"])
                                             + max(roof["attention_compute_ms"], roof["attention_memory_ms"]))

@@ -6,11 +6,12 @@
 `packed_gemm_i8()` and `packed_gemm_silu()` (`gemm.c`), `packed_gemm_blocks()` and `block_panels_equal()`
 (`gemm_blocks.c`), `packed_gemm_w8a8()` (`gemm_w8a8.c`), `moe_experts()` (`moe_experts.c`) and
 `decoder_stack()` (`decoder_stack.c`, which chains the others through a decode step of a whole
-Llama-family stack) return the loaded C function, or None when it cannot be used (no C compiler, a failed
-build, no AVX2 for the GEMM, or `PDSERVE_NATIVE_KERNELS=0`); callers then take the torch paths, which
-compute the same thing. The GEMM reads each weight once per matmul from a panel layout and beats oneDNN's
-packed matmul at decode batch sizes (`common/layers/linear.py`); the others replace chains of small torch
-ops whose per-op dispatch dominates at decode batch sizes (a residual add + F.rms_norm on one 576-wide
+Llama-family stack), and for the benches `fma_peak_gflops()` (`fma_peak.c`), return the loaded C
+function, or None when it cannot be used (no C compiler, a failed build, no AVX2 for the GEMM, or
+`PDSERVE_NATIVE_KERNELS=0`); callers then take the torch paths, which compute the same thing. The GEMM
+reads each weight once per matmul from a panel layout and beats oneDNN's packed matmul at decode batch
+sizes (`common/layers/linear.py`); the others replace chains of small torch ops whose per-op dispatch
+dominates at decode batch sizes (a residual add + F.rms_norm on one 576-wide
 row: ~24 us here; the kernel ~14 us).
 
 The shared object is cached under `$PDSERVE_CACHE_DIR/native` (default `~/.cache/pdserve/native`),
@@ -40,7 +41,7 @@ HEADERS = [Path(__file__).with_name("vec_math.h")]
 SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.c", "rms_norm.c", "rotary.c", "gemm.c",
                                                  "gemm_w8a8.c", "activation.c", "argmax.c", "decoder_stack.c",
                                                  "prefill_attention.c", "threads.c", "gemm_blocks.c",
-                                                 "moe_experts.c", "kv_store.c")]
+                                                 "moe_experts.c", "kv_store.c", "fma_peak.c")]
 
 
 def _cpu_flags() -> set[str]:
@@ -152,6 +153,7 @@ _SIGNATURES = {
                           ctypes.c_int),
     "prefill_attention_block": ([], ctypes.c_int),
     "pin_team": ([_I64, _PTR, _I64], ctypes.c_int),
+    "fma_peak_gflops": ([_I64, ctypes.c_int], ctypes.c_double),
     "moe_experts_f32": ([_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR], ctypes.c_int),
 }
 
@@ -224,6 +226,12 @@ def pin_team():
     """`pin_team(n, sets, width)`: thread t of the OpenMP team of n runs only on the cores of row t
     (`threads.c`)."""
     return _kernel("pin_team")
+
+
+def fma_peak_gflops():
+    """`fma_peak_gflops(steps, threads)`: the float32 FMA rate of `threads` threads (0: the team's), from
+    registers alone (`fma_peak.c`)."""
+    return _kernel("fma_peak_gflops")
 
 
 def argmax_rows():

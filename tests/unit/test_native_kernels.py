@@ -4,6 +4,8 @@ against this one: tests/fresh_process/test_native_builds.py."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -409,3 +411,30 @@ def test_prefill_attention_matches_float64(n, prefix):
     ref = torch.einsum("hns,shd->nhd",
                        scores.masked_fill(~allowed, float("-inf")).softmax(-1), vv).reshape(n, -1)
     assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_fma_peak_is_above_what_the_panel_matmul_reaches():
+    """bench/host_peaks.py's FMA rate is the ceiling the benches hold a prefill against: one thread's, from
+    registers alone, must not fall below what the panel matmul (a tile's FMAs plus its loads) reaches on
+    that thread; nor pass 64 FLOPs a cycle at 6 GHz (chains the compiler merged)."""
+    from bench.host_peaks import fma_peak_gflops
+    from common.layers.linear import linear, pack_weight
+
+    peak = fma_peak_gflops(threads=1)
+    assert peak is not None and 1 < peak < 64 * 6
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(3)
+        weight = torch.randn(512, 576, generator=g)
+        packed = pack_weight(weight)
+        x = torch.randn(240, 576, generator=g)
+        linear(x, weight, packed, None)
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            linear(x, weight, packed, None)
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    assert 2 * 240 * 576 * 512 / best / 1e9 < 1.25 * peak
