@@ -35,6 +35,7 @@ def test_bench_engine_reports_the_overlap_and_speculation_ratios(tiny_model_dir,
                          abs=1e-4)  # ratios keep 4 decimals
     # the same FLOPs at the cores' FMA rate, which is above the matmul peak (that is torch.mm's own rate)
     assert c["fma_peak_gflops"] > c["matmul_peak_gflops"]
+    assert len(c["fma_peak_samples"]) == 2 and c["fma_peak_gflops"] == max(c["fma_peak_samples"])
     assert report["ratios"]["prefill_fma_bound"] == pytest.approx(
         c["prefill_flops"] / (c["fma_peak_gflops"] * 1e9) / c["ours_prefill_s"], abs=1e-4)
     assert report["ratios"]["prefill_fma_bound"] < report["ratios"]["prefill_compute_bound"]

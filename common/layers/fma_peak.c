@@ -15,6 +15,7 @@ typedef float vec __attribute__((vector_size(VW * 4)));
 // GFLOP/s of `steps` rounds of 12 FMAs per thread, on `threads` threads (0: the team's default).
 double fma_peak_gflops(int64_t steps, int threads) {
     double seconds = 0;
+    int team = 1;
     float sink = 0;
 #pragma omp parallel num_threads(threads > 0 ? threads : omp_get_max_threads()) reduction(+ : sink)
     {
@@ -30,13 +31,15 @@ double fma_peak_gflops(int64_t steps, int threads) {
                 a[i] = a[i] * b + c;  // one FMA (-ffp-contract, on in the library's build)
 #pragma omp barrier
 #pragma omp master
-        seconds = omp_get_wtime() - t0;
+        {
+            seconds = omp_get_wtime() - t0;
+            team = omp_get_num_threads();  // the threads the team got, which count
+        }
         for (int i = 0; i < 12; i++)
             for (int l = 0; l < VW; l++)
                 sink += a[i][l];
     }
     volatile float keep = sink;  // the chains' results are used: the loop stays
     (void)keep;
-    const int n = threads > 0 ? threads : omp_get_max_threads();
-    return 2.0 * VW * 12 * (double)steps * n / seconds / 1e9;
+    return 2.0 * VW * 12 * (double)steps * team / seconds / 1e9;
 }
