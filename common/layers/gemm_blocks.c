@@ -8,20 +8,26 @@
 // reads 5 (4-bit) or 8.5 (8-bit) bits a weight instead of 32. d and m are the checkpoint's float16 values,
 // kept as float16 (float32 scales were a sixth of a 4-bit block's bytes).
 //
-// What one panel of 16 output columns (as gemm.c's float32 panels) keeps per block of 32 steps of k:
-//   bits 4: scales float16 d[16], float16 m[16]; per step 8 bytes: byte j holds q of column j in its low
-//           nibble and of column j + 8 in its high nibble (q in 0..15); w = d * q + m.
-//   bits 8: scales float16 d[16]; per step 16 signed bytes in column order (q in -127..127); w = d * q.
-// Stored by groups of 4 panels (`place`): a group's block holds its panels' scales, then, step by step,
-// its panels' bytes of that step, so the one-row tile over a group reads one sequential stream.
+// What one panel of 16 output columns (as gemm.c's float32 panels) keeps per block of 32 steps of k, as
+// lines of 16 bytes:
+//   bits 4: scales float16 d[16], float16 m[16]; 16 lines, one per pair of steps: byte c holds column c's q
+//           at the pair's first step in its low nibble and at its second in the high one (q in 0..15);
+//           w = d * q + m.
+//   bits 8: scales float16 d[16]; 32 lines, one per step: 16 signed bytes in column order (q in
+//           -127..127); w = d * q.
+// Stored by groups of 4 panels (`place`): a group's block holds its panels' scales, then, line by line, its
+// panels' lines (one 64-byte cache line), so a tile over a group reads one sequential stream, and
+// prefetches it a few blocks ahead (from DRAM the hardware alone kept a 1-row tile at ~25 GB/s here).
 // A tile widens a block's scales to float32 registers once, for its 32 steps.
 // `pack_weight_blocks` finds a weight's blocks and `block_panels_equal` checks that they widen to its
-// float32 panels; weight_blocks.py keeps blocks only when they give every weight's bits. The tiles widen each step's 16 weights the same way in
-// registers and multiply-add them into float32 accumulators, each output summing over k in order as in
-// gemm.c: the results are the float32 panels' bits, in any batch and either build.
+// float32 panels; weight_blocks.py keeps blocks only when they give every weight's bits. The tiles widen each
+// step's 16 weights the same way in registers and multiply-add them into float32 accumulators, each output
+// summing over k in order as in gemm.c: the results are the float32 panels' bits, in any batch and either
+// build. With AVX-512 a panel's 16 columns are one register, and a 4-bit line widens with one byte-to-dword
+// move for both its steps: 4.5 vector instructions per step of a panel, where AVX2 takes 9.
 //
-// A tile is MR rows (at most 5) by NP panels: one row takes 4 panels at a time and two rows 2, so 8
-// accumulators are in flight to hide the FMA's latency (an output's sum is one chain).
+// A tile is MR rows (at most 5) by NP panels (AVX-512: 4 for one or two rows, 2 beyond; AVX2: 2, then 1),
+// so several accumulators are in flight to hide the FMA's latency (an output's sum is one chain).
 #include <omp.h>
 #include <stdint.h>
 #include <math.h>
@@ -30,6 +36,7 @@
 
 #define BLOCK 32
 #define NR 16
+#define LINE 16  // bytes of a panel per line: a pair of steps of k (4 bits) or one step (8 bits)
 
 void *gemm_scratch(int slot, size_t bytes);  // gemm.c
 const float *gemm_pack_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t mr_max);
@@ -37,40 +44,83 @@ int64_t gemm_row_blocks(int64_t M, int64_t mr_max);
 int64_t gemm_block_start(int64_t M, int64_t j, int64_t mr_max);
 
 static inline int64_t scale_bytes(int64_t bits) { return bits == 4 ? 2 * NR * 2 : NR * 2; }  // float16 d (, m)
-static inline int64_t block_bytes(int64_t bits) { return scale_bytes(bits) + (bits == 4 ? BLOCK * 8 : BLOCK * NR); }
-static inline int64_t step_bytes(int64_t bits) { return bits == 4 ? 8 : NR; }  // one step of k of a panel
+static inline int64_t block_lines(int64_t bits) { return bits == 4 ? BLOCK / 2 : BLOCK; }
+static inline int64_t block_bytes(int64_t bits) { return scale_bytes(bits) + block_lines(bits) * LINE; }
 
 // Panels are stored by groups of GROUP (the last group may be smaller, gs panels). A group's block b holds
-// the gs panels' scales, then for each step of k the gs panels' bytes of that step, so a 4-panel tile
+// the gs panels' scales, then for each line the gs panels' bytes of that line, so a tile over one group
 // reads its weights as one sequential stream. Where things are, for panel p (of `panels`) and block b:
 #define GROUP 4
+#define AHEAD 4  // blocks of a tile's stream prefetched ahead of it (the first row block's tile)
 typedef struct {
-    const uint8_t *scales;  // this panel's scales in block b
-    const uint8_t *q;       // its bytes of step 0 in block b; step k at q + k * step_stride
-    int64_t step_stride, block_stride;  // from one step to the next; from block b to b + 1
+    const uint8_t *scales;  // this panel's scales in block 0
+    const uint8_t *q;       // its line 0 in block 0; line l at q + l * line_stride
+    int64_t line_stride, block_stride;  // from one line to the next; from block b to b + 1
 } place_t;
 
-static inline place_t place(const uint8_t *base, int64_t bits, int64_t panels, int64_t nb, int64_t p, int64_t b) {
+static inline place_t place(const uint8_t *base, int64_t bits, int64_t panels, int64_t nb, int64_t p) {
     const int64_t g0 = p / GROUP * GROUP, gs = panels - g0 < GROUP ? panels - g0 : GROUP, i = p - g0;
     const int64_t bb = block_bytes(bits), sb = scale_bytes(bits);
-    const uint8_t *blk = base + (g0 * nb + b * gs) * bb;
-    place_t r = {blk + i * sb, blk + gs * sb + i * step_bytes(bits), gs * step_bytes(bits), gs * bb};
+    const uint8_t *blk = base + g0 * nb * bb;
+    place_t r = {blk + i * sb, blk + gs * sb + i * LINE, gs * LINE, gs * bb};
     return r;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#if defined(PDSERVE_AVX512VL)
-// AVX-512VL gives the 8-wide (ymm) code below 32 registers instead of 16: a one-row tile's 4 panels of
-// scales, 8 accumulators and the widening's temporaries then stay in registers (1.05-1.09x on SmolLM2's
-// 30 layers from DRAM, same bits). Only this file: elsewhere it was not measured to help.
-#pragma GCC target("avx512vl")
-#endif
 #include <immintrin.h>
 
 #define MR_MAX 5
 
-// A block's scales (float16 at `s`) as float32 vectors for its 16 columns, widened once for its 32 steps:
-// d, and m for 4 bits.
+#if defined(__AVX512F__)
+typedef __m512 col16;  // 16 columns of one step, or of one tile row's accumulators
+typedef struct {
+    __m512 d, m;
+} scales_t;
+
+static inline __attribute__((always_inline)) scales_t load_scales(const int BITS, const uint8_t *s) {
+    scales_t r;
+    r.d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+    r.m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 32))) : _mm512_setzero_ps();
+    return r;
+}
+
+// A line's weights: 4 bits, its two steps (w0 the first); 8 bits, its one step (w0).
+static inline __attribute__((always_inline)) void widen(const int BITS, const scales_t sc, const uint8_t *q,
+                                                        col16 *w0, col16 *w1) {
+    if (BITS == 4) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+        *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), sc.d, sc.m);
+        *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), sc.d, sc.m);  // d * q exact
+    } else {
+        const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q));
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(v), sc.d);
+        *w1 = *w0;
+    }
+}
+
+static inline col16 fma16(float a, col16 w, col16 c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), w, c); }
+
+static inline __mmask16 cols_mask(int n) {
+    return n >= NR ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+static inline col16 load16(const float *p, int n) {
+    return p ? _mm512_maskz_loadu_ps(cols_mask(n), p) : _mm512_setzero_ps();
+}
+static inline void store16(float *p, int n, col16 v) { _mm512_mask_storeu_ps(p, cols_mask(n), v); }
+static inline __m512i bits16(col16 w, const float *want) {
+    return _mm512_xor_si512(_mm512_castps_si512(w), _mm512_loadu_si512(want));
+}
+static inline __m512i or16(__m512i a, __m512i b) { return _mm512_or_si512(a, b); }
+static inline int none16(__m512i v) { return _mm512_test_epi32_mask(v, v) == 0; }
+static inline __m512i zero_bits(void) { return _mm512_setzero_si512(); }
+
+// Panels per tile for tiles of `mr` rows: up to 4 x 4 accumulators and 4 panels' scales in 32 registers.
+static inline int tile_panels(int64_t mr) { return mr <= 2 ? 4 : 2; }
+#else
+// AVX2: a panel's 16 columns are two ymm.
+typedef struct {
+    __m256 a, b;
+} col16;
 typedef struct {
     __m256 d0, d1, m0, m1;
 } scales_t;
@@ -84,21 +134,58 @@ static inline __attribute__((always_inline)) scales_t load_scales(const int BITS
     return r;
 }
 
-// The 16 weights of one step (of a block with scales `sc`; the step's bytes at `q`) as two float32 vectors.
 static inline __attribute__((always_inline)) void widen(const int BITS, const scales_t sc, const uint8_t *q,
-                                                        __m256 *w0, __m256 *w1) {
+                                                        col16 *w0, col16 *w1) {
     if (BITS == 4) {
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-        *w0 = _mm256_fmadd_ps(lo, sc.d0, sc.m0);  // d * q exact: one rounding
-        *w1 = _mm256_fmadd_ps(hi, sc.d1, sc.m1);
+        const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+        const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+        const __m256i low = _mm256_set1_epi32(15);
+        w0->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), sc.d0, sc.m0);
+        w0->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), sc.d1, sc.m1);
+        w1->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), sc.d0, sc.m0);
+        w1->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), sc.d1, sc.m1);
     } else {
         const __m128i v = _mm_loadu_si128((const __m128i *)q);
-        *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), sc.d0);
-        *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))), sc.d1);
+        w0->a = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), sc.d0);
+        w0->b = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))), sc.d1);
+        *w1 = *w0;
     }
 }
+
+static inline col16 fma16(float a, col16 w, col16 c) {
+    const __m256 v = _mm256_set1_ps(a);
+    c.a = _mm256_fmadd_ps(v, w.a, c.a);
+    c.b = _mm256_fmadd_ps(v, w.b, c.b);
+    return c;
+}
+
+static inline __m256i mask8(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline col16 load16(const float *p, int n) {
+    col16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if (p) {
+        r.a = _mm256_maskload_ps(p, mask8(n));
+        r.b = _mm256_maskload_ps(p + 8, mask8(n - 8));
+    }
+    return r;
+}
+static inline void store16(float *p, int n, col16 v) {
+    _mm256_maskstore_ps(p, mask8(n), v.a);
+    _mm256_maskstore_ps(p + 8, mask8(n - 8), v.b);
+}
+static inline __m256i bits16(col16 w, const float *want) {
+    return _mm256_or_si256(_mm256_xor_si256(_mm256_castps_si256(w.a), _mm256_loadu_si256((const __m256i *)want)),
+                           _mm256_xor_si256(_mm256_castps_si256(w.b), _mm256_loadu_si256((const __m256i *)(want + 8))));
+}
+static inline __m256i or16(__m256i a, __m256i b) { return _mm256_or_si256(a, b); }
+static inline int none16(__m256i v) { return _mm256_testz_si256(v, v); }
+static inline __m256i zero_bits(void) { return _mm256_setzero_si256(); }
+
+// AVX2's 16 registers: two panels for one or two rows, one beyond (wider tiles spilled their scales and
+// weights: 1.25x slower from DRAM with 4 panels for one row).
+static inline int tile_panels(int64_t mr) { return mr <= 2 ? 2 : 1; }
+#endif
 
 // `weight` [out, K] float32 as the blocks of `bits` 4 or 8 a Q4_1 or Q8_0 checkpoint would store, in this
 // file's layout (rows padded to whole panels with zero blocks), at dst (`panels * K / 32` blocks of
@@ -112,13 +199,13 @@ __attribute__((optimize("no-fast-math"))) void pack_weight_blocks(int64_t bits, 
     const int64_t scales = scale_bytes(bits);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
+        const place_t at = place(dst, bits, panels, nb, p);
         for (int64_t b = 0; b < nb; b++) {
-            const place_t at = place(dst, bits, panels, nb, p, b);
-            _Float16 *d = (_Float16 *)at.scales, *m = d + NR;
-            uint8_t *q = (uint8_t *)at.q;
-            memset((uint8_t *)at.scales, 0, scales);
-            for (int k = 0; k < BLOCK; k++)
-                memset(q + k * at.step_stride, 0, step_bytes(bits));
+            _Float16 *d = (_Float16 *)(at.scales + b * at.block_stride), *m = d + NR;
+            uint8_t *q = (uint8_t *)at.q + b * at.block_stride;
+            memset(d, 0, scales);
+            for (int l = 0; l < block_lines(bits); l++)
+                memset(q + l * at.line_stride, 0, LINE);
             for (int c = 0; c < NR && p * NR + c < out; c++) {
                 const float *v = weight + (p * NR + c) * K + b * BLOCK;
                 if (bits == 4) {
@@ -131,7 +218,7 @@ __attribute__((optimize("no-fast-math"))) void pack_weight_blocks(int64_t bits, 
                     for (int k = 0; k < BLOCK; k++) {
                         float t = nearbyintf((v[k] - lo) / safe);
                         t = t < 0 ? 0 : t > 15 ? 15 : t;
-                        q[k * at.step_stride + (c & 7)] |= (uint8_t)((int)t << (c < 8 ? 0 : 4));
+                        q[k / 2 * at.line_stride + c] |= (uint8_t)((int)t << (k % 2 ? 4 : 0));
                     }
                     d[c] = (_Float16)dd;
                     m[c] = (_Float16)lo;  // exact for a checkpoint's m; else block_panels_equal refuses it
@@ -143,7 +230,7 @@ __attribute__((optimize("no-fast-math"))) void pack_weight_blocks(int64_t bits, 
                     for (int k = 0; k < BLOCK; k++) {
                         float t = nearbyintf(v[k] / safe);
                         t = t < -127 ? -127 : t > 127 ? 127 : t;
-                        ((int8_t *)q)[k * at.step_stride + c] = (int8_t)t;
+                        ((int8_t *)q)[k * at.line_stride + c] = (int8_t)t;
                     }
                     d[c] = (_Float16)dd;
                 }
@@ -155,139 +242,147 @@ __attribute__((optimize("no-fast-math"))) void pack_weight_blocks(int64_t bits, 
 // 1 when the blocks at src widen to exactly the float32 panels at `want` (`panels` panels over K), bit for
 // bit, else 0: each block widened in registers as the tiles widen it, and compared, without writing it.
 int block_panels_equal(int64_t bits, const uint8_t *src, int64_t panels, int64_t K, const float *want) {
-    const int64_t nb = K / BLOCK, n = panels * nb;
+    const int64_t nb = K / BLOCK, n = panels * nb, per_line = bits == 4 ? 2 : 1;
     int equal = 1;
 #pragma omp parallel for schedule(static) reduction(&& : equal)
     for (int64_t b = 0; b < n; b++) {  // the b-th block in panel order
-        const place_t at = place(src, bits, panels, nb, b / nb, b % nb);
+        const place_t at = place(src, bits, panels, nb, b / nb);
+        const int64_t off = b % nb * at.block_stride;
         const float *w = want + b * BLOCK * NR;
-        __m256i diff = _mm256_setzero_si256();
-        const scales_t sc = bits == 4 ? load_scales(4, at.scales) : load_scales(8, at.scales);
-        for (int k = 0; k < BLOCK; k++, w += NR) {
-            __m256 w0, w1;
-            if (bits == 4)
-                widen(4, sc, at.q + k * at.step_stride, &w0, &w1);
-            else
-                widen(8, sc, at.q + k * at.step_stride, &w0, &w1);
-            diff = _mm256_or_si256(diff, _mm256_xor_si256(_mm256_castps_si256(w0), _mm256_loadu_si256((const __m256i *)w)));
-            diff = _mm256_or_si256(diff, _mm256_xor_si256(_mm256_castps_si256(w1), _mm256_loadu_si256((const __m256i *)(w + 8))));
+        const scales_t sc = bits == 4 ? load_scales(4, at.scales + off) : load_scales(8, at.scales + off);
+        __typeof__(zero_bits()) diff = zero_bits();
+        for (int l = 0; l < block_lines(bits); l++, w += per_line * NR) {
+            col16 w0, w1;
+            if (bits == 4) {
+                widen(4, sc, at.q + off + l * at.line_stride, &w0, &w1);
+                diff = or16(diff, bits16(w1, w + NR));
+            } else {
+                widen(8, sc, at.q + off + l * at.line_stride, &w0, &w1);
+            }
+            diff = or16(diff, bits16(w0, w));
         }
-        equal = equal && _mm256_testz_si256(diff, diff);
+        equal = equal && none16(diff);
     }
     return equal;
 }
 
-// MR rows (x: k-major, [K][MR]) by NP panels of one group (the first at `at`) over the whole K; `nv` of
-// the NP * 16 columns are stored, at y (rows ldy apart). Named accumulators (c<row><panel><half>), as in
-// gemm.c: an array of them was kept in memory. For each step, each panel's weights are widened, then used
-// by every row: with MR * NP <= 4 that is at most 8 accumulators, 2 weight vectors and the widening's
-// temporaries, within AVX2's 16 registers.
-#define MR_MAX 5
-#define ROW(X, i) X(i, 0) X(i, 1) X(i, 2) X(i, 3)
-#define EACH(X) ROW(X, 0) ROW(X, 1) ROW(X, 2) ROW(X, 3) ROW(X, 4)  // the (row, panel) pairs a tile uses
-#define DECLARE(i, p) __m256 c##i##p##a = b##p##a, c##i##p##b = b##p##b;
-#define BIAS(p)                                                                                 \
-    const __m256 b##p##a = NP > p && bias ? _mm256_maskload_ps(bias + p * NR, mask(nv - p * NR)) \
-                                          : _mm256_setzero_ps();                               \
-    const __m256 b##p##b = NP > p && bias ? _mm256_maskload_ps(bias + p * NR + 8, mask(nv - p * NR - 8)) \
-                                          : _mm256_setzero_ps();
-#define FMA(i, p)                                                                      \
-    if (MR > i && NP > p) {                                                            \
-        const __m256 a = _mm256_broadcast_ss(xb + k * MR + i);                         \
-        c##i##p##a = _mm256_fmadd_ps(a, w##p##a, c##i##p##a);                          \
-        c##i##p##b = _mm256_fmadd_ps(a, w##p##b, c##i##p##b);                          \
-    }
-#define SCALES(p) const scales_t s##p = load_scales(NP > p ? BITS : 0, blk + (NP > p ? p : 0) * scales);
-#define PANEL_STEP(p)                                                                  \
-    if (NP > p) {                                                                      \
-        __m256 w##p##a, w##p##b;                                                       \
-        widen(BITS, s##p, qk + p * step, &w##p##a, &w##p##b);                          \
-        FMA(0, p) FMA(1, p) FMA(2, p) FMA(3, p) FMA(4, p)                                      \
-    }
-#define STORE(i, p)                                                                              \
-    if (MR > i && NP > p) {                                                                      \
-        _mm256_maskstore_ps(y + i * ldy + p * NR, mask(nv - p * NR), c##i##p##a);                \
-        _mm256_maskstore_ps(y + i * ldy + p * NR + 8, mask(nv - p * NR - 8), c##i##p##b);        \
-    }
-
-static inline __m256i mask(int n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
+// MR rows (x: k-major, [K][MR]) by NP panels (at[0..NP), adjacent, any groups) over the whole K; `nv` of
+// the NP * 16 columns are stored, at y (rows ldy apart). For each line each panel's weights are widened,
+// then used by every row, step by step: each output sums over k in order.
 static inline __attribute__((always_inline)) void tile(const int MR, const int NP, const int BITS, int64_t K,
-                                                       const float *x, const place_t at,
-                                                       const float *bias, float *y, int64_t ldy, int nv) {
-    const int64_t scales = scale_bytes(BITS), step = step_bytes(BITS);
-    BIAS(0) BIAS(1) BIAS(2) BIAS(3)
-    EACH(DECLARE)
+                                                       const float *x, const place_t *at, const float *bias,
+                                                       float *y, int64_t ldy, int nv, int64_t ahead) {
+    col16 c[MR_MAX][4];
+    for (int p = 0; p < NP; p++) {
+        const col16 b = load16(bias ? bias + p * NR : 0, nv - p * NR);
+        for (int i = 0; i < MR; i++)
+            c[i][p] = b;
+    }
     for (int64_t b = 0; b < K / BLOCK; b++) {
-        const uint8_t *blk = at.scales + b * at.block_stride;  // the tile's panels are one group's, in order
-        const uint8_t *qb = at.q + b * at.block_stride;
+        scales_t sc[4];
+        const uint8_t *q[4];
+        for (int p = 0; p < NP; p++) {
+            sc[p] = load_scales(BITS, at[p].scales + b * at[p].block_stride);
+            q[p] = at[p].q + b * at[p].block_stride;
+        }
         const float *xb = x + b * BLOCK * MR;
-        SCALES(0) SCALES(1) SCALES(2) SCALES(3)
 #pragma GCC unroll 2
-        for (int k = 0; k < BLOCK; k++) {
-            const uint8_t *qk = qb + k * at.step_stride;
-            PANEL_STEP(0) PANEL_STEP(1) PANEL_STEP(2) PANEL_STEP(3)
+        for (int l = 0; l < (BITS == 4 ? BLOCK / 2 : BLOCK); l++) {
+            const float *xk = xb + (BITS == 4 ? 2 * l : l) * MR;
+            if (ahead) {  // the DRAM stream, a few blocks ahead: one line is a line of each of a group's panels
+                _mm_prefetch((const char *)(q[0] + l * at[0].line_stride + ahead * at[0].block_stride), _MM_HINT_T0);
+                if (NP > 1)
+                    _mm_prefetch((const char *)(q[NP - 1] + l * at[NP - 1].line_stride + ahead * at[NP - 1].block_stride),
+                                 _MM_HINT_T0);
+            }
+            for (int p = 0; p < NP; p++) {
+                col16 w0, w1;
+                widen(BITS, sc[p], q[p] + l * at[p].line_stride, &w0, &w1);
+                for (int i = 0; i < MR; i++)
+                    c[i][p] = fma16(xk[i], w0, c[i][p]);
+                if (BITS == 4)
+                    for (int i = 0; i < MR; i++)
+                        c[i][p] = fma16(xk[MR + i], w1, c[i][p]);
+            }
         }
     }
-    EACH(STORE)
+    for (int p = 0; p < NP; p++)
+        for (int i = 0; i < MR; i++)
+            store16(y + i * ldy + p * NR, nv - p * NR, c[i][p]);
 }
 
-// `mr` rows by `np` panels (4 with one row, 2 with two, else 1).
-#define TILES(BITS, ...)                                                                            \
-    if (np == 4) tile(1, 4, BITS, __VA_ARGS__);                                                     \
-    else if (np == 2) tile(2, 2, BITS, __VA_ARGS__);                                                \
-    else if (mr == 5) tile(5, 1, BITS, __VA_ARGS__);                                                \
-    else if (mr == 4) tile(4, 1, BITS, __VA_ARGS__);                                                \
-    else if (mr == 3) tile(3, 1, BITS, __VA_ARGS__);                                                \
-    else if (mr == 2) tile(2, 1, BITS, __VA_ARGS__);                                                \
-    else tile(1, 1, BITS, __VA_ARGS__);
+// `mr` rows by `np` panels (np <= tile_panels(mr)).
+#define BY_PANELS(MR, BITS, ...)                                                    \
+    switch (np) {                                                                   \
+    case 4: tile(MR, 4, BITS, __VA_ARGS__); break;                                  \
+    case 3: tile(MR, 3, BITS, __VA_ARGS__); break;                                  \
+    case 2: tile(MR, 2, BITS, __VA_ARGS__); break;                                  \
+    default: tile(MR, 1, BITS, __VA_ARGS__); break;                                 \
+    }
+#define BY_ROWS(BITS, ...)                                                          \
+    switch (mr) {                                                                   \
+    case 5: if (np > 1) tile(5, 2, BITS, __VA_ARGS__); else tile(5, 1, BITS, __VA_ARGS__); break; \
+    case 4: if (np > 1) tile(4, 2, BITS, __VA_ARGS__); else tile(4, 1, BITS, __VA_ARGS__); break; \
+    case 3: if (np > 1) tile(3, 2, BITS, __VA_ARGS__); else tile(3, 1, BITS, __VA_ARGS__); break; \
+    case 2: BY_PANELS(2, BITS, __VA_ARGS__) break;                                  \
+    default: BY_PANELS(1, BITS, __VA_ARGS__) break;                                 \
+    }
 
-static void tile_rows(int mr, int np, int bits, int64_t K, const float *x, const place_t at, const float *bias,
-                      float *y, int64_t ldy, int nv) {
+static void tile_rows(int mr, int np, int bits, int64_t K, const float *x, const place_t *at, const float *bias,
+                      float *y, int64_t ldy, int nv, int64_t ahead) {
     if (bits == 4) {
-        TILES(4, K, x, at, bias, y, ldy, nv)
+        BY_ROWS(4, K, x, at, bias, y, ldy, nv, ahead)
     } else {
-        TILES(8, K, x, at, bias, y, ldy, nv)
+        BY_ROWS(8, K, x, at, bias, y, ldy, nv, ahead)
     }
 }
 
-// The most rows for which these tiles are used instead of gemm.c's over float32 panels. Past 5 rows a second
-// row block widens the weights again: on one thread float32 panels then do as well, on two the blocks still
-// win up to ~10 rows, as the two threads share the DRAM stream. SmolLM2's 30 layers of projections, Q4_1
-// weights (`pdserve bench kernels --layers 30`, AVX2 Zen 3; two threads / one): 1 row 2.1-2.7x / 2.2-2.5x,
-// 4 rows 1.9-2.0x / 1.7x, 5 rows 1.5-1.9x / 1.5x, 6-10 rows 1.1-1.2x / 0.96-1.03x, 12 rows 0.88x, 16 rows
-// 0.8-0.9x; whole decode steps at batch 6-7 1.22x faster on two threads, 0.88x on one; batch 8 1.0x on two.
+// The most rows for which these tiles are used instead of gemm.c's over float32 panels: past 5 rows a second
+// row block widens the weights again. SmolLM2's 30 layers of projections from DRAM (`pdserve bench kernels
+// --layers 30`), blocks against float32 panels. AVX2 Zen 3, Q4_1, two threads / one: 1 row 2.1-2.7x /
+// 2.2-2.5x, 5 rows 1.5-1.9x / 1.5x, 6-10 rows 1.1-1.2x / 0.96-1.03x, 12 rows 0.88x on two; so 8 rows on two
+// threads (they share the DRAM stream), 5 on one. AVX-512 Zen 5, two threads: Q4_1 12 rows 1.63x, 16 rows
+// 1.04-1.07x, 20 rows 0.96x; Q8_0 12 rows 1.45x, 16 rows 0.91x; one thread: 12 rows 1.49x / 1.36x; so 12.
+#if defined(__AVX512F__)
+int packed_gemm_blocks_rows(void) { return 12; }
+#else
 int packed_gemm_blocks_rows(void) { return omp_get_max_threads() > 1 ? 8 : MR_MAX; }
+#endif
 
 // y[M, N] = x[M, K] @ W^T (+ bias), W as blocks of `bits` 4 or 8; x rows at x + m * ldx, y rows at
-// y + m * ldy. Returns 0, -1 when the buffer of packed rows cannot grow, -2 for bad bits or a K that is
-// not a multiple of 32.
+// y + m * ldy. Each thread takes an even share of the panels and walks it in tiles of as even widths as
+// fit (18 panels of 4-panel tiles: 4 + 4 + 4 + 3 + 3), each tile over every row block in turn.
+// Returns 0, -1 when the buffer of packed rows cannot grow, -2 for bad bits or a K that is not a multiple
+// of 32.
 int packed_gemm_blocks(const float *x, int64_t ldx, const uint8_t *wb, int64_t bits, const float *bias, float *y,
                        int64_t ldy, int64_t M, int64_t N, int64_t K) {
     if ((bits != 4 && bits != 8) || K % BLOCK)
         return -2;
     if (M <= 0 || N <= 0)
         return 0;
-    const int64_t panels = (N + NR - 1) / NR, nb = K / BLOCK;
-    const int np_max = M == 1 ? 4 : M == 2 ? 2 : 1;  // panels per tile: 8 accumulators
-    const int64_t units = (panels + np_max - 1) / np_max, blocks = gemm_row_blocks(M, MR_MAX);
+    const int64_t panels = (N + NR - 1) / NR, nb = K / BLOCK, blocks = gemm_row_blocks(M, MR_MAX);
+    const int width = tile_panels(M < MR_MAX ? M : MR_MAX);  // every row block has at least min(M, 3) rows
     const float *xp = gemm_pack_rows(x, ldx, M, K, MR_MAX);
     if (!xp)
         return -1;
-#pragma omp parallel for schedule(static) if (M * N * K >= 32768)
-    for (int64_t u = 0; u < units; u++) {
-        const int64_t p = u * np_max;
-        const int np = panels - p < np_max ? (int)(panels - p) : np_max;
-        const int nv = N - p * NR < np * NR ? (int)(N - p * NR) : np * NR;
-        for (int64_t j = 0; j < blocks; j++) {
-            const int64_t m = gemm_block_start(M, j, MR_MAX);
-            const int mr = (int)(gemm_block_start(M, j + 1, MR_MAX) - m);
-            // a last unit of fewer panels runs them one at a time
-            for (int64_t e = 0; e < (np == np_max ? 1 : np); e++)
-                tile_rows(mr, np == np_max ? np : 1, (int)bits, K, xp + m * K, place(wb, bits, panels, nb, p + e, 0),
-                          bias ? bias + (p + e) * NR : 0, y + m * ldy + (p + e) * NR, ldy, nv - (int)e * NR);
+#pragma omp parallel if (M * N * K >= 32768)
+    {
+        const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+        const int64_t p0 = panels * t / threads, share = panels * (t + 1) / threads - p0;
+        const int64_t tiles = (share + width - 1) / width;
+        for (int64_t e = 0; e < tiles; e++) {
+            const int64_t a = p0 + share * e / tiles;
+            const int np = (int)(p0 + share * (e + 1) / tiles - a);
+            const int nv = N - a * NR < np * NR ? (int)(N - a * NR) : np * NR;
+            place_t at[4];
+            for (int i = 0; i < np; i++)
+                at[i] = place(wb, bits, panels, nb, a + i);
+            for (int64_t j = 0; j < blocks; j++) {
+                const int64_t m = gemm_block_start(M, j, MR_MAX);
+                const int mr = (int)(gemm_block_start(M, j + 1, MR_MAX) - m);
+                tile_rows(mr, np, (int)bits, K, xp + m * K, at, bias ? bias + a * NR : 0, y + m * ldy + a * NR, ldy,
+                          nv, j == 0 ? AHEAD : 0);
+            }
         }
     }
     return 0;

@@ -69,8 +69,6 @@ def _compile_flags() -> list[str]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
         if "avx512f" in cpu:  # the GEMM's 16-column panels then fit one register (gemm.c)
             flags.append("-mavx512f")
-            if "avx512vl" in cpu:  # gemm_blocks.c then gives its 8-wide tiles 32 registers
-                flags.append("-DPDSERVE_AVX512VL")
             if {"avx512bw", "avx512_vnni"} <= cpu:  # byte dot products for w8a8 (gemm_w8a8.c)
                 flags += ["-mavx512bw", "-mavx512vnni"]
     return flags

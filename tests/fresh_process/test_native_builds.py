@@ -81,6 +81,27 @@ def test_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
                          ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(5), ctypes.c_int64(1547))
         ys.append(y)
     assert torch.equal(ys[0], ys[1])
+    # a checkpoint's 4- and 8-bit blocks (gemm_blocks.c: the same layout in either build; AVX-512 widens a
+    # panel's 16 columns in one register, and both steps of a 4-bit line from one byte-to-dword move)
+    from common.models.tiny_model import gguf_round_trip
+
+    for bits in (4, 8):
+        w = gguf_round_trip(torch.randn(117, 96, generator=g) * 0.05, bits)
+        blocks = pack_weight(w).blocks
+        assert blocks is not None and blocks.bits == bits
+        b = torch.randn(117, generator=g)
+        for rows in (1, 2, 3, 7):
+            x = torch.randn(rows, 96, generator=g)
+            ys = []
+            for lib in (avx2, default):
+                y = torch.empty(rows, 117)
+                assert lib.packed_gemm_blocks(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(96),
+                                              ctypes.c_void_p(blocks.packed.data_ptr()), ctypes.c_int64(bits),
+                                              ctypes.c_void_p(b.data_ptr()), ctypes.c_void_p(y.data_ptr()),
+                                              ctypes.c_int64(117), ctypes.c_int64(rows), ctypes.c_int64(117),
+                                              ctypes.c_int64(96)) == 0
+                ys.append(y)
+            assert torch.equal(ys[0], ys[1]), (bits, rows)
     # the fused gate-up-SiLU: AVX2 tiles of one panel, AVX-512 of two, the same products and SiLU
     assert avx2.packed_gemm_silu_cols() == 16 and default.packed_gemm_silu_cols() == 32
     n, inp = 96, 200

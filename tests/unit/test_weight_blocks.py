@@ -38,17 +38,20 @@ def _matmul_both(weight: torch.Tensor, rows: int, bias: bool) -> tuple[torch.Ten
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("shape", [(50, 64), (960, 576), (24, 1536)])
+@pytest.mark.parametrize("shape", [(50, 64), (960, 576), (24, 1536), (576, 64), (117, 96)])
 def test_block_gemm_gives_the_float32_panels_bits(bits, shape):
-    """Every row count (one tile of 1-5 rows, several row blocks), panels left over from a unit of 4 or 2,
-    columns past N untouched, with and without a bias."""
+    """Every row count (one tile of 1-5 rows, several row blocks), tiles narrower than the widest and tiles
+    across two groups of panels (36 panels: each thread's 18 as 4 + 4 + 4 + 3 + 3), a last panel cut short,
+    columns past N untouched, with and without a bias; on one thread and on two."""
     torch.manual_seed(bits)
     weight = gguf_round_trip(torch.randn(*shape) * 0.05, bits)
-    for rows in (1, 2, 3, 4, 5, 6, 9, 17):
-        for bias in (False, True):
-            y32, yb = _matmul_both(weight, rows, bias)
-            assert torch.equal(y32.view(torch.int32), yb.view(torch.int32)), (rows, bias)
-            assert torch.all(yb[:, shape[0]:] == 7.0)
+    for threads in (1, 2):  # each thread an even share of the panels (the fixture restores the count)
+        torch.set_num_threads(threads)
+        for rows in (1, 2, 3, 4, 5, 6, 9, 17):
+            for bias in (False, True):
+                y32, yb = _matmul_both(weight, rows, bias)
+                assert torch.equal(y32.view(torch.int32), yb.view(torch.int32)), (threads, rows, bias)
+                assert torch.all(yb[:, shape[0]:] == 7.0)
 
 
 def test_block_gemm_refuses_what_it_cannot_read():
@@ -89,12 +92,12 @@ def reference_blocks(weight: torch.Tensor, bits: int) -> torch.Tensor:
     qk = q.view(panels, 16, nb, 32).permute(0, 2, 3, 1)  # [panels, nb, k, column]
     if bits == 4:
         scales = torch.cat([per_block(d), per_block(m)], dim=2)
-        steps = (qk[..., :8] | (qk[..., 8:] << 4)).to(torch.uint8)  # [panels, nb, k, 8]
+        steps = (qk[:, :, 0::2] | (qk[:, :, 1::2] << 4)).to(torch.uint8)  # [panels, nb, k / 2, 16]
     else:
         scales = per_block(d)
         steps = qk.to(torch.int8).contiguous().view(torch.uint8)  # [panels, nb, k, 16]
-    # by groups of 4 panels (the last may be smaller): per block, the group's scales, then per step of k
-    # the group's bytes of that step
+    # by groups of 4 panels (the last may be smaller): per block, the group's scales, then per line (a pair of
+    # steps of k with 4 bits, a step with 8) the group's bytes of that line
     groups = []
     for g in range(0, panels, 4):
         s, t = scales[g:g + 4], steps[g:g + 4]
@@ -175,13 +178,16 @@ def test_gguf_weights_match_hf_and_the_float32_panels(make_tiny_model, monkeypat
         assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), batch
 
 
-def test_small_matmuls_read_the_blocks_up_to_a_row_count_that_depends_on_the_threads():
+def test_small_matmuls_read_the_blocks_up_to_a_row_count_that_depends_on_the_build_and_threads():
+    """AVX-512 tiles widen a panel in one register: 12 rows whatever the threads; AVX2's, 8 rows on two
+    threads and 5 on one."""
     n = torch.get_num_threads()
+    avx512 = "-mavx512f" in native._compile_flags()
     try:
         torch.set_num_threads(1)
-        assert native.block_rows() == 5
+        assert native.block_rows() == (12 if avx512 else 5)
         torch.set_num_threads(2)
-        assert native.block_rows() == 8
+        assert native.block_rows() == (12 if avx512 else 8)
     finally:
         torch.set_num_threads(n)
 
