@@ -14,14 +14,16 @@
 // read in place, each row needed its own address register, more than x86 has for a 12-row tile, and
 // the spills left 512-row matmuls of SmolLM2's shapes 10-45 % slower. The copy goes to a per-thread
 // buffer that grows to the largest x seen (3 MiB for a 512-token chunk of SmolLM2's MLP); a single row
-// is read in place. A matmul of 2 to PREFETCH_ROWS - 1 rows also has its tiles prefetch the next unit
+// is read in place. A matmul of 2 (int8 weights: 1) to PREFETCH_ROWS - 1 rows has its tiles prefetch the next unit
 // into L2 as they walk K (a unit's blocks split its lines between them): the weight stream then overlaps the
 // arithmetic instead of waiting on DRAM at the start of each unit. With the weights from DRAM (SmolLM2's
 // 30 layers of projections, `pdserve bench kernels --layers 30`): batch 16 ~15-20 % faster, batches of
-// 4-6 rows 4-14 % faster on one or two threads. A single row gains nothing (its loop has two FMAs per
-// step and the hardware prefetcher keeps up), nor do int8 weights in a single block (a quarter of the
-// bytes: the prefetches cost 6 % there), so those are left to the hardware. Nor do prefill chunks: from
-// ~128 rows a unit's arithmetic is long enough for the hardware prefetcher to keep up, and the prefetch
+// 4-6 rows 4-14 % faster on one or two threads. A single row of float32 gains nothing (its loop has two
+// FMAs per step and the hardware prefetcher keeps up: 0.92x with prefetches on Zen 5), so it is left to the
+// hardware. Int8 weights in a single row block stream a quarter of the bytes per FMA: on Zen 3 their
+// prefetches cost 6 %, on Zen 5 the hardware alone kept them at ~25 GB/s and the prefetches make 1 and 2
+// rows 1.47x and 1.6x faster (the w8a8 server's int8 lm_head, `--torchao-config int8wo`). Nor do prefill
+// chunks gain: from ~128 rows a unit's arithmetic is long enough for the hardware prefetcher to keep up, and the prefetch
 // instructions only cost time (bench/results/engine_tuning_notes.md). Each output sums over k in order,
 // in float32 with FMA.
 //
@@ -363,7 +365,7 @@ static int gemm_panels(int q, const float *x, int64_t ldx, const void *w, const 
             const int un = panels - p < np ? (int)(panels - p) : np;
             const int nv = N - p * NR < un * NR ? (int)(N - p * NR) : un * NR;
             const int prefetch =
-                M > 1 && M < PREFETCH_ROWS && (!q || blocks > 1) && next >= sh.lo && next < sh.hi;
+                M < PREFETCH_ROWS && (M > 1 || q) && next >= sh.lo && next < sh.hi;
             for (int64_t j = 0; j < blocks; j++) {
                 const int64_t m = block_start(M, j);
                 const int mr = (int)(block_start(M, j + 1) - m);
