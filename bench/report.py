@@ -37,12 +37,15 @@ def machine_info() -> dict:
         threads = torch.get_num_threads()
     except ImportError:  # the router bench does not need torch
         torch_version, threads = None, None
-    cpu_model, flags = platform.processor(), set()
+    cpu_model, flags, ids = platform.processor(), set(), {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name") and not flags:
                     cpu_model = line.split(":", 1)[1].strip()
+                key = line.split(":", 1)[0].strip()
+                if key in ("cpu family", "model") and key not in ids:
+                    ids[key] = line.split(":", 1)[1].strip()
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
                     break
@@ -50,6 +53,8 @@ def machine_info() -> dict:
         pass
     return {
         "cpu": cpu_model,
+        # which generation: a cloud "AMD EPYC" has been a Zen 3, a Zen 4 (family 25) and a Zen 5 (26)
+        "cpu_family_model": f"{ids.get('cpu family', '?')}/{ids.get('model', '?')}",
         # the widest vector extensions the CPU has, and what the native kernels were built for
         "cpu_vectors": [f for f in ("avx2", "avx512f", "avx512_vnni") if f in flags],
         "native_isa": os.environ.get("PDSERVE_NATIVE_ISA", "native"),
