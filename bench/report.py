@@ -40,14 +40,14 @@ def machine_info() -> dict:
     cpu_model, flags, ids = platform.processor(), set(), {}
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not flags:
-                    cpu_model = line.split(":", 1)[1].strip()
-                key = line.split(":", 1)[0].strip()
-                if key in ("cpu family", "model") and key not in ids:
-                    ids[key] = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
+            for line in f:  # the first processor's lines, up to its flags
+                key, _, value = (part.strip() for part in line.partition(":"))
+                if key == "model name":
+                    cpu_model = value
+                elif key in ("cpu family", "model"):
+                    ids[key] = value
+                elif key == "flags":
+                    flags = set(value.split())
                     break
     except OSError:
         pass

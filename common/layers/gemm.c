@@ -14,17 +14,17 @@
 // read in place, each row needed its own address register, more than x86 has for a 12-row tile, and
 // the spills left 512-row matmuls of SmolLM2's shapes 10-45 % slower. The copy goes to a per-thread
 // buffer that grows to the largest x seen (3 MiB for a 512-token chunk of SmolLM2's MLP); a single row
-// is read in place. A matmul of 2 (int8 weights: 1) to PREFETCH_ROWS - 1 rows has its tiles prefetch the next unit
-// into L2 as they walk K (a unit's blocks split its lines between them): the weight stream then overlaps the
-// arithmetic instead of waiting on DRAM at the start of each unit. With the weights from DRAM (SmolLM2's
+// is read in place. A matmul of 2 (int8 weights: 1) to PREFETCH_ROWS - 1 rows has its tiles prefetch the
+// next unit into L2 as they walk K (a unit's blocks split its lines between them): the weight stream then
+// overlaps the arithmetic instead of waiting on DRAM at the start of each unit. With the weights from DRAM (SmolLM2's
 // 30 layers of projections, `pdserve bench kernels --layers 30`): batch 16 ~15-20 % faster, batches of
 // 4-6 rows 4-14 % faster on one or two threads. A single row of float32 gains nothing (its loop has two
 // FMAs per step and the hardware prefetcher keeps up: 0.92x with prefetches on Zen 5), so it is left to the
 // hardware. Int8 weights in a single row block stream a quarter of the bytes per FMA: on Zen 3 their
 // prefetches cost 6 %, on Zen 5 the hardware alone kept them at ~25 GB/s and the prefetches make 1 and 2
 // rows 1.47x and 1.6x faster (the w8a8 server's int8 lm_head, `--torchao-config int8wo`). Nor do prefill
-// chunks gain: from ~128 rows a unit's arithmetic is long enough for the hardware prefetcher to keep up, and the prefetch
-// instructions only cost time (bench/results/engine_tuning_notes.md). Each output sums over k in order,
+// chunks gain: from ~128 rows a unit's arithmetic is long enough for the hardware prefetcher to keep up,
+// and the prefetch instructions only cost time (bench/results/engine_tuning_notes.md). Each output sums over k in order,
 // in float32 with FMA.
 //
 // `packed_gemm_silu` is the MLP's gate and up projection with its SiLU-and-mul as the epilogue of each

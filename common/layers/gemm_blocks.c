@@ -175,8 +175,8 @@ static inline void store16(float *p, int n, col16 v) {
     _mm256_maskstore_ps(p + 8, mask8(n - 8), v.b);
 }
 static inline __m256i bits16(col16 w, const float *want) {
-    return _mm256_or_si256(_mm256_xor_si256(_mm256_castps_si256(w.a), _mm256_loadu_si256((const __m256i *)want)),
-                           _mm256_xor_si256(_mm256_castps_si256(w.b), _mm256_loadu_si256((const __m256i *)(want + 8))));
+    const __m256i a = _mm256_xor_si256(_mm256_castps_si256(w.a), _mm256_loadu_si256((const __m256i *)want));
+    return _mm256_or_si256(a, _mm256_xor_si256(_mm256_castps_si256(w.b), _mm256_loadu_si256((const __m256i *)(want + 8))));
 }
 static inline __m256i or16(__m256i a, __m256i b) { return _mm256_or_si256(a, b); }
 static inline int none16(__m256i v) { return _mm256_testz_si256(v, v); }
@@ -286,13 +286,15 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int N
             q[p] = at[p].q + b * at[p].block_stride;
         }
         const float *xb = x + b * BLOCK * MR;
-#pragma GCC unroll 2
-        for (int l = 0; l < (BITS == 4 ? BLOCK / 2 : BLOCK); l++) {
-            const float *xk = xb + (BITS == 4 ? 2 * l : l) * MR;
-            if (ahead) {  // the DRAM stream, a few blocks ahead: one line is a line of each of a group's panels
-                _mm_prefetch((const char *)(q[0] + l * at[0].line_stride + ahead * at[0].block_stride), _MM_HINT_T0);
+        for (int l = 0; l < block_lines(BITS); l++) {
+            const float *xk = xb + l * (BLOCK / block_lines(BITS)) * MR;
+            if (ahead) {  // the DRAM stream, a few blocks ahead: a cache line holds a line of each of a
+                          // group's panels, and a tile's panels span at most two groups
+                const place_t *last = at + NP - 1;
+                _mm_prefetch((const char *)(q[0] + l * at->line_stride + ahead * at->block_stride),
+                             _MM_HINT_T0);
                 if (NP > 1)
-                    _mm_prefetch((const char *)(q[NP - 1] + l * at[NP - 1].line_stride + ahead * at[NP - 1].block_stride),
+                    _mm_prefetch((const char *)(q[NP - 1] + l * last->line_stride + ahead * last->block_stride),
                                  _MM_HINT_T0);
             }
             for (int p = 0; p < NP; p++) {
@@ -311,21 +313,25 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int N
             store16(y + i * ldy + p * NR, nv - p * NR, c[i][p]);
 }
 
-// `mr` rows by `np` panels (np <= tile_panels(mr)).
-#define BY_PANELS(MR, BITS, ...)                                                    \
-    switch (np) {                                                                   \
-    case 4: tile(MR, 4, BITS, __VA_ARGS__); break;                                  \
-    case 3: tile(MR, 3, BITS, __VA_ARGS__); break;                                  \
-    case 2: tile(MR, 2, BITS, __VA_ARGS__); break;                                  \
-    default: tile(MR, 1, BITS, __VA_ARGS__); break;                                 \
-    }
+// `mr` rows by `np` panels (np <= tile_panels(mr)): 1 or 2 panels, and with AVX-512 3 or 4 for 1-2 rows.
+#define NARROW(MR, BITS, ...)                                                       \
+    if (np > 1) tile(MR, 2, BITS, __VA_ARGS__);                                     \
+    else tile(MR, 1, BITS, __VA_ARGS__);
+#if defined(__AVX512F__)
+#define WIDE(MR, BITS, ...)                                                         \
+    if (np == 4) tile(MR, 4, BITS, __VA_ARGS__);                                    \
+    else if (np == 3) tile(MR, 3, BITS, __VA_ARGS__);                               \
+    else NARROW(MR, BITS, __VA_ARGS__)
+#else
+#define WIDE NARROW
+#endif
 #define BY_ROWS(BITS, ...)                                                          \
     switch (mr) {                                                                   \
-    case 5: if (np > 1) tile(5, 2, BITS, __VA_ARGS__); else tile(5, 1, BITS, __VA_ARGS__); break; \
-    case 4: if (np > 1) tile(4, 2, BITS, __VA_ARGS__); else tile(4, 1, BITS, __VA_ARGS__); break; \
-    case 3: if (np > 1) tile(3, 2, BITS, __VA_ARGS__); else tile(3, 1, BITS, __VA_ARGS__); break; \
-    case 2: BY_PANELS(2, BITS, __VA_ARGS__) break;                                  \
-    default: BY_PANELS(1, BITS, __VA_ARGS__) break;                                 \
+    case 5: NARROW(5, BITS, __VA_ARGS__) break;                                     \
+    case 4: NARROW(4, BITS, __VA_ARGS__) break;                                     \
+    case 3: NARROW(3, BITS, __VA_ARGS__) break;                                     \
+    case 2: WIDE(2, BITS, __VA_ARGS__) break;                                       \
+    default: WIDE(1, BITS, __VA_ARGS__) break;                                      \
     }
 
 static void tile_rows(int mr, int np, int bits, int64_t K, const float *x, const place_t *at, const float *bias,
@@ -380,8 +386,8 @@ int packed_gemm_blocks(const float *x, int64_t ldx, const uint8_t *wb, int64_t b
             for (int64_t j = 0; j < blocks; j++) {
                 const int64_t m = gemm_block_start(M, j, MR_MAX);
                 const int mr = (int)(gemm_block_start(M, j + 1, MR_MAX) - m);
-                tile_rows(mr, np, (int)bits, K, xp + m * K, at, bias ? bias + a * NR : 0, y + m * ldy + a * NR, ldy,
-                          nv, j == 0 ? AHEAD : 0);
+                tile_rows(mr, np, (int)bits, K, xp + m * K, at, bias ? bias + a * NR : 0, y + m * ldy + a * NR,
+                          ldy, nv, j == 0 ? AHEAD : 0);
             }
         }
     }

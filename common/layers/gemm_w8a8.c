@@ -40,11 +40,11 @@
 // quantization (eight floats at a time: max|x|, then x * (127 / max|x|) rounded by cvtps2dq, as lrintf
 // rounds) and the matmul share one parallel region: the threads split the row blocks, then each owns a
 // run of panels and walks each with one tile after another, so every weight is read from memory once per
-// matmul, and each row block's tile prefetches its share of the next panel (a single block's, all of it), a
-// few lines after each block of k (no per-step counter in the walk): from DRAM on Zen 5, 1, 2 and 4 rows
-// 1.11x, 1.15x and 1.37x faster than with the hardware prefetcher alone. A decode step streams a quarter
-// of float32's bytes (as int8wo does); a prefill or a large batch, bound by arithmetic, does its multiply-adds at up to twice
-// (AVX2) or four times (VNNI) float32's rate per instruction. `packed_gemm_w8a8_group()`,
+// matmul, and each row block's tile prefetches its share of the next panel (a single block's, all of
+// it), a few lines after each block of k (no per-step counter in the walk): from DRAM on Zen 5, 1, 2 and 4
+// rows 1.11x, 1.15x and 1.37x faster than with the hardware prefetcher alone. A decode step streams a
+// quarter of float32's bytes (as int8wo does); a prefill or a large batch, bound by arithmetic, does its
+// multiply-adds at up to twice (AVX2) or four times (VNNI) float32's rate per instruction. `packed_gemm_w8a8_group()`,
 // `_block()` and `_weight_max()` give the layout and the weights' range.
 #include <float.h>
 #include <math.h>
